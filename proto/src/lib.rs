@@ -1,0 +1,27 @@
+//! ferry's wire: dtype codes, tensor metas and their byte-length rule, frames and control
+//! messages. No sockets and no runtime: everything here works on bytes in memory.
+//!
+//! `PROTOCOL.md` at the repository root describes the same format for a peer in another
+//! language; the golden vectors in `proto/tests/golden` pin it.
+
+pub mod control;
+pub mod dtype;
+pub mod error;
+pub mod frame;
+pub mod message;
+pub mod meta;
+pub mod tensor;
+
+pub use burn_std::{DType, TensorData};
+pub use dtype::{WireDType, WireQuantScheme, dtype_name};
+pub use error::{DTypeError, FrameError, MetaError, ProtoError, StreamError};
+pub use frame::{Chunk, Frame, FrameHeader, FrameKind, PROTOCOL_MINOR, PROTOCOL_VERSION};
+pub use message::{
+    DeviceStats, ErrorCode, ErrorReply, Hello, NodeStats, Request, Response, TensorInfo,
+    TensorKey, Welcome,
+};
+pub use meta::{TensorMeta, WireMeta};
+pub use tensor::TensorAssembler;
+
+/// Features this build speaks, announced in [`Hello`] and [`Welcome`].
+pub const FEATURES: &[&str] = &["chunked-crc32c"];

@@ -1,0 +1,278 @@
+//! The control messages: one enum of requests, one of responses, with their meaning.
+//!
+//! These are what a body of a control frame holds; `control` turns them into bytes. A request
+//! that carries a tensor (`Put`) and a response that does (`Tensor`) are followed on the same
+//! connection by chunk frames covering exactly `meta.byte_len` bytes, in order.
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::WireDType;
+use crate::meta::WireMeta;
+
+/// The longest tensor name accepted, in bytes.
+pub const MAX_NAME_LEN: usize = 1024;
+
+/// Where a tensor lives on a node: a device index and a name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TensorKey {
+    /// Index of the device on its node.
+    pub device: u32,
+    /// The tensor's name, e.g. `encoder.layer1.weight`.
+    pub name: String,
+}
+
+impl TensorKey {
+    /// A key for `name` on `device`.
+    pub fn new(device: u32, name: impl Into<String>) -> Self {
+        Self {
+            device,
+            name: name.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for TensorKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.device, self.name)
+    }
+}
+
+/// Why a name is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    /// Empty.
+    #[error("a tensor name cannot be empty")]
+    Empty,
+    /// Too long.
+    #[error("tensor name of {len} bytes exceeds the maximum of {MAX_NAME_LEN}")]
+    TooLong {
+        /// Its length.
+        len: usize,
+    },
+    /// Holds a control character.
+    #[error("tensor name {name:?} holds a control character")]
+    ControlCharacter {
+        /// The name.
+        name: String,
+    },
+}
+
+/// Checks a tensor name from outside: 1 to [`MAX_NAME_LEN`] bytes, no control characters.
+pub fn validate_name(name: &str) -> Result<(), NameError> {
+    if name.is_empty() {
+        return Err(NameError::Empty);
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(NameError::TooLong { len: name.len() });
+    }
+    if name.chars().any(char::is_control) {
+        return Err(NameError::ControlCharacter {
+            name: name.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// The first message on every connection, from the side that opened it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The protocol major version the peer speaks.
+    pub major: u8,
+    /// The protocol minor version the peer speaks.
+    pub minor: u16,
+    /// Optional features the peer speaks (see `PROTOCOL.md`).
+    pub features: Vec<String>,
+    /// The shared token, where the node requires one.
+    pub token: Option<String>,
+    /// Free text naming the peer's software, for logs.
+    pub agent: String,
+}
+
+/// The node's answer to a [`Hello`] it accepts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    /// The protocol major version the node speaks.
+    pub major: u8,
+    /// The protocol minor version the node speaks.
+    pub minor: u16,
+    /// The features both sides speak.
+    pub features: Vec<String>,
+    /// Free text naming the node's software, for logs.
+    pub agent: String,
+    /// The largest frame body the node accepts.
+    pub max_body: u64,
+    /// The payload bytes per chunk the node sends and prefers to receive.
+    pub chunk_size: u64,
+}
+
+/// What a client asks of a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// Opens a connection; answered by [`Response::Welcome`] or an error, then a close.
+    Hello(Hello),
+    /// Uploads a tensor to `device` under `name` (one is chosen when absent); the payload
+    /// follows as chunk frames. Answered by [`Response::Stored`] once registered.
+    Put {
+        /// Target device index.
+        device: u32,
+        /// The name, or `None` for a node-chosen one.
+        name: Option<String>,
+        /// What follows.
+        meta: WireMeta,
+        /// Replace a tensor already registered under the key instead of refusing.
+        overwrite: bool,
+    },
+    /// Downloads a tensor: answered by [`Response::Tensor`] and its chunk frames.
+    Get {
+        /// Which tensor.
+        key: TensorKey,
+    },
+    /// Copies (or moves) a tensor between two devices of this node. Answered by
+    /// [`Response::Stored`] only after the target registered it; a move deletes the source
+    /// only then.
+    Copy {
+        /// The source.
+        src: TensorKey,
+        /// The target device.
+        dst_device: u32,
+        /// The target name; the source's name when absent.
+        dst_name: Option<String>,
+        /// Delete the source once the target holds the tensor.
+        remove_source: bool,
+        /// Replace a tensor already registered under the target key instead of refusing.
+        overwrite: bool,
+    },
+    /// Deletes a tensor: answered by [`Response::Deleted`].
+    Delete {
+        /// Which tensor.
+        key: TensorKey,
+    },
+    /// Lists tensors, on one device or all: answered by [`Response::Listing`].
+    List {
+        /// One device, or every device when absent.
+        device: Option<u32>,
+    },
+    /// Node statistics: answered by [`Response::Stats`].
+    Stat,
+}
+
+/// A node's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Response {
+    /// The connection is open.
+    Welcome(Welcome),
+    /// The target registered the tensor.
+    Stored(TensorInfo),
+    /// A tensor follows as chunk frames.
+    Tensor {
+        /// Where it is and what it is.
+        info: TensorInfo,
+        /// What follows.
+        meta: WireMeta,
+    },
+    /// The tensor was deleted.
+    Deleted(TensorInfo),
+    /// The tensors asked for, sorted by device and name.
+    Listing(Vec<TensorInfo>),
+    /// Node statistics.
+    Stats(NodeStats),
+    /// The request failed; the connection stays usable unless `code` is fatal.
+    Error(ErrorReply),
+}
+
+/// A registered tensor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorInfo {
+    /// Where it is.
+    pub key: TensorKey,
+    /// Its dtype.
+    pub dtype: WireDType,
+    /// Its shape.
+    pub shape: Vec<u64>,
+    /// Its payload length in bytes.
+    pub bytes: u64,
+    /// How it got there: `put`, `native`, `round-trip`.
+    pub path: String,
+}
+
+/// An error, as a node reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    /// What kind of failure.
+    pub code: ErrorCode,
+    /// A message for a person.
+    pub message: String,
+}
+
+/// What kind of failure a node reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// The bytes did not follow the protocol; the node closes the connection.
+    Protocol,
+    /// A request that cannot be carried out as asked (bad name, bad meta, unknown device).
+    BadRequest,
+    /// No tensor under that key.
+    NotFound,
+    /// A tensor already exists under that key.
+    AlreadyExists,
+    /// The target device's backend cannot hold that dtype.
+    UnsupportedDType,
+    /// A limit (tensor size, memory budget, connections) would be exceeded.
+    LimitExceeded,
+    /// Wrong or missing token; the node closes the connection.
+    AuthRefused,
+    /// The backend failed (or panicked) on this tensor; the node lives on.
+    Backend,
+    /// The node is shutting down.
+    ShuttingDown,
+    /// A protocol major version the node does not speak; the node closes the connection.
+    VersionMismatch,
+}
+
+impl ErrorCode {
+    /// Whether the node closes the connection after reporting it.
+    pub fn is_fatal(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::Protocol | ErrorCode::AuthRefused | ErrorCode::VersionMismatch
+        )
+    }
+}
+
+/// Node statistics.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeStats {
+    /// The node's software, for people.
+    pub agent: String,
+    /// Each hosted device.
+    pub devices: Vec<DeviceStats>,
+    /// Transfers (put, get, copy, move) that completed.
+    pub transfers_done: u64,
+    /// Transfers that failed.
+    pub transfers_failed: u64,
+    /// In-node copies and moves that took the native path.
+    pub native_transfers: u64,
+    /// In-node copies and moves that took the host round trip.
+    pub round_trip_transfers: u64,
+    /// Connections open now.
+    pub connections: u64,
+    /// The path policy: `auto` or `round-trip`.
+    pub transfer_policy: String,
+}
+
+/// One hosted device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceStats {
+    /// Its index on the node.
+    pub index: u32,
+    /// Its backend, e.g. `flex`.
+    pub backend: String,
+    /// Its Burn device, readable.
+    pub device: String,
+    /// Tensors registered.
+    pub tensors: u64,
+    /// Bytes registered.
+    pub bytes_held: u64,
+    /// The memory budget, if any.
+    pub memory_limit: Option<u64>,
+}

@@ -1,0 +1,216 @@
+//! `TensorData` to (meta, payload) and back, and the receiver that assembles a chunked payload
+//! into one buffer preallocated from the validated meta.
+
+use burn_std::{Bytes, DType, TensorData};
+
+use crate::dtype::dtype_name;
+use crate::error::{MetaError, StreamError};
+use crate::meta::TensorMeta;
+
+/// The meta of `data`, checked against the byte-length rule (data read from a file or built by
+/// hand can be inconsistent; Burn does not check quantized lengths).
+pub fn meta_of(data: &TensorData) -> Result<TensorMeta, MetaError> {
+    TensorMeta::with_byte_len(
+        data.shape().as_slice().to_vec(),
+        data.dtype(),
+        data.bytes().len() as u64,
+    )
+}
+
+/// Splits `data` into its checked meta and its payload, without copying the payload.
+pub fn into_parts(data: TensorData) -> Result<(TensorMeta, Bytes), MetaError> {
+    let meta = meta_of(&data)?;
+    Ok((meta, data.into_bytes()))
+}
+
+/// Rebuilds a `TensorData` from a meta and a payload of exactly `meta.byte_len()` bytes, without
+/// copying the payload.
+pub fn from_parts(meta: &TensorMeta, payload: Bytes) -> Result<TensorData, MetaError> {
+    if payload.len() != meta.byte_len() {
+        return Err(MetaError::ByteLenMismatch {
+            shape: meta.shape().to_vec(),
+            dtype: dtype_name(&meta.dtype()),
+            expected: meta.byte_len() as u64,
+            actual: payload.len() as u64,
+        });
+    }
+    TensorData::try_from_bytes(payload, meta.shape().to_vec(), meta.dtype()).map_err(|_| {
+        MetaError::ByteLenMismatch {
+            shape: meta.shape().to_vec(),
+            dtype: dtype_name(&meta.dtype()),
+            expected: meta.byte_len() as u64,
+            actual: meta.byte_len() as u64,
+        }
+    })
+}
+
+/// A zeroed buffer of `len` bytes, allocated with the alignment of `dtype`'s elements so that
+/// backends can use it in place (NdArray panics on misaligned buffers; Flex would copy).
+fn alloc_for(dtype: DType, len: usize) -> Bytes {
+    match dtype {
+        DType::QFloat(_) => Bytes::from_elems(vec![0u8; len]),
+        plain => match plain.size() {
+            8 => Bytes::from_elems(vec![0u64; len / 8]),
+            4 => Bytes::from_elems(vec![0u32; len / 4]),
+            2 => Bytes::from_elems(vec![0u16; len / 2]),
+            _ => Bytes::from_elems(vec![0u8; len]),
+        },
+    }
+}
+
+/// Receives one tensor's payload in order, into one buffer sized from the validated meta.
+///
+/// Bytes are written in place ([`slot`](Self::slot), then [`commit`](Self::commit) once their
+/// checksum is verified), so a receiver never holds a second copy of the tensor.
+pub struct TensorAssembler {
+    meta: TensorMeta,
+    buf: Bytes,
+    received: usize,
+}
+
+impl std::fmt::Debug for TensorAssembler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorAssembler")
+            .field("meta", &self.meta)
+            .field("received", &self.received)
+            .finish()
+    }
+}
+
+impl TensorAssembler {
+    /// Preallocates for `meta`, refusing a payload over `max_bytes` before allocating.
+    pub fn new(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
+        let len = meta.byte_len();
+        if len as u64 > max_bytes {
+            return Err(MetaError::TooLarge {
+                bytes: len as u64,
+                limit: max_bytes,
+            });
+        }
+        let buf = alloc_for(meta.dtype(), len);
+        Ok(Self {
+            meta,
+            buf,
+            received: 0,
+        })
+    }
+
+    /// What is being received.
+    pub fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+
+    /// Bytes received and committed so far.
+    pub fn received(&self) -> usize {
+        self.received
+    }
+
+    /// Whether every byte has arrived.
+    pub fn is_complete(&self) -> bool {
+        self.received == self.meta.byte_len()
+    }
+
+    fn check_range(&self, offset: u64, len: usize) -> Result<std::ops::Range<usize>, StreamError> {
+        let total = self.meta.byte_len();
+        if offset != self.received as u64 {
+            return Err(StreamError::OutOfOrder {
+                offset,
+                expected: self.received as u64,
+            });
+        }
+        if len == 0 {
+            return Err(StreamError::EmptyChunk { offset });
+        }
+        let end = self.received.checked_add(len).filter(|&end| end <= total);
+        match end {
+            Some(end) => Ok(self.received..end),
+            None => Err(StreamError::PastEnd {
+                offset,
+                len: len as u64,
+                total: total as u64,
+            }),
+        }
+    }
+
+    /// The place in the buffer for `len` bytes at `offset`: the next bytes expected, within the
+    /// declared length, and not empty. Nothing counts as received until [`commit`](Self::commit).
+    pub fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError> {
+        let range = self.check_range(offset, len)?;
+        Ok(&mut self.buf[range])
+    }
+
+    /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received.
+    pub fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError> {
+        let range = self.check_range(offset, len)?;
+        self.received = range.end;
+        Ok(())
+    }
+
+    /// Copies a verified chunk in.
+    pub fn accept(&mut self, offset: u64, data: &[u8]) -> Result<(), StreamError> {
+        self.slot(offset, data.len())?.copy_from_slice(data);
+        self.commit(offset, data.len())
+    }
+
+    /// The assembled tensor, once every declared byte has arrived.
+    pub fn finish(self) -> Result<TensorData, crate::ProtoError> {
+        if !self.is_complete() {
+            return Err(StreamError::Incomplete {
+                received: self.received as u64,
+                total: self.meta.byte_len() as u64,
+            }
+            .into());
+        }
+        Ok(from_parts(&self.meta, self.buf)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::chunks;
+
+    #[test]
+    fn assembles_in_order_and_refuses_the_rest() {
+        let data = TensorData::new((0..10).map(|i| i as f32).collect::<Vec<_>>(), [2, 5]);
+        let (meta, payload) = into_parts(data.clone()).unwrap();
+        let mut asm = TensorAssembler::new(meta.clone(), 1 << 20).unwrap();
+        assert!(matches!(
+            asm.accept(4, &payload[4..8]),
+            Err(StreamError::OutOfOrder { .. })
+        ));
+        assert!(matches!(
+            asm.accept(0, &[]),
+            Err(StreamError::EmptyChunk { .. })
+        ));
+        for (offset, piece) in chunks(&payload, 12) {
+            asm.accept(offset, piece).unwrap();
+        }
+        assert!(matches!(
+            asm.accept(40, &[0]),
+            Err(StreamError::PastEnd { .. })
+        ));
+        let back = asm.finish().unwrap();
+        assert_eq!(back.as_bytes(), data.as_bytes());
+        assert_eq!(back.dtype(), data.dtype());
+        assert_eq!(back.shape(), data.shape());
+    }
+
+    #[test]
+    fn an_early_end_is_an_error() {
+        let data = TensorData::new(vec![1u8, 2, 3], [3]);
+        let (meta, payload) = into_parts(data).unwrap();
+        let mut asm = TensorAssembler::new(meta, 100).unwrap();
+        asm.accept(0, &payload[..2]).unwrap();
+        assert!(asm.finish().is_err());
+    }
+
+    #[test]
+    fn too_large_is_refused_before_allocating() {
+        let meta = TensorMeta::new(vec![1 << 40], DType::F32).unwrap();
+        assert!(matches!(
+            TensorAssembler::new(meta, 1 << 30),
+            Err(MetaError::TooLarge { .. })
+        ));
+    }
+}
