@@ -1,1 +1,9 @@
-//! placeholder
+//! The ferry client: the async Rust API to a ferry node, and the frame connection every ferry
+//! peer (client, node session, node-to-node pull) speaks through.
+
+pub mod client;
+pub mod connection;
+
+pub use client::{Client, ClientConfig, ClientError};
+pub use connection::{Connection, ConnectionError, ConnectionLimits};
+pub use ferry_proto::{ErrorCode, TensorData, TensorInfo, TensorKey};

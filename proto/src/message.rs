@@ -110,8 +110,9 @@ pub struct Welcome {
 pub enum Request {
     /// Opens a connection; answered by [`Response::Welcome`] or an error, then a close.
     Hello(Hello),
-    /// Uploads a tensor to `device` under `name` (one is chosen when absent); the payload
-    /// follows as chunk frames. Answered by [`Response::Stored`] once registered.
+    /// Uploads a tensor to `device` under `name` (one is chosen when absent). Answered by
+    /// [`Response::Ready`], after which the payload follows as chunk frames, and then by
+    /// [`Response::Stored`] once registered; or by an error, and then no chunks follow.
     Put {
         /// Target device index.
         device: u32,
@@ -178,6 +179,10 @@ pub enum Response {
     Stats(NodeStats),
     /// The request failed; the connection stays usable unless `code` is fatal.
     Error(ErrorReply),
+    /// A `Put` was admitted (name, meta, limits, budget checked; the buffer is allocated): the
+    /// client may send its chunk frames now. A refused `Put` gets an `Error` instead, and the
+    /// client sends no chunks.
+    Ready,
 }
 
 /// A registered tensor.

@@ -1,1 +1,18 @@
-//! placeholder
+//! A ferry node: device workers that own each hosted device's tensors, the transfer engine that
+//! moves tensors between them, and the TCP service that serves them to clients.
+//!
+//! Embed a [`Node`] to share tensors in process; wrap it in a [`Service`] to serve it on TCP.
+
+pub mod backend;
+pub mod engine;
+pub mod error;
+pub mod node;
+pub mod service;
+pub mod worker;
+
+pub use backend::{BackendKind, DeviceSpec};
+pub use engine::{TransferPath, TransferPolicy};
+pub use error::NodeError;
+pub use node::{Node, NodeConfig, TransferMode};
+pub use service::{Service, ServiceConfig};
+pub use worker::TensorDesc;

@@ -1,0 +1,266 @@
+//! `Client`: the async Rust API to a ferry node (put, get, copy, move, delete, list, stat).
+
+use ferry_proto::{
+    ErrorCode, ErrorReply, FEATURES, Hello, MetaError, NodeStats, PROTOCOL_MINOR,
+    PROTOCOL_VERSION, ProtoError, Request, Response, TensorAssembler, TensorData, TensorInfo,
+    TensorKey, TensorMeta, Welcome,
+};
+use tokio::net::{TcpStream, ToSocketAddrs};
+
+use crate::connection::{Connection, ConnectionError, ConnectionLimits};
+
+/// The software name the client reports.
+pub const AGENT: &str = concat!("ferry-client/", env!("CARGO_PKG_VERSION"));
+
+/// Why a client call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The connection failed or the node broke the protocol.
+    #[error(transparent)]
+    Connection(#[from] ConnectionError),
+    /// The node refused or failed the request; `message` is the node's own.
+    #[error("{code:?}: {message}")]
+    Node {
+        /// What kind of failure.
+        code: ErrorCode,
+        /// The node's message.
+        message: String,
+    },
+    /// A tensor that cannot be sent as it is (its bytes disagree with its shape and dtype).
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    /// The node answered something that does not fit the request.
+    #[error("unexpected answer from the node: {0}")]
+    Unexpected(String),
+}
+
+impl ClientError {
+    /// The node's error code, when the node reported the failure.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Node { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+impl From<ErrorReply> for ClientError {
+    fn from(reply: ErrorReply) -> Self {
+        ClientError::Node {
+            code: reply.code,
+            message: reply.message,
+        }
+    }
+}
+
+impl From<ProtoError> for ClientError {
+    fn from(e: ProtoError) -> Self {
+        ClientError::Connection(ConnectionError::Proto(e))
+    }
+}
+
+/// How a client connects.
+#[derive(Debug, Clone, Default)]
+pub struct ClientConfig {
+    /// The node's shared token, if it requires one.
+    pub token: Option<String>,
+    /// Frame, chunk and idle limits.
+    pub limits: ConnectionLimits,
+    /// The largest tensor the client accepts from a node, in bytes; `None` for no limit.
+    pub max_tensor_bytes: Option<u64>,
+}
+
+/// One connection to a node. Requests on it run one at a time.
+#[derive(Debug)]
+pub struct Client {
+    conn: Connection<TcpStream>,
+    welcome: Welcome,
+    max_tensor_bytes: u64,
+}
+
+fn unexpected(response: Response) -> ClientError {
+    match response {
+        Response::Error(reply) => reply.into(),
+        other => ClientError::Unexpected(format!("{other:?}")),
+    }
+}
+
+impl Client {
+    /// Connects to the node at `addr` and says hello, with `token` if given.
+    pub async fn connect(addr: impl ToSocketAddrs, token: Option<&str>) -> Result<Self, ClientError> {
+        let config = ClientConfig {
+            token: token.map(str::to_string),
+            ..ClientConfig::default()
+        };
+        Self::connect_with(addr, config).await
+    }
+
+    /// Connects with a full configuration.
+    pub async fn connect_with(
+        addr: impl ToSocketAddrs,
+        config: ClientConfig,
+    ) -> Result<Self, ClientError> {
+        let socket = TcpStream::connect(addr).await.map_err(ConnectionError::from)?;
+        let _ = socket.set_nodelay(true);
+        let mut conn = Connection::new(socket, config.limits);
+        conn.write_request(&Request::Hello(Hello {
+            major: PROTOCOL_VERSION,
+            minor: PROTOCOL_MINOR,
+            features: FEATURES.iter().map(|f| f.to_string()).collect(),
+            token: config.token,
+            agent: AGENT.to_string(),
+        }))
+        .await?;
+        let welcome = match conn.read_response().await? {
+            Response::Welcome(welcome) => welcome,
+            other => return Err(unexpected(other)),
+        };
+        Ok(Self {
+            conn,
+            welcome,
+            max_tensor_bytes: config.max_tensor_bytes.unwrap_or(u64::MAX),
+        })
+    }
+
+    /// What the node said when the connection opened.
+    pub fn welcome(&self) -> &Welcome {
+        &self.welcome
+    }
+
+    /// Uploads `data` to `device` under `name`; refused if the name is taken.
+    pub async fn put(
+        &mut self,
+        device: u32,
+        name: &str,
+        data: &TensorData,
+    ) -> Result<TensorInfo, ClientError> {
+        self.put_with(device, Some(name), data, false).await
+    }
+
+    /// Uploads `data` to `device`, under `name` or a node-chosen one, replacing a tensor of that
+    /// name if `overwrite`. Answered once the node registered it.
+    pub async fn put_with(
+        &mut self,
+        device: u32,
+        name: Option<&str>,
+        data: &TensorData,
+        overwrite: bool,
+    ) -> Result<TensorInfo, ClientError> {
+        let meta = ferry_proto::tensor::meta_of(data)?;
+        self.conn
+            .write_request(&Request::Put {
+                device,
+                name: name.map(str::to_string),
+                meta: meta.to_wire(),
+                overwrite,
+            })
+            .await?;
+        match self.conn.read_response().await? {
+            Response::Ready => {}
+            other => return Err(unexpected(other)),
+        }
+        self.conn.write_payload(data.as_bytes()).await?;
+        match self.conn.read_response().await? {
+            Response::Stored(info) => Ok(info),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Downloads the tensor under `key`, bit-exact, its dtype and shape checked.
+    pub async fn get(&mut self, key: &TensorKey) -> Result<TensorData, ClientError> {
+        self.get_with_info(key).await.map(|(_, data)| data)
+    }
+
+    /// Downloads the tensor under `key` with the node's description of it.
+    pub async fn get_with_info(
+        &mut self,
+        key: &TensorKey,
+    ) -> Result<(TensorInfo, TensorData), ClientError> {
+        self.conn
+            .write_request(&Request::Get { key: key.clone() })
+            .await?;
+        let (info, wire) = match self.conn.read_response().await? {
+            Response::Tensor { info, meta } => (info, meta),
+            other => return Err(unexpected(other)),
+        };
+        let meta = TensorMeta::try_from(&wire)?;
+        let mut assembler = TensorAssembler::new(meta, self.max_tensor_bytes)?;
+        self.conn.read_payload(&mut assembler).await?;
+        Ok((info, assembler.finish()?))
+    }
+
+    /// Copies the tensor under `src` to `dst_device` of the same node, under `dst_name` or its
+    /// own name. Answered once the target registered it.
+    pub async fn copy(
+        &mut self,
+        src: &TensorKey,
+        dst_device: u32,
+        dst_name: Option<&str>,
+    ) -> Result<TensorInfo, ClientError> {
+        self.transfer(src, dst_device, dst_name, false, false).await
+    }
+
+    /// Moves the tensor under `src` to `dst_device`: the source is deleted only after the target
+    /// registered the tensor.
+    pub async fn move_to(
+        &mut self,
+        src: &TensorKey,
+        dst_device: u32,
+        dst_name: Option<&str>,
+    ) -> Result<TensorInfo, ClientError> {
+        self.transfer(src, dst_device, dst_name, true, false).await
+    }
+
+    /// Copies or moves with every option.
+    pub async fn transfer(
+        &mut self,
+        src: &TensorKey,
+        dst_device: u32,
+        dst_name: Option<&str>,
+        remove_source: bool,
+        overwrite: bool,
+    ) -> Result<TensorInfo, ClientError> {
+        self.conn
+            .write_request(&Request::Copy {
+                src: src.clone(),
+                dst_device,
+                dst_name: dst_name.map(str::to_string),
+                remove_source,
+                overwrite,
+            })
+            .await?;
+        match self.conn.read_response().await? {
+            Response::Stored(info) => Ok(info),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Deletes the tensor under `key`.
+    pub async fn delete(&mut self, key: &TensorKey) -> Result<TensorInfo, ClientError> {
+        self.conn
+            .write_request(&Request::Delete { key: key.clone() })
+            .await?;
+        match self.conn.read_response().await? {
+            Response::Deleted(info) => Ok(info),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The tensors on `device`, or on every device.
+    pub async fn list(&mut self, device: Option<u32>) -> Result<Vec<TensorInfo>, ClientError> {
+        self.conn.write_request(&Request::List { device }).await?;
+        match self.conn.read_response().await? {
+            Response::Listing(all) => Ok(all),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Node statistics.
+    pub async fn stat(&mut self) -> Result<NodeStats, ClientError> {
+        self.conn.write_request(&Request::Stat).await?;
+        match self.conn.read_response().await? {
+            Response::Stats(stats) => Ok(stats),
+            other => Err(unexpected(other)),
+        }
+    }
+}

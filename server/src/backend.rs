@@ -1,0 +1,201 @@
+//! The Burn backends a node can host, what each can hold, and the calls into them.
+//!
+//! Burn's backends fail by panicking, and their own `dtype_usage` answers are not what they
+//! really store (Flex reports nothing for `Flex32`, which it holds exactly; NdArray reports
+//! `Flex32` as supported, and panics on it). [`BackendKind::holds`] is ferry's table, measured
+//! (`../shared/BURN-FACTS.md`) and pinned by the test suite; it is consulted before any byte moves.
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn_backend::quantization::{QuantMode, QuantStore, QuantValue, quantizable};
+use burn_backend::{Backend, BoolStore, DType, TensorData, read_sync};
+use ferry_proto::dtype_name;
+
+use crate::error::NodeError;
+
+/// A backend a node can host a device of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// burn-flex, the pure-Rust CPU backend (the default).
+    Flex,
+    /// burn-ndarray, the second CPU backend.
+    NdArray,
+}
+
+impl BackendKind {
+    /// The name used in `--device` and in `stat`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Flex => "flex",
+            BackendKind::NdArray => "ndarray",
+        }
+    }
+
+    /// Whether a device of this backend stores `dtype` on `shape` and gives the same bytes back.
+    /// `Err` says why not, for a person.
+    pub fn holds(self, dtype: &DType, shape: &[usize]) -> Result<(), String> {
+        let refuse = |why: &str| Err(format!("{} {why}", self.name()));
+        match (self, dtype) {
+            (BackendKind::Flex, DType::QFloat(scheme)) => {
+                if scheme.store != QuantStore::Native {
+                    return refuse(
+                        "re-packs quantized values into a native store, which would change the \
+                         tensor's bytes",
+                    );
+                }
+                if !quantizable(scheme) {
+                    return refuse("cannot hold this combination of scale levels");
+                }
+                if scheme.block_size().is_some() && shape.contains(&0) {
+                    return refuse("cannot hold an empty tensor with block scales");
+                }
+                Ok(())
+            }
+            (BackendKind::Flex, _) => Ok(()),
+            (
+                BackendKind::NdArray,
+                DType::F64
+                | DType::F32
+                | DType::I64
+                | DType::I32
+                | DType::I16
+                | DType::I8
+                | DType::U64
+                | DType::U32
+                | DType::U16
+                | DType::U8
+                | DType::Bool(BoolStore::Native),
+            ) => Ok(()),
+            (BackendKind::NdArray, DType::QFloat(scheme)) => {
+                let q8 = matches!(scheme.value, QuantValue::Q8F | QuantValue::Q8S);
+                if q8
+                    && scheme.store == QuantStore::Native
+                    && scheme.mode == QuantMode::Symmetric
+                    && quantizable(scheme)
+                {
+                    if scheme.block_size().is_some() && shape.contains(&0) {
+                        return refuse("cannot hold an empty tensor with block scales");
+                    }
+                    Ok(())
+                } else {
+                    refuse("holds only 8-bit symmetric quantization in a native store")
+                }
+            }
+            (BackendKind::NdArray, _) => refuse("does not support this dtype"),
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A device to host, as given on the command line (`flex`, `ndarray`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSpec {
+    /// Its backend.
+    pub kind: BackendKind,
+}
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "flex" | "cpu" => Ok(DeviceSpec {
+                kind: BackendKind::Flex,
+            }),
+            "ndarray" => Ok(DeviceSpec {
+                kind: BackendKind::NdArray,
+            }),
+            other if other.starts_with("cuda:") || other.starts_with("wgpu:") => Err(format!(
+                "device {other:?}: this build hosts only CPU devices (flex, ndarray)"
+            )),
+            other => Err(format!(
+                "unknown device {other:?}: expected flex or ndarray"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.kind.name())
+    }
+}
+
+/// A tensor on a backend, of whichever kind its dtype calls for.
+pub enum Primitive<B: Backend> {
+    /// F64, F32, Flex32, F16, BF16.
+    Float(B::FloatTensorPrimitive),
+    /// Signed and unsigned integers.
+    Int(B::IntTensorPrimitive),
+    /// Booleans of every store.
+    Bool(B::BoolTensorPrimitive),
+    /// Quantized values with their scales.
+    Quantized(B::QuantizedTensorPrimitive),
+}
+
+impl<B: Backend> Clone for Primitive<B> {
+    fn clone(&self) -> Self {
+        match self {
+            Primitive::Float(t) => Primitive::Float(t.clone()),
+            Primitive::Int(t) => Primitive::Int(t.clone()),
+            Primitive::Bool(t) => Primitive::Bool(t.clone()),
+            Primitive::Quantized(t) => Primitive::Quantized(t.clone()),
+        }
+    }
+}
+
+/// Runs a backend call, turning a panic into an error so that one bad tensor never takes a
+/// device worker (or the node) down.
+pub fn contain<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, NodeError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string());
+        NodeError::Backend(format!("{what}: backend panicked: {message}"))
+    })
+}
+
+impl<B: Backend> Primitive<B> {
+    /// Builds the tensor on `device`. The caller has validated `data` against the byte-length
+    /// rule and checked [`BackendKind::holds`].
+    pub fn from_data(data: TensorData, device: &B::Device) -> Result<Self, NodeError> {
+        let dtype = data.dtype();
+        contain(&format!("from_data({})", dtype_name(&dtype)), || {
+            match dtype {
+                DType::QFloat(_) => Primitive::Quantized(B::q_from_data(data, device)),
+                DType::Bool(_) => Primitive::Bool(B::bool_from_data(data, device)),
+                d if d.is_float() => Primitive::Float(B::float_from_data(data, device)),
+                _ => Primitive::Int(B::int_from_data(data, device)),
+            }
+        })
+    }
+
+    /// Reads the tensor back to host bytes; the tensor itself stays where it is.
+    pub fn to_data(&self) -> Result<TensorData, NodeError> {
+        let this = self.clone();
+        contain("into_data", move || match this {
+            Primitive::Float(t) => read_sync(B::float_into_data(t)),
+            Primitive::Int(t) => read_sync(B::int_into_data(t)),
+            Primitive::Bool(t) => read_sync(B::bool_into_data(t)),
+            Primitive::Quantized(t) => read_sync(B::q_into_data(t)),
+        })?
+        .map_err(|e| NodeError::Backend(format!("into_data failed: {e:?}")))
+    }
+
+    /// Moves the tensor to `device` with the backend's own `*_to_device` (the native path).
+    pub fn to_device(self, device: &B::Device) -> Result<Self, NodeError> {
+        contain("to_device", move || match self {
+            Primitive::Float(t) => Primitive::Float(B::float_to_device(t, device)),
+            Primitive::Int(t) => Primitive::Int(B::int_to_device(t, device)),
+            Primitive::Bool(t) => Primitive::Bool(B::bool_to_device(t, device)),
+            Primitive::Quantized(t) => Primitive::Quantized(B::q_to_device(t, device)),
+        })
+    }
+}

@@ -1,0 +1,112 @@
+//! `ferry-server`: runs a ferry node on TCP until Ctrl-C or SIGTERM.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use ferry_client::ConnectionLimits;
+use ferry_server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig, TransferPolicy};
+
+/// A ferry node: hosts Burn devices and moves tensors of every dtype between them and over TCP.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Address to listen on; port 0 picks a free one.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// A device to host (`flex` or `ndarray`); repeat for more. Default: two flex devices.
+    #[arg(long = "device", value_name = "SPEC")]
+    devices: Vec<DeviceSpec>,
+    /// Shared token clients must present.
+    #[arg(long, env = "FERRY_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Connections served at once; more are refused with an error.
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
+    /// Largest tensor accepted (bytes; suffixes like 512MiB or 4GB work).
+    #[arg(long, default_value = "16GiB")]
+    max_tensor_bytes: bytesize::ByteSize,
+    /// Memory budget per device (bytes; suffixes work). Unlimited when absent.
+    #[arg(long)]
+    memory_limit: Option<bytesize::ByteSize>,
+    /// Transfer path policy between devices of this node.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "round-trip"])]
+    transfer: String,
+    /// Seconds a peer may stay silent in the middle of a frame.
+    #[arg(long, default_value_t = 30)]
+    idle_timeout: u64,
+    /// Seconds in-flight requests get to finish at shutdown.
+    #[arg(long, default_value_t = 30)]
+    shutdown_grace: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let mut config = NodeConfig {
+        max_tensor_bytes: args.max_tensor_bytes.as_u64(),
+        memory_limit: args.memory_limit.map(|b| b.as_u64()),
+        policy: args
+            .transfer
+            .parse::<TransferPolicy>()
+            .map_err(anyhow::Error::msg)?,
+        ..NodeConfig::default()
+    };
+    if !args.devices.is_empty() {
+        config.devices = args.devices;
+    }
+    let devices: Vec<String> = config.devices.iter().map(|d| d.to_string()).collect();
+    let node = Node::start(config).context("starting the node")?;
+    let service_config = ServiceConfig {
+        token: args.token.filter(|t| !t.is_empty()),
+        max_connections: args.max_connections,
+        limits: ConnectionLimits {
+            idle_timeout: Duration::from_secs(args.idle_timeout),
+            ..ConnectionLimits::default()
+        },
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
+    };
+    let service = Service::bind(node, args.listen, service_config)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let addr = service.local_addr()?;
+    // Scripts and tests find the port from this exact first line.
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "listening on {addr}")?;
+    stdout.flush()?;
+    drop(stdout);
+    tracing::info!(%addr, ?devices, "ferry node serving");
+    service.run(shutdown_signal()).await?;
+    tracing::info!("ferry node stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+}

@@ -1,0 +1,103 @@
+//! The node's typed errors, each mapped to the wire's error code.
+
+use ferry_proto::message::NameError;
+use ferry_proto::{ErrorCode, ErrorReply, MetaError, TensorKey};
+use thiserror::Error;
+
+/// Why a node operation failed.
+#[derive(Debug, Error)]
+pub enum NodeError {
+    /// No device at that index.
+    #[error("no device {index}: this node hosts {count} device(s)")]
+    NoSuchDevice {
+        /// The index asked for.
+        index: u32,
+        /// How many the node hosts.
+        count: usize,
+    },
+    /// No tensor under that key.
+    #[error("no tensor {0}")]
+    NotFound(TensorKey),
+    /// A tensor already exists under that key.
+    #[error("tensor {0} already exists (pass overwrite to replace it)")]
+    AlreadyExists(TensorKey),
+    /// The target device's backend cannot hold the dtype.
+    #[error("device {device} cannot hold {dtype}: {reason}")]
+    UnsupportedDType {
+        /// The device, readable.
+        device: String,
+        /// The dtype, readable.
+        dtype: String,
+        /// Why.
+        reason: String,
+    },
+    /// A tensor over the node's per-tensor limit.
+    #[error("tensor of {bytes} bytes exceeds this node's limit of {limit} bytes per tensor")]
+    TensorTooLarge {
+        /// Its size.
+        bytes: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// The device's memory budget would be exceeded.
+    #[error(
+        "device {device} has {available} of its {limit} byte budget free; the tensor needs {bytes}"
+    )]
+    OverBudget {
+        /// The device index.
+        device: u32,
+        /// Bytes needed.
+        bytes: u64,
+        /// Bytes free.
+        available: u64,
+        /// The budget.
+        limit: u64,
+    },
+    /// A request that makes no sense as asked.
+    #[error("{0}")]
+    BadRequest(String),
+    /// A bad tensor name.
+    #[error(transparent)]
+    Name(#[from] NameError),
+    /// A bad tensor description.
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    /// The backend failed or panicked.
+    #[error("{0}")]
+    Backend(String),
+    /// The device worker is gone (the node is shutting down).
+    #[error("device {0} is shut down")]
+    DeviceGone(u32),
+    /// The node is shutting down.
+    #[error("the node is shutting down")]
+    ShuttingDown,
+}
+
+impl NodeError {
+    /// The wire code for this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            NodeError::NoSuchDevice { .. } | NodeError::BadRequest(_) | NodeError::Name(_) => {
+                ErrorCode::BadRequest
+            }
+            NodeError::Meta(MetaError::TooLarge { .. }) => ErrorCode::LimitExceeded,
+            NodeError::Meta(_) => ErrorCode::BadRequest,
+            NodeError::NotFound(_) => ErrorCode::NotFound,
+            NodeError::AlreadyExists(_) => ErrorCode::AlreadyExists,
+            NodeError::UnsupportedDType { .. } => ErrorCode::UnsupportedDType,
+            NodeError::TensorTooLarge { .. } | NodeError::OverBudget { .. } => {
+                ErrorCode::LimitExceeded
+            }
+            NodeError::Backend(_) => ErrorCode::Backend,
+            NodeError::DeviceGone(_) | NodeError::ShuttingDown => ErrorCode::ShuttingDown,
+        }
+    }
+
+    /// The reply a client gets.
+    pub fn reply(&self) -> ErrorReply {
+        ErrorReply {
+            code: self.code(),
+            message: self.to_string(),
+        }
+    }
+}

@@ -1,0 +1,437 @@
+//! `Node`: the embeddable library API over a node's device workers, and its transfer engine.
+//!
+//! An application (a GPU worker running its model) holds a `Node` and calls `insert`, `get`,
+//! `take`, `remove` and `copy` in process; the TCP service calls exactly the same methods, so
+//! both share one set of device workers and one set of rules.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use burn_backend::TensorData;
+use ferry_proto::message::validate_name;
+use ferry_proto::{DeviceStats, NodeStats, TensorKey, dtype_name};
+
+use crate::backend::DeviceSpec;
+use crate::engine::{TransferPath, TransferPolicy, choose_path};
+use crate::error::NodeError;
+use crate::worker::{self, Command, DeviceHandle, Exported, Payload, Reservation, TensorDesc};
+
+/// The software name a node reports.
+pub const AGENT: &str = concat!("ferry-server/", env!("CARGO_PKG_VERSION"));
+
+/// What a node hosts and the limits it keeps.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The devices, in index order.
+    pub devices: Vec<DeviceSpec>,
+    /// The largest tensor accepted, in bytes.
+    pub max_tensor_bytes: u64,
+    /// A memory budget per device, in bytes.
+    pub memory_limit: Option<u64>,
+    /// Which transfer paths may be taken.
+    pub policy: TransferPolicy,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            devices: vec![
+                DeviceSpec {
+                    kind: crate::BackendKind::Flex,
+                },
+                DeviceSpec {
+                    kind: crate::BackendKind::Flex,
+                },
+            ],
+            max_tensor_bytes: 16 << 30,
+            memory_limit: None,
+            policy: TransferPolicy::Auto,
+        }
+    }
+}
+
+/// Copy or move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferMode {
+    /// The source stays.
+    Copy,
+    /// The source is deleted once the target registered the tensor.
+    Move,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    done: AtomicU64,
+    failed: AtomicU64,
+    native: AtomicU64,
+    round_trip: AtomicU64,
+    connections: AtomicU64,
+}
+
+struct Inner {
+    devices: Vec<DeviceHandle>,
+    config: NodeConfig,
+    counters: Counters,
+    next_name: AtomicU64,
+    threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Dropping the handles closes the workers' queues; they finish what they hold and stop.
+        self.devices.clear();
+        let threads = match self.threads.get_mut() {
+            Ok(threads) => std::mem::take(threads),
+            Err(poisoned) => std::mem::take(poisoned.into_inner()),
+        };
+        for thread in threads {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A running node: its device workers and the operations on them. Cheap to clone.
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("devices", &self.inner.devices)
+            .finish()
+    }
+}
+
+impl Node {
+    /// Starts one worker thread per configured device.
+    pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
+        if config.devices.is_empty() {
+            return Err(NodeError::BadRequest("a node needs at least one device".into()));
+        }
+        let mut devices = Vec::with_capacity(config.devices.len());
+        let mut threads = Vec::with_capacity(config.devices.len());
+        for (index, spec) in config.devices.iter().enumerate() {
+            let index = u32::try_from(index)
+                .map_err(|_| NodeError::BadRequest("too many devices".into()))?;
+            let (handle, thread) = worker::spawn(index, *spec, config.memory_limit)
+                .map_err(|e| NodeError::Backend(format!("cannot start device {index}: {e}")))?;
+            devices.push(handle);
+            threads.push(thread);
+        }
+        Ok(Node {
+            inner: Arc::new(Inner {
+                devices,
+                config,
+                counters: Counters::default(),
+                next_name: AtomicU64::new(0),
+                threads: std::sync::Mutex::new(threads),
+            }),
+        })
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &NodeConfig {
+        &self.inner.config
+    }
+
+    /// The device at `index`.
+    pub fn device(&self, index: u32) -> Result<&DeviceHandle, NodeError> {
+        self.inner
+            .devices
+            .get(index as usize)
+            .ok_or(NodeError::NoSuchDevice {
+                index,
+                count: self.inner.devices.len(),
+            })
+    }
+
+    /// Every hosted device.
+    pub fn devices(&self) -> &[DeviceHandle] {
+        &self.inner.devices
+    }
+
+    /// A fresh name for a tensor put without one.
+    pub fn fresh_name(&self) -> String {
+        format!("tensor-{}", self.inner.next_name.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Everything checked before a tensor of `dtype`, `shape` and `bytes` may go to `device`:
+    /// the name, the per-tensor limit, what the backend holds, and the device's budget. The
+    /// returned reservation is held while the bytes arrive and then by the registered tensor.
+    pub fn admit(
+        &self,
+        device: u32,
+        name: &str,
+        dtype: &burn_backend::DType,
+        shape: &[usize],
+        bytes: u64,
+    ) -> Result<Reservation, NodeError> {
+        validate_name(name)?;
+        let limit = self.inner.config.max_tensor_bytes;
+        if bytes > limit {
+            return Err(NodeError::TensorTooLarge { bytes, limit });
+        }
+        let handle = self.device(device)?;
+        handle.check_holds(dtype, shape)?;
+        handle.budget().reserve(bytes)
+    }
+
+    /// Registers `data` under `name` on `device`, after checking it against the byte-length rule
+    /// and the device. Answered once registered.
+    pub async fn insert(
+        &self,
+        device: u32,
+        name: &str,
+        data: TensorData,
+        overwrite: bool,
+    ) -> Result<TensorDesc, NodeError> {
+        let meta = ferry_proto::tensor::meta_of(&data)?;
+        let reservation = self.admit(
+            device,
+            name,
+            &meta.dtype(),
+            meta.shape(),
+            meta.byte_len() as u64,
+        )?;
+        self.register(device, name, data, overwrite, reservation).await
+    }
+
+    /// Registers validated `data` for which [`admit`](Self::admit) gave `reservation`.
+    pub async fn register(
+        &self,
+        device: u32,
+        name: &str,
+        data: TensorData,
+        overwrite: bool,
+        reservation: Reservation,
+    ) -> Result<TensorDesc, NodeError> {
+        let started = Instant::now();
+        let result = self
+            .device(device)?
+            .call(|reply| Command::Insert {
+                name: name.to_string(),
+                payload: Payload::Data(data),
+                path: TransferPath::Put,
+                overwrite,
+                reservation,
+                reply,
+            })
+            .await;
+        self.record("put", &TensorKey::new(device, name), None, result.as_ref(), started);
+        result
+    }
+
+    /// The bytes of the tensor under `key`, which stays registered.
+    pub async fn get(&self, key: &TensorKey) -> Result<TensorData, NodeError> {
+        self.read(key).await.map(|(_, data)| data)
+    }
+
+    /// The description and bytes of the tensor under `key`, which stays registered.
+    pub async fn read(&self, key: &TensorKey) -> Result<(TensorDesc, TensorData), NodeError> {
+        let started = Instant::now();
+        let result = self
+            .device(key.device)?
+            .call(|reply| Command::Read {
+                name: key.name.clone(),
+                reply,
+            })
+            .await;
+        self.record("get", key, None, result.as_ref().map(|(desc, _)| desc), started);
+        result
+    }
+
+    /// The bytes of the tensor under `key`, which is unregistered once they are read.
+    pub async fn take(&self, key: &TensorKey) -> Result<TensorData, NodeError> {
+        let data = self.get(key).await?;
+        self.remove(key).await?;
+        Ok(data)
+    }
+
+    /// Unregisters the tensor under `key`.
+    pub async fn remove(&self, key: &TensorKey) -> Result<TensorDesc, NodeError> {
+        self.device(key.device)?
+            .call(|reply| Command::Remove {
+                name: key.name.clone(),
+                reply,
+            })
+            .await
+    }
+
+    /// Describes the tensor under `key`.
+    pub async fn describe(&self, key: &TensorKey) -> Result<TensorDesc, NodeError> {
+        self.device(key.device)?
+            .call(|reply| Command::Describe {
+                name: key.name.clone(),
+                reply,
+            })
+            .await
+    }
+
+    /// Describes the tensors on one device, or on all, sorted by device and name.
+    pub async fn list(&self, device: Option<u32>) -> Result<Vec<TensorDesc>, NodeError> {
+        let devices: Vec<&DeviceHandle> = match device {
+            Some(index) => vec![self.device(index)?],
+            None => self.inner.devices.iter().collect(),
+        };
+        let mut all = Vec::new();
+        for handle in devices {
+            all.extend(handle.call(|reply| Command::List { reply }).await?);
+        }
+        Ok(all)
+    }
+
+    /// Copies or moves the tensor under `src` to `dst_device` (under `dst_name`, or its own
+    /// name). Answered only after the target registered it; a move deletes the source only then,
+    /// and a failed transfer leaves the source as it was.
+    pub async fn copy(
+        &self,
+        src: &TensorKey,
+        dst_device: u32,
+        dst_name: Option<&str>,
+        mode: TransferMode,
+        overwrite: bool,
+    ) -> Result<TensorDesc, NodeError> {
+        let started = Instant::now();
+        let dst = TensorKey::new(dst_device, dst_name.unwrap_or(&src.name));
+        let mut path = None;
+        let result = self.transfer(src, &dst, mode, overwrite, &mut path).await;
+        let op = match mode {
+            TransferMode::Copy => "copy",
+            TransferMode::Move => "move",
+        };
+        self.record(op, src, path.map(|p| (p, &dst)), result.as_ref(), started);
+        result
+    }
+
+    async fn transfer(
+        &self,
+        src: &TensorKey,
+        dst: &TensorKey,
+        mode: TransferMode,
+        overwrite: bool,
+        path_taken: &mut Option<TransferPath>,
+    ) -> Result<TensorDesc, NodeError> {
+        if src == dst {
+            return Err(NodeError::BadRequest(format!(
+                "source and target are the same tensor {src}"
+            )));
+        }
+        let source = self.device(src.device)?;
+        let target = self.device(dst.device)?;
+        let desc = self.describe(src).await?;
+        let reservation = self.admit(dst.device, &dst.name, &desc.dtype, &desc.shape, desc.bytes)?;
+        let path = choose_path(self.inner.config.policy, source.kind(), target.kind(), &desc.dtype);
+        *path_taken = Some(path);
+        let exported = source
+            .call(|reply| Command::Export {
+                name: src.name.clone(),
+                native: path == TransferPath::Native,
+                reply,
+            })
+            .await?;
+        let payload = match exported {
+            Exported::Native(native) => Payload::Native(native),
+            Exported::Data(data) => {
+                // The bytes crossed a channel between workers: held to the same rule as bytes
+                // from a socket before the target's backend sees them.
+                ferry_proto::tensor::meta_of(&data)?;
+                Payload::Data(data)
+            }
+        };
+        let registered = target
+            .call(|reply| Command::Insert {
+                name: dst.name.clone(),
+                payload,
+                path,
+                overwrite,
+                reservation,
+                reply,
+            })
+            .await?;
+        match path {
+            TransferPath::Native => &self.inner.counters.native,
+            _ => &self.inner.counters.round_trip,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        if mode == TransferMode::Move {
+            self.remove(src).await?;
+        }
+        Ok(registered)
+    }
+
+    fn record(
+        &self,
+        op: &str,
+        key: &TensorKey,
+        to: Option<(TransferPath, &TensorKey)>,
+        result: Result<&TensorDesc, &NodeError>,
+        started: Instant,
+    ) {
+        let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+        match result {
+            Ok(desc) => {
+                self.inner.counters.done.fetch_add(1, Ordering::Relaxed);
+                let path = to.map_or(desc.path, |(p, _)| p).name();
+                let dst = to.map(|(_, k)| k.to_string()).unwrap_or_default();
+                tracing::info!(
+                    op,
+                    key = %key,
+                    dst,
+                    dtype = %dtype_name(&desc.dtype),
+                    bytes = desc.bytes,
+                    path,
+                    elapsed_ms,
+                    "transfer done"
+                );
+            }
+            Err(error) => {
+                self.inner.counters.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(op, key = %key, %error, elapsed_ms, "transfer failed");
+            }
+        }
+    }
+
+    /// Counts a connection opened (`+1`) or closed (`-1`), for `stat`.
+    pub fn count_connection(&self, opened: bool) {
+        if opened {
+            self.inner.counters.connections.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.inner.counters.connections.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts a transfer that failed outside the node's own operations (a broken upload).
+    pub fn count_failure(&self) {
+        self.inner.counters.failed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Devices, tensors, bytes held, transfers done and failed, per-path counts.
+    pub async fn stats(&self) -> Result<NodeStats, NodeError> {
+        let mut devices = Vec::with_capacity(self.inner.devices.len());
+        for handle in &self.inner.devices {
+            let tensors = handle.call(|reply| Command::List { reply }).await?;
+            devices.push(DeviceStats {
+                index: handle.index(),
+                backend: handle.kind().name().to_string(),
+                device: handle.label().to_string(),
+                tensors: tensors.len() as u64,
+                bytes_held: tensors.iter().map(|t| t.bytes).sum(),
+                memory_limit: handle.budget().limit(),
+            });
+        }
+        let c = &self.inner.counters;
+        Ok(NodeStats {
+            agent: AGENT.to_string(),
+            devices,
+            transfers_done: c.done.load(Ordering::Relaxed),
+            transfers_failed: c.failed.load(Ordering::Relaxed),
+            native_transfers: c.native.load(Ordering::Relaxed),
+            round_trip_transfers: c.round_trip.load(Ordering::Relaxed),
+            connections: c.connections.load(Ordering::Relaxed),
+            transfer_policy: self.inner.config.policy.name().to_string(),
+        })
+    }
+}

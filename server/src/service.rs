@@ -1,0 +1,389 @@
+//! The TCP service: accepts connections, runs one session per connection, shuts down gracefully.
+//!
+//! Bounded everywhere: a semaphore on connections (one over the limit is told so and closed,
+//! never queued), a maximum frame body, an idle timeout in the middle of a frame, a per-tensor
+//! limit and a per-device memory budget checked before a payload's buffer is allocated.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_client::{Connection, ConnectionError, ConnectionLimits};
+use ferry_proto::{
+    ErrorCode, ErrorReply, FEATURES, FrameError, PROTOCOL_MINOR, PROTOCOL_VERSION, ProtoError,
+    Request, Response, TensorAssembler, TensorKey, TensorMeta, Welcome, control,
+};
+use subtle::ConstantTimeEq;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, broadcast, mpsc};
+
+use crate::error::NodeError;
+use crate::node::{AGENT, Node, TransferMode};
+
+/// How the service listens and what it allows.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// The shared token a client must present, if any.
+    pub token: Option<String>,
+    /// Connections served at once.
+    pub max_connections: usize,
+    /// Frame, chunk and idle limits.
+    pub limits: ConnectionLimits,
+    /// How long in-flight requests may take to finish at shutdown.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        Self {
+            token: None,
+            max_connections: 256,
+            limits: ConnectionLimits::default(),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A bound, not yet running, TCP service over a node.
+#[derive(Debug)]
+pub struct Service {
+    node: Node,
+    listener: TcpListener,
+    config: Arc<ServiceConfig>,
+}
+
+impl Service {
+    /// Binds `addr` (`127.0.0.1:0` picks a free port).
+    pub async fn bind(node: Node, addr: SocketAddr, config: ServiceConfig) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        Ok(Self {
+            node,
+            listener,
+            config: Arc::new(config),
+        })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Serves until `shutdown` completes, then stops accepting, lets sessions finish the request
+    /// in hand within the grace period, and returns.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> std::io::Result<()> {
+        let (notify_shutdown, _) = broadcast::channel::<()>(1);
+        let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
+        let permits = Arc::new(Semaphore::new(self.config.max_connections));
+        let accept = accept_loop(&self, &permits, &notify_shutdown, &done_tx);
+        tokio::select! {
+            result = accept => result?,
+            () = shutdown => tracing::info!("shutting down: no new connections"),
+        }
+        drop(notify_shutdown);
+        drop(done_tx);
+        let grace = self.config.shutdown_grace;
+        if tokio::time::timeout(grace, done_rx.recv()).await.is_err() {
+            tracing::warn!(?grace, "sessions still busy after the grace period; leaving them");
+        }
+        Ok(())
+    }
+}
+
+async fn accept_loop(
+    service: &Service,
+    permits: &Arc<Semaphore>,
+    notify_shutdown: &broadcast::Sender<()>,
+    done_tx: &mpsc::Sender<()>,
+) -> std::io::Result<()> {
+    loop {
+        let (socket, peer) = match service.listener.accept().await {
+            Ok(accepted) => accepted,
+            // Out of file descriptors and the like: back off rather than spin or die.
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let _ = socket.set_nodelay(true);
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            tracing::warn!(%peer, "connection refused: at the connection limit");
+            tokio::spawn(refuse(socket, service.config.clone()));
+            continue;
+        };
+        let node = service.node.clone();
+        let config = service.config.clone();
+        let shutdown = notify_shutdown.subscribe();
+        let done = done_tx.clone();
+        tokio::spawn(async move {
+            node.count_connection(true);
+            let mut conn = Connection::new(socket, config.limits);
+            let result = Session {
+                node: &node,
+                config: &config,
+                shutdown,
+            }
+            .serve(&mut conn)
+            .await;
+            if let Err(error) = result {
+                tracing::info!(%peer, %error, "connection closed on error");
+            }
+            node.count_connection(false);
+            drop(permit);
+            drop(done);
+        });
+    }
+}
+
+/// Tells a connection over the limit why it is closed, without waiting on it for long.
+async fn refuse(socket: TcpStream, config: Arc<ServiceConfig>) {
+    let mut conn = Connection::new(socket, config.limits);
+    let reply = Response::Error(ErrorReply {
+        code: ErrorCode::LimitExceeded,
+        message: format!(
+            "the node serves at most {} connections at once; try again later",
+            config.max_connections
+        ),
+    });
+    let _ = tokio::time::timeout(Duration::from_secs(1), conn.write_response(&reply)).await;
+}
+
+struct Session<'a> {
+    node: &'a Node,
+    config: &'a ServiceConfig,
+    shutdown: broadcast::Receiver<()>,
+}
+
+impl Session<'_> {
+    async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+        mut self,
+        conn: &mut Connection<S>,
+    ) -> Result<(), ConnectionError> {
+        if !self.handshake(conn).await? {
+            return Ok(());
+        }
+        loop {
+            let request = tokio::select! {
+                request = conn.read_request() => request,
+                _ = self.shutdown.recv() => {
+                    let _ = conn.write_response(&Response::Error(NodeError::ShuttingDown.reply())).await;
+                    return Ok(());
+                }
+            };
+            let request = match request {
+                Ok(Some(request)) => request,
+                Ok(None) => return Ok(()),
+                Err(error) => return Err(fail(conn, error).await),
+            };
+            self.handle(conn, request).await?;
+        }
+    }
+
+    /// The first frame must be a `Hello` with the right major version and token.
+    async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        conn: &mut Connection<S>,
+    ) -> Result<bool, ConnectionError> {
+        let idle = self.config.limits.idle_timeout;
+        let first = match tokio::time::timeout(idle, conn.read_request()).await {
+            Err(_) => return Err(ConnectionError::IdleTimeout(idle)),
+            Ok(Ok(Some(request))) => request,
+            Ok(Ok(None)) => return Ok(false),
+            Ok(Err(error)) => return Err(fail(conn, error).await),
+        };
+        let Request::Hello(hello) = first else {
+            let error = protocol_error("the first message must be Hello");
+            return Err(fail(conn, error).await);
+        };
+        if hello.major != PROTOCOL_VERSION {
+            let reply = ErrorReply {
+                code: ErrorCode::VersionMismatch,
+                message: format!(
+                    "client speaks protocol {}, this node speaks {PROTOCOL_VERSION}",
+                    hello.major
+                ),
+            };
+            conn.write_response(&Response::Error(reply)).await?;
+            return Ok(false);
+        }
+        if let Some(expected) = &self.config.token {
+            let given = hello.token.as_deref().unwrap_or("");
+            if !bool::from(given.as_bytes().ct_eq(expected.as_bytes())) {
+                tracing::warn!(agent = %hello.agent, "authentication refused");
+                let reply = ErrorReply {
+                    code: ErrorCode::AuthRefused,
+                    message: "authentication refused: wrong or missing token".into(),
+                };
+                conn.write_response(&Response::Error(reply)).await?;
+                return Ok(false);
+            }
+        }
+        let features = FEATURES
+            .iter()
+            .filter(|f| hello.features.iter().any(|g| g == *f))
+            .map(|f| f.to_string())
+            .collect();
+        let limits = self.config.limits;
+        conn.write_response(&Response::Welcome(Welcome {
+            major: PROTOCOL_VERSION,
+            minor: PROTOCOL_MINOR,
+            features,
+            agent: AGENT.to_string(),
+            max_body: limits.max_body as u64,
+            chunk_size: limits.chunk_size as u64,
+        }))
+        .await?;
+        Ok(true)
+    }
+
+    async fn handle<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        conn: &mut Connection<S>,
+        request: Request,
+    ) -> Result<(), ConnectionError> {
+        let node = self.node;
+        let reply = match request {
+            Request::Hello(_) => {
+                let error = protocol_error("Hello may only open a connection");
+                return Err(fail(conn, error).await);
+            }
+            Request::Put {
+                device,
+                name,
+                meta,
+                overwrite,
+            } => return self.put(conn, device, name, &meta, overwrite).await,
+            Request::Get { key } => return self.get(conn, &key).await,
+            Request::Copy {
+                src,
+                dst_device,
+                dst_name,
+                remove_source,
+                overwrite,
+            } => {
+                let mode = if remove_source {
+                    TransferMode::Move
+                } else {
+                    TransferMode::Copy
+                };
+                node.copy(&src, dst_device, dst_name.as_deref(), mode, overwrite)
+                    .await
+                    .map(|desc| Response::Stored(desc.to_wire()))
+            }
+            Request::Delete { key } => node
+                .remove(&key)
+                .await
+                .map(|desc| Response::Deleted(desc.to_wire())),
+            Request::List { device } => node
+                .list(device)
+                .await
+                .map(|all| Response::Listing(all.iter().map(|d| d.to_wire()).collect())),
+            Request::Stat => node.stats().await.map(Response::Stats),
+        };
+        conn.write_response(&reply.unwrap_or_else(|e| Response::Error(e.reply())))
+            .await?;
+        Ok(())
+    }
+
+    async fn put<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        conn: &mut Connection<S>,
+        device: u32,
+        name: Option<String>,
+        wire: &ferry_proto::WireMeta,
+        overwrite: bool,
+    ) -> Result<(), ConnectionError> {
+        let node = self.node;
+        let name = name.unwrap_or_else(|| node.fresh_name());
+        // Everything about the tensor is checked, and its budget claimed, before one byte of it
+        // is read or its buffer allocated.
+        let admitted = TensorMeta::try_from(wire)
+            .map_err(NodeError::from)
+            .and_then(|meta| {
+                let bytes = meta.byte_len() as u64;
+                let reservation = node.admit(device, &name, &meta.dtype(), meta.shape(), bytes)?;
+                let assembler = TensorAssembler::new(meta, node.config().max_tensor_bytes)?;
+                Ok((assembler, reservation))
+            });
+        let (mut assembler, reservation) = match admitted {
+            Ok(admitted) => admitted,
+            Err(error) => {
+                node.count_failure();
+                tracing::warn!(device, %name, %error, "put refused");
+                conn.write_response(&Response::Error(error.reply())).await?;
+                return Ok(());
+            }
+        };
+        conn.write_response(&Response::Ready).await?;
+        if let Err(error) = conn.read_payload(&mut assembler).await {
+            // The rest of the stream cannot be trusted to line up with frames: report and close.
+            // The assembler and the reservation are dropped here: nothing was registered.
+            node.count_failure();
+            tracing::warn!(device, %name, %error, "upload failed");
+            return Err(fail(conn, error).await);
+        }
+        let reply = match assembler.finish() {
+            Ok(data) => node
+                .register(device, &name, data, overwrite, reservation)
+                .await
+                .map(|desc| Response::Stored(desc.to_wire())),
+            Err(error) => Err(NodeError::BadRequest(error.to_string())),
+        };
+        conn.write_response(&reply.unwrap_or_else(|e| Response::Error(e.reply())))
+            .await?;
+        Ok(())
+    }
+
+    async fn get<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        conn: &mut Connection<S>,
+        key: &TensorKey,
+    ) -> Result<(), ConnectionError> {
+        let read = self.node.read(key).await.and_then(|(desc, data)| {
+            let (meta, bytes) = ferry_proto::tensor::into_parts(data)?;
+            Ok((desc, meta, bytes))
+        });
+        match read {
+            Ok((desc, meta, bytes)) => {
+                conn.write_response(&Response::Tensor {
+                    info: desc.to_wire(),
+                    meta: meta.to_wire(),
+                })
+                .await?;
+                conn.write_payload(&bytes).await?;
+            }
+            Err(error) => conn.write_response(&Response::Error(error.reply())).await?,
+        }
+        Ok(())
+    }
+}
+
+fn protocol_error(message: &str) -> ConnectionError {
+    ConnectionError::Proto(ProtoError::Frame(FrameError::Malformed(message.to_string())))
+}
+
+/// Tells the peer why the connection is being closed (best effort), and hands the error back.
+async fn fail<S: AsyncRead + AsyncWrite + Unpin>(
+    conn: &mut Connection<S>,
+    error: ConnectionError,
+) -> ConnectionError {
+    let code = match &error {
+        ConnectionError::Proto(ProtoError::Frame(FrameError::UnsupportedVersion { .. })) => {
+            ErrorCode::VersionMismatch
+        }
+        _ => ErrorCode::Protocol,
+    };
+    let reply = Response::Error(ErrorReply {
+        code,
+        message: error.to_string(),
+    });
+    // Written as a raw frame: the peer may be mid-way through sending, and only needs the reason.
+    let _ = tokio::time::timeout(
+        Duration::from_secs(1),
+        conn.write_frame(&control::encode_response(&reply)),
+    )
+    .await;
+    error
+}
