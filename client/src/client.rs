@@ -1,9 +1,9 @@
 //! `Client`: the async Rust API to a ferry node (put, get, copy, move, delete, list, stat).
 
 use ferry_proto::{
-    ErrorCode, ErrorReply, FEATURES, Hello, MetaError, NodeStats, PROTOCOL_MINOR,
-    PROTOCOL_VERSION, ProtoError, Request, Response, TensorAssembler, TensorData, TensorInfo,
-    TensorKey, TensorMeta, Welcome,
+    ErrorCode, ErrorReply, FEATURES, Hello, MetaError, NodeStats, PROTOCOL_MINOR, PROTOCOL_VERSION,
+    ProtoError, Request, Response, TensorAssembler, TensorData, TensorInfo, TensorKey, TensorMeta,
+    Welcome,
 };
 use tokio::net::{TcpStream, ToSocketAddrs};
 
@@ -87,7 +87,10 @@ fn unexpected(response: Response) -> ClientError {
 
 impl Client {
     /// Connects to the node at `addr` and says hello, with `token` if given.
-    pub async fn connect(addr: impl ToSocketAddrs, token: Option<&str>) -> Result<Self, ClientError> {
+    pub async fn connect(
+        addr: impl ToSocketAddrs,
+        token: Option<&str>,
+    ) -> Result<Self, ClientError> {
         let config = ClientConfig {
             token: token.map(str::to_string),
             ..ClientConfig::default()
@@ -100,7 +103,9 @@ impl Client {
         addr: impl ToSocketAddrs,
         config: ClientConfig,
     ) -> Result<Self, ClientError> {
-        let socket = TcpStream::connect(addr).await.map_err(ConnectionError::from)?;
+        let socket = TcpStream::connect(addr)
+            .await
+            .map_err(ConnectionError::from)?;
         let _ = socket.set_nodelay(true);
         let mut conn = Connection::new(socket, config.limits);
         conn.write_request(&Request::Hello(Hello {

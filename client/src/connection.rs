@@ -214,7 +214,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             self.buffer.advance(buffered);
             if buffered < len {
                 let idle = self.limits.idle_timeout;
-                match tokio::time::timeout(idle, self.stream.read_exact(&mut slot[buffered..])).await
+                match tokio::time::timeout(idle, self.stream.read_exact(&mut slot[buffered..]))
+                    .await
                 {
                     Err(_) => return Err(ConnectionError::IdleTimeout(idle)),
                     Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {

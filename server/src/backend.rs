@@ -167,14 +167,15 @@ impl<B: Backend> Primitive<B> {
     /// rule and checked [`BackendKind::holds`].
     pub fn from_data(data: TensorData, device: &B::Device) -> Result<Self, NodeError> {
         let dtype = data.dtype();
-        contain(&format!("from_data({})", dtype_name(&dtype)), || {
-            match dtype {
+        contain(
+            &format!("from_data({})", dtype_name(&dtype)),
+            || match dtype {
                 DType::QFloat(_) => Primitive::Quantized(B::q_from_data(data, device)),
                 DType::Bool(_) => Primitive::Bool(B::bool_from_data(data, device)),
                 d if d.is_float() => Primitive::Float(B::float_from_data(data, device)),
                 _ => Primitive::Int(B::int_from_data(data, device)),
-            }
-        })
+            },
+        )
     }
 
     /// Reads the tensor back to host bytes; the tensor itself stays where it is.

@@ -23,7 +23,9 @@ impl std::str::FromStr for TransferPolicy {
         match s {
             "auto" => Ok(TransferPolicy::Auto),
             "round-trip" => Ok(TransferPolicy::RoundTrip),
-            other => Err(format!("unknown transfer policy {other:?}: expected auto or round-trip")),
+            other => Err(format!(
+                "unknown transfer policy {other:?}: expected auto or round-trip"
+            )),
         }
     }
 }
@@ -89,8 +91,17 @@ mod tests {
         use TransferPolicy::*;
         let f32 = DType::F32;
         assert_eq!(choose_path(Auto, Flex, Flex, &f32), TransferPath::Native);
-        assert_eq!(choose_path(Auto, NdArray, NdArray, &f32), TransferPath::Native);
-        assert_eq!(choose_path(Auto, Flex, NdArray, &f32), TransferPath::RoundTrip);
-        assert_eq!(choose_path(RoundTrip, Flex, Flex, &f32), TransferPath::RoundTrip);
+        assert_eq!(
+            choose_path(Auto, NdArray, NdArray, &f32),
+            TransferPath::Native
+        );
+        assert_eq!(
+            choose_path(Auto, Flex, NdArray, &f32),
+            TransferPath::RoundTrip
+        );
+        assert_eq!(
+            choose_path(RoundTrip, Flex, Flex, &f32),
+            TransferPath::RoundTrip
+        );
     }
 }

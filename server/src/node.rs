@@ -109,7 +109,9 @@ impl Node {
     /// Starts one worker thread per configured device.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         if config.devices.is_empty() {
-            return Err(NodeError::BadRequest("a node needs at least one device".into()));
+            return Err(NodeError::BadRequest(
+                "a node needs at least one device".into(),
+            ));
         }
         let mut devices = Vec::with_capacity(config.devices.len());
         let mut threads = Vec::with_capacity(config.devices.len());
@@ -155,7 +157,10 @@ impl Node {
 
     /// A fresh name for a tensor put without one.
     pub fn fresh_name(&self) -> String {
-        format!("tensor-{}", self.inner.next_name.fetch_add(1, Ordering::Relaxed))
+        format!(
+            "tensor-{}",
+            self.inner.next_name.fetch_add(1, Ordering::Relaxed)
+        )
     }
 
     /// Everything checked before a tensor of `dtype`, `shape` and `bytes` may go to `device`:
@@ -196,7 +201,8 @@ impl Node {
             meta.shape(),
             meta.byte_len() as u64,
         )?;
-        self.register(device, name, data, overwrite, reservation).await
+        self.register(device, name, data, overwrite, reservation)
+            .await
     }
 
     /// Registers validated `data` for which [`admit`](Self::admit) gave `reservation`.
@@ -220,7 +226,13 @@ impl Node {
                 reply,
             })
             .await;
-        self.record("put", &TensorKey::new(device, name), None, result.as_ref(), started);
+        self.record(
+            "put",
+            &TensorKey::new(device, name),
+            None,
+            result.as_ref(),
+            started,
+        );
         result
     }
 
@@ -239,7 +251,13 @@ impl Node {
                 reply,
             })
             .await;
-        self.record("get", key, None, result.as_ref().map(|(desc, _)| desc), started);
+        self.record(
+            "get",
+            key,
+            None,
+            result.as_ref().map(|(desc, _)| desc),
+            started,
+        );
         result
     }
 
@@ -322,8 +340,14 @@ impl Node {
         let source = self.device(src.device)?;
         let target = self.device(dst.device)?;
         let desc = self.describe(src).await?;
-        let reservation = self.admit(dst.device, &dst.name, &desc.dtype, &desc.shape, desc.bytes)?;
-        let path = choose_path(self.inner.config.policy, source.kind(), target.kind(), &desc.dtype);
+        let reservation =
+            self.admit(dst.device, &dst.name, &desc.dtype, &desc.shape, desc.bytes)?;
+        let path = choose_path(
+            self.inner.config.policy,
+            source.kind(),
+            target.kind(),
+            &desc.dtype,
+        );
         *path_taken = Some(path);
         let exported = source
             .call(|reply| Command::Export {
@@ -397,9 +421,15 @@ impl Node {
     /// Counts a connection opened (`+1`) or closed (`-1`), for `stat`.
     pub fn count_connection(&self, opened: bool) {
         if opened {
-            self.inner.counters.connections.fetch_add(1, Ordering::Relaxed);
+            self.inner
+                .counters
+                .connections
+                .fetch_add(1, Ordering::Relaxed);
         } else {
-            self.inner.counters.connections.fetch_sub(1, Ordering::Relaxed);
+            self.inner
+                .counters
+                .connections
+                .fetch_sub(1, Ordering::Relaxed);
         }
     }
 

@@ -56,7 +56,11 @@ pub struct Service {
 
 impl Service {
     /// Binds `addr` (`127.0.0.1:0` picks a free port).
-    pub async fn bind(node: Node, addr: SocketAddr, config: ServiceConfig) -> std::io::Result<Self> {
+    pub async fn bind(
+        node: Node,
+        addr: SocketAddr,
+        config: ServiceConfig,
+    ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         Ok(Self {
             node,
@@ -85,7 +89,10 @@ impl Service {
         drop(done_tx);
         let grace = self.config.shutdown_grace;
         if tokio::time::timeout(grace, done_rx.recv()).await.is_err() {
-            tracing::warn!(?grace, "sessions still busy after the grace period; leaving them");
+            tracing::warn!(
+                ?grace,
+                "sessions still busy after the grace period; leaving them"
+            );
         }
         Ok(())
     }
@@ -361,7 +368,9 @@ impl Session<'_> {
 }
 
 fn protocol_error(message: &str) -> ConnectionError {
-    ConnectionError::Proto(ProtoError::Frame(FrameError::Malformed(message.to_string())))
+    ConnectionError::Proto(ProtoError::Frame(FrameError::Malformed(
+        message.to_string(),
+    )))
 }
 
 /// Tells the peer why the connection is being closed (best effort), and hands the error back.

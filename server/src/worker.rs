@@ -264,7 +264,9 @@ impl DeviceHandle {
             .send(make(reply))
             .await
             .map_err(|_| NodeError::DeviceGone(self.index))?;
-        answer.await.map_err(|_| NodeError::DeviceGone(self.index))?
+        answer
+            .await
+            .map_err(|_| NodeError::DeviceGone(self.index))?
     }
 }
 
@@ -275,7 +277,9 @@ pub fn spawn(
     memory_limit: Option<u64>,
 ) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
     match spec.kind {
-        BackendKind::Flex => spawn_on::<burn_flex::Flex>(index, spec.kind, Default::default(), memory_limit),
+        BackendKind::Flex => {
+            spawn_on::<burn_flex::Flex>(index, spec.kind, Default::default(), memory_limit)
+        }
         // Deprecated upstream in favour of Flex, but still what many deployments run, and the
         // second CPU backend that keeps the cross-backend paths honest.
         #[allow(deprecated)]
@@ -331,7 +335,11 @@ impl<B: Backend> Worker<B> {
         while let Some(command) = rx.blocking_recv() {
             self.handle(command);
         }
-        tracing::debug!(device = self.index, tensors = self.tensors.len(), "device worker stopped");
+        tracing::debug!(
+            device = self.index,
+            tensors = self.tensors.len(),
+            "device worker stopped"
+        );
     }
 
     fn key(&self, name: &str) -> TensorKey {
@@ -418,7 +426,12 @@ impl<B: Backend> Worker<B> {
                 let dtype = data.dtype();
                 let shape = data.shape().as_slice().to_vec();
                 let bytes = data.bytes().len() as u64;
-                (Primitive::<B>::from_data(data, &self.device)?, dtype, shape, bytes)
+                (
+                    Primitive::<B>::from_data(data, &self.device)?,
+                    dtype,
+                    shape,
+                    bytes,
+                )
             }
             Payload::Native(native) => {
                 let primitive = native.primitive.downcast::<Primitive<B>>().map_err(|_| {

@@ -1,0 +1,121 @@
+//! The real `ferry-server` binary: its `listening on` line, a flex and an ndarray device, a
+//! token from the environment, and a clean exit on SIGTERM.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{assert_same, code_of};
+use ferry::client::{Client, ErrorCode};
+use ferry::proto::{DType, TensorKey};
+use ferry::samples;
+
+/// The binary cargo built next to this test's executable.
+fn server_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target directory");
+    dir.join(format!("ferry-server{}", std::env::consts::EXE_SUFFIX))
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_server(args: &[&str], token: Option<&str>) -> Server {
+    let mut command = Command::new(server_binary());
+    command
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("FERRY_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    if let Some(token) = token {
+        command.env("FERRY_TOKEN", token);
+    }
+    let mut child = command
+        .spawn()
+        .expect("ferry-server starts (cargo builds it)");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut first = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut first)
+        .expect("first line");
+    let addr = first
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("first line is `listening on ADDR`, got {first:?}"))
+        .to_string();
+    Server { child, addr }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_and_stops_cleanly_on_sigterm() {
+    let mut server = spawn_server(&["--device", "flex", "--device", "ndarray"], Some("tok"));
+    assert_eq!(
+        code_of(Client::connect(server.addr.as_str(), None).await),
+        ErrorCode::AuthRefused
+    );
+    let mut client = Client::connect(server.addr.as_str(), Some("tok"))
+        .await
+        .unwrap();
+    let stats = client.stat().await.unwrap();
+    let backends: Vec<&str> = stats.devices.iter().map(|d| d.backend.as_str()).collect();
+    assert_eq!(backends, ["flex", "ndarray"]);
+
+    let data = samples::quantized(&samples::schemes()[1].1, &[8, 64], 3);
+    client.put(0, "q", &data).await.unwrap();
+    let copied = client.copy(&TensorKey::new(0, "q"), 1, None).await.unwrap();
+    assert_eq!(copied.path, "round-trip");
+    assert_same(
+        &client.get(&copied.key).await.unwrap(),
+        &data,
+        "via ndarray",
+    );
+    let half = samples::plain(DType::F16, &[2, 2], 1);
+    client.put(0, "h", &half).await.unwrap();
+    let refused = client.copy(&TensorKey::new(0, "h"), 1, None).await;
+    assert_eq!(code_of(refused), ErrorCode::UnsupportedDType);
+    drop(client);
+
+    let status = Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            assert!(status.success(), "exit status {status}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ferry-server did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_bad_device_spec_is_a_clear_error() {
+    let output = Command::new(server_binary())
+        .args(["--listen", "127.0.0.1:0", "--device", "tpu"])
+        .output()
+        .expect("ferry-server runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("unknown device \"tpu\""), "{stderr}");
+}

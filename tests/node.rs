@@ -1,0 +1,236 @@
+//! A real node on loopback: every dtype and quantization scheme through put, copy (each path
+//! forced), move and get, bit-exact; Flex to NdArray and back; 16 concurrent clients.
+
+mod common;
+
+use common::{assert_same, code_of, devices, start, start_with};
+use ferry::client::ErrorCode;
+use ferry::proto::{DType, TensorKey, dtype_name};
+use ferry::samples;
+use ferry::server::{BackendKind, NodeConfig, ServiceConfig, TransferPolicy};
+
+async fn copy_matrix(policy: TransferPolicy, expected_path: &str) {
+    let node = start(
+        NodeConfig {
+            devices: devices(&["flex", "flex"]),
+            policy,
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let mut client = node.client().await;
+    let matrix = samples::full_matrix();
+    for sample in &matrix {
+        let src = TensorKey::new(0, &sample.name);
+        let put = client.put(0, &sample.name, &sample.data).await;
+        let put = put.unwrap_or_else(|e| panic!("{}: put: {e}", sample.name));
+        assert_eq!(
+            put.bytes as usize,
+            sample.data.as_bytes().len(),
+            "{}",
+            sample.name
+        );
+        let copied = client
+            .copy(&src, 1, None)
+            .await
+            .unwrap_or_else(|e| panic!("{}: copy: {e}", sample.name));
+        assert_eq!(copied.path, expected_path, "{}", sample.name);
+        assert_eq!(copied.key, TensorKey::new(1, &sample.name));
+        let back = client.get(&copied.key).await.expect("get copy");
+        assert_same(&back, &sample.data, &sample.name);
+        // The source is untouched by a copy.
+        let source = client.get(&src).await.expect("get source");
+        assert_same(&source, &sample.data, &sample.name);
+    }
+    let stats = client.stat().await.unwrap();
+    let count = matrix.len() as u64;
+    match policy {
+        TransferPolicy::Auto => assert_eq!(stats.native_transfers, count),
+        TransferPolicy::RoundTrip => assert_eq!(stats.round_trip_transfers, count),
+    }
+    assert_eq!(stats.transfers_failed, 0);
+    assert_eq!(stats.devices[1].tensors, count);
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dtype_copies_bit_exact_on_the_native_path() {
+    copy_matrix(TransferPolicy::Auto, "native").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dtype_copies_bit_exact_on_the_forced_round_trip() {
+    copy_matrix(TransferPolicy::RoundTrip, "round-trip").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_deletes_the_source_only_once_the_target_holds_it() {
+    let node = start_with(&["flex", "flex", "ndarray"]).await;
+    let mut client = node.client().await;
+    let data = samples::quantized(&samples::schemes()[1].1, &[8, 64], 7);
+    let src = TensorKey::new(0, "w");
+    client.put(0, "w", &data).await.unwrap();
+    let moved = client.move_to(&src, 1, Some("w2")).await.unwrap();
+    assert_eq!(moved.key, TensorKey::new(1, "w2"));
+    assert_same(&client.get(&moved.key).await.unwrap(), &data, "moved");
+    assert_eq!(code_of(client.get(&src).await), ErrorCode::NotFound);
+
+    // A move the target refuses (NdArray cannot hold F16) leaves the source where it was.
+    let half = samples::plain(DType::F16, &[4, 4], 1);
+    let src = TensorKey::new(0, "half");
+    client.put(0, "half", &half).await.unwrap();
+    let refused = client.move_to(&src, 2, None).await;
+    assert_eq!(code_of(refused), ErrorCode::UnsupportedDType);
+    assert_same(&client.get(&src).await.unwrap(), &half, "source kept");
+    let listing = client.list(Some(2)).await.unwrap();
+    assert!(
+        listing.is_empty(),
+        "nothing registered on the target: {listing:?}"
+    );
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flex_to_ndarray_round_trips_what_ndarray_holds_and_refuses_the_rest_clearly() {
+    let node = start_with(&["flex", "ndarray"]).await;
+    let mut client = node.client().await;
+    let mut held = 0;
+    let mut refused = 0;
+    for sample in samples::full_matrix() {
+        let dtype = sample.data.dtype();
+        let shape = sample.data.shape().as_slice().to_vec();
+        let src = TensorKey::new(0, &sample.name);
+        client.put(0, &sample.name, &sample.data).await.unwrap();
+        let result = client.copy(&src, 1, None).await;
+        if BackendKind::NdArray.holds(&dtype, &shape).is_ok() {
+            let info = result.unwrap_or_else(|e| panic!("{}: {e}", sample.name));
+            assert_eq!(info.path, "round-trip", "{}", sample.name);
+            let back = client.get(&info.key).await.unwrap();
+            assert_same(&back, &sample.data, &sample.name);
+            // And back again, NdArray to Flex.
+            let home = client.copy(&info.key, 0, Some("returned")).await.unwrap();
+            let returned = client.get(&home.key).await.unwrap();
+            assert_same(&returned, &sample.data, &format!("{} back", sample.name));
+            client.delete(&home.key).await.unwrap();
+            held += 1;
+        } else {
+            let Err(ferry::client::ClientError::Node { code, message }) = result else {
+                panic!("{}: expected a refusal, got {result:?}", sample.name);
+            };
+            assert_eq!(code, ErrorCode::UnsupportedDType, "{}", sample.name);
+            assert!(message.contains(&dtype_name(&dtype)), "{message}");
+            assert!(message.contains("ndarray"), "{message}");
+            refused += 1;
+        }
+    }
+    // The matrix exercises both sides of the table.
+    assert!(held > 40 && refused > 40, "held {held}, refused {refused}");
+    let on_ndarray = client.list(Some(1)).await.unwrap();
+    assert_eq!(
+        on_ndarray.len(),
+        held,
+        "exactly the held tensors are registered"
+    );
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_in_process_api_shares_the_workers_the_service_uses() {
+    let node = start_with(&["flex", "flex"]).await;
+    let data = samples::plain(DType::BF16, &[3, 5], 3);
+    node.node
+        .insert(0, "embedded", data.clone(), false)
+        .await
+        .unwrap();
+    let mut client = node.client().await;
+    let fetched = client.get(&TensorKey::new(0, "embedded")).await.unwrap();
+    assert_same(&fetched, &data, "inserted in process, read over TCP");
+    client.put(1, "remote", &data).await.unwrap();
+    let key = TensorKey::new(1, "remote");
+    let taken = node.node.take(&key).await.unwrap();
+    assert_same(&taken, &data, "put over TCP, taken in process");
+    assert_eq!(code_of(client.get(&key).await), ErrorCode::NotFound);
+    node.shutdown().await;
+}
+
+/// 16 clients, 50 mixed operations each, against one node; every read is checked against what
+/// that client last wrote, and at the end the node holds exactly what the clients left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_clients_fifty_mixed_operations_each() {
+    let node = start_with(&["flex", "flex", "ndarray"]).await;
+    let addr = node.addr;
+    let mut tasks = Vec::new();
+    for c in 0..16u64 {
+        tasks.push(tokio::spawn(async move {
+            let mut client = ferry::client::Client::connect(addr, None).await.unwrap();
+            let mut model = std::collections::BTreeMap::new();
+            let dtypes = [DType::F32, DType::I64, DType::U8, DType::BF16];
+            for op in 0..50u64 {
+                let slot = op % 4;
+                let name = format!("c{c}-t{slot}");
+                match (op * 7 + c) % 5 {
+                    0 | 1 => {
+                        let dtype = dtypes[((op + c) % 4) as usize];
+                        let data = samples::plain(dtype, &[16, (op % 5 + 1) as usize], op + c);
+                        client.put_with(0, Some(&name), &data, true).await.unwrap();
+                        model.insert(TensorKey::new(0, &name), data);
+                    }
+                    2 => {
+                        let src = TensorKey::new(0, &name);
+                        let dst = TensorKey::new(1, &name);
+                        let result = client.transfer(&src, 1, None, false, true).await;
+                        match model.get(&src).cloned() {
+                            Some(data) => {
+                                result.unwrap();
+                                model.insert(dst, data);
+                            }
+                            None => assert_eq!(code_of(result), ErrorCode::NotFound),
+                        }
+                    }
+                    3 => {
+                        for key in [TensorKey::new(0, &name), TensorKey::new(1, &name)] {
+                            let result = client.get(&key).await;
+                            match model.get(&key) {
+                                Some(data) => assert_same(&result.unwrap(), data, &name),
+                                None => assert_eq!(code_of(result), ErrorCode::NotFound),
+                            }
+                        }
+                    }
+                    _ => {
+                        let key = TensorKey::new((op % 2) as u32, &name);
+                        let result = client.delete(&key).await;
+                        match model.remove(&key) {
+                            Some(_) => {
+                                result.unwrap();
+                            }
+                            None => assert_eq!(code_of(result), ErrorCode::NotFound),
+                        }
+                    }
+                }
+            }
+            model
+        }));
+    }
+    let mut expected = std::collections::BTreeMap::new();
+    for task in tasks {
+        expected.extend(task.await.unwrap());
+    }
+    let mut client = node.client().await;
+    let listed: Vec<TensorKey> = client
+        .list(None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|info| info.key)
+        .collect();
+    let wanted: Vec<TensorKey> = expected.keys().cloned().collect();
+    assert_eq!(
+        listed, wanted,
+        "the node holds exactly what the clients left"
+    );
+    for (key, data) in &expected {
+        assert_same(&client.get(key).await.unwrap(), data, &key.to_string());
+    }
+    node.shutdown().await;
+}
