@@ -9,6 +9,9 @@ use tokio::net::{TcpStream, ToSocketAddrs};
 
 use crate::connection::{Connection, ConnectionError, ConnectionLimits};
 
+/// How many downloads a batch keeps outstanding at once.
+const PIPELINE_WINDOW: usize = 64;
+
 /// The software name the client reports.
 pub const AGENT: &str = concat!("ferry-client/", env!("CARGO_PKG_VERSION"));
 
@@ -32,6 +35,10 @@ pub enum ClientError {
     /// The node answered something that does not fit the request.
     #[error("unexpected answer from the node: {0}")]
     Unexpected(String),
+    /// A Burn tensor could not be made from, or read into, the data (wrong rank or kind for the
+    /// dtype, a device that cannot hold it).
+    #[error("{0}")]
+    Tensor(String),
 }
 
 impl ClientError {
@@ -188,8 +195,9 @@ impl Client {
             Response::Tensor { info, meta } => (info, meta),
             other => return Err(unexpected(other)),
         };
-        let meta = TensorMeta::try_from(&wire)?;
-        let mut assembler = TensorAssembler::new(meta, self.max_tensor_bytes)?;
+        let meta = TensorMeta::try_from(&wire).map_err(ProtoError::from)?;
+        let mut assembler =
+            TensorAssembler::new(meta, self.max_tensor_bytes).map_err(ProtoError::from)?;
         self.conn.read_payload(&mut assembler).await?;
         Ok((info, assembler.finish()?))
     }
@@ -267,5 +275,124 @@ impl Client {
             Response::Stats(stats) => Ok(stats),
             other => Err(unexpected(other)),
         }
+    }
+
+    /// Uploads many tensors to `device` in one pipelined exchange (a whole model's weights): the
+    /// next upload starts while the node registers the previous one. One answer per tensor, in
+    /// order; a refused tensor does not stop the others. `Err` only when the connection fails.
+    pub async fn put_batch(
+        &mut self,
+        device: u32,
+        tensors: &[(String, TensorData)],
+        overwrite: bool,
+    ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
+        let mut results: Vec<Option<Result<TensorInfo, ClientError>>> =
+            (0..tensors.len()).map(|_| None).collect();
+        // The upload whose `Stored` (or error) the node still owes.
+        let mut owed: Option<usize> = None;
+        for (i, (name, data)) in tensors.iter().enumerate() {
+            let meta = match ferry_proto::tensor::meta_of(data) {
+                Ok(meta) => meta,
+                Err(e) => {
+                    results[i] = Some(Err(e.into()));
+                    continue;
+                }
+            };
+            self.conn
+                .write_request(&Request::Put {
+                    device,
+                    name: Some(name.clone()),
+                    meta: meta.to_wire(),
+                    overwrite,
+                })
+                .await?;
+            if let Some(prev) = owed.take() {
+                results[prev] = Some(self.read_stored().await?);
+            }
+            match self.conn.read_response().await? {
+                Response::Ready => {
+                    self.conn.write_payload(data.as_bytes()).await?;
+                    owed = Some(i);
+                }
+                Response::Error(reply) => results[i] = Some(Err(reply.into())),
+                other => return Err(unexpected(other)),
+            }
+        }
+        if let Some(prev) = owed {
+            results[prev] = Some(self.read_stored().await?);
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(ClientError::Unexpected("no answer".into()))))
+            .collect())
+    }
+
+    /// A node's answer to an upload: registered, or refused.
+    async fn read_stored(&mut self) -> Result<Result<TensorInfo, ClientError>, ClientError> {
+        match self.conn.read_response().await? {
+            Response::Stored(info) => Ok(Ok(info)),
+            Response::Error(reply) => Ok(Err(reply.into())),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Downloads many tensors in one pipelined exchange: every request is sent before the first
+    /// answer is read. One answer per key, in order.
+    pub async fn get_batch(
+        &mut self,
+        keys: &[TensorKey],
+    ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
+        let mut results = Vec::with_capacity(keys.len());
+        // Requests go out in windows so that a huge batch never has more than this many
+        // answers outstanding.
+        for window in keys.chunks(PIPELINE_WINDOW) {
+            for key in window {
+                self.conn
+                    .write_request(&Request::Get { key: key.clone() })
+                    .await?;
+            }
+            for _ in window {
+                results.push(self.read_tensor().await?);
+            }
+        }
+        Ok(results)
+    }
+
+    /// A node's answer to a download: the tensor, or an error.
+    async fn read_tensor(&mut self) -> Result<Result<TensorData, ClientError>, ClientError> {
+        let wire = match self.conn.read_response().await? {
+            Response::Tensor { meta, .. } => meta,
+            Response::Error(reply) => return Ok(Err(reply.into())),
+            other => return Err(unexpected(other)),
+        };
+        // A node that announces a tensor and then sends a bad description or bytes has broken
+        // the stream: that fails the whole connection.
+        let meta = TensorMeta::try_from(&wire).map_err(ProtoError::from)?;
+        let mut assembler =
+            TensorAssembler::new(meta, self.max_tensor_bytes).map_err(ProtoError::from)?;
+        self.conn.read_payload(&mut assembler).await?;
+        Ok(Ok(assembler.finish()?))
+    }
+
+    /// Uploads a Burn tensor (quantized ones included) to `device` under `name`.
+    pub async fn put_tensor<const D: usize, K: burn_tensor::kind::Basic>(
+        &mut self,
+        device: u32,
+        name: &str,
+        tensor: burn_tensor::Tensor<D, K>,
+    ) -> Result<TensorInfo, ClientError> {
+        let data = crate::tensor::into_data(tensor)?;
+        self.put(device, name, &data).await
+    }
+
+    /// Downloads the tensor under `key` as a Burn tensor on `device`, with its own dtype
+    /// (quantized ones stay quantized, scheme and scales unchanged).
+    pub async fn get_tensor<const D: usize, K: burn_tensor::kind::Basic + 'static>(
+        &mut self,
+        key: &TensorKey,
+        device: &burn_tensor::Device,
+    ) -> Result<burn_tensor::Tensor<D, K>, ClientError> {
+        let data = self.get(key).await?;
+        crate::tensor::from_data(data, device)
     }
 }

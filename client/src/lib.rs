@@ -1,9 +1,13 @@
 //! The ferry client: the async Rust API to a ferry node, and the frame connection every ferry
 //! peer (client, node session, node-to-node pull) speaks through.
 
+pub mod blocking;
 pub mod client;
 pub mod connection;
+pub mod files;
+pub mod tensor;
 
+pub use blocking::BlockingClient;
 pub use client::{Client, ClientConfig, ClientError};
 pub use connection::{Connection, ConnectionError, ConnectionLimits};
 pub use ferry_proto::{ErrorCode, TensorData, TensorInfo, TensorKey};

@@ -4,7 +4,7 @@
 //! configuration is fixed-width little-endian integers (documented byte for byte in
 //! `PROTOCOL.md`), with a decode limit so a lying length prefix cannot make it allocate.
 
-use bincode::config::{Configuration, Fixint, LittleEndian, Limit};
+use bincode::config::{Configuration, Fixint, Limit, LittleEndian};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 

@@ -4,7 +4,9 @@
 //! change what peers read. Every code here is written down in `PROTOCOL.md`, and decoding checks
 //! what Burn itself does not (block extents, block rank, canonical block sizes).
 
-use burn_std::quantization::{BlockSize, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype};
+use burn_std::quantization::{
+    BlockSize, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype,
+};
 use burn_std::{BoolStore, DType};
 use serde::{Deserialize, Serialize};
 
@@ -355,7 +357,11 @@ pub fn dtype_name(dtype: &DType) -> String {
                 name.push_str(&format!(", {:?}", scheme.mode));
             }
             if let Some(block) = scheme.block_scale() {
-                name.push_str(&format!(", block {:?} {:?}", block.size.as_slice(), block.dtype));
+                name.push_str(&format!(
+                    ", block {:?} {:?}",
+                    block.size.as_slice(),
+                    block.dtype
+                ));
             }
             if let Some(tensor) = scheme.tensor_scale() {
                 name.push_str(&format!(", tensor {tensor:?}"));
@@ -443,7 +449,10 @@ mod tests {
         for v in values {
             for s in stores {
                 for m in [QuantMode::Symmetric, QuantMode::Lookup] {
-                    let base = QuantScheme::default().with_value(v).with_store(s).with_mode(m);
+                    let base = QuantScheme::default()
+                        .with_value(v)
+                        .with_store(s)
+                        .with_mode(m);
                     round_trip(DType::QFloat(base));
                     for d in scales {
                         round_trip(DType::QFloat(base.per_tensor(d)));

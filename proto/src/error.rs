@@ -117,9 +117,7 @@ pub enum MetaError {
         shape: Vec<usize>,
     },
     /// The declared byte length is not what shape and dtype imply.
-    #[error(
-        "tensor of shape {shape:?} and dtype {dtype} must be {expected} bytes, got {actual}"
-    )]
+    #[error("tensor of shape {shape:?} and dtype {dtype} must be {expected} bytes, got {actual}")]
     ByteLenMismatch {
         /// The shape.
         shape: Vec<usize>,

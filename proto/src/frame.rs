@@ -95,7 +95,24 @@ impl FrameHeader {
     /// Decodes a header from its 16 bytes, checking magic, version, kind, flags and the body's
     /// size against `max_body`.
     pub fn decode(bytes: &[u8; HEADER_LEN], max_body: usize) -> Result<Self, FrameError> {
-        let [m0, m1, m2, m3, version, kind, f0, f1, l0, l1, l2, l3, c0, c1, c2, c3] = *bytes;
+        let [
+            m0,
+            m1,
+            m2,
+            m3,
+            version,
+            kind,
+            f0,
+            f1,
+            l0,
+            l1,
+            l2,
+            l3,
+            c0,
+            c1,
+            c2,
+            c3,
+        ] = *bytes;
         let magic = [m0, m1, m2, m3];
         if magic != MAGIC {
             return Err(FrameError::BadMagic { found: magic });
@@ -324,7 +341,11 @@ mod tests {
         let pieces: Vec<_> = chunks(&payload, 4).collect();
         assert_eq!(
             pieces,
-            vec![(0, &payload[0..4]), (4, &payload[4..8]), (8, &payload[8..10])]
+            vec![
+                (0, &payload[0..4]),
+                (4, &payload[4..8]),
+                (8, &payload[8..10])
+            ]
         );
         assert_eq!(chunks(&[], 4).count(), 0);
     }

@@ -12,13 +12,13 @@ pub mod message;
 pub mod meta;
 pub mod tensor;
 
-pub use burn_std::{DType, TensorData};
+pub use burn_std::{BoolStore, DType, TensorData};
 pub use dtype::{WireDType, WireQuantScheme, dtype_name};
 pub use error::{DTypeError, FrameError, MetaError, ProtoError, StreamError};
 pub use frame::{Chunk, Frame, FrameHeader, FrameKind, PROTOCOL_MINOR, PROTOCOL_VERSION};
 pub use message::{
-    DeviceStats, ErrorCode, ErrorReply, Hello, NodeStats, Request, Response, TensorInfo,
-    TensorKey, Welcome,
+    DeviceStats, ErrorCode, ErrorReply, Hello, NodeStats, Request, Response, TensorInfo, TensorKey,
+    Welcome,
 };
 pub use meta::{TensorMeta, WireMeta};
 pub use tensor::TensorAssembler;

@@ -41,6 +41,13 @@ impl TensorMeta {
                 max: MAX_RANK,
             });
         }
+        // A scheme built with Burn's API rather than decoded from the wire can be one the decoder
+        // refuses (`per_block([1])` canonicalises to a block of no extents, `per_block([0])` has
+        // a zero extent): refuse it here as well, so that every meta a sender builds is one a
+        // receiver accepts.
+        if let DType::QFloat(_) = dtype {
+            DType::try_from(&WireDType::from(dtype))?;
+        }
         let byte_len = expected_byte_len(&shape, &dtype)?;
         Ok(Self {
             shape,
@@ -286,7 +293,10 @@ mod tests {
         let scheme = q8s()
             .per_block([4], ScaleDtype::UE4M3)
             .per_tensor(ScaleDtype::F32);
-        assert_eq!(expected_byte_len(&[8], &DType::QFloat(scheme)), Ok(8 + 2 + 4));
+        assert_eq!(
+            expected_byte_len(&[8], &DType::QFloat(scheme)),
+            Ok(8 + 2 + 4)
+        );
     }
 
     #[test]
@@ -307,7 +317,10 @@ mod tests {
             .with_value(QuantValue::Q4S)
             .with_store(QuantStore::PackedU32(0));
         // 8 values per u32: [3, 8] pads nothing, [3, 3] would pad every row.
-        assert_eq!(expected_byte_len(&[3, 8], &DType::QFloat(q4)), Ok(3 * 4 + 4));
+        assert_eq!(
+            expected_byte_len(&[3, 8], &DType::QFloat(q4)),
+            Ok(3 * 4 + 4)
+        );
         assert!(matches!(
             expected_byte_len(&[3, 3], &DType::QFloat(q4)),
             Err(MetaError::AmbiguousPackedLayout { .. })
@@ -338,7 +351,10 @@ mod tests {
             }
         );
         let text = err.to_string();
-        assert!(text.contains("[2, 3]") && text.contains("10") && text.contains("9"), "{text}");
+        assert!(
+            text.contains("[2, 3]") && text.contains("10") && text.contains("9"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -1,0 +1,507 @@
+//! `ferry`: the command line for putting, getting, copying and listing tensors on ferry nodes.
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, anyhow, bail};
+use clap::{Parser, Subcommand};
+use ferry_client::files::{read_tensors, write_tensors};
+use ferry_client::{Client, ClientConfig, TensorData, TensorInfo, TensorKey};
+use ferry_proto::{DType, dtype_name};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Transfers over this many bytes show a progress bar (when stderr is a terminal).
+const PROGRESS_THRESHOLD: u64 = 64 << 20;
+/// Tensors per pipelined batch between two progress updates.
+const BATCH: usize = 16;
+
+/// Move Burn tensors between ferry nodes, devices and files.
+///
+/// A node is HOST:PORT; a tensor is HOST:PORT/DEVICE/NAME; HOST:PORT/DEVICE is every tensor on
+/// that device.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// The nodes' shared token.
+    #[arg(long, global = true, env = "FERRY_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Upload every tensor in FILE (.bpk or .safetensors) to HOST:PORT/DEVICE under its name.
+    Put {
+        /// The file.
+        file: PathBuf,
+        /// HOST:PORT/DEVICE.
+        target: String,
+        /// Prepended to every tensor name.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// Replace tensors that already exist.
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// Download one tensor, or a whole device, into FILE (.bpk or .safetensors).
+    Get {
+        /// HOST:PORT/DEVICE[/NAME].
+        source: String,
+        /// The file to write.
+        #[arg(short, long)]
+        output: PathBuf,
+    },
+    /// Copy a tensor (or every tensor of a device) to HOST:PORT/DEVICE[/NAME].
+    Cp {
+        /// HOST:PORT/DEVICE[/NAME].
+        source: String,
+        /// HOST:PORT/DEVICE[/NAME].
+        target: String,
+        /// Replace tensors that already exist.
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// Move a tensor (or every tensor of a device): the source goes once the target holds it.
+    Mv {
+        /// HOST:PORT/DEVICE[/NAME].
+        source: String,
+        /// HOST:PORT/DEVICE[/NAME].
+        target: String,
+        /// Replace tensors that already exist.
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// List the tensors on a node, or on one of its devices.
+    Ls {
+        /// HOST:PORT[/DEVICE].
+        location: String,
+        /// Print a JSON array.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a tensor.
+    Rm {
+        /// HOST:PORT/DEVICE/NAME.
+        tensor: String,
+    },
+    /// Show a node's devices, tensors and transfer counters.
+    Stat {
+        /// HOST:PORT.
+        node: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// A parsed `HOST:PORT[/DEVICE[/NAME]]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Address {
+    node: String,
+    device: Option<u32>,
+    name: Option<String>,
+}
+
+impl Address {
+    fn parse(text: &str) -> anyhow::Result<Address> {
+        let (node, rest) = match text.split_once('/') {
+            Some((node, rest)) => (node, Some(rest)),
+            None => (text, None),
+        };
+        if node.is_empty() || !node.contains(':') {
+            bail!("{text:?} does not start with a node address HOST:PORT");
+        }
+        let (device, name) = match rest {
+            None | Some("") => (None, None),
+            Some(rest) => {
+                let (device, name) = match rest.split_once('/') {
+                    Some((device, name)) => (device, Some(name)),
+                    None => (rest, None),
+                };
+                let device = device
+                    .parse::<u32>()
+                    .map_err(|_| anyhow!("{text:?}: device {device:?} is not a device index"))?;
+                let name = name.filter(|n| !n.is_empty()).map(str::to_string);
+                (Some(device), name)
+            }
+        };
+        Ok(Address {
+            node: node.to_string(),
+            device,
+            name,
+        })
+    }
+
+    fn device(&self, what: &str) -> anyhow::Result<u32> {
+        self.device
+            .ok_or_else(|| anyhow!("{what} needs a device: HOST:PORT/DEVICE"))
+    }
+}
+
+fn dtype_text(info: &TensorInfo) -> String {
+    DType::try_from(&info.dtype)
+        .map(|d| dtype_name(&d))
+        .unwrap_or_else(|_| format!("unknown({})", info.dtype.tag))
+}
+
+fn progress(total: u64) -> Option<ProgressBar> {
+    if total <= PROGRESS_THRESHOLD || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::new(total);
+    if let Ok(style) =
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} {eta}")
+    {
+        bar.set_style(style);
+    }
+    Some(bar)
+}
+
+async fn connect(node: &str, token: &Option<String>) -> anyhow::Result<Client> {
+    let config = ClientConfig {
+        token: token.clone(),
+        ..ClientConfig::default()
+    };
+    Client::connect_with(node, config)
+        .await
+        .with_context(|| format!("connecting to {node}"))
+}
+
+/// Whether two node addresses reach the same node.
+async fn same_node(a: &str, b: &str) -> anyhow::Result<bool> {
+    if a == b {
+        return Ok(true);
+    }
+    let resolve = |n: &str| {
+        let n = n.to_string();
+        async move {
+            tokio::net::lookup_host(n.as_str())
+                .await
+                .with_context(|| format!("resolving {n}"))
+                .map(|addrs| addrs.collect::<Vec<SocketAddr>>())
+        }
+    };
+    let (a, b) = (resolve(a).await?, resolve(b).await?);
+    Ok(a.iter().any(|x| b.contains(x)))
+}
+
+fn check_all(
+    results: Vec<(String, Result<TensorInfo, ferry_client::ClientError>)>,
+) -> anyhow::Result<()> {
+    let mut failed = 0;
+    for (name, result) in &results {
+        if let Err(e) = result {
+            eprintln!("error: {name}: {e}");
+            failed += 1;
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} of {} tensors failed", results.len());
+    }
+    Ok(())
+}
+
+async fn put(
+    cli: &Cli,
+    file: &PathBuf,
+    target: &str,
+    prefix: &str,
+    overwrite: bool,
+) -> anyhow::Result<()> {
+    let address = Address::parse(target)?;
+    let device = address.device("put")?;
+    if address.name.is_some() {
+        bail!("put takes HOST:PORT/DEVICE; tensor names come from the file");
+    }
+    // Read and validated in full before anything reaches the node.
+    let tensors = read_tensors(file).with_context(|| format!("reading {}", file.display()))?;
+    let tensors: Vec<(String, TensorData)> = tensors
+        .into_iter()
+        .map(|(name, data)| (format!("{prefix}{name}"), data))
+        .collect();
+    let total: u64 = tensors.iter().map(|(_, d)| d.as_bytes().len() as u64).sum();
+    let bar = progress(total);
+    let mut client = connect(&address.node, &cli.token).await?;
+    let mut results = Vec::with_capacity(tensors.len());
+    for batch in tensors.chunks(BATCH) {
+        let answers = client.put_batch(device, batch, overwrite).await?;
+        for ((name, data), answer) in batch.iter().zip(answers) {
+            if let Some(bar) = &bar {
+                bar.inc(data.as_bytes().len() as u64);
+            }
+            results.push((name.clone(), answer));
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let count = results.len();
+    check_all(results)?;
+    eprintln!(
+        "put {count} tensors ({total} bytes) on {}/{device}",
+        address.node
+    );
+    Ok(())
+}
+
+async fn get(cli: &Cli, source: &str, output: &PathBuf) -> anyhow::Result<()> {
+    let address = Address::parse(source)?;
+    let device = address.device("get")?;
+    let mut client = connect(&address.node, &cli.token).await?;
+    let infos = match &address.name {
+        Some(name) => vec![TensorKey::new(device, name.clone())],
+        None => client
+            .list(Some(device))
+            .await?
+            .into_iter()
+            .map(|i| i.key)
+            .collect(),
+    };
+    let mut listing = client.list(Some(device)).await?;
+    listing.retain(|i| infos.contains(&i.key));
+    let total: u64 = listing.iter().map(|i| i.bytes).sum();
+    let bar = progress(total);
+    let mut tensors = Vec::with_capacity(infos.len());
+    for batch in infos.chunks(BATCH) {
+        for (key, answer) in batch.iter().zip(client.get_batch(batch).await?) {
+            let data = answer.with_context(|| format!("getting {key}"))?;
+            if let Some(bar) = &bar {
+                bar.inc(data.as_bytes().len() as u64);
+            }
+            tensors.push((key.name.clone(), data));
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    write_tensors(output, &tensors).with_context(|| format!("writing {}", output.display()))?;
+    eprintln!("wrote {} tensors to {}", tensors.len(), output.display());
+    Ok(())
+}
+
+async fn transfer(
+    cli: &Cli,
+    source: &str,
+    target: &str,
+    remove: bool,
+    overwrite: bool,
+) -> anyhow::Result<()> {
+    let src = Address::parse(source)?;
+    let dst = Address::parse(target)?;
+    let src_device = src.device("the source")?;
+    let dst_device = dst.device("the target")?;
+    if !same_node(&src.node, &dst.node).await? {
+        bail!(
+            "node-to-node transfers ({} to {}) are not supported yet; copy through a file with \
+             `ferry get` and `ferry put`",
+            src.node,
+            dst.node
+        );
+    }
+    let mut client = connect(&src.node, &cli.token).await?;
+    let names: Vec<String> = match &src.name {
+        Some(name) => vec![name.clone()],
+        None => {
+            if dst.name.is_some() {
+                bail!("a whole device goes to HOST:PORT/DEVICE, without a name");
+            }
+            client
+                .list(Some(src_device))
+                .await?
+                .into_iter()
+                .map(|i| i.key.name)
+                .collect()
+        }
+    };
+    let mut results = Vec::with_capacity(names.len());
+    for name in &names {
+        let key = TensorKey::new(src_device, name.clone());
+        let answer = client
+            .transfer(&key, dst_device, dst.name.as_deref(), remove, overwrite)
+            .await;
+        results.push((key.to_string(), answer));
+    }
+    let count = results.len();
+    check_all(results)?;
+    let verb = if remove { "moved" } else { "copied" };
+    eprintln!("{verb} {count} tensors to {}/{dst_device}", dst.node);
+    Ok(())
+}
+
+async fn ls(cli: &Cli, location: &str, json: bool) -> anyhow::Result<()> {
+    let address = Address::parse(location)?;
+    if address.name.is_some() {
+        bail!("ls takes HOST:PORT or HOST:PORT/DEVICE");
+    }
+    let mut client = connect(&address.node, &cli.token).await?;
+    let all = client.list(address.device).await?;
+    if json {
+        let rows: Vec<serde_json::Value> = all
+            .iter()
+            .map(|i| {
+                serde_json::json!({
+                    "device": i.key.device,
+                    "name": i.key.name,
+                    "dtype": dtype_text(i),
+                    "shape": i.shape,
+                    "bytes": i.bytes,
+                    "path": i.path,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        for i in &all {
+            let shape: Vec<String> = i.shape.iter().map(|d| d.to_string()).collect();
+            println!(
+                "{}\t{}\t{}\t[{}]\t{}",
+                i.key.device,
+                i.key.name,
+                dtype_text(i),
+                shape.join(", "),
+                i.bytes
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn rm(cli: &Cli, tensor: &str) -> anyhow::Result<()> {
+    let address = Address::parse(tensor)?;
+    let device = address.device("rm")?;
+    let name = address
+        .name
+        .clone()
+        .ok_or_else(|| anyhow!("rm takes a tensor: HOST:PORT/DEVICE/NAME"))?;
+    let mut client = connect(&address.node, &cli.token).await?;
+    client.delete(&TensorKey::new(device, name)).await?;
+    Ok(())
+}
+
+async fn stat(cli: &Cli, node: &str, json: bool) -> anyhow::Result<()> {
+    let address = Address::parse(node)?;
+    let mut client = connect(&address.node, &cli.token).await?;
+    let stats = client.stat().await?;
+    if json {
+        let devices: Vec<serde_json::Value> = stats
+            .devices
+            .iter()
+            .map(|d| {
+                serde_json::json!({
+                    "index": d.index, "backend": d.backend, "device": d.device,
+                    "tensors": d.tensors, "bytes_held": d.bytes_held, "memory_limit": d.memory_limit,
+                })
+            })
+            .collect();
+        let value = serde_json::json!({
+            "agent": stats.agent,
+            "devices": devices,
+            "transfers_done": stats.transfers_done,
+            "transfers_failed": stats.transfers_failed,
+            "native_transfers": stats.native_transfers,
+            "round_trip_transfers": stats.round_trip_transfers,
+            "connections": stats.connections,
+            "transfer_policy": stats.transfer_policy,
+        });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        println!("{} ({} policy)", stats.agent, stats.transfer_policy);
+        for d in &stats.devices {
+            let limit = d
+                .memory_limit
+                .map_or_else(|| "no limit".to_string(), |l| format!("limit {l}"));
+            println!(
+                "device {}: {} {}, {} tensors, {} bytes ({limit})",
+                d.index, d.backend, d.device, d.tensors, d.bytes_held
+            );
+        }
+        println!(
+            "transfers: {} done, {} failed; in-node paths: {} native, {} round-trip; {} connections",
+            stats.transfers_done,
+            stats.transfers_failed,
+            stats.native_transfers,
+            stats.round_trip_transfers,
+            stats.connections
+        );
+    }
+    Ok(())
+}
+
+async fn run(cli: &Cli) -> anyhow::Result<()> {
+    match &cli.command {
+        Command::Put {
+            file,
+            target,
+            prefix,
+            overwrite,
+        } => put(cli, file, target, prefix, *overwrite).await,
+        Command::Get { source, output } => get(cli, source, output).await,
+        Command::Cp {
+            source,
+            target,
+            overwrite,
+        } => transfer(cli, source, target, false, *overwrite).await,
+        Command::Mv {
+            source,
+            target,
+            overwrite,
+        } => transfer(cli, source, target, true, *overwrite).await,
+        Command::Ls { location, json } => ls(cli, location, *json).await,
+        Command::Rm { tensor } => rm(cli, tensor).await,
+        Command::Stat { node, json } => stat(cli, node, *json).await,
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(&cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // One line: the context chain joined.
+            let chain: Vec<String> = error.chain().map(|e| e.to_string()).collect();
+            eprintln!("error: {}", chain.join(": "));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses() {
+        assert_eq!(
+            Address::parse("127.0.0.1:7070/1/encoder.layer1/weight").unwrap(),
+            Address {
+                node: "127.0.0.1:7070".into(),
+                device: Some(1),
+                name: Some("encoder.layer1/weight".into())
+            }
+        );
+        assert_eq!(
+            Address::parse("host:1/0").unwrap(),
+            Address {
+                node: "host:1".into(),
+                device: Some(0),
+                name: None
+            }
+        );
+        assert_eq!(Address::parse("[::1]:7/2/x").unwrap().node, "[::1]:7");
+        assert!(Address::parse("nohost/0").is_err());
+        assert!(Address::parse("h:1/gpu/x").is_err());
+    }
+}

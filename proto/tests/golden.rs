@@ -1,0 +1,588 @@
+//! Golden byte vectors of ferry's wire format, checked in under `proto/tests/golden/`.
+//!
+//! Every vector is re-encoded from the values below and compared byte for byte with its `.hex`
+//! file, and the file's bytes are decoded back and compared with the values, so a change of any
+//! frame header field, dtype code, message layout or chunk layout fails here. Such a change is a
+//! change of the protocol: bump `PROTOCOL_VERSION` (`proto/src/frame.rs`), update `PROTOCOL.md`,
+//! and only then regenerate the files with
+//!
+//! ```text
+//! FERRY_BLESS=1 cargo test -p ferry-proto --test golden
+//! ```
+//!
+//! which rewrites every file from the values here instead of comparing (the test still decodes
+//! what it wrote). The file format: `#` starts a comment, every other non-blank character is a
+//! hex digit, and whitespace is ignored.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use burn_backend::ops::QTensorOps;
+use burn_backend::read_sync;
+use burn_flex::{Flex, FlexDevice};
+use burn_std::quantization::{QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype};
+use burn_std::{BoolStore, DType, TensorData};
+use bytes::BytesMut;
+use ferry_proto::control::{decode_request, decode_response, encode_request, encode_response};
+use ferry_proto::frame::{self, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BODY, FrameKind, HEADER_LEN};
+use ferry_proto::tensor::into_parts;
+use ferry_proto::{
+    DeviceStats, ErrorCode, ErrorReply, FEATURES, Hello, NodeStats, PROTOCOL_MINOR,
+    PROTOCOL_VERSION, Request, Response, TensorAssembler, TensorInfo, TensorKey, TensorMeta,
+    Welcome, WireMeta, dtype_name,
+};
+
+/// One frame of a vector.
+enum Item {
+    Request(Request),
+    Response(Response),
+    Chunk { offset: u64, data: Vec<u8> },
+}
+
+impl Item {
+    fn encode(&self) -> Vec<u8> {
+        match self {
+            Item::Request(r) => encode_request(r),
+            Item::Response(r) => encode_response(r),
+            Item::Chunk { offset, data } => frame::encode_chunk(*offset, data),
+        }
+    }
+
+    fn label(&self) -> String {
+        let variant = |debug: String| {
+            debug
+                .split([' ', '(', '{'])
+                .next()
+                .unwrap_or("")
+                .to_string()
+        };
+        match self {
+            Item::Request(r) => format!("control, Request::{}", variant(format!("{r:?}"))),
+            Item::Response(r) => format!("control, Response::{}", variant(format!("{r:?}"))),
+            Item::Chunk { offset, data } => {
+                format!(
+                    "chunk, payload offset {offset}, {} payload bytes",
+                    data.len()
+                )
+            }
+        }
+    }
+}
+
+struct Vector {
+    name: &'static str,
+    about: &'static str,
+    items: Vec<Item>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The values
+// ---------------------------------------------------------------------------------------------
+
+fn q8s() -> QuantScheme {
+    QuantScheme::default()
+        .with_value(QuantValue::Q8S)
+        .with_store(QuantStore::Native)
+}
+
+fn meta(shape: &[usize], dtype: DType) -> WireMeta {
+    TensorMeta::new(shape.to_vec(), dtype).unwrap().to_wire()
+}
+
+/// Covers every code: all 17 dtype tags, all 9 values, all 3 stores, both modes, all 5 scale
+/// dtypes and the absent level, a bare scheme, a two-level scheme, a 2-D block.
+fn every_dtype() -> Vec<DType> {
+    let mut all = vec![
+        DType::F64,
+        DType::F32,
+        DType::Flex32,
+        DType::F16,
+        DType::BF16,
+        DType::I64,
+        DType::I32,
+        DType::I16,
+        DType::I8,
+        DType::U64,
+        DType::U32,
+        DType::U16,
+        DType::U8,
+        DType::Bool(BoolStore::Native),
+        DType::Bool(BoolStore::U8),
+        DType::Bool(BoolStore::U32),
+    ];
+    let base = |v| QuantScheme::default().with_value(v);
+    for scheme in [
+        base(QuantValue::Q8F).with_store(QuantStore::Native),
+        q8s().per_tensor(ScaleDtype::F32),
+        base(QuantValue::Q4F)
+            .with_store(QuantStore::PackedU32(0))
+            .per_block([32], ScaleDtype::F16),
+        base(QuantValue::Q4S)
+            .with_store(QuantStore::PackedNative(0))
+            .per_tensor(ScaleDtype::BF16),
+        base(QuantValue::Q2F)
+            .with_store(QuantStore::PackedU32(0))
+            .per_block([4, 4], ScaleDtype::UE8M0),
+        base(QuantValue::Q2S)
+            .with_store(QuantStore::Native)
+            .with_mode(QuantMode::Lookup)
+            .per_block([16], ScaleDtype::UE4M3)
+            .per_tensor(ScaleDtype::F32),
+        base(QuantValue::E4M3)
+            .with_store(QuantStore::Native)
+            .per_tensor(ScaleDtype::UE4M3),
+        base(QuantValue::E5M2)
+            .with_store(QuantStore::Native)
+            .per_block([2, 16], ScaleDtype::F32),
+        q8s()
+            .with_store(QuantStore::PackedNative(1))
+            .per_tensor(ScaleDtype::F16),
+        base(QuantValue::E2M1)
+            .with_store(QuantStore::PackedNative(0))
+            .per_block([32], ScaleDtype::UE8M0),
+    ] {
+        all.push(DType::QFloat(scheme));
+    }
+    all
+}
+
+fn key(device: u32, name: &str) -> TensorKey {
+    TensorKey::new(device, name)
+}
+
+fn info(key: TensorKey, shape: &[usize], dtype: DType, path: &str) -> TensorInfo {
+    let wire = meta(shape, dtype);
+    TensorInfo {
+        key,
+        dtype: wire.dtype,
+        shape: wire.shape,
+        bytes: wire.byte_len,
+        path: path.to_string(),
+    }
+}
+
+/// The one tensor vector: a Q8S tensor of shape [2, 4] with one f32 scale per block of 4.
+fn q8s_block4() -> TensorData {
+    let values: Vec<i8> = vec![1, -2, 3, -4, 127, -127, 0, 64];
+    let scheme = q8s().per_block([4], ScaleDtype::F32);
+    let data = TensorData::quantized(values, vec![2, 4], scheme, &[0.5, 0.25], None);
+    // By hand: the values as bytes, then each block's scale as a little-endian f32.
+    let mut by_hand = vec![0x01, 0xfe, 0x03, 0xfc, 0x7f, 0x81, 0x00, 0x40];
+    by_hand.extend_from_slice(&0.5f32.to_le_bytes());
+    by_hand.extend_from_slice(&0.25f32.to_le_bytes());
+    assert_eq!(
+        data.as_bytes(),
+        by_hand,
+        "Burn lays quantized bytes out as PROTOCOL.md says"
+    );
+    data
+}
+
+/// Chunk size of the tensor vector: small, so the payload takes several chunks.
+const TENSOR_CHUNK: usize = 7;
+
+fn vectors() -> Vec<Vector> {
+    let tensor = q8s_block4();
+    let (tensor_meta, payload) = into_parts(tensor).unwrap();
+    let mut tensor_items = vec![Item::Request(Request::Put {
+        device: 0,
+        name: Some("q".to_string()),
+        meta: tensor_meta.to_wire(),
+        overwrite: false,
+    })];
+    tensor_items.extend(
+        frame::chunks(&payload, TENSOR_CHUNK).map(|(offset, data)| Item::Chunk {
+            offset,
+            data: data.to_vec(),
+        }),
+    );
+
+    let two_level = QuantScheme::default()
+        .with_value(QuantValue::Q4S)
+        .with_store(QuantStore::Native)
+        .per_block([16], ScaleDtype::UE4M3)
+        .per_tensor(ScaleDtype::F32);
+
+    vec![
+        Vector {
+            name: "hello",
+            about: "Request::Hello opening a connection, with a token.",
+            items: vec![Item::Request(Request::Hello(Hello {
+                major: PROTOCOL_VERSION,
+                minor: PROTOCOL_MINOR,
+                features: FEATURES.iter().map(|f| f.to_string()).collect(),
+                token: Some("s3cret".to_string()),
+                agent: "ferry-golden".to_string(),
+            }))],
+        },
+        Vector {
+            name: "welcome",
+            about: "Response::Welcome answering a Hello, with the default limits.",
+            items: vec![Item::Response(Response::Welcome(Welcome {
+                major: PROTOCOL_VERSION,
+                minor: PROTOCOL_MINOR,
+                features: FEATURES.iter().map(|f| f.to_string()).collect(),
+                agent: "ferry-node".to_string(),
+                max_body: DEFAULT_MAX_BODY as u64,
+                chunk_size: DEFAULT_CHUNK_SIZE as u64,
+            }))],
+        },
+        Vector {
+            name: "put_f32_meta",
+            about: "Request::Put of a [2, 3] f32 tensor named \"w\" on device 0 (24 payload \
+                    bytes would follow as chunks).",
+            items: vec![Item::Request(Request::Put {
+                device: 0,
+                name: Some("w".to_string()),
+                meta: meta(&[2, 3], DType::F32),
+                overwrite: false,
+            })],
+        },
+        Vector {
+            name: "put_two_level_meta",
+            about: "Request::Put, node-chosen name, overwrite, of a [2, 32] Q4S tensor \
+                    (native store) with a UE4M3 scale per block of 16 and an f32 per-tensor \
+                    scale: 64 value bytes + 4 block scales + 4 = 72 payload bytes.",
+            items: vec![Item::Request(Request::Put {
+                device: 1,
+                name: None,
+                meta: meta(&[2, 32], DType::QFloat(two_level)),
+                overwrite: true,
+            })],
+        },
+        Vector {
+            name: "get",
+            about: "Request::Get of device 2's \"encoder.layer1.weight\".",
+            items: vec![Item::Request(Request::Get {
+                key: key(2, "encoder.layer1.weight"),
+            })],
+        },
+        Vector {
+            name: "other_requests",
+            about: "Request::Copy, Delete, List (one device and all), and Stat, one frame each.",
+            items: vec![
+                Item::Request(Request::Copy {
+                    src: key(0, "a"),
+                    dst_device: 1,
+                    dst_name: Some("b".to_string()),
+                    remove_source: true,
+                    overwrite: false,
+                }),
+                Item::Request(Request::Delete { key: key(1, "b") }),
+                Item::Request(Request::List { device: Some(1) }),
+                Item::Request(Request::List { device: None }),
+                Item::Request(Request::Stat),
+            ],
+        },
+        Vector {
+            name: "error_response",
+            about: "Response::Error with code NotFound.",
+            items: vec![Item::Response(Response::Error(ErrorReply {
+                code: ErrorCode::NotFound,
+                message: "no tensor 2/encoder.layer1.weight".to_string(),
+            }))],
+        },
+        Vector {
+            name: "error_codes",
+            about: "Response::Error once with every ErrorCode, in code order, empty messages.",
+            items: [
+                ErrorCode::Protocol,
+                ErrorCode::BadRequest,
+                ErrorCode::NotFound,
+                ErrorCode::AlreadyExists,
+                ErrorCode::UnsupportedDType,
+                ErrorCode::LimitExceeded,
+                ErrorCode::AuthRefused,
+                ErrorCode::Backend,
+                ErrorCode::ShuttingDown,
+                ErrorCode::VersionMismatch,
+            ]
+            .into_iter()
+            .map(|code| {
+                Item::Response(Response::Error(ErrorReply {
+                    code,
+                    message: String::new(),
+                }))
+            })
+            .collect(),
+        },
+        Vector {
+            name: "stats_response",
+            about: "Response::Stats for a node with two devices, one with a memory limit.",
+            items: vec![Item::Response(Response::Stats(NodeStats {
+                agent: "ferry-node 0.1.0".to_string(),
+                devices: vec![
+                    DeviceStats {
+                        index: 0,
+                        backend: "flex".to_string(),
+                        device: "FlexDevice".to_string(),
+                        tensors: 3,
+                        bytes_held: 4096,
+                        memory_limit: Some(1 << 30),
+                    },
+                    DeviceStats {
+                        index: 1,
+                        backend: "ndarray".to_string(),
+                        device: "Cpu".to_string(),
+                        tensors: 0,
+                        bytes_held: 0,
+                        memory_limit: None,
+                    },
+                ],
+                transfers_done: 7,
+                transfers_failed: 1,
+                native_transfers: 2,
+                round_trip_transfers: 3,
+                connections: 1,
+                transfer_policy: "auto".to_string(),
+            }))],
+        },
+        Vector {
+            name: "other_responses",
+            about: "Response::Stored, Tensor (its chunks would follow), Deleted, and Ready (a \
+                    Put admitted: its chunks may follow).",
+            items: vec![
+                Item::Response(Response::Stored(info(
+                    key(0, "w"),
+                    &[2, 3],
+                    DType::F32,
+                    "put",
+                ))),
+                Item::Response(Response::Tensor {
+                    info: info(key(0, "w"), &[2, 3], DType::F32, "put"),
+                    meta: meta(&[2, 3], DType::F32),
+                }),
+                Item::Response(Response::Deleted(info(
+                    key(1, "b"),
+                    &[],
+                    DType::Bool(BoolStore::Native),
+                    "round-trip",
+                ))),
+                Item::Response(Response::Ready),
+            ],
+        },
+        Vector {
+            name: "listing_all_dtypes",
+            about: "Response::Listing with one [2, 32] tensor of every dtype code: the 16 \
+                    plain tags, then quantized schemes covering every value, store, mode and \
+                    scale code.",
+            items: vec![Item::Response(Response::Listing(
+                every_dtype()
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, dtype)| info(key(0, &format!("t{i}")), &[2, 32], dtype, "put"))
+                    .collect(),
+            ))],
+        },
+        Vector {
+            name: "q8s_block4_tensor",
+            about: "The client's side of an upload: Request::Put of a [2, 4] Q8S tensor \
+                    (native store, one f32 scale per block of 4; values 1 -2 3 -4 127 -127 0 64, \
+                    scales 0.5 0.25), then, once the node has answered Ready, its 16 payload \
+                    bytes as chunk frames of at most 7 bytes.",
+            items: tensor_items,
+        },
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// The files
+// ---------------------------------------------------------------------------------------------
+
+fn golden_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
+}
+
+fn blessing() -> bool {
+    std::env::var("FERRY_BLESS").is_ok_and(|v| v == "1")
+}
+
+fn hex_line(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The file text for a vector: comments saying what it is, then each frame's header and body.
+fn render(vector: &Vector) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# ferry golden vector: {}", vector.name);
+    let mut line = String::from("#");
+    for word in vector.about.split_whitespace() {
+        if line.len() + word.len() + 1 > 96 {
+            let _ = writeln!(out, "{line}");
+            line = String::from("#");
+        }
+        line.push(' ');
+        line.push_str(word);
+    }
+    let _ = writeln!(out, "{line}");
+    let _ = writeln!(
+        out,
+        "#\n# These bytes are ferry's wire format, protocol version {PROTOCOL_VERSION}. Changing \
+         them changes the\n# protocol: bump PROTOCOL_VERSION (proto/src/frame.rs) and update \
+         PROTOCOL.md first, then\n# regenerate with `FERRY_BLESS=1 cargo test -p ferry-proto \
+         --test golden`.\n# Format: '#' starts a comment; everything else is hex, whitespace \
+         ignored."
+    );
+    for (i, item) in vector.items.iter().enumerate() {
+        let bytes = item.encode();
+        let (header, body) = bytes.split_at(HEADER_LEN);
+        let _ = writeln!(
+            out,
+            "\n# frame {}: {}, body {} bytes",
+            i + 1,
+            item.label(),
+            body.len()
+        );
+        let _ = writeln!(out, "# magic=FRRY version kind flags body_len crc32c(body)");
+        let _ = writeln!(
+            out,
+            "{}  {}  {}  {}  {}  {}",
+            hex_line(&header[0..4]),
+            hex_line(&header[4..5]),
+            hex_line(&header[5..6]),
+            hex_line(&header[6..8]),
+            hex_line(&header[8..12]),
+            hex_line(&header[12..16]),
+        );
+        for (row, piece) in body.chunks(16).enumerate() {
+            let _ = writeln!(out, "{:<47}  # body +{}", hex_line(piece), row * 16);
+        }
+    }
+    out
+}
+
+/// The bytes of a golden file: comments dropped, hex decoded.
+fn parse_hex(text: &str) -> Vec<u8> {
+    let digits: Vec<u8> = text
+        .lines()
+        .map(|line| line.split('#').next().unwrap_or(""))
+        .flat_map(|line| line.bytes().filter(|b| !b.is_ascii_whitespace()))
+        .collect();
+    assert!(digits.len().is_multiple_of(2), "odd number of hex digits");
+    digits
+        .chunks(2)
+        .map(|pair| {
+            let text = std::str::from_utf8(pair).unwrap();
+            u8::from_str_radix(text, 16).unwrap_or_else(|_| panic!("not hex: {text:?}"))
+        })
+        .collect()
+}
+
+/// Decodes the frames in `bytes` and checks they are exactly `items`.
+fn decode_and_compare(name: &str, bytes: &[u8], items: &[Item]) {
+    let mut buf = BytesMut::from(bytes);
+    for (i, item) in items.iter().enumerate() {
+        let frame = frame::parse(&mut buf, DEFAULT_MAX_BODY)
+            .unwrap_or_else(|e| panic!("{name} frame {}: {e}", i + 1))
+            .unwrap_or_else(|| panic!("{name} frame {}: missing", i + 1));
+        match item {
+            Item::Request(want) => {
+                assert_eq!(frame.kind, FrameKind::Control);
+                assert_eq!(&decode_request(&frame.body).unwrap(), want, "{name}");
+            }
+            Item::Response(want) => {
+                assert_eq!(frame.kind, FrameKind::Control);
+                assert_eq!(&decode_response(&frame.body).unwrap(), want, "{name}");
+            }
+            Item::Chunk { offset, data } => {
+                assert_eq!(frame.kind, FrameKind::Chunk);
+                let chunk = frame.into_chunk().unwrap();
+                assert_eq!(
+                    (chunk.offset, &chunk.data[..]),
+                    (*offset, &data[..]),
+                    "{name}"
+                );
+            }
+        }
+    }
+    assert!(buf.is_empty(), "{name}: bytes after the last frame");
+}
+
+#[test]
+fn golden_vectors_match_byte_for_byte() {
+    let dir = golden_dir();
+    let mut failures = Vec::new();
+    for vector in vectors() {
+        let path = dir.join(format!("{}.hex", vector.name));
+        let encoded: Vec<u8> = vector.items.iter().flat_map(Item::encode).collect();
+        if blessing() {
+            std::fs::write(&path, render(&vector)).unwrap();
+        }
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (bless with FERRY_BLESS=1)", path.display()));
+        let golden = parse_hex(&text);
+        if golden != encoded {
+            let at = golden
+                .iter()
+                .zip(&encoded)
+                .position(|(a, b)| a != b)
+                .unwrap_or(golden.len().min(encoded.len()));
+            failures.push(format!(
+                "{}: differs from byte {at} (golden {} bytes, encoded {} bytes)",
+                vector.name,
+                golden.len(),
+                encoded.len()
+            ));
+            continue;
+        }
+        decode_and_compare(vector.name, &golden, &vector.items);
+    }
+    assert!(
+        failures.is_empty(),
+        "the wire format changed; bump PROTOCOL_VERSION and update PROTOCOL.md before \
+         re-blessing:\n{}",
+        failures.join("\n")
+    );
+    // Every file in the directory is a vector this test knows (no stale ones left behind).
+    let mut known: Vec<String> = vectors()
+        .iter()
+        .map(|v| format!("{}.hex", v.name))
+        .collect();
+    known.push("README.md".to_string());
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        assert!(
+            known.contains(&name),
+            "unknown file {name} in {}",
+            dir.display()
+        );
+    }
+}
+
+#[test]
+fn the_golden_tensor_arrives_exactly() {
+    let text = std::fs::read_to_string(golden_dir().join("q8s_block4_tensor.hex")).unwrap();
+    let mut buf = BytesMut::from(&parse_hex(&text)[..]);
+    let put = frame::parse(&mut buf, DEFAULT_MAX_BODY).unwrap().unwrap();
+    let Request::Put { meta: wire, .. } = decode_request(&put.body).unwrap() else {
+        panic!("not a put")
+    };
+    let meta = TensorMeta::try_from(&wire).unwrap();
+    let mut assembler = TensorAssembler::new(meta, 1 << 20).unwrap();
+    let mut chunks = 0;
+    while let Some(frame) = frame::parse(&mut buf, DEFAULT_MAX_BODY).unwrap() {
+        let chunk = frame.into_chunk().unwrap();
+        assembler.accept(chunk.offset, &chunk.data).unwrap();
+        chunks += 1;
+    }
+    assert_eq!(chunks, 3);
+    let arrived = assembler.finish().unwrap();
+    let want = q8s_block4();
+    assert_eq!(arrived.as_bytes(), want.as_bytes());
+    assert_eq!(arrived.dtype(), want.dtype());
+    assert_eq!(arrived.shape(), want.shape());
+    assert_eq!(
+        dtype_name(&arrived.dtype()),
+        "qfloat(Q8S, block [4] F32)",
+        "the scheme is exactly the one built"
+    );
+    // And Flex holds it exactly.
+    let device = FlexDevice;
+    let back = read_sync(Flex::q_into_data(Flex::q_from_data(arrived, &device))).unwrap();
+    assert_eq!(back.as_bytes(), want.as_bytes());
+    assert_eq!(back.dtype(), want.dtype());
+}

@@ -1,0 +1,298 @@
+//! The `ferry` command line against a real `ferry-server`: files in, copies, files out, compared
+//! tensor by tensor, and every error path giving a non-zero exit and one `error:` line.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+
+use ferry::client::files::{read_tensors, write_tensors};
+use ferry::proto::{BoolStore, DType, TensorData};
+use ferry::samples;
+
+fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target directory");
+    dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn server(extra: &[&str]) -> Server {
+    let mut child = Command::new(binary("ferry-server"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--device",
+            "flex",
+            "--device",
+            "flex",
+        ])
+        .args(extra)
+        .env_remove("FERRY_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("ferry-server starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("first line");
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .expect("listening on ADDR")
+        .to_string();
+    Server { child, addr }
+}
+
+fn ferry(args: &[&str]) -> Output {
+    Command::new(binary("ferry"))
+        .args(args)
+        .env_remove("FERRY_TOKEN")
+        .output()
+        .expect("ferry runs")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = ferry(args);
+    assert!(
+        out.status.success(),
+        "ferry {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 stdout")
+}
+
+/// Fails with exactly one `error:` line on stderr that mentions `words`.
+fn fails(args: &[&str], words: &str) {
+    let out = ferry(args);
+    assert!(!out.status.success(), "ferry {args:?} should fail");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert!(!errors.is_empty(), "no error line for {args:?}: {stderr}");
+    assert!(
+        errors.iter().any(|l| l.contains(words)),
+        "ferry {args:?}: expected {words:?} in {stderr}"
+    );
+}
+
+fn assert_same_files(actual: &Path, expected: &[(String, TensorData)]) {
+    let mut got = read_tensors(actual).expect("output file reads back");
+    got.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut want = expected.to_vec();
+    want.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        got.iter().map(|t| &t.0).collect::<Vec<_>>(),
+        want.iter().map(|t| &t.0).collect::<Vec<_>>()
+    );
+    for ((name, a), (_, b)) in got.iter().zip(&want) {
+        assert_eq!(a.dtype(), b.dtype(), "{name}: dtype");
+        assert_eq!(a.shape(), b.shape(), "{name}: shape");
+        assert!(a.as_bytes() == b.as_bytes(), "{name}: bytes differ");
+    }
+}
+
+fn model() -> Vec<(String, TensorData)> {
+    let schemes = samples::schemes();
+    let mut tensors = vec![
+        (
+            "embed.weight".to_string(),
+            samples::plain(DType::F32, &[64, 33], 1),
+        ),
+        (
+            "embed.bias".to_string(),
+            samples::plain(DType::BF16, &[33], 2),
+        ),
+        ("step".to_string(), samples::plain(DType::I64, &[], 3)),
+        (
+            "mask".to_string(),
+            samples::plain(DType::Bool(BoolStore::Native), &[3, 5, 7], 4),
+        ),
+        ("ids".to_string(), samples::plain(DType::U16, &[0, 3], 5)),
+    ];
+    for (label, scheme) in [&schemes[1], &schemes[60], &schemes[schemes.len() - 1]] {
+        let name = format!("layer.{label}");
+        tensors.push((name, samples::quantized(scheme, &[8, 64], 9)));
+    }
+    tensors
+}
+
+#[test]
+fn a_quantized_model_goes_in_moves_between_devices_and_comes_back_identical() {
+    let node = server(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("model.bpk");
+    let tensors = model();
+    write_tensors(&input, &tensors).unwrap();
+
+    let target0 = format!("{}/0", node.addr);
+    ok(&["put", input.to_str().unwrap(), &target0]);
+
+    let listing: serde_json::Value =
+        serde_json::from_str(&ok(&["ls", &node.addr, "--json"])).expect("ls --json parses");
+    let rows = listing.as_array().expect("an array");
+    assert_eq!(rows.len(), tensors.len());
+    for (name, data) in &tensors {
+        let row = rows
+            .iter()
+            .find(|r| r["name"] == name.as_str())
+            .unwrap_or_else(|| panic!("{name} listed"));
+        assert_eq!(row["device"], 0);
+        assert_eq!(row["bytes"], data.as_bytes().len());
+        let shape: Vec<usize> = serde_json::from_value(row["shape"].clone()).unwrap();
+        assert_eq!(shape, data.shape().as_slice());
+        assert_eq!(
+            row["dtype"],
+            ferry::proto::dtype_name(&data.dtype()).as_str()
+        );
+    }
+
+    let target1 = format!("{}/1", node.addr);
+    ok(&["cp", &target0, &target1]);
+    let output = dir.path().join("back.bpk");
+    ok(&["get", &target1, "-o", output.to_str().unwrap()]);
+    assert_same_files(&output, &tensors);
+
+    // One tensor: move it, then the source is gone and the target holds it.
+    let src = format!("{}/0/embed.weight", node.addr);
+    let dst = format!("{}/1/moved", node.addr);
+    ok(&["mv", &src, &dst]);
+    fails(&["rm", &src], "no tensor");
+    let single = dir.path().join("one.bpk");
+    ok(&["get", &dst, "-o", single.to_str().unwrap()]);
+    assert_same_files(&single, &[("moved".to_string(), tensors[0].1.clone())]);
+    ok(&["rm", &dst]);
+
+    let stats: serde_json::Value =
+        serde_json::from_str(&ok(&["stat", &node.addr, "--json"])).expect("stat --json parses");
+    assert_eq!(stats["devices"].as_array().unwrap().len(), 2);
+    assert!(stats["native_transfers"].as_u64().unwrap() >= tensors.len() as u64);
+}
+
+#[test]
+fn plain_dtypes_round_trip_through_safetensors() {
+    let node = server(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("plain.safetensors");
+    let tensors: Vec<(String, TensorData)> = [
+        DType::F64,
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::I64,
+        DType::I32,
+        DType::I16,
+        DType::I8,
+        DType::U64,
+        DType::U32,
+        DType::U16,
+        DType::U8,
+        DType::Bool(BoolStore::Native),
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, d)| (format!("t{i}"), samples::plain(*d, &[3, 5, 7], i as u64)))
+    .collect();
+    write_tensors(&input, &tensors).unwrap();
+    let target = format!("{}/1", node.addr);
+    ok(&["put", input.to_str().unwrap(), &target, "--prefix", "p."]);
+    let output = dir.path().join("out.safetensors");
+    ok(&["get", &target, "-o", output.to_str().unwrap()]);
+    let renamed: Vec<(String, TensorData)> = tensors
+        .iter()
+        .map(|(n, d)| (format!("p.{n}"), d.clone()))
+        .collect();
+    assert_same_files(&output, &renamed);
+
+    // A quantized tensor cannot go into safetensors: the error says to use .bpk.
+    let q = dir.path().join("q.bpk");
+    write_tensors(&q, &model()[5..6]).unwrap();
+    ok(&["put", q.to_str().unwrap(), &format!("{}/0", node.addr)]);
+    let bad = dir.path().join("q.safetensors");
+    fails(
+        &[
+            "get",
+            &format!("{}/0", node.addr),
+            "-o",
+            bad.to_str().unwrap(),
+        ],
+        ".bpk",
+    );
+}
+
+#[test]
+fn every_error_path_exits_non_zero_with_an_error_line() {
+    let node = server(&["--token", "t0k"]);
+    let other = server(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("m.bpk");
+    write_tensors(&file, &model()).unwrap();
+    let file = file.to_str().unwrap();
+    let dev0 = format!("{}/0", node.addr);
+
+    fails(&["ls", &node.addr], "authentication refused");
+    fails(
+        &["--token", "wrong", "ls", &node.addr],
+        "authentication refused",
+    );
+    let authed = |args: &[&str]| {
+        let mut all = vec!["--token", "t0k"];
+        all.extend_from_slice(args);
+        all.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let run_fails = |args: Vec<String>, words: &str| {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        fails(&refs, words);
+    };
+    run_fails(
+        authed(&["get", &format!("{dev0}/nope"), "-o", "x.bpk"]),
+        "no tensor",
+    );
+    run_fails(authed(&["put", "model.onnx", &dev0]), "onnx");
+    run_fails(
+        authed(&["put", file, &format!("{}/7", node.addr)]),
+        "no device 7",
+    );
+    run_fails(authed(&["ls", "not-an-address"]), "HOST:PORT");
+    run_fails(authed(&["ls", "127.0.0.1:1"]), "connecting to 127.0.0.1:1");
+    run_fails(
+        authed(&["cp", &format!("{dev0}/x"), &format!("{}/0", other.addr)]),
+        "not supported yet",
+    );
+    // Putting the same names twice without --overwrite: each refused, and said so.
+    let refs: Vec<String> = authed(&["put", file, &dev0]);
+    let refs: Vec<&str> = refs.iter().map(String::as_str).collect();
+    ok(&refs);
+    fails(&refs, "already exists");
+
+    // A corrupt file is refused before anything reaches the node.
+    let bytes = std::fs::read(file).unwrap();
+    let truncated = dir.path().join("cut.bpk");
+    std::fs::write(&truncated, &bytes[..bytes.len() - 100]).unwrap();
+    let dev1 = format!("{}/1", node.addr);
+    run_fails(
+        authed(&["put", truncated.to_str().unwrap(), &dev1]),
+        "cut.bpk",
+    );
+    let listing = authed(&["ls", &dev1, "--json"]);
+    let listing: Vec<&str> = listing.iter().map(String::as_str).collect();
+    let rows: serde_json::Value = serde_json::from_str(&ok(&listing)).unwrap();
+    assert_eq!(
+        rows.as_array().unwrap().len(),
+        0,
+        "nothing reached device 1"
+    );
+}
