@@ -270,7 +270,7 @@ fn every_error_path_exits_non_zero_with_an_error_line() {
     run_fails(authed(&["ls", "127.0.0.1:1"]), "connecting to 127.0.0.1:1");
     run_fails(
         authed(&["cp", &format!("{dev0}/x"), &format!("{}/0", other.addr)]),
-        "not supported yet",
+        "no tensor",
     );
     // Putting the same names twice without --overwrite: each refused, and said so.
     let refs: Vec<String> = authed(&["put", file, &dev0]);

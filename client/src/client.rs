@@ -66,6 +66,98 @@ impl From<ProtoError> for ClientError {
     }
 }
 
+/// A capability a source node issued: hand it to the target node's [`Client::pull`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// The secret.
+    pub token: String,
+    /// Milliseconds until it expires.
+    pub expires_in_ms: u64,
+    /// The tensor it grants.
+    pub info: TensorInfo,
+    /// BLAKE3 of the tensor's bytes (hex).
+    pub content_hash: String,
+}
+
+/// Where and how [`copy_between`] puts the tensors.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeCopy<'a> {
+    /// The source node's address as the target reaches it.
+    pub source_addr: &'a str,
+    /// The target device.
+    pub dst_device: u32,
+    /// The target name (for a single tensor); each source name when absent.
+    pub dst_name: Option<&'a str>,
+    /// Delete each source tensor once the target registered it (a move).
+    pub remove_source: bool,
+    /// Replace tensors already registered under the target keys.
+    pub overwrite: bool,
+}
+
+/// Copies (or, with `remove_source`, moves) tensors from one node to another, node to node:
+/// the target pulls each tensor straight from the source with a single-use capability bound to
+/// the target, so the bytes never pass through this client. Grants and pulls are pipelined;
+/// one answer per tensor, in order. A move deletes a source tensor only after the target
+/// registered it.
+pub async fn copy_between(
+    source: &mut Client,
+    target: &mut Client,
+    keys: &[TensorKey],
+    how: &NodeCopy<'_>,
+) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
+    let NodeCopy {
+        source_addr,
+        dst_device,
+        dst_name,
+        remove_source,
+        overwrite,
+    } = *how;
+    let audience = target.identify().await?;
+    let mut results = Vec::with_capacity(keys.len());
+    for window in keys.chunks(PIPELINE_WINDOW) {
+        for key in window {
+            source
+                .conn
+                .write_request(&Request::Grant {
+                    key: key.clone(),
+                    audience: audience.clone(),
+                })
+                .await?;
+        }
+        let mut grants = Vec::with_capacity(window.len());
+        for _ in window {
+            grants.push(source.read_grant().await);
+        }
+        for grant in grants.iter().flatten() {
+            target
+                .write_pull(source_addr, grant, dst_device, dst_name, overwrite)
+                .await?;
+        }
+        for grant in grants {
+            let grant = match grant {
+                Ok(grant) => grant,
+                Err(e) => {
+                    results.push(Err(e));
+                    continue;
+                }
+            };
+            let stored = match target.conn.read_response().await? {
+                Response::Stored(info) => Ok(info),
+                Response::Error(reply) => Err(reply.into()),
+                other => return Err(unexpected(other)),
+            };
+            if stored.is_ok() && remove_source {
+                if let Err(e) = source.delete(&grant.info.key).await {
+                    results.push(Err(e));
+                    continue;
+                }
+            }
+            results.push(stored);
+        }
+    }
+    Ok(results)
+}
+
 /// How a client connects.
 #[derive(Debug, Clone, Default)]
 pub struct ClientConfig {
@@ -394,5 +486,131 @@ impl Client {
     ) -> Result<burn_tensor::Tensor<D, K>, ClientError> {
         let data = self.get(key).await?;
         crate::tensor::from_data(data, device)
+    }
+
+    /// The node's id (what a capability is bound to).
+    pub async fn identify(&mut self) -> Result<String, ClientError> {
+        self.conn.write_request(&Request::Identify).await?;
+        match self.conn.read_response().await? {
+            Response::Identity { node_id } => Ok(node_id),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Asks this (source) node for a single-use capability that lets the node `audience` pull
+    /// the tensor under `key`.
+    pub async fn grant(&mut self, key: &TensorKey, audience: &str) -> Result<Grant, ClientError> {
+        self.conn
+            .write_request(&Request::Grant {
+                key: key.clone(),
+                audience: audience.to_string(),
+            })
+            .await?;
+        self.read_grant().await
+    }
+
+    async fn read_grant(&mut self) -> Result<Grant, ClientError> {
+        match self.conn.read_response().await? {
+            Response::Capability {
+                token,
+                expires_in_ms,
+                info,
+                content_hash,
+            } => Ok(Grant {
+                token,
+                expires_in_ms,
+                info,
+                content_hash,
+            }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Asks this (target) node to pull `grant`'s tensor from the node at `source` and register
+    /// it on `dst_device`. Answered once the target registered it; the bytes never pass
+    /// through this client.
+    pub async fn pull(
+        &mut self,
+        source: &str,
+        grant: &Grant,
+        dst_device: u32,
+        dst_name: Option<&str>,
+        overwrite: bool,
+    ) -> Result<TensorInfo, ClientError> {
+        self.write_pull(source, grant, dst_device, dst_name, overwrite)
+            .await?;
+        match self.conn.read_response().await? {
+            Response::Stored(info) => Ok(info),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn write_pull(
+        &mut self,
+        source: &str,
+        grant: &Grant,
+        dst_device: u32,
+        dst_name: Option<&str>,
+        overwrite: bool,
+    ) -> Result<(), ClientError> {
+        self.conn
+            .write_request(&Request::Pull {
+                source: source.to_string(),
+                capability: grant.token.clone(),
+                src: grant.info.key.clone(),
+                dst_device,
+                dst_name: dst_name.map(str::to_string),
+                overwrite,
+                content_hash: Some(grant.content_hash.clone()),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Node to node: asks this (source) node for the tensor `capability` names, from `offset`
+    /// on. The payload follows; read it with [`fetch_payload`](Self::fetch_payload).
+    pub async fn fetch_begin(
+        &mut self,
+        capability: &str,
+        node_id: &str,
+        offset: u64,
+    ) -> Result<(TensorInfo, TensorMeta), ClientError> {
+        self.conn
+            .write_request(&Request::Fetch {
+                capability: capability.to_string(),
+                node_id: node_id.to_string(),
+                offset,
+            })
+            .await?;
+        match self.conn.read_response().await? {
+            Response::Tensor { info, meta } => {
+                let meta = TensorMeta::try_from(&meta).map_err(ProtoError::from)?;
+                Ok((info, meta))
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Node to node: tells the source that every byte arrived, which uses the capability up.
+    pub async fn release(&mut self, capability: &str, node_id: &str) -> Result<(), ClientError> {
+        self.conn
+            .write_request(&Request::Release {
+                capability: capability.to_string(),
+                node_id: node_id.to_string(),
+            })
+            .await?;
+        match self.conn.read_response().await? {
+            Response::Released => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Reads a fetched payload into `assembler`, from where its verified bytes end.
+    pub async fn fetch_payload(
+        &mut self,
+        assembler: &mut TensorAssembler,
+    ) -> Result<(), ClientError> {
+        self.conn.read_payload(assembler).await?;
+        Ok(())
     }
 }

@@ -253,7 +253,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     /// Writes `payload` as chunk frames and flushes. The payload is written from where it lies;
     /// only the 24-byte prefix of each chunk is built.
     pub async fn write_payload(&mut self, payload: &[u8]) -> Result<(), ConnectionError> {
-        for (offset, piece) in frame::chunks(payload, self.limits.chunk_size) {
+        self.write_payload_from(payload, 0).await
+    }
+
+    /// Writes `payload` from byte `start` on (a resumed transfer), as chunk frames whose offsets
+    /// count from the payload's start, and flushes.
+    pub async fn write_payload_from(
+        &mut self,
+        payload: &[u8],
+        start: usize,
+    ) -> Result<(), ConnectionError> {
+        let rest = payload.get(start..).unwrap_or_default();
+        for (offset, piece) in frame::chunks(rest, self.limits.chunk_size) {
+            let offset = offset + start as u64;
             self.stream
                 .write_all(&frame::chunk_prefix(offset, piece))
                 .await?;

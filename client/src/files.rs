@@ -11,8 +11,9 @@
 //! them by dtype. A file from another tool is read in the order its data lies in the file.
 //!
 //! Byte order: Burn's `TensorData` bytes are native-endian. Burnpack stores them as Burn hands
-//! them over, as Burn itself does; safetensors is little-endian by specification, so it is
-//! refused on big-endian targets rather than silently byte-swapped data being written or read.
+//! them over, as Burn itself does. Safetensors is little-endian by specification, which native
+//! order is on every target ferry is built for today (x86_64, aarch64); on a big-endian target
+//! safetensors is refused ([`FileError::BigEndian`]) rather than written or read byte-swapped.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
@@ -295,9 +296,9 @@ fn zeroed_for(dtype: DType, len: usize) -> Bytes {
     };
     // A plain tensor's length is a whole number of elements (the byte-length rule was checked).
     match size {
-        8 if len % 8 == 0 => Bytes::from_elems(vec![0u64; len / 8]),
-        4 if len % 4 == 0 => Bytes::from_elems(vec![0u32; len / 4]),
-        2 if len % 2 == 0 => Bytes::from_elems(vec![0u16; len / 2]),
+        8 if len.is_multiple_of(8) => Bytes::from_elems(vec![0u64; len / 8]),
+        4 if len.is_multiple_of(4) => Bytes::from_elems(vec![0u32; len / 4]),
+        2 if len.is_multiple_of(2) => Bytes::from_elems(vec![0u16; len / 2]),
         _ => Bytes::from_elems(vec![0u8; len]),
     }
 }
@@ -366,7 +367,7 @@ fn read_burnpack(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {
 
     let mut tensors: HashMap<String, burn_pack::Tensor> = burn_pack::Reader::from_file_exact(path)
         .and_then(burn_pack::Reader::into_tensors)
-        .map_err(|e| bad(e.to_string()))?
+        .map_err(|e| pack_error(path, e))?
         .into_iter()
         .map(|t| (t.name.clone(), t))
         .collect();
@@ -393,7 +394,10 @@ fn read_burnpack(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {
         let mut bytes = zeroed_for(dtype, view.len());
         let read = view
             .read(burn_std::Reader::new())
-            .map_err(|e| bad(format!("tensor '{name}': {e}")))?;
+            .map_err(|e| FileError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::other(format!("tensor '{name}': {e}")),
+            })?;
         bytes.copy_from_slice(read);
         drop(view);
         let data = TensorData::try_from_bytes(bytes, shape, dtype)
@@ -454,9 +458,18 @@ fn plan_burnpack(
     let mut raw = vec![0u8; header.metadata_size as usize];
     file.read_exact(&mut raw).map_err(io_error(path))?;
     drop(file);
+    let mut rest = raw.as_slice();
     let metadata: PackMetadata =
-        ciborium::de::from_reader_with_recursion_limit(raw.as_slice(), MAX_CBOR_RECURSION_DEPTH)
+        ciborium::de::from_reader_with_recursion_limit(&mut rest, MAX_CBOR_RECURSION_DEPTH)
             .map_err(|e| bad(format!("metadata: {e}")))?;
+    // The header's size must be the metadata's: bytes past the CBOR mean it lies.
+    if !rest.is_empty() {
+        return Err(bad(format!(
+            "the header claims {} bytes of metadata, its CBOR ends {} bytes earlier",
+            header.metadata_size,
+            rest.len()
+        )));
+    }
     drop(raw);
     if metadata.tensors.len() > MAX_TENSOR_COUNT {
         return Err(bad(format!(
@@ -533,8 +546,6 @@ fn plan_burnpack(
 }
 
 fn write_burnpack(path: &Path, tensors: &[(String, TensorData)]) -> Result<(), FileError> {
-    let bad = |message: String| FileError::Burnpack(format!("{}: {message}", path.display()));
-
     // burn-pack wants `'static` tensor bytes, but these are borrowed: copying them all up front
     // would double the caller's memory. Instead each tensor is deferred, and a scoped thread
     // copies one tensor at a time as the writer asks for it, in the writer's (= this) order.
@@ -582,8 +593,20 @@ fn write_burnpack(path: &Path, tensors: &[(String, TensorData)]) -> Result<(), F
             }
         });
         // Builds `<name>.<pid>-<n>.tmp` beside `path`, fsyncs it, renames it onto `path`.
-        writer.write_to_file(path).map_err(|e| bad(e.to_string()))
+        writer.write_to_file(path).map_err(|e| pack_error(path, e))
     })
+}
+
+/// burn-pack's error as ferry's: its I/O failures (a missing directory, a full disk) become
+/// [`FileError::Io`], though burn-pack keeps only their message, not the original error.
+fn pack_error(path: &Path, error: burn_pack::Error) -> FileError {
+    match error {
+        burn_pack::Error::IoError(message) => FileError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(message),
+        },
+        other => FileError::Burnpack(format!("{}: {other}", path.display())),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -8,6 +8,6 @@ pub mod files;
 pub mod tensor;
 
 pub use blocking::BlockingClient;
-pub use client::{Client, ClientConfig, ClientError};
+pub use client::{Client, ClientConfig, ClientError, Grant, NodeCopy, copy_between};
 pub use connection::{Connection, ConnectionError, ConnectionLimits};
 pub use ferry_proto::{ErrorCode, TensorData, TensorInfo, TensorKey};

@@ -1,6 +1,7 @@
-//! Tensor files: every dtype round-trips bit-exact through `.bpk` (quantized included) and
-//! `.safetensors` (plain dtypes), and corrupt or foreign files give an error, never a panic and
-//! never a wrong tensor.
+//! Tensor files (`ferry_client::files`): bit-exact round trips, and errors for corrupt files.
+//!
+//! Every dtype goes through `.bpk` (quantized included) and every plain one through
+//! `.safetensors`; corrupt or foreign files give an error, never a panic and never a wrong tensor.
 
 use std::path::{Path, PathBuf};
 
@@ -439,6 +440,18 @@ fn duplicate_names_and_inconsistent_tensors_are_refused_before_writing() {
 }
 
 #[test]
+fn missing_files_and_directories_are_io_errors() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for file in ["absent.bpk", "absent.safetensors"] {
+        let err = read_tensors(&dir.path().join(file)).expect_err("no such file");
+        assert!(matches!(err, FileError::Io { .. }), "{err:?}");
+        let path = dir.path().join("no-such-dir").join(file);
+        let err = write_tensors(&path, &plain_set()).expect_err("no such directory");
+        assert!(matches!(err, FileError::Io { .. }), "{err:?}");
+    }
+}
+
+#[test]
 fn rewriting_a_file_replaces_it_and_leaves_earlier_reads_alone() {
     let first = mixed_set();
     let (_dir, path) = round_trip("model.bpk", &first);
@@ -543,6 +556,31 @@ fn truncated_bpk_files_are_errors() {
     for cut in cuts {
         assert_refused(&file[..cut], "cut.bpk", &format!("cut at {cut}"));
     }
+}
+
+#[test]
+fn truncated_or_padded_safetensors_files_are_errors() {
+    let (_dir, path) = round_trip("cut.safetensors", &plain_set());
+    let file = std::fs::read(&path).expect("reads");
+    let header = u64::from_le_bytes(file[..8].try_into().expect("8 bytes")) as usize;
+    for cut in [
+        0,
+        7,
+        8,
+        9,
+        8 + header / 2,
+        8 + header,
+        8 + header + 1,
+        file.len() - 1,
+    ] {
+        assert_refused(&file[..cut], "cut.safetensors", &format!("cut at {cut}"));
+    }
+    let mut long = file.clone();
+    long.push(0);
+    assert_refused(&long, "long.safetensors", "a trailing byte");
+    let mut lie = file.clone();
+    lie[..8].copy_from_slice(&(header as u64 + 8).to_le_bytes());
+    assert_refused(&lie, "lie.safetensors", "header size + 8");
 }
 
 #[test]

@@ -155,6 +155,56 @@ pub enum Request {
     },
     /// Node statistics: answered by [`Response::Stats`].
     Stat,
+    /// The node's identity: answered by [`Response::Identity`].
+    Identify,
+    /// Asks a source node for a capability that lets the node `audience` pull the tensor under
+    /// `key` once: answered by [`Response::Capability`].
+    Grant {
+        /// The tensor.
+        key: TensorKey,
+        /// The node id of the only node that may use it.
+        audience: String,
+    },
+    /// Asks a target node to pull a tensor from `source` with a capability the source issued,
+    /// and register it on `dst_device`. The bytes go from node to node; answered by
+    /// [`Response::Stored`] once the target registered the tensor.
+    Pull {
+        /// The source node's address, as the target can reach it.
+        source: String,
+        /// The capability from the source's [`Response::Capability`].
+        capability: String,
+        /// The tensor on the source.
+        src: TensorKey,
+        /// The target device.
+        dst_device: u32,
+        /// The target name; the source's name when absent.
+        dst_name: Option<String>,
+        /// Replace a tensor already registered under the target key instead of refusing.
+        overwrite: bool,
+        /// The source's content hash, so a target that already holds the same bytes skips the
+        /// transfer.
+        content_hash: Option<String>,
+    },
+    /// From one node to another: send the tensor a capability names, from `offset` on (a
+    /// resumed transfer starts where the verified bytes end). Answered by [`Response::Tensor`]
+    /// and chunk frames from `offset`.
+    Fetch {
+        /// The capability.
+        capability: String,
+        /// The node id of the node fetching.
+        node_id: String,
+        /// The first payload byte wanted.
+        offset: u64,
+    },
+    /// From one node to another, after a fetch's last byte arrived and verified: the capability
+    /// is used up. Answered by [`Response::Released`]. Until then the source keeps it, so that a
+    /// transfer cut after the source sent its last byte can still resume.
+    Release {
+        /// The capability.
+        capability: String,
+        /// The node id of the node that fetched.
+        node_id: String,
+    },
 }
 
 /// A node's answer.
@@ -183,6 +233,25 @@ pub enum Response {
     /// client may send its chunk frames now. A refused `Put` gets an `Error` instead, and the
     /// client sends no chunks.
     Ready,
+    /// The node's identity.
+    Identity {
+        /// The node's id, stable for its lifetime.
+        node_id: String,
+    },
+    /// A single-use capability to pull one tensor.
+    Capability {
+        /// The secret to hand to the target.
+        token: String,
+        /// Milliseconds until it expires.
+        expires_in_ms: u64,
+        /// What it grants.
+        info: TensorInfo,
+        /// The tensor's content hash (see `PROTOCOL.md`: BLAKE3 over its dtype, shape and
+        /// bytes, hex).
+        content_hash: String,
+    },
+    /// The capability is used up.
+    Released,
 }
 
 /// A registered tensor.
@@ -196,7 +265,7 @@ pub struct TensorInfo {
     pub shape: Vec<u64>,
     /// Its payload length in bytes.
     pub bytes: u64,
-    /// How it got there: `put`, `native`, `round-trip`.
+    /// How it got there: `put`, `native`, `round-trip`, `pull`, `dedup`.
     pub path: String,
 }
 
@@ -232,6 +301,11 @@ pub enum ErrorCode {
     ShuttingDown,
     /// A protocol major version the node does not speak; the node closes the connection.
     VersionMismatch,
+    /// A capability that is unknown, used, expired, or bound to another node.
+    CapabilityRefused,
+    /// A node-to-node transfer failed on the way (the peer vanished, went silent, or sent
+    /// corrupt bytes); nothing was registered.
+    PeerFailed,
 }
 
 impl ErrorCode {
@@ -263,6 +337,16 @@ pub struct NodeStats {
     pub connections: u64,
     /// The path policy: `auto` or `round-trip`.
     pub transfer_policy: String,
+    /// The node's id (what a capability is bound to).
+    pub node_id: String,
+    /// Tensors pulled from other nodes.
+    pub pulls: u64,
+    /// Reconnections of pulls after a transient drop.
+    pub pull_retries: u64,
+    /// Pulls skipped because this node already held the same bytes.
+    pub dedup_hits: u64,
+    /// Tensors sent to other nodes.
+    pub fetches_served: u64,
 }
 
 /// One hosted device.

@@ -44,6 +44,33 @@ pub fn from_parts(meta: &TensorMeta, payload: Bytes) -> Result<TensorData, MetaE
     })
 }
 
+/// The content hash of a tensor: BLAKE3 (hex) over its dtype codes, its shape and its bytes, so
+/// that two tensors hash alike only when `into_data` would give the same dtype, shape and bytes
+/// (two empty tensors of different dtypes do not).
+pub fn content_hash(meta: &TensorMeta, payload: &[u8]) -> String {
+    let mut hasher = blake3::Hasher::new();
+    let wire = crate::WireDType::from(meta.dtype());
+    hasher.update(&[wire.tag]);
+    if let Some(q) = &wire.quant {
+        hasher.update(&[
+            q.value,
+            q.store,
+            q.packing_dim,
+            q.mode,
+            q.tensor_scale,
+            q.block_scale,
+            q.block_size.len() as u8,
+        ]);
+        hasher.update(&q.block_size);
+    }
+    hasher.update(&(meta.shape().len() as u64).to_le_bytes());
+    for &dim in meta.shape() {
+        hasher.update(&(dim as u64).to_le_bytes());
+    }
+    hasher.update(payload);
+    hasher.finalize().to_hex().to_string()
+}
+
 /// A zeroed buffer of `len` bytes, allocated with the alignment of `dtype`'s elements so that
 /// backends can use it in place (NdArray panics on misaligned buffers; Flex would copy).
 fn alloc_for(dtype: DType, len: usize) -> Bytes {

@@ -259,7 +259,8 @@ fn vectors() -> Vec<Vector> {
         },
         Vector {
             name: "other_requests",
-            about: "Request::Copy, Delete, List (one device and all), and Stat, one frame each.",
+            about: "Request::Copy, Delete, List (one device and all), Stat, Identify, Grant, \
+                    Pull and Fetch, one frame each.",
             items: vec![
                 Item::Request(Request::Copy {
                     src: key(0, "a"),
@@ -272,6 +273,25 @@ fn vectors() -> Vec<Vector> {
                 Item::Request(Request::List { device: Some(1) }),
                 Item::Request(Request::List { device: None }),
                 Item::Request(Request::Stat),
+                Item::Request(Request::Identify),
+                Item::Request(Request::Grant {
+                    key: key(0, "a"),
+                    audience: "node-b".to_string(),
+                }),
+                Item::Request(Request::Pull {
+                    source: "10.0.0.1:7070".to_string(),
+                    capability: "cap".to_string(),
+                    src: key(0, "a"),
+                    dst_device: 1,
+                    dst_name: None,
+                    overwrite: true,
+                    content_hash: Some("ab".to_string()),
+                }),
+                Item::Request(Request::Fetch {
+                    capability: "cap".to_string(),
+                    node_id: "node-b".to_string(),
+                    offset: 4096,
+                }),
             ],
         },
         Vector {
@@ -296,6 +316,8 @@ fn vectors() -> Vec<Vector> {
                 ErrorCode::Backend,
                 ErrorCode::ShuttingDown,
                 ErrorCode::VersionMismatch,
+                ErrorCode::CapabilityRefused,
+                ErrorCode::PeerFailed,
             ]
             .into_iter()
             .map(|code| {
@@ -335,12 +357,17 @@ fn vectors() -> Vec<Vector> {
                 round_trip_transfers: 3,
                 connections: 1,
                 transfer_policy: "auto".to_string(),
+                node_id: "node-a".to_string(),
+                pulls: 4,
+                pull_retries: 5,
+                dedup_hits: 6,
+                fetches_served: 8,
             }))],
         },
         Vector {
             name: "other_responses",
-            about: "Response::Stored, Tensor (its chunks would follow), Deleted, and Ready (a \
-                    Put admitted: its chunks may follow).",
+            about: "Response::Stored, Tensor (its chunks would follow), Deleted, Ready (a Put \
+                    admitted: its chunks may follow), Identity and Capability.",
             items: vec![
                 Item::Response(Response::Stored(info(
                     key(0, "w"),
@@ -359,6 +386,15 @@ fn vectors() -> Vec<Vector> {
                     "round-trip",
                 ))),
                 Item::Response(Response::Ready),
+                Item::Response(Response::Identity {
+                    node_id: "node-a".to_string(),
+                }),
+                Item::Response(Response::Capability {
+                    token: "cap".to_string(),
+                    expires_in_ms: 60_000,
+                    info: info(key(0, "a"), &[4], DType::U8, "put"),
+                    content_hash: "ab".to_string(),
+                }),
             ],
         },
         Vector {

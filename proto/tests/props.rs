@@ -64,7 +64,7 @@ const SCALES: [ScaleDtype; 5] = [
     ScaleDtype::UE4M3,
 ];
 
-const ERROR_CODES: [ErrorCode; 10] = [
+const ERROR_CODES: [ErrorCode; 12] = [
     ErrorCode::Protocol,
     ErrorCode::BadRequest,
     ErrorCode::NotFound,
@@ -75,6 +75,8 @@ const ERROR_CODES: [ErrorCode; 10] = [
     ErrorCode::Backend,
     ErrorCode::ShuttingDown,
     ErrorCode::VersionMismatch,
+    ErrorCode::CapabilityRefused,
+    ErrorCode::PeerFailed,
 ];
 
 /// Any scheme Burn's builders make: every field random, block extents 1..=8 over 1..=5 dims
@@ -245,6 +247,28 @@ fn arb_request() -> BoxedStrategy<Request> {
                 overwrite,
             },
         );
+    let pull = (
+        (arb_text(), arb_text(), arb_key()),
+        (
+            any::<u32>(),
+            option::of(arb_text()),
+            any::<bool>(),
+            option::of(arb_text()),
+        ),
+    )
+        .prop_map(
+            |((source, capability, src), (dst_device, dst_name, overwrite, content_hash))| {
+                Request::Pull {
+                    source,
+                    capability,
+                    src,
+                    dst_device,
+                    dst_name,
+                    overwrite,
+                    content_hash,
+                }
+            },
+        );
     prop_oneof![
         hello,
         put,
@@ -253,6 +277,16 @@ fn arb_request() -> BoxedStrategy<Request> {
         arb_key().prop_map(|key| Request::Delete { key }),
         option::of(any::<u32>()).prop_map(|device| Request::List { device }),
         Just(Request::Stat),
+        Just(Request::Identify),
+        (arb_key(), arb_text()).prop_map(|(key, audience)| Request::Grant { key, audience }),
+        pull,
+        (arb_text(), arb_text(), any::<u64>()).prop_map(|(capability, node_id, offset)| {
+            Request::Fetch {
+                capability,
+                node_id,
+                offset,
+            }
+        }),
     ]
     .boxed()
 }
@@ -294,8 +328,14 @@ fn arb_response() -> BoxedStrategy<Response> {
                 memory_limit,
             },
         );
-    let stats = (arb_text(), vec(device, 0..3), any::<[u64; 5]>(), arb_text()).prop_map(
-        |(agent, devices, n, transfer_policy)| {
+    let stats = (
+        arb_text(),
+        vec(device, 0..3),
+        any::<[u64; 9]>(),
+        arb_text(),
+        arb_text(),
+    )
+        .prop_map(|(agent, devices, n, transfer_policy, node_id)| {
             Response::Stats(NodeStats {
                 agent,
                 devices,
@@ -305,9 +345,13 @@ fn arb_response() -> BoxedStrategy<Response> {
                 round_trip_transfers: n[3],
                 connections: n[4],
                 transfer_policy,
+                node_id,
+                pulls: n[5],
+                pull_retries: n[6],
+                dedup_hits: n[7],
+                fetches_served: n[8],
             })
-        },
-    );
+        });
     prop_oneof![
         welcome,
         arb_info().prop_map(Response::Stored),
@@ -318,6 +362,15 @@ fn arb_response() -> BoxedStrategy<Response> {
         (select(&ERROR_CODES[..]), arb_text())
             .prop_map(|(code, message)| Response::Error(ErrorReply { code, message })),
         Just(Response::Ready),
+        arb_text().prop_map(|node_id| Response::Identity { node_id }),
+        (arb_text(), any::<u64>(), arb_info(), arb_text()).prop_map(
+            |(token, expires_in_ms, info, content_hash)| Response::Capability {
+                token,
+                expires_in_ms,
+                info,
+                content_hash,
+            }
+        ),
     ]
     .boxed()
 }
@@ -559,13 +612,13 @@ proptest! {
 fn arb_body() -> BoxedStrategy<Vec<u8>> {
     prop_oneof![
         vec(any::<u8>(), 0..128),
-        (0u32..9, vec(any::<u8>(), 0..128)).prop_map(|(variant, tail)| {
+        (0u32..13, vec(any::<u8>(), 0..128)).prop_map(|(variant, tail)| {
             let mut body = variant.to_le_bytes().to_vec();
             body.extend_from_slice(&tail);
             body
         }),
         // A length prefix claiming far more than there is.
-        (0u32..8, any::<u32>(), 0u8..2, any::<u64>()).prop_map(|(variant, device, tag, len)| {
+        (0u32..11, any::<u32>(), 0u8..2, any::<u64>()).prop_map(|(variant, device, tag, len)| {
             let mut body = variant.to_le_bytes().to_vec();
             body.extend_from_slice(&device.to_le_bytes());
             body.push(tag);
@@ -675,7 +728,7 @@ fn non_canonical_bodies_are_refused() {
     assert!(refused(&bad));
     // Unknown variant index.
     let mut bad = good.clone();
-    bad[0] = 7;
+    bad[0] = 200;
     assert!(refused(&bad));
     // Trailing byte; missing byte.
     let mut bad = good.clone();

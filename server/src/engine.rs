@@ -49,6 +49,10 @@ pub enum TransferPath {
     Native,
     /// `into_data` on the source, validated bytes over a channel, `from_data` on the target.
     RoundTrip,
+    /// Streamed from another node over TCP with a capability.
+    Pull,
+    /// A pull skipped: this node already held the same bytes, so it copied its own.
+    Dedup,
 }
 
 impl TransferPath {
@@ -58,6 +62,8 @@ impl TransferPath {
             TransferPath::Put => "put",
             TransferPath::Native => "native",
             TransferPath::RoundTrip => "round-trip",
+            TransferPath::Pull => "pull",
+            TransferPath::Dedup => "dedup",
         }
     }
 }

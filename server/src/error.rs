@@ -71,6 +71,17 @@ pub enum NodeError {
     /// The node is shutting down.
     #[error("the node is shutting down")]
     ShuttingDown,
+    /// A capability that is unknown, used, expired or bound to another node.
+    #[error("capability refused: {0}")]
+    CapabilityRefused(String),
+    /// A node-to-node transfer failed on the way; nothing was registered.
+    #[error("pull from {source_addr} failed: {message}")]
+    Peer {
+        /// The source node.
+        source_addr: String,
+        /// What went wrong.
+        message: String,
+    },
 }
 
 impl NodeError {
@@ -90,6 +101,8 @@ impl NodeError {
             }
             NodeError::Backend(_) => ErrorCode::Backend,
             NodeError::DeviceGone(_) | NodeError::ShuttingDown => ErrorCode::ShuttingDown,
+            NodeError::CapabilityRefused(_) => ErrorCode::CapabilityRefused,
+            NodeError::Peer { .. } => ErrorCode::PeerFailed,
         }
     }
 

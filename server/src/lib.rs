@@ -7,6 +7,7 @@ pub mod backend;
 pub mod engine;
 pub mod error;
 pub mod node;
+pub mod peer;
 pub mod service;
 pub mod worker;
 
@@ -14,5 +15,6 @@ pub use backend::{BackendKind, DeviceSpec};
 pub use engine::{TransferPath, TransferPolicy};
 pub use error::NodeError;
 pub use node::{Node, NodeConfig, TransferMode};
+pub use peer::{PeerLink, PullRequest};
 pub use service::{Service, ServiceConfig};
 pub use worker::TensorDesc;

@@ -4,9 +4,12 @@
 //! `take`, `remove` and `copy` in process; the TCP service calls exactly the same methods, so
 //! both share one set of device workers and one set of rules.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ferry_client::ConnectionLimits;
 
 use burn_backend::TensorData;
 use ferry_proto::message::validate_name;
@@ -31,6 +34,19 @@ pub struct NodeConfig {
     pub memory_limit: Option<u64>,
     /// Which transfer paths may be taken.
     pub policy: TransferPolicy,
+    /// The node's id; a random one when absent.
+    pub node_id: Option<String>,
+    /// How long a capability this node issues stays valid.
+    pub capability_ttl: Duration,
+    /// How often a pull reconnects after a transient drop before it gives up.
+    pub pull_retries: u32,
+    /// The wait before the first reconnection; it doubles with each further one.
+    pub retry_backoff: Duration,
+    /// The token this node presents to the nodes it pulls from.
+    pub peer_token: Option<String>,
+    /// Frame, chunk and idle limits of the connections this node opens to peers; the idle
+    /// timeout is how long a silent source may stall a pull.
+    pub peer_limits: ConnectionLimits,
 }
 
 impl Default for NodeConfig {
@@ -47,6 +63,12 @@ impl Default for NodeConfig {
             max_tensor_bytes: 16 << 30,
             memory_limit: None,
             policy: TransferPolicy::Auto,
+            node_id: None,
+            capability_ttl: Duration::from_secs(300),
+            pull_retries: 3,
+            retry_backoff: Duration::from_millis(100),
+            peer_token: None,
+            peer_limits: ConnectionLimits::default(),
         }
     }
 }
@@ -61,17 +83,37 @@ pub enum TransferMode {
 }
 
 #[derive(Debug, Default)]
-struct Counters {
+pub(crate) struct Counters {
     done: AtomicU64,
     failed: AtomicU64,
     native: AtomicU64,
     round_trip: AtomicU64,
     connections: AtomicU64,
+    pub(crate) pulls: AtomicU64,
+    pub(crate) pull_retries: AtomicU64,
+    pub(crate) dedup_hits: AtomicU64,
+    fetches_served: AtomicU64,
+}
+
+/// The most capabilities a node keeps outstanding; past it, `Grant` is refused until some are
+/// used or expire.
+const MAX_CAPABILITIES: usize = 65_536;
+
+/// A capability this node issued.
+#[derive(Debug)]
+struct Capability {
+    key: TensorKey,
+    audience: String,
+    expires: Instant,
+    /// A fetch with it is under way: a second one at the same time is refused.
+    in_use: bool,
 }
 
 struct Inner {
     devices: Vec<DeviceHandle>,
     config: NodeConfig,
+    node_id: String,
+    capabilities: Mutex<HashMap<String, Capability>>,
     counters: Counters,
     next_name: AtomicU64,
     threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
@@ -123,10 +165,16 @@ impl Node {
             devices.push(handle);
             threads.push(thread);
         }
+        let node_id = config
+            .node_id
+            .clone()
+            .unwrap_or_else(|| format!("node-{:016x}", rand::random::<u64>()));
         Ok(Node {
             inner: Arc::new(Inner {
                 devices,
                 config,
+                node_id,
+                capabilities: Mutex::new(HashMap::new()),
                 counters: Counters::default(),
                 next_name: AtomicU64::new(0),
                 threads: std::sync::Mutex::new(threads),
@@ -137,6 +185,108 @@ impl Node {
     /// The configuration it runs with.
     pub fn config(&self) -> &NodeConfig {
         &self.inner.config
+    }
+
+    /// The node's id, which the capabilities it is granted are bound to.
+    pub fn node_id(&self) -> &str {
+        &self.inner.node_id
+    }
+
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.inner.counters
+    }
+
+    /// Issues a single-use capability for `audience` (a node id) to pull the tensor under `key`.
+    pub async fn grant(
+        &self,
+        key: &TensorKey,
+        audience: &str,
+    ) -> Result<(String, Duration, TensorDesc), NodeError> {
+        let desc = self.describe(key).await?;
+        let ttl = self.inner.config.capability_ttl;
+        let token = format!("{:032x}", rand::random::<u128>());
+        let now = Instant::now();
+        let mut capabilities = self.capabilities();
+        capabilities.retain(|_, c| c.expires > now);
+        if capabilities.len() >= MAX_CAPABILITIES {
+            return Err(NodeError::BadRequest(format!(
+                "{MAX_CAPABILITIES} capabilities are outstanding; try again once some are used"
+            )));
+        }
+        capabilities.insert(
+            token.clone(),
+            Capability {
+                key: key.clone(),
+                audience: audience.to_string(),
+                expires: now + ttl,
+                in_use: false,
+            },
+        );
+        Ok((token, ttl, desc))
+    }
+
+    fn capabilities(&self) -> std::sync::MutexGuard<'_, HashMap<String, Capability>> {
+        // The map stays consistent under a panic (every update is one statement).
+        self.inner
+            .capabilities
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Starts serving a fetch: the capability must exist, be unexpired, be bound to `node_id`
+    /// and not be in use. It is used up when the fetching node releases it (after the last
+    /// byte verified); a fetch that ends otherwise leaves it usable for a resume by the same
+    /// node for one idle timeout, and then it is gone.
+    pub fn begin_fetch(&self, token: &str, node_id: &str) -> Result<FetchLease, NodeError> {
+        let now = Instant::now();
+        let mut capabilities = self.capabilities();
+        let refused = |why: &str| NodeError::CapabilityRefused(why.to_string());
+        let capability = capabilities
+            .get_mut(token)
+            .ok_or_else(|| refused("unknown or already used capability"))?;
+        if capability.expires <= now {
+            capabilities.remove(token);
+            return Err(refused("expired capability"));
+        }
+        if capability.audience != node_id {
+            return Err(refused("capability issued to another node"));
+        }
+        if capability.in_use {
+            return Err(refused("capability in use by another fetch"));
+        }
+        capability.in_use = true;
+        Ok(FetchLease {
+            node: self.clone(),
+            token: token.to_string(),
+            key: capability.key.clone(),
+        })
+    }
+
+    /// The fetching node has every byte: the capability is used up.
+    pub fn release(&self, token: &str, node_id: &str) -> Result<(), NodeError> {
+        let mut capabilities = self.capabilities();
+        match capabilities.get(token) {
+            Some(c) if c.audience == node_id => {
+                capabilities.remove(token);
+                self.inner
+                    .counters
+                    .fetches_served
+                    .fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            _ => Err(NodeError::CapabilityRefused(
+                "unknown capability, or issued to another node".into(),
+            )),
+        }
+    }
+
+    /// Finds a registered tensor with these bytes (BLAKE3, hex).
+    pub async fn find_by_hash(&self, content_hash: &str) -> Result<Option<TensorDesc>, NodeError> {
+        Ok(self
+            .list(None)
+            .await?
+            .into_iter()
+            .find(|d| d.content_hash == content_hash))
     }
 
     /// The device at `index`.
@@ -462,6 +612,39 @@ impl Node {
             round_trip_transfers: c.round_trip.load(Ordering::Relaxed),
             connections: c.connections.load(Ordering::Relaxed),
             transfer_policy: self.inner.config.policy.name().to_string(),
+            node_id: self.inner.node_id.clone(),
+            pulls: c.pulls.load(Ordering::Relaxed),
+            pull_retries: c.pull_retries.load(Ordering::Relaxed),
+            dedup_hits: c.dedup_hits.load(Ordering::Relaxed),
+            fetches_served: c.fetches_served.load(Ordering::Relaxed),
         })
+    }
+}
+
+/// A fetch in progress under a capability; when it ends, the capability waits one idle timeout
+/// for the fetching node's release or a resume, and then lapses.
+#[derive(Debug)]
+pub struct FetchLease {
+    node: Node,
+    token: String,
+    key: TensorKey,
+}
+
+impl FetchLease {
+    /// The tensor it grants.
+    pub fn key(&self) -> &TensorKey {
+        &self.key
+    }
+}
+
+impl Drop for FetchLease {
+    fn drop(&mut self) {
+        // Whatever was read for this fetch is freed with it; the capability stays only long
+        // enough for the same node to release it or resume.
+        let window = self.node.inner.config.peer_limits.idle_timeout;
+        if let Some(capability) = self.node.capabilities().get_mut(&self.token) {
+            capability.in_use = false;
+            capability.expires = capability.expires.min(Instant::now() + window);
+        }
     }
 }

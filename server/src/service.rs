@@ -21,6 +21,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc};
 
 use crate::error::NodeError;
 use crate::node::{AGENT, Node, TransferMode};
+use crate::peer::{PeerLink, PullRequest};
 
 /// How the service listens and what it allows.
 #[derive(Debug, Clone)]
@@ -131,6 +132,7 @@ async fn accept_loop(
                 node: &node,
                 config: &config,
                 shutdown,
+                peer: PeerLink::default(),
             }
             .serve(&mut conn)
             .await;
@@ -161,6 +163,7 @@ struct Session<'a> {
     node: &'a Node,
     config: &'a ServiceConfig,
     shutdown: broadcast::Receiver<()>,
+    peer: PeerLink,
 }
 
 impl Session<'_> {
@@ -288,6 +291,52 @@ impl Session<'_> {
                 .await
                 .map(|all| Response::Listing(all.iter().map(|d| d.to_wire()).collect())),
             Request::Stat => node.stats().await.map(Response::Stats),
+            Request::Identify => Ok(Response::Identity {
+                node_id: node.node_id().to_string(),
+            }),
+            Request::Grant { key, audience } => {
+                node.grant(&key, &audience)
+                    .await
+                    .map(|(token, ttl, desc)| Response::Capability {
+                        token,
+                        expires_in_ms: ttl.as_millis() as u64,
+                        info: desc.to_wire(),
+                        content_hash: desc.content_hash,
+                    })
+            }
+            Request::Pull {
+                source,
+                capability,
+                src,
+                dst_device,
+                dst_name,
+                overwrite,
+                content_hash,
+            } => {
+                let request = PullRequest {
+                    source,
+                    capability,
+                    src,
+                    dst_device,
+                    dst_name,
+                    overwrite,
+                    content_hash,
+                };
+                node.pull(&mut self.peer, &request)
+                    .await
+                    .map(|desc| Response::Stored(desc.to_wire()))
+            }
+            Request::Fetch {
+                capability,
+                node_id,
+                offset,
+            } => return self.fetch(conn, &capability, &node_id, offset).await,
+            Request::Release {
+                capability,
+                node_id,
+            } => node
+                .release(&capability, &node_id)
+                .map(|()| Response::Released),
         };
         conn.write_response(&reply.unwrap_or_else(|e| Response::Error(e.reply())))
             .await?;
@@ -340,6 +389,45 @@ impl Session<'_> {
         };
         conn.write_response(&reply.unwrap_or_else(|e| Response::Error(e.reply())))
             .await?;
+        Ok(())
+    }
+
+    /// Serves a node-to-node fetch under a capability, from `offset` on.
+    async fn fetch<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        conn: &mut Connection<S>,
+        capability: &str,
+        node_id: &str,
+        offset: u64,
+    ) -> Result<(), ConnectionError> {
+        let lease = match self.node.begin_fetch(capability, node_id) {
+            Ok(lease) => lease,
+            Err(error) => {
+                tracing::warn!(%node_id, %error, "fetch refused");
+                return conn.write_response(&Response::Error(error.reply())).await;
+            }
+        };
+        let read = self.node.read(lease.key()).await.and_then(|(desc, data)| {
+            let (meta, bytes) = ferry_proto::tensor::into_parts(data)?;
+            Ok((desc, meta, bytes))
+        });
+        let (desc, meta, bytes) = match read {
+            Ok(read) => read,
+            Err(error) => return conn.write_response(&Response::Error(error.reply())).await,
+        };
+        let Ok(start) = usize::try_from(offset).map(|o| o.min(bytes.len())) else {
+            let error = NodeError::BadRequest(format!("offset {offset} is out of range"));
+            return conn.write_response(&Response::Error(error.reply())).await;
+        };
+        conn.write_response(&Response::Tensor {
+            info: desc.to_wire(),
+            meta: meta.to_wire(),
+        })
+        .await?;
+        // A failed write drops the lease (the capability waits briefly for a resume) and the
+        // host copy read for it.
+        conn.write_payload_from(&bytes, start).await?;
+        drop(lease);
         Ok(())
     }
 

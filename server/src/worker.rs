@@ -33,6 +33,8 @@ pub struct TensorDesc {
     pub bytes: u64,
     /// How it arrived.
     pub path: TransferPath,
+    /// BLAKE3 of its bytes (hex), computed once when it arrived.
+    pub content_hash: String,
 }
 
 impl TensorDesc {
@@ -130,6 +132,7 @@ pub struct NativeTensor {
     dtype: DType,
     shape: Vec<usize>,
     bytes: u64,
+    content_hash: String,
 }
 
 impl std::fmt::Debug for NativeTensor {
@@ -383,6 +386,7 @@ impl<B: Backend> Worker<B> {
                             dtype: e.desc.dtype,
                             shape: e.desc.shape.clone(),
                             bytes: e.desc.bytes,
+                            content_hash: e.desc.content_hash.clone(),
                         }))
                     } else {
                         e.primitive.to_data().map(Exported::Data)
@@ -421,17 +425,15 @@ impl<B: Backend> Worker<B> {
         if !overwrite && self.tensors.contains_key(&name) {
             return Err(NodeError::AlreadyExists(self.key(&name)));
         }
-        let (primitive, dtype, shape, bytes) = match payload {
+        let (primitive, dtype, shape, bytes, content_hash) = match payload {
             Payload::Data(data) => {
                 let dtype = data.dtype();
                 let shape = data.shape().as_slice().to_vec();
                 let bytes = data.bytes().len() as u64;
-                (
-                    Primitive::<B>::from_data(data, &self.device)?,
-                    dtype,
-                    shape,
-                    bytes,
-                )
+                let meta = ferry_proto::tensor::meta_of(&data)?;
+                let content_hash = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
+                let primitive = Primitive::<B>::from_data(data, &self.device)?;
+                (primitive, dtype, shape, bytes, content_hash)
             }
             Payload::Native(native) => {
                 let primitive = native.primitive.downcast::<Primitive<B>>().map_err(|_| {
@@ -445,6 +447,7 @@ impl<B: Backend> Worker<B> {
                     native.dtype,
                     native.shape,
                     native.bytes,
+                    native.content_hash,
                 )
             }
         };
@@ -454,6 +457,7 @@ impl<B: Backend> Worker<B> {
             shape,
             bytes,
             path,
+            content_hash,
         };
         self.tensors.insert(
             name,

@@ -88,3 +88,76 @@ pub fn code_of<T: std::fmt::Debug>(result: Result<T, ClientError>) -> ErrorCode 
         other => panic!("expected an error reply from the node, got {other:?}"),
     }
 }
+
+/// What a [`proxy`] does to the bytes flowing from upstream (the source node) to the client.
+#[derive(Debug, Clone, Copy)]
+pub enum Fault {
+    /// Cuts the first connection after this many bytes; later connections pass.
+    CutOnceAfter(usize),
+    /// Cuts the first connection after this many bytes and refuses every later one, as a node
+    /// that died would.
+    DieAfter(usize),
+    /// Flips one bit of the byte at this position of the first connection.
+    FlipAt(usize),
+}
+
+/// A TCP proxy on loopback in front of `upstream` that applies `fault`; returns its address.
+pub async fn proxy(upstream: SocketAddr, fault: Fault) -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let Ok((mut down, _)) = listener.accept().await else {
+                return;
+            };
+            let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await else {
+                return;
+            };
+            let fault_now = first;
+            first = false;
+            let (mut down_r, mut down_w) = down.split();
+            let (mut up_r, mut up_w) = up.split();
+            let to_upstream = tokio::io::copy(&mut down_r, &mut up_w);
+            let from_upstream = async {
+                let mut seen = 0usize;
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match up_r.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    let piece = &mut buf[..n];
+                    if fault_now {
+                        match fault {
+                            Fault::CutOnceAfter(at) | Fault::DieAfter(at) if seen + n > at => {
+                                let _ = down_w.write_all(&piece[..at - seen]).await;
+                                return;
+                            }
+                            Fault::FlipAt(at) if seen <= at && at < seen + n => {
+                                piece[at - seen] ^= 0x10;
+                            }
+                            _ => {}
+                        }
+                    }
+                    seen += n;
+                    if down_w.write_all(piece).await.is_err() {
+                        return;
+                    }
+                }
+            };
+            // Either direction ending ends the connection (as a cut does).
+            tokio::select! {
+                _ = to_upstream => {},
+                () = from_upstream => {},
+            }
+            drop(down);
+            drop(up);
+            if fault_now && matches!(fault, Fault::DieAfter(_)) {
+                return;
+            }
+        }
+    });
+    addr
+}

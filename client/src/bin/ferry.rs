@@ -8,7 +8,9 @@ use std::process::ExitCode;
 use anyhow::{Context, anyhow, bail};
 use clap::{Parser, Subcommand};
 use ferry_client::files::{read_tensors, write_tensors};
-use ferry_client::{Client, ClientConfig, TensorData, TensorInfo, TensorKey};
+use ferry_client::{
+    Client, ClientConfig, NodeCopy, TensorData, TensorInfo, TensorKey, copy_between,
+};
 use ferry_proto::{DType, dtype_name};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -293,14 +295,6 @@ async fn transfer(
     let dst = Address::parse(target)?;
     let src_device = src.device("the source")?;
     let dst_device = dst.device("the target")?;
-    if !same_node(&src.node, &dst.node).await? {
-        bail!(
-            "node-to-node transfers ({} to {}) are not supported yet; copy through a file with \
-             `ferry get` and `ferry put`",
-            src.node,
-            dst.node
-        );
-    }
     let mut client = connect(&src.node, &cli.token).await?;
     let names: Vec<String> = match &src.name {
         Some(name) => vec![name.clone()],
@@ -316,13 +310,32 @@ async fn transfer(
                 .collect()
         }
     };
-    let mut results = Vec::with_capacity(names.len());
-    for name in &names {
-        let key = TensorKey::new(src_device, name.clone());
-        let answer = client
-            .transfer(&key, dst_device, dst.name.as_deref(), remove, overwrite)
-            .await;
-        results.push((key.to_string(), answer));
+    let keys: Vec<TensorKey> = names
+        .iter()
+        .map(|n| TensorKey::new(src_device, n.clone()))
+        .collect();
+    let mut results = Vec::with_capacity(keys.len());
+    if same_node(&src.node, &dst.node).await? {
+        for key in &keys {
+            let answer = client
+                .transfer(key, dst_device, dst.name.as_deref(), remove, overwrite)
+                .await;
+            results.push((key.to_string(), answer));
+        }
+    } else {
+        // Node to node: the target pulls from the source; no tensor byte passes through here.
+        let mut target = connect(&dst.node, &cli.token).await?;
+        let how = NodeCopy {
+            source_addr: &src.node,
+            dst_device,
+            dst_name: dst.name.as_deref(),
+            remove_source: remove,
+            overwrite,
+        };
+        let answers = copy_between(&mut client, &mut target, &keys, &how).await?;
+        for (key, answer) in keys.iter().zip(answers) {
+            results.push((key.to_string(), answer));
+        }
     }
     let count = results.len();
     check_all(results)?;

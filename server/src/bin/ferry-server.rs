@@ -40,6 +40,21 @@ struct Args {
     /// Seconds in-flight requests get to finish at shutdown.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
+    /// Payload bytes per chunk frame (suffixes work).
+    #[arg(long, default_value = "4MiB")]
+    chunk_size: bytesize::ByteSize,
+    /// This node's id, which capabilities are bound to. Random when absent.
+    #[arg(long)]
+    node_id: Option<String>,
+    /// Token presented to the nodes this node pulls from. Default: the node's own --token.
+    #[arg(long, env = "FERRY_PEER_TOKEN", hide_env_values = true)]
+    peer_token: Option<String>,
+    /// Seconds a capability this node issues stays valid.
+    #[arg(long, default_value_t = 300)]
+    capability_ttl: u64,
+    /// Reconnections of a pull after a transient drop.
+    #[arg(long, default_value_t = 3)]
+    pull_retries: u32,
 }
 
 #[tokio::main]
@@ -52,7 +67,22 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    let token = args.token.filter(|t| !t.is_empty());
+    let chunk_size = usize::try_from(args.chunk_size.as_u64())
+        .ok()
+        .filter(|&c| c > 0 && c <= ferry_proto::frame::DEFAULT_MAX_BODY - 64)
+        .context("--chunk-size must be between 1 byte and 16 MiB")?;
+    let limits = ConnectionLimits {
+        idle_timeout: Duration::from_secs(args.idle_timeout),
+        chunk_size,
+        ..ConnectionLimits::default()
+    };
     let mut config = NodeConfig {
+        node_id: args.node_id,
+        peer_token: args.peer_token.or_else(|| token.clone()),
+        capability_ttl: Duration::from_secs(args.capability_ttl),
+        pull_retries: args.pull_retries,
+        peer_limits: limits,
         max_tensor_bytes: args.max_tensor_bytes.as_u64(),
         memory_limit: args.memory_limit.map(|b| b.as_u64()),
         policy: args
@@ -67,12 +97,9 @@ async fn main() -> anyhow::Result<()> {
     let devices: Vec<String> = config.devices.iter().map(|d| d.to_string()).collect();
     let node = Node::start(config).context("starting the node")?;
     let service_config = ServiceConfig {
-        token: args.token.filter(|t| !t.is_empty()),
+        token,
         max_connections: args.max_connections,
-        limits: ConnectionLimits {
-            idle_timeout: Duration::from_secs(args.idle_timeout),
-            ..ConnectionLimits::default()
-        },
+        limits,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
     };
     let service = Service::bind(node, args.listen, service_config)

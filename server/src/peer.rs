@@ -1,0 +1,295 @@
+//! Node-to-node pulls: the target connects to the source with a capability and streams the
+//! tensor straight into one preallocated buffer, resuming after a transient drop.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use ferry_client::{Client, ClientConfig, ClientError, ConnectionError, ErrorCode};
+use ferry_proto::{TensorAssembler, TensorKey, dtype_name};
+
+use crate::engine::TransferPath;
+use crate::error::NodeError;
+use crate::node::{Node, TransferMode};
+use crate::worker::{Command, Payload, Reservation, TensorDesc};
+
+/// What a client asks a target node to pull.
+#[derive(Debug, Clone)]
+pub struct PullRequest {
+    /// The source node's address, as this node reaches it.
+    pub source: String,
+    /// The capability the source issued for this node.
+    pub capability: String,
+    /// The tensor on the source.
+    pub src: TensorKey,
+    /// The target device.
+    pub dst_device: u32,
+    /// The target name; the source's name when absent.
+    pub dst_name: Option<String>,
+    /// Replace a tensor of that name.
+    pub overwrite: bool,
+    /// The source's content hash, for dedup.
+    pub content_hash: Option<String>,
+}
+
+/// A pull's connection to its source, kept across the pulls of one session (a batch goes over
+/// one connection).
+#[derive(Debug, Default)]
+pub struct PeerLink {
+    source: Option<(String, Client)>,
+}
+
+/// How one attempt failed.
+enum AttemptError {
+    /// The connection dropped or went silent: worth reconnecting and resuming.
+    Transient(String),
+    /// Anything else: the pull fails.
+    Fatal(NodeError),
+}
+
+/// The receiver's state across attempts: the buffer with its verified bytes, and the budget.
+struct Receiving {
+    assembler: TensorAssembler,
+    reservation: Reservation,
+}
+
+impl Node {
+    /// Pulls a tensor from another node and registers it; answered only once it is registered.
+    /// Nothing is registered unless every byte arrived and matched its checksum.
+    pub async fn pull(
+        &self,
+        link: &mut PeerLink,
+        req: &PullRequest,
+    ) -> Result<TensorDesc, NodeError> {
+        let started = Instant::now();
+        let name = req.dst_name.clone().unwrap_or_else(|| req.src.name.clone());
+        let dst = TensorKey::new(req.dst_device, &name);
+        let result = self.pull_inner(link, req, &name).await;
+        match &result {
+            Ok(desc) => tracing::info!(
+                op = "pull",
+                source = %req.source,
+                key = %req.src,
+                dst = %dst,
+                dtype = %dtype_name(&desc.dtype),
+                bytes = desc.bytes,
+                path = desc.path.name(),
+                elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+                "transfer done"
+            ),
+            Err(error) => {
+                self.count_failure();
+                tracing::warn!(op = "pull", source = %req.source, key = %req.src, %error, "transfer failed");
+            }
+        }
+        result
+    }
+
+    async fn pull_inner(
+        &self,
+        link: &mut PeerLink,
+        req: &PullRequest,
+        name: &str,
+    ) -> Result<TensorDesc, NodeError> {
+        ferry_proto::message::validate_name(name)?;
+        self.device(req.dst_device)?;
+        if let Some(hash) = &req.content_hash
+            && let Some(existing) = self.find_by_hash(hash).await?
+        {
+            return self
+                .dedup(existing, req.dst_device, name, req.overwrite)
+                .await;
+        }
+        let config = self.config();
+        let mut receiving: Option<Receiving> = None;
+        let mut attempt = 0u32;
+        loop {
+            match self.attempt(link, req, name, &mut receiving).await {
+                Ok(()) => break,
+                Err(AttemptError::Transient(why)) if attempt < config.pull_retries => {
+                    attempt += 1;
+                    self.counters().pull_retries.fetch_add(1, Ordering::Relaxed);
+                    let resume_at = receiving.as_ref().map_or(0, |r| r.assembler.received());
+                    tracing::warn!(
+                        source = %req.source, key = %req.src, attempt, resume_at, %why,
+                        "pull dropped; reconnecting"
+                    );
+                    link.source = None;
+                    tokio::time::sleep(config.retry_backoff * 2u32.pow(attempt - 1)).await;
+                }
+                Err(AttemptError::Transient(why)) => {
+                    link.source = None;
+                    return Err(NodeError::Peer {
+                        source_addr: req.source.clone(),
+                        message: format!("{why} (after {attempt} retries)"),
+                    });
+                }
+                Err(AttemptError::Fatal(error)) => {
+                    link.source = None;
+                    return Err(error);
+                }
+            }
+        }
+        let Some(Receiving {
+            assembler,
+            reservation,
+        }) = receiving
+        else {
+            return Err(NodeError::BadRequest(
+                "pull finished without a tensor".into(),
+            ));
+        };
+        let data = assembler
+            .finish()
+            .map_err(|e| NodeError::BadRequest(e.to_string()))?;
+        let desc = self
+            .device(req.dst_device)?
+            .call(|reply| Command::Insert {
+                name: name.to_string(),
+                payload: Payload::Data(data),
+                path: TransferPath::Pull,
+                overwrite: req.overwrite,
+                reservation,
+                reply,
+            })
+            .await?;
+        self.counters().pulls.fetch_add(1, Ordering::Relaxed);
+        Ok(desc)
+    }
+
+    async fn attempt(
+        &self,
+        link: &mut PeerLink,
+        req: &PullRequest,
+        name: &str,
+        receiving: &mut Option<Receiving>,
+    ) -> Result<(), AttemptError> {
+        let client = self.link_to(link, &req.source).await?;
+        let offset = receiving.as_ref().map_or(0, |r| r.assembler.received()) as u64;
+        let (_, meta) = client
+            .fetch_begin(&req.capability, self.node_id(), offset)
+            .await
+            .map_err(|e| classify(&req.source, e))?;
+        match receiving {
+            Some(r) if r.assembler.meta() != &meta => {
+                return Err(AttemptError::Fatal(NodeError::Peer {
+                    source_addr: req.source.clone(),
+                    message: "the tensor changed between two attempts".into(),
+                }));
+            }
+            Some(_) => {}
+            None => {
+                let reservation = self
+                    .admit(
+                        req.dst_device,
+                        name,
+                        &meta.dtype(),
+                        meta.shape(),
+                        meta.byte_len() as u64,
+                    )
+                    .map_err(AttemptError::Fatal)?;
+                let assembler = TensorAssembler::new(meta, self.config().max_tensor_bytes)
+                    .map_err(|e| AttemptError::Fatal(e.into()))?;
+                *receiving = Some(Receiving {
+                    assembler,
+                    reservation,
+                });
+            }
+        }
+        let Some(r) = receiving.as_mut() else {
+            return Err(AttemptError::Fatal(NodeError::BadRequest(
+                "no receiver".into(),
+            )));
+        };
+        client
+            .fetch_payload(&mut r.assembler)
+            .await
+            .map_err(|e| classify(&req.source, e))?;
+        // Every byte is here and verified: the transfer stands even if the release is lost (the
+        // capability then lapses at the source on its own).
+        if let Err(error) = client.release(&req.capability, self.node_id()).await {
+            tracing::warn!(source = %req.source, %error, "release after a complete pull failed");
+        }
+        Ok(())
+    }
+
+    /// The session's connection to `source`, opened if needed.
+    async fn link_to<'a>(
+        &self,
+        link: &'a mut PeerLink,
+        source: &str,
+    ) -> Result<&'a mut Client, AttemptError> {
+        if !matches!(&link.source, Some((addr, _)) if addr == source) {
+            let config = ClientConfig {
+                token: self.config().peer_token.clone(),
+                limits: self.config().peer_limits,
+                max_tensor_bytes: Some(self.config().max_tensor_bytes),
+            };
+            let connect = Client::connect_with(source, config);
+            let client = tokio::time::timeout(self.config().peer_limits.idle_timeout, connect)
+                .await
+                .map_err(|_| AttemptError::Transient(format!("connecting to {source} timed out")))?
+                .map_err(|e| classify(source, e))?;
+            link.source = Some((source.to_string(), client));
+        }
+        match &mut link.source {
+            Some((_, client)) => Ok(client),
+            None => Err(AttemptError::Fatal(NodeError::BadRequest("no link".into()))),
+        }
+    }
+
+    /// Registers a copy of a tensor this node already holds instead of pulling the same bytes.
+    async fn dedup(
+        &self,
+        existing: TensorDesc,
+        dst_device: u32,
+        name: &str,
+        overwrite: bool,
+    ) -> Result<TensorDesc, NodeError> {
+        let dst = TensorKey::new(dst_device, name);
+        let desc = if existing.key == dst {
+            existing
+        } else {
+            let mut desc = self
+                .copy(
+                    &existing.key,
+                    dst_device,
+                    Some(name),
+                    TransferMode::Copy,
+                    overwrite,
+                )
+                .await?;
+            desc.path = TransferPath::Dedup;
+            desc
+        };
+        self.counters().dedup_hits.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(key = %dst, from = %desc.key, "pull skipped: same bytes already held");
+        Ok(TensorDesc {
+            path: TransferPath::Dedup,
+            ..desc
+        })
+    }
+}
+
+/// Which failures are worth a reconnection: a connection that dropped, closed, failed or went
+/// silent. A refused capability, a corrupt chunk or a bad description are not.
+fn classify(source: &str, error: ClientError) -> AttemptError {
+    match error {
+        ClientError::Connection(
+            ConnectionError::Io(_) | ConnectionError::Closed | ConnectionError::IdleTimeout(_),
+        ) => AttemptError::Transient(error.to_string()),
+        ClientError::Node {
+            code: ErrorCode::CapabilityRefused,
+            message,
+        } => AttemptError::Fatal(NodeError::CapabilityRefused(format!(
+            "by {source}: {message}"
+        ))),
+        ClientError::Node {
+            code: ErrorCode::ShuttingDown,
+            message,
+        } => AttemptError::Transient(message),
+        other => AttemptError::Fatal(NodeError::Peer {
+            source_addr: source.to_string(),
+            message: other.to_string(),
+        }),
+    }
+}

@@ -1,0 +1,342 @@
+//! Node-to-node transfers between two real nodes on loopback: every dtype, a 64-tensor batch,
+//! dedup, moves, capability misuse, and faults injected by a proxy (a source that dies or
+//! drops, a flipped byte, a target that goes away).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Fault, TestNode, assert_same, code_of, devices, proxy, start, start_with};
+use ferry::client::{Client, ErrorCode, NodeCopy, copy_between};
+use ferry::proto::{DType, TensorData, TensorKey};
+use ferry::samples;
+use ferry::server::{NodeConfig, ServiceConfig};
+
+fn how(source_addr: &str, dst_device: u32) -> NodeCopy<'_> {
+    NodeCopy {
+        source_addr,
+        dst_device,
+        dst_name: None,
+        remove_source: false,
+        overwrite: false,
+    }
+}
+
+async fn pair() -> (TestNode, TestNode) {
+    (
+        start_with(&["flex", "flex"]).await,
+        start_with(&["flex", "ndarray"]).await,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dtype_goes_node_to_node_bit_exact_in_one_batch() {
+    let (a, b) = pair().await;
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    let matrix = samples::full_matrix();
+    let tensors: Vec<(String, TensorData)> = matrix
+        .iter()
+        .map(|s| (s.name.clone(), s.data.clone()))
+        .collect();
+    for answer in source.put_batch(0, &tensors, false).await.unwrap() {
+        answer.unwrap();
+    }
+    let keys: Vec<TensorKey> = matrix.iter().map(|s| TensorKey::new(0, &s.name)).collect();
+    let addr = a.addr.to_string();
+    let answers = copy_between(&mut source, &mut target, &keys, &how(&addr, 0))
+        .await
+        .unwrap();
+    for (sample, answer) in matrix.iter().zip(answers) {
+        let info = answer.unwrap_or_else(|e| panic!("{}: {e}", sample.name));
+        assert_eq!(info.path, "pull", "{}", sample.name);
+        let back = target.get(&info.key).await.unwrap();
+        assert_same(&back, &sample.data, &sample.name);
+    }
+    let stats = target.stat().await.unwrap();
+    assert_eq!(stats.pulls, matrix.len() as u64);
+    assert_eq!(stats.transfers_failed, 0);
+    let served = source.stat().await.unwrap().fetches_served;
+    assert_eq!(served, matrix.len() as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_64_tensor_batch_then_the_same_again_costs_no_transfer() {
+    let (a, b) = pair().await;
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    let tensors: Vec<(String, TensorData)> = (0..64)
+        .map(|i| {
+            let data = samples::quantized(&samples::schemes()[i % 5].1, &[8, 64], i as u64);
+            (format!("layer{i}.w"), data)
+        })
+        .collect();
+    source.put_batch(0, &tensors, false).await.unwrap();
+    let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
+    let addr = a.addr.to_string();
+    for answer in copy_between(&mut source, &mut target, &keys, &how(&addr, 1))
+        .await
+        .unwrap()
+    {
+        // Device 1 is NdArray, which holds these Q8F per-tensor schemes.
+        answer.unwrap();
+    }
+    let before = target.stat().await.unwrap();
+    let pulled = before.pulls;
+    assert!(pulled > 0);
+    // Pushing the same model again to device 0 pulls nothing new for what device 1 holds.
+    let answers = copy_between(&mut source, &mut target, &keys, &how(&addr, 0))
+        .await
+        .unwrap();
+    let mut dedup = 0;
+    for ((name, data), answer) in tensors.iter().zip(answers) {
+        let info = answer.unwrap();
+        if info.path == "dedup" {
+            dedup += 1;
+        }
+        assert_same(&target.get(&info.key).await.unwrap(), data, name);
+    }
+    let after = target.stat().await.unwrap();
+    assert_eq!(after.dedup_hits, dedup);
+    assert_eq!(
+        dedup, pulled,
+        "every tensor already on device 1 was deduplicated"
+    );
+    assert_eq!(after.pulls - before.pulls, 64 - pulled);
+    let served = source.stat().await.unwrap().fetches_served;
+    assert_eq!(served, 64, "the source sent each tensor exactly once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_to_node_move_deletes_the_source_after_the_target_registered() {
+    let (a, b) = pair().await;
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    let data = samples::plain(DType::U32, &[3, 5, 7], 2);
+    source.put(0, "ids", &data).await.unwrap();
+    let addr = a.addr.to_string();
+    let mut moving = how(&addr, 0);
+    moving.remove_source = true;
+    moving.dst_name = Some("ids.moved");
+    let answers = copy_between(
+        &mut source,
+        &mut target,
+        &[TensorKey::new(0, "ids")],
+        &moving,
+    )
+    .await
+    .unwrap();
+    let info = answers.into_iter().next().unwrap().unwrap();
+    assert_same(&target.get(&info.key).await.unwrap(), &data, "moved");
+    assert_eq!(
+        code_of(source.get(&TensorKey::new(0, "ids")).await),
+        ErrorCode::NotFound
+    );
+    // A move the target refuses (NdArray and F16) keeps the source.
+    let half = samples::plain(DType::F16, &[4], 1);
+    source.put(0, "half", &half).await.unwrap();
+    let mut refused = how(&addr, 1);
+    refused.remove_source = true;
+    let answers = copy_between(
+        &mut source,
+        &mut target,
+        &[TensorKey::new(0, "half")],
+        &refused,
+    )
+    .await
+    .unwrap();
+    let Err(error) = &answers[0] else {
+        panic!("expected a refusal");
+    };
+    assert_eq!(error.code(), Some(ErrorCode::UnsupportedDType));
+    assert_same(
+        &source.get(&TensorKey::new(0, "half")).await.unwrap(),
+        &half,
+        "kept",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capabilities_are_single_use_bound_expiring_and_unforgeable() {
+    let a = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            capability_ttl: Duration::from_millis(300),
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let b = start_with(&["flex"]).await;
+    let c = start_with(&["flex"]).await;
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    let data = samples::plain(DType::F32, &[64, 33], 1);
+    source.put(0, "w", &data).await.unwrap();
+    let key = TensorKey::new(0, "w");
+    let addr = a.addr.to_string();
+    let b_id = target.identify().await.unwrap();
+
+    // Used once, then refused. (A hash nobody holds keeps dedup out of the way.)
+    let mut grant = source.grant(&key, &b_id).await.unwrap();
+    grant.content_hash = "0".repeat(64);
+    target
+        .pull(&addr, &grant, 0, Some("w1"), false)
+        .await
+        .unwrap();
+    let reused = target.pull(&addr, &grant, 0, Some("w2"), false).await;
+    assert_eq!(code_of(reused), ErrorCode::CapabilityRefused);
+
+    // Forged.
+    let mut forged = grant.clone();
+    forged.token = "f".repeat(32);
+    let refused = target.pull(&addr, &forged, 0, Some("w3"), false).await;
+    assert_eq!(code_of(refused), ErrorCode::CapabilityRefused);
+
+    // Bound to node C, presented by node B.
+    let c_id = c.client().await.identify().await.unwrap();
+    let mut for_c = source.grant(&key, &c_id).await.unwrap();
+    for_c.content_hash = "0".repeat(64);
+    let refused = target.pull(&addr, &for_c, 0, Some("w4"), false).await;
+    assert_eq!(code_of(refused), ErrorCode::CapabilityRefused);
+
+    // Expired.
+    let mut late = source.grant(&key, &b_id).await.unwrap();
+    late.content_hash = "0".repeat(64);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let refused = target.pull(&addr, &late, 0, Some("w5"), false).await;
+    assert_eq!(code_of(refused), ErrorCode::CapabilityRefused);
+
+    let names: Vec<String> = target
+        .list(None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.key.name)
+        .collect();
+    assert_eq!(names, ["w1"], "only the one valid pull registered anything");
+}
+
+/// A source serving through a proxy with small chunks, and a target that gives a silent source
+/// one second and retries twice.
+async fn faulty_pair(fault: Fault) -> (TestNode, TestNode, String, TensorData) {
+    let mut service = ServiceConfig::default();
+    service.limits.chunk_size = 64 * 1024;
+    // The source keeps a broken fetch's capability for a resume for half a second.
+    let mut resume_window = service.limits;
+    resume_window.idle_timeout = Duration::from_millis(500);
+    let a = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            peer_limits: resume_window,
+            ..NodeConfig::default()
+        },
+        service,
+    )
+    .await;
+    let mut target_config = NodeConfig {
+        devices: devices(&["flex"]),
+        pull_retries: 2,
+        retry_backoff: Duration::from_millis(20),
+        ..NodeConfig::default()
+    };
+    target_config.peer_limits.idle_timeout = Duration::from_secs(1);
+    let b = start(target_config, ServiceConfig::default()).await;
+    // 4 MiB in 64 KiB chunks: the fault lands mid-stream.
+    let data = samples::plain(DType::F32, &[1024, 1024], 3);
+    a.client().await.put(0, "big", &data).await.unwrap();
+    let via = proxy(a.addr, fault).await.to_string();
+    (a, b, via, data)
+}
+
+async fn pull_big(
+    b: &TestNode,
+    a: &TestNode,
+    via: &str,
+) -> Result<ferry::proto::TensorInfo, ferry::client::ClientError> {
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    let answers = copy_between(
+        &mut source,
+        &mut target,
+        &[TensorKey::new(0, "big")],
+        &how(via, 0),
+    )
+    .await
+    .unwrap();
+    answers.into_iter().next().unwrap()
+}
+
+async fn nothing_registered_and_source_intact(a: &TestNode, b: &TestNode, data: &TensorData) {
+    let mut target = b.client().await;
+    assert!(
+        target.list(None).await.unwrap().is_empty(),
+        "nothing half-registered"
+    );
+    let mut source = a.client().await;
+    let kept = source.get(&TensorKey::new(0, "big")).await.unwrap();
+    assert_same(&kept, data, "source intact");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_dies_mid_stream_fails_the_pull_cleanly() {
+    let (a, b, via, data) = faulty_pair(Fault::DieAfter(1 << 20)).await;
+    let result = pull_big(&b, &a, &via).await;
+    let Err(error) = result else {
+        panic!("expected a failure");
+    };
+    assert_eq!(error.code(), Some(ErrorCode::PeerFailed), "{error}");
+    assert!(error.to_string().contains("retries"), "{error}");
+    nothing_registered_and_source_intact(&a, &b, &data).await;
+    assert_eq!(b.client().await.stat().await.unwrap().pull_retries, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transient_drop_is_retried_and_resumes_from_the_last_verified_chunk() {
+    let (a, b, via, data) = faulty_pair(Fault::CutOnceAfter(1 << 20)).await;
+    let info = pull_big(&b, &a, &via).await.unwrap();
+    let mut target = b.client().await;
+    assert_same(&target.get(&info.key).await.unwrap(), &data, "resumed");
+    let stats = target.stat().await.unwrap();
+    assert_eq!(stats.pull_retries, 1);
+    assert_eq!(stats.pulls, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_byte_fails_the_pull_and_registers_nothing() {
+    let (a, b, via, data) = faulty_pair(Fault::FlipAt(3 << 19)).await;
+    let Err(error) = pull_big(&b, &a, &via).await else {
+        panic!("expected a failure");
+    };
+    assert_eq!(error.code(), Some(ErrorCode::PeerFailed), "{error}");
+    assert!(error.to_string().contains("checksum"), "{error}");
+    nothing_registered_and_source_intact(&a, &b, &data).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_that_goes_away_mid_stream_costs_the_source_nothing() {
+    // The source sees its reader vanish mid-stream (the proxy cuts both ways and stays down):
+    // the source keeps its tensor, and the capability lapses after the resume window.
+    let (a, b, via, data) = faulty_pair(Fault::DieAfter(1 << 20)).await;
+    let mut source = a.client().await;
+    let b_id = b.client().await.identify().await.unwrap();
+    let mut grant = source
+        .grant(&TensorKey::new(0, "big"), &b_id)
+        .await
+        .unwrap();
+    grant.content_hash = "0".repeat(64);
+    let mut target = b.client().await;
+    assert!(target.pull(&via, &grant, 0, None, false).await.is_err());
+    nothing_registered_and_source_intact(&a, &b, &data).await;
+    // Past the resume window the capability is gone, and the source serves others as before.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let mut direct = Client::connect(a.addr, None).await.unwrap();
+    let lapsed = direct.fetch_begin(&grant.token, &b_id, 0).await;
+    assert_eq!(code_of(lapsed), ErrorCode::CapabilityRefused);
+    let mut other = Client::connect(a.addr, None).await.unwrap();
+    assert_same(
+        &other.get(&TensorKey::new(0, "big")).await.unwrap(),
+        &data,
+        "source serves on",
+    );
+}
