@@ -234,3 +234,33 @@ async fn sixteen_clients_fifty_mixed_operations_each() {
     }
     node.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn burn_tensors_go_in_and_come_back_with_their_dtype_quantized_included() {
+    use burn_tensor::{Device, Int, Tensor};
+    let node = start_with(&["flex", "flex"]).await;
+    let mut client = node.client().await;
+    let device = Device::flex();
+    for (label, scheme) in samples::schemes().into_iter().step_by(7) {
+        let float = Tensor::<2>::from_data(samples::plain(DType::F32, &[8, 64], 1), &device);
+        let quantized = float.quantize_dynamic(&scheme);
+        let expected = quantized.to_data();
+        client.put_tensor(0, &label, quantized).await.unwrap();
+        let key = TensorKey::new(0, &label);
+        let back: Tensor<2> = client.get_tensor(&key, &device).await.unwrap();
+        assert_same(&back.into_data(), &expected, &label);
+    }
+    let ids = samples::plain(DType::U16, &[3, 5], 2);
+    client.put(0, "ids", &ids).await.unwrap();
+    let key = TensorKey::new(0, "ids");
+    let back: Tensor<2, Int> = client.get_tensor(&key, &device).await.unwrap();
+    assert_same(&back.into_data(), &ids, "u16 as Int");
+    // The wrong rank or kind is an error, not Burn's panic.
+    let wrong_rank = client.get_tensor::<3, Int>(&key, &device).await;
+    assert!(wrong_rank.unwrap_err().to_string().contains("rank 2"));
+    let wrong_kind = client
+        .get_tensor::<2, burn_tensor::Float>(&key, &device)
+        .await;
+    assert!(wrong_kind.unwrap_err().to_string().contains("Int tensor"));
+    node.shutdown().await;
+}

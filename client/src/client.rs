@@ -146,11 +146,12 @@ pub async fn copy_between(
                 Response::Error(reply) => Err(reply.into()),
                 other => return Err(unexpected(other)),
             };
-            if stored.is_ok() && remove_source {
-                if let Err(e) = source.delete(&grant.info.key).await {
-                    results.push(Err(e));
-                    continue;
-                }
+            if stored.is_ok()
+                && remove_source
+                && let Err(e) = source.delete(&grant.info.key).await
+            {
+                results.push(Err(e));
+                continue;
             }
             results.push(stored);
         }

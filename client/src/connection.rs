@@ -13,6 +13,9 @@ use ferry_proto::{
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 
+/// Bytes of a payload read and checksummed at a time (fits in L2 alongside everything else).
+const CHECKSUM_PIECE: usize = 256 * 1024;
+
 /// Why a connection failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectionError {
@@ -212,11 +215,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             let buffered = self.buffer.len().min(len);
             slot[..buffered].copy_from_slice(&self.buffer[..buffered]);
             self.buffer.advance(buffered);
-            if buffered < len {
+            let mut crc = crc32c::crc32c_append(crc32c::crc32c(&offset_bytes), &slot[..buffered]);
+            // Read the rest in cache-sized pieces and checksum each while it is still hot, so
+            // the payload costs one pass over memory rather than two.
+            for piece in slot[buffered..].chunks_mut(CHECKSUM_PIECE) {
                 let idle = self.limits.idle_timeout;
-                match tokio::time::timeout(idle, self.stream.read_exact(&mut slot[buffered..]))
-                    .await
-                {
+                match tokio::time::timeout(idle, self.stream.read_exact(piece)).await {
                     Err(_) => return Err(ConnectionError::IdleTimeout(idle)),
                     Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                         return Err(ConnectionError::Closed);
@@ -225,8 +229,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
                         result?;
                     }
                 }
+                crc = crc32c::crc32c_append(crc, piece);
             }
-            let crc = crc32c::crc32c_append(crc32c::crc32c(&offset_bytes), slot);
             header.verify_crc(crc)?;
             assembler.commit(offset, len)?;
         }

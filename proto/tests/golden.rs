@@ -260,7 +260,7 @@ fn vectors() -> Vec<Vector> {
         Vector {
             name: "other_requests",
             about: "Request::Copy, Delete, List (one device and all), Stat, Identify, Grant, \
-                    Pull and Fetch, one frame each.",
+                    Pull, Fetch and Release, one frame each.",
             items: vec![
                 Item::Request(Request::Copy {
                     src: key(0, "a"),
@@ -291,6 +291,10 @@ fn vectors() -> Vec<Vector> {
                     capability: "cap".to_string(),
                     node_id: "node-b".to_string(),
                     offset: 4096,
+                }),
+                Item::Request(Request::Release {
+                    capability: "cap".to_string(),
+                    node_id: "node-b".to_string(),
                 }),
             ],
         },
@@ -395,6 +399,7 @@ fn vectors() -> Vec<Vector> {
                     info: info(key(0, "a"), &[4], DType::U8, "put"),
                     content_hash: "ab".to_string(),
                 }),
+                Item::Response(Response::Released),
             ],
         },
         Vector {

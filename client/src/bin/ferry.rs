@@ -2,7 +2,7 @@
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, anyhow, bail};
@@ -208,7 +208,7 @@ fn check_all(
 
 async fn put(
     cli: &Cli,
-    file: &PathBuf,
+    file: &Path,
     target: &str,
     prefix: &str,
     overwrite: bool,
@@ -249,7 +249,7 @@ async fn put(
     Ok(())
 }
 
-async fn get(cli: &Cli, source: &str, output: &PathBuf) -> anyhow::Result<()> {
+async fn get(cli: &Cli, source: &str, output: &Path) -> anyhow::Result<()> {
     let address = Address::parse(source)?;
     let device = address.device("get")?;
     let mut client = connect(&address.node, &cli.token).await?;

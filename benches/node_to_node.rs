@@ -1,0 +1,460 @@
+//! Node-to-node pull throughput and peak memory of two real `ferry-server` processes.
+//!
+//! Measured against a raw TCP stream and a memcpy of the same bytes, in the same run.
+//!
+//! Run with `cargo bench -p ferry --bench node_to_node`. The nodes are the release
+//! `ferry-server` binary next to this bench's executable (`target/release/ferry-server`), which
+//! `cargo bench -p ferry` does not build (it is another package's binary): build it first with
+//! `cargo build --release -p ferry-server`, and rebuild it after changing the server, or this
+//! bench measures the old one.
+//!
+//! Per tensor (f32 1 MiB, 64 MiB, 256 MiB; Q8S 256 MiB), on a fresh pair of nodes A and B with
+//! one flex device each:
+//! - `ferry`: the tensor is put on A, then `ferry_client::copy_between` A -> B is timed: B pulls
+//!   it from A under a capability, the bytes never pass through this process. One untimed
+//!   warm-up copy opens B's link to A and is checked bit-exact. After every copy the tensor is
+//!   deleted on B, so B's content-hash dedup cannot answer the next copy without a transfer
+//!   (each copy is asserted to have taken the `pull` path);
+//! - `raw TCP`: the same number of bytes over one loopback TCP connection in this process, in
+//!   4 MiB writes, read with `read_exact` into a preallocated buffer whose pages were already
+//!   touched: the most a single stream gets out of this kernel, the ceiling for ferry;
+//! - `memcpy`: the same bytes copied into that same touched buffer.
+//!
+//! Memory (per node, from `/proc/PID/status`): `held` is VmRSS right before a copy (A then
+//! holds the source tensor; B holds nothing). VmHWM is reset right before each copy (writing `5`
+//! to `/proc/PID/clear_refs`), so VmHWM read after it returns is the peak during that copy
+//! alone, and `peak extra = peak - held` is what the copy cost the node: for A whatever it
+//! allocates to serve the fetch; for B everything the pull cost including the tensor it ends up
+//! holding, so B's can never be below 1x the tensor. The worst run is reported. The goal checked:
+//! peak extra <= 1.25 x tensor + 64 MiB per node. Freed large buffers are unmapped, and the kernel
+//! folds the current RSS into the high-water mark before it unmaps, so transient peaks are seen.
+//!
+//! Throughput is payload bytes / wall time, in GB/s (1e9 bytes); each line gives the median and
+//! the best run. The ratio is ferry's median over raw TCP's median; the goal is >= 0.8 at
+//! 256 MiB.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::Barrier;
+use std::time::{Duration, Instant, SystemTime};
+
+use burn_std::TensorData;
+use burn_std::quantization::{QuantScheme, QuantStore, QuantValue};
+use ferry_client::{Client, NodeCopy, TensorKey, copy_between};
+
+const MIB: usize = 1 << 20;
+/// The raw TCP writer's write size, the same as ferry's default chunk.
+const WRITE_SIZE: usize = 4 * MIB;
+/// A copy that takes longer than this is a hang, not a measurement.
+const COPY_TIMEOUT: Duration = Duration::from_secs(300);
+/// The name the tensor has on both nodes.
+const NAME: &str = "bench.w";
+
+/// One measured tensor.
+struct Case {
+    label: &'static str,
+    runs: usize,
+    make: fn() -> TensorData,
+}
+
+fn f32_tensor(bytes: usize) -> TensorData {
+    let numel = bytes / 4;
+    // Not a constant, so that nothing on the way could get away with less work than real data.
+    let values: Vec<f32> = (0..numel)
+        .map(|i| (i % 65_521) as f32 * 0.25 - 1e4)
+        .collect();
+    TensorData::new(values, [numel / 1024, 1024])
+}
+
+/// 256 MiB of Q8S values with one per-tensor f32 scale, built from i8 values directly rather
+/// than by quantizing through a backend (which would take longer than the measurement).
+fn q8s_256() -> TensorData {
+    let shape = [65_536, 4096];
+    let values: Vec<i8> = (0..shape[0] * shape[1]).map(|i| (i % 255) as i8).collect();
+    let scheme = QuantScheme::default()
+        .with_value(QuantValue::Q8S)
+        .with_store(QuantStore::Native);
+    TensorData::quantized(values, shape, scheme, &[0.0125], None)
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        Case {
+            label: "f32 1 MiB",
+            runs: 20,
+            make: || f32_tensor(MIB),
+        },
+        Case {
+            label: "f32 64 MiB",
+            runs: 5,
+            make: || f32_tensor(64 * MIB),
+        },
+        Case {
+            label: "f32 256 MiB",
+            runs: 5,
+            make: || f32_tensor(256 * MIB),
+        },
+        Case {
+            label: "Q8S 256 MiB",
+            runs: 5,
+            make: q8s_256,
+        },
+    ]
+}
+
+/// `target/release/ferry-server`, beside the `deps/` folder this bench runs from.
+fn server_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("the bench's own path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("the bench runs from <target>/<profile>/deps");
+    let binary = dir.join(format!("ferry-server{}", std::env::consts::EXE_SUFFIX));
+    if !binary.is_file() {
+        eprintln!(
+            "node_to_node: {} is missing: cargo bench does not build another package's binary.\n\
+             Run `cargo build --release -p ferry-server` first, then \
+             `cargo bench -p ferry --bench node_to_node`.",
+            binary.display()
+        );
+        std::process::exit(2);
+    }
+    binary
+}
+
+/// A `ferry-server` child process with one flex device on `127.0.0.1:0`; killed when dropped.
+struct NodeProcess {
+    child: Child,
+    addr: String,
+    // Held so that the node never writes into a closed pipe.
+    _stdout: BufReader<ChildStdout>,
+}
+
+impl NodeProcess {
+    fn start(binary: &Path, node_id: &str) -> NodeProcess {
+        let mut child = Command::new(binary)
+            .args(["--listen", "127.0.0.1:0", "--device", "flex"])
+            .args(["--node-id", node_id])
+            // Warnings and errors still show; one info line per transfer would drown the report.
+            .env("RUST_LOG", "warn")
+            .env_remove("FERRY_TOKEN")
+            .env_remove("FERRY_PEER_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", binary.display()));
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("the node's first line");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("expected `listening on ADDR`, got {line:?}"))
+            .to_string();
+        NodeProcess {
+            child,
+            addr,
+            _stdout: stdout,
+        }
+    }
+
+    /// A `/proc/PID/status` field in bytes (the kernel gives kB).
+    fn status(&self, field: &str) -> u64 {
+        let path = format!("/proc/{}/status", self.child.id());
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        text.lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .unwrap_or_else(|| panic!("no {field} in {path}"))
+    }
+
+    fn rss(&self) -> u64 {
+        self.status("VmRSS")
+    }
+
+    fn peak(&self) -> u64 {
+        self.status("VmHWM")
+    }
+
+    /// Resets VmHWM to the current RSS; false where the kernel does not allow it.
+    fn reset_peak(&self) -> bool {
+        std::fs::write(format!("/proc/{}/clear_refs", self.child.id()), "5").is_ok()
+    }
+}
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Median and best of a set of durations, as GB/s for `bytes`.
+struct Rate {
+    median: f64,
+    best: f64,
+}
+
+impl Rate {
+    fn of(bytes: usize, times: &mut [Duration]) -> Rate {
+        times.sort();
+        let gbps = |t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
+        Rate {
+            median: gbps(times[times.len() / 2]),
+            best: gbps(times[0]),
+        }
+    }
+}
+
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "median {:6.2} GB/s   best {:6.2} GB/s",
+            self.median, self.best
+        )
+    }
+}
+
+/// One single-stream TCP transfer of `src` over loopback into `dst`, timed from the moment both
+/// ends are connected until the reader holds the last byte.
+fn raw_tcp_once(src: &[u8], dst: &mut [u8]) -> Duration {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("local addr");
+    let ready = Barrier::new(2);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let mut stream = TcpStream::connect(addr).expect("connect");
+            // ferry's connections set it too.
+            stream.set_nodelay(true).expect("nodelay");
+            ready.wait();
+            for piece in src.chunks(WRITE_SIZE) {
+                stream.write_all(piece).expect("write");
+            }
+        });
+        let (mut stream, _) = listener.accept().expect("accept");
+        ready.wait();
+        let started = Instant::now();
+        stream.read_exact(dst).expect("read");
+        started.elapsed()
+    })
+}
+
+fn memcpy_once(src: &[u8], dst: &mut [u8]) -> Duration {
+    let started = Instant::now();
+    dst.copy_from_slice(std::hint::black_box(src));
+    std::hint::black_box(&mut *dst);
+    started.elapsed()
+}
+
+/// What one node's memory did over the timed copies.
+#[derive(Default)]
+struct Memory {
+    start: u64,
+    held: u64,
+    peak: u64,
+    extra: u64,
+}
+
+impl Memory {
+    fn saw(&mut self, held: u64, peak: u64) {
+        self.held = self.held.max(held);
+        self.peak = self.peak.max(peak);
+        self.extra = self.extra.max(peak.saturating_sub(held));
+    }
+
+    /// One report line, and whether the memory goal holds.
+    fn report(&self, who: &str, tensor: usize) -> (String, bool) {
+        let budget = tensor as f64 * 1.25 + 64.0 * MIB as f64;
+        let holds = (self.extra as f64) <= budget;
+        let line = format!(
+            "  {who:<13} VmRSS at start {}, before copy {}; VmHWM during copy {}; \
+             peak extra {} = {:.2}x tensor (goal <= 1.25x + 64 MiB = {}: {})",
+            mib(self.start),
+            mib(self.held),
+            mib(self.peak),
+            mib(self.extra),
+            self.extra as f64 / tensor as f64,
+            mib(budget as u64),
+            if holds { "holds" } else { "MISSED" }
+        );
+        (line, holds)
+    }
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / MIB as f64)
+}
+
+/// What a case measured, for the summary.
+struct Outcome {
+    label: &'static str,
+    ratio: f64,
+    memory_holds: bool,
+    large: bool,
+}
+
+async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Outcome {
+    let data = (case.make)();
+    let bytes = data.as_bytes().len();
+    let runs = case.runs;
+    println!(
+        "{} ({bytes} payload bytes, {}), {runs} runs",
+        case.label,
+        ferry_proto::dtype_name(&data.dtype())
+    );
+
+    // The baselines first, while no node exists to compete for the two cores.
+    let mut dst = vec![1u8; bytes];
+    let _ = raw_tcp_once(data.as_bytes(), &mut dst);
+    let mut tcp_times: Vec<Duration> = (0..runs)
+        .map(|_| raw_tcp_once(data.as_bytes(), &mut dst))
+        .collect();
+    assert!(dst == data.as_bytes(), "raw TCP delivered other bytes");
+    let mut memcpy_times: Vec<Duration> = (0..runs)
+        .map(|_| memcpy_once(data.as_bytes(), &mut dst))
+        .collect();
+    drop(dst);
+    let tcp = Rate::of(bytes, &mut tcp_times);
+    let memcpy = Rate::of(bytes, &mut memcpy_times);
+
+    // A fresh pair of nodes per case, so that one case's memory never shows in another's.
+    let a = NodeProcess::start(binary, "bench-a");
+    let b = NodeProcess::start(binary, "bench-b");
+    let mut mem_a = Memory {
+        start: a.rss(),
+        ..Memory::default()
+    };
+    let mut mem_b = Memory {
+        start: b.rss(),
+        ..Memory::default()
+    };
+    let mut source = Client::connect(a.addr.as_str(), None)
+        .await
+        .expect("connect to A");
+    let mut target = Client::connect(b.addr.as_str(), None)
+        .await
+        .expect("connect to B");
+    source.put(0, NAME, &data).await.expect("put on A");
+    let key = TensorKey::new(0, NAME);
+    let how = NodeCopy {
+        source_addr: &a.addr,
+        dst_device: 0,
+        dst_name: None,
+        remove_source: false,
+        overwrite: false,
+    };
+
+    let copy = async |source: &mut Client, target: &mut Client| {
+        let answers = tokio::time::timeout(
+            COPY_TIMEOUT,
+            copy_between(source, target, std::slice::from_ref(&key), &how),
+        )
+        .await
+        .expect("the copy finished in time")
+        .expect("the copy's connections held");
+        let info = answers
+            .into_iter()
+            .next()
+            .expect("one answer")
+            .expect("the copy succeeded");
+        assert_eq!(info.path, "pull", "the copy was a real pull, not dedup");
+        assert_eq!(info.bytes, bytes as u64);
+    };
+
+    // Warm-up: opens B's connection to A; the result is checked bit-exact once.
+    copy(&mut source, &mut target).await;
+    let back = target.get(&key).await.expect("get from B");
+    assert_eq!(back.dtype(), data.dtype(), "dtype after the pull");
+    assert_eq!(back.shape(), data.shape(), "shape after the pull");
+    assert!(back.as_bytes() == data.as_bytes(), "bytes after the pull");
+    drop(back);
+    drop(data);
+    target.delete(&key).await.expect("delete on B");
+
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let reset = a.reset_peak() & b.reset_peak();
+        *peaks_resettable &= reset;
+        let (held_a, held_b) = (a.rss(), b.rss());
+        let started = Instant::now();
+        copy(&mut source, &mut target).await;
+        times.push(started.elapsed());
+        mem_a.saw(held_a, a.peak());
+        mem_b.saw(held_b, b.peak());
+        target.delete(&key).await.expect("delete on B");
+    }
+    let ferry = Rate::of(bytes, &mut times);
+    let ratio = ferry.median / tcp.median;
+    println!("  ferry A->B    {ferry}");
+    println!("  raw TCP       {tcp}");
+    println!("  memcpy        {memcpy}");
+    println!("  ferry/raw TCP {ratio:.2} (medians)");
+    let (line_a, holds_a) = mem_a.report("node A (src)", bytes);
+    let (line_b, holds_b) = mem_b.report("node B (dst)", bytes);
+    println!("{line_a}");
+    println!("{line_b}");
+    Outcome {
+        label: case.label,
+        ratio,
+        memory_holds: holds_a && holds_b,
+        large: bytes >= 256 * MIB,
+    }
+}
+
+fn main() {
+    // `cargo test --benches` runs this without `--bench`: a 1 GiB-scale measurement has no place
+    // in a test run.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("node_to_node: not run outside `cargo bench`");
+        return;
+    }
+    let binary = server_binary();
+    let built = std::fs::metadata(&binary)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| SystemTime::now().duration_since(t).ok())
+        .map_or("?".to_string(), |age| format!("{:.0} min", age.as_secs_f64() / 60.0));
+    println!(
+        "node_to_node: nodes run {} (built {built} ago); {} cores",
+        binary.display(),
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let mut peaks_resettable = true;
+    let outcomes: Vec<Outcome> = cases()
+        .iter()
+        .map(|case| runtime.block_on(measure(&binary, case, &mut peaks_resettable)))
+        .collect();
+    if !peaks_resettable {
+        println!(
+            "note: VmHWM could not be reset here, so the peaks above are since each node started \
+             (the put on A included)"
+        );
+    }
+    println!("goals:");
+    for o in &outcomes {
+        let ratio = if o.large {
+            format!(
+                "ratio {:.2} {} 0.8",
+                o.ratio,
+                if o.ratio >= 0.8 { ">=" } else { "< (MISSED)" }
+            )
+        } else {
+            format!("ratio {:.2} (no goal below 256 MiB)", o.ratio)
+        };
+        let memory = if o.memory_holds {
+            "memory holds on both nodes"
+        } else {
+            "memory MISSED"
+        };
+        println!("  {:<12} {ratio}; {memory}", o.label);
+    }
+}

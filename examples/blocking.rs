@@ -1,0 +1,37 @@
+//! `BlockingClient`: the client API for a program without an async runtime.
+//!
+//! `cargo run --example blocking`. A node runs in a background thread of this process.
+
+use ferry::client::{BlockingClient, TensorKey};
+use ferry::proto::TensorData;
+use ferry::server::{Node, NodeConfig, Service, ServiceConfig};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Runtime::new().expect("runtime");
+        runtime.block_on(async {
+            let node = Node::start(NodeConfig::default()).expect("node starts");
+            let addr = "127.0.0.1:0".parse().expect("address");
+            let service = Service::bind(node, addr, ServiceConfig::default())
+                .await
+                .expect("binds");
+            tx.send(service.local_addr().expect("address"))
+                .expect("send");
+            service.run(std::future::pending()).await
+        })
+    });
+    let addr = rx.recv()?;
+
+    let mut client = BlockingClient::connect(addr, None)?;
+    let data = TensorData::new(vec![1u8, 2, 3, 4], [2, 2]);
+    client.put(0, "mask", &data)?;
+    client.copy(&TensorKey::new(0, "mask"), 1, None)?;
+    let back = client.get(&TensorKey::new(1, "mask"))?;
+    assert_eq!(back.as_bytes(), data.as_bytes());
+    for info in client.list(None)? {
+        println!("{} {:?} {} bytes", info.key, info.shape, info.bytes);
+    }
+    println!("{} transfers done", client.stat()?.transfers_done);
+    Ok(())
+}

@@ -1,0 +1,129 @@
+//! A runnable tour of the client API: every `Client` method against two real nodes on loopback.
+//!
+//! `cargo run --example tour`. It starts two nodes in process (each with two flex devices) on
+//! free ports, so it needs nothing else running.
+
+use burn_tensor::quantization::{QuantScheme, QuantStore, QuantValue};
+use burn_tensor::{Device, Tensor};
+use ferry::client::{Client, ClientError, NodeCopy, TensorKey, copy_between};
+use ferry::proto::{DType, TensorData};
+use ferry::server::{Node, NodeConfig, Service, ServiceConfig};
+
+/// Starts a node on a free loopback port and returns its address.
+async fn start_node() -> std::net::SocketAddr {
+    let node = Node::start(NodeConfig::default()).expect("node starts");
+    let service = Service::bind(
+        node,
+        "127.0.0.1:0".parse().unwrap(),
+        ServiceConfig::default(),
+    )
+    .await
+    .expect("binds");
+    let addr = service.local_addr().unwrap();
+    tokio::spawn(service.run(std::future::pending()));
+    addr
+}
+
+#[tokio::main]
+async fn main() -> Result<(), ClientError> {
+    let (a, b) = (start_node().await, start_node().await);
+
+    // connect: a token is needed only when the node was started with one.
+    let mut client = Client::connect(a, None).await?;
+
+    // put: upload under a name; answered once the node registered it.
+    let weights = TensorData::new((0..12).map(|i| i as f32 / 7.0).collect::<Vec<_>>(), [3, 4]);
+    let info = client.put(0, "encoder.w", &weights).await?;
+    println!("put {} ({} bytes, {:?})", info.key, info.bytes, info.shape);
+
+    // put_with: a node-chosen name, or overwrite an existing tensor.
+    let named = client.put_with(0, None, &weights, false).await?;
+    client
+        .put_with(0, Some("encoder.w"), &weights, true)
+        .await?;
+    println!("the node named the second upload {}", named.key);
+
+    // get / get_with_info: the same bytes and dtype back.
+    let key = TensorKey::new(0, "encoder.w");
+    let back = client.get(&key).await?;
+    assert_eq!(back.as_bytes(), weights.as_bytes());
+    let (info, _) = client.get_with_info(&key).await?;
+    println!("get {} path={}", info.key, info.path);
+
+    // put_batch / get_batch: a whole model in one pipelined exchange, one answer per tensor.
+    let model: Vec<(String, TensorData)> = (0..4)
+        .map(|i| {
+            (
+                format!("layer{i}.b"),
+                TensorData::new(vec![i as i64; 8], [8]),
+            )
+        })
+        .collect();
+    for answer in client.put_batch(1, &model, false).await? {
+        answer?;
+    }
+    let keys: Vec<TensorKey> = model.iter().map(|(n, _)| TensorKey::new(1, n)).collect();
+    for (answer, (name, data)) in client.get_batch(&keys).await?.into_iter().zip(&model) {
+        assert_eq!(answer?.as_bytes(), data.as_bytes(), "{name}");
+    }
+
+    // put_tensor / get_tensor: Burn tensors, quantized ones included, on a device you name.
+    let device = Device::flex();
+    let scheme = QuantScheme::default()
+        .with_value(QuantValue::Q8S)
+        .with_store(QuantStore::Native);
+    let quantized = Tensor::<2>::from_data(weights.clone(), &device).quantize_dynamic(&scheme);
+    client.put_tensor(0, "encoder.q", quantized.clone()).await?;
+    let fetched: Tensor<2> = client
+        .get_tensor(&TensorKey::new(0, "encoder.q"), &device)
+        .await?;
+    assert_eq!(fetched.dtype(), DType::QFloat(scheme));
+    assert_eq!(
+        fetched.into_data().as_bytes(),
+        quantized.into_data().as_bytes()
+    );
+
+    // copy / move_to / transfer: between devices of one node, answered once the target holds it.
+    client.copy(&key, 1, None).await?;
+    client
+        .move_to(&TensorKey::new(0, "encoder.q"), 1, Some("encoder.q8"))
+        .await?;
+    client
+        .transfer(
+            &TensorKey::new(1, "encoder.w"),
+            0,
+            Some("encoder.w2"),
+            true,
+            false,
+        )
+        .await?;
+
+    // delete / list / stat.
+    client.delete(&named.key).await?;
+    for info in client.list(None).await? {
+        println!("  {} {} bytes ({})", info.key, info.bytes, info.path);
+    }
+    let stats = client.stat().await?;
+    println!(
+        "{}: {} native and {} round-trip in-node transfers",
+        stats.node_id, stats.native_transfers, stats.round_trip_transfers
+    );
+
+    // identify / copy_between: node to node, the bytes never pass through this client.
+    let mut target = Client::connect(b, None).await?;
+    println!("node b is {}", target.identify().await?);
+    let source_addr = a.to_string();
+    let how = NodeCopy {
+        source_addr: &source_addr,
+        dst_device: 0,
+        dst_name: None,
+        remove_source: false,
+        overwrite: false,
+    };
+    for answer in copy_between(&mut client, &mut target, std::slice::from_ref(&key), &how).await? {
+        let info = answer?;
+        println!("pulled {} to node b ({})", info.key, info.path);
+    }
+    assert_eq!(target.get(&key).await?.as_bytes(), weights.as_bytes());
+    Ok(())
+}
