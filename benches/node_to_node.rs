@@ -418,7 +418,9 @@ fn main() {
         .and_then(|m| m.modified())
         .ok()
         .and_then(|t| SystemTime::now().duration_since(t).ok())
-        .map_or("?".to_string(), |age| format!("{:.0} min", age.as_secs_f64() / 60.0));
+        .map_or("?".to_string(), |age| {
+            format!("{:.0} min", age.as_secs_f64() / 60.0)
+        });
     println!(
         "node_to_node: nodes run {} (built {built} ago); {} cores",
         binary.display(),

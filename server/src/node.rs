@@ -84,7 +84,7 @@ pub enum TransferMode {
 
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    done: AtomicU64,
+    pub(crate) done: AtomicU64,
     failed: AtomicU64,
     native: AtomicU64,
     round_trip: AtomicU64,
@@ -380,6 +380,7 @@ impl Node {
             "put",
             &TensorKey::new(device, name),
             None,
+            "put",
             result.as_ref(),
             started,
         );
@@ -405,6 +406,7 @@ impl Node {
             "get",
             key,
             None,
+            "get",
             result.as_ref().map(|(desc, _)| desc),
             started,
         );
@@ -462,15 +464,33 @@ impl Node {
         mode: TransferMode,
         overwrite: bool,
     ) -> Result<TensorDesc, NodeError> {
+        self.copy_as(src, dst_device, dst_name, mode, overwrite, None)
+            .await
+    }
+
+    /// [`copy`](Self::copy), registering the target with `label` as its path when given (a dedup
+    /// is a copy that stands in for a pull).
+    pub(crate) async fn copy_as(
+        &self,
+        src: &TensorKey,
+        dst_device: u32,
+        dst_name: Option<&str>,
+        mode: TransferMode,
+        overwrite: bool,
+        label: Option<TransferPath>,
+    ) -> Result<TensorDesc, NodeError> {
         let started = Instant::now();
         let dst = TensorKey::new(dst_device, dst_name.unwrap_or(&src.name));
         let mut path = None;
-        let result = self.transfer(src, &dst, mode, overwrite, &mut path).await;
+        let result = self
+            .transfer(src, &dst, mode, overwrite, label, &mut path)
+            .await;
         let op = match mode {
             TransferMode::Copy => "copy",
             TransferMode::Move => "move",
         };
-        self.record(op, src, path.map(|p| (p, &dst)), result.as_ref(), started);
+        let path = path.map_or("-", TransferPath::name);
+        self.record(op, src, Some(&dst), path, result.as_ref(), started);
         result
     }
 
@@ -480,6 +500,7 @@ impl Node {
         dst: &TensorKey,
         mode: TransferMode,
         overwrite: bool,
+        label: Option<TransferPath>,
         path_taken: &mut Option<TransferPath>,
     ) -> Result<TensorDesc, NodeError> {
         if src == dst {
@@ -519,7 +540,7 @@ impl Node {
             .call(|reply| Command::Insert {
                 name: dst.name.clone(),
                 payload,
-                path,
+                path: label.unwrap_or(path),
                 overwrite,
                 reservation,
                 reply,
@@ -536,11 +557,13 @@ impl Node {
         Ok(registered)
     }
 
+    /// One log line per transfer: key, dtype, bytes, path, time.
     fn record(
         &self,
         op: &str,
         key: &TensorKey,
-        to: Option<(TransferPath, &TensorKey)>,
+        to: Option<&TensorKey>,
+        path: &str,
         result: Result<&TensorDesc, &NodeError>,
         started: Instant,
     ) {
@@ -548,8 +571,7 @@ impl Node {
         match result {
             Ok(desc) => {
                 self.inner.counters.done.fetch_add(1, Ordering::Relaxed);
-                let path = to.map_or(desc.path, |(p, _)| p).name();
-                let dst = to.map(|(_, k)| k.to_string()).unwrap_or_default();
+                let dst = to.map(|k| k.to_string()).unwrap_or_default();
                 tracing::info!(
                     op,
                     key = %key,

@@ -65,7 +65,12 @@ impl Node {
         let dst = TensorKey::new(req.dst_device, &name);
         let result = self.pull_inner(link, req, &name).await;
         match &result {
-            Ok(desc) => tracing::info!(
+            Ok(desc) => {
+                // A dedup was counted as the in-node copy it is.
+                if desc.path == TransferPath::Pull {
+                    self.counters().done.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::info!(
                 op = "pull",
                 source = %req.source,
                 key = %req.src,
@@ -75,7 +80,8 @@ impl Node {
                 path = desc.path.name(),
                 elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
                 "transfer done"
-            ),
+                )
+            }
             Err(error) => {
                 self.count_failure();
                 tracing::warn!(op = "pull", source = %req.source, key = %req.src, %error, "transfer failed");
@@ -249,17 +255,15 @@ impl Node {
         let desc = if existing.key == dst {
             existing
         } else {
-            let mut desc = self
-                .copy(
-                    &existing.key,
-                    dst_device,
-                    Some(name),
-                    TransferMode::Copy,
-                    overwrite,
-                )
-                .await?;
-            desc.path = TransferPath::Dedup;
-            desc
+            self.copy_as(
+                &existing.key,
+                dst_device,
+                Some(name),
+                TransferMode::Copy,
+                overwrite,
+                Some(TransferPath::Dedup),
+            )
+            .await?
         };
         self.counters().dedup_hits.fetch_add(1, Ordering::Relaxed);
         tracing::info!(key = %dst, from = %desc.key, "pull skipped: same bytes already held");

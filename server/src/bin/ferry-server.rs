@@ -1,6 +1,6 @@
 //! `ferry-server`: runs a ferry node on TCP until Ctrl-C or SIGTERM.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -65,6 +65,7 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let args = Args::parse();
     let token = args.token.filter(|t| !t.is_empty());
