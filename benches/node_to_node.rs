@@ -20,6 +20,13 @@
 //!   touched: the most a single stream gets out of this kernel, the ceiling for ferry;
 //! - `memcpy`: the same bytes copied into that same touched buffer.
 //!
+//! To show where ferry's time goes, the stages a pull is made of are timed on the same bytes in
+//! this process: `raw TCP, fresh dst` and `memcpy, fresh dst` write into a newly allocated
+//! buffer each run (its first-touch page faults included, as a receiver's buffer and a source's
+//! `into_data` copy pay them), `crc32c` is the per-chunk checksum each side computes, and
+//! `blake3` is the content hash the target computes over the whole payload before it registers
+//! the tensor (`ferry_proto::tensor::content_hash`).
+//!
 //! Memory (per node, from `/proc/PID/status`): `held` is VmRSS right before a copy (A then
 //! holds the source tensor; B holds nothing). VmHWM is reset right before each copy (writing `5`
 //! to `/proc/PID/clear_refs`), so VmHWM read after it returns is the peak during that copy
@@ -31,7 +38,8 @@
 //!
 //! Throughput is payload bytes / wall time, in GB/s (1e9 bytes); each line gives the median and
 //! the best run. The ratio is ferry's median over raw TCP's median; the goal is >= 0.8 at
-//! 256 MiB.
+//! 256 MiB. The ratio against raw TCP into a fresh buffer is printed beside it: a receiver that
+//! allocates its buffer per tensor pays those page faults too.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -197,6 +205,7 @@ impl Drop for NodeProcess {
 struct Rate {
     median: f64,
     best: f64,
+    median_time: Duration,
 }
 
 impl Rate {
@@ -206,7 +215,15 @@ impl Rate {
         Rate {
             median: gbps(times[times.len() / 2]),
             best: gbps(times[0]),
+            median_time: times[times.len() / 2],
         }
+    }
+
+    /// Times `f` `runs` times, after one untimed run.
+    fn measure(bytes: usize, runs: usize, mut f: impl FnMut() -> Duration) -> Rate {
+        let _ = f();
+        let mut times: Vec<Duration> = (0..runs).map(|_| f()).collect();
+        Rate::of(bytes, &mut times)
     }
 }
 
@@ -214,8 +231,10 @@ impl std::fmt::Display for Rate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "median {:6.2} GB/s   best {:6.2} GB/s",
-            self.median, self.best
+            "median {:6.2} GB/s   best {:6.2} GB/s   (median {:7.1} ms)",
+            self.median,
+            self.best,
+            self.median_time.as_secs_f64() * 1e3
         )
     }
 }
@@ -251,6 +270,38 @@ fn memcpy_once(src: &[u8], dst: &mut [u8]) -> Duration {
     started.elapsed()
 }
 
+/// A copy into a new allocation, freed outside the timing.
+fn fresh_copy_once(src: &[u8]) -> Duration {
+    let started = Instant::now();
+    let copy = std::hint::black_box(src).to_vec();
+    let elapsed = started.elapsed();
+    drop(std::hint::black_box(copy));
+    elapsed
+}
+
+/// A raw TCP transfer into a buffer allocated (zeroed lazily, untouched) for this run only.
+fn raw_tcp_fresh_once(src: &[u8]) -> Duration {
+    let mut dst = vec![0u8; src.len()];
+    raw_tcp_once(src, &mut dst)
+}
+
+fn crc32c_once(src: &[u8]) -> Duration {
+    let started = Instant::now();
+    // Per 4 MiB chunk, as the frames carry it.
+    let crc = src
+        .chunks(WRITE_SIZE)
+        .fold(0u32, |acc, c| acc ^ crc32c::crc32c(c));
+    std::hint::black_box(crc);
+    started.elapsed()
+}
+
+fn blake3_once(data: &TensorData) -> Duration {
+    let meta = ferry_proto::tensor::meta_of(data).expect("a valid tensor");
+    let started = Instant::now();
+    std::hint::black_box(ferry_proto::tensor::content_hash(&meta, data.as_bytes()));
+    started.elapsed()
+}
+
 /// What one node's memory did over the timed copies.
 #[derive(Default)]
 struct Memory {
@@ -272,7 +323,7 @@ impl Memory {
         let budget = tensor as f64 * 1.25 + 64.0 * MIB as f64;
         let holds = (self.extra as f64) <= budget;
         let line = format!(
-            "  {who:<13} VmRSS at start {}, before copy {}; VmHWM during copy {}; \
+            "  {who:<19} VmRSS at start {}, before copy {}; VmHWM during copy {}; \
              peak extra {} = {:.2}x tensor (goal <= 1.25x + 64 MiB = {}: {})",
             mib(self.start),
             mib(self.held),
@@ -308,19 +359,25 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
         ferry_proto::dtype_name(&data.dtype())
     );
 
-    // The baselines first, while no node exists to compete for the two cores.
+    // The baselines and stages first, while no node exists to compete for the two cores.
+    let src = data.as_bytes();
     let mut dst = vec![1u8; bytes];
-    let _ = raw_tcp_once(data.as_bytes(), &mut dst);
-    let mut tcp_times: Vec<Duration> = (0..runs)
-        .map(|_| raw_tcp_once(data.as_bytes(), &mut dst))
-        .collect();
-    assert!(dst == data.as_bytes(), "raw TCP delivered other bytes");
-    let mut memcpy_times: Vec<Duration> = (0..runs)
-        .map(|_| memcpy_once(data.as_bytes(), &mut dst))
-        .collect();
+    let tcp = Rate::measure(bytes, runs, || raw_tcp_once(src, &mut dst));
+    assert!(dst == src, "raw TCP delivered other bytes");
+    let memcpy = Rate::measure(bytes, runs, || memcpy_once(src, &mut dst));
     drop(dst);
-    let tcp = Rate::of(bytes, &mut tcp_times);
-    let memcpy = Rate::of(bytes, &mut memcpy_times);
+    let stages = [
+        (
+            "raw TCP, fresh dst",
+            Rate::measure(bytes, runs, || raw_tcp_fresh_once(src)),
+        ),
+        (
+            "memcpy, fresh dst",
+            Rate::measure(bytes, runs, || fresh_copy_once(src)),
+        ),
+        ("crc32c", Rate::measure(bytes, runs, || crc32c_once(src))),
+        ("blake3", Rate::measure(bytes, runs, || blake3_once(&data))),
+    ];
 
     // A fresh pair of nodes per case, so that one case's memory never shows in another's.
     let a = NodeProcess::start(binary, "bench-a");
@@ -390,10 +447,16 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
     }
     let ferry = Rate::of(bytes, &mut times);
     let ratio = ferry.median / tcp.median;
-    println!("  ferry A->B    {ferry}");
-    println!("  raw TCP       {tcp}");
-    println!("  memcpy        {memcpy}");
-    println!("  ferry/raw TCP {ratio:.2} (medians)");
+    println!("  ferry A->B          {ferry}");
+    println!("  raw TCP             {tcp}");
+    println!("  memcpy              {memcpy}");
+    for (name, rate) in &stages {
+        println!("  {name:<19} {rate}");
+    }
+    println!(
+        "  ferry/raw TCP       {ratio:.2} (medians; {:.2} against raw TCP into a fresh buffer)",
+        ferry.median / stages[0].1.median
+    );
     let (line_a, holds_a) = mem_a.report("node A (src)", bytes);
     let (line_b, holds_b) = mem_b.report("node B (dst)", bytes);
     println!("{line_a}");

@@ -177,13 +177,15 @@ async fn capabilities_are_single_use_bound_expiring_and_unforgeable() {
     let addr = a.addr.to_string();
     let b_id = target.identify().await.unwrap();
 
-    // Used once, then refused. (A hash nobody holds keeps dedup out of the way.)
-    let mut grant = source.grant(&key, &b_id).await.unwrap();
-    grant.content_hash = "0".repeat(64);
-    target
+    // Used once, then refused. The target gives back what it pulled each time, so that dedup
+    // (which needs no capability) cannot answer instead.
+    let grant = source.grant(&key, &b_id).await.unwrap();
+    let pulled = target
         .pull(&addr, &grant, 0, Some("w1"), false)
         .await
         .unwrap();
+    assert_same(&target.get(&pulled.key).await.unwrap(), &data, "pulled");
+    target.delete(&pulled.key).await.unwrap();
     let reused = target.pull(&addr, &grant, 0, Some("w2"), false).await;
     assert_eq!(code_of(reused), ErrorCode::CapabilityRefused);
 
@@ -195,16 +197,21 @@ async fn capabilities_are_single_use_bound_expiring_and_unforgeable() {
 
     // Bound to node C, presented by node B.
     let c_id = c.client().await.identify().await.unwrap();
-    let mut for_c = source.grant(&key, &c_id).await.unwrap();
-    for_c.content_hash = "0".repeat(64);
+    let for_c = source.grant(&key, &c_id).await.unwrap();
     let refused = target.pull(&addr, &for_c, 0, Some("w4"), false).await;
     assert_eq!(code_of(refused), ErrorCode::CapabilityRefused);
 
     // Expired.
-    let mut late = source.grant(&key, &b_id).await.unwrap();
-    late.content_hash = "0".repeat(64);
+    let late = source.grant(&key, &b_id).await.unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
     let refused = target.pull(&addr, &late, 0, Some("w5"), false).await;
+    assert_eq!(code_of(refused), ErrorCode::CapabilityRefused);
+
+    // Granted for one version; the tensor is replaced before the pull: refused, never mixed.
+    let early = source.grant(&key, &b_id).await.unwrap();
+    let newer = samples::plain(DType::F32, &[64, 33], 2);
+    source.put_with(0, Some("w"), &newer, true).await.unwrap();
+    let refused = target.pull(&addr, &early, 0, Some("w6"), false).await;
     assert_eq!(code_of(refused), ErrorCode::CapabilityRefused);
 
     let names: Vec<String> = target
@@ -214,7 +221,10 @@ async fn capabilities_are_single_use_bound_expiring_and_unforgeable() {
         .into_iter()
         .map(|i| i.key.name)
         .collect();
-    assert_eq!(names, ["w1"], "only the one valid pull registered anything");
+    assert!(
+        names.is_empty(),
+        "no refused pull registered anything: {names:?}"
+    );
 }
 
 /// A source serving through a proxy with small chunks, and a target that gives a silent source
@@ -320,11 +330,10 @@ async fn a_target_that_goes_away_mid_stream_costs_the_source_nothing() {
     let (a, b, via, data) = faulty_pair(Fault::DieAfter(1 << 20)).await;
     let mut source = a.client().await;
     let b_id = b.client().await.identify().await.unwrap();
-    let mut grant = source
+    let grant = source
         .grant(&TensorKey::new(0, "big"), &b_id)
         .await
         .unwrap();
-    grant.content_hash = "0".repeat(64);
     let mut target = b.client().await;
     assert!(target.pull(&via, &grant, 0, None, false).await.is_err());
     nothing_registered_and_source_intact(&a, &b, &data).await;

@@ -35,6 +35,11 @@ pub enum ClientError {
     /// The node answered something that does not fit the request.
     #[error("unexpected answer from the node: {0}")]
     Unexpected(String),
+    /// An earlier call on this connection ended in the middle of an exchange (a failure while
+    /// reading an answer, or a cancelled future), so answers could be misattributed; connect
+    /// again.
+    #[error("the connection is out of step after an unfinished exchange; connect again")]
+    OutOfStep,
     /// A Burn tensor could not be made from, or read into, the data (wrong rank or kind for the
     /// dtype, a device that cannot hold it).
     #[error("{0}")]
@@ -176,6 +181,9 @@ pub struct Client {
     conn: Connection<TcpStream>,
     welcome: Welcome,
     max_tensor_bytes: u64,
+    /// An exchange started and did not finish (an error mid-answer, or a cancelled call): the
+    /// next answer on the wire may belong to it, so the connection is not used again.
+    out_of_step: bool,
 }
 
 fn unexpected(response: Response) -> ClientError {
@@ -224,7 +232,25 @@ impl Client {
             conn,
             welcome,
             max_tensor_bytes: config.max_tensor_bytes.unwrap_or(u64::MAX),
+            out_of_step: false,
         })
+    }
+
+    /// Starts an exchange, unless an earlier one was left unfinished.
+    fn begin(&mut self) -> Result<(), ClientError> {
+        if self.out_of_step {
+            return Err(ClientError::OutOfStep);
+        }
+        self.out_of_step = true;
+        Ok(())
+    }
+
+    /// Ends an exchange: it finished if it succeeded or the node answered with an error.
+    fn end<T>(&mut self, result: Result<T, ClientError>) -> Result<T, ClientError> {
+        if matches!(&result, Ok(_) | Err(ClientError::Node { .. })) {
+            self.out_of_step = false;
+        }
+        result
     }
 
     /// What the node said when the connection opened.
@@ -251,24 +277,30 @@ impl Client {
         data: &TensorData,
         overwrite: bool,
     ) -> Result<TensorInfo, ClientError> {
+        // Checked before anything is sent: a tensor that cannot go leaves the connection as is.
         let meta = ferry_proto::tensor::meta_of(data)?;
-        self.conn
-            .write_request(&Request::Put {
-                device,
-                name: name.map(str::to_string),
-                meta: meta.to_wire(),
-                overwrite,
-            })
-            .await?;
-        match self.conn.read_response().await? {
-            Response::Ready => {}
-            other => return Err(unexpected(other)),
+        self.begin()?;
+        let result = async {
+            self.conn
+                .write_request(&Request::Put {
+                    device,
+                    name: name.map(str::to_string),
+                    meta: meta.to_wire(),
+                    overwrite,
+                })
+                .await?;
+            match self.conn.read_response().await? {
+                Response::Ready => {}
+                other => return Err(unexpected(other)),
+            }
+            self.conn.write_payload(data.as_bytes()).await?;
+            match self.conn.read_response().await? {
+                Response::Stored(info) => Ok(info),
+                other => Err(unexpected(other)),
+            }
         }
-        self.conn.write_payload(data.as_bytes()).await?;
-        match self.conn.read_response().await? {
-            Response::Stored(info) => Ok(info),
-            other => Err(unexpected(other)),
-        }
+        .await;
+        self.end(result)
     }
 
     /// Downloads the tensor under `key`, bit-exact, its dtype and shape checked.
@@ -281,18 +313,23 @@ impl Client {
         &mut self,
         key: &TensorKey,
     ) -> Result<(TensorInfo, TensorData), ClientError> {
-        self.conn
-            .write_request(&Request::Get { key: key.clone() })
-            .await?;
-        let (info, wire) = match self.conn.read_response().await? {
-            Response::Tensor { info, meta } => (info, meta),
-            other => return Err(unexpected(other)),
-        };
-        let meta = TensorMeta::try_from(&wire).map_err(ProtoError::from)?;
-        let mut assembler =
-            TensorAssembler::new(meta, self.max_tensor_bytes).map_err(ProtoError::from)?;
-        self.conn.read_payload(&mut assembler).await?;
-        Ok((info, assembler.finish()?))
+        self.begin()?;
+        let result = async {
+            self.conn
+                .write_request(&Request::Get { key: key.clone() })
+                .await?;
+            let (info, wire) = match self.conn.read_response().await? {
+                Response::Tensor { info, meta } => (info, meta),
+                other => return Err(unexpected(other)),
+            };
+            let meta = TensorMeta::try_from(&wire).map_err(ProtoError::from)?;
+            let mut assembler =
+                TensorAssembler::new(meta, self.max_tensor_bytes).map_err(ProtoError::from)?;
+            self.conn.read_payload(&mut assembler).await?;
+            Ok((info, assembler.finish()?))
+        }
+        .await;
+        self.end(result)
     }
 
     /// Copies the tensor under `src` to `dst_device` of the same node, under `dst_name` or its
@@ -326,48 +363,68 @@ impl Client {
         remove_source: bool,
         overwrite: bool,
     ) -> Result<TensorInfo, ClientError> {
-        self.conn
-            .write_request(&Request::Copy {
-                src: src.clone(),
-                dst_device,
-                dst_name: dst_name.map(str::to_string),
-                remove_source,
-                overwrite,
-            })
-            .await?;
-        match self.conn.read_response().await? {
-            Response::Stored(info) => Ok(info),
-            other => Err(unexpected(other)),
+        self.begin()?;
+        let result = async {
+            self.conn
+                .write_request(&Request::Copy {
+                    src: src.clone(),
+                    dst_device,
+                    dst_name: dst_name.map(str::to_string),
+                    remove_source,
+                    overwrite,
+                })
+                .await?;
+            match self.conn.read_response().await? {
+                Response::Stored(info) => Ok(info),
+                other => Err(unexpected(other)),
+            }
         }
+        .await;
+        self.end(result)
     }
 
     /// Deletes the tensor under `key`.
     pub async fn delete(&mut self, key: &TensorKey) -> Result<TensorInfo, ClientError> {
-        self.conn
-            .write_request(&Request::Delete { key: key.clone() })
-            .await?;
-        match self.conn.read_response().await? {
-            Response::Deleted(info) => Ok(info),
-            other => Err(unexpected(other)),
+        self.begin()?;
+        let result = async {
+            self.conn
+                .write_request(&Request::Delete { key: key.clone() })
+                .await?;
+            match self.conn.read_response().await? {
+                Response::Deleted(info) => Ok(info),
+                other => Err(unexpected(other)),
+            }
         }
+        .await;
+        self.end(result)
     }
 
     /// The tensors on `device`, or on every device.
     pub async fn list(&mut self, device: Option<u32>) -> Result<Vec<TensorInfo>, ClientError> {
-        self.conn.write_request(&Request::List { device }).await?;
-        match self.conn.read_response().await? {
-            Response::Listing(all) => Ok(all),
-            other => Err(unexpected(other)),
+        self.begin()?;
+        let result = async {
+            self.conn.write_request(&Request::List { device }).await?;
+            match self.conn.read_response().await? {
+                Response::Listing(all) => Ok(all),
+                other => Err(unexpected(other)),
+            }
         }
+        .await;
+        self.end(result)
     }
 
     /// Node statistics.
     pub async fn stat(&mut self) -> Result<NodeStats, ClientError> {
-        self.conn.write_request(&Request::Stat).await?;
-        match self.conn.read_response().await? {
-            Response::Stats(stats) => Ok(stats),
-            other => Err(unexpected(other)),
+        self.begin()?;
+        let result = async {
+            self.conn.write_request(&Request::Stat).await?;
+            match self.conn.read_response().await? {
+                Response::Stats(stats) => Ok(stats),
+                other => Err(unexpected(other)),
+            }
         }
+        .await;
+        self.end(result)
     }
 
     /// Uploads many tensors to `device` in one pipelined exchange (a whole model's weights): the
@@ -379,45 +436,50 @@ impl Client {
         tensors: &[(String, TensorData)],
         overwrite: bool,
     ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
-        let mut results: Vec<Option<Result<TensorInfo, ClientError>>> =
-            (0..tensors.len()).map(|_| None).collect();
-        // The upload whose `Stored` (or error) the node still owes.
-        let mut owed: Option<usize> = None;
-        for (i, (name, data)) in tensors.iter().enumerate() {
-            let meta = match ferry_proto::tensor::meta_of(data) {
-                Ok(meta) => meta,
-                Err(e) => {
-                    results[i] = Some(Err(e.into()));
-                    continue;
+        self.begin()?;
+        let result = async {
+            let mut results: Vec<Option<Result<TensorInfo, ClientError>>> =
+                (0..tensors.len()).map(|_| None).collect();
+            // The upload whose `Stored` (or error) the node still owes.
+            let mut owed: Option<usize> = None;
+            for (i, (name, data)) in tensors.iter().enumerate() {
+                let meta = match ferry_proto::tensor::meta_of(data) {
+                    Ok(meta) => meta,
+                    Err(e) => {
+                        results[i] = Some(Err(e.into()));
+                        continue;
+                    }
+                };
+                self.conn
+                    .write_request(&Request::Put {
+                        device,
+                        name: Some(name.clone()),
+                        meta: meta.to_wire(),
+                        overwrite,
+                    })
+                    .await?;
+                if let Some(prev) = owed.take() {
+                    results[prev] = Some(self.read_stored().await?);
                 }
-            };
-            self.conn
-                .write_request(&Request::Put {
-                    device,
-                    name: Some(name.clone()),
-                    meta: meta.to_wire(),
-                    overwrite,
-                })
-                .await?;
-            if let Some(prev) = owed.take() {
+                match self.conn.read_response().await? {
+                    Response::Ready => {
+                        self.conn.write_payload(data.as_bytes()).await?;
+                        owed = Some(i);
+                    }
+                    Response::Error(reply) => results[i] = Some(Err(reply.into())),
+                    other => return Err(unexpected(other)),
+                }
+            }
+            if let Some(prev) = owed {
                 results[prev] = Some(self.read_stored().await?);
             }
-            match self.conn.read_response().await? {
-                Response::Ready => {
-                    self.conn.write_payload(data.as_bytes()).await?;
-                    owed = Some(i);
-                }
-                Response::Error(reply) => results[i] = Some(Err(reply.into())),
-                other => return Err(unexpected(other)),
-            }
+            Ok(results
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|| Err(ClientError::Unexpected("no answer".into()))))
+                .collect())
         }
-        if let Some(prev) = owed {
-            results[prev] = Some(self.read_stored().await?);
-        }
-        Ok(results
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(ClientError::Unexpected("no answer".into()))))
-            .collect())
+        .await;
+        self.end(result)
     }
 
     /// A node's answer to an upload: registered, or refused.
@@ -435,20 +497,25 @@ impl Client {
         &mut self,
         keys: &[TensorKey],
     ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
-        let mut results = Vec::with_capacity(keys.len());
-        // Requests go out in windows so that a huge batch never has more than this many
-        // answers outstanding.
-        for window in keys.chunks(PIPELINE_WINDOW) {
-            for key in window {
-                self.conn
-                    .write_request(&Request::Get { key: key.clone() })
-                    .await?;
+        self.begin()?;
+        let result = async {
+            let mut results = Vec::with_capacity(keys.len());
+            // Requests go out in windows so that a huge batch never has more than this many
+            // answers outstanding.
+            for window in keys.chunks(PIPELINE_WINDOW) {
+                for key in window {
+                    self.conn
+                        .write_request(&Request::Get { key: key.clone() })
+                        .await?;
+                }
+                for _ in window {
+                    results.push(self.read_tensor().await?);
+                }
             }
-            for _ in window {
-                results.push(self.read_tensor().await?);
-            }
+            Ok(results)
         }
-        Ok(results)
+        .await;
+        self.end(result)
     }
 
     /// A node's answer to a download: the tensor, or an error.
@@ -491,23 +558,33 @@ impl Client {
 
     /// The node's id (what a capability is bound to).
     pub async fn identify(&mut self) -> Result<String, ClientError> {
-        self.conn.write_request(&Request::Identify).await?;
-        match self.conn.read_response().await? {
-            Response::Identity { node_id } => Ok(node_id),
-            other => Err(unexpected(other)),
+        self.begin()?;
+        let result = async {
+            self.conn.write_request(&Request::Identify).await?;
+            match self.conn.read_response().await? {
+                Response::Identity { node_id } => Ok(node_id),
+                other => Err(unexpected(other)),
+            }
         }
+        .await;
+        self.end(result)
     }
 
     /// Asks this (source) node for a single-use capability that lets the node `audience` pull
     /// the tensor under `key`.
     pub async fn grant(&mut self, key: &TensorKey, audience: &str) -> Result<Grant, ClientError> {
-        self.conn
-            .write_request(&Request::Grant {
-                key: key.clone(),
-                audience: audience.to_string(),
-            })
-            .await?;
-        self.read_grant().await
+        self.begin()?;
+        let result = async {
+            self.conn
+                .write_request(&Request::Grant {
+                    key: key.clone(),
+                    audience: audience.to_string(),
+                })
+                .await?;
+            self.read_grant().await
+        }
+        .await;
+        self.end(result)
     }
 
     async fn read_grant(&mut self) -> Result<Grant, ClientError> {
@@ -538,12 +615,17 @@ impl Client {
         dst_name: Option<&str>,
         overwrite: bool,
     ) -> Result<TensorInfo, ClientError> {
-        self.write_pull(source, grant, dst_device, dst_name, overwrite)
-            .await?;
-        match self.conn.read_response().await? {
-            Response::Stored(info) => Ok(info),
-            other => Err(unexpected(other)),
+        self.begin()?;
+        let result = async {
+            self.write_pull(source, grant, dst_device, dst_name, overwrite)
+                .await?;
+            match self.conn.read_response().await? {
+                Response::Stored(info) => Ok(info),
+                other => Err(unexpected(other)),
+            }
         }
+        .await;
+        self.end(result)
     }
 
     async fn write_pull(
@@ -576,34 +658,44 @@ impl Client {
         node_id: &str,
         offset: u64,
     ) -> Result<(TensorInfo, TensorMeta), ClientError> {
-        self.conn
-            .write_request(&Request::Fetch {
-                capability: capability.to_string(),
-                node_id: node_id.to_string(),
-                offset,
-            })
-            .await?;
-        match self.conn.read_response().await? {
-            Response::Tensor { info, meta } => {
-                let meta = TensorMeta::try_from(&meta).map_err(ProtoError::from)?;
-                Ok((info, meta))
+        self.begin()?;
+        let result = async {
+            self.conn
+                .write_request(&Request::Fetch {
+                    capability: capability.to_string(),
+                    node_id: node_id.to_string(),
+                    offset,
+                })
+                .await?;
+            match self.conn.read_response().await? {
+                Response::Tensor { info, meta } => {
+                    let meta = TensorMeta::try_from(&meta).map_err(ProtoError::from)?;
+                    Ok((info, meta))
+                }
+                other => Err(unexpected(other)),
             }
-            other => Err(unexpected(other)),
         }
+        .await;
+        self.end(result)
     }
 
     /// Node to node: tells the source that every byte arrived, which uses the capability up.
     pub async fn release(&mut self, capability: &str, node_id: &str) -> Result<(), ClientError> {
-        self.conn
-            .write_request(&Request::Release {
-                capability: capability.to_string(),
-                node_id: node_id.to_string(),
-            })
-            .await?;
-        match self.conn.read_response().await? {
-            Response::Released => Ok(()),
-            other => Err(unexpected(other)),
+        self.begin()?;
+        let result = async {
+            self.conn
+                .write_request(&Request::Release {
+                    capability: capability.to_string(),
+                    node_id: node_id.to_string(),
+                })
+                .await?;
+            match self.conn.read_response().await? {
+                Response::Released => Ok(()),
+                other => Err(unexpected(other)),
+            }
         }
+        .await;
+        self.end(result)
     }
 
     /// Reads a fetched payload into `assembler`, from where its verified bytes end.
@@ -611,7 +703,12 @@ impl Client {
         &mut self,
         assembler: &mut TensorAssembler,
     ) -> Result<(), ClientError> {
-        self.conn.read_payload(assembler).await?;
-        Ok(())
+        self.begin()?;
+        let result = async {
+            self.conn.read_payload(assembler).await?;
+            Ok(())
+        }
+        .await;
+        self.end(result)
     }
 }

@@ -71,6 +71,10 @@ pub enum NodeError {
     /// The node is shutting down.
     #[error("the node is shutting down")]
     ShuttingDown,
+    /// The tensor is not the one the operation was for (it changed in between, or assembled
+    /// bytes do not hash to what the source advertised).
+    #[error("tensor {0} changed during the transfer; nothing was registered or removed")]
+    Changed(TensorKey),
     /// A capability that is unknown, used, expired or bound to another node.
     #[error("capability refused: {0}")]
     CapabilityRefused(String),
@@ -102,7 +106,7 @@ impl NodeError {
             NodeError::Backend(_) => ErrorCode::Backend,
             NodeError::DeviceGone(_) | NodeError::ShuttingDown => ErrorCode::ShuttingDown,
             NodeError::CapabilityRefused(_) => ErrorCode::CapabilityRefused,
-            NodeError::Peer { .. } => ErrorCode::PeerFailed,
+            NodeError::Peer { .. } | NodeError::Changed(_) => ErrorCode::PeerFailed,
         }
     }
 

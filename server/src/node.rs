@@ -103,11 +103,18 @@ const MAX_CAPABILITIES: usize = 65_536;
 #[derive(Debug)]
 struct Capability {
     key: TensorKey,
+    /// The content it grants: a fetch of anything else (the tensor was replaced) is refused, so
+    /// a resumed transfer can never join two versions.
+    content_hash: String,
     audience: String,
     expires: Instant,
-    /// A fetch with it is under way: a second one at the same time is refused.
-    in_use: bool,
+    /// Counts fetches; only the latest may touch the capability when it ends, so a resume can
+    /// take over from a fetch whose connection has not noticed it is dead.
+    generation: u64,
 }
+
+/// The longest node id or audience accepted.
+const MAX_NODE_ID_LEN: usize = 256;
 
 struct Inner {
     devices: Vec<DeviceHandle>,
@@ -115,7 +122,6 @@ struct Inner {
     node_id: String,
     capabilities: Mutex<HashMap<String, Capability>>,
     counters: Counters,
-    next_name: AtomicU64,
     threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
@@ -176,7 +182,6 @@ impl Node {
                 node_id,
                 capabilities: Mutex::new(HashMap::new()),
                 counters: Counters::default(),
-                next_name: AtomicU64::new(0),
                 threads: std::sync::Mutex::new(threads),
             }),
         })
@@ -202,6 +207,11 @@ impl Node {
         key: &TensorKey,
         audience: &str,
     ) -> Result<(String, Duration, TensorDesc), NodeError> {
+        if audience.is_empty() || audience.len() > MAX_NODE_ID_LEN {
+            return Err(NodeError::BadRequest(format!(
+                "a node id is 1 to {MAX_NODE_ID_LEN} bytes"
+            )));
+        }
         let desc = self.describe(key).await?;
         let ttl = self.inner.config.capability_ttl;
         let token = format!("{:032x}", rand::random::<u128>());
@@ -217,9 +227,10 @@ impl Node {
             token.clone(),
             Capability {
                 key: key.clone(),
+                content_hash: desc.content_hash.clone(),
                 audience: audience.to_string(),
                 expires: now + ttl,
-                in_use: false,
+                generation: 0,
             },
         );
         Ok((token, ttl, desc))
@@ -251,14 +262,13 @@ impl Node {
         if capability.audience != node_id {
             return Err(refused("capability issued to another node"));
         }
-        if capability.in_use {
-            return Err(refused("capability in use by another fetch"));
-        }
-        capability.in_use = true;
+        capability.generation += 1;
         Ok(FetchLease {
             node: self.clone(),
             token: token.to_string(),
             key: capability.key.clone(),
+            content_hash: capability.content_hash.clone(),
+            generation: capability.generation,
         })
     }
 
@@ -307,10 +317,9 @@ impl Node {
 
     /// A fresh name for a tensor put without one.
     pub fn fresh_name(&self) -> String {
-        format!(
-            "tensor-{}",
-            self.inner.next_name.fetch_add(1, Ordering::Relaxed)
-        )
+        // Random, not a counter: a counter restarting with the node would hand out names that
+        // earlier uploads (or users) already hold.
+        format!("tensor-{:032x}", rand::random::<u128>())
     }
 
     /// Everything checked before a tensor of `dtype`, `shape` and `bytes` may go to `device`:
@@ -373,6 +382,7 @@ impl Node {
                 path: TransferPath::Put,
                 overwrite,
                 reservation,
+                expect_hash: None,
                 reply,
             })
             .await;
@@ -415,16 +425,27 @@ impl Node {
 
     /// The bytes of the tensor under `key`, which is unregistered once they are read.
     pub async fn take(&self, key: &TensorKey) -> Result<TensorData, NodeError> {
-        let data = self.get(key).await?;
-        self.remove(key).await?;
+        let (desc, data) = self.read(key).await?;
+        // Only the version read goes; one registered meanwhile stays.
+        self.remove_if(key, Some(desc.content_hash)).await?;
         Ok(data)
     }
 
     /// Unregisters the tensor under `key`.
     pub async fn remove(&self, key: &TensorKey) -> Result<TensorDesc, NodeError> {
+        self.remove_if(key, None).await
+    }
+
+    /// Unregisters the tensor under `key` if its content hash is still `expect_hash`.
+    async fn remove_if(
+        &self,
+        key: &TensorKey,
+        expect_hash: Option<String>,
+    ) -> Result<TensorDesc, NodeError> {
         self.device(key.device)?
             .call(|reply| Command::Remove {
                 name: key.name.clone(),
+                expect_hash,
                 reply,
             })
             .await
@@ -543,6 +564,7 @@ impl Node {
                 path: label.unwrap_or(path),
                 overwrite,
                 reservation,
+                expect_hash: None,
                 reply,
             })
             .await?;
@@ -552,7 +574,7 @@ impl Node {
         }
         .fetch_add(1, Ordering::Relaxed);
         if mode == TransferMode::Move {
-            self.remove(src).await?;
+            self.remove_if(src, Some(desc.content_hash)).await?;
         }
         Ok(registered)
     }
@@ -650,12 +672,19 @@ pub struct FetchLease {
     node: Node,
     token: String,
     key: TensorKey,
+    content_hash: String,
+    generation: u64,
 }
 
 impl FetchLease {
     /// The tensor it grants.
     pub fn key(&self) -> &TensorKey {
         &self.key
+    }
+
+    /// The content it grants.
+    pub fn content_hash(&self) -> &str {
+        &self.content_hash
     }
 }
 
@@ -664,8 +693,9 @@ impl Drop for FetchLease {
         // Whatever was read for this fetch is freed with it; the capability stays only long
         // enough for the same node to release it or resume.
         let window = self.node.inner.config.peer_limits.idle_timeout;
-        if let Some(capability) = self.node.capabilities().get_mut(&self.token) {
-            capability.in_use = false;
+        if let Some(capability) = self.node.capabilities().get_mut(&self.token)
+            && capability.generation == self.generation
+        {
             capability.expires = capability.expires.min(Instant::now() + window);
         }
     }

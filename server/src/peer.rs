@@ -38,6 +38,9 @@ pub struct PeerLink {
     source: Option<(String, Client)>,
 }
 
+/// The longest wait between two reconnections.
+const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// How one attempt failed.
 enum AttemptError {
     /// The connection dropped or went silent: worth reconnecting and resuming.
@@ -120,7 +123,9 @@ impl Node {
                         "pull dropped; reconnecting"
                     );
                     link.source = None;
-                    tokio::time::sleep(config.retry_backoff * 2u32.pow(attempt - 1)).await;
+                    let doubling = 1u32 << (attempt - 1).min(16);
+                    let backoff = config.retry_backoff.saturating_mul(doubling);
+                    tokio::time::sleep(backoff.min(MAX_BACKOFF)).await;
                 }
                 Err(AttemptError::Transient(why)) => {
                     link.source = None;
@@ -155,6 +160,8 @@ impl Node {
                 path: TransferPath::Pull,
                 overwrite: req.overwrite,
                 reservation,
+                // End to end: the assembled bytes must be the tensor the source granted.
+                expect_hash: req.content_hash.clone(),
                 reply,
             })
             .await?;
@@ -171,10 +178,22 @@ impl Node {
     ) -> Result<(), AttemptError> {
         let client = self.link_to(link, &req.source).await?;
         let offset = receiving.as_ref().map_or(0, |r| r.assembler.received()) as u64;
-        let (_, meta) = client
-            .fetch_begin(&req.capability, self.node_id(), offset)
+        // A source that answers nothing is as gone as one that hung up.
+        let idle = self.config().peer_limits.idle_timeout;
+        let begin = client.fetch_begin(&req.capability, self.node_id(), offset);
+        let (info, meta) = tokio::time::timeout(idle, begin)
             .await
+            .map_err(|_| AttemptError::Transient(format!("{} did not answer", req.source)))?
             .map_err(|e| classify(&req.source, e))?;
+        if info.key != req.src {
+            return Err(AttemptError::Fatal(NodeError::Peer {
+                source_addr: req.source.clone(),
+                message: format!(
+                    "asked for {} but the capability is for {}",
+                    req.src, info.key
+                ),
+            }));
+        }
         match receiving {
             Some(r) if r.assembler.meta() != &meta => {
                 return Err(AttemptError::Fatal(NodeError::Peer {
@@ -212,10 +231,23 @@ impl Node {
             .map_err(|e| classify(&req.source, e))?;
         // Every byte is here and verified: the transfer stands even if the release is lost (the
         // capability then lapses at the source on its own).
-        if let Err(error) = client.release(&req.capability, self.node_id()).await {
-            tracing::warn!(source = %req.source, %error, "release after a complete pull failed");
+        let release = client.release(&req.capability, self.node_id());
+        match tokio::time::timeout(idle, release).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                tracing::warn!(source = %req.source, %error, "release after a complete pull failed");
+            }
+            Err(_) => {
+                tracing::warn!(source = %req.source, "release after a complete pull timed out");
+                self.drop_link_after_timeout(link);
+            }
         }
         Ok(())
+    }
+
+    /// A link whose peer stopped answering mid-exchange is out of step: never reuse it.
+    fn drop_link_after_timeout(&self, link: &mut PeerLink) {
+        link.source = None;
     }
 
     /// The session's connection to `source`, opened if needed.

@@ -412,7 +412,14 @@ impl Session<'_> {
             Ok((desc, meta, bytes))
         });
         let (desc, meta, bytes) = match read {
-            Ok(read) => read,
+            Ok(read) if read.0.content_hash == lease.content_hash() => read,
+            Ok(_) => {
+                let error = NodeError::CapabilityRefused(format!(
+                    "{} changed since the capability was granted",
+                    lease.key()
+                ));
+                return conn.write_response(&Response::Error(error.reply())).await;
+            }
             Err(error) => return conn.write_response(&Response::Error(error.reply())).await,
         };
         let Ok(start) = usize::try_from(offset).map(|o| o.min(bytes.len())) else {

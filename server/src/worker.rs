@@ -178,6 +178,9 @@ pub enum Command {
         overwrite: bool,
         /// The budget claimed for it, held for as long as the tensor is registered.
         reservation: Reservation,
+        /// Refuse the tensor unless its content hash is this (a pull checks end to end that it
+        /// assembled the tensor it was granted).
+        expect_hash: Option<String>,
         /// Answered once registered.
         reply: Reply<TensorDesc>,
     },
@@ -208,6 +211,9 @@ pub enum Command {
     Remove {
         /// The name.
         name: String,
+        /// Remove it only if its content hash is still this (a move removes the version it
+        /// copied, never a newer one registered meanwhile).
+        expect_hash: Option<String>,
         /// What was removed.
         reply: Reply<TensorDesc>,
     },
@@ -364,9 +370,11 @@ impl<B: Backend> Worker<B> {
                 path,
                 overwrite,
                 reservation,
+                expect_hash,
                 reply,
             } => {
-                let _ = reply.send(self.insert(name, payload, path, overwrite, reservation));
+                let result = self.insert(name, payload, path, overwrite, reservation, expect_hash);
+                let _ = reply.send(result);
             }
             Command::Read { name, reply } => {
                 let result = self
@@ -397,12 +405,22 @@ impl<B: Backend> Worker<B> {
             Command::Describe { name, reply } => {
                 let _ = reply.send(self.entry(&name).map(|e| e.desc.clone()));
             }
-            Command::Remove { name, reply } => {
-                let result = self
-                    .tensors
-                    .remove(&name)
-                    .map(|e| e.desc)
-                    .ok_or_else(|| NodeError::NotFound(self.key(&name)));
+            Command::Remove {
+                name,
+                expect_hash,
+                reply,
+            } => {
+                let result = match (self.tensors.get(&name), expect_hash) {
+                    (None, _) => Err(NodeError::NotFound(self.key(&name))),
+                    (Some(e), Some(hash)) if e.desc.content_hash != hash => {
+                        Err(NodeError::Changed(self.key(&name)))
+                    }
+                    _ => self
+                        .tensors
+                        .remove(&name)
+                        .map(|e| e.desc)
+                        .ok_or_else(|| NodeError::NotFound(self.key(&name))),
+                };
                 let _ = reply.send(result);
             }
             Command::List { reply } => {
@@ -421,6 +439,7 @@ impl<B: Backend> Worker<B> {
         path: TransferPath,
         overwrite: bool,
         reservation: Reservation,
+        expect_hash: Option<String>,
     ) -> Result<TensorDesc, NodeError> {
         if !overwrite && self.tensors.contains_key(&name) {
             return Err(NodeError::AlreadyExists(self.key(&name)));
@@ -432,6 +451,11 @@ impl<B: Backend> Worker<B> {
                 let bytes = data.bytes().len() as u64;
                 let meta = ferry_proto::tensor::meta_of(&data)?;
                 let content_hash = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
+                if let Some(expected) = &expect_hash
+                    && *expected != content_hash
+                {
+                    return Err(NodeError::Changed(self.key(&name)));
+                }
                 let primitive = Primitive::<B>::from_data(data, &self.device)?;
                 (primitive, dtype, shape, bytes, content_hash)
             }
