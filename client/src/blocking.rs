@@ -126,6 +126,45 @@ impl BlockingClient {
             .block_on(self.client.move_to(src, dst_device, dst_name))
     }
 
+    /// See [`Client::transfer`].
+    pub fn transfer(
+        &mut self,
+        src: &TensorKey,
+        dst_device: u32,
+        dst_name: Option<&str>,
+        remove_source: bool,
+        overwrite: bool,
+    ) -> Result<TensorInfo, ClientError> {
+        self.runtime.block_on(self.client.transfer(
+            src,
+            dst_device,
+            dst_name,
+            remove_source,
+            overwrite,
+        ))
+    }
+
+    /// See [`Client::identify`].
+    pub fn identify(&mut self) -> Result<String, ClientError> {
+        self.runtime.block_on(self.client.identify())
+    }
+
+    /// See [`copy_between`](crate::copy_between): node to node, from `source` to this client's
+    /// node.
+    pub fn pull_from(
+        &mut self,
+        source: &mut BlockingClient,
+        keys: &[TensorKey],
+        how: &crate::NodeCopy<'_>,
+    ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
+        self.runtime.block_on(crate::copy_between(
+            &mut source.client,
+            &mut self.client,
+            keys,
+            how,
+        ))
+    }
+
     /// See [`Client::delete`].
     pub fn delete(&mut self, key: &TensorKey) -> Result<TensorInfo, ClientError> {
         self.runtime.block_on(self.client.delete(key))

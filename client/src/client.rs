@@ -12,6 +12,9 @@ use crate::connection::{Connection, ConnectionError, ConnectionLimits};
 /// How many downloads a batch keeps outstanding at once.
 const PIPELINE_WINDOW: usize = 64;
 
+/// How many capabilities a node-to-node batch asks for ahead of their pulls.
+const GRANT_WINDOW: usize = 4;
+
 /// The software name the client reports.
 pub const AGENT: &str = concat!("ferry-client/", env!("CARGO_PKG_VERSION"));
 
@@ -117,9 +120,16 @@ pub async fn copy_between(
         remove_source,
         overwrite,
     } = *how;
+    if dst_name.is_some() && keys.len() > 1 {
+        return Err(ClientError::Unexpected(
+            "a target name names one tensor; copy several under their own names".into(),
+        ));
+    }
     let audience = target.identify().await?;
     let mut results = Vec::with_capacity(keys.len());
-    for window in keys.chunks(PIPELINE_WINDOW) {
+    // Few grants ahead of the pulls: a capability's clock runs from its grant, and pulls of
+    // large tensors one after another could outlast it.
+    for window in keys.chunks(GRANT_WINDOW) {
         for key in window {
             source
                 .conn

@@ -249,8 +249,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
 
     /// Writes already-encoded frame bytes and flushes.
     pub async fn write_frame(&mut self, bytes: &[u8]) -> Result<(), ConnectionError> {
-        self.stream.write_all(bytes).await?;
-        self.stream.flush().await?;
+        let idle = self.limits.idle_timeout;
+        let write = async {
+            self.stream.write_all(bytes).await?;
+            self.stream.flush().await
+        };
+        // A peer that stops reading must not pin this side forever.
+        tokio::time::timeout(idle, write)
+            .await
+            .map_err(|_| ConnectionError::IdleTimeout(idle))??;
         Ok(())
     }
 
@@ -268,14 +275,23 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         start: usize,
     ) -> Result<(), ConnectionError> {
         let rest = payload.get(start..).unwrap_or_default();
+        let idle = self.limits.idle_timeout;
         for (offset, piece) in frame::chunks(rest, self.limits.chunk_size) {
             let offset = offset + start as u64;
-            self.stream
-                .write_all(&frame::chunk_prefix(offset, piece))
-                .await?;
-            self.stream.write_all(piece).await?;
+            let write = async {
+                self.stream
+                    .write_all(&frame::chunk_prefix(offset, piece))
+                    .await?;
+                self.stream.write_all(piece).await
+            };
+            // Each chunk must get out within the idle timeout: a reader that stalls is dropped.
+            tokio::time::timeout(idle, write)
+                .await
+                .map_err(|_| ConnectionError::IdleTimeout(idle))??;
         }
-        self.stream.flush().await?;
+        tokio::time::timeout(idle, self.stream.flush())
+            .await
+            .map_err(|_| ConnectionError::IdleTimeout(idle))??;
         Ok(())
     }
 }

@@ -128,6 +128,12 @@ pub enum MetaError {
         /// What was declared or received.
         actual: u64,
     },
+    /// The receiver could not allocate the tensor's buffer.
+    #[error("cannot allocate {bytes} bytes for the tensor")]
+    AllocationFailed {
+        /// Its byte length.
+        bytes: u64,
+    },
     /// A tensor larger than the receiver accepts.
     #[error("tensor of {bytes} bytes exceeds the limit of {limit} bytes")]
     TooLarge {

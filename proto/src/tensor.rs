@@ -73,14 +73,24 @@ pub fn content_hash(meta: &TensorMeta, payload: &[u8]) -> String {
 
 /// A zeroed buffer of `len` bytes, allocated with the alignment of `dtype`'s elements so that
 /// backends can use it in place (NdArray panics on misaligned buffers; Flex would copy).
-fn alloc_for(dtype: DType, len: usize) -> Bytes {
+///
+/// The allocation is fallible: a size the allocator refuses is an error, not an abort.
+fn alloc_for(dtype: DType, len: usize) -> Result<Bytes, MetaError> {
+    fn zeroed<T: bytemuck::Zeroable + bytemuck::NoUninit + Send + Sync>(
+        n: usize,
+        len: usize,
+    ) -> Result<Bytes, MetaError> {
+        bytemuck::allocation::try_zeroed_vec::<T>(n)
+            .map(Bytes::from_elems)
+            .map_err(|()| MetaError::AllocationFailed { bytes: len as u64 })
+    }
     match dtype {
-        DType::QFloat(_) => Bytes::from_elems(vec![0u8; len]),
+        DType::QFloat(_) => zeroed::<u8>(len, len),
         plain => match plain.size() {
-            8 => Bytes::from_elems(vec![0u64; len / 8]),
-            4 => Bytes::from_elems(vec![0u32; len / 4]),
-            2 => Bytes::from_elems(vec![0u16; len / 2]),
-            _ => Bytes::from_elems(vec![0u8; len]),
+            8 => zeroed::<u64>(len / 8, len),
+            4 => zeroed::<u32>(len / 4, len),
+            2 => zeroed::<u16>(len / 2, len),
+            _ => zeroed::<u8>(len, len),
         },
     }
 }
@@ -114,7 +124,7 @@ impl TensorAssembler {
                 limit: max_bytes,
             });
         }
-        let buf = alloc_for(meta.dtype(), len);
+        let buf = alloc_for(meta.dtype(), len)?;
         Ok(Self {
             meta,
             buf,

@@ -95,7 +95,9 @@ impl NodeError {
             NodeError::NoSuchDevice { .. } | NodeError::BadRequest(_) | NodeError::Name(_) => {
                 ErrorCode::BadRequest
             }
-            NodeError::Meta(MetaError::TooLarge { .. }) => ErrorCode::LimitExceeded,
+            NodeError::Meta(MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. }) => {
+                ErrorCode::LimitExceeded
+            }
             NodeError::Meta(_) => ErrorCode::BadRequest,
             NodeError::NotFound(_) => ErrorCode::NotFound,
             NodeError::AlreadyExists(_) => ErrorCode::AlreadyExists,

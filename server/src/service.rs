@@ -86,6 +86,8 @@ impl Service {
             result = accept => result?,
             () = shutdown => tracing::info!("shutting down: no new connections"),
         }
+        // Closed now, so that new clients are refused at once rather than left waiting.
+        drop(self.listener);
         drop(notify_shutdown);
         drop(done_tx);
         let grace = self.config.shutdown_grace;

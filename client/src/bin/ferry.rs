@@ -418,10 +418,18 @@ async fn stat(cli: &Cli, node: &str, json: bool) -> anyhow::Result<()> {
             "round_trip_transfers": stats.round_trip_transfers,
             "connections": stats.connections,
             "transfer_policy": stats.transfer_policy,
+            "node_id": stats.node_id,
+            "pulls": stats.pulls,
+            "pull_retries": stats.pull_retries,
+            "dedup_hits": stats.dedup_hits,
+            "fetches_served": stats.fetches_served,
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
-        println!("{} ({} policy)", stats.agent, stats.transfer_policy);
+        println!(
+            "{} {} ({} policy)",
+            stats.agent, stats.node_id, stats.transfer_policy
+        );
         for d in &stats.devices {
             let limit = d
                 .memory_limit
@@ -438,6 +446,10 @@ async fn stat(cli: &Cli, node: &str, json: bool) -> anyhow::Result<()> {
             stats.native_transfers,
             stats.round_trip_transfers,
             stats.connections
+        );
+        println!(
+            "node to node: {} pulled ({} retries, {} skipped as duplicates), {} served",
+            stats.pulls, stats.pull_retries, stats.dedup_hits, stats.fetches_served
         );
     }
     Ok(())
