@@ -3,7 +3,7 @@
 //! Ignored by default: it needs root, `ip` and `tc`, and it uses the `ferry-server` and `ferry`
 //! binaries, which `cargo test -p ferry` does not build (`cargo build -p ferry-server -p
 //! ferry-client` does). Run with `cargo test -p ferry --test netns -- --ignored --nocapture`.
-//! `scripts/netns-pull.sh` sets up the namespaces, the lossy link and the nodes and runs the CLI;
+//! `tests/netns-pull.sh` sets up the namespaces, the lossy link and the nodes and runs the CLI;
 //! this test writes the model and checks what came back, bit for bit.
 
 use std::io::Read;
@@ -68,7 +68,7 @@ fn model() -> Vec<(String, TensorData)> {
 
 /// Runs the script to completion, or kills it once it overran its own deadline.
 fn run_script(args: &[&Path]) -> (bool, String, String) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/netns-pull.sh");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/netns-pull.sh");
     let mut child = Command::new("bash")
         .arg(&script)
         .args(args)
@@ -127,7 +127,7 @@ fn a_quantized_model_crosses_a_lossy_link_node_to_node_bit_exact() {
         println!("netns test {reason}");
         return;
     }
-    assert!(ok, "scripts/netns-pull.sh failed");
+    assert!(ok, "tests/netns-pull.sh failed");
 
     // `ferry get` of a whole device writes the tensors in the node's order; compare by name.
     let mut expected = model;

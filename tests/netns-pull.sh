@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A node-to-node copy of a model between two network namespaces over a lossy, delayed veth link.
 #
-# usage: scripts/netns-pull.sh [FERRY_SERVER] [FERRY_CLI] MODEL.bpk OUT.bpk
+# usage: tests/netns-pull.sh [FERRY_SERVER] [FERRY_CLI] MODEL.bpk OUT.bpk
 #   FERRY_SERVER  the ferry-server binary (default target/debug/ferry-server)
 #   FERRY_CLI     the ferry command line  (default target/debug/ferry)
 #   MODEL.bpk     the tensors to send; OUT.bpk receives them back from the far node
