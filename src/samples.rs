@@ -8,6 +8,7 @@ use burn_backend::ops::{FloatTensorOps, QTensorOps};
 use burn_backend::quantization::{QuantScheme, QuantStore, QuantValue, ScaleDtype, quantizable};
 use burn_backend::{BoolStore, DType, TensorData, bf16, f16, read_sync};
 use burn_flex::{Flex, FlexDevice};
+use ferry_proto::dtype::{PLAIN_DTYPES, QUANT_VALUES as VALUES, SCALE_DTYPES as SCALES};
 
 /// A named sample tensor.
 #[derive(Debug, Clone)]
@@ -153,24 +154,7 @@ pub fn plain(dtype: DType, shape: &[usize], seed: u64) -> TensorData {
 
 /// Every plain dtype Burn 0.22.1 has.
 pub fn plain_dtypes() -> Vec<DType> {
-    vec![
-        DType::F64,
-        DType::F32,
-        DType::Flex32,
-        DType::F16,
-        DType::BF16,
-        DType::I64,
-        DType::I32,
-        DType::I16,
-        DType::I8,
-        DType::U64,
-        DType::U32,
-        DType::U16,
-        DType::U8,
-        DType::Bool(BoolStore::Native),
-        DType::Bool(BoolStore::U8),
-        DType::Bool(BoolStore::U32),
-    ]
+    PLAIN_DTYPES.to_vec()
 }
 
 /// Every plain dtype on every plain shape.
@@ -190,26 +174,6 @@ pub fn plain_matrix() -> Vec<Sample> {
     }
     out
 }
-
-const VALUES: [QuantValue; 9] = [
-    QuantValue::Q8F,
-    QuantValue::Q8S,
-    QuantValue::Q4F,
-    QuantValue::Q4S,
-    QuantValue::Q2F,
-    QuantValue::Q2S,
-    QuantValue::E4M3,
-    QuantValue::E5M2,
-    QuantValue::E2M1,
-];
-
-const SCALES: [ScaleDtype; 5] = [
-    ScaleDtype::F32,
-    ScaleDtype::F16,
-    ScaleDtype::BF16,
-    ScaleDtype::UE8M0,
-    ScaleDtype::UE4M3,
-];
 
 /// The quantization schemes the matrix covers, with a label: every value type per-tensor with
 /// each scale dtype; Q8S, Q4S and E2M1 per-block [32], [16], [4, 4] with each scale dtype; and

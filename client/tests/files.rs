@@ -3,6 +3,7 @@
 //! Every dtype goes through `.bpk` (quantized included) and every plain one through
 //! `.safetensors`; corrupt or foreign files give an error, never a panic and never a wrong tensor.
 
+use ferry_proto::dtype::PLAIN_DTYPES;
 use std::path::{Path, PathBuf};
 
 use burn_backend::ops::{FloatTensorOps, QTensorOps};
@@ -14,25 +15,6 @@ use ferry_client::files::{FileError, FileFormat, read_tensors, write_tensors};
 use ferry_proto::MetaError;
 
 type Tensors = Vec<(String, TensorData)>;
-
-const PLAIN_DTYPES: [DType; 16] = [
-    DType::F64,
-    DType::F32,
-    DType::Flex32,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I32,
-    DType::I16,
-    DType::I8,
-    DType::U64,
-    DType::U32,
-    DType::U16,
-    DType::U8,
-    DType::Bool(BoolStore::Native),
-    DType::Bool(BoolStore::U8),
-    DType::Bool(BoolStore::U32),
-];
 
 /// Rank 0, an empty dim, and an ordinary matrix.
 const SHAPES: [&[usize]; 3] = [&[], &[0, 3], &[3, 5]];

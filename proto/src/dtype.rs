@@ -15,6 +15,48 @@ use crate::error::DTypeError;
 /// The most block dimensions a `QuantScheme` can carry (Burn's `BlockSize::MAX_DIMS`).
 pub const MAX_BLOCK_DIMS: usize = BlockSize::MAX_DIMS;
 
+/// Every plain (not quantized) Burn 0.22.1 dtype, in tag order.
+pub const PLAIN_DTYPES: [DType; 16] = [
+    DType::F64,
+    DType::F32,
+    DType::Flex32,
+    DType::F16,
+    DType::BF16,
+    DType::I64,
+    DType::I32,
+    DType::I16,
+    DType::I8,
+    DType::U64,
+    DType::U32,
+    DType::U16,
+    DType::U8,
+    DType::Bool(BoolStore::Native),
+    DType::Bool(BoolStore::U8),
+    DType::Bool(BoolStore::U32),
+];
+
+/// Every quantized value type, in code order.
+pub const QUANT_VALUES: [QuantValue; 9] = [
+    QuantValue::Q8F,
+    QuantValue::Q8S,
+    QuantValue::Q4F,
+    QuantValue::Q4S,
+    QuantValue::Q2F,
+    QuantValue::Q2S,
+    QuantValue::E4M3,
+    QuantValue::E5M2,
+    QuantValue::E2M1,
+];
+
+/// Every scale dtype, in code order.
+pub const SCALE_DTYPES: [ScaleDtype; 5] = [
+    ScaleDtype::F32,
+    ScaleDtype::F16,
+    ScaleDtype::BF16,
+    ScaleDtype::UE8M0,
+    ScaleDtype::UE4M3,
+];
+
 /// A dtype as it travels: a tag and, for quantized data, every field of the scheme as a code.
 ///
 /// Codes, not Burn's enums, so that the bytes stay the same whatever Burn's serde derive does.
@@ -385,24 +427,7 @@ mod tests {
 
     #[test]
     fn every_plain_dtype_round_trips() {
-        for dtype in [
-            DType::F64,
-            DType::F32,
-            DType::Flex32,
-            DType::F16,
-            DType::BF16,
-            DType::I64,
-            DType::I32,
-            DType::I16,
-            DType::I8,
-            DType::U64,
-            DType::U32,
-            DType::U16,
-            DType::U8,
-            DType::Bool(BoolStore::Native),
-            DType::Bool(BoolStore::U8),
-            DType::Bool(BoolStore::U32),
-        ] {
+        for dtype in PLAIN_DTYPES {
             round_trip(dtype);
         }
     }

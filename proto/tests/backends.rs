@@ -11,6 +11,7 @@
 // burn-ndarray 0.22 marks itself deprecated in favour of burn-flex; ferry still serves it.
 #![allow(deprecated)]
 
+use ferry_proto::dtype::{PLAIN_DTYPES as PLAIN, QUANT_VALUES as VALUES, SCALE_DTYPES as SCALES};
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
@@ -28,45 +29,6 @@ use ferry_proto::frame::{self, DEFAULT_MAX_BODY, Frame, FrameKind};
 use ferry_proto::tensor::into_parts;
 use ferry_proto::{MetaError, ProtoError, Request, StreamError, TensorAssembler, TensorMeta};
 use ferry_proto::{dtype_name, meta::expected_byte_len};
-
-const PLAIN: [DType; 16] = [
-    DType::F64,
-    DType::F32,
-    DType::Flex32,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I32,
-    DType::I16,
-    DType::I8,
-    DType::U64,
-    DType::U32,
-    DType::U16,
-    DType::U8,
-    DType::Bool(BoolStore::Native),
-    DType::Bool(BoolStore::U8),
-    DType::Bool(BoolStore::U32),
-];
-
-const VALUES: [QuantValue; 9] = [
-    QuantValue::Q8F,
-    QuantValue::Q8S,
-    QuantValue::Q4F,
-    QuantValue::Q4S,
-    QuantValue::Q2F,
-    QuantValue::Q2S,
-    QuantValue::E4M3,
-    QuantValue::E5M2,
-    QuantValue::E2M1,
-];
-
-const SCALES: [ScaleDtype; 5] = [
-    ScaleDtype::F32,
-    ScaleDtype::F16,
-    ScaleDtype::BF16,
-    ScaleDtype::UE8M0,
-    ScaleDtype::UE4M3,
-];
 
 /// Payload bytes per chunk frame in most cases: small and odd, so chunks end mid-element.
 const CHUNK: usize = 7;

@@ -6,10 +6,11 @@
 //! an oversized body from its 16 header bytes alone; (c) `TensorMeta::try_from` on arbitrary wire
 //! metas and (d) the control decoders on arbitrary bytes never panic.
 
+use burn_std::DType;
 use burn_std::quantization::{QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype};
-use burn_std::{BoolStore, DType};
 use bytes::BytesMut;
 use ferry_proto::control::{decode_request, decode_response, encode_request, encode_response};
+use ferry_proto::dtype::{PLAIN_DTYPES as PLAIN, QUANT_VALUES as VALUES, SCALE_DTYPES as SCALES};
 use ferry_proto::frame::{self, DEFAULT_MAX_BODY, FrameKind, HEADER_LEN, MAGIC};
 use ferry_proto::meta::{MAX_RANK, expected_byte_len};
 use ferry_proto::{
@@ -24,45 +25,6 @@ use proptest::sample::select;
 // ---------------------------------------------------------------------------------------------
 // Strategies
 // ---------------------------------------------------------------------------------------------
-
-const PLAIN: [DType; 16] = [
-    DType::F64,
-    DType::F32,
-    DType::Flex32,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I32,
-    DType::I16,
-    DType::I8,
-    DType::U64,
-    DType::U32,
-    DType::U16,
-    DType::U8,
-    DType::Bool(BoolStore::Native),
-    DType::Bool(BoolStore::U8),
-    DType::Bool(BoolStore::U32),
-];
-
-const VALUES: [QuantValue; 9] = [
-    QuantValue::Q8F,
-    QuantValue::Q8S,
-    QuantValue::Q4F,
-    QuantValue::Q4S,
-    QuantValue::Q2F,
-    QuantValue::Q2S,
-    QuantValue::E4M3,
-    QuantValue::E5M2,
-    QuantValue::E2M1,
-];
-
-const SCALES: [ScaleDtype; 5] = [
-    ScaleDtype::F32,
-    ScaleDtype::F16,
-    ScaleDtype::BF16,
-    ScaleDtype::UE8M0,
-    ScaleDtype::UE4M3,
-];
 
 const ERROR_CODES: [ErrorCode; 12] = [
     ErrorCode::Protocol,
