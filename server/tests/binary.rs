@@ -1,0 +1,43 @@
+//! The `ferry-server` binary's command line (this test also makes cargo build the binary that the
+//! workspace's integration tests start).
+
+use std::process::Command;
+
+#[test]
+fn help_names_every_flag() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ferry-server"))
+        .arg("--help")
+        .output()
+        .expect("ferry-server runs");
+    assert!(output.status.success());
+    let help = String::from_utf8_lossy(&output.stdout);
+    for flag in [
+        "--listen",
+        "--device",
+        "--token",
+        "--max-connections",
+        "--max-tensor-bytes",
+        "--memory-limit",
+        "--transfer",
+        "--idle-timeout",
+        "--shutdown-grace",
+        "--chunk-size",
+        "--node-id",
+        "--peer-token",
+        "--capability-ttl",
+        "--pull-retries",
+    ] {
+        assert!(help.contains(flag), "{flag} missing from --help:\n{help}");
+    }
+}
+
+#[test]
+fn a_chunk_size_past_the_frame_limit_is_refused() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ferry-server"))
+        .args(["--listen", "127.0.0.1:0", "--chunk-size", "64MiB"])
+        .output()
+        .expect("ferry-server runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--chunk-size"), "{stderr}");
+}
