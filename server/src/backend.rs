@@ -178,6 +178,33 @@ impl<B: Backend> Primitive<B> {
         )
     }
 
+    /// The tensor's bytes exactly as `into_data` would return them, shared instead of copied,
+    /// where the backend already keeps them in host memory in that layout (Flex, contiguous,
+    /// plain dtypes). A source serving a download or a pull then sends straight from the
+    /// registered tensor: no host copy at all. `None` means: take [`to_data`](Self::to_data).
+    pub fn shared_host_bytes(
+        &self,
+    ) -> Option<(std::sync::Arc<burn_backend::Bytes>, DType, Vec<usize>)> {
+        let any: &dyn std::any::Any = match self {
+            Primitive::Float(t) => t,
+            Primitive::Int(t) => t,
+            Primitive::Bool(t) => t,
+            Primitive::Quantized(_) => return None,
+        };
+        let flex = any.downcast_ref::<burn_flex::FlexTensor>()?;
+        let layout = flex.layout();
+        if !layout.is_contiguous() || layout.start_offset() != 0 {
+            return None;
+        }
+        let shape = layout.shape().as_slice().to_vec();
+        let dtype = flex.dtype();
+        // The same conditions under which Flex's own `into_data` hands over its buffer as is.
+        let expected = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))?;
+        (flex.bytes().len() == expected).then(|| (flex.data_arc(), dtype, shape))
+    }
+
     /// Reads the tensor back to host bytes; the tensor itself stays where it is.
     pub fn to_data(&self) -> Result<TensorData, NodeError> {
         let this = self.clone();

@@ -18,7 +18,9 @@ use ferry_proto::{DeviceStats, NodeStats, TensorKey, dtype_name};
 use crate::backend::DeviceSpec;
 use crate::engine::{TransferPath, TransferPolicy, choose_path};
 use crate::error::NodeError;
-use crate::worker::{self, Command, DeviceHandle, Exported, Payload, Reservation, TensorDesc};
+use crate::worker::{
+    self, Command, DeviceHandle, Exported, HostBytes, Payload, Reservation, TensorDesc,
+};
 
 /// The software name a node reports.
 pub const AGENT: &str = concat!("ferry-server/", env!("CARGO_PKG_VERSION"));
@@ -421,6 +423,38 @@ impl Node {
             started,
         );
         result
+    }
+
+    /// The tensor under `key` as a description, a checked meta and its bytes for sending: shared
+    /// with the registered tensor where the backend allows it (no host copy), read out
+    /// otherwise. The tensor stays registered.
+    pub async fn read_host(
+        &self,
+        key: &TensorKey,
+    ) -> Result<(TensorDesc, ferry_proto::TensorMeta, HostBytes), NodeError> {
+        let started = Instant::now();
+        let result = self
+            .device(key.device)?
+            .call(|reply| Command::ReadHost {
+                name: key.name.clone(),
+                reply,
+            })
+            .await;
+        self.record(
+            "get",
+            key,
+            None,
+            "get",
+            result.as_ref().map(|(desc, _)| desc),
+            started,
+        );
+        let (desc, bytes) = result?;
+        let meta = ferry_proto::TensorMeta::with_byte_len(
+            desc.shape.clone(),
+            desc.dtype,
+            bytes.as_bytes().len() as u64,
+        )?;
+        Ok((desc, meta, bytes))
     }
 
     /// The bytes of the tensor under `key`, which is unregistered once they are read.

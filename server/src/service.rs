@@ -409,11 +409,7 @@ impl Session<'_> {
                 return conn.write_response(&Response::Error(error.reply())).await;
             }
         };
-        let read = self.node.read(lease.key()).await.and_then(|(desc, data)| {
-            let (meta, bytes) = ferry_proto::tensor::into_parts(data)?;
-            Ok((desc, meta, bytes))
-        });
-        let (desc, meta, bytes) = match read {
+        let (desc, meta, bytes) = match self.node.read_host(lease.key()).await {
             Ok(read) if read.0.content_hash == lease.content_hash() => read,
             Ok(_) => {
                 let error = NodeError::CapabilityRefused(format!(
@@ -424,6 +420,7 @@ impl Session<'_> {
             }
             Err(error) => return conn.write_response(&Response::Error(error.reply())).await,
         };
+        let bytes = bytes.as_bytes();
         let Ok(start) = usize::try_from(offset).map(|o| o.min(bytes.len())) else {
             let error = NodeError::BadRequest(format!("offset {offset} is out of range"));
             return conn.write_response(&Response::Error(error.reply())).await;
@@ -435,7 +432,7 @@ impl Session<'_> {
         .await?;
         // A failed write drops the lease (the capability waits briefly for a resume) and the
         // host copy read for it.
-        conn.write_payload_from(&bytes, start).await?;
+        conn.write_payload_from(bytes, start).await?;
         drop(lease);
         Ok(())
     }
@@ -445,18 +442,14 @@ impl Session<'_> {
         conn: &mut Connection<S>,
         key: &TensorKey,
     ) -> Result<(), ConnectionError> {
-        let read = self.node.read(key).await.and_then(|(desc, data)| {
-            let (meta, bytes) = ferry_proto::tensor::into_parts(data)?;
-            Ok((desc, meta, bytes))
-        });
-        match read {
+        match self.node.read_host(key).await {
             Ok((desc, meta, bytes)) => {
                 conn.write_response(&Response::Tensor {
                     info: desc.to_wire(),
                     meta: meta.to_wire(),
                 })
                 .await?;
-                conn.write_payload(&bytes).await?;
+                conn.write_payload(bytes.as_bytes()).await?;
             }
             Err(error) => conn.write_response(&Response::Error(error.reply())).await?,
         }

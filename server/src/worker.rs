@@ -153,6 +153,34 @@ pub enum Payload {
     Native(NativeTensor),
 }
 
+/// A tensor's bytes on the host, for sending.
+pub enum HostBytes {
+    /// Shared with the registered tensor (no copy); the `Arc` keeps them alive even if the
+    /// tensor is removed meanwhile, and nothing writes to a buffer that is shared.
+    Shared(std::sync::Arc<burn_backend::Bytes>),
+    /// Read out with `into_data`.
+    Owned(TensorData),
+}
+
+impl HostBytes {
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            HostBytes::Shared(bytes) => bytes,
+            HostBytes::Owned(data) => data.as_bytes(),
+        }
+    }
+}
+
+impl std::fmt::Debug for HostBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HostBytes::Shared(b) => write!(f, "HostBytes::Shared({} bytes)", b.len()),
+            HostBytes::Owned(d) => write!(f, "HostBytes::Owned({} bytes)", d.as_bytes().len()),
+        }
+    }
+}
+
 /// What a worker hands out for a copy or a move.
 #[derive(Debug)]
 pub enum Exported {
@@ -190,6 +218,14 @@ pub enum Command {
         name: String,
         /// The bytes and the tensor's description.
         reply: Reply<(TensorDesc, TensorData)>,
+    },
+    /// A tensor's bytes for sending: shared with the registered tensor where the backend
+    /// allows it, read out (`into_data`) otherwise. It stays registered.
+    ReadHost {
+        /// The name.
+        name: String,
+        /// The description and bytes.
+        reply: Reply<(TensorDesc, HostBytes)>,
     },
     /// Hand out a tensor for a copy or move.
     Export {
@@ -380,6 +416,19 @@ impl<B: Backend> Worker<B> {
                 let result = self
                     .entry(&name)
                     .and_then(|e| Ok((e.desc.clone(), e.primitive.to_data()?)));
+                let _ = reply.send(result);
+            }
+            Command::ReadHost { name, reply } => {
+                let result = self.entry(&name).and_then(|e| {
+                    let shared = e.primitive.shared_host_bytes().filter(|(_, dtype, shape)| {
+                        *dtype == e.desc.dtype && *shape == e.desc.shape
+                    });
+                    let bytes = match shared {
+                        Some((bytes, _, _)) => HostBytes::Shared(bytes),
+                        None => HostBytes::Owned(e.primitive.to_data()?),
+                    };
+                    Ok((e.desc.clone(), bytes))
+                });
                 let _ = reply.send(result);
             }
             Command::Export {
