@@ -48,6 +48,13 @@ pub fn from_parts(meta: &TensorMeta, payload: Bytes) -> Result<TensorData, MetaE
 /// that two tensors hash alike only when `into_data` would give the same dtype, shape and bytes
 /// (two empty tensors of different dtypes do not).
 pub fn content_hash(meta: &TensorMeta, payload: &[u8]) -> String {
+    let mut hasher = content_hasher(meta);
+    hasher.update(payload);
+    hasher.finalize().to_hex().to_string()
+}
+
+/// A BLAKE3 hasher primed with `meta`'s part of the content hash; feed it the payload in order.
+fn content_hasher(meta: &TensorMeta) -> blake3::Hasher {
     let mut hasher = blake3::Hasher::new();
     let wire = crate::WireDType::from(meta.dtype());
     hasher.update(&[wire.tag]);
@@ -67,8 +74,7 @@ pub fn content_hash(meta: &TensorMeta, payload: &[u8]) -> String {
     for &dim in meta.shape() {
         hasher.update(&(dim as u64).to_le_bytes());
     }
-    hasher.update(payload);
-    hasher.finalize().to_hex().to_string()
+    hasher
 }
 
 /// A zeroed buffer of `len` bytes, allocated with the alignment of `dtype`'s elements so that
@@ -103,6 +109,9 @@ pub struct TensorAssembler {
     meta: TensorMeta,
     buf: Bytes,
     received: usize,
+    /// The content hash, fed as bytes are committed (while they are still in cache), so the
+    /// receiver never makes a separate pass over the tensor for it.
+    hasher: blake3::Hasher,
 }
 
 impl std::fmt::Debug for TensorAssembler {
@@ -125,10 +134,12 @@ impl TensorAssembler {
             });
         }
         let buf = alloc_for(meta.dtype(), len)?;
+        let hasher = content_hasher(&meta);
         Ok(Self {
             meta,
             buf,
             received: 0,
+            hasher,
         })
     }
 
@@ -179,6 +190,7 @@ impl TensorAssembler {
     /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received.
     pub fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError> {
         let range = self.check_range(offset, len)?;
+        self.hasher.update(&self.buf[range.clone()]);
         self.received = range.end;
         Ok(())
     }
@@ -191,6 +203,12 @@ impl TensorAssembler {
 
     /// The assembled tensor, once every declared byte has arrived.
     pub fn finish(self) -> Result<TensorData, crate::ProtoError> {
+        self.finish_hashed().map(|(data, _)| data)
+    }
+
+    /// The assembled tensor and its content hash ([`content_hash`]), once every declared byte
+    /// has arrived.
+    pub fn finish_hashed(self) -> Result<(TensorData, String), crate::ProtoError> {
         if !self.is_complete() {
             return Err(StreamError::Incomplete {
                 received: self.received as u64,
@@ -198,7 +216,8 @@ impl TensorAssembler {
             }
             .into());
         }
-        Ok(from_parts(&self.meta, self.buf)?)
+        let hash = self.hasher.finalize().to_hex().to_string();
+        Ok((from_parts(&self.meta, self.buf)?, hash))
     }
 }
 
@@ -227,7 +246,8 @@ mod tests {
             asm.accept(40, &[0]),
             Err(StreamError::PastEnd { .. })
         ));
-        let back = asm.finish().unwrap();
+        let (back, hash) = asm.finish_hashed().unwrap();
+        assert_eq!(hash, content_hash(&meta, data.as_bytes()));
         assert_eq!(back.as_bytes(), data.as_bytes());
         assert_eq!(back.dtype(), data.dtype());
         assert_eq!(back.shape(), data.shape());

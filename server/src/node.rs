@@ -362,11 +362,12 @@ impl Node {
             meta.shape(),
             meta.byte_len() as u64,
         )?;
-        self.register(device, name, data, overwrite, reservation)
+        self.register(device, name, data, overwrite, reservation, None)
             .await
     }
 
-    /// Registers validated `data` for which [`admit`](Self::admit) gave `reservation`.
+    /// Registers validated `data` for which [`admit`](Self::admit) gave `reservation`;
+    /// `content_hash` is its content hash if the receiver already computed it.
     pub async fn register(
         &self,
         device: u32,
@@ -374,13 +375,14 @@ impl Node {
         data: TensorData,
         overwrite: bool,
         reservation: Reservation,
+        content_hash: Option<String>,
     ) -> Result<TensorDesc, NodeError> {
         let started = Instant::now();
         let result = self
             .device(device)?
             .call(|reply| Command::Insert {
                 name: name.to_string(),
-                payload: Payload::Data(data),
+                payload: Payload::Data(data, content_hash),
                 path: TransferPath::Put,
                 overwrite,
                 reservation,
@@ -588,7 +590,7 @@ impl Node {
                 // The bytes crossed a channel between workers: held to the same rule as bytes
                 // from a socket before the target's backend sees them.
                 ferry_proto::tensor::meta_of(&data)?;
-                Payload::Data(data)
+                Payload::Data(data, None)
             }
         };
         let registered = target

@@ -149,14 +149,14 @@ impl Node {
                 "pull finished without a tensor".into(),
             ));
         };
-        let data = assembler
-            .finish()
+        let (data, hash) = assembler
+            .finish_hashed()
             .map_err(|e| NodeError::BadRequest(e.to_string()))?;
         let desc = self
             .device(req.dst_device)?
             .call(|reply| Command::Insert {
                 name: name.to_string(),
-                payload: Payload::Data(data),
+                payload: Payload::Data(data, Some(hash)),
                 path: TransferPath::Pull,
                 overwrite: req.overwrite,
                 reservation,

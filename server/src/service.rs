@@ -382,9 +382,9 @@ impl Session<'_> {
             tracing::warn!(device, %name, %error, "upload failed");
             return Err(fail(conn, error).await);
         }
-        let reply = match assembler.finish() {
-            Ok(data) => node
-                .register(device, &name, data, overwrite, reservation)
+        let reply = match assembler.finish_hashed() {
+            Ok((data, hash)) => node
+                .register(device, &name, data, overwrite, reservation, Some(hash))
                 .await
                 .map(|desc| Response::Stored(desc.to_wire())),
             Err(error) => Err(NodeError::BadRequest(error.to_string())),

@@ -147,8 +147,9 @@ impl std::fmt::Debug for NativeTensor {
 /// What a worker registers.
 #[derive(Debug)]
 pub enum Payload {
-    /// Host bytes, validated against the byte-length rule: `from_data` on the target.
-    Data(TensorData),
+    /// Host bytes, validated against the byte-length rule: `from_data` on the target. The
+    /// content hash comes along when the receiver already computed it.
+    Data(TensorData, Option<String>),
     /// A primitive from a worker of the same backend: `*_to_device` on the target.
     Native(NativeTensor),
 }
@@ -494,12 +495,13 @@ impl<B: Backend> Worker<B> {
             return Err(NodeError::AlreadyExists(self.key(&name)));
         }
         let (primitive, dtype, shape, bytes, content_hash) = match payload {
-            Payload::Data(data) => {
+            Payload::Data(data, hashed) => {
                 let dtype = data.dtype();
                 let shape = data.shape().as_slice().to_vec();
                 let bytes = data.bytes().len() as u64;
                 let meta = ferry_proto::tensor::meta_of(&data)?;
-                let content_hash = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
+                let content_hash = hashed
+                    .unwrap_or_else(|| ferry_proto::tensor::content_hash(&meta, data.as_bytes()));
                 if let Some(expected) = &expect_hash
                     && *expected != content_hash
                 {
