@@ -161,6 +161,14 @@ pub async fn copy_between(
                 Response::Error(reply) => Err(reply.into()),
                 other => return Err(unexpected(other)),
             };
+            // A target that already held the bytes never fetched: use the capability up here
+            // rather than leave it to lapse.
+            if matches!(&stored, Ok(info) if info.path == "dedup")
+                && let Err(e) = source.release(&grant.token, &audience).await
+            {
+                results.push(Err(e));
+                continue;
+            }
             if stored.is_ok()
                 && remove_source
                 && let Err(e) = source.delete(&grant.info.key).await

@@ -280,10 +280,6 @@ impl Node {
         match capabilities.get(token) {
             Some(c) if c.audience == node_id => {
                 capabilities.remove(token);
-                self.inner
-                    .counters
-                    .fetches_served
-                    .fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
             _ => Err(NodeError::CapabilityRefused(
@@ -661,6 +657,14 @@ impl Node {
                 .connections
                 .fetch_sub(1, Ordering::Relaxed);
         }
+    }
+
+    /// Counts a tensor sent whole to another node.
+    pub fn count_fetch_served(&self) {
+        self.inner
+            .counters
+            .fetches_served
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a transfer that failed outside the node's own operations (a broken upload).

@@ -23,6 +23,9 @@ use crate::error::NodeError;
 use crate::node::{AGENT, Node, TransferMode};
 use crate::peer::{PeerLink, PullRequest};
 
+/// The largest frame body accepted before a connection's `Hello` is answered.
+const HANDSHAKE_MAX_BODY: usize = 64 * 1024;
+
 /// How the service listens and what it allows.
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -173,9 +176,17 @@ impl Session<'_> {
         mut self,
         conn: &mut Connection<S>,
     ) -> Result<(), ConnectionError> {
+        // Until the peer has said hello (and shown its token), it gets small frames only: an
+        // unauthenticated connection cannot make the node buffer a 16 MiB body.
+        let limits = conn.limits();
+        conn.set_limits(ConnectionLimits {
+            max_body: limits.max_body.min(HANDSHAKE_MAX_BODY),
+            ..limits
+        });
         if !self.handshake(conn).await? {
             return Ok(());
         }
+        conn.set_limits(limits);
         loop {
             let request = tokio::select! {
                 request = conn.read_request() => request,
@@ -433,6 +444,7 @@ impl Session<'_> {
         // A failed write drops the lease (the capability waits briefly for a resume) and the
         // host copy read for it.
         conn.write_payload_from(bytes, start).await?;
+        self.node.count_fetch_served();
         drop(lease);
         Ok(())
     }
