@@ -3,63 +3,13 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{assert_same, code_of};
+use common::{assert_same, binary, code_of, spawn_server};
 use ferry::client::{Client, ErrorCode};
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;
-
-/// The binary cargo built next to this test's executable.
-fn server_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target directory");
-    dir.join(format!("ferry-server{}", std::env::consts::EXE_SUFFIX))
-}
-
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn_server(args: &[&str], token: Option<&str>) -> Server {
-    let mut command = Command::new(server_binary());
-    command
-        .args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .env_remove("FERRY_TOKEN")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    if let Some(token) = token {
-        command.env("FERRY_TOKEN", token);
-    }
-    let mut child = command
-        .spawn()
-        .expect("ferry-server starts (cargo builds it)");
-    let stdout = child.stdout.take().expect("stdout");
-    let mut first = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut first)
-        .expect("first line");
-    let addr = first
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("first line is `listening on ADDR`, got {first:?}"))
-        .to_string();
-    Server { child, addr }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_serves_and_stops_cleanly_on_sigterm() {
@@ -111,7 +61,7 @@ async fn the_binary_serves_and_stops_cleanly_on_sigterm() {
 
 #[test]
 fn a_bad_device_spec_is_a_clear_error() {
-    let output = Command::new(server_binary())
+    let output = Command::new(binary("ferry-server"))
         .args(["--listen", "127.0.0.1:0", "--device", "tpu"])
         .output()
         .expect("ferry-server runs");

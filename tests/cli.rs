@@ -1,61 +1,22 @@
 //! The `ferry` command line against a real `ferry-server`: files in, copies, files out, compared
 //! tensor by tensor, and every error path giving a non-zero exit and one `error:` line.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::{ServerProcess, binary, spawn_server};
 
 use ferry::client::files::{read_tensors, write_tensors};
+use ferry::proto::dtype::PLAIN_DTYPES;
 use ferry::proto::{BoolStore, DType, TensorData};
 use ferry::samples;
 
-fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target directory");
-    dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
-}
-
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn server(extra: &[&str]) -> Server {
-    let mut child = Command::new(binary("ferry-server"))
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--device",
-            "flex",
-            "--device",
-            "flex",
-        ])
-        .args(extra)
-        .env_remove("FERRY_TOKEN")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("ferry-server starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("first line");
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .expect("listening on ADDR")
-        .to_string();
-    Server { child, addr }
+fn server(extra: &[&str]) -> ServerProcess {
+    let mut args = vec!["--device", "flex", "--device", "flex"];
+    args.extend_from_slice(extra);
+    spawn_server(&args, None)
 }
 
 fn ferry(args: &[&str]) -> Output {
@@ -187,25 +148,13 @@ fn plain_dtypes_round_trip_through_safetensors() {
     let node = server(&[]);
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("plain.safetensors");
-    let tensors: Vec<(String, TensorData)> = [
-        DType::F64,
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::I64,
-        DType::I32,
-        DType::I16,
-        DType::I8,
-        DType::U64,
-        DType::U32,
-        DType::U16,
-        DType::U8,
-        DType::Bool(BoolStore::Native),
-    ]
-    .iter()
-    .enumerate()
-    .map(|(i, d)| (format!("t{i}"), samples::plain(*d, &[3, 5, 7], i as u64)))
-    .collect();
+    // Every plain dtype: Flex32 and the wider bool stores are kept by a ferry record in the
+    // file's metadata.
+    let tensors: Vec<(String, TensorData)> = PLAIN_DTYPES
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (format!("t{i}"), samples::plain(*d, &[3, 5, 7], i as u64)))
+        .collect();
     write_tensors(&input, &tensors).unwrap();
     let target = format!("{}/1", node.addr);
     ok(&["put", input.to_str().unwrap(), &target, "--prefix", "p."]);

@@ -6,11 +6,14 @@
 //! `tests/netns-pull.sh` sets up the namespaces, the lossy link and the nodes and runs the CLI;
 //! this test writes the model and checks what came back, bit for bit.
 
+mod common;
+
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::binary;
 use ferry::client::files::{read_tensors, write_tensors};
 use ferry::proto::{DType, TensorData};
 use ferry::samples;
@@ -19,21 +22,6 @@ use ferry::samples;
 /// this test kills it.
 const SCRIPT_LIMIT_S: u64 = 120;
 const KILL_MARGIN: Duration = Duration::from_secs(30);
-
-fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target directory");
-    let path = dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        path.is_file(),
-        "{} is missing: run `cargo build -p ferry-server -p ferry-client` first",
-        path.display()
-    );
-    path
-}
 
 /// A small model: quantized weights in several schemes (per-tensor, per-block, two-level, 8 and
 /// 4 bits, float values) and an f32 norm, about 1 MiB, so that the lossy link (10 ms round

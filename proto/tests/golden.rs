@@ -92,24 +92,7 @@ fn meta(shape: &[usize], dtype: DType) -> WireMeta {
 /// Covers every code: all 17 dtype tags, all 9 values, all 3 stores, both modes, all 5 scale
 /// dtypes and the absent level, a bare scheme, a two-level scheme, a 2-D block.
 fn every_dtype() -> Vec<DType> {
-    let mut all = vec![
-        DType::F64,
-        DType::F32,
-        DType::Flex32,
-        DType::F16,
-        DType::BF16,
-        DType::I64,
-        DType::I32,
-        DType::I16,
-        DType::I8,
-        DType::U64,
-        DType::U32,
-        DType::U16,
-        DType::U8,
-        DType::Bool(BoolStore::Native),
-        DType::Bool(BoolStore::U8),
-        DType::Bool(BoolStore::U32),
-    ];
+    let mut all = ferry_proto::dtype::PLAIN_DTYPES.to_vec();
     let base = |v| QuantScheme::default().with_value(v);
     for scheme in [
         base(QuantValue::Q8F).with_store(QuantStore::Native),

@@ -404,11 +404,27 @@ impl Node {
 
     /// The description and bytes of the tensor under `key`, which stays registered.
     pub async fn read(&self, key: &TensorKey) -> Result<(TensorDesc, TensorData), NodeError> {
+        match self.read_bytes(key, false).await? {
+            (desc, HostBytes::Owned(data)) => Ok((desc, data)),
+            (_, HostBytes::Shared(_)) => Err(NodeError::Backend(
+                "a worker shared bytes it was asked to copy".into(),
+            )),
+        }
+    }
+
+    /// A tensor's description and bytes, shared or copied (see [`Command::Read`]), logged as
+    /// one transfer.
+    async fn read_bytes(
+        &self,
+        key: &TensorKey,
+        share: bool,
+    ) -> Result<(TensorDesc, HostBytes), NodeError> {
         let started = Instant::now();
         let result = self
             .device(key.device)?
             .call(|reply| Command::Read {
                 name: key.name.clone(),
+                share,
                 reply,
             })
             .await;
@@ -430,23 +446,7 @@ impl Node {
         &self,
         key: &TensorKey,
     ) -> Result<(TensorDesc, ferry_proto::TensorMeta, HostBytes), NodeError> {
-        let started = Instant::now();
-        let result = self
-            .device(key.device)?
-            .call(|reply| Command::ReadHost {
-                name: key.name.clone(),
-                reply,
-            })
-            .await;
-        self.record(
-            "get",
-            key,
-            None,
-            "get",
-            result.as_ref().map(|(desc, _)| desc),
-            started,
-        );
-        let (desc, bytes) = result?;
+        let (desc, bytes) = self.read_bytes(key, true).await?;
         let meta = ferry_proto::TensorMeta::with_byte_len(
             desc.shape.clone(),
             desc.dtype,

@@ -213,18 +213,14 @@ pub enum Command {
         /// Answered once registered.
         reply: Reply<TensorDesc>,
     },
-    /// Read a tensor's bytes (`into_data`); it stays registered.
+    /// A tensor's bytes; it stays registered. With `share`, the bytes are shared with the
+    /// registered tensor where the backend allows it (for sending); otherwise, and always
+    /// without `share`, they are read out with `into_data` (a copy the caller owns).
     Read {
         /// The name.
         name: String,
-        /// The bytes and the tensor's description.
-        reply: Reply<(TensorDesc, TensorData)>,
-    },
-    /// A tensor's bytes for sending: shared with the registered tensor where the backend
-    /// allows it, read out (`into_data`) otherwise. It stays registered.
-    ReadHost {
-        /// The name.
-        name: String,
+        /// Share rather than copy where the backend allows it.
+        share: bool,
         /// The description and bytes.
         reply: Reply<(TensorDesc, HostBytes)>,
     },
@@ -413,17 +409,14 @@ impl<B: Backend> Worker<B> {
                 let result = self.insert(name, payload, path, overwrite, reservation, expect_hash);
                 let _ = reply.send(result);
             }
-            Command::Read { name, reply } => {
-                let result = self
-                    .entry(&name)
-                    .and_then(|e| Ok((e.desc.clone(), e.primitive.to_data()?)));
-                let _ = reply.send(result);
-            }
-            Command::ReadHost { name, reply } => {
+            Command::Read { name, share, reply } => {
                 let result = self.entry(&name).and_then(|e| {
-                    let shared = e.primitive.shared_host_bytes().filter(|(_, dtype, shape)| {
-                        *dtype == e.desc.dtype && *shape == e.desc.shape
-                    });
+                    let shared = share
+                        .then(|| e.primitive.shared_host_bytes())
+                        .flatten()
+                        .filter(|(_, dtype, shape)| {
+                            *dtype == e.desc.dtype && *shape == e.desc.shape
+                        });
                     let bytes = match shared {
                         Some((bytes, _, _)) => HostBytes::Shared(bytes),
                         None => HostBytes::Owned(e.primitive.to_data()?),

@@ -161,3 +161,60 @@ pub async fn proxy(upstream: SocketAddr, fault: Fault) -> SocketAddr {
     });
     addr
 }
+
+/// A binary cargo built next to this test's executable (`ferry-server`, `ferry`).
+pub fn binary(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target directory");
+    let path = dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        path.is_file(),
+        "{} is missing: run `cargo build -p ferry-server -p ferry-client` first",
+        path.display()
+    );
+    path
+}
+
+/// A `ferry-server` process on `127.0.0.1:0`, found through its `listening on` line; killed when
+/// dropped.
+pub struct ServerProcess {
+    pub child: std::process::Child,
+    pub addr: String,
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `ferry-server --listen 127.0.0.1:0 ARGS...`, with `FERRY_TOKEN` set to `token` if given.
+pub fn spawn_server(args: &[&str], token: Option<&str>) -> ServerProcess {
+    use std::io::BufRead;
+    let mut command = std::process::Command::new(binary("ferry-server"));
+    command
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("FERRY_TOKEN")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    if let Some(token) = token {
+        command.env("FERRY_TOKEN", token);
+    }
+    let mut child = command.spawn().expect("ferry-server starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut first = String::new();
+    std::io::BufReader::new(stdout)
+        .read_line(&mut first)
+        .expect("first line");
+    let addr = first
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("first line is `listening on ADDR`, got {first:?}"))
+        .to_string();
+    ServerProcess { child, addr }
+}
