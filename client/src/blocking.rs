@@ -1,11 +1,11 @@
 //! `BlockingClient`: the same API as [`Client`](crate::Client) for code without a runtime.
 
 use ferry_proto::{NodeStats, TensorData, TensorInfo, TensorKey};
-use tokio::net::ToSocketAddrs;
 use tokio::runtime::{Builder, Runtime};
 
 use crate::client::{Client, ClientConfig, ClientError};
 use crate::connection::ConnectionError;
+use crate::transport::Endpoint;
 
 /// A [`Client`] driven by its own single-threaded runtime. Each call blocks until the node
 /// answered. Do not use it from inside an async runtime; use [`Client`] there.
@@ -17,7 +17,7 @@ pub struct BlockingClient {
 
 impl BlockingClient {
     /// Connects to the node at `addr`, with `token` if given.
-    pub fn connect(addr: impl ToSocketAddrs, token: Option<&str>) -> Result<Self, ClientError> {
+    pub fn connect(addr: impl Into<Endpoint>, token: Option<&str>) -> Result<Self, ClientError> {
         let config = ClientConfig {
             token: token.map(str::to_string),
             ..ClientConfig::default()
@@ -27,7 +27,7 @@ impl BlockingClient {
 
     /// Connects with a full configuration.
     pub fn connect_with(
-        addr: impl ToSocketAddrs,
+        addr: impl Into<Endpoint>,
         config: ClientConfig,
     ) -> Result<Self, ClientError> {
         let runtime = Builder::new_current_thread()

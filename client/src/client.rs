@@ -1,13 +1,12 @@
 //! `Client`: the async Rust API to a ferry node (put, get, copy, move, delete, list, stat).
 
+use crate::connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute};
+use crate::transport::{Endpoint, Stream};
 use ferry_proto::{
-    ErrorCode, ErrorReply, FEATURES, Hello, MetaError, NodeStats, PROTOCOL_MINOR, PROTOCOL_VERSION,
-    ProtoError, Request, Response, TensorAssembler, TensorData, TensorInfo, TensorKey, TensorMeta,
-    Welcome,
+    ErrorCode, ErrorReply, FEATURE_SHM, FEATURES, Hello, MetaError, NodeStats, PROTOCOL_MINOR,
+    PROTOCOL_VERSION, ProtoError, Request, Response, TensorAssembler, TensorData, TensorInfo,
+    TensorKey, TensorMeta, Welcome,
 };
-use tokio::net::{TcpStream, ToSocketAddrs};
-
-use crate::connection::{Connection, ConnectionError, ConnectionLimits};
 
 /// How many downloads a batch keeps outstanding at once.
 const PIPELINE_WINDOW: usize = 64;
@@ -191,12 +190,14 @@ pub struct ClientConfig {
     pub limits: ConnectionLimits,
     /// The largest tensor the client accepts from a node, in bytes; `None` for no limit.
     pub max_tensor_bytes: Option<u64>,
+    /// Never move payloads through shared memory, even on a Unix socket to a node that offers it.
+    pub disable_shared_memory: bool,
 }
 
 /// One connection to a node. Requests on it run one at a time.
 #[derive(Debug)]
 pub struct Client {
-    conn: Connection<TcpStream>,
+    conn: Connection<Stream>,
     welcome: Welcome,
     max_tensor_bytes: u64,
     /// An exchange started and did not finish (an error mid-answer, or a cancelled call): the
@@ -212,9 +213,10 @@ fn unexpected(response: Response) -> ClientError {
 }
 
 impl Client {
-    /// Connects to the node at `addr` and says hello, with `token` if given.
+    /// Connects to the node at `addr` (`HOST:PORT`, `unix:PATH`, a `SocketAddr` or an
+    /// [`Endpoint`]) and says hello, with `token` if given.
     pub async fn connect(
-        addr: impl ToSocketAddrs,
+        addr: impl Into<Endpoint>,
         token: Option<&str>,
     ) -> Result<Self, ClientError> {
         let config = ClientConfig {
@@ -226,18 +228,19 @@ impl Client {
 
     /// Connects with a full configuration.
     pub async fn connect_with(
-        addr: impl ToSocketAddrs,
+        addr: impl Into<Endpoint>,
         config: ClientConfig,
     ) -> Result<Self, ClientError> {
-        let socket = TcpStream::connect(addr)
-            .await
-            .map_err(ConnectionError::from)?;
-        let _ = socket.set_nodelay(true);
+        let socket = addr.into().connect().await.map_err(ConnectionError::from)?;
         let mut conn = Connection::new(socket, config.limits);
+        let mut features: Vec<String> = FEATURES.iter().map(|f| f.to_string()).collect();
+        if conn.can_share_memory() && !config.disable_shared_memory {
+            features.push(FEATURE_SHM.to_string());
+        }
         conn.write_request(&Request::Hello(Hello {
             major: PROTOCOL_VERSION,
             minor: PROTOCOL_MINOR,
-            features: FEATURES.iter().map(|f| f.to_string()).collect(),
+            features,
             token: config.token,
             agent: AGENT.to_string(),
         }))
@@ -246,12 +249,19 @@ impl Client {
             Response::Welcome(welcome) => welcome,
             other => return Err(unexpected(other)),
         };
+        conn.set_shared_memory(welcome.features.iter().any(|f| f == FEATURE_SHM));
         Ok(Self {
             conn,
             welcome,
             max_tensor_bytes: config.max_tensor_bytes.unwrap_or(u64::MAX),
             out_of_step: false,
         })
+    }
+
+    /// Whether payloads on this connection travel through shared memory (a Unix socket to a node
+    /// that agreed to it).
+    pub fn shared_memory(&self) -> bool {
+        self.conn.shared_memory()
     }
 
     /// Starts an exchange, unless an earlier one was left unfinished.
@@ -720,13 +730,9 @@ impl Client {
     pub async fn fetch_payload(
         &mut self,
         assembler: &mut TensorAssembler,
-    ) -> Result<(), ClientError> {
+    ) -> Result<PayloadRoute, ClientError> {
         self.begin()?;
-        let result = async {
-            self.conn.read_payload(assembler).await?;
-            Ok(())
-        }
-        .await;
+        let result = async { Ok(self.conn.read_payload(assembler).await?) }.await;
         self.end(result)
     }
 }

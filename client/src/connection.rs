@@ -2,16 +2,23 @@
 //!
 //! Shared by the client, the node's sessions, and the node's own pulls from a peer. Control
 //! frames go through a read buffer (check-then-parse); a tensor payload is read straight from
-//! the socket into the receiver's preallocated buffer, so the bytes are copied once.
+//! the socket into the receiver's preallocated buffer, so the bytes are copied once. On a Unix
+//! socket where both sides agreed to it, a payload travels instead as one shared-memory region
+//! (a region frame with the region's file descriptor), and the bytes are not copied through the
+//! socket at all.
 
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
-use ferry_proto::frame::{self, CHUNK_PREFIX_LEN, FrameHeader, FrameKind, HEADER_LEN};
+use ferry_proto::frame::{
+    self, CHUNK_PREFIX_LEN, FrameHeader, FrameKind, HEADER_LEN, REGION_BODY_LEN, RegionDescriptor,
+};
 use ferry_proto::{
     FrameError, ProtoError, Request, Response, StreamError, TensorAssembler, control,
 };
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+
+use crate::transport::Transport;
 
 /// Bytes of a payload read and checksummed at a time (fits in L2 alongside everything else).
 const CHECKSUM_PIECE: usize = 256 * 1024;
@@ -74,22 +81,65 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// How a payload travelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadRoute {
+    /// As chunk frames through the socket.
+    Chunks,
+    /// As one shared-memory region.
+    Region,
+}
+
+impl PayloadRoute {
+    /// The name used in logs and `stat`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PayloadRoute::Chunks => "chunks",
+            PayloadRoute::Region => "shm",
+        }
+    }
+}
+
+/// Whether this build can move payloads through shared memory (Linux `memfd`).
+pub const fn shared_memory_supported() -> bool {
+    cfg!(target_os = "linux")
+}
+
 /// Frames over a byte stream (TCP, a Unix socket, an in-memory pipe in tests).
 #[derive(Debug)]
 pub struct Connection<S> {
     stream: BufWriter<S>,
     buffer: BytesMut,
     limits: ConnectionLimits,
+    /// Both sides agreed that payloads may travel as shared-memory regions.
+    shared_memory: bool,
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
+impl<S: Transport> Connection<S> {
     /// Wraps `stream`.
     pub fn new(stream: S, limits: ConnectionLimits) -> Self {
         Self {
             stream: BufWriter::new(stream),
             buffer: BytesMut::with_capacity(64 * 1024),
             limits,
+            shared_memory: false,
         }
+    }
+
+    /// Whether this connection could move payloads through shared memory, if both sides agree.
+    pub fn can_share_memory(&self) -> bool {
+        shared_memory_supported() && self.stream.get_ref().passes_fds()
+    }
+
+    /// Lets payloads travel as shared-memory regions, both ways (after the handshake agreed on
+    /// it). Refused (stays off) where the stream cannot carry descriptors.
+    pub fn set_shared_memory(&mut self, on: bool) {
+        self.shared_memory = on && self.can_share_memory();
+    }
+
+    /// Whether payloads may travel as shared-memory regions.
+    pub fn shared_memory(&self) -> bool {
+        self.shared_memory
     }
 
     /// The limits in force.
@@ -185,11 +235,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
 
     /// Reads chunk frames into `assembler` until the whole payload has arrived. Each chunk's
     /// payload goes straight into its place in the preallocated buffer and counts only once its
-    /// checksum matches.
+    /// checksum matches. Where shared memory was agreed, the whole payload may come instead as
+    /// one region, which is checked and adopted.
     pub async fn read_payload(
         &mut self,
         assembler: &mut TensorAssembler,
-    ) -> Result<(), ConnectionError> {
+    ) -> Result<PayloadRoute, ConnectionError> {
         while !assembler.is_complete() {
             self.fill_to(HEADER_LEN).await?;
             let head = self
@@ -197,11 +248,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
                 .first_chunk::<HEADER_LEN>()
                 .ok_or(FrameError::TruncatedFrame)?;
             let header = FrameHeader::decode(head, self.limits.max_body)?;
-            if header.kind != FrameKind::Chunk {
-                return Err(ConnectionError::UnexpectedFrame {
-                    expected: "chunk",
-                    got: header.kind,
-                });
+            match header.kind {
+                FrameKind::Chunk => {}
+                FrameKind::Region => {
+                    self.read_region(header, assembler).await?;
+                    return Ok(PayloadRoute::Region);
+                }
+                FrameKind::Control => {
+                    return Err(ConnectionError::UnexpectedFrame {
+                        expected: "chunk",
+                        got: header.kind,
+                    });
+                }
             }
             let body_len = header.body_len as usize;
             let len = body_len
@@ -234,7 +292,45 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             header.verify_crc(crc)?;
             assembler.commit(offset, len)?;
         }
-        Ok(())
+        Ok(PayloadRoute::Chunks)
+    }
+
+    /// Takes a region frame off the buffer, claims the descriptor that came with it, and adopts
+    /// the region as the whole payload once it passes every check.
+    async fn read_region(
+        &mut self,
+        header: FrameHeader,
+        assembler: &mut TensorAssembler,
+    ) -> Result<(), ConnectionError> {
+        let refuse = |reason: &str| {
+            ConnectionError::from(StreamError::RegionRefused {
+                reason: reason.to_string(),
+            })
+        };
+        if !self.shared_memory {
+            return Err(refuse("shared memory was not agreed on this connection"));
+        }
+        if header.body_len as usize != REGION_BODY_LEN {
+            return Err(FrameError::BadRegionBody {
+                len: header.body_len as usize,
+            }
+            .into());
+        }
+        self.fill_to(HEADER_LEN + REGION_BODY_LEN).await?;
+        self.buffer.advance(HEADER_LEN);
+        let body = self.buffer.split_to(REGION_BODY_LEN);
+        header.verify(&body)?;
+        let declared = RegionDescriptor::decode(&body)?;
+        // The descriptor came with the frame's bytes (or before them), so it is queued by now.
+        let fd = self
+            .stream
+            .get_mut()
+            .take_fd()
+            .ok_or_else(|| refuse("a region frame came without its file descriptor"))?;
+        if assembler.received() != 0 {
+            return Err(refuse("a region must carry the whole payload"));
+        }
+        adopt_region(fd, declared, assembler)
     }
 
     /// Writes a request and flushes.
@@ -261,19 +357,24 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         Ok(())
     }
 
-    /// Writes `payload` as chunk frames and flushes. The payload is written from where it lies;
-    /// only the 24-byte prefix of each chunk is built.
-    pub async fn write_payload(&mut self, payload: &[u8]) -> Result<(), ConnectionError> {
+    /// Writes `payload` and flushes: as one shared-memory region where that was agreed and the
+    /// payload is large enough to gain from it, else as chunk frames written from where the
+    /// payload lies (only the 24-byte prefix of each chunk is built).
+    pub async fn write_payload(&mut self, payload: &[u8]) -> Result<PayloadRoute, ConnectionError> {
         self.write_payload_from(payload, 0).await
     }
 
     /// Writes `payload` from byte `start` on (a resumed transfer), as chunk frames whose offsets
-    /// count from the payload's start, and flushes.
+    /// count from the payload's start, or (from the start only) as one region; flushes.
     pub async fn write_payload_from(
         &mut self,
         payload: &[u8],
         start: usize,
-    ) -> Result<(), ConnectionError> {
+    ) -> Result<PayloadRoute, ConnectionError> {
+        if self.shared_memory && start == 0 && payload.len() >= REGION_MIN {
+            self.write_region(payload).await?;
+            return Ok(PayloadRoute::Region);
+        }
         let rest = payload.get(start..).unwrap_or_default();
         let idle = self.limits.idle_timeout;
         for (offset, piece) in frame::chunks(rest, self.limits.chunk_size) {
@@ -292,6 +393,85 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         tokio::time::timeout(idle, self.stream.flush())
             .await
             .map_err(|_| ConnectionError::IdleTimeout(idle))??;
+        Ok(PayloadRoute::Chunks)
+    }
+
+    /// Copies `payload` into a new sealed region, a piece at a time (yielding between pieces so
+    /// other sessions on this thread get their turn), and sends its frame with its descriptor.
+    async fn write_region(&mut self, payload: &[u8]) -> Result<(), ConnectionError> {
+        let descriptor;
+        let fd;
+        {
+            let mut region = OutgoingRegion::new(payload.len())?;
+            for piece in payload.chunks(REGION_PIECE) {
+                region.append(piece)?;
+                tokio::task::yield_now().await;
+            }
+            descriptor = region.seal()?;
+            fd = region
+                .into_fd()
+                .ok_or_else(|| std::io::Error::other("region not sealed"))?;
+        }
+        // Bytes still buffered go first; the descriptor then rides with the region frame.
+        let idle = self.limits.idle_timeout;
+        tokio::time::timeout(idle, self.stream.flush())
+            .await
+            .map_err(|_| ConnectionError::IdleTimeout(idle))??;
+        self.stream.get_mut().attach_fd(fd)?;
+        self.write_frame(&descriptor.frame()).await
+    }
+}
+
+/// Payload bytes copied into a region between yields.
+const REGION_PIECE: usize = 8 << 20;
+
+#[cfg(target_os = "linux")]
+use crate::region::{OutgoingRegion, REGION_MIN};
+
+#[cfg(target_os = "linux")]
+fn adopt_region(
+    fd: std::os::fd::OwnedFd,
+    declared: RegionDescriptor,
+    assembler: &mut TensorAssembler,
+) -> Result<(), ConnectionError> {
+    let bytes = crate::region::adopt(fd, declared, assembler.meta().byte_len())?;
+    assembler.adopt(bytes)?;
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+const REGION_MIN: usize = usize::MAX;
+
+#[cfg(not(target_os = "linux"))]
+struct OutgoingRegion;
+
+#[cfg(not(target_os = "linux"))]
+impl OutgoingRegion {
+    fn new(_len: usize) -> std::io::Result<Self> {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "shared-memory regions need Linux",
+        ))
+    }
+    fn append(&mut self, _bytes: &[u8]) -> std::io::Result<()> {
         Ok(())
     }
+    fn seal(&mut self) -> std::io::Result<RegionDescriptor> {
+        Err(std::io::ErrorKind::Unsupported.into())
+    }
+    fn into_fd(self) -> Option<std::os::fd::OwnedFd> {
+        None
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn adopt_region(
+    _fd: std::os::fd::OwnedFd,
+    _declared: RegionDescriptor,
+    _assembler: &mut TensorAssembler,
+) -> Result<(), ConnectionError> {
+    Err(StreamError::RegionRefused {
+        reason: "shared-memory regions need Linux".into(),
+    }
+    .into())
 }

@@ -5,9 +5,13 @@ pub mod blocking;
 pub mod client;
 pub mod connection;
 pub mod files;
+#[cfg(target_os = "linux")]
+pub mod region;
 pub mod tensor;
+pub mod transport;
 
 pub use blocking::BlockingClient;
 pub use client::{Client, ClientConfig, ClientError, Grant, NodeCopy, copy_between};
-pub use connection::{Connection, ConnectionError, ConnectionLimits};
+pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute};
 pub use ferry_proto::{ErrorCode, TensorData, TensorInfo, TensorKey};
+pub use transport::{Endpoint, Stream, Transport};

@@ -198,6 +198,12 @@ pub enum FrameError {
         /// The body length.
         len: usize,
     },
+    /// A region frame body of the wrong length.
+    #[error("region frame body of {len} bytes, expected 12")]
+    BadRegionBody {
+        /// The body length.
+        len: usize,
+    },
     /// The connection closed in the middle of a frame.
     #[error("connection closed in the middle of a frame")]
     TruncatedFrame,
@@ -237,6 +243,31 @@ pub enum StreamError {
         received: u64,
         /// Bytes declared.
         total: u64,
+    },
+    /// A shared-memory region whose size is not the declared payload's.
+    #[error("shared-memory region of {len} bytes for a payload of {total} bytes")]
+    RegionSize {
+        /// The region's size.
+        len: u64,
+        /// The declared payload length.
+        total: u64,
+    },
+    /// A region frame where no region may come (not agreed, not a Unix socket, a resumed
+    /// payload), or one without its file descriptor.
+    #[error("shared-memory region refused: {reason}")]
+    RegionRefused {
+        /// Why.
+        reason: String,
+    },
+    /// The region's bytes do not match the checksum its frame declared.
+    #[error(
+        "shared-memory region checksum mismatch: declared {declared:#010x}, computed {computed:#010x}"
+    )]
+    RegionChecksum {
+        /// What the frame declared.
+        declared: u32,
+        /// What the region's bytes give.
+        computed: u32,
     },
 }
 

@@ -13,13 +13,15 @@ pub const MAGIC: [u8; 4] = *b"FRRY";
 /// The protocol major version this build speaks; peers of another major are refused.
 pub const PROTOCOL_VERSION: u8 = 1;
 /// The protocol minor version: additions a peer of the same major can ignore.
-pub const PROTOCOL_MINOR: u16 = 0;
+pub const PROTOCOL_MINOR: u16 = 1;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes before the payload in a chunk body: the payload's offset in the tensor.
 pub const CHUNK_PREFIX_LEN: usize = 8;
 /// The default maximum body a peer accepts (a control message or a chunk).
 pub const DEFAULT_MAX_BODY: usize = 16 << 20;
+/// Bytes in a region frame's body.
+pub const REGION_BODY_LEN: usize = 12;
 /// The default tensor payload bytes per chunk frame.
 pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
 
@@ -31,6 +33,11 @@ pub enum FrameKind {
     Control = 1,
     /// A piece of a tensor payload: `u64` offset, then raw bytes.
     Chunk = 2,
+    /// A whole tensor payload in a shared-memory region whose file descriptor travels with the
+    /// frame (`SCM_RIGHTS` on a Unix socket); the body is a [`RegionDescriptor`]. Coded 4, not
+    /// 3: the checksum covers the body only, so every kind code differs from every other in at
+    /// least two bits and no single flipped header bit turns one kind into another.
+    Region = 4,
 }
 
 impl TryFrom<u8> for FrameKind {
@@ -39,6 +46,7 @@ impl TryFrom<u8> for FrameKind {
         match kind {
             1 => Ok(Self::Control),
             2 => Ok(Self::Chunk),
+            4 => Ok(Self::Region),
             kind => Err(FrameError::UnknownKind { kind }),
         }
     }
@@ -190,6 +198,48 @@ impl Frame {
     }
 }
 
+/// What a region frame declares about the shared-memory region that travels with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionDescriptor {
+    /// The payload's length: the region's exact size.
+    pub len: u64,
+    /// crc32c of the payload.
+    pub crc32c: u32,
+}
+
+impl RegionDescriptor {
+    /// The frame body: `u64` length, `u32` crc32c, little-endian.
+    pub fn encode(&self) -> [u8; REGION_BODY_LEN] {
+        let mut out = [0u8; REGION_BODY_LEN];
+        out[..8].copy_from_slice(&self.len.to_le_bytes());
+        out[8..].copy_from_slice(&self.crc32c.to_le_bytes());
+        out
+    }
+
+    /// Reads a region frame's body, which must be exactly [`REGION_BODY_LEN`] bytes.
+    pub fn decode(body: &[u8]) -> Result<Self, FrameError> {
+        let bytes: &[u8; REGION_BODY_LEN] = body
+            .try_into()
+            .map_err(|_| FrameError::BadRegionBody { len: body.len() })?;
+        let (len, crc) = bytes.split_at(8);
+        let len: [u8; 8] = len
+            .try_into()
+            .map_err(|_| FrameError::BadRegionBody { len: body.len() })?;
+        let crc: [u8; 4] = crc
+            .try_into()
+            .map_err(|_| FrameError::BadRegionBody { len: body.len() })?;
+        Ok(Self {
+            len: u64::from_le_bytes(len),
+            crc32c: u32::from_le_bytes(crc),
+        })
+    }
+
+    /// The whole region frame (header and body).
+    pub fn frame(&self) -> Vec<u8> {
+        encode(FrameKind::Region, &self.encode())
+    }
+}
+
 /// Looks at buffered bytes: `Ok(None)` when a whole frame is not there yet, else its header and
 /// total length. An invalid header is an error as soon as its 16 bytes are in.
 pub fn check(buf: &[u8], max_body: usize) -> Result<Option<(FrameHeader, usize)>, FrameError> {
@@ -332,6 +382,26 @@ mod tests {
         assert_eq!(
             parse(&mut BytesMut::from(&bad[..]), 64),
             Err(FrameError::UnknownFlags { flags: 1 })
+        );
+    }
+
+    #[test]
+    fn region_bodies_round_trip_and_refuse_other_lengths() {
+        let region = RegionDescriptor {
+            len: 1 << 33,
+            crc32c: 0xdead_beef,
+        };
+        let mut buf = BytesMut::from(&region.frame()[..]);
+        let frame = parse(&mut buf, 64).unwrap().unwrap();
+        assert_eq!(frame.kind, FrameKind::Region);
+        assert_eq!(RegionDescriptor::decode(&frame.body), Ok(region));
+        assert_eq!(
+            RegionDescriptor::decode(&[0; 11]),
+            Err(FrameError::BadRegionBody { len: 11 })
+        );
+        assert_eq!(
+            RegionDescriptor::decode(&[0; 13]),
+            Err(FrameError::BadRegionBody { len: 13 })
         );
     }
 

@@ -8,6 +8,7 @@ pub mod control;
 pub mod dtype;
 pub mod error;
 pub mod frame;
+pub mod host;
 pub mod message;
 pub mod meta;
 pub mod tensor;
@@ -15,7 +16,9 @@ pub mod tensor;
 pub use burn_std::{BoolStore, DType, TensorData};
 pub use dtype::{WireDType, WireQuantScheme, dtype_name};
 pub use error::{DTypeError, FrameError, MetaError, ProtoError, StreamError};
-pub use frame::{Chunk, Frame, FrameHeader, FrameKind, PROTOCOL_MINOR, PROTOCOL_VERSION};
+pub use frame::{
+    Chunk, Frame, FrameHeader, FrameKind, PROTOCOL_MINOR, PROTOCOL_VERSION, RegionDescriptor,
+};
 pub use message::{
     DeviceStats, ErrorCode, ErrorReply, Hello, NodeStats, Request, Response, TensorInfo, TensorKey,
     Welcome,
@@ -25,3 +28,7 @@ pub use tensor::TensorAssembler;
 
 /// Features this build speaks, announced in [`Hello`] and [`Welcome`].
 pub const FEATURES: &[&str] = &["chunked-crc32c"];
+
+/// The feature that lets payloads travel as shared-memory regions ([`FrameKind::Region`]); only
+/// offered and accepted on a Unix socket, where file descriptors can be passed.
+pub const FEATURE_SHM: &str = "shm-memfd";

@@ -347,6 +347,18 @@ pub struct NodeStats {
     pub dedup_hits: u64,
     /// Tensors sent to other nodes.
     pub fetches_served: u64,
+    /// The Unix socket the node also listens on, if any.
+    pub unix_socket: Option<String>,
+    /// Whether payloads go through shared memory on Unix-socket connections that agree to it.
+    pub shared_memory: bool,
+    /// Payloads sent as a shared-memory region (gets and fetches).
+    pub shm_payloads_sent: u64,
+    /// Payloads received as a shared-memory region (puts and pulls).
+    pub shm_payloads_received: u64,
+    /// Payload bytes moved through shared memory, both ways.
+    pub shm_bytes: u64,
+    /// Shared-memory regions this node created that are not yet handed over or dropped.
+    pub regions_in_flight: u64,
 }
 
 /// One hosted device.

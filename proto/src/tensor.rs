@@ -82,6 +82,10 @@ fn content_hasher(meta: &TensorMeta) -> blake3::Hasher {
 ///
 /// The allocation is fallible: a size the allocator refuses is an error, not an abort.
 fn alloc_for(dtype: DType, len: usize) -> Result<Bytes, MetaError> {
+    if len >= crate::host::MAPPED_MIN {
+        return crate::host::mapped_zeroed(len)
+            .map_err(|_| MetaError::AllocationFailed { bytes: len as u64 });
+    }
     fn zeroed<T: bytemuck::Zeroable + bytemuck::NoUninit + Send + Sync>(
         n: usize,
         len: usize,
@@ -109,9 +113,9 @@ pub struct TensorAssembler {
     meta: TensorMeta,
     buf: Bytes,
     received: usize,
-    /// The content hash, fed as bytes are committed (while they are still in cache), so the
-    /// receiver never makes a separate pass over the tensor for it.
-    hasher: blake3::Hasher,
+    /// The content hash where the receiver wants it ([`hashing`](Self::hashing)), fed as bytes
+    /// are committed (while they are still in cache), so it costs no separate pass.
+    hasher: Option<blake3::Hasher>,
 }
 
 impl std::fmt::Debug for TensorAssembler {
@@ -134,13 +138,21 @@ impl TensorAssembler {
             });
         }
         let buf = alloc_for(meta.dtype(), len)?;
-        let hasher = content_hasher(&meta);
         Ok(Self {
             meta,
             buf,
             received: 0,
-            hasher,
+            hasher: None,
         })
+    }
+
+    /// Also computes the content hash while the payload arrives (see
+    /// [`finish_hashed`](Self::finish_hashed)).
+    pub fn hashing(mut self) -> Self {
+        if self.received == 0 {
+            self.hasher = Some(content_hasher(&self.meta));
+        }
+        self
     }
 
     /// What is being received.
@@ -190,8 +202,34 @@ impl TensorAssembler {
     /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received.
     pub fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError> {
         let range = self.check_range(offset, len)?;
-        self.hasher.update(&self.buf[range.clone()]);
+        if let Some(hasher) = &mut self.hasher {
+            hasher.update(&self.buf[range.clone()]);
+        }
         self.received = range.end;
+        Ok(())
+    }
+
+    /// Takes a whole, already verified payload in place of the preallocated buffer (a
+    /// shared-memory region the sender filled), instead of receiving it in chunks.
+    pub fn adopt(&mut self, payload: Bytes) -> Result<(), StreamError> {
+        let total = self.meta.byte_len();
+        if self.received != 0 {
+            return Err(StreamError::OutOfOrder {
+                offset: 0,
+                expected: self.received as u64,
+            });
+        }
+        if payload.len() != total {
+            return Err(StreamError::RegionSize {
+                len: payload.len() as u64,
+                total: total as u64,
+            });
+        }
+        if let Some(hasher) = &mut self.hasher {
+            hasher.update(&payload);
+        }
+        self.buf = payload;
+        self.received = total;
         Ok(())
     }
 
@@ -216,7 +254,10 @@ impl TensorAssembler {
             }
             .into());
         }
-        let hash = self.hasher.finalize().to_hex().to_string();
+        let hash = match self.hasher {
+            Some(hasher) => hasher.finalize().to_hex().to_string(),
+            None => content_hash(&self.meta, &self.buf),
+        };
         Ok((from_parts(&self.meta, self.buf)?, hash))
     }
 }

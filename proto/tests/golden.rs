@@ -28,8 +28,8 @@ use ferry_proto::frame::{self, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BODY, FrameKind, 
 use ferry_proto::tensor::into_parts;
 use ferry_proto::{
     DeviceStats, ErrorCode, ErrorReply, FEATURES, Hello, NodeStats, PROTOCOL_MINOR,
-    PROTOCOL_VERSION, Request, Response, TensorAssembler, TensorInfo, TensorKey, TensorMeta,
-    Welcome, WireMeta, dtype_name,
+    PROTOCOL_VERSION, RegionDescriptor, Request, Response, TensorAssembler, TensorInfo, TensorKey,
+    TensorMeta, Welcome, WireMeta, dtype_name,
 };
 
 /// One frame of a vector.
@@ -37,6 +37,7 @@ enum Item {
     Request(Request),
     Response(Response),
     Chunk { offset: u64, data: Vec<u8> },
+    Region(RegionDescriptor),
 }
 
 impl Item {
@@ -45,6 +46,7 @@ impl Item {
             Item::Request(r) => encode_request(r),
             Item::Response(r) => encode_response(r),
             Item::Chunk { offset, data } => frame::encode_chunk(*offset, data),
+            Item::Region(region) => region.frame(),
         }
     }
 
@@ -65,6 +67,10 @@ impl Item {
                     data.len()
                 )
             }
+            Item::Region(region) => format!(
+                "region, {} payload bytes, payload crc32c {:#010x} (its memfd travels with it)",
+                region.len, region.crc32c
+            ),
         }
     }
 }
@@ -349,6 +355,12 @@ fn vectors() -> Vec<Vector> {
                 pull_retries: 5,
                 dedup_hits: 6,
                 fetches_served: 8,
+                unix_socket: Some("unix:/run/ferry/node-a.sock".to_string()),
+                shared_memory: true,
+                shm_payloads_sent: 9,
+                shm_payloads_received: 10,
+                shm_bytes: 1 << 33,
+                regions_in_flight: 1,
             }))],
         },
         Vector {
@@ -405,6 +417,16 @@ fn vectors() -> Vec<Vector> {
                     scales 0.5 0.25), then, once the node has answered Ready, its 16 payload \
                     bytes as chunk frames of at most 7 bytes.",
             items: tensor_items,
+        },
+        Vector {
+            name: "region_frame",
+            about: "A payload as a shared-memory region (feature shm-memfd, Unix sockets only): \
+                    a 256 MiB payload whose crc32c is 0x12345678; the region's file descriptor \
+                    is sent with these bytes as SCM_RIGHTS ancillary data.",
+            items: vec![Item::Region(RegionDescriptor {
+                len: 256 << 20,
+                crc32c: 0x1234_5678,
+            })],
         },
     ]
 }
@@ -518,6 +540,14 @@ fn decode_and_compare(name: &str, bytes: &[u8], items: &[Item]) {
                 assert_eq!(
                     (chunk.offset, &chunk.data[..]),
                     (*offset, &data[..]),
+                    "{name}"
+                );
+            }
+            Item::Region(want) => {
+                assert_eq!(frame.kind, FrameKind::Region);
+                assert_eq!(
+                    &RegionDescriptor::decode(&frame.body).unwrap(),
+                    want,
                     "{name}"
                 );
             }

@@ -293,27 +293,36 @@ fn arb_response() -> BoxedStrategy<Response> {
     let stats = (
         arb_text(),
         vec(device, 0..3),
-        any::<[u64; 9]>(),
+        any::<[u64; 13]>(),
         arb_text(),
         arb_text(),
+        proptest::option::of(arb_text()),
     )
-        .prop_map(|(agent, devices, n, transfer_policy, node_id)| {
-            Response::Stats(NodeStats {
-                agent,
-                devices,
-                transfers_done: n[0],
-                transfers_failed: n[1],
-                native_transfers: n[2],
-                round_trip_transfers: n[3],
-                connections: n[4],
-                transfer_policy,
-                node_id,
-                pulls: n[5],
-                pull_retries: n[6],
-                dedup_hits: n[7],
-                fetches_served: n[8],
-            })
-        });
+        .prop_map(
+            |(agent, devices, n, transfer_policy, node_id, unix_socket)| {
+                Response::Stats(NodeStats {
+                    agent,
+                    devices,
+                    transfers_done: n[0],
+                    transfers_failed: n[1],
+                    native_transfers: n[2],
+                    round_trip_transfers: n[3],
+                    connections: n[4],
+                    transfer_policy,
+                    node_id,
+                    pulls: n[5],
+                    pull_retries: n[6],
+                    dedup_hits: n[7],
+                    fetches_served: n[8],
+                    unix_socket,
+                    shared_memory: n[9] % 2 == 0,
+                    shm_payloads_sent: n[10],
+                    shm_payloads_received: n[11],
+                    shm_bytes: n[12],
+                    regions_in_flight: n[9] / 2,
+                })
+            },
+        );
     prop_oneof![
         welcome,
         arb_info().prop_map(Response::Stored),

@@ -49,6 +49,9 @@ pub struct NodeConfig {
     /// Frame, chunk and idle limits of the connections this node opens to peers; the idle
     /// timeout is how long a silent source may stall a pull.
     pub peer_limits: ConnectionLimits,
+    /// Move payloads through shared memory on Unix-socket connections whose other side agrees
+    /// (clients, and peers this node pulls from).
+    pub shared_memory: bool,
 }
 
 impl Default for NodeConfig {
@@ -71,6 +74,7 @@ impl Default for NodeConfig {
             retry_backoff: Duration::from_millis(100),
             peer_token: None,
             peer_limits: ConnectionLimits::default(),
+            shared_memory: true,
         }
     }
 }
@@ -95,6 +99,9 @@ pub(crate) struct Counters {
     pub(crate) pull_retries: AtomicU64,
     pub(crate) dedup_hits: AtomicU64,
     fetches_served: AtomicU64,
+    shm_sent: AtomicU64,
+    shm_received: AtomicU64,
+    shm_bytes: AtomicU64,
 }
 
 /// The most capabilities a node keeps outstanding; past it, `Grant` is refused until some are
@@ -124,6 +131,8 @@ struct Inner {
     node_id: String,
     capabilities: Mutex<HashMap<String, Capability>>,
     counters: Counters,
+    /// The Unix socket the service listens on, for `stat`.
+    unix_socket: Mutex<Option<String>>,
     threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
@@ -184,6 +193,7 @@ impl Node {
                 node_id,
                 capabilities: Mutex::new(HashMap::new()),
                 counters: Counters::default(),
+                unix_socket: Mutex::new(None),
                 threads: std::sync::Mutex::new(threads),
             }),
         })
@@ -667,6 +677,32 @@ impl Node {
             .fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a payload that went through shared memory (`sent` by this node, or received).
+    pub fn count_shm_payload(&self, sent: bool, bytes: u64) {
+        let c = &self.inner.counters;
+        if sent {
+            c.shm_sent.fetch_add(1, Ordering::Relaxed);
+        } else {
+            c.shm_received.fetch_add(1, Ordering::Relaxed);
+        }
+        c.shm_bytes.fetch_add(bytes, Ordering::Relaxed);
+        tracing::info!(
+            route = "shm",
+            direction = if sent { "sent" } else { "received" },
+            bytes,
+            "payload moved through shared memory"
+        );
+    }
+
+    /// Records the Unix socket the service listens on, for `stat`.
+    pub fn set_unix_socket(&self, path: Option<String>) {
+        *self
+            .inner
+            .unix_socket
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = path;
+    }
+
     /// Counts a transfer that failed outside the node's own operations (a broken upload).
     pub fn count_failure(&self) {
         self.inner.counters.failed.fetch_add(1, Ordering::Relaxed);
@@ -701,8 +737,30 @@ impl Node {
             pull_retries: c.pull_retries.load(Ordering::Relaxed),
             dedup_hits: c.dedup_hits.load(Ordering::Relaxed),
             fetches_served: c.fetches_served.load(Ordering::Relaxed),
+            unix_socket: self
+                .inner
+                .unix_socket
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            shared_memory: self.inner.config.shared_memory
+                && ferry_client::connection::shared_memory_supported(),
+            shm_payloads_sent: c.shm_sent.load(Ordering::Relaxed),
+            shm_payloads_received: c.shm_received.load(Ordering::Relaxed),
+            shm_bytes: c.shm_bytes.load(Ordering::Relaxed),
+            regions_in_flight: regions_in_flight(),
         })
     }
+}
+
+#[cfg(target_os = "linux")]
+fn regions_in_flight() -> u64 {
+    ferry_client::region::regions_in_flight()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn regions_in_flight() -> u64 {
+    0
 }
 
 /// A fetch in progress under a capability; when it ends, the capability waits one idle timeout

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use ferry_client::{Client, ClientConfig, ClientError, ConnectionError, ErrorCode};
+use ferry_client::{Client, ClientConfig, ClientError, ConnectionError, ErrorCode, PayloadRoute};
 use ferry_proto::{TensorAssembler, TensorKey, dtype_name};
 
 use crate::engine::TransferPath;
@@ -213,7 +213,8 @@ impl Node {
                     )
                     .map_err(AttemptError::Fatal)?;
                 let assembler = TensorAssembler::new(meta, self.config().max_tensor_bytes)
-                    .map_err(|e| AttemptError::Fatal(e.into()))?;
+                    .map_err(|e| AttemptError::Fatal(e.into()))?
+                    .hashing();
                 *receiving = Some(Receiving {
                     assembler,
                     reservation,
@@ -225,10 +226,13 @@ impl Node {
                 "no receiver".into(),
             )));
         };
-        client
+        let route = client
             .fetch_payload(&mut r.assembler)
             .await
             .map_err(|e| classify(&req.source, e))?;
+        if route == PayloadRoute::Region {
+            self.count_shm_payload(false, r.assembler.meta().byte_len() as u64);
+        }
         // Every byte is here and verified: the transfer stands even if the release is lost (the
         // capability then lapses at the source on its own).
         let release = client.release(&req.capability, self.node_id());
@@ -261,6 +265,7 @@ impl Node {
                 token: self.config().peer_token.clone(),
                 limits: self.config().peer_limits,
                 max_tensor_bytes: Some(self.config().max_tensor_bytes),
+                disable_shared_memory: !self.config().shared_memory,
             };
             let connect = Client::connect_with(source, config);
             let client = tokio::time::timeout(self.config().peer_limits.idle_timeout, connect)

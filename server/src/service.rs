@@ -1,4 +1,5 @@
-//! The TCP service: accepts connections, runs one session per connection, shuts down gracefully.
+//! The service: accepts connections (TCP, and a Unix socket where asked), runs one session per
+//! connection, shuts down gracefully.
 //!
 //! Bounded everywhere: a semaphore on connections (one over the limit is told so and closed,
 //! never queued), a maximum frame body, an idle timeout in the middle of a frame, a per-tensor
@@ -6,17 +7,20 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_client::{Connection, ConnectionError, ConnectionLimits};
+use ferry_client::transport::UnixTransport;
+use ferry_client::{
+    Connection, ConnectionError, ConnectionLimits, PayloadRoute, Stream, Transport,
+};
 use ferry_proto::{
-    ErrorCode, ErrorReply, FEATURES, FrameError, PROTOCOL_MINOR, PROTOCOL_VERSION, ProtoError,
-    Request, Response, TensorAssembler, TensorKey, TensorMeta, Welcome, control,
+    ErrorCode, ErrorReply, FEATURE_SHM, FEATURES, FrameError, PROTOCOL_MINOR, PROTOCOL_VERSION,
+    ProtoError, Request, Response, TensorAssembler, TensorKey, TensorMeta, Welcome, control,
 };
 use subtle::ConstantTimeEq;
-use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{Semaphore, broadcast, mpsc};
 
 use crate::error::NodeError;
@@ -50,12 +54,55 @@ impl Default for ServiceConfig {
     }
 }
 
-/// A bound, not yet running, TCP service over a node.
+/// A bound, not yet running, service over a node.
 #[derive(Debug)]
 pub struct Service {
     node: Node,
     listener: TcpListener,
+    unix: Option<UnixSocket>,
     config: Arc<ServiceConfig>,
+}
+
+/// The Unix socket a service listens on; its file is removed when the listener goes.
+#[derive(Debug)]
+struct UnixSocket {
+    listener: UnixListener,
+    path: PathBuf,
+}
+
+impl Drop for UnixSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Binds a Unix socket at `path`: a socket file left by a node that is gone is replaced, one a
+/// live node answers on is not, nor is any other kind of file. Only the owner may connect (mode
+/// 0600): a node's tensors are not for every local user.
+fn bind_unix(path: &Path) -> std::io::Result<UnixSocket> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    if let Ok(existing) = std::fs::symlink_metadata(path) {
+        if !existing.file_type().is_socket() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("another node listens on {}", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let listener = UnixListener::bind(path)?;
+    let socket = UnixSocket {
+        listener,
+        path: path.to_path_buf(),
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(socket)
 }
 
 impl Service {
@@ -69,8 +116,24 @@ impl Service {
         Ok(Self {
             node,
             listener,
+            unix: None,
             config: Arc::new(config),
         })
+    }
+
+    /// Also listens on a Unix domain socket at `path` (clients and peers reach it as
+    /// `unix:PATH`). Connections there may move payloads through shared memory.
+    pub fn listen_unix(mut self, path: &Path) -> std::io::Result<Self> {
+        let socket = bind_unix(path)?;
+        self.node
+            .set_unix_socket(Some(format!("unix:{}", path.display())));
+        self.unix = Some(socket);
+        Ok(self)
+    }
+
+    /// The Unix socket listened on, if any.
+    pub fn unix_path(&self) -> Option<&Path> {
+        self.unix.as_ref().map(|u| u.path.as_path())
     }
 
     /// The address actually bound.
@@ -91,6 +154,8 @@ impl Service {
         }
         // Closed now, so that new clients are refused at once rather than left waiting.
         drop(self.listener);
+        drop(self.unix);
+        self.node.set_unix_socket(None);
         drop(notify_shutdown);
         drop(done_tx);
         let grace = self.config.shutdown_grace;
@@ -111,7 +176,18 @@ async fn accept_loop(
     done_tx: &mpsc::Sender<()>,
 ) -> std::io::Result<()> {
     loop {
-        let (socket, peer) = match service.listener.accept().await {
+        let accepted = tokio::select! {
+            tcp = service.listener.accept() => tcp.map(|(socket, peer)| {
+                // Frames are written whole; waiting to coalesce them only adds latency.
+                let _ = socket.set_nodelay(true);
+                (Stream::Tcp(socket), peer.to_string())
+            }),
+            unix = accept_unix(service.unix.as_ref()) => unix.map(|socket| {
+                let peer = unix_peer(&socket);
+                (Stream::Unix(UnixTransport::new(socket)), peer)
+            }),
+        };
+        let (socket, peer) = match accepted {
             Ok(accepted) => accepted,
             // Out of file descriptors and the like: back off rather than spin or die.
             Err(e) => {
@@ -120,7 +196,6 @@ async fn accept_loop(
                 continue;
             }
         };
-        let _ = socket.set_nodelay(true);
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             tracing::warn!(%peer, "connection refused: at the connection limit");
             tokio::spawn(refuse(socket, service.config.clone()));
@@ -151,8 +226,27 @@ async fn accept_loop(
     }
 }
 
+/// The next connection on the Unix socket; never, where there is none.
+async fn accept_unix(unix: Option<&UnixSocket>) -> std::io::Result<UnixStream> {
+    match unix {
+        Some(unix) => unix.listener.accept().await.map(|(socket, _)| socket),
+        None => std::future::pending().await,
+    }
+}
+
+/// A Unix peer as logs name it: its process and user, as the kernel reports them.
+fn unix_peer(socket: &UnixStream) -> String {
+    match socket.peer_cred() {
+        Ok(cred) => match cred.pid() {
+            Some(pid) => format!("unix:pid={pid},uid={}", cred.uid()),
+            None => format!("unix:uid={}", cred.uid()),
+        },
+        Err(_) => "unix".to_string(),
+    }
+}
+
 /// Tells a connection over the limit why it is closed, without waiting on it for long.
-async fn refuse(socket: TcpStream, config: Arc<ServiceConfig>) {
+async fn refuse(socket: Stream, config: Arc<ServiceConfig>) {
     let mut conn = Connection::new(socket, config.limits);
     let reply = Response::Error(ErrorReply {
         code: ErrorCode::LimitExceeded,
@@ -172,7 +266,7 @@ struct Session<'a> {
 }
 
 impl Session<'_> {
-    async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+    async fn serve<S: Transport>(
         mut self,
         conn: &mut Connection<S>,
     ) -> Result<(), ConnectionError> {
@@ -205,7 +299,7 @@ impl Session<'_> {
     }
 
     /// The first frame must be a `Hello` with the right major version and token.
-    async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    async fn handshake<S: Transport>(
         &self,
         conn: &mut Connection<S>,
     ) -> Result<bool, ConnectionError> {
@@ -243,11 +337,17 @@ impl Session<'_> {
                 return Ok(false);
             }
         }
-        let features = FEATURES
+        let mut features: Vec<String> = FEATURES
             .iter()
             .filter(|f| hello.features.iter().any(|g| g == *f))
             .map(|f| f.to_string())
             .collect();
+        let shared_memory = self.node.config().shared_memory
+            && conn.can_share_memory()
+            && hello.features.iter().any(|f| f == FEATURE_SHM);
+        if shared_memory {
+            features.push(FEATURE_SHM.to_string());
+        }
         let limits = self.config.limits;
         conn.write_response(&Response::Welcome(Welcome {
             major: PROTOCOL_VERSION,
@@ -258,10 +358,11 @@ impl Session<'_> {
             chunk_size: limits.chunk_size as u64,
         }))
         .await?;
+        conn.set_shared_memory(shared_memory);
         Ok(true)
     }
 
-    async fn handle<S: AsyncRead + AsyncWrite + Unpin>(
+    async fn handle<S: Transport>(
         &mut self,
         conn: &mut Connection<S>,
         request: Request,
@@ -356,7 +457,7 @@ impl Session<'_> {
         Ok(())
     }
 
-    async fn put<S: AsyncRead + AsyncWrite + Unpin>(
+    async fn put<S: Transport>(
         &mut self,
         conn: &mut Connection<S>,
         device: u32,
@@ -373,7 +474,8 @@ impl Session<'_> {
             .and_then(|meta| {
                 let bytes = meta.byte_len() as u64;
                 let reservation = node.admit(device, &name, &meta.dtype(), meta.shape(), bytes)?;
-                let assembler = TensorAssembler::new(meta, node.config().max_tensor_bytes)?;
+                let assembler =
+                    TensorAssembler::new(meta, node.config().max_tensor_bytes)?.hashing();
                 Ok((assembler, reservation))
             });
         let (mut assembler, reservation) = match admitted {
@@ -386,12 +488,19 @@ impl Session<'_> {
             }
         };
         conn.write_response(&Response::Ready).await?;
-        if let Err(error) = conn.read_payload(&mut assembler).await {
-            // The rest of the stream cannot be trusted to line up with frames: report and close.
-            // The assembler and the reservation are dropped here: nothing was registered.
-            node.count_failure();
-            tracing::warn!(device, %name, %error, "upload failed");
-            return Err(fail(conn, error).await);
+        match conn.read_payload(&mut assembler).await {
+            Ok(PayloadRoute::Region) => {
+                node.count_shm_payload(false, assembler.meta().byte_len() as u64);
+            }
+            Ok(PayloadRoute::Chunks) => {}
+            Err(error) => {
+                // The rest of the stream cannot be trusted to line up with frames: report and
+                // close. The assembler and the reservation are dropped here: nothing was
+                // registered.
+                node.count_failure();
+                tracing::warn!(device, %name, %error, "upload failed");
+                return Err(fail(conn, error).await);
+            }
         }
         let reply = match assembler.finish_hashed() {
             Ok((data, hash)) => node
@@ -406,7 +515,7 @@ impl Session<'_> {
     }
 
     /// Serves a node-to-node fetch under a capability, from `offset` on.
-    async fn fetch<S: AsyncRead + AsyncWrite + Unpin>(
+    async fn fetch<S: Transport>(
         &mut self,
         conn: &mut Connection<S>,
         capability: &str,
@@ -443,13 +552,20 @@ impl Session<'_> {
         .await?;
         // A failed write drops the lease (the capability waits briefly for a resume) and the
         // host copy read for it.
-        conn.write_payload_from(bytes, start).await?;
+        let route = conn.write_payload_from(bytes, start).await?;
+        self.count_sent(route, bytes.len());
         self.node.count_fetch_served();
         drop(lease);
         Ok(())
     }
 
-    async fn get<S: AsyncRead + AsyncWrite + Unpin>(
+    fn count_sent(&self, route: PayloadRoute, bytes: usize) {
+        if route == PayloadRoute::Region {
+            self.node.count_shm_payload(true, bytes as u64);
+        }
+    }
+
+    async fn get<S: Transport>(
         &mut self,
         conn: &mut Connection<S>,
         key: &TensorKey,
@@ -461,7 +577,8 @@ impl Session<'_> {
                     meta: meta.to_wire(),
                 })
                 .await?;
-                conn.write_payload(bytes.as_bytes()).await?;
+                let route = conn.write_payload(bytes.as_bytes()).await?;
+                self.count_sent(route, bytes.as_bytes().len());
             }
             Err(error) => conn.write_response(&Response::Error(error.reply())).await?,
         }
@@ -476,10 +593,7 @@ fn protocol_error(message: &str) -> ConnectionError {
 }
 
 /// Tells the peer why the connection is being closed (best effort), and hands the error back.
-async fn fail<S: AsyncRead + AsyncWrite + Unpin>(
-    conn: &mut Connection<S>,
-    error: ConnectionError,
-) -> ConnectionError {
+async fn fail<S: Transport>(conn: &mut Connection<S>, error: ConnectionError) -> ConnectionError {
     let code = match &error {
         ConnectionError::Proto(ProtoError::Frame(FrameError::UnsupportedVersion { .. })) => {
             ErrorCode::VersionMismatch

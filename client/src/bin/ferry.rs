@@ -1,7 +1,6 @@
 //! `ferry`: the command line for putting, getting, copying and listing tensors on ferry nodes.
 
 use std::io::IsTerminal;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -21,14 +20,18 @@ const BATCH: usize = 16;
 
 /// Move Burn tensors between ferry nodes, devices and files.
 ///
-/// A node is HOST:PORT; a tensor is HOST:PORT/DEVICE/NAME; HOST:PORT/DEVICE is every tensor on
-/// that device.
+/// A node is HOST:PORT or unix:PATH (a Unix socket); a tensor is NODE/DEVICE/NAME; NODE/DEVICE
+/// is every tensor on that device. On a Unix socket, payloads go through shared memory unless
+/// --no-shm.
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Cli {
     /// The nodes' shared token.
     #[arg(long, global = true, env = "FERRY_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Never move payloads through shared memory, even over a Unix socket.
+    #[arg(long, global = true)]
+    no_shm: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -99,7 +102,7 @@ enum Command {
     },
 }
 
-/// A parsed `HOST:PORT[/DEVICE[/NAME]]`.
+/// A parsed `NODE[/DEVICE[/NAME]]`, where NODE is `HOST:PORT` or `unix:PATH`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Address {
     node: String,
@@ -109,12 +112,40 @@ struct Address {
 
 impl Address {
     fn parse(text: &str) -> anyhow::Result<Address> {
-        let (node, rest) = match text.split_once('/') {
-            Some((node, rest)) => (node, Some(rest)),
-            None => (text, None),
+        Self::parse_with(text, &|path| {
+            use std::os::unix::fs::FileTypeExt;
+            std::fs::metadata(path).is_ok_and(|m| m.file_type().is_socket())
+        })
+    }
+
+    /// Parses with `is_socket` telling which paths are Unix sockets: a socket path can hold any
+    /// number of `/` (and digit-only parts like `/run/user/1000`), so the node is the longest
+    /// prefix that is a socket, and what follows it is DEVICE/NAME.
+    fn parse_with(text: &str, is_socket: &dyn Fn(&Path) -> bool) -> anyhow::Result<Address> {
+        let (node, rest) = match text.strip_prefix(ferry_client::transport::UNIX_PREFIX) {
+            Some(path) => {
+                let ends = path
+                    .match_indices('/')
+                    .map(|(i, _)| i)
+                    .chain([path.len()])
+                    .filter(|&i| i > 0)
+                    .rev();
+                let Some(end) = ends.into_iter().find(|&i| is_socket(Path::new(&path[..i]))) else {
+                    bail!("{text:?}: no Unix socket found at unix:PATH");
+                };
+                let rest = path[end..].strip_prefix('/');
+                (
+                    &text[..ferry_client::transport::UNIX_PREFIX.len() + end],
+                    rest,
+                )
+            }
+            None => match text.split_once('/') {
+                Some((node, rest)) => (node, Some(rest)),
+                None => (text, None),
+            },
         };
         if node.is_empty() || !node.contains(':') {
-            bail!("{text:?} does not start with a node address HOST:PORT");
+            bail!("{text:?} does not start with a node address HOST:PORT or unix:PATH");
         }
         let (device, name) = match rest {
             None | Some("") => (None, None),
@@ -162,32 +193,15 @@ fn progress(total: u64) -> Option<ProgressBar> {
     Some(bar)
 }
 
-async fn connect(node: &str, token: &Option<String>) -> anyhow::Result<Client> {
+async fn connect(node: &str, cli: &Cli) -> anyhow::Result<Client> {
     let config = ClientConfig {
-        token: token.clone(),
+        token: cli.token.clone(),
+        disable_shared_memory: cli.no_shm,
         ..ClientConfig::default()
     };
     Client::connect_with(node, config)
         .await
         .with_context(|| format!("connecting to {node}"))
-}
-
-/// Whether two node addresses reach the same node.
-async fn same_node(a: &str, b: &str) -> anyhow::Result<bool> {
-    if a == b {
-        return Ok(true);
-    }
-    let resolve = |n: &str| {
-        let n = n.to_string();
-        async move {
-            tokio::net::lookup_host(n.as_str())
-                .await
-                .with_context(|| format!("resolving {n}"))
-                .map(|addrs| addrs.collect::<Vec<SocketAddr>>())
-        }
-    };
-    let (a, b) = (resolve(a).await?, resolve(b).await?);
-    Ok(a.iter().any(|x| b.contains(x)))
 }
 
 fn check_all(
@@ -226,7 +240,7 @@ async fn put(
         .collect();
     let total: u64 = tensors.iter().map(|(_, d)| d.as_bytes().len() as u64).sum();
     let bar = progress(total);
-    let mut client = connect(&address.node, &cli.token).await?;
+    let mut client = connect(&address.node, cli).await?;
     let mut results = Vec::with_capacity(tensors.len());
     for batch in tensors.chunks(BATCH) {
         let answers = client.put_batch(device, batch, overwrite).await?;
@@ -252,7 +266,7 @@ async fn put(
 async fn get(cli: &Cli, source: &str, output: &Path) -> anyhow::Result<()> {
     let address = Address::parse(source)?;
     let device = address.device("get")?;
-    let mut client = connect(&address.node, &cli.token).await?;
+    let mut client = connect(&address.node, cli).await?;
     let infos = match &address.name {
         Some(name) => vec![TensorKey::new(device, name.clone())],
         None => client
@@ -295,7 +309,7 @@ async fn transfer(
     let dst = Address::parse(target)?;
     let src_device = src.device("the source")?;
     let dst_device = dst.device("the target")?;
-    let mut client = connect(&src.node, &cli.token).await?;
+    let mut client = connect(&src.node, cli).await?;
     let names: Vec<String> = match &src.name {
         Some(name) => vec![name.clone()],
         None => {
@@ -315,7 +329,9 @@ async fn transfer(
         .map(|n| TensorKey::new(src_device, n.clone()))
         .collect();
     let mut results = Vec::with_capacity(keys.len());
-    if same_node(&src.node, &dst.node).await? {
+    // Two addresses (TCP and a Unix socket, say) may reach one node: its id tells.
+    let mut target = connect(&dst.node, cli).await?;
+    if client.identify().await? == target.identify().await? {
         for key in &keys {
             let answer = client
                 .transfer(key, dst_device, dst.name.as_deref(), remove, overwrite)
@@ -324,7 +340,6 @@ async fn transfer(
         }
     } else {
         // Node to node: the target pulls from the source; no tensor byte passes through here.
-        let mut target = connect(&dst.node, &cli.token).await?;
         let how = NodeCopy {
             source_addr: &src.node,
             dst_device,
@@ -349,7 +364,7 @@ async fn ls(cli: &Cli, location: &str, json: bool) -> anyhow::Result<()> {
     if address.name.is_some() {
         bail!("ls takes HOST:PORT or HOST:PORT/DEVICE");
     }
-    let mut client = connect(&address.node, &cli.token).await?;
+    let mut client = connect(&address.node, cli).await?;
     let all = client.list(address.device).await?;
     if json {
         let rows: Vec<serde_json::Value> = all
@@ -389,41 +404,17 @@ async fn rm(cli: &Cli, tensor: &str) -> anyhow::Result<()> {
         .name
         .clone()
         .ok_or_else(|| anyhow!("rm takes a tensor: HOST:PORT/DEVICE/NAME"))?;
-    let mut client = connect(&address.node, &cli.token).await?;
+    let mut client = connect(&address.node, cli).await?;
     client.delete(&TensorKey::new(device, name)).await?;
     Ok(())
 }
 
 async fn stat(cli: &Cli, node: &str, json: bool) -> anyhow::Result<()> {
     let address = Address::parse(node)?;
-    let mut client = connect(&address.node, &cli.token).await?;
+    let mut client = connect(&address.node, cli).await?;
     let stats = client.stat().await?;
     if json {
-        let devices: Vec<serde_json::Value> = stats
-            .devices
-            .iter()
-            .map(|d| {
-                serde_json::json!({
-                    "index": d.index, "backend": d.backend, "device": d.device,
-                    "tensors": d.tensors, "bytes_held": d.bytes_held, "memory_limit": d.memory_limit,
-                })
-            })
-            .collect();
-        let value = serde_json::json!({
-            "agent": stats.agent,
-            "devices": devices,
-            "transfers_done": stats.transfers_done,
-            "transfers_failed": stats.transfers_failed,
-            "native_transfers": stats.native_transfers,
-            "round_trip_transfers": stats.round_trip_transfers,
-            "connections": stats.connections,
-            "transfer_policy": stats.transfer_policy,
-            "node_id": stats.node_id,
-            "pulls": stats.pulls,
-            "pull_retries": stats.pull_retries,
-            "dedup_hits": stats.dedup_hits,
-            "fetches_served": stats.fetches_served,
-        });
+        let value = serde_json::to_value(&stats)?;
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         println!(
@@ -450,6 +441,15 @@ async fn stat(cli: &Cli, node: &str, json: bool) -> anyhow::Result<()> {
         println!(
             "node to node: {} pulled ({} retries, {} skipped as duplicates), {} served",
             stats.pulls, stats.pull_retries, stats.dedup_hits, stats.fetches_served
+        );
+        println!(
+            "unix socket: {}; shared memory: {}; {} payloads sent and {} received through it ({} bytes), {} regions in flight",
+            stats.unix_socket.as_deref().unwrap_or("none"),
+            if stats.shared_memory { "on" } else { "off" },
+            stats.shm_payloads_sent,
+            stats.shm_payloads_received,
+            stats.shm_bytes,
+            stats.regions_in_flight
         );
     }
     Ok(())
@@ -527,6 +527,29 @@ mod tests {
         );
         assert_eq!(Address::parse("[::1]:7/2/x").unwrap().node, "[::1]:7");
         assert!(Address::parse("nohost/0").is_err());
+        let sockets =
+            |p: &Path| p == Path::new("/run/user/1000/ferry.sock") || p == Path::new("/s");
+        assert_eq!(
+            Address::parse_with("unix:/run/user/1000/ferry.sock/2/a/b", &sockets).unwrap(),
+            Address {
+                node: "unix:/run/user/1000/ferry.sock".into(),
+                device: Some(2),
+                name: Some("a/b".into())
+            }
+        );
+        assert_eq!(
+            Address::parse_with("unix:/s", &sockets).unwrap(),
+            Address {
+                node: "unix:/s".into(),
+                device: None,
+                name: None
+            }
+        );
+        assert_eq!(
+            Address::parse_with("unix:/s/0", &sockets).unwrap().device,
+            Some(0)
+        );
+        assert!(Address::parse_with("unix:/nowhere/0/x", &sockets).is_err());
         assert!(Address::parse("h:1/gpu/x").is_err());
     }
 }

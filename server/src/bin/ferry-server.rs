@@ -1,4 +1,4 @@
-//! `ferry-server`: runs a ferry node on TCP until Ctrl-C or SIGTERM.
+//! `ferry-server`: runs a ferry node on TCP (and a Unix socket if asked) until Ctrl-C or SIGTERM.
 
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
@@ -16,6 +16,13 @@ struct Args {
     /// Address to listen on; port 0 picks a free one.
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
+    /// Also listen on a Unix domain socket at this path (reached as `unix:PATH`; mode 0600).
+    /// Payloads on its connections go through shared memory unless --no-shm.
+    #[arg(long, value_name = "PATH")]
+    unix: Option<std::path::PathBuf>,
+    /// Never move payloads through shared memory (neither for clients nor for pulls).
+    #[arg(long)]
+    no_shm: bool,
     /// A device to host (`flex` or `ndarray`); repeat for more. Default: two flex devices.
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
@@ -84,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
         capability_ttl: Duration::from_secs(args.capability_ttl),
         pull_retries: args.pull_retries,
         peer_limits: limits,
+        shared_memory: !args.no_shm,
         max_tensor_bytes: args.max_tensor_bytes.as_u64(),
         memory_limit: args.memory_limit.map(|b| b.as_u64()),
         policy: args
@@ -103,16 +111,26 @@ async fn main() -> anyhow::Result<()> {
         limits,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
     };
-    let service = Service::bind(node, args.listen, service_config)
+    let mut service = Service::bind(node, args.listen, service_config)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
+    if let Some(path) = &args.unix {
+        service = service
+            .listen_unix(path)
+            .with_context(|| format!("binding the Unix socket {}", path.display()))?;
+    }
     let addr = service.local_addr()?;
-    // Scripts and tests find the port from this exact first line.
+    // Scripts and tests find the port from this exact first line (and the Unix socket, if
+    // any, from the second).
     let mut stdout = std::io::stdout().lock();
     writeln!(stdout, "listening on {addr}")?;
+    if let Some(path) = service.unix_path() {
+        writeln!(stdout, "listening on unix:{}", path.display())?;
+    }
     stdout.flush()?;
     drop(stdout);
-    tracing::info!(%addr, ?devices, "ferry node serving");
+    let shm = !args.no_shm && ferry_client::connection::shared_memory_supported();
+    tracing::info!(%addr, unix = ?args.unix, shared_memory = shm, ?devices, "ferry node serving");
     service.run(shutdown_signal()).await?;
     tracing::info!("ferry node stopped");
     Ok(())

@@ -1,0 +1,277 @@
+//! Shared-memory regions: a tensor payload written once into a sealed `memfd`, passed over a Unix
+//! socket, and adopted by the receiver as the tensor's own memory.
+//!
+//! Lifetime is the kernel's: a region is an anonymous file that exists only while a descriptor or
+//! a mapping refers to it. The sender closes its descriptor once `sendmsg` has handed the kernel
+//! a reference; a descriptor still in flight is closed when the socket closes (receiver gone);
+//! the receiver closes its descriptor as soon as it has mapped the region. What is left is the
+//! receiver's private mapping, which is the received tensor's storage and goes with the tensor.
+//! So no region outlives its transfer on any path, a crash included.
+//!
+//! The receiver trusts nothing: the region must be sealed against writes and resizing (so the
+//! sender cannot change the bytes after they are checked), be exactly the declared size, and
+//! match the declared crc32c, before anything reaches Burn.
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn_std::Bytes;
+use ferry_proto::{RegionDescriptor, StreamError};
+use rustix::fs::{MemfdFlags, SealFlags};
+
+/// The name regions carry (visible in `/proc/PID/fd` and `/proc/PID/maps` as `memfd:ferry-region`).
+pub const REGION_NAME: &str = "ferry-region";
+
+/// Payloads smaller than this go as chunks even where regions are agreed: creating, sealing and
+/// mapping a region costs more than copying a few pages through the socket.
+pub const REGION_MIN: usize = 256 * 1024;
+
+/// Bytes written (and checksummed while hot) at a time.
+const WRITE_PIECE: usize = 1 << 20;
+
+/// The seals a receiver requires: nobody can write, shrink or grow the region any more.
+fn required_seals() -> SealFlags {
+    SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW
+}
+
+/// Regions this process created and has not yet handed to the kernel or dropped.
+static REGIONS_IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
+
+/// Regions this process created and still holds a descriptor of.
+pub fn regions_in_flight() -> u64 {
+    REGIONS_IN_FLIGHT.load(Ordering::Relaxed)
+}
+
+/// A region being filled with a payload, then sealed and sent.
+#[derive(Debug)]
+pub struct OutgoingRegion {
+    fd: Option<OwnedFd>,
+    descriptor: RegionDescriptor,
+    written: u64,
+    sealed: bool,
+}
+
+impl OutgoingRegion {
+    /// A new, empty region of `len` bytes.
+    pub fn new(len: usize) -> io::Result<Self> {
+        let fd =
+            rustix::fs::memfd_create(REGION_NAME, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        REGIONS_IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
+        let region = Self {
+            fd: Some(fd),
+            descriptor: RegionDescriptor {
+                len: len as u64,
+                crc32c: 0,
+            },
+            written: 0,
+            sealed: false,
+        };
+        rustix::fs::ftruncate(region.fd()?, len as u64)?;
+        Ok(region)
+    }
+
+    fn fd(&self) -> io::Result<&OwnedFd> {
+        self.fd
+            .as_ref()
+            .ok_or_else(|| io::Error::other("region already handed over"))
+    }
+
+    /// Appends the next bytes of the payload, checksumming them while they are hot. Written
+    /// through `pwrite` rather than a mapping: the kernel allocates the region's pages as it
+    /// copies, without a page fault per page.
+    pub fn append(&mut self, bytes: &[u8]) -> io::Result<()> {
+        let end = self.written.checked_add(bytes.len() as u64);
+        if self.sealed || end.is_none_or(|end| end > self.descriptor.len) {
+            return Err(io::Error::other(
+                "region written past its length or after sealing",
+            ));
+        }
+        for piece in bytes.chunks(WRITE_PIECE) {
+            self.descriptor.crc32c = crc32c::crc32c_append(self.descriptor.crc32c, piece);
+            let mut rest = piece;
+            while !rest.is_empty() {
+                let n = rustix::io::pwrite(self.fd()?, rest, self.written)?;
+                if n == 0 {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        "region write made no progress",
+                    ));
+                }
+                rest = rest.get(n..).unwrap_or_default();
+                self.written += n as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Seals the region against any further change, once every byte is written.
+    pub fn seal(&mut self) -> io::Result<RegionDescriptor> {
+        if self.written != self.descriptor.len {
+            return Err(io::Error::other("region sealed before it was filled"));
+        }
+        rustix::fs::fcntl_add_seals(self.fd()?, required_seals() | SealFlags::SEAL)?;
+        self.sealed = true;
+        Ok(self.descriptor)
+    }
+
+    /// Writes `payload` into a new sealed region (for callers that need no yielding between
+    /// pieces).
+    pub fn create(payload: &[u8]) -> io::Result<Self> {
+        let mut region = Self::new(payload.len())?;
+        region.append(payload)?;
+        region.seal()?;
+        Ok(region)
+    }
+
+    /// What the region frame declares.
+    pub fn descriptor(&self) -> RegionDescriptor {
+        self.descriptor
+    }
+
+    /// The descriptor, to hand to the socket (which sends it and then closes its copy); only
+    /// once sealed.
+    pub fn into_fd(mut self) -> Option<OwnedFd> {
+        if !self.sealed {
+            return None;
+        }
+        self.fd.take().inspect(|_| {
+            REGIONS_IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+        })
+    }
+}
+
+impl Drop for OutgoingRegion {
+    fn drop(&mut self) {
+        if self.fd.take().is_some() {
+            REGIONS_IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Checks a region a peer sent against what its frame declared and what the meta allows, and maps
+/// it privately (copy-on-write: the receiver may change its tensor, never the sender's pages).
+/// The descriptor is closed on return, whatever the outcome.
+pub fn adopt(
+    fd: OwnedFd,
+    declared: RegionDescriptor,
+    expected_len: usize,
+) -> Result<Bytes, StreamError> {
+    let refuse = |reason: String| StreamError::RegionRefused { reason };
+    if declared.len != expected_len as u64 {
+        return Err(StreamError::RegionSize {
+            len: declared.len,
+            total: expected_len as u64,
+        });
+    }
+    let seals = rustix::fs::fcntl_get_seals(fd.as_fd())
+        .map_err(|e| refuse(format!("not a sealable shared-memory file ({e})")))?;
+    if !seals.contains(required_seals()) {
+        return Err(refuse(format!(
+            "not sealed against writes and resizing (seals {seals:?})"
+        )));
+    }
+    let stat = rustix::fs::fstat(fd.as_fd()).map_err(|e| refuse(format!("fstat: {e}")))?;
+    let size = u64::try_from(stat.st_size).unwrap_or(u64::MAX);
+    if size != expected_len as u64 {
+        return Err(StreamError::RegionSize {
+            len: size,
+            total: expected_len as u64,
+        });
+    }
+    // SAFETY: the region is sealed against writes and resizing (checked above), so the mapped
+    // bytes cannot change or vanish under us; the mapping is private, so our writes stay ours.
+    let map = unsafe {
+        memmap2::MmapOptions::new()
+            .len(expected_len)
+            .map_copy(&fd)
+            .map_err(|e| refuse(format!("mmap: {e}")))?
+    };
+    drop(fd);
+    let computed = crc32c::crc32c(&map);
+    if computed != declared.crc32c {
+        return Err(StreamError::RegionChecksum {
+            declared: declared.crc32c,
+            computed,
+        });
+    }
+    Ok(ferry_proto::host::bytes_from_mapping(map))
+}
+
+/// Regions of this name the process `pid` still has open or mapped (from `/proc`): what a leak
+/// test counts.
+pub fn count_regions(pid: u32) -> io::Result<(usize, usize)> {
+    let needle = format!("memfd:{REGION_NAME}");
+    let mut fds = 0;
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        let Ok(entry) = entry else { continue };
+        if let Ok(target) = std::fs::read_link(entry.path())
+            && target.to_string_lossy().contains(&needle)
+        {
+            fds += 1;
+        }
+    }
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let mapped = maps.lines().filter(|l| l.contains(&needle)).count();
+    Ok((fds, mapped))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn payload(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    #[test]
+    fn a_region_round_trips_and_is_adopted_without_a_copy_of_its_own() {
+        let data = payload(REGION_MIN + 5);
+        let region = OutgoingRegion::create(&data).unwrap();
+        let declared = region.descriptor();
+        assert_eq!(declared.crc32c, crc32c::crc32c(&data));
+        let fd = region.into_fd().unwrap();
+        let mut bytes = adopt(fd, declared, data.len()).unwrap();
+        assert_eq!(&bytes[..], &data[..]);
+        // Private: writing changes our copy only.
+        bytes[0] ^= 0xff;
+        assert_ne!(bytes[0], data[0]);
+    }
+
+    #[test]
+    fn wrong_size_checksum_or_missing_seals_are_refused() {
+        let data = payload(REGION_MIN);
+        let region = OutgoingRegion::create(&data).unwrap();
+        let declared = region.descriptor();
+        let fd = region.into_fd().unwrap();
+        let wrong = RegionDescriptor {
+            crc32c: declared.crc32c ^ 1,
+            ..declared
+        };
+        let dup = fd.try_clone().unwrap();
+        assert!(matches!(
+            adopt(fd, wrong, data.len()),
+            Err(StreamError::RegionChecksum { .. })
+        ));
+        assert!(matches!(
+            adopt(dup, declared, data.len() + 1),
+            Err(StreamError::RegionSize { .. })
+        ));
+
+        let unsealed = rustix::fs::memfd_create(
+            "ferry-test",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )
+        .unwrap();
+        rustix::fs::ftruncate(&unsealed, data.len() as u64).unwrap();
+        assert!(matches!(
+            adopt(unsealed, declared, data.len()),
+            Err(StreamError::RegionRefused { .. })
+        ));
+        let file = tempfile::tempfile().unwrap();
+        assert!(matches!(
+            adopt(file.into(), declared, data.len()),
+            Err(StreamError::RegionRefused { .. })
+        ));
+    }
+}

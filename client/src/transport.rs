@@ -1,0 +1,388 @@
+//! Where a node listens (`HOST:PORT` or `unix:PATH`) and the byte streams that reach it: TCP, or
+//! a Unix socket that can also carry file descriptors (shared-memory regions) with its bytes.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+use tokio::net::{TcpStream, UnixStream};
+
+/// The prefix that marks a Unix socket address.
+pub const UNIX_PREFIX: &str = "unix:";
+
+/// Descriptors received and not yet claimed by a region frame, at most. A peer that sends more
+/// is breaking the protocol; the connection fails rather than holding them.
+const MAX_QUEUED_FDS: usize = 4;
+
+/// A node's address: `HOST:PORT` (TCP) or `unix:PATH` (a Unix domain socket).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// `HOST:PORT`, resolved when connecting.
+    Tcp(String),
+    /// The path of a Unix domain socket.
+    Unix(PathBuf),
+}
+
+impl Endpoint {
+    /// Reads `unix:PATH` as a Unix socket and anything else as `HOST:PORT`.
+    pub fn parse(address: &str) -> Self {
+        match address.strip_prefix(UNIX_PREFIX) {
+            Some(path) => Endpoint::Unix(PathBuf::from(path)),
+            None => Endpoint::Tcp(address.to_string()),
+        }
+    }
+
+    /// Whether this is a Unix socket (the same host, so shared memory is possible).
+    pub fn is_unix(&self) -> bool {
+        matches!(self, Endpoint::Unix(_))
+    }
+
+    /// Opens a stream to it.
+    pub async fn connect(&self) -> io::Result<Stream> {
+        match self {
+            Endpoint::Tcp(addr) => {
+                let socket = TcpStream::connect(addr.as_str()).await?;
+                // Frames are written whole; waiting to coalesce them only adds latency.
+                let _ = socket.set_nodelay(true);
+                Ok(Stream::Tcp(socket))
+            }
+            Endpoint::Unix(path) => Ok(Stream::Unix(UnixTransport::new(
+                UnixStream::connect(path).await?,
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Tcp(addr) => f.write_str(addr),
+            Endpoint::Unix(path) => write!(f, "{UNIX_PREFIX}{}", path.display()),
+        }
+    }
+}
+
+impl From<&str> for Endpoint {
+    fn from(address: &str) -> Self {
+        Endpoint::parse(address)
+    }
+}
+
+impl From<String> for Endpoint {
+    fn from(address: String) -> Self {
+        Endpoint::parse(&address)
+    }
+}
+
+impl From<&String> for Endpoint {
+    fn from(address: &String) -> Self {
+        Endpoint::parse(address)
+    }
+}
+
+impl From<&Endpoint> for Endpoint {
+    fn from(endpoint: &Endpoint) -> Self {
+        endpoint.clone()
+    }
+}
+
+impl From<std::net::SocketAddr> for Endpoint {
+    fn from(addr: std::net::SocketAddr) -> Self {
+        Endpoint::Tcp(addr.to_string())
+    }
+}
+
+impl From<&Path> for Endpoint {
+    fn from(path: &Path) -> Self {
+        Endpoint::Unix(path.to_path_buf())
+    }
+}
+
+impl From<PathBuf> for Endpoint {
+    fn from(path: PathBuf) -> Self {
+        Endpoint::Unix(path)
+    }
+}
+
+/// A byte stream ferry frames travel on, and whether file descriptors can travel with them.
+pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send {
+    /// Whether this stream can carry file descriptors (a Unix socket).
+    fn passes_fds(&self) -> bool {
+        false
+    }
+
+    /// The oldest descriptor received with the bytes read so far and not yet claimed.
+    fn take_fd(&mut self) -> Option<OwnedFd> {
+        None
+    }
+
+    /// Sends `fd` with the next bytes written. Fails where descriptors cannot travel.
+    fn attach_fd(&mut self, fd: OwnedFd) -> io::Result<()> {
+        drop(fd);
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "file descriptors only travel on Unix sockets",
+        ))
+    }
+}
+
+impl Transport for TcpStream {}
+impl Transport for tokio::io::DuplexStream {}
+
+/// A Unix socket that reads with `recvmsg`, so descriptors sent with the bytes are kept (a plain
+/// `read` would make the kernel close them), and writes an attached descriptor with `sendmsg`.
+#[derive(Debug)]
+pub struct UnixTransport {
+    stream: UnixStream,
+    received: VecDeque<OwnedFd>,
+    outgoing: Option<OwnedFd>,
+}
+
+impl UnixTransport {
+    /// Wraps a connected Unix stream.
+    pub fn new(stream: UnixStream) -> Self {
+        Self {
+            stream,
+            received: VecDeque::new(),
+            outgoing: None,
+        }
+    }
+
+    /// The wrapped stream.
+    pub fn get_ref(&self) -> &UnixStream {
+        &self.stream
+    }
+}
+
+fn too_many_fds() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("peer sent more than {MAX_QUEUED_FDS} file descriptors not claimed by frames"),
+    )
+}
+
+impl AsyncRead for UnixTransport {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
+        let this = self.get_mut();
+        loop {
+            ready!(this.stream.poll_read_ready(cx))?;
+            let dst = buf.initialize_unfilled();
+            let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let result = this.stream.try_io(Interest::READABLE, || {
+                let mut iov = [io::IoSliceMut::new(dst)];
+                rustix::net::recvmsg(
+                    &this.stream,
+                    &mut iov,
+                    &mut control,
+                    RecvFlags::CMSG_CLOEXEC,
+                )
+                .map_err(io::Error::from)
+            });
+            match result {
+                Ok(msg) => {
+                    for message in control.drain() {
+                        if let RecvAncillaryMessage::ScmRights(fds) = message {
+                            this.received.extend(fds);
+                        }
+                    }
+                    if msg.flags.contains(ReturnFlags::CTRUNC)
+                        || this.received.len() > MAX_QUEUED_FDS
+                    {
+                        return Poll::Ready(Err(too_many_fds()));
+                    }
+                    buf.advance(msg.bytes);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl AsyncWrite for UnixTransport {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        let this = self.get_mut();
+        let Some(fd) = this.outgoing.as_ref() else {
+            return Pin::new(&mut this.stream).poll_write(cx, data);
+        };
+        if data.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        loop {
+            ready!(this.stream.poll_write_ready(cx))?;
+            let fds = [std::os::fd::AsFd::as_fd(fd)];
+            let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+                return Poll::Ready(Err(io::Error::other("no room for a descriptor")));
+            }
+            let result = this.stream.try_io(Interest::WRITABLE, || {
+                rustix::net::sendmsg(
+                    &this.stream,
+                    &[io::IoSlice::new(data)],
+                    &mut control,
+                    SendFlags::NOSIGNAL,
+                )
+                .map_err(io::Error::from)
+            });
+            match result {
+                Ok(n) => {
+                    // The kernel holds its own reference now: ours can go.
+                    this.outgoing = None;
+                    return Poll::Ready(Ok(n));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+impl Transport for UnixTransport {
+    fn passes_fds(&self) -> bool {
+        true
+    }
+
+    fn take_fd(&mut self) -> Option<OwnedFd> {
+        self.received.pop_front()
+    }
+
+    fn attach_fd(&mut self, fd: OwnedFd) -> io::Result<()> {
+        if self.outgoing.is_some() {
+            return Err(io::Error::other(
+                "a descriptor is already waiting to be sent",
+            ));
+        }
+        self.outgoing = Some(fd);
+        Ok(())
+    }
+}
+
+/// A connection's stream: TCP or a Unix socket.
+#[derive(Debug)]
+pub enum Stream {
+    /// TCP.
+    Tcp(TcpStream),
+    /// A Unix domain socket.
+    Unix(UnixTransport),
+}
+
+impl Stream {
+    /// The peer, for logs.
+    pub fn peer(&self) -> String {
+        match self {
+            Stream::Tcp(s) => s
+                .peer_addr()
+                .map_or_else(|_| "tcp:?".to_string(), |a| a.to_string()),
+            Stream::Unix(_) => "unix".to_string(),
+        }
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_write(cx, data),
+            Stream::Unix(s) => Pin::new(s).poll_write(cx, data),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Stream::Unix(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Unix(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+impl Transport for Stream {
+    fn passes_fds(&self) -> bool {
+        match self {
+            Stream::Tcp(s) => s.passes_fds(),
+            Stream::Unix(s) => s.passes_fds(),
+        }
+    }
+
+    fn take_fd(&mut self) -> Option<OwnedFd> {
+        match self {
+            Stream::Tcp(s) => s.take_fd(),
+            Stream::Unix(s) => s.take_fd(),
+        }
+    }
+
+    fn attach_fd(&mut self, fd: OwnedFd) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.attach_fd(fd),
+            Stream::Unix(s) => s.attach_fd(fd),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_parse_by_prefix() {
+        assert_eq!(
+            Endpoint::parse("unix:/run/user/1000/ferry.sock"),
+            Endpoint::Unix(PathBuf::from("/run/user/1000/ferry.sock"))
+        );
+        assert_eq!(
+            Endpoint::parse("127.0.0.1:7070"),
+            Endpoint::Tcp("127.0.0.1:7070".into())
+        );
+        assert_eq!(
+            Endpoint::parse("unix:/tmp/a.sock").to_string(),
+            "unix:/tmp/a.sock"
+        );
+    }
+}
