@@ -144,6 +144,89 @@ fn a_quantized_model_goes_in_moves_between_devices_and_comes_back_identical() {
 }
 
 #[test]
+fn unix_socket_addresses_work_everywhere_and_payloads_take_shared_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    // A socket path with digit-only parts, as under /run/user/1000.
+    let sockets = dir.path().join("run/user/1000");
+    std::fs::create_dir_all(&sockets).unwrap();
+    let a_path = sockets.join("a.sock");
+    let b_path = sockets.join("b.sock");
+    let a = server(&["--unix", a_path.to_str().unwrap(), "--shm-min", "1"]);
+    let b = server(&["--unix", b_path.to_str().unwrap(), "--shm-min", "1"]);
+    let (a_unix, b_unix) = (a.unix.clone().unwrap(), b.unix.clone().unwrap());
+    let input = dir.path().join("model.bpk");
+    let tensors = model();
+    write_tensors(&input, &tensors).unwrap();
+
+    ok(&[
+        "put",
+        "--shm-min",
+        "1",
+        input.to_str().unwrap(),
+        &format!("{a_unix}/0"),
+    ]);
+    let listing: serde_json::Value =
+        serde_json::from_str(&ok(&["ls", &format!("{a_unix}/0"), "--json"])).unwrap();
+    assert_eq!(listing.as_array().unwrap().len(), tensors.len());
+    // Node to node over the Unix sockets, then back out through the other node.
+    ok(&["cp", &format!("{a_unix}/0"), &format!("{b_unix}/1")]);
+    let output = dir.path().join("back.bpk");
+    ok(&[
+        "get",
+        &format!("{b_unix}/1"),
+        "-o",
+        output.to_str().unwrap(),
+    ]);
+    assert_same_files(&output, &tensors);
+    // The same node by TCP and by Unix socket is recognised as one: an in-node copy.
+    ok(&[
+        "cp",
+        &format!("{}/0/embed.weight", a.addr),
+        &format!("{a_unix}/1/copied"),
+    ]);
+    let single = dir.path().join("one.bpk");
+    ok(&[
+        "get",
+        &format!("{a_unix}/1/copied"),
+        "-o",
+        single.to_str().unwrap(),
+    ]);
+    assert_same_files(&single, &[("copied".to_string(), tensors[0].1.clone())]);
+
+    let with_bytes = tensors
+        .iter()
+        .filter(|(_, d)| !d.as_bytes().is_empty())
+        .count() as u64;
+    let a_stats: serde_json::Value =
+        serde_json::from_str(&ok(&["stat", &a_unix, "--json"])).unwrap();
+    assert_eq!(a_stats["unix_socket"], a_unix.as_str());
+    assert_eq!(a_stats["shm_payloads_received"].as_u64(), Some(with_bytes));
+    assert_eq!(a_stats["native_transfers"].as_u64(), Some(1));
+    let b_stats: serde_json::Value =
+        serde_json::from_str(&ok(&["stat", &b_unix, "--json"])).unwrap();
+    assert_eq!(b_stats["pulls"].as_u64(), Some(tensors.len() as u64));
+    assert_eq!(b_stats["shm_payloads_received"].as_u64(), Some(with_bytes));
+    assert_eq!(b_stats["shm_payloads_sent"].as_u64(), Some(with_bytes));
+
+    // --no-shm keeps payloads in the socket.
+    let before = a_stats["shm_payloads_sent"].as_u64().unwrap();
+    ok(&[
+        "--no-shm",
+        "get",
+        &format!("{a_unix}/0"),
+        "-o",
+        output.to_str().unwrap(),
+    ]);
+    assert_same_files(&output, &tensors);
+    let a_stats: serde_json::Value =
+        serde_json::from_str(&ok(&["stat", &a_unix, "--json"])).unwrap();
+    assert_eq!(a_stats["shm_payloads_sent"].as_u64(), Some(before));
+
+    let missing = format!("unix:{}/0", dir.path().join("nope.sock").display());
+    fails(&["ls", &missing], "no Unix socket");
+}
+
+#[test]
 fn plain_dtypes_round_trip_through_safetensors() {
     let node = server(&[]);
     let dir = tempfile::tempdir().unwrap();

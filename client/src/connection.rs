@@ -20,6 +20,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 
 use crate::transport::Transport;
 
+/// Payloads smaller than this go as chunks by default even where regions are agreed: creating,
+/// sealing and mapping a region costs more than copying a few pages through the socket.
+pub const DEFAULT_REGION_MIN: usize = 256 * 1024;
+
 /// Bytes of a payload read and checksummed at a time (fits in L2 alongside everything else).
 const CHECKSUM_PIECE: usize = 256 * 1024;
 
@@ -69,6 +73,9 @@ pub struct ConnectionLimits {
     pub idle_timeout: Duration,
     /// Payload bytes per chunk frame sent.
     pub chunk_size: usize,
+    /// Where shared memory was agreed, payloads of at least this many bytes (and at least one)
+    /// are sent as a region; smaller ones go as chunks, which is cheaper for a few pages.
+    pub region_min: usize,
 }
 
 impl Default for ConnectionLimits {
@@ -77,6 +84,7 @@ impl Default for ConnectionLimits {
             max_body: frame::DEFAULT_MAX_BODY,
             idle_timeout: Duration::from_secs(30),
             chunk_size: frame::DEFAULT_CHUNK_SIZE,
+            region_min: DEFAULT_REGION_MIN,
         }
     }
 }
@@ -155,6 +163,11 @@ impl<S: Transport> Connection<S> {
     /// The underlying stream.
     pub fn get_ref(&self) -> &S {
         self.stream.get_ref()
+    }
+
+    /// The underlying stream, mutably (bytes written to it directly bypass the write buffer).
+    pub fn get_mut(&mut self) -> &mut S {
+        self.stream.get_mut()
     }
 
     /// Reads more bytes into the buffer. Between frames it waits as long as it takes; in the
@@ -371,7 +384,7 @@ impl<S: Transport> Connection<S> {
         payload: &[u8],
         start: usize,
     ) -> Result<PayloadRoute, ConnectionError> {
-        if self.shared_memory && start == 0 && payload.len() >= REGION_MIN {
+        if self.shared_memory && start == 0 && payload.len() >= self.limits.region_min.max(1) {
             self.write_region(payload).await?;
             return Ok(PayloadRoute::Region);
         }
@@ -426,7 +439,7 @@ impl<S: Transport> Connection<S> {
 const REGION_PIECE: usize = 8 << 20;
 
 #[cfg(target_os = "linux")]
-use crate::region::{OutgoingRegion, REGION_MIN};
+use crate::region::OutgoingRegion;
 
 #[cfg(target_os = "linux")]
 fn adopt_region(
@@ -438,9 +451,6 @@ fn adopt_region(
     assembler.adopt(bytes)?;
     Ok(())
 }
-
-#[cfg(not(target_os = "linux"))]
-const REGION_MIN: usize = usize::MAX;
 
 #[cfg(not(target_os = "linux"))]
 struct OutgoingRegion;

@@ -23,10 +23,6 @@ use rustix::fs::{MemfdFlags, SealFlags};
 /// The name regions carry (visible in `/proc/PID/fd` and `/proc/PID/maps` as `memfd:ferry-region`).
 pub const REGION_NAME: &str = "ferry-region";
 
-/// Payloads smaller than this go as chunks even where regions are agreed: creating, sealing and
-/// mapping a region costs more than copying a few pages through the socket.
-pub const REGION_MIN: usize = 256 * 1024;
-
 /// Bytes written (and checksummed while hot) at a time.
 const WRITE_PIECE: usize = 1 << 20;
 
@@ -226,7 +222,7 @@ mod tests {
 
     #[test]
     fn a_region_round_trips_and_is_adopted_without_a_copy_of_its_own() {
-        let data = payload(REGION_MIN + 5);
+        let data = payload(256 * 1024 + 5);
         let region = OutgoingRegion::create(&data).unwrap();
         let declared = region.descriptor();
         assert_eq!(declared.crc32c, crc32c::crc32c(&data));
@@ -240,7 +236,7 @@ mod tests {
 
     #[test]
     fn wrong_size_checksum_or_missing_seals_are_refused() {
-        let data = payload(REGION_MIN);
+        let data = payload(256 * 1024);
         let region = OutgoingRegion::create(&data).unwrap();
         let declared = region.descriptor();
         let fd = region.into_fd().unwrap();

@@ -9,12 +9,16 @@ use ferry::server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-/// A node serving on `127.0.0.1:0` inside the test process, through real sockets.
+/// A node serving on `127.0.0.1:0` (and a Unix socket in a temporary directory, where asked)
+/// inside the test process, through real sockets.
 pub struct TestNode {
     pub addr: SocketAddr,
     pub node: Node,
+    /// `unix:PATH`, where the node also listens on a Unix socket.
+    pub unix: Option<String>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<std::io::Result<()>>>,
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl TestNode {
@@ -41,10 +45,28 @@ pub fn devices(specs: &[&str]) -> Vec<DeviceSpec> {
 }
 
 pub async fn start(config: NodeConfig, service: ServiceConfig) -> TestNode {
+    start_service(config, service, false).await
+}
+
+/// A node that also listens on a Unix socket in a fresh temporary directory.
+pub async fn start_unix(config: NodeConfig, service: ServiceConfig) -> TestNode {
+    start_service(config, service, true).await
+}
+
+async fn start_service(config: NodeConfig, service: ServiceConfig, unix: bool) -> TestNode {
     let node = Node::start(config).expect("node starts");
-    let service = Service::bind(node.clone(), "127.0.0.1:0".parse().unwrap(), service)
+    let mut service = Service::bind(node.clone(), "127.0.0.1:0".parse().unwrap(), service)
         .await
         .expect("bind");
+    let mut dir = None;
+    let mut unix_addr = None;
+    if unix {
+        let tmp = tempfile::tempdir().expect("temporary directory");
+        let path = tmp.path().join("node.sock");
+        service = service.listen_unix(&path).expect("bind the Unix socket");
+        unix_addr = Some(format!("unix:{}", path.display()));
+        dir = Some(tmp);
+    }
     let addr = service.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(service.run(async {
@@ -53,8 +75,10 @@ pub async fn start(config: NodeConfig, service: ServiceConfig) -> TestNode {
     TestNode {
         addr,
         node,
+        unix: unix_addr,
         stop: Some(stop),
         task: Some(task),
+        _dir: dir,
     }
 }
 
@@ -183,6 +207,15 @@ pub fn binary(name: &str) -> std::path::PathBuf {
 pub struct ServerProcess {
     pub child: std::process::Child,
     pub addr: String,
+    /// `unix:PATH`, where it was started with `--unix`.
+    pub unix: Option<String>,
+}
+
+impl ServerProcess {
+    /// The process id, for reading its `/proc` entries.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
 }
 
 impl Drop for ServerProcess {
@@ -207,14 +240,16 @@ pub fn spawn_server(args: &[&str], token: Option<&str>) -> ServerProcess {
     }
     let mut child = command.spawn().expect("ferry-server starts");
     let stdout = child.stdout.take().expect("stdout");
-    let mut first = String::new();
-    std::io::BufReader::new(stdout)
-        .read_line(&mut first)
-        .expect("first line");
-    let addr = first
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("first line is `listening on ADDR`, got {first:?}"))
-        .to_string();
-    ServerProcess { child, addr }
+    let mut lines = std::io::BufReader::new(stdout);
+    let mut read_address = || {
+        let mut line = String::new();
+        lines.read_line(&mut line).expect("a line");
+        line.trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("expected `listening on ADDR`, got {line:?}"))
+            .to_string()
+    };
+    let addr = read_address();
+    let unix = args.contains(&"--unix").then(read_address);
+    ServerProcess { child, addr, unix }
 }

@@ -32,6 +32,10 @@ struct Cli {
     /// Never move payloads through shared memory, even over a Unix socket.
     #[arg(long, global = true)]
     no_shm: bool,
+    /// Smallest payload this command sends through shared memory (suffixes like 64KiB work);
+    /// smaller ones go through the socket.
+    #[arg(long, global = true, default_value = "256KiB")]
+    shm_min: bytesize::ByteSize,
     #[command(subcommand)]
     command: Command,
 }
@@ -197,6 +201,10 @@ async fn connect(node: &str, cli: &Cli) -> anyhow::Result<Client> {
     let config = ClientConfig {
         token: cli.token.clone(),
         disable_shared_memory: cli.no_shm,
+        limits: ferry_client::ConnectionLimits {
+            region_min: usize::try_from(cli.shm_min.as_u64()).unwrap_or(usize::MAX),
+            ..Default::default()
+        },
         ..ClientConfig::default()
     };
     Client::connect_with(node, config)

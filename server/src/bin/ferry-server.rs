@@ -23,6 +23,10 @@ struct Args {
     /// Never move payloads through shared memory (neither for clients nor for pulls).
     #[arg(long)]
     no_shm: bool,
+    /// Smallest payload sent through shared memory where it is agreed; smaller ones go as
+    /// chunks (suffixes work).
+    #[arg(long, default_value = "256KiB")]
+    shm_min: bytesize::ByteSize,
     /// A device to host (`flex` or `ndarray`); repeat for more. Default: two flex devices.
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
@@ -83,6 +87,7 @@ async fn main() -> anyhow::Result<()> {
     let limits = ConnectionLimits {
         idle_timeout: Duration::from_secs(args.idle_timeout),
         chunk_size,
+        region_min: usize::try_from(args.shm_min.as_u64()).unwrap_or(usize::MAX),
         ..ConnectionLimits::default()
     };
     let mut config = NodeConfig {

@@ -1,0 +1,441 @@
+//! Same-host transfers: Unix sockets and shared-memory regions. Every dtype and scheme through
+//! both, two node processes copying a batch through shared memory, and the fault paths (a
+//! sender gone after creating a region, a receiver gone before reading one), each ending with a
+//! count of the regions left in every process involved: none.
+
+mod common;
+
+use std::time::Duration;
+use tokio::sync::Mutex;
+
+use common::{ServerProcess, assert_same, spawn_server, start_unix};
+use ferry::client::connection::{DEFAULT_REGION_MIN, PayloadRoute};
+use ferry::client::region::{OutgoingRegion, count_regions, regions_in_flight};
+use ferry::client::transport::Endpoint;
+use ferry::client::{
+    Client, ClientConfig, Connection, ConnectionLimits, NodeCopy, Stream, copy_between,
+};
+use ferry::proto::{
+    FEATURE_SHM, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response, TensorData,
+    TensorKey,
+};
+use ferry::samples;
+use ferry::server::{NodeConfig, ServiceConfig};
+
+/// Region counts are per process: the tests here run one at a time, so that one test's count
+/// never sees another's regions.
+static COUNTING: Mutex<()> = Mutex::const_new(());
+
+/// Limits that send every non-empty payload through shared memory where it is agreed.
+fn every_payload_shared() -> ConnectionLimits {
+    ConnectionLimits {
+        region_min: 1,
+        ..ConnectionLimits::default()
+    }
+}
+
+fn config(shared: bool) -> ClientConfig {
+    ClientConfig {
+        limits: every_payload_shared(),
+        disable_shared_memory: !shared,
+        ..ClientConfig::default()
+    }
+}
+
+fn matrix() -> Vec<(String, TensorData)> {
+    samples::full_matrix()
+        .into_iter()
+        .map(|s| (s.name, s.data))
+        .collect()
+}
+
+/// Regions (open descriptors, mappings) left in this process.
+fn regions_here() -> (usize, usize) {
+    count_regions(std::process::id()).expect("/proc is readable")
+}
+
+/// Puts, gets back and compares every sample over one connection; returns how many payloads
+/// were not empty (those are the ones that can travel as regions).
+async fn round_trip_matrix(client: &mut Client) -> u64 {
+    let tensors = matrix();
+    for answer in client.put_batch(0, &tensors, false).await.unwrap() {
+        answer.unwrap();
+    }
+    let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
+    let back = client.get_batch(&keys).await.unwrap();
+    for ((name, data), got) in tensors.iter().zip(back) {
+        assert_same(&got.unwrap(), data, name);
+    }
+    // And once more through a device copy, so adopted regions feed Burn's own paths too.
+    for key in &keys {
+        let info = client.copy(key, 1, None).await.unwrap();
+        let (name, data) = &tensors[keys.iter().position(|k| k == key).unwrap()];
+        assert_same(&client.get(&info.key).await.unwrap(), data, name);
+        client.delete(&info.key).await.unwrap();
+        client.delete(key).await.unwrap();
+    }
+    tensors
+        .iter()
+        .filter(|(_, d)| !d.as_bytes().is_empty())
+        .count() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dtype_and_scheme_goes_through_shared_memory_bit_exact_and_leaves_no_region() {
+    let _serial = COUNTING.lock().await;
+    let node = start_unix(
+        NodeConfig::default(),
+        ServiceConfig {
+            limits: every_payload_shared(),
+            ..ServiceConfig::default()
+        },
+    )
+    .await;
+    let unix = node.unix.clone().unwrap();
+    let mut client = Client::connect_with(unix.as_str(), config(true))
+        .await
+        .unwrap();
+    assert!(
+        client.shared_memory(),
+        "a Unix socket to a node that offers it"
+    );
+    let shared = round_trip_matrix(&mut client).await;
+    let stats = client.stat().await.unwrap();
+    assert_eq!(
+        stats.shm_payloads_received, shared,
+        "every put came as a region"
+    );
+    // Each non-empty tensor was read twice (the original and its device copy).
+    assert_eq!(stats.shm_payloads_sent, 2 * shared);
+    assert_eq!(stats.transfers_failed, 0);
+    assert_eq!(stats.regions_in_flight, 0);
+    assert_eq!(
+        stats.unix_socket.as_deref(),
+        Some(unix.as_str()),
+        "stat names the socket"
+    );
+    assert!(stats.shared_memory);
+    drop(client);
+    node.shutdown().await;
+    assert_eq!(regions_here(), (0, 0), "every region went with its tensor");
+    assert_eq!(regions_in_flight(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dtype_and_scheme_goes_over_a_unix_socket_without_shared_memory() {
+    let _serial = COUNTING.lock().await;
+    let node = start_unix(
+        NodeConfig::default(),
+        ServiceConfig {
+            limits: every_payload_shared(),
+            ..ServiceConfig::default()
+        },
+    )
+    .await;
+    let unix = node.unix.clone().unwrap();
+    let mut client = Client::connect_with(unix.as_str(), config(false))
+        .await
+        .unwrap();
+    assert!(!client.shared_memory(), "the client turned it off");
+    round_trip_matrix(&mut client).await;
+    let stats = client.stat().await.unwrap();
+    assert_eq!(stats.shm_payloads_received + stats.shm_payloads_sent, 0);
+    assert_eq!(stats.transfers_failed, 0);
+    drop(client);
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_shared_memory_is_still_reached_over_its_unix_socket() {
+    let _serial = COUNTING.lock().await;
+    let node = start_unix(
+        NodeConfig {
+            shared_memory: false,
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let mut client = Client::connect_with(node.unix.clone().unwrap().as_str(), config(true))
+        .await
+        .unwrap();
+    assert!(!client.shared_memory(), "the node turned it off");
+    let data = samples::plain(ferry::proto::DType::F32, &[256, 1024], 3);
+    client.put(0, "w", &data).await.unwrap();
+    assert_same(
+        &client.get(&TensorKey::new(0, "w")).await.unwrap(),
+        &data,
+        "w",
+    );
+    let stats = client.stat().await.unwrap();
+    assert!(!stats.shared_memory);
+    assert_eq!(stats.shm_payloads_received + stats.shm_payloads_sent, 0);
+    drop(client);
+    node.shutdown().await;
+}
+
+fn unix_server(dir: &tempfile::TempDir, name: &str, extra: &[&str]) -> ServerProcess {
+    let path = dir.path().join(name);
+    let path = path.to_str().unwrap();
+    let mut args = vec!["--device", "flex", "--device", "ndarray", "--unix", path];
+    args.extend_from_slice(extra);
+    spawn_server(&args, None)
+}
+
+/// Regions left in a node process: open descriptors and mappings.
+fn regions_in(server: &ServerProcess) -> (usize, usize) {
+    count_regions(server.pid()).expect("the node's /proc is readable")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_node_processes_copy_a_batch_through_shared_memory() {
+    let _serial = COUNTING.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let a = unix_server(&dir, "a.sock", &["--shm-min", "1"]);
+    let b = unix_server(&dir, "b.sock", &["--shm-min", "1"]);
+    let a_unix = a.unix.clone().unwrap();
+    let mut source = Client::connect_with(a_unix.as_str(), config(true))
+        .await
+        .unwrap();
+    let mut target = Client::connect_with(b.unix.clone().unwrap().as_str(), config(true))
+        .await
+        .unwrap();
+    let tensors: Vec<(String, TensorData)> = (0..48)
+        .map(|i| {
+            let data = if i % 2 == 0 {
+                samples::quantized(&samples::schemes()[i % 7].1, &[16, 64], i as u64)
+            } else {
+                let dtype = samples::plain_dtypes()[i % samples::plain_dtypes().len()];
+                samples::plain(dtype, &[32, 48], i as u64)
+            };
+            (format!("layer{i}.w"), data)
+        })
+        .collect();
+    for answer in source.put_batch(0, &tensors, false).await.unwrap() {
+        answer.unwrap();
+    }
+    let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
+    let how = NodeCopy {
+        source_addr: &a_unix,
+        dst_device: 0,
+        dst_name: None,
+        remove_source: false,
+        overwrite: false,
+    };
+    let answers = copy_between(&mut source, &mut target, &keys, &how)
+        .await
+        .unwrap();
+    for ((name, data), answer) in tensors.iter().zip(answers) {
+        let info = answer.unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(info.path, "pull", "{name}");
+        assert_same(&target.get(&info.key).await.unwrap(), data, name);
+    }
+    let count = tensors.len() as u64;
+    let b_stats = target.stat().await.unwrap();
+    assert_eq!(b_stats.pulls, count);
+    // Received: the pulls; sent: the gets just made.
+    assert_eq!(b_stats.shm_payloads_received, count);
+    assert_eq!(b_stats.shm_payloads_sent, count);
+    let a_stats = source.stat().await.unwrap();
+    assert_eq!(a_stats.fetches_served, count);
+    assert_eq!(a_stats.shm_payloads_sent, count, "each pull took a region");
+    assert_eq!(a_stats.regions_in_flight + b_stats.regions_in_flight, 0);
+    // Nothing but the tensors' own storage is left; with the tensors gone, nothing at all.
+    assert_eq!(regions_in(&a).0, 0, "no region descriptor left open in A");
+    assert_eq!(regions_in(&b).0, 0, "no region descriptor left open in B");
+    for key in &keys {
+        source.delete(key).await.unwrap();
+        target.delete(key).await.unwrap();
+    }
+    assert_eq!(regions_in(&a), (0, 0));
+    assert_eq!(regions_in(&b), (0, 0));
+}
+
+/// A hand-driven connection that has agreed on shared memory with the node at `unix`.
+async fn raw_shared_connection(unix: &str) -> Connection<Stream> {
+    let stream = Endpoint::parse(unix).connect().await.unwrap();
+    let mut conn = Connection::new(stream, ConnectionLimits::default());
+    let mut features: Vec<String> = FEATURES.iter().map(|f| f.to_string()).collect();
+    features.push(FEATURE_SHM.to_string());
+    conn.write_request(&Request::Hello(Hello {
+        major: PROTOCOL_VERSION,
+        minor: PROTOCOL_MINOR,
+        features,
+        token: None,
+        agent: "ferry-test".into(),
+    }))
+    .await
+    .unwrap();
+    match conn.read_response().await.unwrap() {
+        Response::Welcome(w) => assert!(w.features.iter().any(|f| f == FEATURE_SHM)),
+        other => panic!("expected Welcome, got {other:?}"),
+    }
+    conn.set_shared_memory(true);
+    assert!(conn.shared_memory());
+    conn
+}
+
+/// Starts a put of `data` under `name` and waits for the node's `Ready`.
+async fn begin_put(conn: &mut Connection<Stream>, name: &str, data: &TensorData) {
+    let meta = ferry::proto::tensor::meta_of(data).unwrap();
+    conn.write_request(&Request::Put {
+        device: 0,
+        name: Some(name.into()),
+        meta: meta.to_wire(),
+        overwrite: false,
+    })
+    .await
+    .unwrap();
+    assert_eq!(conn.read_response().await.unwrap(), Response::Ready);
+}
+
+/// The node still serves a normal client bit-exact and holds nothing it should not.
+async fn node_is_clean(node: &ServerProcess) {
+    let mut client = Client::connect(node.unix.clone().unwrap().as_str(), None)
+        .await
+        .unwrap();
+    assert!(
+        client.list(None).await.unwrap().is_empty(),
+        "nothing half-registered"
+    );
+    let data = samples::plain(ferry::proto::DType::F32, &[512, 512], 9);
+    client.put(0, "after", &data).await.unwrap();
+    assert_same(
+        &client.get(&TensorKey::new(0, "after")).await.unwrap(),
+        &data,
+        "after",
+    );
+    client.delete(&TensorKey::new(0, "after")).await.unwrap();
+    let stats = client.stat().await.unwrap();
+    assert_eq!(stats.regions_in_flight, 0);
+    drop(client);
+    assert_eq!(regions_in(node), (0, 0), "no region left in the node");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_gone_after_creating_a_region_leaves_nothing_behind() {
+    let _serial = COUNTING.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let node = unix_server(&dir, "n.sock", &[]);
+    let unix = node.unix.clone().unwrap();
+    let data = samples::plain(ferry::proto::DType::F32, &[1024, 1024], 1);
+
+    // Gone after creating the region, before sending it.
+    let mut conn = raw_shared_connection(&unix).await;
+    begin_put(&mut conn, "w", &data).await;
+    let region = OutgoingRegion::create(data.as_bytes()).unwrap();
+    assert_eq!(regions_in_flight(), 1);
+    drop(conn);
+    drop(region);
+    assert_eq!(regions_in_flight(), 0);
+
+    // Gone right after sending a whole, valid region, before the node's answer: the upload is
+    // complete, so the node registers it (whole and exact), as it would a chunked one.
+    let mut conn = raw_shared_connection(&unix).await;
+    begin_put(&mut conn, "w", &data).await;
+    assert_eq!(
+        conn.write_payload(data.as_bytes()).await.unwrap(),
+        PayloadRoute::Region
+    );
+    drop(conn);
+    let mut client = Client::connect(unix.as_str(), None).await.unwrap();
+    let key = TensorKey::new(0, "w");
+    let mut stored = None;
+    for _ in 0..50 {
+        if let Ok(back) = client.get(&key).await {
+            stored = Some(back);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_same(&stored.expect("registered"), &data, "w");
+    client.delete(&key).await.unwrap();
+    drop(client);
+
+    // A region whose bytes do not match its checksum: refused with a clear error.
+    let mut conn = raw_shared_connection(&unix).await;
+    begin_put(&mut conn, "w", &data).await;
+    let region = OutgoingRegion::create(data.as_bytes()).unwrap();
+    let mut lying = region.descriptor();
+    lying.crc32c ^= 1;
+    let fd = region.into_fd().unwrap();
+    send_region(&mut conn, fd, lying).await;
+    let answer = conn.read_response().await.unwrap();
+    assert!(
+        matches!(&answer, Response::Error(e) if e.message.contains("checksum")),
+        "{answer:?}"
+    );
+    drop(conn);
+
+    // A region frame that comes without its descriptor.
+    let mut conn = raw_shared_connection(&unix).await;
+    begin_put(&mut conn, "w", &data).await;
+    let descriptor = OutgoingRegion::create(data.as_bytes())
+        .unwrap()
+        .descriptor();
+    conn.write_frame(&descriptor.frame()).await.unwrap();
+    let answer = conn.read_response().await.unwrap();
+    assert!(
+        matches!(&answer, Response::Error(e) if e.message.contains("without its file descriptor")),
+        "{answer:?}"
+    );
+    drop(conn);
+
+    // Give the node a moment to see the last connections close.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    node_is_clean(&node).await;
+    assert_eq!(regions_here(), (0, 0), "and none left in the sender");
+}
+
+/// Sends a region frame declaring `descriptor` with `fd`, bypassing the connection's own checks.
+async fn send_region(
+    conn: &mut Connection<Stream>,
+    fd: std::os::fd::OwnedFd,
+    descriptor: ferry::proto::RegionDescriptor,
+) {
+    use ferry::client::Transport;
+    conn.get_mut().attach_fd(fd).unwrap();
+    conn.write_frame(&descriptor.frame()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
+    let _serial = COUNTING.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let node = unix_server(&dir, "n.sock", &[]);
+    let unix = node.unix.clone().unwrap();
+    let data = samples::plain(ferry::proto::DType::F32, &[1024, 1024], 2);
+    assert!(data.as_bytes().len() >= DEFAULT_REGION_MIN);
+    let mut client = Client::connect(unix.as_str(), None).await.unwrap();
+    client.put(0, "w", &data).await.unwrap();
+
+    // Ask for it, take the answer, and go before reading the region the node then sends.
+    let mut conn = raw_shared_connection(&unix).await;
+    conn.write_request(&Request::Get {
+        key: TensorKey::new(0, "w"),
+    })
+    .await
+    .unwrap();
+    assert!(matches!(
+        conn.read_response().await.unwrap(),
+        Response::Tensor { .. }
+    ));
+    // Let the region and its descriptor arrive in this side's socket buffer, unread.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(conn);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let stats = client.stat().await.unwrap();
+    assert_eq!(stats.shm_payloads_sent, 1, "the node did send it");
+    assert_eq!(stats.regions_in_flight, 0);
+    // The stored tensor's own storage is the only mapping; no descriptor is open.
+    assert_eq!(regions_in(&node), (0, 1));
+    client.delete(&TensorKey::new(0, "w")).await.unwrap();
+    drop(client);
+    node_is_clean(&node).await;
+    assert_eq!(
+        regions_here(),
+        (0, 0),
+        "the unread descriptor went with the socket"
+    );
+}
