@@ -41,20 +41,18 @@
 //! 256 MiB. The ratio against raw TCP into a fresh buffer is printed beside it: a receiver that
 //! allocates its buffer per tensor pays those page faults too.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, Stdio};
-use std::sync::Barrier;
+mod support;
+
+use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
 use burn_std::TensorData;
-use burn_std::quantization::{QuantScheme, QuantStore, QuantValue};
 use ferry_client::{Client, NodeCopy, TensorKey, copy_between};
 
-const MIB: usize = 1 << 20;
-/// The raw TCP writer's write size, the same as ferry's default chunk.
-const WRITE_SIZE: usize = 4 * MIB;
+use support::{
+    MIB, Memory, NodeProcess, Rate, WRITE_SIZE, f32_tensor, memcpy_once, q8s_256, raw_tcp_once,
+    server_binary,
+};
 /// A copy that takes longer than this is a hang, not a measurement.
 const COPY_TIMEOUT: Duration = Duration::from_secs(300);
 /// The name the tensor has on both nodes.
@@ -65,26 +63,6 @@ struct Case {
     label: &'static str,
     runs: usize,
     make: fn() -> TensorData,
-}
-
-fn f32_tensor(bytes: usize) -> TensorData {
-    let numel = bytes / 4;
-    // Not a constant, so that nothing on the way could get away with less work than real data.
-    let values: Vec<f32> = (0..numel)
-        .map(|i| (i % 65_521) as f32 * 0.25 - 1e4)
-        .collect();
-    TensorData::new(values, [numel / 1024, 1024])
-}
-
-/// 256 MiB of Q8S values with one per-tensor f32 scale, built from i8 values directly rather
-/// than by quantizing through a backend (which would take longer than the measurement).
-fn q8s_256() -> TensorData {
-    let shape = [65_536, 4096];
-    let values: Vec<i8> = (0..shape[0] * shape[1]).map(|i| (i % 255) as i8).collect();
-    let scheme = QuantScheme::default()
-        .with_value(QuantValue::Q8S)
-        .with_store(QuantStore::Native);
-    TensorData::quantized(values, shape, scheme, &[0.0125], None)
 }
 
 fn cases() -> Vec<Case> {
@@ -110,164 +88,6 @@ fn cases() -> Vec<Case> {
             make: q8s_256,
         },
     ]
-}
-
-/// `target/release/ferry-server`, beside the `deps/` folder this bench runs from.
-fn server_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("the bench's own path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("the bench runs from <target>/<profile>/deps");
-    let binary = dir.join(format!("ferry-server{}", std::env::consts::EXE_SUFFIX));
-    if !binary.is_file() {
-        eprintln!(
-            "node_to_node: {} is missing: cargo bench does not build another package's binary.\n\
-             Run `cargo build --release -p ferry-server` first, then \
-             `cargo bench -p ferry --bench node_to_node`.",
-            binary.display()
-        );
-        std::process::exit(2);
-    }
-    binary
-}
-
-/// A `ferry-server` child process with one flex device on `127.0.0.1:0`; killed when dropped.
-struct NodeProcess {
-    child: Child,
-    addr: String,
-    // Held so that the node never writes into a closed pipe.
-    _stdout: BufReader<ChildStdout>,
-}
-
-impl NodeProcess {
-    fn start(binary: &Path, node_id: &str) -> NodeProcess {
-        let mut child = Command::new(binary)
-            .args(["--listen", "127.0.0.1:0", "--device", "flex"])
-            .args(["--node-id", node_id])
-            // Warnings and errors still show; one info line per transfer would drown the report.
-            .env("RUST_LOG", "warn")
-            .env_remove("FERRY_TOKEN")
-            .env_remove("FERRY_PEER_TOKEN")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {}: {e}", binary.display()));
-        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
-        let mut line = String::new();
-        stdout.read_line(&mut line).expect("the node's first line");
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("expected `listening on ADDR`, got {line:?}"))
-            .to_string();
-        NodeProcess {
-            child,
-            addr,
-            _stdout: stdout,
-        }
-    }
-
-    /// A `/proc/PID/status` field in bytes (the kernel gives kB).
-    fn status(&self, field: &str) -> u64 {
-        let path = format!("/proc/{}/status", self.child.id());
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        text.lines()
-            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-            .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-            .unwrap_or_else(|| panic!("no {field} in {path}"))
-    }
-
-    fn rss(&self) -> u64 {
-        self.status("VmRSS")
-    }
-
-    fn peak(&self) -> u64 {
-        self.status("VmHWM")
-    }
-
-    /// Resets VmHWM to the current RSS; false where the kernel does not allow it.
-    fn reset_peak(&self) -> bool {
-        std::fs::write(format!("/proc/{}/clear_refs", self.child.id()), "5").is_ok()
-    }
-}
-
-impl Drop for NodeProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Median and best of a set of durations, as GB/s for `bytes`.
-struct Rate {
-    median: f64,
-    best: f64,
-    median_time: Duration,
-}
-
-impl Rate {
-    fn of(bytes: usize, times: &mut [Duration]) -> Rate {
-        times.sort();
-        let gbps = |t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
-        Rate {
-            median: gbps(times[times.len() / 2]),
-            best: gbps(times[0]),
-            median_time: times[times.len() / 2],
-        }
-    }
-
-    /// Times `f` `runs` times, after one untimed run.
-    fn measure(bytes: usize, runs: usize, mut f: impl FnMut() -> Duration) -> Rate {
-        let _ = f();
-        let mut times: Vec<Duration> = (0..runs).map(|_| f()).collect();
-        Rate::of(bytes, &mut times)
-    }
-}
-
-impl std::fmt::Display for Rate {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "median {:6.2} GB/s   best {:6.2} GB/s   (median {:7.1} ms)",
-            self.median,
-            self.best,
-            self.median_time.as_secs_f64() * 1e3
-        )
-    }
-}
-
-/// One single-stream TCP transfer of `src` over loopback into `dst`, timed from the moment both
-/// ends are connected until the reader holds the last byte.
-fn raw_tcp_once(src: &[u8], dst: &mut [u8]) -> Duration {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("local addr");
-    let ready = Barrier::new(2);
-    std::thread::scope(|scope| {
-        scope.spawn(|| {
-            let mut stream = TcpStream::connect(addr).expect("connect");
-            // ferry's connections set it too.
-            stream.set_nodelay(true).expect("nodelay");
-            ready.wait();
-            for piece in src.chunks(WRITE_SIZE) {
-                stream.write_all(piece).expect("write");
-            }
-        });
-        let (mut stream, _) = listener.accept().expect("accept");
-        ready.wait();
-        let started = Instant::now();
-        stream.read_exact(dst).expect("read");
-        started.elapsed()
-    })
-}
-
-fn memcpy_once(src: &[u8], dst: &mut [u8]) -> Duration {
-    let started = Instant::now();
-    dst.copy_from_slice(std::hint::black_box(src));
-    std::hint::black_box(&mut *dst);
-    started.elapsed()
 }
 
 /// A copy into a new allocation, freed outside the timing.
@@ -300,45 +120,6 @@ fn blake3_once(data: &TensorData) -> Duration {
     let started = Instant::now();
     std::hint::black_box(ferry_proto::tensor::content_hash(&meta, data.as_bytes()));
     started.elapsed()
-}
-
-/// What one node's memory did over the timed copies.
-#[derive(Default)]
-struct Memory {
-    start: u64,
-    held: u64,
-    peak: u64,
-    extra: u64,
-}
-
-impl Memory {
-    fn saw(&mut self, held: u64, peak: u64) {
-        self.held = self.held.max(held);
-        self.peak = self.peak.max(peak);
-        self.extra = self.extra.max(peak.saturating_sub(held));
-    }
-
-    /// One report line, and whether the memory goal holds.
-    fn report(&self, who: &str, tensor: usize) -> (String, bool) {
-        let budget = tensor as f64 * 1.25 + 64.0 * MIB as f64;
-        let holds = (self.extra as f64) <= budget;
-        let line = format!(
-            "  {who:<19} VmRSS at start {}, before copy {}; VmHWM during copy {}; \
-             peak extra {} = {:.2}x tensor (goal <= 1.25x + 64 MiB = {}: {})",
-            mib(self.start),
-            mib(self.held),
-            mib(self.peak),
-            mib(self.extra),
-            self.extra as f64 / tensor as f64,
-            mib(budget as u64),
-            if holds { "holds" } else { "MISSED" }
-        );
-        (line, holds)
-    }
-}
-
-fn mib(bytes: u64) -> String {
-    format!("{:.1} MiB", bytes as f64 / MIB as f64)
 }
 
 /// What a case measured, for the summary.
@@ -380,8 +161,8 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
     ];
 
     // A fresh pair of nodes per case, so that one case's memory never shows in another's.
-    let a = NodeProcess::start(binary, "bench-a");
-    let b = NodeProcess::start(binary, "bench-b");
+    let a = NodeProcess::start(binary, "bench-a", &[]);
+    let b = NodeProcess::start(binary, "bench-b", &[]);
     let mut mem_a = Memory {
         start: a.rss(),
         ..Memory::default()

@@ -78,21 +78,19 @@ fn content_hasher(meta: &TensorMeta) -> blake3::Hasher {
 }
 
 /// A zeroed buffer of `len` bytes, allocated with the alignment of `dtype`'s elements so that
-/// backends can use it in place (NdArray panics on misaligned buffers; Flex would copy).
+/// backends can use it in place (NdArray panics on misaligned buffers; Flex would copy), and from
+/// the global allocator, so that a backend that wants a `Vec` takes it over without a copy.
 ///
 /// The allocation is fallible: a size the allocator refuses is an error, not an abort.
 fn alloc_for(dtype: DType, len: usize) -> Result<Bytes, MetaError> {
-    if len >= crate::host::MAPPED_MIN {
-        return crate::host::mapped_zeroed(len)
-            .map_err(|_| MetaError::AllocationFailed { bytes: len as u64 });
-    }
     fn zeroed<T: bytemuck::Zeroable + bytemuck::NoUninit + Send + Sync>(
         n: usize,
         len: usize,
     ) -> Result<Bytes, MetaError> {
-        bytemuck::allocation::try_zeroed_vec::<T>(n)
-            .map(Bytes::from_elems)
-            .map_err(|()| MetaError::AllocationFailed { bytes: len as u64 })
+        let elems = bytemuck::allocation::try_zeroed_vec::<T>(n)
+            .map_err(|()| MetaError::AllocationFailed { bytes: len as u64 })?;
+        crate::host::advise_huge_pages(bytemuck::cast_slice(&elems));
+        Ok(Bytes::from_elems(elems))
     }
     match dtype {
         DType::QFloat(_) => zeroed::<u8>(len, len),
