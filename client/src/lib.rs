@@ -5,6 +5,7 @@ pub mod blocking;
 pub mod client;
 pub mod connection;
 pub mod files;
+pub mod load;
 #[cfg(target_os = "linux")]
 pub mod region;
 pub mod tensor;

@@ -207,6 +207,42 @@ pub enum Request {
     },
 }
 
+impl Request {
+    /// The request's name, for logs and metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::Hello(_) => "hello",
+            Request::Put { .. } => "put",
+            Request::Get { .. } => "get",
+            Request::Copy {
+                remove_source: true,
+                ..
+            } => "move",
+            Request::Copy { .. } => "copy",
+            Request::Delete { .. } => "delete",
+            Request::List { .. } => "list",
+            Request::Stat => "stat",
+            Request::Identify => "identify",
+            Request::Grant { .. } => "grant",
+            Request::Pull { .. } => "pull",
+            Request::Fetch { .. } => "fetch",
+            Request::Release { .. } => "release",
+        }
+    }
+
+    /// Whether it moves a tensor's bytes (counted as a transfer in flight).
+    pub fn moves_a_tensor(&self) -> bool {
+        matches!(
+            self,
+            Request::Put { .. }
+                | Request::Get { .. }
+                | Request::Copy { .. }
+                | Request::Pull { .. }
+                | Request::Fetch { .. }
+        )
+    }
+}
+
 /// A node's answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Response {
@@ -359,6 +395,10 @@ pub struct NodeStats {
     pub shm_bytes: u64,
     /// Shared-memory regions this node created that are not yet handed over or dropped.
     pub regions_in_flight: u64,
+    /// The node process's resident memory now, in bytes (0 where the platform does not say).
+    pub resident_bytes: u64,
+    /// The node process's highest resident memory so far, in bytes (0 where unknown).
+    pub peak_resident_bytes: u64,
 }
 
 /// One hosted device.

@@ -361,6 +361,8 @@ fn vectors() -> Vec<Vector> {
                 shm_payloads_received: 10,
                 shm_bytes: 1 << 33,
                 regions_in_flight: 1,
+                resident_bytes: 3 << 30,
+                peak_resident_bytes: 5 << 30,
             }))],
         },
         Vector {

@@ -293,7 +293,7 @@ fn arb_response() -> BoxedStrategy<Response> {
     let stats = (
         arb_text(),
         vec(device, 0..3),
-        any::<[u64; 13]>(),
+        any::<[u64; 15]>(),
         arb_text(),
         arb_text(),
         proptest::option::of(arb_text()),
@@ -320,6 +320,8 @@ fn arb_response() -> BoxedStrategy<Response> {
                     shm_payloads_received: n[11],
                     shm_bytes: n[12],
                     regions_in_flight: n[9] / 2,
+                    resident_bytes: n[13],
+                    peak_resident_bytes: n[14],
                 })
             },
         );

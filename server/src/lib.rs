@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod engine;
 pub mod error;
+pub mod metrics;
 pub mod node;
 pub mod peer;
 pub mod service;

@@ -621,17 +621,19 @@ impl Node {
         Ok(registered)
     }
 
-    /// One log line per transfer: key, dtype, bytes, path, time.
+    /// One log line and the metrics per transfer: key, dtype, bytes, path, time.
     fn record(
         &self,
-        op: &str,
+        op: &'static str,
         key: &TensorKey,
         to: Option<&TensorKey>,
         path: &str,
         result: Result<&TensorDesc, &NodeError>,
         started: Instant,
     ) {
-        let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+        let elapsed = started.elapsed();
+        crate::metrics::transfer(op, path, result.is_ok(), elapsed);
+        let elapsed_ms = elapsed.as_secs_f64() * 1e3;
         match result {
             Ok(desc) => {
                 self.inner.counters.done.fetch_add(1, Ordering::Relaxed);
@@ -656,6 +658,7 @@ impl Node {
 
     /// Counts a connection opened (`+1`) or closed (`-1`), for `stat`.
     pub fn count_connection(&self, opened: bool) {
+        crate::metrics::connection(opened);
         if opened {
             self.inner
                 .counters
@@ -686,6 +689,7 @@ impl Node {
             c.shm_received.fetch_add(1, Ordering::Relaxed);
         }
         c.shm_bytes.fetch_add(bytes, Ordering::Relaxed);
+        crate::metrics::bytes(if sent { "out" } else { "in" }, "shm", bytes);
         tracing::info!(
             route = "shm",
             direction = if sent { "sent" } else { "received" },
@@ -723,6 +727,7 @@ impl Node {
             });
         }
         let c = &self.inner.counters;
+        let memory = process_memory();
         Ok(NodeStats {
             agent: AGENT.to_string(),
             devices,
@@ -749,8 +754,35 @@ impl Node {
             shm_payloads_received: c.shm_received.load(Ordering::Relaxed),
             shm_bytes: c.shm_bytes.load(Ordering::Relaxed),
             regions_in_flight: regions_in_flight(),
+            resident_bytes: memory.map_or(0, |m| m.resident),
+            peak_resident_bytes: memory.map_or(0, |m| m.peak),
         })
     }
+}
+
+/// The process's memory as the kernel reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessMemory {
+    /// Resident now (VmRSS), bytes.
+    pub resident: u64,
+    /// The highest resident so far (VmHWM), bytes.
+    pub peak: u64,
+}
+
+/// This process's resident and peak memory, from `/proc/self/status`; `None` off Linux.
+pub fn process_memory() -> Option<ProcessMemory> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    Some(ProcessMemory {
+        resident: field("VmRSS")?,
+        peak: field("VmHWM")?,
+    })
 }
 
 #[cfg(target_os = "linux")]

@@ -67,6 +67,8 @@ impl Node {
         let name = req.dst_name.clone().unwrap_or_else(|| req.src.name.clone());
         let dst = TensorKey::new(req.dst_device, &name);
         let result = self.pull_inner(link, req, &name).await;
+        let path = result.as_ref().map_or("pull", |d| d.path.name());
+        crate::metrics::transfer("pull", path, result.is_ok(), started.elapsed());
         match &result {
             Ok(desc) => {
                 // A dedup was counted as the in-node copy it is.
@@ -117,6 +119,7 @@ impl Node {
                 Err(AttemptError::Transient(why)) if attempt < config.pull_retries => {
                     attempt += 1;
                     self.counters().pull_retries.fetch_add(1, Ordering::Relaxed);
+                    crate::metrics::pull_retry();
                     let resume_at = receiving.as_ref().map_or(0, |r| r.assembler.received());
                     tracing::warn!(
                         source = %req.source, key = %req.src, attempt, resume_at, %why,
@@ -230,8 +233,10 @@ impl Node {
             .fetch_payload(&mut r.assembler)
             .await
             .map_err(|e| classify(&req.source, e))?;
-        if route == PayloadRoute::Region {
-            self.count_shm_payload(false, r.assembler.meta().byte_len() as u64);
+        let bytes = r.assembler.meta().byte_len() as u64;
+        match route {
+            PayloadRoute::Region => self.count_shm_payload(false, bytes),
+            PayloadRoute::Chunks => crate::metrics::bytes("in", "chunks", bytes),
         }
         // Every byte is here and verified: the transfer stands even if the release is lost (the
         // capability then lapses at the source on its own).
@@ -303,6 +308,7 @@ impl Node {
             .await?
         };
         self.counters().dedup_hits.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::dedup_hit();
         tracing::info!(key = %dst, from = %desc.key, "pull skipped: same bytes already held");
         Ok(TensorDesc {
             path: TransferPath::Dedup,

@@ -22,6 +22,7 @@ use ferry_proto::{
 use subtle::ConstantTimeEq;
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{Semaphore, broadcast, mpsc};
+use tracing::Instrument;
 
 use crate::error::NodeError;
 use crate::node::{AGENT, Node, TransferMode};
@@ -47,7 +48,7 @@ impl Default for ServiceConfig {
     fn default() -> Self {
         Self {
             token: None,
-            max_connections: 256,
+            max_connections: 1024,
             limits: ConnectionLimits::default(),
             shutdown_grace: Duration::from_secs(30),
         }
@@ -198,6 +199,7 @@ async fn accept_loop(
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             tracing::warn!(%peer, "connection refused: at the connection limit");
+            crate::metrics::connection_refused();
             tokio::spawn(refuse(socket, service.config.clone()));
             continue;
         };
@@ -213,6 +215,7 @@ async fn accept_loop(
                 config: &config,
                 shutdown,
                 peer: PeerLink::default(),
+                client: &peer,
             }
             .serve(&mut conn)
             .await;
@@ -263,6 +266,8 @@ struct Session<'a> {
     config: &'a ServiceConfig,
     shutdown: broadcast::Receiver<()>,
     peer: PeerLink,
+    /// Who is on the other end, for logs.
+    client: &'a str,
 }
 
 impl Session<'_> {
@@ -294,7 +299,12 @@ impl Session<'_> {
                 Ok(None) => return Ok(()),
                 Err(error) => return Err(fail(conn, error).await),
             };
-            self.handle(conn, request).await?;
+            // One span per request: every line a transfer logs carries what and for whom.
+            let span = tracing::info_span!("request", op = request.name(), client = self.client);
+            let _in_flight = request
+                .moves_a_tensor()
+                .then(crate::metrics::InFlight::start);
+            self.handle(conn, request).instrument(span).await?;
         }
     }
 
@@ -492,7 +502,9 @@ impl Session<'_> {
             Ok(PayloadRoute::Region) => {
                 node.count_shm_payload(false, assembler.meta().byte_len() as u64);
             }
-            Ok(PayloadRoute::Chunks) => {}
+            Ok(PayloadRoute::Chunks) => {
+                crate::metrics::bytes("in", "chunks", assembler.meta().byte_len() as u64);
+            }
             Err(error) => {
                 // The rest of the stream cannot be trusted to line up with frames: report and
                 // close. The assembler and the reservation are dropped here: nothing was
@@ -560,8 +572,9 @@ impl Session<'_> {
     }
 
     fn count_sent(&self, route: PayloadRoute, bytes: usize) {
-        if route == PayloadRoute::Region {
-            self.node.count_shm_payload(true, bytes as u64);
+        match route {
+            PayloadRoute::Region => self.node.count_shm_payload(true, bytes as u64),
+            PayloadRoute::Chunks => crate::metrics::bytes("out", "chunks", bytes as u64),
         }
     }
 

@@ -384,6 +384,12 @@ impl<B: Backend> Worker<B> {
         );
     }
 
+    /// Sets the held-tensors gauges after the set changed.
+    fn publish_held(&self) {
+        let bytes = self.tensors.values().map(|e| e.desc.bytes).sum();
+        crate::metrics::device_held(self.index, self.tensors.len(), bytes);
+    }
+
     fn key(&self, name: &str) -> TensorKey {
         TensorKey::new(self.index, name)
     }
@@ -407,6 +413,7 @@ impl<B: Backend> Worker<B> {
                 reply,
             } => {
                 let result = self.insert(name, payload, path, overwrite, reservation, expect_hash);
+                self.publish_held();
                 let _ = reply.send(result);
             }
             Command::Read { name, share, reply } => {
@@ -464,6 +471,7 @@ impl<B: Backend> Worker<B> {
                         .map(|e| e.desc)
                         .ok_or_else(|| NodeError::NotFound(self.key(&name))),
                 };
+                self.publish_held();
                 let _ = reply.send(result);
             }
             Command::List { reply } => {

@@ -7,8 +7,9 @@ use std::process::ExitCode;
 use anyhow::{Context, anyhow, bail};
 use clap::{Parser, Subcommand};
 use ferry_client::files::{read_tensors, write_tensors};
+use ferry_client::load::LoadConfig;
 use ferry_client::{
-    Client, ClientConfig, NodeCopy, TensorData, TensorInfo, TensorKey, copy_between,
+    Client, ClientConfig, Endpoint, NodeCopy, TensorData, TensorInfo, TensorKey, copy_between,
 };
 use ferry_proto::{DType, dtype_name};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -95,6 +96,52 @@ enum Command {
     Rm {
         /// HOST:PORT/DEVICE/NAME.
         tensor: String,
+    },
+    /// Check that a node answers: exit status 0 and `ok` when it does within the timeout (for
+    /// supervisors and readiness probes), non-zero and an error line when not.
+    Health {
+        /// HOST:PORT or unix:PATH.
+        node: String,
+        /// Seconds to wait for the answer.
+        #[arg(long, default_value_t = 5)]
+        timeout: u64,
+    },
+    /// Put load on a node: many clients putting, getting, copying and deleting tensors of mixed
+    /// sizes and dtypes, every transfer checked byte for byte. Prints throughput, latency
+    /// percentiles, errors and the node's memory; exits non-zero on any error or mismatch.
+    Load {
+        /// HOST:PORT or unix:PATH.
+        node: String,
+        /// Clients at once, one connection each.
+        #[arg(long, default_value_t = 16)]
+        clients: usize,
+        /// Rounds per client (put, get, copy, get, two deletes).
+        #[arg(long)]
+        rounds: Option<u64>,
+        /// Run for this many seconds instead (or as well: whichever ends first).
+        #[arg(long)]
+        seconds: Option<u64>,
+        /// Smallest tensor (suffixes work).
+        #[arg(long, default_value = "4KiB")]
+        min_size: bytesize::ByteSize,
+        /// Largest tensor (suffixes work); sizes are spread evenly on a log scale.
+        #[arg(long, default_value = "64MiB")]
+        max_size: bytesize::ByteSize,
+        /// Tensor bytes this command holds at once across its clients.
+        #[arg(long, default_value = "2GiB")]
+        max_in_flight: bytesize::ByteSize,
+        /// The device tensors are put on.
+        #[arg(long, default_value_t = 0)]
+        device: u32,
+        /// The device they are copied to.
+        #[arg(long, default_value_t = 1)]
+        copy_device: u32,
+        /// Seed for sizes, dtypes and contents (tensor names carry it).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Show a node's devices, tensors and transfer counters.
     Stat {
@@ -198,7 +245,13 @@ fn progress(total: u64) -> Option<ProgressBar> {
 }
 
 async fn connect(node: &str, cli: &Cli) -> anyhow::Result<Client> {
-    let config = ClientConfig {
+    Client::connect_with(node, client_config(cli))
+        .await
+        .with_context(|| format!("connecting to {node}"))
+}
+
+fn client_config(cli: &Cli) -> ClientConfig {
+    ClientConfig {
         token: cli.token.clone(),
         disable_shared_memory: cli.no_shm,
         limits: ferry_client::ConnectionLimits {
@@ -206,10 +259,7 @@ async fn connect(node: &str, cli: &Cli) -> anyhow::Result<Client> {
             ..Default::default()
         },
         ..ClientConfig::default()
-    };
-    Client::connect_with(node, config)
-        .await
-        .with_context(|| format!("connecting to {node}"))
+    }
 }
 
 fn check_all(
@@ -485,12 +535,108 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Ls { location, json } => ls(cli, location, *json).await,
         Command::Rm { tensor } => rm(cli, tensor).await,
         Command::Stat { node, json } => stat(cli, node, *json).await,
+        Command::Health { node, timeout } => health(cli, node, *timeout).await,
+        Command::Load {
+            node,
+            clients,
+            rounds,
+            seconds,
+            min_size,
+            max_size,
+            max_in_flight,
+            device,
+            copy_device,
+            seed,
+            json,
+        } => {
+            let to_usize =
+                |b: &bytesize::ByteSize| usize::try_from(b.as_u64()).unwrap_or(usize::MAX);
+            let config = LoadConfig {
+                endpoint: Endpoint::parse(&Address::parse(node)?.node),
+                client: client_config(cli),
+                clients: *clients,
+                rounds: *rounds,
+                duration: seconds.map(std::time::Duration::from_secs),
+                min_bytes: to_usize(min_size),
+                max_bytes: to_usize(max_size),
+                max_in_flight_bytes: to_usize(max_in_flight),
+                device: *device,
+                copy_device: *copy_device,
+                seed: *seed,
+            };
+            load(config, *json).await
+        }
     }
+}
+
+async fn health(cli: &Cli, node: &str, timeout: u64) -> anyhow::Result<()> {
+    let address = Address::parse(node)?;
+    let check = async {
+        let mut client = connect(&address.node, cli).await?;
+        let stats = client.stat().await?;
+        anyhow::Ok(stats)
+    };
+    let stats = tokio::time::timeout(std::time::Duration::from_secs(timeout), check)
+        .await
+        .map_err(|_| anyhow!("{node} did not answer within {timeout} s"))??;
+    let tensors: u64 = stats.devices.iter().map(|d| d.tensors).sum();
+    println!(
+        "ok {} ({} devices, {tensors} tensors, {} connections)",
+        stats.node_id,
+        stats.devices.len(),
+        stats.connections
+    );
+    Ok(())
+}
+
+async fn load(config: LoadConfig, json: bool) -> anyhow::Result<()> {
+    let report = ferry_client::load::run(config).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        println!(
+            "{} clients, {} rounds, {} operations in {:.1} s: {:.3} GB/s of payload",
+            report.clients, report.rounds, report.operations, report.seconds, report.gbps
+        );
+        println!(
+            "errors {}, mismatches {}, tensors left {}",
+            report.errors, report.mismatches, report.tensors_left
+        );
+        for (op, l) in [
+            ("put", report.put),
+            ("get", report.get),
+            ("copy", report.copy),
+            ("delete", report.delete),
+        ] {
+            println!(
+                "{op:<6} {:>7} ops  p50 {:>8.2} ms  p99 {:>8.2} ms  max {:>8.2} ms",
+                l.count, l.p50_ms, l.p99_ms, l.max_ms
+            );
+        }
+        println!(
+            "node resident memory: {:.1} MiB before, {:.1} MiB peak, {:.1} MiB after ({:+.1}% of before)",
+            mib(report.node_resident_before),
+            mib(report.node_resident_peak),
+            mib(report.node_resident_after),
+            (report.node_resident_after as f64 / report.node_resident_before.max(1) as f64 - 1.0)
+                * 100.0
+        );
+    }
+    if !report.clean() {
+        bail!(
+            "{} errors, {} mismatches, {} tensors left",
+            report.errors,
+            report.mismatches,
+            report.tensors_left
+        );
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_current_thread()
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
     {

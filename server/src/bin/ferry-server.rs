@@ -34,7 +34,7 @@ struct Args {
     #[arg(long, env = "FERRY_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// Connections served at once; more are refused with an error.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 1024)]
     max_connections: usize,
     /// Largest tensor accepted (bytes; suffixes like 512MiB or 4GB work).
     #[arg(long, default_value = "16GiB")]
@@ -66,19 +66,94 @@ struct Args {
     /// Reconnections of a pull after a transient drop.
     #[arg(long, default_value_t = 3)]
     pull_retries: u32,
+    /// Serve Prometheus metrics over HTTP on this address (any path answers).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
+    /// Log format on stderr: `text` for people, `json` (one object per line) for collectors.
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+}
+
+/// Upper bounds of the transfer latency histogram, in seconds.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+fn init_logs(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if format == "json" {
+        logs.json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .init();
+    } else {
+        logs.with_ansi(std::io::stderr().is_terminal()).init();
+    }
+}
+
+/// Makes freed tensor memory go back to the system. glibc serves allocations under its mmap
+/// threshold from per-thread arenas and raises that threshold (up to 32 MiB) each time a large
+/// block is freed, so after a burst of mid-sized tensors the arenas keep hundreds of MiB the
+/// node no longer holds. A fixed threshold keeps every buffer of 256 KiB or more in its own
+/// mapping, returned when freed, and a periodic trim returns what the arenas free.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn tune_allocator() {
+    // SAFETY: mallopt and malloc_trim only change and apply glibc's allocation policy.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * 1024);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 4 << 20);
+    }
+    std::thread::Builder::new()
+        .name("malloc-trim".into())
+        .spawn(|| {
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                // SAFETY: as above.
+                unsafe {
+                    libc::malloc_trim(0);
+                }
+            }
+        })
+        .ok();
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn tune_allocator() {}
+
+/// Installs the Prometheus exporter on `addr` and keeps the memory gauge fresh.
+fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(
+            Matcher::Full(ferry_server::metrics::TRANSFER_SECONDS.to_string()),
+            LATENCY_BUCKETS,
+        )
+        .context("latency buckets")?
+        .install()
+        .with_context(|| format!("serving metrics on {addr}"))?;
+    ferry_server::metrics::describe();
+    tokio::spawn(async {
+        loop {
+            ferry_server::metrics::sample_resident_memory();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+    Ok(())
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
     let args = Args::parse();
+    init_logs(&args.log_format);
+    tune_allocator();
+    if let Some(addr) = args.metrics {
+        serve_metrics(addr)?;
+    }
     let token = args.token.filter(|t| !t.is_empty());
     let chunk_size = usize::try_from(args.chunk_size.as_u64())
         .ok()

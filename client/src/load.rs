@@ -1,0 +1,462 @@
+//! A load generator: many clients putting, getting, copying and deleting tensors of mixed sizes
+//! and dtypes on one node, every transfer checked byte for byte, with latency percentiles and
+//! the node's memory before, during and after (`ferry load`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use burn_std::quantization::{QuantScheme, QuantStore, QuantValue};
+use burn_std::{BoolStore, DType, TensorData};
+use ferry_proto::TensorKey;
+use tokio::sync::{Mutex, Semaphore};
+
+use crate::client::{Client, ClientConfig, ClientError};
+use crate::transport::Endpoint;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct LoadConfig {
+    /// The node.
+    pub endpoint: Endpoint,
+    /// How each client connects.
+    pub client: ClientConfig,
+    /// Clients running at once, each on its own connection.
+    pub clients: usize,
+    /// Rounds (put, get, copy, get, delete twice) per client; with `duration`, whichever ends
+    /// first.
+    pub rounds: Option<u64>,
+    /// How long to run; with `rounds`, whichever ends first.
+    pub duration: Option<Duration>,
+    /// The smallest tensor, in bytes.
+    pub min_bytes: usize,
+    /// The largest tensor, in bytes (sizes are spread evenly on a log scale in between).
+    pub max_bytes: usize,
+    /// Tensor bytes the generator holds at once across clients (each round holds its tensor
+    /// until it is checked), so that many clients with big tensors stay within memory.
+    pub max_in_flight_bytes: usize,
+    /// Where tensors are put.
+    pub device: u32,
+    /// Where they are copied to.
+    pub copy_device: u32,
+    /// Seed for sizes, dtypes and contents.
+    pub seed: u64,
+}
+
+/// Latency percentiles of one operation, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Latency {
+    /// Operations measured.
+    pub count: u64,
+    /// Median.
+    pub p50_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+    /// Slowest.
+    pub max_ms: f64,
+}
+
+impl Latency {
+    fn of(samples: &mut [Duration]) -> Latency {
+        if samples.is_empty() {
+            return Latency::default();
+        }
+        samples.sort();
+        let at = |q: f64| {
+            let index = ((samples.len() - 1) as f64 * q).round() as usize;
+            samples.get(index).map_or(0.0, |d| d.as_secs_f64() * 1e3)
+        };
+        Latency {
+            count: samples.len() as u64,
+            p50_ms: at(0.5),
+            p99_ms: at(0.99),
+            max_ms: at(1.0),
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct LoadReport {
+    /// Clients that ran.
+    pub clients: usize,
+    /// Rounds completed without an error.
+    pub rounds: u64,
+    /// Operations that succeeded.
+    pub operations: u64,
+    /// Operations that failed (each one printed as it happened).
+    pub errors: u64,
+    /// Tensors that came back with other bytes, dtype or shape.
+    pub mismatches: u64,
+    /// Payload bytes moved (put and get; copies stay on the node).
+    pub bytes_moved: u64,
+    /// Wall time, seconds.
+    pub seconds: f64,
+    /// Payload throughput, GB/s (1e9 bytes).
+    pub gbps: f64,
+    /// Per-operation latency.
+    pub put: Latency,
+    /// See `put`.
+    pub get: Latency,
+    /// See `put`.
+    pub copy: Latency,
+    /// See `put`.
+    pub delete: Latency,
+    /// The node's resident memory before the run, bytes.
+    pub node_resident_before: u64,
+    /// The highest resident memory seen during the run (sampled every 100 ms), bytes.
+    pub node_resident_peak: u64,
+    /// Resident memory after the run, once every tensor it made is deleted, bytes.
+    pub node_resident_after: u64,
+    /// Tensors the run left on the node (always 0 unless a delete failed).
+    pub tensors_left: u64,
+}
+
+impl LoadReport {
+    /// Whether every operation succeeded and every tensor came back exact.
+    pub fn clean(&self) -> bool {
+        self.errors == 0 && self.mismatches == 0 && self.tensors_left == 0
+    }
+}
+
+/// Why a run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The node could not be reached for its memory figures.
+    #[error("node: {0}")]
+    Node(#[from] ClientError),
+    /// Contradictory settings.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// A small, fast generator (xorshift64*): contents need to be arbitrary, not unpredictable.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn fill(&mut self, bytes: &mut [u8]) {
+        let mut words = bytes.chunks_exact_mut(8);
+        for word in &mut words {
+            word.copy_from_slice(&self.next().to_le_bytes());
+        }
+        let rest = words.into_remainder();
+        let last = self.next().to_le_bytes();
+        rest.copy_from_slice(&last[..rest.len()]);
+    }
+}
+
+/// The dtypes a run mixes: floats, integers, booleans and a quantized scheme.
+const MIX: &[DType] = &[
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::I64,
+    DType::I32,
+    DType::U8,
+    DType::Bool(BoolStore::Native),
+    DType::F32, // QFloat stands here; see `make`.
+];
+
+/// A tensor of about `bytes` bytes of the `which`-th dtype of the mix, with arbitrary contents.
+fn make(rng: &mut Rng, which: usize, bytes: usize) -> TensorData {
+    let cols = 64usize;
+    if which == MIX.len() - 1 {
+        // Q8S, one f32 scale for the tensor: values are any i8.
+        let rows = (bytes / cols).max(1);
+        let mut values = vec![0u8; rows * cols];
+        rng.fill(&mut values);
+        let values: Vec<i8> = bytemuck::cast_vec(values);
+        let scheme = QuantScheme::default()
+            .with_value(QuantValue::Q8S)
+            .with_store(QuantStore::Native);
+        let scale = 0.001 + (rng.below(1000) as f32) * 1e-4;
+        return TensorData::quantized(values, [rows, cols], scheme, &[scale], None);
+    }
+    let dtype = MIX[which % MIX.len()];
+    let size = dtype.size();
+    let rows = (bytes / (cols * size)).max(1);
+    let mut raw = vec![0u8; rows * cols * size];
+    if matches!(dtype, DType::Bool(_)) {
+        for b in raw.iter_mut() {
+            *b = (rng.next() & 1) as u8;
+        }
+    } else {
+        rng.fill(&mut raw);
+    }
+    TensorData::from_bytes_vec(raw, [rows, cols], dtype)
+}
+
+fn same(got: &TensorData, want: &TensorData) -> bool {
+    got.dtype() == want.dtype() && got.shape() == want.shape() && got.as_bytes() == want.as_bytes()
+}
+
+#[derive(Default)]
+struct Samples {
+    put: Vec<Duration>,
+    get: Vec<Duration>,
+    copy: Vec<Duration>,
+    delete: Vec<Duration>,
+}
+
+#[derive(Default)]
+struct Totals {
+    rounds: AtomicU64,
+    operations: AtomicU64,
+    errors: AtomicU64,
+    mismatches: AtomicU64,
+    bytes: AtomicU64,
+}
+
+/// Runs the load and reports.
+pub async fn run(config: LoadConfig) -> Result<LoadReport, LoadError> {
+    if config.rounds.is_none() && config.duration.is_none() {
+        return Err(LoadError::Config(
+            "give a number of rounds or a duration".into(),
+        ));
+    }
+    if config.min_bytes == 0 || config.min_bytes > config.max_bytes {
+        return Err(LoadError::Config(
+            "sizes must satisfy 0 < min <= max".into(),
+        ));
+    }
+    let connect = || Client::connect_with(config.endpoint.clone(), config.client.clone());
+    // Closed during the run, so that the node's connection limit counts only the clients and
+    // the memory sampler.
+    let before = connect().await?.stat().await?.resident_bytes;
+    let peak = Arc::new(AtomicU64::new(before));
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (peak, stop) = (peak.clone(), stop.clone());
+        let (endpoint, client) = (config.endpoint.clone(), config.client.clone());
+        tokio::spawn(async move {
+            let Ok(mut node) = Client::connect_with(endpoint, client).await else {
+                return;
+            };
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(stats) = node.stat().await {
+                    peak.fetch_max(stats.resident_bytes, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    // Permits are MiB of tensor held by the generator at once.
+    let budget_mib = (config.max_in_flight_bytes >> 20).max(1);
+    let budget = Arc::new(Semaphore::new(budget_mib));
+    let totals = Arc::new(Totals::default());
+    let samples = Arc::new(Mutex::new(Samples::default()));
+    let deadline = config.duration.map(|d| Instant::now() + d);
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(config.clients);
+    for id in 0..config.clients {
+        let config = config.clone();
+        let (budget, totals, samples) = (budget.clone(), totals.clone(), samples.clone());
+        tasks.push(tokio::spawn(async move {
+            client_loop(id, config, deadline, budget_mib, budget, totals, samples).await
+        }));
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let _ = sampler.await;
+
+    // What the run made is gone; give the node a moment to hand freed memory back (it trims its
+    // allocator every few seconds), then read its memory.
+    let mut monitor = connect().await?;
+    let tensors_left = count_left(&mut monitor, &config).await?;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let after = monitor.stat().await?.resident_bytes;
+    let mut samples = samples.lock().await;
+    let bytes = totals.bytes.load(Ordering::Relaxed);
+    Ok(LoadReport {
+        clients: config.clients,
+        rounds: totals.rounds.load(Ordering::Relaxed),
+        operations: totals.operations.load(Ordering::Relaxed),
+        errors: totals.errors.load(Ordering::Relaxed),
+        mismatches: totals.mismatches.load(Ordering::Relaxed),
+        bytes_moved: bytes,
+        seconds,
+        gbps: bytes as f64 / seconds / 1e9,
+        put: Latency::of(&mut samples.put),
+        get: Latency::of(&mut samples.get),
+        copy: Latency::of(&mut samples.copy),
+        delete: Latency::of(&mut samples.delete),
+        node_resident_before: before,
+        node_resident_peak: peak.load(Ordering::Relaxed).max(after),
+        node_resident_after: after,
+        tensors_left,
+    })
+}
+
+/// Tensors left under the names this run uses.
+async fn count_left(node: &mut Client, config: &LoadConfig) -> Result<u64, LoadError> {
+    let prefix = format!("load-{}-", config.seed);
+    let mut left = 0;
+    for device in [config.device, config.copy_device] {
+        left += node
+            .list(Some(device))
+            .await?
+            .iter()
+            .filter(|t| t.key.name.starts_with(&prefix))
+            .count() as u64;
+        if config.device == config.copy_device {
+            break;
+        }
+    }
+    Ok(left)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn client_loop(
+    id: usize,
+    config: LoadConfig,
+    deadline: Option<Instant>,
+    budget_mib: usize,
+    budget: Arc<Semaphore>,
+    totals: Arc<Totals>,
+    samples: Arc<Mutex<Samples>>,
+) {
+    let fail = |what: String| {
+        totals.errors.fetch_add(1, Ordering::Relaxed);
+        eprintln!("error: client {id}: {what}");
+    };
+    let mut client =
+        match Client::connect_with(config.endpoint.clone(), config.client.clone()).await {
+            Ok(client) => client,
+            Err(e) => return fail(format!("connect: {e}")),
+        };
+    let mut rng = Rng::new(config.seed ^ (id as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+    let (lo, hi) = (
+        (config.min_bytes as f64).ln(),
+        (config.max_bytes as f64).ln(),
+    );
+    let mut round = 0u64;
+    let mut local = Samples::default();
+    loop {
+        if config.rounds.is_some_and(|r| round >= r)
+            || deadline.is_some_and(|d| Instant::now() >= d)
+        {
+            break;
+        }
+        let t = rng.below(1 << 20) as f64 / (1u64 << 20) as f64;
+        let bytes = (lo + (hi - lo) * t).exp() as usize;
+        let mib = ((bytes >> 20) + 1).min(budget_mib) as u32;
+        let Ok(_permit) = budget.acquire_many(mib).await else {
+            break;
+        };
+        let which = rng.below(MIX.len() as u64) as usize;
+        let data = make(&mut rng, which, bytes);
+        let payload = data.as_bytes().len() as u64;
+        let name = format!("load-{}-{id}-{round}", config.seed);
+        let key = TensorKey::new(config.device, &name);
+        let copy_key = TensorKey::new(config.copy_device, format!("{name}.copy"));
+        round += 1;
+
+        let at = Instant::now();
+        if let Err(e) = client.put(config.device, &name, &data).await {
+            fail(format!("put {key}: {e}"));
+            if matches!(e, ClientError::OutOfStep | ClientError::Connection(_)) {
+                break;
+            }
+            continue;
+        }
+        local.put.push(at.elapsed());
+        let mut ok = true;
+        let at = Instant::now();
+        match client
+            .copy(&key, config.copy_device, Some(&copy_key.name))
+            .await
+        {
+            Ok(_) => local.copy.push(at.elapsed()),
+            Err(e) => {
+                fail(format!("copy {key}: {e}"));
+                ok = false;
+            }
+        }
+        let checks: &[&TensorKey] = if ok { &[&key, &copy_key] } else { &[&key] };
+        for key in checks {
+            let at = Instant::now();
+            match client.get(key).await {
+                Ok(back) => {
+                    local.get.push(at.elapsed());
+                    if !same(&back, &data) {
+                        totals.mismatches.fetch_add(1, Ordering::Relaxed);
+                        eprintln!("error: client {id}: {key}: other bytes than were put");
+                        ok = false;
+                    }
+                }
+                Err(e) => {
+                    fail(format!("get {key}: {e}"));
+                    ok = false;
+                }
+            }
+        }
+        for key in [&key, &copy_key] {
+            let at = Instant::now();
+            match client.delete(key).await {
+                Ok(_) => local.delete.push(at.elapsed()),
+                Err(e) if e.code() == Some(ferry_proto::ErrorCode::NotFound) && !ok => {}
+                Err(e) => {
+                    fail(format!("delete {key}: {e}"));
+                    ok = false;
+                }
+            }
+        }
+        totals.bytes.fetch_add(payload * 3, Ordering::Relaxed);
+        totals.operations.fetch_add(6, Ordering::Relaxed);
+        if ok {
+            totals.rounds.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    let mut samples = samples.lock().await;
+    samples.put.append(&mut local.put);
+    samples.get.append(&mut local.get);
+    samples.copy.append(&mut local.copy);
+    samples.delete.append(&mut local.delete);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dtype_of_the_mix_makes_a_valid_tensor_of_about_the_size() {
+        let mut rng = Rng::new(7);
+        for which in 0..MIX.len() {
+            for bytes in [4096, 100_000, 1 << 20] {
+                let data = make(&mut rng, which, bytes);
+                let meta = ferry_proto::tensor::meta_of(&data).expect("consistent");
+                assert!(meta.byte_len() <= bytes + 64 * 8 + 4, "{which} {bytes}");
+                assert!(meta.byte_len() * 2 >= bytes.min(1 << 20), "{which} {bytes}");
+            }
+        }
+    }
+
+    #[test]
+    fn percentiles_are_read_off_the_sorted_samples() {
+        let mut samples: Vec<Duration> = (1..=100).rev().map(Duration::from_millis).collect();
+        let latency = Latency::of(&mut samples);
+        assert_eq!(latency.count, 100);
+        assert!((latency.p50_ms - 51.0).abs() < 1.01);
+        assert!((latency.p99_ms - 99.0).abs() < 1.01);
+        assert_eq!(latency.max_ms, 100.0);
+    }
+}

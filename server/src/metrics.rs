@@ -1,0 +1,128 @@
+//! The node's Prometheus metrics, emitted through the `metrics` facade (free when no recorder is
+//! installed; `ferry-server --metrics ADDR` installs the Prometheus exporter).
+
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+
+/// Transfers that ended, by operation, path and outcome.
+pub const TRANSFERS: &str = "ferry_transfers_total";
+/// Transfer latency in seconds, by operation and outcome.
+pub const TRANSFER_SECONDS: &str = "ferry_transfer_seconds";
+/// Payload bytes moved, by direction (`in`, `out`) and route (`chunks`, `shm`, `local`).
+pub const BYTES: &str = "ferry_bytes_total";
+/// Transfers under way now.
+pub const IN_FLIGHT: &str = "ferry_transfers_in_flight";
+/// Tensors held, per device.
+pub const DEVICE_TENSORS: &str = "ferry_device_tensors";
+/// Bytes held, per device.
+pub const DEVICE_BYTES: &str = "ferry_device_bytes";
+/// Connections open now.
+pub const CONNECTIONS: &str = "ferry_connections";
+/// Connections refused at the connection limit.
+pub const CONNECTIONS_REFUSED: &str = "ferry_connections_refused_total";
+/// Reconnections of node-to-node pulls after a transient drop.
+pub const PULL_RETRIES: &str = "ferry_pull_retries_total";
+/// Pulls answered from a tensor this node already held.
+pub const DEDUP_HITS: &str = "ferry_dedup_hits_total";
+/// The node process's resident memory, in bytes.
+pub const RESIDENT_BYTES: &str = "ferry_process_resident_bytes";
+
+/// Describes every metric to the installed recorder (units and help text on the scrape page).
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        TRANSFERS,
+        "Transfers that ended, by operation (put, get, copy, move, pull, fetch), path and outcome"
+    );
+    describe_histogram!(
+        TRANSFER_SECONDS,
+        Unit::Seconds,
+        "Transfer latency, from request to the target registering the tensor"
+    );
+    describe_counter!(
+        BYTES,
+        Unit::Bytes,
+        "Payload bytes moved, by direction and route"
+    );
+    describe_gauge!(IN_FLIGHT, "Transfers under way");
+    describe_gauge!(DEVICE_TENSORS, "Tensors held per device");
+    describe_gauge!(DEVICE_BYTES, Unit::Bytes, "Bytes held per device");
+    describe_gauge!(CONNECTIONS, "Client and peer connections open");
+    describe_counter!(CONNECTIONS_REFUSED, "Connections refused at the limit");
+    describe_counter!(PULL_RETRIES, "Pull reconnections after a transient drop");
+    describe_counter!(
+        DEDUP_HITS,
+        "Pulls skipped because the node held the same bytes"
+    );
+    describe_gauge!(
+        RESIDENT_BYTES,
+        Unit::Bytes,
+        "Resident memory of the node process"
+    );
+}
+
+/// A transfer that ended.
+pub fn transfer(op: &'static str, path: &str, ok: bool, elapsed: Duration) {
+    let outcome = if ok { "ok" } else { "error" };
+    counter!(TRANSFERS, "op" => op, "path" => path.to_string(), "outcome" => outcome).increment(1);
+    histogram!(TRANSFER_SECONDS, "op" => op, "outcome" => outcome).record(elapsed.as_secs_f64());
+}
+
+/// Payload bytes that went `direction` (`in` or `out`) by `route`.
+pub fn bytes(direction: &'static str, route: &'static str, bytes: u64) {
+    counter!(BYTES, "direction" => direction, "route" => route).increment(bytes);
+}
+
+/// What a device holds now.
+pub fn device_held(device: u32, tensors: usize, bytes: u64) {
+    let device = device.to_string();
+    gauge!(DEVICE_TENSORS, "device" => device.clone()).set(tensors as f64);
+    gauge!(DEVICE_BYTES, "device" => device).set(bytes as f64);
+}
+
+/// A connection opened (`true`) or closed.
+pub fn connection(opened: bool) {
+    let delta = if opened { 1.0 } else { -1.0 };
+    gauge!(CONNECTIONS).increment(delta);
+}
+
+/// A connection refused at the limit.
+pub fn connection_refused() {
+    counter!(CONNECTIONS_REFUSED).increment(1);
+}
+
+/// A pull reconnected.
+pub fn pull_retry() {
+    counter!(PULL_RETRIES).increment(1);
+}
+
+/// A pull answered by dedup.
+pub fn dedup_hit() {
+    counter!(DEDUP_HITS).increment(1);
+}
+
+/// The process's resident memory now, for the gauge; `None` where `/proc` does not say.
+pub fn sample_resident_memory() -> Option<u64> {
+    let resident = crate::node::process_memory().map(|m| m.resident)?;
+    gauge!(RESIDENT_BYTES).set(resident as f64);
+    Some(resident)
+}
+
+/// Counts a transfer as under way until dropped.
+#[derive(Debug)]
+pub struct InFlight(());
+
+impl InFlight {
+    /// Starts counting.
+    pub fn start() -> Self {
+        gauge!(IN_FLIGHT).increment(1.0);
+        InFlight(())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        gauge!(IN_FLIGHT).decrement(1.0);
+    }
+}
