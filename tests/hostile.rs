@@ -334,3 +334,299 @@ async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told
     assert_same(&back, &fits, "under the limit");
     node.shutdown().await;
 }
+
+/// A small deterministic generator, so a failure replays.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Valid frames of every kind a client sends, to corrupt one field of at a time.
+fn valid_frames() -> Vec<Vec<u8>> {
+    let data = samples::quantized(&samples::schemes()[3].1, &[4, 32], 5);
+    let meta = tensor::meta_of(&data).unwrap().to_wire();
+    let key = TensorKey::new(0, "w");
+    let mut frames: Vec<Vec<u8>> = [
+        Request::Put {
+            device: 0,
+            name: Some("w".into()),
+            meta: meta.clone(),
+            overwrite: true,
+        },
+        Request::Get { key: key.clone() },
+        Request::Copy {
+            src: key.clone(),
+            dst_device: 1,
+            dst_name: None,
+            remove_source: false,
+            overwrite: true,
+        },
+        Request::Delete { key: key.clone() },
+        Request::List { device: None },
+        Request::Stat,
+        Request::Grant {
+            key,
+            audience: "x".into(),
+        },
+        Request::Fetch {
+            capability: "c".into(),
+            node_id: "n".into(),
+            offset: 0,
+        },
+    ]
+    .iter()
+    .map(control::encode_request)
+    .collect();
+    frames.push(frame::encode_chunk(0, data.as_bytes()));
+    frames.push(
+        frame::RegionDescriptor {
+            len: data.as_bytes().len() as u64,
+            crc32c: 0,
+        }
+        .frame(),
+    );
+    frames
+}
+
+/// One attack: a valid frame with one field corrupted, random bytes, or a valid frame cut short.
+fn hostile_frame(rng: &mut Rng, valid: &[Vec<u8>]) -> Vec<u8> {
+    let mut frame = valid[rng.below(valid.len())].clone();
+    match rng.below(6) {
+        // One header field: magic, version, kind, flags, length, checksum.
+        0 => {
+            let field = [0usize, 4, 5, 6, 8, 12][rng.below(6)];
+            frame[field] ^= 1 << rng.below(8);
+        }
+        // The length set to something else entirely.
+        1 => {
+            let len = [0u32, 1, 7, 23, u32::MAX, 1 << 24, (1 << 24) + 1][rng.below(7)];
+            frame[8..12].copy_from_slice(&len.to_le_bytes());
+        }
+        // A body byte changed, and the checksum fixed up so that the body itself is judged.
+        2 if frame.len() > frame::HEADER_LEN => {
+            let at = frame::HEADER_LEN + rng.below(frame.len() - frame::HEADER_LEN);
+            frame[at] = rng.next() as u8;
+            let crc = crc32c::crc32c(&frame[frame::HEADER_LEN..]);
+            frame[12..16].copy_from_slice(&crc.to_le_bytes());
+        }
+        // A body cut short, or extended, with the header re-made to match.
+        3 => {
+            let body = &frame[frame::HEADER_LEN..];
+            let mut body = body[..rng.below(body.len() + 1)].to_vec();
+            if rng.below(2) == 0 {
+                body.extend((0..rng.below(64)).map(|_| rng.next() as u8));
+            }
+            let kind = FrameKind::try_from(frame[5]).unwrap_or(FrameKind::Control);
+            frame = frame::encode(kind, &body);
+        }
+        // Pure noise.
+        4 => frame = (0..rng.below(80)).map(|_| rng.next() as u8).collect(),
+        // A valid frame, cut off mid-way (the connection then closes).
+        _ => frame.truncate(rng.below(frame.len())),
+    }
+    frame
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_corrupted_frames_leave_the_node_serving_and_empty() {
+    let mut service = ServiceConfig::default();
+    service.limits.idle_timeout = Duration::from_millis(200);
+    let node = start(
+        NodeConfig {
+            devices: common::devices(&["flex", "flex"]),
+            ..NodeConfig::default()
+        },
+        service,
+    )
+    .await;
+    let valid = valid_frames();
+    let mut rng = Rng(0x5EED_F00D_1234_5678);
+    let mut sent = 0;
+    // Each connection says hello properly, then sends attacks until the node hangs up or a
+    // handful went through; every reply must be a well-formed frame (or the close).
+    while sent < 3000 {
+        let (mut raw, welcome) = Raw::hello(&node, None).await;
+        assert!(matches!(welcome, Response::Welcome(_)));
+        for _ in 0..rng.below(12) + 1 {
+            let attack = hostile_frame(&mut rng, &valid);
+            sent += 1;
+            if raw.stream.write_all(&attack).await.is_err() {
+                break;
+            }
+        }
+        let _ = raw.stream.shutdown().await;
+        // Drain what the node says until it closes: only whole, valid frames may come back.
+        loop {
+            match frame::parse(&mut raw.buf, 1 << 24) {
+                Ok(Some(frame)) => {
+                    assert_eq!(frame.kind, FrameKind::Control, "the node only answers");
+                    control::decode_response(&frame.body).expect("a valid answer");
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => panic!("the node sent a broken frame: {e}"),
+            }
+            match tokio::time::timeout(Duration::from_secs(5), raw.stream.read_buf(&mut raw.buf))
+                .await
+            {
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                Ok(Ok(_)) => {}
+                Err(_) => panic!("the node neither answered nor closed"),
+            }
+        }
+    }
+    // Valid puts among the attacks may have registered whole tensors under `w`; nothing else.
+    let mut client = node.client().await;
+    for info in client.list(None).await.unwrap() {
+        assert_eq!(
+            info.key.name, "w",
+            "only whole tensors under the attacked name"
+        );
+        client.delete(&info.key).await.unwrap();
+    }
+    node_still_serves(&node).await;
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_header_then_silence_is_dropped_after_the_idle_timeout() {
+    let mut service = ServiceConfig::default();
+    service.limits.idle_timeout = Duration::from_millis(300);
+    let node = start(
+        NodeConfig {
+            devices: common::devices(&["flex"]),
+            ..NodeConfig::default()
+        },
+        service,
+    )
+    .await;
+    let (mut raw, _) = Raw::hello(&node, None).await;
+    let frame = control::encode_request(&Request::Stat);
+    raw.send(&frame[..frame::HEADER_LEN]).await;
+    let message = raw.expect_fatal(ErrorCode::Protocol).await;
+    assert!(message.contains("sent nothing"), "{message}");
+    node_still_serves(&node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_closed_so_they_cannot_hold_every_slot() {
+    let node = start(
+        NodeConfig {
+            devices: common::devices(&["flex"]),
+            ..NodeConfig::default()
+        },
+        ServiceConfig {
+            max_connections: 2,
+            keepalive: Duration::from_millis(300),
+            ..ServiceConfig::default()
+        },
+    )
+    .await;
+    let _idle_a = node.client().await;
+    let _idle_b = node.client().await;
+    let refused = Client::connect(node.addr, None).await;
+    assert_eq!(common::code_of(refused), ErrorCode::LimitExceeded);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    // The two idle ones were closed; their slots are free again.
+    node_still_serves(&node).await;
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_flood_is_refused_while_accepted_clients_carry_on() {
+    let node = start(
+        NodeConfig {
+            devices: common::devices(&["flex"]),
+            ..NodeConfig::default()
+        },
+        ServiceConfig {
+            max_connections: 4,
+            ..ServiceConfig::default()
+        },
+    )
+    .await;
+    let mut worker = node.client().await;
+    let addr = node.addr;
+    let flood = tokio::spawn(async move {
+        let mut refused = 0;
+        let mut held = Vec::new();
+        for _ in 0..300 {
+            match Client::connect(addr, None).await {
+                Ok(client) => held.push(client),
+                Err(e) => {
+                    assert_eq!(e.code(), Some(ErrorCode::LimitExceeded), "{e}");
+                    refused += 1;
+                }
+            }
+        }
+        (refused, held.len())
+    });
+    for i in 0..20 {
+        let data = samples::plain(DType::F32, &[64, 64], i);
+        let key = TensorKey::new(0, format!("t{i}"));
+        worker.put(0, &key.name, &data).await.unwrap();
+        assert_same(&worker.get(&key).await.unwrap(), &data, "during the flood");
+        worker.delete(&key).await.unwrap();
+    }
+    let (refused, held) = flood.await.unwrap();
+    assert_eq!(held, 3, "the slots left next to the working client");
+    assert_eq!(refused, 297);
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_clients_together_cannot_push_a_device_past_its_budget() {
+    const BUDGET: u64 = 1 << 20;
+    let node = start(
+        NodeConfig {
+            devices: common::devices(&["flex"]),
+            memory_limit: Some(BUDGET),
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    // 24 clients each putting 96 KiB at once: 2.25 MiB asked of a 1 MiB budget.
+    let mut tasks = Vec::new();
+    for i in 0..24u64 {
+        let addr = node.addr;
+        tasks.push(tokio::spawn(async move {
+            let mut client = Client::connect(addr, None).await.unwrap();
+            let data = samples::plain(DType::F32, &[96, 256], i);
+            match client.put(0, &format!("t{i}"), &data).await {
+                Ok(info) => Some(info.bytes),
+                Err(e) => {
+                    assert_eq!(e.code(), Some(ErrorCode::LimitExceeded), "{e}");
+                    None
+                }
+            }
+        }));
+    }
+    let mut stored = 0;
+    let mut refused = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            Some(bytes) => stored += bytes,
+            None => refused += 1,
+        }
+    }
+    assert!(
+        stored <= BUDGET,
+        "{stored} bytes held past a {BUDGET}-byte budget"
+    );
+    assert!(refused > 0 && stored > 0);
+    let mut client = node.client().await;
+    let held = client.stat().await.unwrap().devices[0].bytes_held;
+    assert_eq!(held, stored);
+    node.shutdown().await;
+}

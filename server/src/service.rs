@@ -42,6 +42,9 @@ pub struct ServiceConfig {
     pub limits: ConnectionLimits,
     /// How long in-flight requests may take to finish at shutdown.
     pub shutdown_grace: Duration,
+    /// How long a connection may sit between requests before the node closes it, so that idle
+    /// connections cannot hold every connection slot.
+    pub keepalive: Duration,
 }
 
 impl Default for ServiceConfig {
@@ -51,6 +54,7 @@ impl Default for ServiceConfig {
             max_connections: 1024,
             limits: ConnectionLimits::default(),
             shutdown_grace: Duration::from_secs(30),
+            keepalive: Duration::from_secs(300),
         }
     }
 }
@@ -286,9 +290,16 @@ impl Session<'_> {
             return Ok(());
         }
         conn.set_limits(limits);
+        let keepalive = self.config.keepalive;
         loop {
             let request = tokio::select! {
                 request = conn.read_request() => request,
+                () = tokio::time::sleep(keepalive) => {
+                    // Only between requests: a request in progress is bounded by the idle
+                    // timeout instead.
+                    tracing::info!(client = self.client, ?keepalive, "closing an idle connection");
+                    return Ok(());
+                }
                 _ = self.shutdown.recv() => {
                     let _ = conn.write_response(&Response::Error(NodeError::ShuttingDown.reply())).await;
                     return Ok(());

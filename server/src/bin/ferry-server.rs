@@ -48,6 +48,9 @@ struct Args {
     /// Seconds a peer may stay silent in the middle of a frame.
     #[arg(long, default_value_t = 30)]
     idle_timeout: u64,
+    /// Seconds a connection may sit idle between requests before it is closed.
+    #[arg(long, default_value_t = 300)]
+    keepalive: u64,
     /// Seconds in-flight requests get to finish at shutdown.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
@@ -190,6 +193,7 @@ async fn main() -> anyhow::Result<()> {
         max_connections: args.max_connections,
         limits,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        keepalive: Duration::from_secs(args.keepalive),
     };
     let mut service = Service::bind(node, args.listen, service_config)
         .await

@@ -1,0 +1,255 @@
+//! What an operator relies on: the Prometheus endpoint (scraped here), the health check, JSON
+//! logs with a span per request, and the load generator's bit-exact run.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{binary, spawn_server};
+use ferry::client::load::{LoadConfig, run};
+use ferry::client::{Client, ClientConfig, Endpoint};
+use ferry::proto::{DType, TensorKey};
+use ferry::samples;
+
+/// A port free right now on loopback.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET /metrics` over plain HTTP, the body as text.
+fn scrape(port: u16) -> String {
+    let mut last = String::new();
+    // The exporter starts listening just after the node prints its address.
+    for _ in 0..50 {
+        if let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            stream
+                .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                .unwrap();
+            let mut response = String::new();
+            stream.read_to_string(&mut response).unwrap();
+            if let Some((head, body)) = response.split_once("\r\n\r\n") {
+                assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+                return body.to_string();
+            }
+            last = response;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("no metrics on port {port}: {last}");
+}
+
+/// The value of the sample whose name and labels contain every one of `parts`.
+fn sample(text: &str, parts: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| parts.iter().all(|p| l.contains(p)))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_endpoint_is_scraped_and_counts_what_happened() {
+    let port = free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let node = spawn_server(
+        &[
+            "--device",
+            "flex",
+            "--device",
+            "flex",
+            "--metrics",
+            &metrics,
+        ],
+        None,
+    );
+    let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
+    let data = samples::plain(DType::F32, &[64, 64], 1);
+    client.put(0, "w", &data).await.unwrap();
+    client.get(&TensorKey::new(0, "w")).await.unwrap();
+    client.copy(&TensorKey::new(0, "w"), 1, None).await.unwrap();
+    let missing = client.get(&TensorKey::new(0, "nope")).await;
+    assert!(missing.is_err());
+
+    let text = tokio::task::spawn_blocking(move || scrape(port))
+        .await
+        .unwrap();
+    let ok = |op: &str| {
+        sample(
+            &text,
+            &[
+                "ferry_transfers_total{",
+                &format!("op=\"{op}\""),
+                "outcome=\"ok\"",
+            ],
+        )
+    };
+    assert_eq!(ok("put"), Some(1.0), "{text}");
+    assert_eq!(ok("get"), Some(1.0));
+    assert_eq!(ok("copy"), Some(1.0));
+    assert_eq!(
+        sample(
+            &text,
+            &["ferry_transfers_total{", "op=\"get\"", "outcome=\"error\""]
+        ),
+        Some(1.0)
+    );
+    let bytes = data.as_bytes().len() as f64;
+    assert_eq!(
+        sample(
+            &text,
+            &["ferry_bytes_total{", "direction=\"in\"", "route=\"chunks\""]
+        ),
+        Some(bytes)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            &[
+                "ferry_bytes_total{",
+                "direction=\"out\"",
+                "route=\"chunks\""
+            ]
+        ),
+        Some(bytes)
+    );
+    assert_eq!(
+        sample(&text, &["ferry_device_tensors{", "device=\"0\""]),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(&text, &["ferry_device_bytes{", "device=\"1\""]),
+        Some(bytes)
+    );
+    assert_eq!(sample(&text, &["ferry_connections "]), Some(1.0));
+    assert_eq!(sample(&text, &["ferry_transfers_in_flight "]), Some(0.0));
+    assert!(
+        sample(
+            &text,
+            &[
+                "ferry_transfer_seconds_bucket{",
+                "op=\"put\"",
+                "le=\"+Inf\""
+            ]
+        )
+        .is_some_and(|n| n >= 1.0),
+        "a latency histogram"
+    );
+    assert!(text.contains("# HELP ferry_transfers_total"));
+    assert!(sample(&text, &["ferry_process_resident_bytes "]).is_some_and(|b| b > 0.0));
+}
+
+#[test]
+fn the_health_check_says_ok_for_a_live_node_and_fails_for_a_dead_one() {
+    let node = spawn_server(&["--device", "flex"], None);
+    let out = Command::new(binary("ferry"))
+        .args(["health", &node.addr])
+        .env_remove("FERRY_TOKEN")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.starts_with("ok "), "{stdout}");
+    let dead = format!("127.0.0.1:{}", free_port());
+    let out = Command::new(binary("ferry"))
+        .args(["health", &dead, "--timeout", "2"])
+        .env_remove("FERRY_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("error:"));
+}
+
+#[test]
+fn json_logs_carry_one_span_per_request() {
+    let mut child = Command::new(binary("ferry-server"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--device",
+            "flex",
+            "--log-format",
+            "json",
+        ])
+        .env_remove("FERRY_TOKEN")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_string();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let mut client = Client::connect(addr.as_str(), None).await.unwrap();
+        let data = samples::plain(DType::I32, &[8, 8], 2);
+        client.put(0, "w", &data).await.unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let _ = child.kill();
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    let _ = child.wait();
+    let done: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))
+        .filter(|v: &serde_json::Value| v["fields"]["message"] == "transfer done")
+        .collect();
+    assert_eq!(done.len(), 1, "{stderr}");
+    let event = &done[0];
+    assert_eq!(event["fields"]["op"], "put");
+    assert_eq!(event["span"]["name"], "request");
+    assert_eq!(event["span"]["op"], "put");
+    assert!(
+        event["span"]["client"]
+            .as_str()
+            .unwrap()
+            .starts_with("127.0.0.1:")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_run_checks_every_transfer_and_leaves_nothing_behind() {
+    let node = spawn_server(&["--device", "flex", "--device", "flex"], None);
+    let report = run(LoadConfig {
+        endpoint: Endpoint::parse(&node.addr),
+        client: ClientConfig::default(),
+        clients: 24,
+        rounds: Some(3),
+        duration: None,
+        min_bytes: 4 << 10,
+        max_bytes: 1 << 20,
+        max_in_flight_bytes: 64 << 20,
+        device: 0,
+        copy_device: 1,
+        seed: 9,
+    })
+    .await
+    .unwrap();
+    assert!(report.clean(), "{report:?}");
+    assert_eq!(report.rounds, 24 * 3);
+    assert_eq!(report.put.count, 72);
+    assert_eq!(
+        report.get.count, 144,
+        "the tensor and its copy, each checked"
+    );
+    assert!(report.node_resident_peak >= report.node_resident_before);
+    let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
+    assert!(client.list(None).await.unwrap().is_empty());
+}
