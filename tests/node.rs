@@ -154,6 +154,51 @@ async fn the_in_process_api_shares_the_workers_the_service_uses() {
     node.shutdown().await;
 }
 
+/// A source sends a Flex tensor straight from the registered tensor: the plain buffer, or a
+/// quantized tensor's values followed by its scale bytes. Whichever way, the parts laid end to
+/// end are exactly `into_data`'s bytes, for every sample Flex holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_source_sends_from_the_registered_tensor_is_exactly_into_data() {
+    use ferry::server::worker::HostBytes;
+    let node = start_with(&["flex"]).await;
+    let mut shared = 0;
+    for (i, sample) in samples::full_matrix().iter().enumerate() {
+        let name = format!("s{i}");
+        node.node
+            .insert(0, &name, sample.data.clone(), false)
+            .await
+            .unwrap();
+        let key = TensorKey::new(0, &name);
+        let (_, meta, bytes) = node.node.read_host(&key).await.unwrap();
+        assert_eq!(
+            meta.byte_len(),
+            sample.data.as_bytes().len(),
+            "{}",
+            sample.name
+        );
+        assert_eq!(
+            bytes.parts().concat(),
+            sample.data.as_bytes(),
+            "{}: the parts are into_data's bytes",
+            sample.name
+        );
+        if matches!(bytes, HostBytes::Shared(_)) {
+            shared += 1;
+        }
+        node.node.remove(&key).await.unwrap();
+    }
+    // Every plain sample, and the quantized ones of one scale level, go without a host copy.
+    let single_level = samples::full_matrix()
+        .iter()
+        .filter(|s| match s.data.dtype() {
+            DType::QFloat(scheme) => burn_std::quantization::global_scale_dtype(&scheme).is_none(),
+            _ => true,
+        })
+        .count();
+    assert_eq!(shared, single_level);
+    node.shutdown().await;
+}
+
 /// 16 clients, 50 mixed operations each, against one node; every read is checked against what
 /// that client last wrote, and at the end the node holds exactly what the clients left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

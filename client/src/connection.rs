@@ -374,7 +374,7 @@ impl<S: Transport> Connection<S> {
     /// payload is large enough to gain from it, else as chunk frames written from where the
     /// payload lies (only the 24-byte prefix of each chunk is built).
     pub async fn write_payload(&mut self, payload: &[u8]) -> Result<PayloadRoute, ConnectionError> {
-        self.write_payload_from(payload, 0).await
+        self.write_payload_parts(&[payload], 0).await
     }
 
     /// Writes `payload` from byte `start` on (a resumed transfer), as chunk frames whose offsets
@@ -384,24 +384,42 @@ impl<S: Transport> Connection<S> {
         payload: &[u8],
         start: usize,
     ) -> Result<PayloadRoute, ConnectionError> {
-        if self.shared_memory && start == 0 && payload.len() >= self.limits.region_min.max(1) {
-            self.write_region(payload).await?;
+        self.write_payload_parts(&[payload], start).await
+    }
+
+    /// [`write_payload_from`](Self::write_payload_from) for a payload that lies in several
+    /// slices (a quantized tensor's values and its scales, kept apart by the backend), sent as
+    /// if laid end to end, without joining them.
+    pub async fn write_payload_parts(
+        &mut self,
+        parts: &[&[u8]],
+        start: usize,
+    ) -> Result<PayloadRoute, ConnectionError> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if self.shared_memory && start == 0 && total >= self.limits.region_min.max(1) {
+            self.write_region(parts, total).await?;
             return Ok(PayloadRoute::Region);
         }
-        let rest = payload.get(start..).unwrap_or_default();
         let idle = self.limits.idle_timeout;
-        for (offset, piece) in frame::chunks(rest, self.limits.chunk_size) {
-            let offset = offset + start as u64;
+        let chunk = self.limits.chunk_size.max(1);
+        let mut offset = start.min(total);
+        while offset < total {
+            let end = offset.saturating_add(chunk).min(total);
+            let pieces = frame::slices_in(parts, offset..end);
             let write = async {
                 self.stream
-                    .write_all(&frame::chunk_prefix(offset, piece))
+                    .write_all(&frame::chunk_prefix_parts(offset as u64, &pieces))
                     .await?;
-                self.stream.write_all(piece).await
+                for piece in &pieces {
+                    self.stream.write_all(piece).await?;
+                }
+                Ok::<(), std::io::Error>(())
             };
             // Each chunk must get out within the idle timeout: a reader that stalls is dropped.
             tokio::time::timeout(idle, write)
                 .await
                 .map_err(|_| ConnectionError::IdleTimeout(idle))??;
+            offset = end;
         }
         tokio::time::timeout(idle, self.stream.flush())
             .await
@@ -409,16 +427,18 @@ impl<S: Transport> Connection<S> {
         Ok(PayloadRoute::Chunks)
     }
 
-    /// Copies `payload` into a new sealed region, a piece at a time (yielding between pieces so
-    /// other sessions on this thread get their turn), and sends its frame with its descriptor.
-    async fn write_region(&mut self, payload: &[u8]) -> Result<(), ConnectionError> {
+    /// Copies the payload into a new sealed region, a piece at a time (yielding between pieces
+    /// so other sessions on this thread get their turn), and sends its frame with its descriptor.
+    async fn write_region(&mut self, parts: &[&[u8]], total: usize) -> Result<(), ConnectionError> {
         let descriptor;
         let fd;
         {
-            let mut region = OutgoingRegion::new(payload.len())?;
-            for piece in payload.chunks(REGION_PIECE) {
-                region.append(piece)?;
-                tokio::task::yield_now().await;
+            let mut region = OutgoingRegion::new(total)?;
+            for part in parts {
+                for piece in part.chunks(REGION_PIECE) {
+                    region.append(piece)?;
+                    tokio::task::yield_now().await;
+                }
             }
             descriptor = region.seal()?;
             fd = region

@@ -278,8 +278,16 @@ pub fn encode(kind: FrameKind, body: &[u8]) -> Vec<u8> {
 /// The header and offset prefix of a chunk frame carrying `payload` at `offset`; a writer sends
 /// these 24 bytes and then `payload` itself, so the tensor's bytes are never copied to frame them.
 pub fn chunk_prefix(offset: u64, payload: &[u8]) -> [u8; HEADER_LEN + CHUNK_PREFIX_LEN] {
+    chunk_prefix_parts(offset, &[payload])
+}
+
+/// [`chunk_prefix`] for a chunk whose payload lies in several slices, sent one after another.
+pub fn chunk_prefix_parts(offset: u64, payload: &[&[u8]]) -> [u8; HEADER_LEN + CHUNK_PREFIX_LEN] {
     let offset_bytes = offset.to_le_bytes();
-    let header = FrameHeader::for_parts(FrameKind::Chunk, &[&offset_bytes, payload]);
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(payload.len() + 1);
+    parts.push(&offset_bytes);
+    parts.extend_from_slice(payload);
+    let header = FrameHeader::for_parts(FrameKind::Chunk, &parts);
     let mut out = [0u8; HEADER_LEN + CHUNK_PREFIX_LEN];
     out[..HEADER_LEN].copy_from_slice(&header.encode());
     out[HEADER_LEN..].copy_from_slice(&offset_bytes);
@@ -290,6 +298,22 @@ pub fn chunk_prefix(offset: u64, payload: &[u8]) -> [u8; HEADER_LEN + CHUNK_PREF
 pub fn encode_chunk(offset: u64, payload: &[u8]) -> Vec<u8> {
     let mut out = chunk_prefix(offset, payload).to_vec();
     out.extend_from_slice(payload);
+    out
+}
+
+/// The slices of `parts` (laid end to end) that cover `range`, in order.
+pub fn slices_in<'a>(parts: &[&'a [u8]], range: std::ops::Range<usize>) -> Vec<&'a [u8]> {
+    let mut out = Vec::new();
+    let mut base = 0usize;
+    for part in parts {
+        let end = base + part.len();
+        let from = range.start.max(base);
+        let to = range.end.min(end);
+        if from < to {
+            out.push(&part[from - base..to - base]);
+        }
+        base = end;
+    }
     out
 }
 
@@ -403,6 +427,22 @@ mod tests {
             RegionDescriptor::decode(&[0; 13]),
             Err(FrameError::BadRegionBody { len: 13 })
         );
+    }
+
+    #[test]
+    fn a_chunk_over_several_slices_is_the_chunk_of_their_concatenation() {
+        let (a, b) = (&b"hello, "[..], &b"world"[..]);
+        let joined = [a, b].concat();
+        for range in [0..12, 3..9, 7..12, 0..7, 5..5] {
+            let pieces = slices_in(&[a, b], range.clone());
+            assert_eq!(pieces.concat(), &joined[range.clone()]);
+            if !range.is_empty() {
+                assert_eq!(
+                    chunk_prefix_parts(range.start as u64, &pieces),
+                    chunk_prefix(range.start as u64, &joined[range])
+                );
+            }
+        }
     }
 
     #[test]

@@ -126,6 +126,80 @@ impl fmt::Display for DeviceSpec {
     }
 }
 
+/// A registered tensor's payload as its backend keeps it: a shared buffer, then (for a quantized
+/// tensor) the scale bytes that follow it on the wire.
+pub struct SharedPayload {
+    /// The buffer, shared with the tensor (nothing writes to a buffer that is shared).
+    pub values: std::sync::Arc<burn_backend::Bytes>,
+    /// What follows it: a quantized tensor's scales as `into_data` lays them out; else empty.
+    pub tail: Vec<u8>,
+    /// The dtype the payload is of.
+    pub dtype: DType,
+    /// The shape.
+    pub shape: Vec<usize>,
+}
+
+impl SharedPayload {
+    /// The payload's length in bytes.
+    pub fn len(&self) -> usize {
+        self.values.len() + self.tail.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A Flex tensor's buffer and shape, where the buffer is exactly the contiguous tensor from its
+/// start (the conditions under which Flex's own `into_data` hands the buffer over as is).
+fn whole_buffer(
+    flex: &burn_flex::FlexTensor,
+) -> Option<(std::sync::Arc<burn_backend::Bytes>, Vec<usize>)> {
+    let layout = flex.layout();
+    if !layout.is_contiguous() || layout.start_offset() != 0 {
+        return None;
+    }
+    let shape = layout.shape().as_slice().to_vec();
+    let expected = shape
+        .iter()
+        .try_fold(flex.dtype().size(), |acc, &d| acc.checked_mul(d))?;
+    (flex.bytes().len() == expected).then(|| (flex.data_arc(), shape))
+}
+
+/// A Flex quantized tensor's payload without copying its values: Flex keeps the values as one
+/// i8 per element and the scales as `f32`s, and `into_data` writes the values followed by the
+/// scales encoded in the scheme's scale dtype. The scale bytes are made by Burn's own encoder
+/// (`QuantizedBytes` on a one-value tensor), so their layout is Burn's by construction. A
+/// two-level scheme is left to `into_data`: Flex does not expose its per-tensor scale.
+fn flex_quantized_payload(q: &dyn std::any::Any) -> Option<SharedPayload> {
+    use burn_backend::TensorMetadata;
+    use burn_backend::quantization::{QuantizedBytes, global_scale_dtype};
+    let q = q.downcast_ref::<burn_flex::FlexQTensor>()?;
+    let DType::QFloat(scheme) = TensorMetadata::dtype(q) else {
+        return None;
+    };
+    if scheme.store != QuantStore::Native || global_scale_dtype(&scheme).is_some() {
+        return None;
+    }
+    let (values, shape) = whole_buffer(q.tensor())?;
+    let scales = q.scales().to_vec();
+    let encoded = contain("encoding scales", move || {
+        QuantizedBytes::new(vec![0i8], [1], scheme, &scales, None).bytes
+    })
+    .ok()?;
+    let tail = encoded.get(1..)?.to_vec();
+    let payload = SharedPayload {
+        values,
+        tail,
+        dtype: DType::QFloat(scheme),
+        shape,
+    };
+    // Only where the result is exactly what the byte-length rule says `into_data` gives.
+    let expected = ferry_proto::meta::expected_byte_len(&payload.shape, &payload.dtype).ok()?;
+    (payload.len() == expected).then_some(payload)
+}
+
 /// A tensor on a backend, of whichever kind its dtype calls for.
 pub enum Primitive<B: Backend> {
     /// F64, F32, Flex32, F16, BF16.
@@ -179,30 +253,26 @@ impl<B: Backend> Primitive<B> {
     }
 
     /// The tensor's bytes exactly as `into_data` would return them, shared instead of copied,
-    /// where the backend already keeps them in host memory in that layout (Flex, contiguous,
-    /// plain dtypes). A source serving a download or a pull then sends straight from the
-    /// registered tensor: no host copy at all. `None` means: take [`to_data`](Self::to_data).
-    pub fn shared_host_bytes(
-        &self,
-    ) -> Option<(std::sync::Arc<burn_backend::Bytes>, DType, Vec<usize>)> {
+    /// where the backend already keeps them in host memory in that layout: Flex, contiguous,
+    /// plain dtypes (one buffer), and quantized tensors of one scale level (the values buffer,
+    /// then the few scale bytes `into_data` would append). A source serving a download or a pull
+    /// then sends straight from the registered tensor: no host copy of the tensor at all. `None`
+    /// means: take [`to_data`](Self::to_data).
+    pub fn shared_host_bytes(&self) -> Option<SharedPayload> {
         let any: &dyn std::any::Any = match self {
             Primitive::Float(t) => t,
             Primitive::Int(t) => t,
             Primitive::Bool(t) => t,
-            Primitive::Quantized(_) => return None,
+            Primitive::Quantized(q) => return flex_quantized_payload(q),
         };
         let flex = any.downcast_ref::<burn_flex::FlexTensor>()?;
-        let layout = flex.layout();
-        if !layout.is_contiguous() || layout.start_offset() != 0 {
-            return None;
-        }
-        let shape = layout.shape().as_slice().to_vec();
-        let dtype = flex.dtype();
-        // The same conditions under which Flex's own `into_data` hands over its buffer as is.
-        let expected = shape
-            .iter()
-            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))?;
-        (flex.bytes().len() == expected).then(|| (flex.data_arc(), dtype, shape))
+        let (values, shape) = whole_buffer(flex)?;
+        Some(SharedPayload {
+            values,
+            tail: Vec::new(),
+            dtype: flex.dtype(),
+            shape,
+        })
     }
 
     /// Reads the tensor back to host bytes; the tensor itself stays where it is.

@@ -460,7 +460,7 @@ impl Node {
         let meta = ferry_proto::TensorMeta::with_byte_len(
             desc.shape.clone(),
             desc.dtype,
-            bytes.as_bytes().len() as u64,
+            bytes.len() as u64,
         )?;
         Ok((desc, meta, bytes))
     }

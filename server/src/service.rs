@@ -563,7 +563,6 @@ impl Session<'_> {
             }
             Err(error) => return conn.write_response(&Response::Error(error.reply())).await,
         };
-        let bytes = bytes.as_bytes();
         let Ok(start) = usize::try_from(offset).map(|o| o.min(bytes.len())) else {
             let error = NodeError::BadRequest(format!("offset {offset} is out of range"));
             return conn.write_response(&Response::Error(error.reply())).await;
@@ -575,7 +574,7 @@ impl Session<'_> {
         .await?;
         // A failed write drops the lease (the capability waits briefly for a resume) and the
         // host copy read for it.
-        let route = conn.write_payload_from(bytes, start).await?;
+        let route = conn.write_payload_parts(&bytes.parts(), start).await?;
         self.count_sent(route, bytes.len());
         self.node.count_fetch_served();
         drop(lease);
@@ -601,8 +600,8 @@ impl Session<'_> {
                     meta: meta.to_wire(),
                 })
                 .await?;
-                let route = conn.write_payload(bytes.as_bytes()).await?;
-                self.count_sent(route, bytes.as_bytes().len());
+                let route = conn.write_payload_parts(&bytes.parts(), 0).await?;
+                self.count_sent(route, bytes.len());
             }
             Err(error) => conn.write_response(&Response::Error(error.reply())).await?,
         }

@@ -13,7 +13,7 @@ use burn_backend::{Backend, DType, TensorData};
 use ferry_proto::{TensorInfo, TensorKey, WireDType, dtype_name};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::backend::{BackendKind, DeviceSpec, Primitive};
+use crate::backend::{BackendKind, DeviceSpec, Primitive, SharedPayload};
 use crate::engine::TransferPath;
 use crate::error::NodeError;
 
@@ -158,18 +158,34 @@ pub enum Payload {
 pub enum HostBytes {
     /// Shared with the registered tensor (no copy); the `Arc` keeps them alive even if the
     /// tensor is removed meanwhile, and nothing writes to a buffer that is shared.
-    Shared(std::sync::Arc<burn_backend::Bytes>),
+    Shared(SharedPayload),
     /// Read out with `into_data`.
     Owned(TensorData),
 }
 
 impl HostBytes {
-    /// The bytes.
-    pub fn as_bytes(&self) -> &[u8] {
+    /// The payload, as the slices it lies in (to be sent end to end).
+    pub fn parts(&self) -> Vec<&[u8]> {
         match self {
-            HostBytes::Shared(bytes) => bytes,
-            HostBytes::Owned(data) => data.as_bytes(),
+            HostBytes::Shared(shared) => [&shared.values[..], &shared.tail[..]]
+                .into_iter()
+                .filter(|p| !p.is_empty())
+                .collect(),
+            HostBytes::Owned(data) => vec![data.as_bytes()],
         }
+    }
+
+    /// The payload's length.
+    pub fn len(&self) -> usize {
+        match self {
+            HostBytes::Shared(shared) => shared.len(),
+            HostBytes::Owned(data) => data.as_bytes().len(),
+        }
+    }
+
+    /// Whether the payload is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -421,11 +437,13 @@ impl<B: Backend> Worker<B> {
                     let shared = share
                         .then(|| e.primitive.shared_host_bytes())
                         .flatten()
-                        .filter(|(_, dtype, shape)| {
-                            *dtype == e.desc.dtype && *shape == e.desc.shape
+                        .filter(|shared| {
+                            shared.dtype == e.desc.dtype
+                                && shared.shape == e.desc.shape
+                                && shared.len() as u64 == e.desc.bytes
                         });
                     let bytes = match shared {
-                        Some((bytes, _, _)) => HostBytes::Shared(bytes),
+                        Some(shared) => HostBytes::Shared(shared),
                         None => HostBytes::Owned(e.primitive.to_data()?),
                     };
                     Ok((e.desc.clone(), bytes))
