@@ -239,6 +239,7 @@ async fn a_load_run_checks_every_transfer_and_leaves_nothing_behind() {
         device: 0,
         copy_device: 1,
         seed: 9,
+        warmup_rounds: 0,
     })
     .await
     .unwrap();

@@ -234,7 +234,8 @@ impl Client {
         let socket = addr.into().connect().await.map_err(ConnectionError::from)?;
         let mut conn = Connection::new(socket, config.limits);
         let mut features: Vec<String> = FEATURES.iter().map(|f| f.to_string()).collect();
-        if conn.can_share_memory() && !config.disable_shared_memory {
+        let offered = conn.can_share_memory() && !config.disable_shared_memory;
+        if offered {
             features.push(FEATURE_SHM.to_string());
         }
         conn.write_request(&Request::Hello(Hello {
@@ -249,7 +250,8 @@ impl Client {
             Response::Welcome(welcome) => welcome,
             other => return Err(unexpected(other)),
         };
-        conn.set_shared_memory(welcome.features.iter().any(|f| f == FEATURE_SHM));
+        // In force only where this side offered it and the node agreed.
+        conn.set_shared_memory(offered && welcome.features.iter().any(|f| f == FEATURE_SHM));
         Ok(Self {
             conn,
             welcome,

@@ -343,7 +343,7 @@ impl<S: Transport> Connection<S> {
         if assembler.received() != 0 {
             return Err(refuse("a region must carry the whole payload"));
         }
-        adopt_region(fd, declared, assembler)
+        adopt_region(fd, declared, assembler).await
     }
 
     /// Writes a request and flushes.
@@ -397,8 +397,17 @@ impl<S: Transport> Connection<S> {
     ) -> Result<PayloadRoute, ConnectionError> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         if self.shared_memory && start == 0 && total >= self.limits.region_min.max(1) {
-            self.write_region(parts, total).await?;
-            return Ok(PayloadRoute::Region);
+            // A region that cannot be made (out of descriptors or memory, a kernel that refuses
+            // memfds) costs nothing on the wire yet: send chunks instead.
+            match make_region(parts, total).await {
+                Ok((descriptor, fd)) => {
+                    self.send_region(descriptor, fd).await?;
+                    return Ok(PayloadRoute::Region);
+                }
+                Err(error) => {
+                    tracing::warn!(%error, bytes = total, "no shared-memory region; sending chunks");
+                }
+            }
         }
         let idle = self.limits.idle_timeout;
         let chunk = self.limits.chunk_size.max(1);
@@ -427,24 +436,12 @@ impl<S: Transport> Connection<S> {
         Ok(PayloadRoute::Chunks)
     }
 
-    /// Copies the payload into a new sealed region, a piece at a time (yielding between pieces
-    /// so other sessions on this thread get their turn), and sends its frame with its descriptor.
-    async fn write_region(&mut self, parts: &[&[u8]], total: usize) -> Result<(), ConnectionError> {
-        let descriptor;
-        let fd;
-        {
-            let mut region = OutgoingRegion::new(total)?;
-            for part in parts {
-                for piece in part.chunks(REGION_PIECE) {
-                    region.append(piece)?;
-                    tokio::task::yield_now().await;
-                }
-            }
-            descriptor = region.seal()?;
-            fd = region
-                .into_fd()
-                .ok_or_else(|| std::io::Error::other("region not sealed"))?;
-        }
+    /// Sends a sealed region's frame with its descriptor.
+    async fn send_region(
+        &mut self,
+        descriptor: RegionDescriptor,
+        fd: std::os::fd::OwnedFd,
+    ) -> Result<(), ConnectionError> {
         // Bytes still buffered go first; the descriptor then rides with the region frame.
         let idle = self.limits.idle_timeout;
         tokio::time::timeout(idle, self.stream.flush())
@@ -455,20 +452,54 @@ impl<S: Transport> Connection<S> {
     }
 }
 
+/// Copies a payload into a new sealed region, a piece at a time, yielding between pieces so
+/// other sessions on this thread get their turn.
+async fn make_region(
+    parts: &[&[u8]],
+    total: usize,
+) -> std::io::Result<(RegionDescriptor, std::os::fd::OwnedFd)> {
+    let mut region = OutgoingRegion::new(total)?;
+    for part in parts {
+        for piece in part.chunks(REGION_PIECE) {
+            region.append(piece)?;
+            tokio::task::yield_now().await;
+        }
+    }
+    let descriptor = region.seal()?;
+    let fd = region
+        .into_fd()
+        .ok_or_else(|| std::io::Error::other("region not sealed"))?;
+    Ok((descriptor, fd))
+}
+
 /// Payload bytes copied into a region between yields.
 const REGION_PIECE: usize = 8 << 20;
 
 #[cfg(target_os = "linux")]
 use crate::region::OutgoingRegion;
 
+/// Checks and maps a region, and hashes it where the receiver wants the content hash, on a
+/// blocking thread: mapping, checksumming and hashing a large region takes a while and must not
+/// hold up the other connections a runtime thread serves.
 #[cfg(target_os = "linux")]
-fn adopt_region(
+async fn adopt_region(
     fd: std::os::fd::OwnedFd,
     declared: RegionDescriptor,
     assembler: &mut TensorAssembler,
 ) -> Result<(), ConnectionError> {
-    let bytes = crate::region::adopt(fd, declared, assembler.meta().byte_len())?;
-    assembler.adopt(bytes)?;
+    let expected = assembler.meta().byte_len();
+    let hasher = assembler.take_hasher();
+    let (bytes, hasher) = tokio::task::spawn_blocking(move || {
+        let bytes = crate::region::adopt(fd, declared, expected)?;
+        let hasher = hasher.map(|mut h| {
+            h.update(&bytes);
+            h
+        });
+        Ok::<_, StreamError>((bytes, hasher))
+    })
+    .await
+    .map_err(|e| std::io::Error::other(format!("region check task: {e}")))??;
+    assembler.adopt_hashed(bytes, hasher)?;
     Ok(())
 }
 
@@ -495,7 +526,7 @@ impl OutgoingRegion {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn adopt_region(
+async fn adopt_region(
     _fd: std::os::fd::OwnedFd,
     _declared: RegionDescriptor,
     _assembler: &mut TensorAssembler,

@@ -41,6 +41,9 @@ pub struct LoadConfig {
     pub copy_device: u32,
     /// Seed for sizes, dtypes and contents.
     pub seed: u64,
+    /// Rounds per client run first, unmeasured, before the node's memory is read for "before"
+    /// (0 for none).
+    pub warmup_rounds: u64,
 }
 
 /// Latency percentiles of one operation, in milliseconds.
@@ -82,13 +85,14 @@ pub struct LoadReport {
     pub clients: usize,
     /// Rounds completed without an error.
     pub rounds: u64,
-    /// Operations that succeeded.
+    /// Operations that succeeded (a round is six: put, copy, two gets, two deletes).
     pub operations: u64,
     /// Operations that failed (each one printed as it happened).
     pub errors: u64,
     /// Tensors that came back with other bytes, dtype or shape.
     pub mismatches: u64,
-    /// Payload bytes moved (put and get; copies stay on the node).
+    /// Payload bytes moved by operations that succeeded (puts and gets; copies stay on the
+    /// node).
     pub bytes_moved: u64,
     /// Wall time, seconds.
     pub seconds: f64,
@@ -235,6 +239,21 @@ pub async fn run(config: LoadConfig) -> Result<LoadReport, LoadError> {
         ));
     }
     let connect = || Client::connect_with(config.endpoint.clone(), config.client.clone());
+    let mut warmup_errors = 0;
+    if config.warmup_rounds > 0 {
+        // A first pass sets up what the node keeps for good (connection buffers, worker and
+        // allocator state), so that "before" and "after" compare like with like.
+        let warmup = LoadConfig {
+            rounds: Some(config.warmup_rounds),
+            duration: None,
+            seed: config.seed.wrapping_add(WARMUP_SEED),
+            ..config.clone()
+        };
+        let (totals, _, _) = pass(&warmup).await;
+        warmup_errors =
+            totals.errors.load(Ordering::Relaxed) + totals.mismatches.load(Ordering::Relaxed);
+        tokio::time::sleep(SETTLE).await;
+    }
     // Closed during the run, so that the node's connection limit counts only the clients and
     // the memory sampler.
     let before = connect().await?.stat().await?.resident_bytes;
@@ -255,7 +274,44 @@ pub async fn run(config: LoadConfig) -> Result<LoadReport, LoadError> {
             }
         })
     };
+    let (totals, mut samples, seconds) = pass(&config).await;
+    stop.store(true, Ordering::Relaxed);
+    let _ = sampler.await;
 
+    // What the run made is gone; give the node a moment to hand freed memory back (it trims its
+    // allocator every few seconds), then read its memory.
+    let mut monitor = connect().await?;
+    let tensors_left = count_left(&mut monitor, &config).await?;
+    tokio::time::sleep(SETTLE).await;
+    let after = monitor.stat().await?.resident_bytes;
+    let bytes = totals.bytes.load(Ordering::Relaxed);
+    Ok(LoadReport {
+        clients: config.clients,
+        rounds: totals.rounds.load(Ordering::Relaxed),
+        operations: totals.operations.load(Ordering::Relaxed),
+        errors: totals.errors.load(Ordering::Relaxed) + warmup_errors,
+        mismatches: totals.mismatches.load(Ordering::Relaxed),
+        bytes_moved: bytes,
+        seconds,
+        gbps: bytes as f64 / seconds / 1e9,
+        put: Latency::of(&mut samples.put),
+        get: Latency::of(&mut samples.get),
+        copy: Latency::of(&mut samples.copy),
+        delete: Latency::of(&mut samples.delete),
+        node_resident_before: before,
+        node_resident_peak: peak.load(Ordering::Relaxed).max(after),
+        node_resident_after: after,
+        tensors_left,
+    })
+}
+
+/// Added to the seed for the warm-up pass, so its tensors never share a name with the run's.
+const WARMUP_SEED: u64 = 0x5741_524d;
+/// How long the node gets to hand freed memory back before its memory is read.
+const SETTLE: Duration = Duration::from_secs(6);
+
+/// One pass of every client; its totals, latency samples and wall time.
+async fn pass(config: &LoadConfig) -> (Arc<Totals>, Samples, f64) {
     // Permits are MiB of tensor held by the generator at once.
     let budget_mib = (config.max_in_flight_bytes >> 20).max(1);
     let budget = Arc::new(Semaphore::new(budget_mib));
@@ -275,35 +331,15 @@ pub async fn run(config: LoadConfig) -> Result<LoadReport, LoadError> {
         let _ = task.await;
     }
     let seconds = started.elapsed().as_secs_f64();
-    stop.store(true, Ordering::Relaxed);
-    let _ = sampler.await;
+    let samples = std::mem::take(&mut *samples.lock().await);
+    (totals, samples, seconds)
+}
 
-    // What the run made is gone; give the node a moment to hand freed memory back (it trims its
-    // allocator every few seconds), then read its memory.
-    let mut monitor = connect().await?;
-    let tensors_left = count_left(&mut monitor, &config).await?;
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    let after = monitor.stat().await?.resident_bytes;
-    let mut samples = samples.lock().await;
-    let bytes = totals.bytes.load(Ordering::Relaxed);
-    Ok(LoadReport {
-        clients: config.clients,
-        rounds: totals.rounds.load(Ordering::Relaxed),
-        operations: totals.operations.load(Ordering::Relaxed),
-        errors: totals.errors.load(Ordering::Relaxed),
-        mismatches: totals.mismatches.load(Ordering::Relaxed),
-        bytes_moved: bytes,
-        seconds,
-        gbps: bytes as f64 / seconds / 1e9,
-        put: Latency::of(&mut samples.put),
-        get: Latency::of(&mut samples.get),
-        copy: Latency::of(&mut samples.copy),
-        delete: Latency::of(&mut samples.delete),
-        node_resident_before: before,
-        node_resident_peak: peak.load(Ordering::Relaxed).max(after),
-        node_resident_after: after,
-        tensors_left,
-    })
+impl LoadReport {
+    /// The resident memory after the run relative to before it (0.1 is 10% more).
+    pub fn memory_growth(&self) -> f64 {
+        self.node_resident_after as f64 / self.node_resident_before.max(1) as f64 - 1.0
+    }
 }
 
 /// Tensors left under the names this run uses.
@@ -370,34 +406,53 @@ async fn client_loop(
         let copy_key = TensorKey::new(config.copy_device, format!("{name}.copy"));
         round += 1;
 
+        // Only what succeeded counts; a broken connection ends this client (its later calls
+        // would all fail the same way).
+        let succeeded = |bytes: u64| {
+            totals.operations.fetch_add(1, Ordering::Relaxed);
+            totals.bytes.fetch_add(bytes, Ordering::Relaxed);
+        };
+        let broken =
+            |e: &ClientError| matches!(e, ClientError::OutOfStep | ClientError::Connection(_));
         let at = Instant::now();
         if let Err(e) = client.put(config.device, &name, &data).await {
             fail(format!("put {key}: {e}"));
-            if matches!(e, ClientError::OutOfStep | ClientError::Connection(_)) {
+            if broken(&e) {
                 break;
             }
             continue;
         }
         local.put.push(at.elapsed());
+        succeeded(payload);
         let mut ok = true;
+        let mut lost = false;
         let at = Instant::now();
         match client
             .copy(&key, config.copy_device, Some(&copy_key.name))
             .await
         {
-            Ok(_) => local.copy.push(at.elapsed()),
+            Ok(_) => {
+                local.copy.push(at.elapsed());
+                succeeded(0);
+            }
             Err(e) => {
                 fail(format!("copy {key}: {e}"));
+                lost |= broken(&e);
                 ok = false;
             }
         }
         let checks: &[&TensorKey] = if ok { &[&key, &copy_key] } else { &[&key] };
         for key in checks {
+            if lost {
+                break;
+            }
             let at = Instant::now();
             match client.get(key).await {
                 Ok(back) => {
                     local.get.push(at.elapsed());
-                    if !same(&back, &data) {
+                    if same(&back, &data) {
+                        succeeded(payload);
+                    } else {
                         totals.mismatches.fetch_add(1, Ordering::Relaxed);
                         eprintln!("error: client {id}: {key}: other bytes than were put");
                         ok = false;
@@ -405,25 +460,34 @@ async fn client_loop(
                 }
                 Err(e) => {
                     fail(format!("get {key}: {e}"));
+                    lost |= broken(&e);
                     ok = false;
                 }
             }
         }
         for key in [&key, &copy_key] {
+            if lost {
+                break;
+            }
             let at = Instant::now();
             match client.delete(key).await {
-                Ok(_) => local.delete.push(at.elapsed()),
+                Ok(_) => {
+                    local.delete.push(at.elapsed());
+                    succeeded(0);
+                }
                 Err(e) if e.code() == Some(ferry_proto::ErrorCode::NotFound) && !ok => {}
                 Err(e) => {
                     fail(format!("delete {key}: {e}"));
+                    lost |= broken(&e);
                     ok = false;
                 }
             }
         }
-        totals.bytes.fetch_add(payload * 3, Ordering::Relaxed);
-        totals.operations.fetch_add(6, Ordering::Relaxed);
         if ok {
             totals.rounds.fetch_add(1, Ordering::Relaxed);
+        }
+        if lost {
+            break;
         }
     }
     let mut samples = samples.lock().await;

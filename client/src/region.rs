@@ -167,6 +167,16 @@ pub fn adopt(
             "not sealed against writes and resizing (seals {seals:?})"
         )));
     }
+    // Ordinary shared memory only: a sealed file on hugetlbfs would draw on the host's huge-page
+    // pool and fail differently when mapped.
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    let fs = rustix::fs::fstatfs(fd.as_fd()).map_err(|e| refuse(format!("fstatfs: {e}")))?;
+    if fs.f_type as i64 != TMPFS_MAGIC {
+        return Err(refuse(format!(
+            "not ordinary shared memory (file system type {:#x})",
+            fs.f_type
+        )));
+    }
     let stat = rustix::fs::fstat(fd.as_fd()).map_err(|e| refuse(format!("fstat: {e}")))?;
     let size = u64::try_from(stat.st_size).unwrap_or(u64::MAX);
     if size != expected_len as u64 {

@@ -18,6 +18,9 @@ pub const UNIX_PREFIX: &str = "unix:";
 /// is breaking the protocol; the connection fails rather than holding them.
 const MAX_QUEUED_FDS: usize = 4;
 
+/// The most bytes one `recvmsg` reads.
+const RECV_PIECE: usize = 256 * 1024;
+
 /// A node's address: `HOST:PORT` (TCP) or `unix:PATH` (a Unix domain socket).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Endpoint {
@@ -175,7 +178,10 @@ impl AsyncRead for UnixTransport {
         let this = self.get_mut();
         loop {
             ready!(this.stream.poll_read_ready(cx))?;
-            let dst = buf.initialize_unfilled();
+            // Zeroing is the price of handing recvmsg an initialised slice; bound it so a large
+            // reservation is not cleared again on every read.
+            let room = buf.remaining().min(RECV_PIECE);
+            let dst = buf.initialize_unfilled_to(room);
             let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
             let mut control = RecvAncillaryBuffer::new(&mut space);
             let result = this.stream.try_io(Interest::READABLE, || {

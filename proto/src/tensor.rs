@@ -207,6 +207,25 @@ impl TensorAssembler {
         Ok(())
     }
 
+    /// The content hasher, to feed elsewhere (off an async runtime) and give back with
+    /// [`adopt_hashed`](Self::adopt_hashed); `None` where this receiver does not hash.
+    pub fn take_hasher(&mut self) -> Option<blake3::Hasher> {
+        self.hasher.take()
+    }
+
+    /// [`adopt`](Self::adopt) for a payload already fed to the hasher taken with
+    /// [`take_hasher`](Self::take_hasher).
+    pub fn adopt_hashed(
+        &mut self,
+        payload: Bytes,
+        hasher: Option<blake3::Hasher>,
+    ) -> Result<(), StreamError> {
+        self.hasher = None;
+        self.adopt(payload)?;
+        self.hasher = hasher;
+        Ok(())
+    }
+
     /// Takes a whole, already verified payload in place of the preallocated buffer (a
     /// shared-memory region the sender filled), instead of receiving it in chunks.
     pub fn adopt(&mut self, payload: Bytes) -> Result<(), StreamError> {

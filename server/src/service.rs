@@ -43,7 +43,7 @@ pub struct ServiceConfig {
     /// How long in-flight requests may take to finish at shutdown.
     pub shutdown_grace: Duration,
     /// How long a connection may sit between requests before the node closes it, so that idle
-    /// connections cannot hold every connection slot.
+    /// connections cannot hold every connection slot; zero for never.
     pub keepalive: Duration,
 }
 
@@ -192,6 +192,12 @@ async fn accept_loop(
                 (Stream::Unix(UnixTransport::new(socket)), peer)
             }),
         };
+        if let Ok((Stream::Unix(unix), peer)) = &accepted
+            && !unix_peer_allowed(unix.get_ref())
+        {
+            tracing::warn!(%peer, "Unix connection refused: another user");
+            continue;
+        }
         let (socket, peer) = match accepted {
             Ok(accepted) => accepted,
             // Out of file descriptors and the like: back off rather than spin or die.
@@ -230,6 +236,27 @@ async fn accept_loop(
             drop(permit);
             drop(done);
         });
+    }
+}
+
+/// Completes after `keepalive`; never, where it is zero.
+async fn idle_for(keepalive: Duration) {
+    if keepalive.is_zero() {
+        std::future::pending::<()>().await;
+    }
+    tokio::time::sleep(keepalive).await;
+}
+
+/// Whether a Unix peer may connect: the node's own user, or root. The socket file is the
+/// owner's only (mode 0600), but between `bind` and `chmod` another user could have queued a
+/// connection; the kernel's word on who is calling settles it.
+fn unix_peer_allowed(socket: &UnixStream) -> bool {
+    match socket.peer_cred() {
+        Ok(cred) => {
+            let uid = cred.uid();
+            uid == 0 || uid == rustix::process::geteuid().as_raw()
+        }
+        Err(_) => false,
     }
 }
 
@@ -294,7 +321,7 @@ impl Session<'_> {
         loop {
             let request = tokio::select! {
                 request = conn.read_request() => request,
-                () = tokio::time::sleep(keepalive) => {
+                () = idle_for(keepalive) => {
                     // Only between requests: a request in progress is bounded by the idle
                     // timeout instead.
                     tracing::info!(client = self.client, ?keepalive, "closing an idle connection");

@@ -139,6 +139,10 @@ enum Command {
         /// Seed for sizes, dtypes and contents (tensor names carry it).
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Unmeasured rounds per client first, so that "before" includes what the node keeps
+        /// for good (connection buffers, allocator state).
+        #[arg(long, default_value_t = 1)]
+        warmup_rounds: u64,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -547,6 +551,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             device,
             copy_device,
             seed,
+            warmup_rounds,
             json,
         } => {
             let to_usize =
@@ -563,6 +568,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 device: *device,
                 copy_device: *copy_device,
                 seed: *seed,
+                warmup_rounds: *warmup_rounds,
             };
             load(config, *json).await
         }
@@ -621,6 +627,23 @@ async fn load(config: LoadConfig, json: bool) -> anyhow::Result<()> {
             mib(report.node_resident_after),
             (report.node_resident_after as f64 / report.node_resident_before.max(1) as f64 - 1.0)
                 * 100.0
+        );
+    }
+    if !json {
+        let growth = report.memory_growth() * 100.0;
+        println!(
+            "targets: no error {}; no mismatch {}; memory after within 10% of before {} ({growth:+.1}%)",
+            if report.errors == 0 {
+                "holds"
+            } else {
+                "MISSED"
+            },
+            if report.mismatches == 0 {
+                "holds"
+            } else {
+                "MISSED"
+            },
+            if growth <= 10.0 { "holds" } else { "MISSED" },
         );
     }
     if !report.clean() {

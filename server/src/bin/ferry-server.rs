@@ -127,6 +127,34 @@ fn tune_allocator() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn tune_allocator() {}
 
+/// Raises the soft limit on open files to the hard one: every connection, peer link and region
+/// in flight is a descriptor, and the default soft limit (often 1024) is below what
+/// `--max-connections` allows, which would make `accept` fail before the node can say why.
+fn raise_fd_limit(max_connections: usize) {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if let Some(hard) = limit.maximum
+        && limit.current.is_some_and(|soft| soft < hard)
+    {
+        let _ = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(hard),
+                maximum: Some(hard),
+            },
+        );
+    }
+    let soft = getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX);
+    // Room for listeners, peer links, regions in flight and the process's own files.
+    if (max_connections as u64).saturating_add(64) > soft {
+        tracing::warn!(
+            soft,
+            max_connections,
+            "the open-file limit is below --max-connections; connections past it fail in accept"
+        );
+    }
+}
+
 /// Installs the Prometheus exporter on `addr` and keeps the memory gauge fresh.
 fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
@@ -154,6 +182,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_logs(&args.log_format);
     tune_allocator();
+    raise_fd_limit(args.max_connections);
     if let Some(addr) = args.metrics {
         serve_metrics(addr)?;
     }
