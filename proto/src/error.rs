@@ -60,6 +60,19 @@ pub enum DTypeError {
 /// A tensor description whose shape, dtype and byte length do not describe a valid tensor.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum MetaError {
+    /// A stored scale in an encoding Burn would not give back (it would come back as other
+    /// bytes, so the tensor could not be returned bit-exact).
+    #[error(
+        "{dtype}: scale {index} is stored as {code:02x?}, which Burn does not give back unchanged (not the canonical encoding of its value)"
+    )]
+    NonCanonicalScale {
+        /// The dtype.
+        dtype: String,
+        /// Which scale.
+        index: u64,
+        /// Its stored bytes.
+        code: Vec<u8>,
+    },
     /// The dtype codes are invalid.
     #[error(transparent)]
     DType(#[from] DTypeError),

@@ -11,6 +11,7 @@ pub mod frame;
 pub mod host;
 pub mod message;
 pub mod meta;
+pub mod scales;
 pub mod tensor;
 
 pub use burn_std::{BoolStore, DType, TensorData};

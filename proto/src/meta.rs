@@ -208,6 +208,11 @@ fn quantized_value_bytes(
         })
 }
 
+/// How many block (or per-tensor) scales a quantized tensor of `shape` stores.
+pub(crate) fn scale_count(shape: &[usize], scheme: &QuantScheme) -> Result<usize, MetaError> {
+    num_scales(shape, scheme)
+}
+
 /// Block scales: one per block over the block grid (blocks right-aligned to the shape), or one.
 fn num_scales(shape: &[usize], scheme: &QuantScheme) -> Result<usize, MetaError> {
     let Some(block) = scheme.block_size() else {

@@ -10,11 +10,13 @@ use crate::meta::TensorMeta;
 /// The meta of `data`, checked against the byte-length rule (data read from a file or built by
 /// hand can be inconsistent; Burn does not check quantized lengths).
 pub fn meta_of(data: &TensorData) -> Result<TensorMeta, MetaError> {
-    TensorMeta::with_byte_len(
+    let meta = TensorMeta::with_byte_len(
         data.shape().as_slice().to_vec(),
         data.dtype(),
         data.bytes().len() as u64,
-    )
+    )?;
+    crate::scales::check_scales(&meta, data.as_bytes())?;
+    Ok(meta)
 }
 
 /// Splits `data` into its checked meta and its payload, without copying the payload.
@@ -34,6 +36,7 @@ pub fn from_parts(meta: &TensorMeta, payload: Bytes) -> Result<TensorData, MetaE
             actual: payload.len() as u64,
         });
     }
+    crate::scales::check_scales(meta, &payload)?;
     TensorData::try_from_bytes(payload, meta.shape().to_vec(), meta.dtype()).map_err(|_| {
         MetaError::ByteLenMismatch {
             shape: meta.shape().to_vec(),

@@ -929,3 +929,65 @@ fn partial_blocks_cross_exactly() {
         ship_read::<NdArray>(&what, data, &ndarray(), CHUNK);
     }
 }
+
+/// Regression for a `meta` fuzz finding: a two-level E2M1 tensor whose UE4M3 block scale was
+/// stored in a code Burn decodes and re-encodes differently came back from Flex as other bytes.
+/// Now every scale code is either refused up front (`NonCanonicalScale`) or comes back from Flex
+/// byte for byte, for each scale dtype that is not F32.
+#[test]
+fn scale_codes_burn_would_change_are_refused_and_the_rest_come_back_exactly() {
+    let schemes = [
+        native(QuantValue::E2M1)
+            .per_block([16], ScaleDtype::UE4M3)
+            .per_tensor(ScaleDtype::F32),
+        native(QuantValue::Q4S).per_block([16], ScaleDtype::UE8M0),
+        native(QuantValue::Q8S).per_block([16], ScaleDtype::F16),
+        native(QuantValue::Q8S).per_block([16], ScaleDtype::BF16),
+    ];
+    for scheme in schemes {
+        let width = match scheme.scale_dtype() {
+            ScaleDtype::F16 | ScaleDtype::BF16 => 2,
+            _ => 1,
+        };
+        let (mut refused, mut kept) = (0, 0);
+        // Every code of a one-byte dtype; a spread of two-byte codes, NaNs and infinities among them.
+        let codes: Vec<u32> = if width == 1 {
+            (0..256).collect()
+        } else {
+            (0..65536)
+                .step_by(61)
+                .chain([0x7c00, 0x7c01, 0x7e00, 0xfc00, 0xffff, 0x7f80, 0x7fc1])
+                .collect()
+        };
+        for code in codes {
+            let code_bytes = &code.to_le_bytes()[..width];
+            let shape = [2usize, 16];
+            let mut payload = vec![1u8; 32];
+            for _ in 0..2 {
+                payload.extend_from_slice(code_bytes);
+            }
+            if burn_std::quantization::global_scale_dtype(&scheme).is_some() {
+                payload.extend_from_slice(&1.0f32.to_ne_bytes());
+            }
+            let meta = TensorMeta::with_byte_len(
+                shape.to_vec(),
+                DType::QFloat(scheme),
+                payload.len() as u64,
+            )
+            .expect("the length is right");
+            match ferry_proto::scales::check_scales(&meta, &payload) {
+                Ok(()) => {
+                    kept += 1;
+                    let data =
+                        TensorData::from_bytes_vec(payload.clone(), shape, DType::QFloat(scheme));
+                    let back = catch(|| load::<Flex>(data, &flex())).expect("Flex takes it");
+                    assert_eq!(back.as_bytes(), &payload[..], "{scheme:?} code {code:#x}");
+                }
+                Err(MetaError::NonCanonicalScale { .. }) => refused += 1,
+                Err(other) => panic!("{other}"),
+            }
+        }
+        assert!(kept > 0, "{scheme:?}: some codes are canonical");
+        println!("{scheme:?}: {kept} codes kept, {refused} refused");
+    }
+}
