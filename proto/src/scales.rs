@@ -8,7 +8,9 @@
 
 use std::sync::OnceLock;
 
-use burn_std::quantization::{QuantScheme, QuantizedBytes, ScaleDtype, global_scale_dtype};
+use burn_std::quantization::{
+    QuantScheme, QuantStore, QuantValue, QuantizedBytes, ScaleDtype, global_scale_dtype,
+};
 use burn_std::{Bytes, DType};
 
 use crate::dtype::dtype_name;
@@ -29,16 +31,17 @@ fn width(dtype: ScaleDtype) -> usize {
     }
 }
 
-/// Decodes one stored scale `code` the way Burn reads a tensor of `scheme`, and encodes the
-/// value back the way Burn writes one.
-fn round_trip(scheme: &QuantScheme, code: &[u8]) -> Option<Vec<u8>> {
-    let two_level = global_scale_dtype(scheme).is_some();
+/// Decodes one stored scale `code` of `dtype` the way Burn reads a quantized tensor, and encodes
+/// the value back the way Burn writes one. Asked of a one-element Q8S tensor with a per-tensor
+/// scale of that dtype: Burn decodes and encodes scales by their dtype alone, whatever the
+/// values or the store (and its readers do not support every store).
+fn round_trip(dtype: ScaleDtype, code: &[u8]) -> Option<Vec<u8>> {
+    let scheme = QuantScheme::default()
+        .with_value(QuantValue::Q8S)
+        .with_store(QuantStore::Native)
+        .per_tensor(dtype);
     let mut stored = vec![0u8];
     stored.extend_from_slice(code);
-    if two_level {
-        stored.extend_from_slice(&1.0f32.to_ne_bytes());
-    }
-    let scheme = *scheme;
     std::panic::catch_unwind(move || {
         let (_, decoded) = QuantizedBytes {
             bytes: Bytes::from_bytes_vec(stored),
@@ -46,8 +49,7 @@ fn round_trip(scheme: &QuantScheme, code: &[u8]) -> Option<Vec<u8>> {
             shape: [1].into(),
         }
         .into_vec_i8();
-        let global = two_level.then_some(1.0);
-        let encoded = QuantizedBytes::new(vec![0i8], [1], scheme, &decoded.block, global).bytes;
+        let encoded = QuantizedBytes::new(vec![0i8], [1], scheme, &decoded.block, None).bytes;
         encoded.get(1..1 + code.len()).map(<[u8]>::to_vec)
     })
     .ok()
@@ -65,12 +67,12 @@ fn table(scheme: &QuantScheme) -> Option<&'static Canonical> {
         ScaleDtype::F16 => &TWO_BYTE[0],
         ScaleDtype::BF16 => &TWO_BYTE[1],
     };
-    Some(slot.get_or_init(|| {
+    Some(slot.get_or_init(move || {
         let width = width(dtype);
         let codes = (0..1usize << (8 * width))
             .map(|code| {
                 let bytes = &code.to_ne_bytes()[..width];
-                round_trip(scheme, bytes).is_some_and(|back| back == bytes)
+                round_trip(dtype, bytes).is_some_and(|back| back == bytes)
             })
             .collect();
         Canonical { width, codes }
@@ -110,4 +112,25 @@ pub fn check_scales(meta: &TensorMeta, payload: &[u8]) -> Result<(), MetaError> 
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tables do not depend on which scheme asked first: a packed E2M1 scheme (whose values
+    /// Burn cannot unpack on the host) asking first must not spoil UE4M3 for everyone after.
+    #[test]
+    fn the_tables_are_the_scale_dtypes_own() {
+        let packed = QuantScheme::default()
+            .with_value(QuantValue::E2M1)
+            .with_store(QuantStore::PackedU32(0))
+            .per_block([16], ScaleDtype::UE4M3);
+        let table = table(&packed).expect("a one-byte dtype");
+        assert_eq!(table.codes.len(), 256);
+        let canonical = table.codes.iter().filter(|&&c| c).count();
+        assert!(canonical >= 254, "{canonical} canonical UE4M3 codes");
+        // 1.0 in UE4M3 (exponent bias 7): 0_0111_000.
+        assert!(table.codes[0x38]);
+    }
 }
