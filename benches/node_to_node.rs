@@ -47,14 +47,12 @@ use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
 use burn_std::TensorData;
-use ferry_client::{Client, NodeCopy, TensorKey, copy_between};
+use ferry_client::{Client, TensorKey};
 
 use support::{
-    MIB, Memory, NodeProcess, Rate, WRITE_SIZE, f32_tensor, memcpy_once, q8s_256, raw_tcp_once,
-    server_binary,
+    MIB, Memory, NodeProcess, Rate, WRITE_SIZE, f32_tensor, memcpy_once, pull_once, q8s_256,
+    raw_tcp_once, server_binary,
 };
-/// A copy that takes longer than this is a hang, not a measurement.
-const COPY_TIMEOUT: Duration = Duration::from_secs(300);
 /// The name the tensor has on both nodes.
 const NAME: &str = "bench.w";
 
@@ -179,29 +177,8 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
         .expect("connect to B");
     source.put(0, NAME, &data).await.expect("put on A");
     let key = TensorKey::new(0, NAME);
-    let how = NodeCopy {
-        source_addr: &a.addr,
-        dst_device: 0,
-        dst_name: None,
-        remove_source: false,
-        overwrite: false,
-    };
-
     let copy = async |source: &mut Client, target: &mut Client| {
-        let answers = tokio::time::timeout(
-            COPY_TIMEOUT,
-            copy_between(source, target, std::slice::from_ref(&key), &how),
-        )
-        .await
-        .expect("the copy finished in time")
-        .expect("the copy's connections held");
-        let info = answers
-            .into_iter()
-            .next()
-            .expect("one answer")
-            .expect("the copy succeeded");
-        assert_eq!(info.path, "pull", "the copy was a real pull, not dedup");
-        assert_eq!(info.bytes, bytes as u64);
+        pull_once(source, target, &key, &a.addr, bytes).await;
     };
 
     // Warm-up: opens B's connection to A; the result is checked bit-exact once.

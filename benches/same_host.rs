@@ -22,19 +22,17 @@
 mod support;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use burn_std::TensorData;
-use ferry_client::{Client, NodeCopy, TensorKey, copy_between};
+use ferry_client::{Client, TensorKey};
 use support::{
-    MIB, Memory, NodeProcess, Rate, f32_tensor, memcpy_once, q8s_256, raw_tcp_once, raw_unix_once,
-    server_binary,
+    MIB, Memory, NodeProcess, Rate, f32_tensor, memcpy_once, pull_once, q8s_256, raw_tcp_once,
+    raw_unix_once, server_binary,
 };
 
 const RUNS: usize = 5;
 const NAME: &str = "bench.w";
-/// A copy that takes longer than this is a hang, not a measurement.
-const COPY_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// How B reaches A.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -91,27 +89,8 @@ async fn ferry_copy(binary: &Path, data: &TensorData, route: Route) -> Measured 
         .expect("connect to B");
     source.put(0, NAME, data).await.expect("put on A");
     let key = TensorKey::new(0, NAME);
-    let how = NodeCopy {
-        source_addr: &a_addr,
-        dst_device: 0,
-        dst_name: None,
-        remove_source: false,
-        overwrite: false,
-    };
     let copy = async |source: &mut Client, target: &mut Client| {
-        let answers = tokio::time::timeout(
-            COPY_TIMEOUT,
-            copy_between(source, target, std::slice::from_ref(&key), &how),
-        )
-        .await
-        .expect("the copy finished in time")
-        .expect("the copy's connections held");
-        let info = answers
-            .into_iter()
-            .next()
-            .expect("one answer")
-            .expect("the copy succeeded");
-        assert_eq!(info.path, "pull", "a real pull, not dedup");
+        pull_once(source, target, &key, &a_addr, bytes).await;
     };
     copy(&mut source, &mut target).await;
     let back = target.get(&key).await.expect("get from B");

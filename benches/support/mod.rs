@@ -271,3 +271,39 @@ pub fn q8s_256() -> TensorData {
         .with_store(QuantStore::Native);
     TensorData::quantized(values, shape, scheme, &[0.0125], None)
 }
+
+/// A copy that takes longer than this is a hang, not a measurement.
+pub const COPY_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// One node-to-node copy of the tensor under `key` from `source`'s node to `target`'s, as
+/// `ferry_client::copy_between` does it (the target registered it when this returns), checked
+/// to have been a real pull of `bytes` payload bytes rather than a dedup.
+pub async fn pull_once(
+    source: &mut ferry_client::Client,
+    target: &mut ferry_client::Client,
+    key: &ferry_client::TensorKey,
+    source_addr: &str,
+    bytes: usize,
+) {
+    let how = ferry_client::NodeCopy {
+        source_addr,
+        dst_device: 0,
+        dst_name: None,
+        remove_source: false,
+        overwrite: false,
+    };
+    let answers = tokio::time::timeout(
+        COPY_TIMEOUT,
+        ferry_client::copy_between(source, target, std::slice::from_ref(key), &how),
+    )
+    .await
+    .expect("the copy finished in time")
+    .expect("the copy's connections held");
+    let info = answers
+        .into_iter()
+        .next()
+        .expect("one answer")
+        .expect("the copy succeeded");
+    assert_eq!(info.path, "pull", "the copy was a real pull, not dedup");
+    assert_eq!(info.bytes, bytes as u64);
+}
