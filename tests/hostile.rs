@@ -98,6 +98,18 @@ fn put_request(device: u32, name: &str, meta: ferry::proto::WireMeta) -> Vec<u8>
     })
 }
 
+/// A node with one flex device and `service`'s limits.
+async fn flex_node(service: ServiceConfig) -> TestNode {
+    start(
+        NodeConfig {
+            devices: common::devices(&["flex"]),
+            ..NodeConfig::default()
+        },
+        service,
+    )
+    .await
+}
+
 /// After each attack: a second client puts and gets bit-exact and the node holds only its tensor.
 async fn node_still_serves(node: &TestNode) {
     let mut client = node.client().await;
@@ -247,14 +259,7 @@ async fn a_connection_closed_mid_upload_registers_nothing() {
 async fn a_silent_peer_mid_frame_is_dropped_after_the_idle_timeout() {
     let mut service = ServiceConfig::default();
     service.limits.idle_timeout = Duration::from_millis(300);
-    let node = start(
-        NodeConfig {
-            devices: common::devices(&["flex"]),
-            ..NodeConfig::default()
-        },
-        service,
-    )
-    .await;
+    let node = flex_node(service).await;
     let (mut raw, _) = Raw::hello(&node, None).await;
     raw.send(&control::encode_request(&Request::Stat)[..10])
         .await;
@@ -265,16 +270,10 @@ async fn a_silent_peer_mid_frame_is_dropped_after_the_idle_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_token_is_refused_before_any_command_runs() {
-    let node = start(
-        NodeConfig {
-            devices: common::devices(&["flex"]),
-            ..NodeConfig::default()
-        },
-        ServiceConfig {
-            token: Some("s3cret".into()),
-            ..ServiceConfig::default()
-        },
-    )
+    let node = flex_node(ServiceConfig {
+        token: Some("s3cret".into()),
+        ..ServiceConfig::default()
+    })
     .await;
     for token in [None, Some("wrong")] {
         let (mut raw, reply) = Raw::hello(&node, token).await;
@@ -502,14 +501,7 @@ async fn thousands_of_corrupted_frames_leave_the_node_serving_and_empty() {
 async fn a_whole_header_then_silence_is_dropped_after_the_idle_timeout() {
     let mut service = ServiceConfig::default();
     service.limits.idle_timeout = Duration::from_millis(300);
-    let node = start(
-        NodeConfig {
-            devices: common::devices(&["flex"]),
-            ..NodeConfig::default()
-        },
-        service,
-    )
-    .await;
+    let node = flex_node(service).await;
     let (mut raw, _) = Raw::hello(&node, None).await;
     let frame = control::encode_request(&Request::Stat);
     raw.send(&frame[..frame::HEADER_LEN]).await;
@@ -520,17 +512,11 @@ async fn a_whole_header_then_silence_is_dropped_after_the_idle_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_are_closed_so_they_cannot_hold_every_slot() {
-    let node = start(
-        NodeConfig {
-            devices: common::devices(&["flex"]),
-            ..NodeConfig::default()
-        },
-        ServiceConfig {
-            max_connections: 2,
-            keepalive: Duration::from_millis(300),
-            ..ServiceConfig::default()
-        },
-    )
+    let node = flex_node(ServiceConfig {
+        max_connections: 2,
+        keepalive: Duration::from_millis(300),
+        ..ServiceConfig::default()
+    })
     .await;
     let _idle_a = node.client().await;
     let _idle_b = node.client().await;
@@ -544,16 +530,10 @@ async fn idle_connections_are_closed_so_they_cannot_hold_every_slot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_flood_is_refused_while_accepted_clients_carry_on() {
-    let node = start(
-        NodeConfig {
-            devices: common::devices(&["flex"]),
-            ..NodeConfig::default()
-        },
-        ServiceConfig {
-            max_connections: 4,
-            ..ServiceConfig::default()
-        },
-    )
+    let node = flex_node(ServiceConfig {
+        max_connections: 4,
+        ..ServiceConfig::default()
+    })
     .await;
     let mut worker = node.client().await;
     let addr = node.addr;
