@@ -14,7 +14,10 @@
 //!   it from A under a capability, the bytes never pass through this process. One untimed
 //!   warm-up copy opens B's link to A and is checked bit-exact. After every copy the tensor is
 //!   deleted on B, so B's content-hash dedup cannot answer the next copy without a transfer
-//!   (each copy is asserted to have taken the `pull` path);
+//!   (each copy is asserted to have taken the `pull` path). B registers the tensor under the
+//!   content hash A stated and recomputes it in the background; before the delete the bench
+//!   waits (untimed) until B has, so that hashing never overlaps the next copy, and prints as
+//!   `hash verified` when that was, counted from the copy's start: B's work on a copy ends there;
 //! - `raw TCP`: the same number of bytes over one loopback TCP connection in this process, in
 //!   4 MiB writes, read with `read_exact` into a preallocated buffer whose pages were already
 //!   touched: the most a single stream gets out of this kernel, the ceiling for ferry;
@@ -24,7 +27,7 @@
 //! this process: `raw TCP, fresh dst` and `memcpy, fresh dst` write into a newly allocated
 //! buffer each run (its first-touch page faults included, as a receiver's buffer and a source's
 //! `into_data` copy pay them), `crc32c` is the per-chunk checksum each side computes, and
-//! `blake3` is the content hash the target computes over the whole payload before it registers
+//! `blake3` is the content hash the target computes over the whole payload after it registered
 //! the tensor (`ferry_proto::tensor::content_hash`).
 //!
 //! Memory (per node, from `/proc/PID/status`): `held` is VmRSS right before a copy (A then
@@ -51,7 +54,7 @@ use ferry_client::{Client, TensorKey};
 
 use support::{
     MIB, Memory, NodeProcess, Rate, WRITE_SIZE, f32_tensor, memcpy_once, pull_once, q8s_256,
-    raw_tcp_once, server_binary,
+    raw_tcp_once, server_binary, verified_since,
 };
 /// The name the tensor has on both nodes.
 const NAME: &str = "bench.w";
@@ -189,9 +192,11 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
     assert!(back.as_bytes() == data.as_bytes(), "bytes after the pull");
     drop(back);
     drop(data);
+    verified_since(&mut target, Instant::now()).await;
     target.delete(&key).await.expect("delete on B");
 
     let mut times = Vec::with_capacity(runs);
+    let mut verified = Vec::with_capacity(runs);
     for _ in 0..runs {
         let reset = a.reset_peak() & b.reset_peak();
         *peaks_resettable &= reset;
@@ -199,6 +204,7 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
         let started = Instant::now();
         copy(&mut source, &mut target).await;
         times.push(started.elapsed());
+        verified.push(verified_since(&mut target, started).await);
         mem_a.saw(held_a, a.peak());
         mem_b.saw(held_b, b.peak());
         target.delete(&key).await.expect("delete on B");
@@ -206,6 +212,7 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
     let ferry = Rate::of(bytes, &mut times);
     let ratio = ferry.median / tcp.median;
     println!("  ferry A->B          {ferry}");
+    println!("    hash verified     {}", Rate::of(bytes, &mut verified));
     println!("  raw TCP             {tcp}");
     println!("  memcpy              {memcpy}");
     for (name, rate) in &stages {

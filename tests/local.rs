@@ -428,8 +428,10 @@ async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
     let stats = client.stat().await.unwrap();
     assert_eq!(stats.shm_payloads_sent, 1, "the node did send it");
     assert_eq!(stats.regions_in_flight, 0);
-    // The stored tensor's own storage is the only mapping; no descriptor is open.
-    assert_eq!(regions_in(&node), (0, 1));
+    // What is left is the stored tensor's own: its mapping, and (at 4 MiB, large enough to be
+    // passed on without a copy) the region's descriptor it keeps for that.
+    assert!(data.as_bytes().len() >= ferry::client::connection::KEEP_REGION_MIN);
+    assert_eq!(regions_in(&node), (1, 1));
     client.delete(&TensorKey::new(0, "w")).await.unwrap();
     drop(client);
     node_is_clean(&node).await;
@@ -438,4 +440,117 @@ async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
         (0, 0),
         "the unread descriptor went with the socket"
     );
+}
+
+/// The shared-memory files (by inode) the process `pid` holds descriptors of.
+fn region_inodes(pid: u32) -> Vec<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let mut inodes = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+        let path = entry.unwrap().path();
+        let is_region = std::fs::read_link(&path)
+            .is_ok_and(|t| t.to_string_lossy().contains("memfd:ferry-region"));
+        if is_region && let Ok(meta) = std::fs::metadata(&path) {
+            inodes.push(meta.ino());
+        }
+    }
+    inodes.sort_unstable();
+    inodes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region() {
+    let _serial = COUNTING.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let a = unix_server(&dir, "a.sock", &[]);
+    let b = unix_server(&dir, "b.sock", &[]);
+    let c = unix_server(&dir, "c.sock", &[]);
+    let a_unix = a.unix.clone().unwrap();
+    let b_unix = b.unix.clone().unwrap();
+    let connect = async |unix: &str| Client::connect(unix, None).await.unwrap();
+    let mut on_a = connect(&a_unix).await;
+    let mut on_b = connect(&b_unix).await;
+    let mut on_c = connect(c.unix.as_deref().unwrap()).await;
+    // Plain, and quantized with one scale per tensor and per block (Flex keeps those in place).
+    let schemes = samples::schemes();
+    let scheme = |name: &str| &schemes.iter().find(|(n, _)| n == name).unwrap().1;
+    let tensors: Vec<(String, TensorData)> = vec![
+        (
+            "w".into(),
+            samples::plain(ferry::proto::DType::F32, &[1536, 1024], 5),
+        ),
+        (
+            "q".into(),
+            samples::quantized(scheme("Q8S-tensor-F32"), &[2048, 2560], 6),
+        ),
+        (
+            "qb".into(),
+            samples::quantized(scheme("Q8S-block32-F16"), &[2048, 2560], 7),
+        ),
+    ];
+    for (name, data) in &tensors {
+        assert!(data.as_bytes().len() >= ferry::client::connection::KEEP_REGION_MIN);
+        on_a.put(0, name, data).await.unwrap();
+    }
+    let kept = region_inodes(a.pid());
+    assert_eq!(kept.len(), 3, "A keeps the regions the puts came in");
+    let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
+    let mut how = NodeCopy {
+        source_addr: &a_unix,
+        dst_device: 0,
+        dst_name: None,
+        remove_source: false,
+        overwrite: false,
+    };
+    for answer in copy_between(&mut on_a, &mut on_b, &keys, &how)
+        .await
+        .unwrap()
+    {
+        assert_eq!(answer.unwrap().path, "pull");
+    }
+    // And on again, B -> C: every node maps the regions the client filled.
+    how.source_addr = &b_unix;
+    for answer in copy_between(&mut on_b, &mut on_c, &keys, &how)
+        .await
+        .unwrap()
+    {
+        assert_eq!(answer.unwrap().path, "pull");
+    }
+    assert_eq!(
+        region_inodes(b.pid()),
+        kept,
+        "B holds A's regions, not copies"
+    );
+    assert_eq!(region_inodes(c.pid()), kept, "C holds them too");
+    for client in [&mut on_a, &mut on_b, &mut on_c] {
+        for ((name, data), key) in tensors.iter().zip(&keys) {
+            assert_same(&client.get(key).await.unwrap(), data, name);
+        }
+    }
+    // The NdArray device copies what it is given: nothing to keep a region for.
+    let (name, data) = &tensors[0];
+    on_a.put(1, name, data).await.unwrap();
+    assert_same(
+        &on_a.get(&TensorKey::new(1, name)).await.unwrap(),
+        data,
+        name,
+    );
+    assert_eq!(region_inodes(a.pid()), kept);
+    let a_stats = on_a.stat().await.unwrap();
+    assert_eq!(a_stats.shm_payloads_received, 4);
+    assert_eq!(
+        a_stats.shm_payloads_sent, 7,
+        "three pulls and four gets, all regions"
+    );
+    assert_eq!(a_stats.regions_in_flight, 0);
+    for (client, node) in [(&mut on_a, &a), (&mut on_b, &b), (&mut on_c, &c)] {
+        for info in client.list(None).await.unwrap() {
+            client.delete(&info.key).await.unwrap();
+        }
+        assert_eq!(
+            regions_in(node),
+            (0, 0),
+            "nothing left once the tensors are gone"
+        );
+    }
 }

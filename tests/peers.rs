@@ -349,3 +349,92 @@ async fn a_target_that_goes_away_mid_stream_costs_the_source_nothing() {
         "source serves on",
     );
 }
+
+/// Waits until `node` has recomputed every stated content hash.
+async fn hashes_verified(client: &mut Client) -> ferry::proto::NodeStats {
+    for _ in 0..500 {
+        let stats = client.stat().await.unwrap();
+        if stats.hashes_pending == 0 {
+            return stats;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("stated hashes still unverified after 5 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_it() {
+    let (a, b) = pair().await;
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    // Large enough that the target's verifier is still hashing when the second copy asks.
+    let data = samples::plain(DType::F32, &[2048, 2048], 9);
+    source.put(0, "w", &data).await.unwrap();
+    let addr = a.addr.to_string();
+    let key = TensorKey::new(0, "w");
+    let first = copy_between(
+        &mut source,
+        &mut target,
+        std::slice::from_ref(&key),
+        &how(&addr, 0),
+    )
+    .await
+    .unwrap();
+    assert_eq!(first[0].as_ref().unwrap().path, "pull");
+    // At once, under another name: dedup waits for the verification instead of pulling again.
+    let mut again = how(&addr, 0);
+    again.dst_name = Some("w.again");
+    let second = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &again)
+        .await
+        .unwrap();
+    assert_eq!(second[0].as_ref().unwrap().path, "dedup");
+    let stats = hashes_verified(&mut target).await;
+    assert_eq!(
+        (stats.pulls, stats.dedup_hits, stats.hash_mismatches),
+        (1, 1, 0)
+    );
+    let on_source = a.node.describe(&key).await.unwrap();
+    for name in ["w", "w.again"] {
+        let held = b.node.describe(&TensorKey::new(0, name)).await.unwrap();
+        assert!(held.hash_verified, "{name}");
+        assert_eq!(held.content_hash, on_source.content_hash, "{name}");
+        assert_same(&target.get(&held.key).await.unwrap(), &data, name);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_dedup() {
+    use ferry::server::{Arrived, KnownHash};
+    let node = start_with(&["flex"]).await;
+    let data = samples::plain(DType::F32, &[64, 64], 3);
+    let meta = ferry::proto::tensor::meta_of(&data).unwrap();
+    let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
+    let lie = "0".repeat(64);
+    let reservation = node
+        .node
+        .admit(0, "w", &meta.dtype(), meta.shape(), meta.byte_len() as u64)
+        .unwrap();
+    let arrived = Arrived {
+        data: data.clone(),
+        hash: KnownHash::Stated(lie.clone()),
+        region: None,
+    };
+    let desc = node
+        .node
+        .register(0, "w", arrived, false, reservation)
+        .await
+        .unwrap();
+    assert_eq!(desc.content_hash, lie, "registered under the stated hash");
+    assert!(!desc.hash_verified);
+    // Whether asked before or after the verifier answered, the lie finds nothing.
+    assert!(node.node.find_by_hash(&lie).await.unwrap().is_none());
+    let mut client = node.client().await;
+    let stats = hashes_verified(&mut client).await;
+    assert_eq!(stats.hash_mismatches, 1);
+    let held = node.node.describe(&TensorKey::new(0, "w")).await.unwrap();
+    assert!(held.hash_verified);
+    assert_eq!(held.content_hash, truth);
+    let found = node.node.find_by_hash(&truth).await.unwrap().unwrap();
+    assert_eq!(found.key, TensorKey::new(0, "w"));
+    assert_same(&client.get(&found.key).await.unwrap(), &data, "w");
+}

@@ -307,3 +307,23 @@ pub async fn pull_once(
     assert_eq!(info.path, "pull", "the copy was a real pull, not dedup");
     assert_eq!(info.bytes, bytes as u64);
 }
+
+/// Waits until `target` has recomputed every content hash a source stated (a pulled tensor is
+/// registered under the source's hash and verified in the background), and returns how long
+/// after `started` that was. The benches wait for it outside the timing, so that one copy's
+/// background hashing never runs into the next copy, and print it: the node's work on a copy
+/// ends there, not at the acknowledgement.
+pub async fn verified_since(target: &mut ferry_client::Client, started: Instant) -> Duration {
+    loop {
+        let stats = target.stat().await.expect("stat the target");
+        if stats.hashes_pending == 0 {
+            assert_eq!(stats.hash_mismatches, 0, "a stated hash did not hold");
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < COPY_TIMEOUT,
+            "hash verification stalled"
+        );
+        tokio::time::sleep(Duration::from_micros(500)).await;
+    }
+}

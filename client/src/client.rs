@@ -1,6 +1,8 @@
 //! `Client`: the async Rust API to a ferry node (put, get, copy, move, delete, list, stat).
 
-use crate::connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute};
+use crate::connection::{
+    Connection, ConnectionError, ConnectionLimits, PayloadRoute, SealedRegion,
+};
 use crate::transport::{Endpoint, Stream};
 use ferry_proto::{
     ErrorCode, ErrorReply, FEATURE_SHM, FEATURES, Hello, MetaError, NodeStats, PROTOCOL_MINOR,
@@ -733,8 +735,21 @@ impl Client {
         &mut self,
         assembler: &mut TensorAssembler,
     ) -> Result<PayloadRoute, ClientError> {
+        self.fetch_payload_keeping(assembler, false)
+            .await
+            .map(|(route, _)| route)
+    }
+
+    /// [`fetch_payload`](Self::fetch_payload), keeping (with `keep`) the shared-memory region a
+    /// large payload came in, to pass the tensor on without a copy
+    /// ([`Connection::read_payload_keeping`]).
+    pub async fn fetch_payload_keeping(
+        &mut self,
+        assembler: &mut TensorAssembler,
+        keep: bool,
+    ) -> Result<(PayloadRoute, Option<SealedRegion>), ClientError> {
         self.begin()?;
-        let result = async { Ok(self.conn.read_payload(assembler).await?) }.await;
+        let result = async { Ok(self.conn.read_payload_keeping(assembler, keep).await?) }.await;
         self.end(result)
     }
 }

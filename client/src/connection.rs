@@ -254,6 +254,19 @@ impl<S: Transport> Connection<S> {
         &mut self,
         assembler: &mut TensorAssembler,
     ) -> Result<PayloadRoute, ConnectionError> {
+        self.read_payload_keeping(assembler, false)
+            .await
+            .map(|(route, _)| route)
+    }
+
+    /// [`read_payload`](Self::read_payload), keeping (with `keep`) the region a payload of at
+    /// least [`KEEP_REGION_MIN`] bytes came in, so that whoever registers the tensor can pass it
+    /// on through shared memory without copying it ([`write_payload_shared`](Self::write_payload_shared)).
+    pub async fn read_payload_keeping(
+        &mut self,
+        assembler: &mut TensorAssembler,
+        keep: bool,
+    ) -> Result<(PayloadRoute, Option<SealedRegion>), ConnectionError> {
         while !assembler.is_complete() {
             self.fill_to(HEADER_LEN).await?;
             let head = self
@@ -264,8 +277,9 @@ impl<S: Transport> Connection<S> {
             match header.kind {
                 FrameKind::Chunk => {}
                 FrameKind::Region => {
-                    self.read_region(header, assembler).await?;
-                    return Ok(PayloadRoute::Region);
+                    let keep = keep && assembler.meta().byte_len() >= KEEP_REGION_MIN;
+                    let kept = self.read_region(header, assembler, keep).await?;
+                    return Ok((PayloadRoute::Region, kept));
                 }
                 FrameKind::Control => {
                     return Err(ConnectionError::UnexpectedFrame {
@@ -305,7 +319,7 @@ impl<S: Transport> Connection<S> {
             header.verify_crc(crc)?;
             assembler.commit(offset, len)?;
         }
-        Ok(PayloadRoute::Chunks)
+        Ok((PayloadRoute::Chunks, None))
     }
 
     /// Takes a region frame off the buffer, claims the descriptor that came with it, and adopts
@@ -314,7 +328,8 @@ impl<S: Transport> Connection<S> {
         &mut self,
         header: FrameHeader,
         assembler: &mut TensorAssembler,
-    ) -> Result<(), ConnectionError> {
+        keep: bool,
+    ) -> Result<Option<SealedRegion>, ConnectionError> {
         let refuse = |reason: &str| {
             ConnectionError::from(StreamError::RegionRefused {
                 reason: reason.to_string(),
@@ -343,7 +358,7 @@ impl<S: Transport> Connection<S> {
         if assembler.received() != 0 {
             return Err(refuse("a region must carry the whole payload"));
         }
-        adopt_region(fd, declared, assembler).await
+        adopt_region(fd, declared, assembler, keep).await
     }
 
     /// Writes a request and flushes.
@@ -395,8 +410,33 @@ impl<S: Transport> Connection<S> {
         parts: &[&[u8]],
         start: usize,
     ) -> Result<PayloadRoute, ConnectionError> {
+        self.write_payload_shared(parts, start, None).await
+    }
+
+    /// [`write_payload_parts`](Self::write_payload_parts) for a payload that already lies in
+    /// `region` (it arrived through shared memory and was kept): where a region is due, that one
+    /// is passed on as it is, with no copy at all.
+    pub async fn write_payload_shared(
+        &mut self,
+        parts: &[&[u8]],
+        start: usize,
+        region: Option<&SealedRegion>,
+    ) -> Result<PayloadRoute, ConnectionError> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         if self.shared_memory && start == 0 && total >= self.limits.region_min.max(1) {
+            let kept = region
+                .filter(|r| r.descriptor().len == total as u64)
+                .map(|r| r.share().map(|fd| (r.descriptor(), fd)));
+            match kept {
+                Some(Ok((descriptor, fd))) => {
+                    self.send_region(descriptor, fd).await?;
+                    return Ok(PayloadRoute::Region);
+                }
+                Some(Err(error)) => {
+                    tracing::warn!(%error, bytes = total, "kept region not shareable; copying");
+                }
+                None => {}
+            }
             // A region that cannot be made (out of descriptors or memory, a kernel that refuses
             // memfds) costs nothing on the wire yet: send chunks instead.
             match make_region(parts, total).await {
@@ -477,6 +517,27 @@ const REGION_PIECE: usize = 8 << 20;
 
 #[cfg(target_os = "linux")]
 use crate::region::OutgoingRegion;
+#[cfg(target_os = "linux")]
+pub use crate::region::SealedRegion;
+
+/// Where shared memory does not exist, no region is ever kept.
+#[cfg(not(target_os = "linux"))]
+#[derive(Debug)]
+pub enum SealedRegion {}
+
+#[cfg(not(target_os = "linux"))]
+impl SealedRegion {
+    fn descriptor(&self) -> RegionDescriptor {
+        match *self {}
+    }
+    fn share(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        match *self {}
+    }
+}
+
+/// Regions of payloads at least this large are kept by a receiver that asks for it: below it a
+/// copy into a new region is cheap, and a kept region holds a file descriptor per tensor.
+pub const KEEP_REGION_MIN: usize = 4 << 20;
 
 /// Checks and maps a region, and hashes it where the receiver wants the content hash, on a
 /// blocking thread: mapping, checksumming and hashing a large region takes a while and must not
@@ -486,21 +547,22 @@ async fn adopt_region(
     fd: std::os::fd::OwnedFd,
     declared: RegionDescriptor,
     assembler: &mut TensorAssembler,
-) -> Result<(), ConnectionError> {
+    keep: bool,
+) -> Result<Option<SealedRegion>, ConnectionError> {
     let expected = assembler.meta().byte_len();
     let hasher = assembler.take_hasher();
-    let (bytes, hasher) = tokio::task::spawn_blocking(move || {
-        let bytes = crate::region::adopt(fd, declared, expected)?;
+    let (bytes, kept, hasher) = tokio::task::spawn_blocking(move || {
+        let (bytes, kept) = crate::region::adopt(fd, declared, expected, keep)?;
         let hasher = hasher.map(|mut h| {
             h.update(&bytes);
             h
         });
-        Ok::<_, StreamError>((bytes, hasher))
+        Ok::<_, StreamError>((bytes, kept, hasher))
     })
     .await
     .map_err(|e| std::io::Error::other(format!("region check task: {e}")))??;
     assembler.adopt_hashed(bytes, hasher)?;
-    Ok(())
+    Ok(kept)
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -530,7 +592,8 @@ async fn adopt_region(
     _fd: std::os::fd::OwnedFd,
     _declared: RegionDescriptor,
     _assembler: &mut TensorAssembler,
-) -> Result<(), ConnectionError> {
+    _keep: bool,
+) -> Result<Option<SealedRegion>, ConnectionError> {
     Err(StreamError::RegionRefused {
         reason: "shared-memory regions need Linux".into(),
     }

@@ -145,14 +145,37 @@ impl Drop for OutgoingRegion {
     }
 }
 
+/// A checked, sealed region kept beside the tensor it stores, so that the tensor can be passed on
+/// to another process without being copied again: each send hands over a duplicate descriptor.
+/// The seals make that sound: nobody, this process included, can change the region's bytes.
+#[derive(Debug)]
+pub struct SealedRegion {
+    fd: OwnedFd,
+    descriptor: RegionDescriptor,
+}
+
+impl SealedRegion {
+    /// What a region frame for it declares (its length and crc32c, checked when it arrived).
+    pub fn descriptor(&self) -> RegionDescriptor {
+        self.descriptor
+    }
+
+    /// A new descriptor of the region, to send (the socket closes it once handed over).
+    pub fn share(&self) -> io::Result<OwnedFd> {
+        self.fd.try_clone()
+    }
+}
+
 /// Checks a region a peer sent against what its frame declared and what the meta allows, and maps
 /// it privately (copy-on-write: the receiver may change its tensor, never the sender's pages).
-/// The descriptor is closed on return, whatever the outcome.
+/// With `keep`, the descriptor comes back as a [`SealedRegion`] to pass the tensor on later;
+/// otherwise it is closed on return, whatever the outcome.
 pub fn adopt(
     fd: OwnedFd,
     declared: RegionDescriptor,
     expected_len: usize,
-) -> Result<Bytes, StreamError> {
+    keep: bool,
+) -> Result<(Bytes, Option<SealedRegion>), StreamError> {
     let refuse = |reason: String| StreamError::RegionRefused { reason };
     if declared.len != expected_len as u64 {
         return Err(StreamError::RegionSize {
@@ -187,21 +210,55 @@ pub fn adopt(
     }
     // SAFETY: the region is sealed against writes and resizing (checked above), so the mapped
     // bytes cannot change or vanish under us; the mapping is private, so our writes stay ours.
+    // Mapped read-only and populated: one call maps every page the sender already filled,
+    // instead of one fault per 4 KiB page while the checksum reads them (populating a writable
+    // private mapping would instead copy every page).
     let map = unsafe {
         memmap2::MmapOptions::new()
             .len(expected_len)
-            .map_copy(&fd)
+            .populate()
+            .map_copy_read_only(&fd)
             .map_err(|e| refuse(format!("mmap: {e}")))?
     };
-    drop(fd);
-    let computed = crc32c::crc32c(&map);
+    let computed = crc32c_parallel(&map);
     if computed != declared.crc32c {
         return Err(StreamError::RegionChecksum {
             declared: declared.crc32c,
             computed,
         });
     }
-    Ok(ferry_proto::host::bytes_from_mapping(map))
+    // Writable again (still private: a write copies that page only), as Burn may write to a
+    // tensor's own memory.
+    let map = map
+        .make_mut()
+        .map_err(|e| refuse(format!("mprotect: {e}")))?;
+    let kept = keep.then_some(SealedRegion {
+        fd,
+        descriptor: declared,
+    });
+    Ok((ferry_proto::host::bytes_from_mapping(map), kept))
+}
+
+/// Regions at least this large are checksummed on two threads: the check is the receiver's
+/// whole cost of a region, and it is memory-bound on one core.
+const PARALLEL_CRC_MIN: usize = 8 << 20;
+
+/// crc32c of `bytes`, the two halves on two threads and combined, for large buffers.
+fn crc32c_parallel(bytes: &[u8]) -> u32 {
+    if bytes.len() < PARALLEL_CRC_MIN {
+        return crc32c::crc32c(bytes);
+    }
+    let (head, tail) = bytes.split_at(bytes.len() / 2);
+    let (head_crc, tail_crc) = std::thread::scope(|scope| {
+        let tail_crc = scope.spawn(|| crc32c::crc32c(tail));
+        let head_crc = crc32c::crc32c(head);
+        // A panicking checksum thread cannot happen short of a bug; recompute rather than unwind.
+        (
+            head_crc,
+            tail_crc.join().unwrap_or_else(|_| crc32c::crc32c(tail)),
+        )
+    });
+    crc32c::crc32c_combine(head_crc, tail_crc, tail.len())
 }
 
 /// Regions of this name the process `pid` still has open or mapped (from `/proc`): what a leak
@@ -237,11 +294,31 @@ mod tests {
         let declared = region.descriptor();
         assert_eq!(declared.crc32c, crc32c::crc32c(&data));
         let fd = region.into_fd().unwrap();
-        let mut bytes = adopt(fd, declared, data.len()).unwrap();
+        let (mut bytes, kept) = adopt(fd, declared, data.len(), true).unwrap();
         assert_eq!(&bytes[..], &data[..]);
+        // The kept region passes on as it came, and adopts again to the same bytes.
+        let kept = kept.unwrap();
+        assert_eq!(kept.descriptor(), declared);
+        let (again, none) = adopt(kept.share().unwrap(), declared, data.len(), false).unwrap();
+        assert!(none.is_none());
+        assert_eq!(&again[..], &data[..]);
         // Private: writing changes our copy only.
         bytes[0] ^= 0xff;
         assert_ne!(bytes[0], data[0]);
+    }
+
+    #[test]
+    fn the_two_thread_checksum_is_the_checksum() {
+        for len in [
+            0,
+            1,
+            PARALLEL_CRC_MIN - 1,
+            PARALLEL_CRC_MIN,
+            PARALLEL_CRC_MIN + 4097,
+        ] {
+            let data = payload(len);
+            assert_eq!(crc32c_parallel(&data), crc32c::crc32c(&data), "{len} bytes");
+        }
     }
 
     #[test]
@@ -256,11 +333,11 @@ mod tests {
         };
         let dup = fd.try_clone().unwrap();
         assert!(matches!(
-            adopt(fd, wrong, data.len()),
+            adopt(fd, wrong, data.len(), false),
             Err(StreamError::RegionChecksum { .. })
         ));
         assert!(matches!(
-            adopt(dup, declared, data.len() + 1),
+            adopt(dup, declared, data.len() + 1, false),
             Err(StreamError::RegionSize { .. })
         ));
 
@@ -271,12 +348,12 @@ mod tests {
         .unwrap();
         rustix::fs::ftruncate(&unsealed, data.len() as u64).unwrap();
         assert!(matches!(
-            adopt(unsealed, declared, data.len()),
+            adopt(unsealed, declared, data.len(), false),
             Err(StreamError::RegionRefused { .. })
         ));
         let file = tempfile::tempfile().unwrap();
         assert!(matches!(
-            adopt(file.into(), declared, data.len()),
+            adopt(file.into(), declared, data.len(), false),
             Err(StreamError::RegionRefused { .. })
         ));
     }

@@ -399,6 +399,12 @@ pub struct NodeStats {
     pub resident_bytes: u64,
     /// The node process's highest resident memory so far, in bytes (0 where unknown).
     pub peak_resident_bytes: u64,
+    /// Registered tensors whose content hash, stated by the node they came from, this node has
+    /// not yet recomputed (they answer no dedup until it has). Added in minor 2.
+    pub hashes_pending: u64,
+    /// Stated content hashes that the bytes turned out not to have (the tensor then answers to
+    /// the computed one). Added in minor 2.
+    pub hash_mismatches: u64,
 }
 
 /// One hosted device.

@@ -56,6 +56,27 @@ pub fn content_hash(meta: &TensorMeta, payload: &[u8]) -> String {
     hasher.finalize().to_hex().to_string()
 }
 
+/// [`content_hash`] of a payload that lies in several slices laid end to end, hashed a few MiB at
+/// a time; `None` as soon as `stop` returns true (asked between pieces), for a hash nobody needs
+/// any more.
+pub fn content_hash_parts(
+    meta: &TensorMeta,
+    parts: &[&[u8]],
+    stop: impl Fn() -> bool,
+) -> Option<String> {
+    const PIECE: usize = 4 << 20;
+    let mut hasher = content_hasher(meta);
+    for part in parts {
+        for piece in part.chunks(PIECE) {
+            if stop() {
+                return None;
+            }
+            hasher.update(piece);
+        }
+    }
+    Some(hasher.finalize().to_hex().to_string())
+}
+
 /// A BLAKE3 hasher primed with `meta`'s part of the content hash; feed it the payload in order.
 fn content_hasher(meta: &TensorMeta) -> blake3::Hasher {
     let mut hasher = blake3::Hasher::new();
@@ -259,14 +280,7 @@ impl TensorAssembler {
         self.commit(offset, data.len())
     }
 
-    /// The assembled tensor, once every declared byte has arrived.
-    pub fn finish(self) -> Result<TensorData, crate::ProtoError> {
-        self.finish_hashed().map(|(data, _)| data)
-    }
-
-    /// The assembled tensor and its content hash ([`content_hash`]), once every declared byte
-    /// has arrived.
-    pub fn finish_hashed(self) -> Result<(TensorData, String), crate::ProtoError> {
+    fn check_complete(&self) -> Result<(), crate::ProtoError> {
         if !self.is_complete() {
             return Err(StreamError::Incomplete {
                 received: self.received as u64,
@@ -274,6 +288,19 @@ impl TensorAssembler {
             }
             .into());
         }
+        Ok(())
+    }
+
+    /// The assembled tensor, once every declared byte has arrived (no content hash computed).
+    pub fn finish(self) -> Result<TensorData, crate::ProtoError> {
+        self.check_complete()?;
+        Ok(from_parts(&self.meta, self.buf)?)
+    }
+
+    /// The assembled tensor and its content hash ([`content_hash`]), once every declared byte
+    /// has arrived.
+    pub fn finish_hashed(self) -> Result<(TensorData, String), crate::ProtoError> {
+        self.check_complete()?;
         let hash = match self.hasher {
             Some(hasher) => hasher.finalize().to_hex().to_string(),
             None => content_hash(&self.meta, &self.buf),
@@ -312,6 +339,26 @@ mod tests {
         assert_eq!(back.as_bytes(), data.as_bytes());
         assert_eq!(back.dtype(), data.dtype());
         assert_eq!(back.shape(), data.shape());
+    }
+
+    #[test]
+    fn a_payload_in_parts_hashes_as_one_and_a_stop_stops() {
+        let data = TensorData::new(
+            (0..3_000_000).map(|i| i as f32).collect::<Vec<_>>(),
+            [3_000_000],
+        );
+        let (meta, payload) = into_parts(data).unwrap();
+        let (head, tail) = payload.split_at(5_000_001);
+        let whole = content_hash(&meta, &payload);
+        assert_eq!(
+            content_hash_parts(&meta, &[head, tail], || false),
+            Some(whole.clone())
+        );
+        assert_eq!(
+            content_hash_parts(&meta, &[&payload[..]], || false),
+            Some(whole)
+        );
+        assert_eq!(content_hash_parts(&meta, &[&payload[..]], || true), None);
     }
 
     #[test]

@@ -363,6 +363,8 @@ fn vectors() -> Vec<Vector> {
                 regions_in_flight: 1,
                 resident_bytes: 3 << 30,
                 peak_resident_bytes: 5 << 30,
+                hashes_pending: 2,
+                hash_mismatches: 0,
             }))],
         },
         Vector {

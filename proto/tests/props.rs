@@ -293,7 +293,7 @@ fn arb_response() -> BoxedStrategy<Response> {
     let stats = (
         arb_text(),
         vec(device, 0..3),
-        any::<[u64; 15]>(),
+        any::<[u64; 17]>(),
         arb_text(),
         arb_text(),
         proptest::option::of(arb_text()),
@@ -322,6 +322,8 @@ fn arb_response() -> BoxedStrategy<Response> {
                     regions_in_flight: n[9] / 2,
                     resident_bytes: n[13],
                     peak_resident_bytes: n[14],
+                    hashes_pending: n[15],
+                    hash_mismatches: n[16],
                 })
             },
         );

@@ -137,6 +137,9 @@ pub struct SharedPayload {
     pub dtype: DType,
     /// The shape.
     pub shape: Vec<usize>,
+    /// The sealed shared-memory region holding the same payload, where the tensor arrived in one
+    /// and it was kept (set by the worker, which knows).
+    pub region: Option<std::sync::Arc<ferry_client::connection::SealedRegion>>,
 }
 
 impl SharedPayload {
@@ -194,10 +197,62 @@ fn flex_quantized_payload(q: &dyn std::any::Any) -> Option<SharedPayload> {
         tail,
         dtype: DType::QFloat(scheme),
         shape,
+        region: None,
     };
     // Only where the result is exactly what the byte-length rule says `into_data` gives.
     let expected = ferry_proto::meta::expected_byte_len(&payload.shape, &payload.dtype).ok()?;
     (payload.len() == expected).then_some(payload)
+}
+
+/// Whether `B` is Flex and `dtype` a quantized dtype of one scale level with one `i8` per value
+/// ([`flex_quantized_from_data`] builds those).
+fn is_flex_quantized<B: Backend>(dtype: &DType) -> bool {
+    use burn_backend::quantization::global_scale_dtype;
+    let is_flex = std::any::TypeId::of::<B::QuantizedTensorPrimitive>()
+        == std::any::TypeId::of::<burn_flex::FlexQTensor>();
+    matches!(dtype, DType::QFloat(scheme)
+        if is_flex && scheme.store == QuantStore::Native && global_scale_dtype(scheme).is_none())
+}
+
+/// Flex's own `q_from_data` copies the values out of any buffer it cannot take over as a `Vec`,
+/// such as a shared-memory mapping: twice the tensor in memory, and the region could not be
+/// kept. For a scheme of one scale level and one `i8` per value, the same tensor is built here
+/// over the payload's own memory instead: the values are the payload's first bytes (shared, not
+/// copied), the scales are decoded by Burn's own decoder from the bytes after them, exactly as
+/// `q_from_data` decodes them.
+fn flex_quantized_from_data(data: TensorData) -> Result<burn_flex::FlexQTensor, NodeError> {
+    use burn_backend::SplitPolicy;
+    use burn_backend::quantization::QuantizedBytes;
+    let (bytes, shape, dtype) = data.into_parts();
+    let DType::QFloat(scheme) = dtype else {
+        return Err(NodeError::Backend(format!("{dtype:?} is not quantized")));
+    };
+    let values_len = shape.num_elements();
+    let (values, scales) = bytes
+        .split(values_len, SplitPolicy::Shared)
+        .map_err(|(_, e)| NodeError::Backend(format!("splitting off the scales: {e:?}")))?;
+    let scales_shape = shape.clone();
+    let scales = scales.to_vec();
+    // Only the scale bytes go to the decoder: it peels the scales off the end and reads
+    // whatever precedes them (the alignment padding here) as values it then drops.
+    let decoded = contain("decoding scales", move || {
+        QuantizedBytes {
+            bytes: burn_backend::Bytes::from_bytes_vec(scales),
+            scheme,
+            shape: scales_shape,
+        }
+        .into_vec_i8()
+        .1
+    })?;
+    contain("building the quantized tensor", move || {
+        let values = TensorData::from_bytes(values, shape, DType::I8);
+        burn_flex::FlexQTensor::new(
+            burn_flex::FlexTensor::from_data(values),
+            scheme,
+            decoded.block,
+            decoded.global,
+        )
+    })
 }
 
 /// A tensor on a backend, of whichever kind its dtype calls for.
@@ -241,6 +296,14 @@ impl<B: Backend> Primitive<B> {
     /// rule and checked [`BackendKind::holds`].
     pub fn from_data(data: TensorData, device: &B::Device) -> Result<Self, NodeError> {
         let dtype = data.dtype();
+        if is_flex_quantized::<B>(&dtype) {
+            let flex = flex_quantized_from_data(data)?;
+            let boxed: Box<dyn std::any::Any> = Box::new(flex);
+            return boxed
+                .downcast::<B::QuantizedTensorPrimitive>()
+                .map(|q| Primitive::Quantized(*q))
+                .map_err(|_| NodeError::Backend("a Flex tensor for another backend".into()));
+        }
         contain(
             &format!("from_data({})", dtype_name(&dtype)),
             || match dtype {
@@ -272,6 +335,7 @@ impl<B: Backend> Primitive<B> {
             tail: Vec::new(),
             dtype: flex.dtype(),
             shape,
+            region: None,
         })
     }
 

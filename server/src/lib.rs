@@ -18,4 +18,4 @@ pub use error::NodeError;
 pub use node::{Node, NodeConfig, TransferMode};
 pub use peer::{PeerLink, PullRequest};
 pub use service::{Service, ServiceConfig};
-pub use worker::TensorDesc;
+pub use worker::{Arrived, KnownHash, TensorDesc};

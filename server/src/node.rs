@@ -19,7 +19,7 @@ use crate::backend::DeviceSpec;
 use crate::engine::{TransferPath, TransferPolicy, choose_path};
 use crate::error::NodeError;
 use crate::worker::{
-    self, Command, DeviceHandle, Exported, HostBytes, Payload, Reservation, TensorDesc,
+    self, Arrived, Command, DeviceHandle, Exported, HostBytes, Payload, Reservation, TensorDesc,
 };
 
 /// The software name a node reports.
@@ -299,12 +299,31 @@ impl Node {
     }
 
     /// Finds a registered tensor with these bytes (BLAKE3, hex).
+    /// Only hashes this node computed itself count: a tensor registered under a hash its source
+    /// stated is waited for until the node has recomputed it (a model pushed twice in a row
+    /// still costs one transfer), and answers only if the hash held.
     pub async fn find_by_hash(&self, content_hash: &str) -> Result<Option<TensorDesc>, NodeError> {
-        Ok(self
-            .list(None)
-            .await?
-            .into_iter()
-            .find(|d| d.content_hash == content_hash))
+        let all = self.list(None).await?;
+        if let Some(verified) = all
+            .iter()
+            .find(|d| d.hash_verified && d.content_hash == content_hash)
+        {
+            return Ok(Some(verified.clone()));
+        }
+        for candidate in all.iter().filter(|d| d.content_hash == content_hash) {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let name = candidate.key.name.clone();
+            self.device(candidate.key.device)?
+                .tell(Command::AwaitVerified { name, reply })
+                .await?;
+            // A tensor removed meanwhile drops the question unanswered: no candidate.
+            if let Ok(desc) = answer.await
+                && desc.content_hash == content_hash
+            {
+                return Ok(Some(desc));
+            }
+        }
+        Ok(None)
     }
 
     /// The device at `index`.
@@ -368,27 +387,25 @@ impl Node {
             meta.shape(),
             meta.byte_len() as u64,
         )?;
-        self.register(device, name, data, overwrite, reservation, None)
+        self.register(device, name, Arrived::new(data), overwrite, reservation)
             .await
     }
 
-    /// Registers validated `data` for which [`admit`](Self::admit) gave `reservation`;
-    /// `content_hash` is its content hash if the receiver already computed it.
+    /// Registers validated bytes for which [`admit`](Self::admit) gave `reservation`.
     pub async fn register(
         &self,
         device: u32,
         name: &str,
-        data: TensorData,
+        arrived: Arrived,
         overwrite: bool,
         reservation: Reservation,
-        content_hash: Option<String>,
     ) -> Result<TensorDesc, NodeError> {
         let started = Instant::now();
         let result = self
             .device(device)?
             .call(|reply| Command::Insert {
                 name: name.to_string(),
-                payload: Payload::Data(data, content_hash),
+                payload: Payload::Data(arrived),
                 path: TransferPath::Put,
                 overwrite,
                 reservation,
@@ -596,7 +613,7 @@ impl Node {
                 // The bytes crossed a channel between workers: held to the same rule as bytes
                 // from a socket before the target's backend sees them.
                 ferry_proto::tensor::meta_of(&data)?;
-                Payload::Data(data, None)
+                Payload::Data(Arrived::new(data))
             }
         };
         let registered = target
@@ -715,8 +732,11 @@ impl Node {
     /// Devices, tensors, bytes held, transfers done and failed, per-path counts.
     pub async fn stats(&self) -> Result<NodeStats, NodeError> {
         let mut devices = Vec::with_capacity(self.inner.devices.len());
+        let (mut hashes_pending, mut hash_mismatches) = (0, 0);
         for handle in &self.inner.devices {
             let tensors = handle.call(|reply| Command::List { reply }).await?;
+            hashes_pending += tensors.iter().filter(|t| !t.hash_verified).count() as u64;
+            hash_mismatches += handle.hash_mismatches();
             devices.push(DeviceStats {
                 index: handle.index(),
                 backend: handle.kind().name().to_string(),
@@ -756,6 +776,8 @@ impl Node {
             regions_in_flight: regions_in_flight(),
             resident_bytes: memory.map_or(0, |m| m.resident),
             peak_resident_bytes: memory.map_or(0, |m| m.peak),
+            hashes_pending,
+            hash_mismatches,
         })
     }
 }

@@ -10,7 +10,7 @@ use ferry_proto::{TensorAssembler, TensorKey, dtype_name};
 use crate::engine::TransferPath;
 use crate::error::NodeError;
 use crate::node::{Node, TransferMode};
-use crate::worker::{Command, Payload, Reservation, TensorDesc};
+use crate::worker::{Arrived, Command, KnownHash, Payload, Reservation, TensorDesc};
 
 /// What a client asks a target node to pull.
 #[derive(Debug, Clone)]
@@ -49,10 +49,12 @@ enum AttemptError {
     Fatal(NodeError),
 }
 
-/// The receiver's state across attempts: the buffer with its verified bytes, and the budget.
+/// The receiver's state across attempts: the buffer with its verified bytes, the budget, and the
+/// region the payload came in (kept, to pass the tensor on without a copy).
 struct Receiving {
     assembler: TensorAssembler,
     reservation: Reservation,
+    region: Option<ferry_client::connection::SealedRegion>,
 }
 
 impl Node {
@@ -146,20 +148,29 @@ impl Node {
         let Some(Receiving {
             assembler,
             reservation,
+            region,
         }) = receiving
         else {
             return Err(NodeError::BadRequest(
                 "pull finished without a tensor".into(),
             ));
         };
-        let (data, hash) = assembler
-            .finish_hashed()
-            .map_err(|e| NodeError::BadRequest(e.to_string()))?;
+        // With the source's hash stated, the worker registers under it and recomputes it
+        // afterwards (or before, where it cannot read the registered bytes without a copy).
+        let finished = match &req.content_hash {
+            Some(stated) => assembler
+                .finish()
+                .map(|data| (data, KnownHash::Stated(stated.clone()))),
+            None => assembler
+                .finish_hashed()
+                .map(|(data, hash)| (data, KnownHash::Computed(hash))),
+        };
+        let (data, hash) = finished.map_err(|e| NodeError::BadRequest(e.to_string()))?;
         let desc = self
             .device(req.dst_device)?
             .call(|reply| Command::Insert {
                 name: name.to_string(),
-                payload: Payload::Data(data, Some(hash)),
+                payload: Payload::Data(Arrived { data, hash, region }),
                 path: TransferPath::Pull,
                 overwrite: req.overwrite,
                 reservation,
@@ -216,11 +227,17 @@ impl Node {
                     )
                     .map_err(AttemptError::Fatal)?;
                 let assembler = TensorAssembler::new(meta, self.config().max_tensor_bytes)
-                    .map_err(|e| AttemptError::Fatal(e.into()))?
-                    .hashing();
+                    .map_err(|e| AttemptError::Fatal(e.into()))?;
+                // Hashed while it arrives only where the source stated no hash to check later.
+                let assembler = if req.content_hash.is_some() {
+                    assembler
+                } else {
+                    assembler.hashing()
+                };
                 *receiving = Some(Receiving {
                     assembler,
                     reservation,
+                    region: None,
                 });
             }
         }
@@ -229,10 +246,11 @@ impl Node {
                 "no receiver".into(),
             )));
         };
-        let route = client
-            .fetch_payload(&mut r.assembler)
+        let (route, region) = client
+            .fetch_payload_keeping(&mut r.assembler, true)
             .await
             .map_err(|e| classify(&req.source, e))?;
+        r.region = region;
         let bytes = r.assembler.meta().byte_len() as u64;
         match route {
             PayloadRoute::Region => self.count_shm_payload(false, bytes),

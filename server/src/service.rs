@@ -27,6 +27,7 @@ use tracing::Instrument;
 use crate::error::NodeError;
 use crate::node::{AGENT, Node, TransferMode};
 use crate::peer::{PeerLink, PullRequest};
+use crate::worker::{Arrived, KnownHash};
 
 /// The largest frame body accepted before a connection's `Hello` is answered.
 const HANDSHAKE_MAX_BODY: usize = 64 * 1024;
@@ -536,12 +537,14 @@ impl Session<'_> {
             }
         };
         conn.write_response(&Response::Ready).await?;
-        match conn.read_payload(&mut assembler).await {
-            Ok(PayloadRoute::Region) => {
+        let region = match conn.read_payload_keeping(&mut assembler, true).await {
+            Ok((PayloadRoute::Region, region)) => {
                 node.count_shm_payload(false, assembler.meta().byte_len() as u64);
+                region
             }
-            Ok(PayloadRoute::Chunks) => {
+            Ok((PayloadRoute::Chunks, _)) => {
                 crate::metrics::bytes("in", "chunks", assembler.meta().byte_len() as u64);
+                None
             }
             Err(error) => {
                 // The rest of the stream cannot be trusted to line up with frames: report and
@@ -551,12 +554,18 @@ impl Session<'_> {
                 tracing::warn!(device, %name, %error, "upload failed");
                 return Err(fail(conn, error).await);
             }
-        }
+        };
         let reply = match assembler.finish_hashed() {
-            Ok((data, hash)) => node
-                .register(device, &name, data, overwrite, reservation, Some(hash))
-                .await
-                .map(|desc| Response::Stored(desc.to_wire())),
+            Ok((data, hash)) => {
+                let arrived = Arrived {
+                    data,
+                    hash: KnownHash::Computed(hash),
+                    region,
+                };
+                node.register(device, &name, arrived, overwrite, reservation)
+                    .await
+                    .map(|desc| Response::Stored(desc.to_wire()))
+            }
             Err(error) => Err(NodeError::BadRequest(error.to_string())),
         };
         conn.write_response(&reply.unwrap_or_else(|e| Response::Error(e.reply())))
@@ -601,7 +610,9 @@ impl Session<'_> {
         .await?;
         // A failed write drops the lease (the capability waits briefly for a resume) and the
         // host copy read for it.
-        let route = conn.write_payload_parts(&bytes.parts(), start).await?;
+        let route = conn
+            .write_payload_shared(&bytes.parts(), start, bytes.region())
+            .await?;
         self.count_sent(route, bytes.len());
         self.node.count_fetch_served();
         drop(lease);
@@ -627,7 +638,9 @@ impl Session<'_> {
                     meta: meta.to_wire(),
                 })
                 .await?;
-                let route = conn.write_payload_parts(&bytes.parts(), 0).await?;
+                let route = conn
+                    .write_payload_shared(&bytes.parts(), 0, bytes.region())
+                    .await?;
                 self.count_sent(route, bytes.len());
             }
             Err(error) => conn.write_response(&Response::Error(error.reply())).await?,

@@ -3,14 +3,24 @@
 //! Everything that touches a device's tensors is a [`Command`] sent to its worker; nothing else
 //! holds them. Registration is one map insert on this thread, so a tensor is either wholly
 //! registered or not at all.
+//!
+//! A tensor pulled from another node is registered under the content hash that node stated, and
+//! the worker's verifier thread recomputes it from the registered bytes afterwards: hashing is
+//! off the transfer's critical path, and a stated hash is used for nothing that trusts it (dedup)
+//! until it is verified.
+//!
+//! Registered tensors are never written to (the node moves tensors; it computes nothing), so a
+//! tensor that arrived as a sealed shared-memory region keeps that region, and is passed on
+//! through it without a copy.
 
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use burn_backend::{Backend, DType, TensorData};
-use ferry_proto::{TensorInfo, TensorKey, WireDType, dtype_name};
+use ferry_client::connection::SealedRegion;
+use ferry_proto::{TensorInfo, TensorKey, TensorMeta, WireDType, dtype_name};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::backend::{BackendKind, DeviceSpec, Primitive, SharedPayload};
@@ -33,8 +43,12 @@ pub struct TensorDesc {
     pub bytes: u64,
     /// How it arrived.
     pub path: TransferPath,
-    /// BLAKE3 of its bytes (hex), computed once when it arrived.
+    /// BLAKE3 of its bytes (hex), computed once when it arrived (or stated by the node it came
+    /// from, until [`hash_verified`](Self::hash_verified)).
     pub content_hash: String,
+    /// Whether this node computed `content_hash` from the bytes it holds. Only verified hashes
+    /// answer dedup.
+    pub hash_verified: bool,
 }
 
 impl TensorDesc {
@@ -133,6 +147,7 @@ pub struct NativeTensor {
     shape: Vec<usize>,
     bytes: u64,
     content_hash: String,
+    hash_verified: bool,
 }
 
 impl std::fmt::Debug for NativeTensor {
@@ -144,12 +159,45 @@ impl std::fmt::Debug for NativeTensor {
     }
 }
 
+/// What a receiver knows of a tensor's content hash when it hands the tensor over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KnownHash {
+    /// Nothing: the worker computes it before registering.
+    Unknown,
+    /// Computed by this node over the bytes it hands over.
+    Computed(String),
+    /// Stated by the node the bytes came from: registered as is where the worker can verify it
+    /// afterwards from the registered tensor, else checked before registering.
+    Stated(String),
+}
+
+/// Host bytes that arrived, to register.
+#[derive(Debug)]
+pub struct Arrived {
+    /// The tensor, validated against the byte-length rule.
+    pub data: TensorData,
+    /// What is known of its content hash.
+    pub hash: KnownHash,
+    /// The sealed shared-memory region the bytes lie in, where it was kept.
+    pub region: Option<SealedRegion>,
+}
+
+impl Arrived {
+    /// Bytes with nothing known about them yet.
+    pub fn new(data: TensorData) -> Self {
+        Self {
+            data,
+            hash: KnownHash::Unknown,
+            region: None,
+        }
+    }
+}
+
 /// What a worker registers.
 #[derive(Debug)]
 pub enum Payload {
-    /// Host bytes, validated against the byte-length rule: `from_data` on the target. The
-    /// content hash comes along when the receiver already computed it.
-    Data(TensorData, Option<String>),
+    /// Host bytes: `from_data` on the target.
+    Data(Arrived),
     /// A primitive from a worker of the same backend: `*_to_device` on the target.
     Native(NativeTensor),
 }
@@ -172,6 +220,14 @@ impl HostBytes {
                 .filter(|p| !p.is_empty())
                 .collect(),
             HostBytes::Owned(data) => vec![data.as_bytes()],
+        }
+    }
+
+    /// The sealed region the payload already lies in, if it was kept.
+    pub fn region(&self) -> Option<&SealedRegion> {
+        match self {
+            HostBytes::Shared(shared) => shared.region.as_deref(),
+            HostBytes::Owned(_) => None,
         }
     }
 
@@ -271,6 +327,22 @@ pub enum Command {
         /// The descriptions, sorted by name.
         reply: Reply<Vec<TensorDesc>>,
     },
+    /// Describe a tensor once its content hash is verified (at once if it is).
+    AwaitVerified {
+        /// The name.
+        name: String,
+        /// Its description then; dropped unanswered if the tensor goes first.
+        reply: oneshot::Sender<TensorDesc>,
+    },
+    /// The verifier's answer for a stated hash (sent by the worker's own verifier thread).
+    Verified {
+        /// The tensor's name.
+        name: String,
+        /// Which registration under that name was checked.
+        serial: u64,
+        /// The hash of the registered bytes.
+        computed: String,
+    },
 }
 
 /// The handle through which everything else reaches a device worker.
@@ -281,6 +353,7 @@ pub struct DeviceHandle {
     label: String,
     tx: mpsc::Sender<Command>,
     budget: Arc<Budget>,
+    hash_mismatches: Arc<AtomicU64>,
 }
 
 impl DeviceHandle {
@@ -304,6 +377,11 @@ impl DeviceHandle {
         &self.budget
     }
 
+    /// Stated content hashes that the registered bytes did not match.
+    pub fn hash_mismatches(&self) -> u64 {
+        self.hash_mismatches.load(Ordering::Relaxed)
+    }
+
     /// Checks that this device's backend stores `dtype` on `shape` exactly.
     pub fn check_holds(&self, dtype: &DType, shape: &[usize]) -> Result<(), NodeError> {
         self.kind
@@ -313,6 +391,14 @@ impl DeviceHandle {
                 dtype: dtype_name(dtype),
                 reason,
             })
+    }
+
+    /// Queues a command whose answer comes some other way.
+    pub async fn tell(&self, command: Command) -> Result<(), NodeError> {
+        self.tx
+            .send(command)
+            .await
+            .map_err(|_| NodeError::DeviceGone(self.index))
     }
 
     /// Sends a command and waits for its answer.
@@ -355,11 +441,16 @@ fn spawn_on<B: Backend>(
 ) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let label = format!("{kind}:{device:?}");
+    let hash_mismatches = Arc::new(AtomicU64::new(0));
+    let verifier = spawn_verifier(index, tx.downgrade())?;
     let worker = Worker::<B> {
         index,
         kind,
         device,
         tensors: HashMap::new(),
+        verifier,
+        next_serial: 0,
+        hash_mismatches: hash_mismatches.clone(),
     };
     let thread = std::thread::Builder::new()
         .name(format!("ferry-device-{index}"))
@@ -370,14 +461,76 @@ fn spawn_on<B: Backend>(
         label,
         tx,
         budget: Arc::new(Budget::new(index, memory_limit)),
+        hash_mismatches,
     };
     Ok((handle, thread))
+}
+
+/// A stated hash to check against a registered tensor's bytes.
+struct VerifyJob {
+    name: String,
+    serial: u64,
+    meta: TensorMeta,
+    bytes: HostBytes,
+    /// Set once the tensor is unregistered: the check is then abandoned.
+    abandoned: Arc<AtomicBool>,
+}
+
+/// Starts a device's verifier: one thread that hashes registered tensors whose hash was stated by
+/// their source, and reports to the worker. It ends when the worker does (its queue closes).
+fn spawn_verifier(
+    index: u32,
+    worker: mpsc::WeakSender<Command>,
+) -> std::io::Result<std::sync::mpsc::Sender<VerifyJob>> {
+    let (jobs, queue) = std::sync::mpsc::channel::<VerifyJob>();
+    std::thread::Builder::new()
+        .name(format!("ferry-verify-{index}"))
+        .spawn(move || {
+            while let Ok(job) = queue.recv() {
+                let stop = || job.abandoned.load(Ordering::Relaxed);
+                let Some(computed) =
+                    ferry_proto::tensor::content_hash_parts(&job.meta, &job.bytes.parts(), stop)
+                else {
+                    continue;
+                };
+                drop(job.bytes);
+                let Some(worker) = worker.upgrade() else {
+                    return;
+                };
+                let verified = Command::Verified {
+                    name: job.name,
+                    serial: job.serial,
+                    computed,
+                };
+                if worker.blocking_send(verified).is_err() {
+                    return;
+                }
+            }
+        })?;
+    Ok(jobs)
 }
 
 struct Entry<B: Backend> {
     primitive: Primitive<B>,
     desc: TensorDesc,
+    /// Which registration under this name this is (a verifier's answer names it).
+    serial: u64,
+    /// The sealed region the tensor's bytes lie in, kept to pass them on without a copy.
+    region: Option<Arc<SealedRegion>>,
+    /// Raised when the entry goes, so that a pending verification of it stops.
+    abandoned: AbandonOnDrop,
+    /// Who waits for the verification (dedup candidates).
+    waiting: Vec<oneshot::Sender<TensorDesc>>,
     _reservation: Reservation,
+}
+
+/// A flag raised when its holder is dropped.
+struct AbandonOnDrop(Arc<AtomicBool>);
+
+impl Drop for AbandonOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 struct Worker<B: Backend> {
@@ -385,6 +538,9 @@ struct Worker<B: Backend> {
     kind: BackendKind,
     device: B::Device,
     tensors: HashMap<String, Entry<B>>,
+    verifier: std::sync::mpsc::Sender<VerifyJob>,
+    next_serial: u64,
+    hash_mismatches: Arc<AtomicU64>,
 }
 
 impl<B: Backend> Worker<B> {
@@ -433,21 +589,9 @@ impl<B: Backend> Worker<B> {
                 let _ = reply.send(result);
             }
             Command::Read { name, share, reply } => {
-                let result = self.entry(&name).and_then(|e| {
-                    let shared = share
-                        .then(|| e.primitive.shared_host_bytes())
-                        .flatten()
-                        .filter(|shared| {
-                            shared.dtype == e.desc.dtype
-                                && shared.shape == e.desc.shape
-                                && shared.len() as u64 == e.desc.bytes
-                        });
-                    let bytes = match shared {
-                        Some(shared) => HostBytes::Shared(shared),
-                        None => HostBytes::Owned(e.primitive.to_data()?),
-                    };
-                    Ok((e.desc.clone(), bytes))
-                });
+                let result = self
+                    .entry(&name)
+                    .and_then(|e| Ok((e.desc.clone(), e.host_bytes(share)?)));
                 let _ = reply.send(result);
             }
             Command::Export {
@@ -463,6 +607,7 @@ impl<B: Backend> Worker<B> {
                             shape: e.desc.shape.clone(),
                             bytes: e.desc.bytes,
                             content_hash: e.desc.content_hash.clone(),
+                            hash_verified: e.desc.hash_verified,
                         }))
                     } else {
                         e.primitive.to_data().map(Exported::Data)
@@ -498,7 +643,61 @@ impl<B: Backend> Worker<B> {
                 all.sort_by(|a, b| a.key.name.cmp(&b.key.name));
                 let _ = reply.send(Ok(all));
             }
+            Command::AwaitVerified { name, reply } => {
+                if let Some(entry) = self.tensors.get_mut(&name) {
+                    if entry.desc.hash_verified {
+                        let _ = reply.send(entry.desc.clone());
+                    } else {
+                        entry.waiting.push(reply);
+                    }
+                }
+            }
+            Command::Verified {
+                name,
+                serial,
+                computed,
+            } => self.verified(&name, serial, computed),
         }
+    }
+
+    /// Records a verifier's answer, if the registration it checked is still there.
+    fn verified(&mut self, name: &str, serial: u64, computed: String) {
+        let key = self.key(name);
+        let Some(entry) = self.tensors.get_mut(name).filter(|e| e.serial == serial) else {
+            return;
+        };
+        if entry.desc.content_hash != computed {
+            // The bytes are what the source sent, each chunk checked; only its statement about
+            // them was wrong. From now on the tensor answers to the hash of what it holds.
+            self.hash_mismatches.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                %key,
+                stated = %entry.desc.content_hash,
+                %computed,
+                "a source stated a content hash its bytes do not have; keeping the computed one"
+            );
+            entry.desc.content_hash = computed;
+        }
+        entry.desc.hash_verified = true;
+        for waiter in entry.waiting.drain(..) {
+            let _ = waiter.send(entry.desc.clone());
+        }
+    }
+
+    /// Hands a registered tensor with a stated hash to the verifier, sharing its bytes where the
+    /// backend allows (else a host copy, held only while it is hashed).
+    fn verify_later(&self, name: &str) -> Result<(), NodeError> {
+        let entry = self.entry(name)?;
+        let job = VerifyJob {
+            name: name.to_string(),
+            serial: entry.serial,
+            meta: TensorMeta::new(entry.desc.shape.clone(), entry.desc.dtype)?,
+            bytes: entry.host_bytes(true)?,
+            abandoned: entry.abandoned.0.clone(),
+        };
+        self.verifier
+            .send(job)
+            .map_err(|_| NodeError::Backend("the hash verifier stopped".into()))
     }
 
     fn insert(
@@ -513,21 +712,43 @@ impl<B: Backend> Worker<B> {
         if !overwrite && self.tensors.contains_key(&name) {
             return Err(NodeError::AlreadyExists(self.key(&name)));
         }
-        let (primitive, dtype, shape, bytes, content_hash) = match payload {
-            Payload::Data(data, hashed) => {
+        let (primitive, dtype, shape, bytes, content_hash, hash_verified, region) = match payload {
+            Payload::Data(Arrived { data, hash, region }) => {
                 let dtype = data.dtype();
                 let shape = data.shape().as_slice().to_vec();
                 let bytes = data.bytes().len() as u64;
                 let meta = ferry_proto::tensor::meta_of(&data)?;
-                let content_hash = hashed
-                    .unwrap_or_else(|| ferry_proto::tensor::content_hash(&meta, data.as_bytes()));
+                let compute = || ferry_proto::tensor::content_hash(&meta, data.as_bytes());
+                let (content_hash, hash_verified) = match hash {
+                    KnownHash::Computed(hash) => (hash, true),
+                    // Only Flex shares a registered tensor's bytes for the verifier to read;
+                    // elsewhere that would take a second host copy, so the hash is checked now.
+                    KnownHash::Stated(hash) if self.kind == BackendKind::Flex => (hash, false),
+                    KnownHash::Stated(_) | KnownHash::Unknown => (compute(), true),
+                };
                 if let Some(expected) = &expect_hash
                     && *expected != content_hash
                 {
                     return Err(NodeError::Changed(self.key(&name)));
                 }
+                let origin = data.as_bytes().as_ptr();
                 let primitive = Primitive::<B>::from_data(data, &self.device)?;
-                (primitive, dtype, shape, bytes, content_hash)
+                // Kept only while the region's mapping is the tensor's own storage: a backend that
+                // copied the bytes out freed the mapping, and the region would double the memory.
+                let region = region.filter(|_| {
+                    primitive
+                        .shared_host_bytes()
+                        .is_some_and(|shared| std::ptr::eq(shared.values.as_ptr(), origin))
+                });
+                (
+                    primitive,
+                    dtype,
+                    shape,
+                    bytes,
+                    content_hash,
+                    hash_verified,
+                    region.map(Arc::new),
+                )
             }
             Payload::Native(native) => {
                 let primitive = native.primitive.downcast::<Primitive<B>>().map_err(|_| {
@@ -542,6 +763,8 @@ impl<B: Backend> Worker<B> {
                     native.shape,
                     native.bytes,
                     native.content_hash,
+                    native.hash_verified,
+                    None,
                 )
             }
         };
@@ -552,15 +775,47 @@ impl<B: Backend> Worker<B> {
             bytes,
             path,
             content_hash,
+            hash_verified,
         };
+        self.next_serial += 1;
         self.tensors.insert(
-            name,
+            name.clone(),
             Entry {
                 primitive,
                 desc: desc.clone(),
+                serial: self.next_serial,
+                region,
+                abandoned: AbandonOnDrop(Arc::new(AtomicBool::new(false))),
+                waiting: Vec::new(),
                 _reservation: reservation,
             },
         );
+        if !hash_verified && let Err(error) = self.verify_later(&name) {
+            // Registered all the same: the stated hash then never answers dedup.
+            tracing::warn!(key = %self.key(&name), %error, "content hash left unverified");
+        }
         Ok(desc)
+    }
+}
+
+impl<B: Backend> Entry<B> {
+    /// The tensor's payload on the host: with `share`, the registered bytes themselves where the
+    /// backend allows it (with the region they lie in, if kept); otherwise a copy (`into_data`).
+    fn host_bytes(&self, share: bool) -> Result<HostBytes, NodeError> {
+        let shared = share
+            .then(|| self.primitive.shared_host_bytes())
+            .flatten()
+            .filter(|shared| {
+                shared.dtype == self.desc.dtype
+                    && shared.shape == self.desc.shape
+                    && shared.len() as u64 == self.desc.bytes
+            });
+        Ok(match shared {
+            Some(mut shared) => {
+                shared.region = self.region.clone();
+                HostBytes::Shared(shared)
+            }
+            None => HostBytes::Owned(self.primitive.to_data()?),
+        })
     }
 }
