@@ -228,11 +228,25 @@ fn flex_quantized_from_data(data: TensorData) -> Result<burn_flex::FlexQTensor, 
         return Err(NodeError::Backend(format!("{dtype:?} is not quantized")));
     };
     let values_len = shape.num_elements();
-    let (values, scales) = bytes
-        .split(values_len, SplitPolicy::Shared)
-        .map_err(|(_, e)| NodeError::Backend(format!("splitting off the scales: {e:?}")))?;
+    let scales = bytes
+        .get(values_len..)
+        .ok_or_else(|| NodeError::Backend("a quantized payload shorter than its values".into()))?
+        .to_vec();
+    // A buffer from the global allocator becomes the values as it is (as `q_from_data` would
+    // take it over); any other (a mapping) is shared between values and scales, not copied.
+    let values = match bytes.try_into_vec::<i8>() {
+        Ok(mut values) => {
+            values.truncate(values_len);
+            burn_backend::Bytes::from_elems(values)
+        }
+        Err(bytes) => {
+            bytes
+                .split(values_len, SplitPolicy::Shared)
+                .map_err(|(_, e)| NodeError::Backend(format!("splitting off the scales: {e:?}")))?
+                .0
+        }
+    };
     let scales_shape = shape.clone();
-    let scales = scales.to_vec();
     // Only the scale bytes go to the decoder: it peels the scales off the end and reads
     // whatever precedes them (the alignment padding here) as values it then drops.
     let decoded = contain("decoding scales", move || {
