@@ -22,6 +22,12 @@
 //! of a transfer. Peak extra memory per node is measured as in `node_to_node` (VmHWM reset
 //! before each copy).
 //!
+//! `new region write` is the sender's part of a new region alone: the payload written into a
+//! new sealed memfd (`OutgoingRegion::create`, what a node does for a tensor in its heap). The
+//! kernel allocates and zeroes every page of a new region as it is written (shared memory gets
+//! no transparent huge pages where `shmem_enabled` is `never`, as here), so this one step is the
+//! floor of the `new region` route, printed against memcpy in the same run.
+//!
 //! Ratios are medians over the medians of memcpy into an already-touched buffer (the issue's
 //! limit), and beside it over raw TCP. Goal: shared memory >= 0.5x memcpy, printed for both
 //! shared-memory routes.
@@ -188,7 +194,20 @@ fn main() {
         let tcp = Rate::measure(bytes, RUNS, || raw_tcp_once(src, &mut dst));
         assert!(dst == src, "raw TCP delivered other bytes");
         drop(dst);
+        let new_region = Rate::measure(bytes, RUNS, || {
+            let started = Instant::now();
+            let region = ferry_client::region::OutgoingRegion::create(src)
+                .expect("a sealed shared-memory region");
+            let elapsed = started.elapsed();
+            drop(region);
+            elapsed
+        });
         println!("  {:<21} {memcpy}", "memcpy");
+        println!(
+            "  {:<21} {new_region}   {:.2}x memcpy",
+            "new region write",
+            new_region.median / memcpy.median
+        );
         println!(
             "  {:<21} {unix}   {:.2}x memcpy",
             "raw Unix socket",

@@ -309,3 +309,45 @@ async fn burn_tensors_go_in_and_come_back_with_their_dtype_quantized_included() 
     assert!(wrong_kind.unwrap_err().to_string().contains("Int tensor"));
     node.shutdown().await;
 }
+
+/// Flex takes a received buffer over as the tensor's memory, quantized tensors of one scale
+/// level included (built in place rather than by Flex's `q_from_data`, which copies any buffer
+/// it cannot take over as a `Vec`): the registered tensor's bytes are the very bytes handed in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flex_device_registers_the_received_buffer_itself() {
+    use ferry::server::worker::HostBytes;
+    let node = start_with(&["flex"]).await;
+    let schemes = samples::schemes();
+    let scheme = |name: &str| schemes.iter().find(|(n, _)| n == name).unwrap().1;
+    let cases = [
+        ("f32", samples::plain(DType::F32, &[64, 64], 1)),
+        (
+            "q8s",
+            samples::quantized(&scheme("Q8S-tensor-F32"), &[64, 64], 2),
+        ),
+        (
+            "q8s-block",
+            samples::quantized(&scheme("Q8S-block32-F16"), &[64, 64], 3),
+        ),
+        (
+            "q4s-block",
+            samples::quantized(&scheme("Q4S-block32-UE8M0"), &[64, 64], 4),
+        ),
+    ];
+    for (name, data) in cases {
+        let expected = data.as_bytes().to_vec();
+        let handed_in = data.as_bytes().as_ptr();
+        node.node.insert(0, name, data, false).await.unwrap();
+        let key = TensorKey::new(0, name);
+        let (_, _, bytes) = node.node.read_host(&key).await.unwrap();
+        assert_eq!(bytes.parts().concat(), expected, "{name}");
+        let HostBytes::Shared(shared) = &bytes else {
+            panic!("{name}: not shared");
+        };
+        assert!(
+            std::ptr::eq(shared.values.as_ptr(), handed_in),
+            "{name}: the registered values are a copy"
+        );
+    }
+    node.shutdown().await;
+}

@@ -6,7 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Fault, TestNode, assert_same, code_of, devices, proxy, start, start_with};
+use common::{
+    Fault, TestNode, assert_same, code_of, devices, proxy, spawn_server, start, start_with,
+};
 use ferry::client::{Client, ErrorCode, NodeCopy, copy_between};
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
@@ -437,4 +439,58 @@ async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_d
     let found = node.node.find_by_hash(&truth).await.unwrap().unwrap();
     assert_eq!(found.key, TensorKey::new(0, "w"));
     assert_same(&client.get(&found.key).await.unwrap(), &data, "w");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
+    // Two node processes with the default recycling (a process-wide pool, hence processes).
+    let a = spawn_server(&["--device", "flex"], None);
+    let b = spawn_server(&["--device", "flex"], None);
+    let mut source = Client::connect(a.addr.as_str(), None).await.unwrap();
+    let mut target = Client::connect(b.addr.as_str(), None).await.unwrap();
+    // 20 MiB each, over the 16 MiB from which buffers are recycled; each its own bytes.
+    let versions: Vec<TensorData> = (0..3)
+        .map(|seed| samples::plain(DType::F32, &[1280, 4096], 40 + seed))
+        .collect();
+    let bytes = versions[0].as_bytes().len() as u64;
+    let name = |i: usize| format!("v{i}");
+    for (i, data) in versions.iter().enumerate().take(2) {
+        source.put(0, &name(i), data).await.unwrap();
+        let key = TensorKey::new(0, name(i));
+        let keys = std::slice::from_ref(&key);
+        let answers = copy_between(&mut source, &mut target, keys, &how(&a.addr, 0))
+            .await
+            .unwrap();
+        assert_eq!(answers[0].as_ref().unwrap().path, "pull");
+        // The second pull lands in the buffer the first one's tensor left.
+        if i == 1 {
+            assert!(target.stat().await.unwrap().recycled_bytes < bytes, "taken");
+        }
+        assert_same(&target.get(&key).await.unwrap(), data, &name(i));
+        hashes_verified(&mut target).await;
+        target.delete(&key).await.unwrap();
+        assert!(
+            target.stat().await.unwrap().recycled_bytes >= bytes,
+            "kept for reuse"
+        );
+    }
+    // A put takes a recycled buffer the same way.
+    target.put(0, "put", &versions[2]).await.unwrap();
+    assert!(
+        target.stat().await.unwrap().recycled_bytes < bytes,
+        "taken again"
+    );
+    let key = TensorKey::new(0, "put");
+    assert_same(&target.get(&key).await.unwrap(), &versions[2], "put");
+    target.delete(&key).await.unwrap();
+    // Unused, it goes back to the system within a few seconds.
+    let mut left = u64::MAX;
+    for _ in 0..100 {
+        left = target.stat().await.unwrap().recycled_bytes;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(left, 0, "recycled buffers freed once idle");
 }

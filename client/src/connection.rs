@@ -410,21 +410,24 @@ impl<S: Transport> Connection<S> {
         parts: &[&[u8]],
         start: usize,
     ) -> Result<PayloadRoute, ConnectionError> {
-        self.write_payload_shared(parts, start, None).await
+        self.write_payload_known(parts, start, Known::default())
+            .await
     }
 
-    /// [`write_payload_parts`](Self::write_payload_parts) for a payload that already lies in
-    /// `region` (it arrived through shared memory and was kept): where a region is due, that one
-    /// is passed on as it is, with no copy at all.
-    pub async fn write_payload_shared(
+    /// [`write_payload_parts`](Self::write_payload_parts) for a payload that never changes, with
+    /// what is already known of it: where a region is due and the payload lies in a kept
+    /// region, that one is passed on as it is, with no copy at all; chunk checksums computed by
+    /// an earlier send with the same chunk size are reused rather than computed again.
+    pub async fn write_payload_known(
         &mut self,
         parts: &[&[u8]],
         start: usize,
-        region: Option<&SealedRegion>,
+        known: Known<'_>,
     ) -> Result<PayloadRoute, ConnectionError> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         if self.shared_memory && start == 0 && total >= self.limits.region_min.max(1) {
-            let kept = region
+            let kept = known
+                .region
                 .filter(|r| r.descriptor().len == total as u64)
                 .map(|r| r.share().map(|fd| (r.descriptor(), fd)));
             match kept {
@@ -452,13 +455,26 @@ impl<S: Transport> Connection<S> {
         let idle = self.limits.idle_timeout;
         let chunk = self.limits.chunk_size.max(1);
         let mut offset = start.min(total);
+        let cached = known.checksums.and_then(|c| c.for_chunk_size(chunk));
+        // A whole send with nothing cached yet records what it computes, for the next one.
+        let mut computed =
+            (offset == 0 && cached.is_none() && known.checksums.is_some()).then(Vec::new);
         while offset < total {
             let end = offset.saturating_add(chunk).min(total);
             let pieces = frame::slices_in(parts, offset..end);
+            let known_crc = cached
+                .as_ref()
+                .filter(|_| offset.is_multiple_of(chunk))
+                .and_then(|crcs| crcs.get(offset / chunk));
+            let prefix = match known_crc {
+                Some(&crc) => frame::chunk_prefix_checked(offset as u64, end - offset, crc),
+                None => frame::chunk_prefix_parts(offset as u64, &pieces),
+            };
+            if let Some(crcs) = &mut computed {
+                crcs.push(frame::prefix_checksum(&prefix));
+            }
             let write = async {
-                self.stream
-                    .write_all(&frame::chunk_prefix_parts(offset as u64, &pieces))
-                    .await?;
+                self.stream.write_all(&prefix).await?;
                 for piece in &pieces {
                     self.stream.write_all(piece).await?;
                 }
@@ -473,6 +489,9 @@ impl<S: Transport> Connection<S> {
         tokio::time::timeout(idle, self.stream.flush())
             .await
             .map_err(|_| ConnectionError::IdleTimeout(idle))??;
+        if let (Some(crcs), Some(cache)) = (computed, known.checksums) {
+            cache.remember(chunk, crcs);
+        }
         Ok(PayloadRoute::Chunks)
     }
 
@@ -532,6 +551,50 @@ impl SealedRegion {
     }
     fn share(&self) -> std::io::Result<std::os::fd::OwnedFd> {
         match *self {}
+    }
+}
+
+/// What a sender already knows of a payload that never changes (a registered tensor's).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Known<'a> {
+    /// The sealed region the payload lies in, kept from when it arrived.
+    pub region: Option<&'a SealedRegion>,
+    /// The payload's chunk checksums, once a send computed them.
+    pub checksums: Option<&'a ChunkChecksums>,
+}
+
+/// The chunk checksums of a payload that never changes, computed by its first whole send and
+/// reused by later sends with the same chunk size (a model served to many workers is
+/// checksummed once). A stale entry could only make a receiver refuse a chunk, never accept a
+/// wrong one; and a checksum taken once also catches a later change of the bytes in memory.
+#[derive(Debug, Default)]
+pub struct ChunkChecksums {
+    known: std::sync::Mutex<Option<(usize, std::sync::Arc<Vec<u32>>)>>,
+}
+
+impl ChunkChecksums {
+    fn for_chunk_size(&self, chunk: usize) -> Option<std::sync::Arc<Vec<u32>>> {
+        let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        known
+            .as_ref()
+            .filter(|(size, _)| *size == chunk)
+            .map(|(_, crcs)| crcs.clone())
+    }
+
+    fn remember(&self, chunk: usize, crcs: Vec<u32>) {
+        *self.known.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((chunk, std::sync::Arc::new(crcs)));
+    }
+
+    /// How many chunk checksums are known (for tests).
+    pub fn len(&self) -> usize {
+        let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        known.as_ref().map_or(0, |(_, crcs)| crcs.len())
+    }
+
+    /// Whether none are known yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -598,4 +661,76 @@ async fn adopt_region(
         reason: "shared-memory regions need Linux".into(),
     }
     .into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_proto::{TensorData, tensor::into_parts};
+
+    fn limits() -> ConnectionLimits {
+        ConnectionLimits {
+            chunk_size: 1000,
+            ..ConnectionLimits::default()
+        }
+    }
+
+    /// Sends `payload` with `known` through an in-memory pipe and reads it back.
+    async fn send_and_receive(
+        meta: &ferry_proto::TensorMeta,
+        payload: &[u8],
+        known: Known<'_>,
+    ) -> Result<Vec<u8>, ConnectionError> {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let mut writer = Connection::new(a, limits());
+        let mut reader = Connection::new(b, limits());
+        let mut assembler = TensorAssembler::new(meta.clone(), 1 << 20).unwrap();
+        let parts = [payload];
+        let (sent, received) = tokio::join!(
+            writer.write_payload_known(&parts, 0, known),
+            reader.read_payload(&mut assembler),
+        );
+        sent?;
+        received?;
+        Ok(assembler.finish().unwrap().as_bytes().to_vec())
+    }
+
+    #[tokio::test]
+    async fn chunk_checksums_are_computed_once_and_reused() {
+        let data = TensorData::new((0..2500).map(|i| i as f32).collect::<Vec<_>>(), [2500]);
+        let (meta, payload) = into_parts(data).unwrap();
+        let checksums = ChunkChecksums::default();
+        let known = Known {
+            region: None,
+            checksums: Some(&checksums),
+        };
+        assert_eq!(
+            send_and_receive(&meta, &payload, known).await.unwrap(),
+            &payload[..]
+        );
+        assert_eq!(checksums.len(), 10, "one per 1000-byte chunk");
+        let first = checksums.for_chunk_size(1000).unwrap();
+        assert_eq!(
+            send_and_receive(&meta, &payload, known).await.unwrap(),
+            &payload[..]
+        );
+        assert!(std::sync::Arc::ptr_eq(
+            &first,
+            &checksums.for_chunk_size(1000).unwrap()
+        ));
+        // Checksums that do not match the bytes (the bytes changed in memory since): refused.
+        let mut wrong = first.to_vec();
+        wrong[3] ^= 1;
+        checksums.remember(1000, wrong);
+        let refused = send_and_receive(&meta, &payload, known).await;
+        assert!(
+            matches!(
+                refused,
+                Err(ConnectionError::Proto(ferry_proto::ProtoError::Frame(
+                    ferry_proto::FrameError::ChecksumMismatch { .. }
+                )))
+            ),
+            "{refused:?}"
+        );
+    }
 }

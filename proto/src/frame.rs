@@ -294,6 +294,37 @@ pub fn chunk_prefix_parts(offset: u64, payload: &[&[u8]]) -> [u8; HEADER_LEN + C
     out
 }
 
+/// The prefix of a chunk frame of `len` payload bytes at `offset` whose body checksum (over the
+/// offset bytes and the payload, as [`chunk_prefix_parts`] computes it) is already known.
+///
+/// # Panics
+/// If `len` is over `u32::MAX` bytes less the prefix; callers size chunks far below that.
+pub fn chunk_prefix_checked(
+    offset: u64,
+    len: usize,
+    checksum: u32,
+) -> [u8; HEADER_LEN + CHUNK_PREFIX_LEN] {
+    let body_len = len
+        .checked_add(CHUNK_PREFIX_LEN)
+        .and_then(|l| u32::try_from(l).ok())
+        .expect("chunks are sized far below 4 GiB");
+    let header = FrameHeader {
+        kind: FrameKind::Chunk,
+        flags: 0,
+        body_len,
+        checksum,
+    };
+    let mut out = [0u8; HEADER_LEN + CHUNK_PREFIX_LEN];
+    out[..HEADER_LEN].copy_from_slice(&header.encode());
+    out[HEADER_LEN..].copy_from_slice(&offset.to_le_bytes());
+    out
+}
+
+/// The body checksum of the chunk frame a prefix starts (its header's last four bytes).
+pub fn prefix_checksum(prefix: &[u8; HEADER_LEN + CHUNK_PREFIX_LEN]) -> u32 {
+    u32::from_le_bytes([prefix[12], prefix[13], prefix[14], prefix[15]])
+}
+
 /// A whole chunk frame in one buffer (for tests and small payloads).
 pub fn encode_chunk(offset: u64, payload: &[u8]) -> Vec<u8> {
     let mut out = chunk_prefix(offset, payload).to_vec();
@@ -331,6 +362,15 @@ pub fn chunks(payload: &[u8], chunk_size: usize) -> impl Iterator<Item = (u64, &
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_known_checksum_makes_the_same_prefix() {
+        let payload: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let (head, tail) = payload.split_at(300);
+        let computed = chunk_prefix_parts(4096, &[head, tail]);
+        let known = chunk_prefix_checked(4096, payload.len(), prefix_checksum(&computed));
+        assert_eq!(known, computed);
+    }
 
     #[test]
     fn incomplete_is_a_normal_state() {

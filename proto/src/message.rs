@@ -405,6 +405,9 @@ pub struct NodeStats {
     /// Stated content hashes that the bytes turned out not to have (the tensor then answers to
     /// the computed one). Added in minor 2.
     pub hash_mismatches: u64,
+    /// Freed receive buffers the node keeps for reuse, in bytes (resident, held by no tensor).
+    /// Added in minor 2.
+    pub recycled_bytes: u64,
 }
 
 /// One hosted device.

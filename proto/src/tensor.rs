@@ -152,6 +152,17 @@ impl std::fmt::Debug for TensorAssembler {
 impl TensorAssembler {
     /// Preallocates for `meta`, refusing a payload over `max_bytes` before allocating.
     pub fn new(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
+        Self::allocate(meta, max_bytes, false)
+    }
+
+    /// [`new`](Self::new), in a recycled buffer where the process keeps one of about the size
+    /// ([`crate::host::receive_buffer`]). For a receiver whose backend keeps the buffer as the
+    /// tensor's memory as it is (Flex): one that wants a `Vec` would copy it.
+    pub fn new_recycled(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
+        Self::allocate(meta, max_bytes, true)
+    }
+
+    fn allocate(meta: TensorMeta, max_bytes: u64, recycled: bool) -> Result<Self, MetaError> {
         let len = meta.byte_len();
         if len as u64 > max_bytes {
             return Err(MetaError::TooLarge {
@@ -159,7 +170,10 @@ impl TensorAssembler {
                 limit: max_bytes,
             });
         }
-        let buf = alloc_for(meta.dtype(), len)?;
+        let buf = match recycled.then(|| crate::host::receive_buffer(len)).flatten() {
+            Some(buf) => buf,
+            None => alloc_for(meta.dtype(), len)?,
+        };
         Ok(Self {
             meta,
             buf,

@@ -365,6 +365,7 @@ fn vectors() -> Vec<Vector> {
                 peak_resident_bytes: 5 << 30,
                 hashes_pending: 2,
                 hash_mismatches: 0,
+                recycled_bytes: 256 << 20,
             }))],
         },
         Vector {

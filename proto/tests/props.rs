@@ -293,7 +293,7 @@ fn arb_response() -> BoxedStrategy<Response> {
     let stats = (
         arb_text(),
         vec(device, 0..3),
-        any::<[u64; 17]>(),
+        any::<[u64; 18]>(),
         arb_text(),
         arb_text(),
         proptest::option::of(arb_text()),
@@ -324,6 +324,7 @@ fn arb_response() -> BoxedStrategy<Response> {
                     peak_resident_bytes: n[14],
                     hashes_pending: n[15],
                     hash_mismatches: n[16],
+                    recycled_bytes: n[17],
                 })
             },
         );

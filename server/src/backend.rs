@@ -140,6 +140,8 @@ pub struct SharedPayload {
     /// The sealed shared-memory region holding the same payload, where the tensor arrived in one
     /// and it was kept (set by the worker, which knows).
     pub region: Option<std::sync::Arc<ferry_client::connection::SealedRegion>>,
+    /// The payload's chunk checksums once a send computed them (set by the worker).
+    pub checksums: Option<std::sync::Arc<ferry_client::connection::ChunkChecksums>>,
 }
 
 impl SharedPayload {
@@ -198,6 +200,7 @@ fn flex_quantized_payload(q: &dyn std::any::Any) -> Option<SharedPayload> {
         dtype: DType::QFloat(scheme),
         shape,
         region: None,
+        checksums: None,
     };
     // Only where the result is exactly what the byte-length rule says `into_data` gives.
     let expected = ferry_proto::meta::expected_byte_len(&payload.shape, &payload.dtype).ok()?;
@@ -350,6 +353,7 @@ impl<B: Backend> Primitive<B> {
             dtype: flex.dtype(),
             shape,
             region: None,
+            checksums: None,
         })
     }
 

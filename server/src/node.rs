@@ -13,9 +13,9 @@ use ferry_client::ConnectionLimits;
 
 use burn_backend::TensorData;
 use ferry_proto::message::validate_name;
-use ferry_proto::{DeviceStats, NodeStats, TensorKey, dtype_name};
+use ferry_proto::{DeviceStats, NodeStats, TensorAssembler, TensorKey, TensorMeta, dtype_name};
 
-use crate::backend::DeviceSpec;
+use crate::backend::{BackendKind, DeviceSpec};
 use crate::engine::{TransferPath, TransferPolicy, choose_path};
 use crate::error::NodeError;
 use crate::worker::{
@@ -389,6 +389,20 @@ impl Node {
         )?;
         self.register(device, name, Arrived::new(data), overwrite, reservation)
             .await
+    }
+
+    /// A receiver for a payload of `meta` bound for `device`, its buffer preallocated (refused
+    /// over the node's largest tensor): a recycled buffer where the device's backend keeps the
+    /// buffer as the tensor's memory as it is (Flex), so that it comes back for reuse when the
+    /// tensor goes.
+    pub fn receiver(&self, device: u32, meta: TensorMeta) -> Result<TensorAssembler, NodeError> {
+        let max = self.config().max_tensor_bytes;
+        let receiver = if self.device(device)?.kind() == BackendKind::Flex {
+            TensorAssembler::new_recycled(meta, max)
+        } else {
+            TensorAssembler::new(meta, max)
+        };
+        Ok(receiver?)
     }
 
     /// Registers validated bytes for which [`admit`](Self::admit) gave `reservation`.
@@ -778,6 +792,7 @@ impl Node {
             peak_resident_bytes: memory.map_or(0, |m| m.peak),
             hashes_pending,
             hash_mismatches,
+            recycled_bytes: ferry_proto::host::recycled_bytes() as u64,
         })
     }
 }

@@ -226,8 +226,9 @@ impl Node {
                         meta.byte_len() as u64,
                     )
                     .map_err(AttemptError::Fatal)?;
-                let assembler = TensorAssembler::new(meta, self.config().max_tensor_bytes)
-                    .map_err(|e| AttemptError::Fatal(e.into()))?;
+                let assembler = self
+                    .receiver(req.dst_device, meta)
+                    .map_err(AttemptError::Fatal)?;
                 // Hashed while it arrives only where the source stated no hash to check later.
                 let assembler = if req.content_hash.is_some() {
                     assembler

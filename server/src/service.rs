@@ -17,7 +17,7 @@ use ferry_client::{
 };
 use ferry_proto::{
     ErrorCode, ErrorReply, FEATURE_SHM, FEATURES, FrameError, PROTOCOL_MINOR, PROTOCOL_VERSION,
-    ProtoError, Request, Response, TensorAssembler, TensorKey, TensorMeta, Welcome, control,
+    ProtoError, Request, Response, TensorKey, TensorMeta, Welcome, control,
 };
 use subtle::ConstantTimeEq;
 use tokio::net::{TcpListener, UnixListener, UnixStream};
@@ -523,8 +523,7 @@ impl Session<'_> {
             .and_then(|meta| {
                 let bytes = meta.byte_len() as u64;
                 let reservation = node.admit(device, &name, &meta.dtype(), meta.shape(), bytes)?;
-                let assembler =
-                    TensorAssembler::new(meta, node.config().max_tensor_bytes)?.hashing();
+                let assembler = node.receiver(device, meta)?.hashing();
                 Ok((assembler, reservation))
             });
         let (mut assembler, reservation) = match admitted {
@@ -611,7 +610,7 @@ impl Session<'_> {
         // A failed write drops the lease (the capability waits briefly for a resume) and the
         // host copy read for it.
         let route = conn
-            .write_payload_shared(&bytes.parts(), start, bytes.region())
+            .write_payload_known(&bytes.parts(), start, bytes.known())
             .await?;
         self.count_sent(route, bytes.len());
         self.node.count_fetch_served();
@@ -639,7 +638,7 @@ impl Session<'_> {
                 })
                 .await?;
                 let route = conn
-                    .write_payload_shared(&bytes.parts(), 0, bytes.region())
+                    .write_payload_known(&bytes.parts(), 0, bytes.known())
                     .await?;
                 self.count_sent(route, bytes.len());
             }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use burn_backend::{Backend, DType, TensorData};
-use ferry_client::connection::SealedRegion;
+use ferry_client::connection::{ChunkChecksums, Known, SealedRegion};
 use ferry_proto::{TensorInfo, TensorKey, TensorMeta, WireDType, dtype_name};
 use tokio::sync::{mpsc, oneshot};
 
@@ -223,11 +223,15 @@ impl HostBytes {
         }
     }
 
-    /// The sealed region the payload already lies in, if it was kept.
-    pub fn region(&self) -> Option<&SealedRegion> {
+    /// What is known of the payload already: the sealed region it lies in, if it was kept, and
+    /// its chunk checksums, once a send computed them (the registered tensor never changes).
+    pub fn known(&self) -> Known<'_> {
         match self {
-            HostBytes::Shared(shared) => shared.region.as_deref(),
-            HostBytes::Owned(_) => None,
+            HostBytes::Shared(shared) => Known {
+                region: shared.region.as_deref(),
+                checksums: shared.checksums.as_deref(),
+            },
+            HostBytes::Owned(_) => Known::default(),
         }
     }
 
@@ -521,6 +525,8 @@ struct Entry<B: Backend> {
     abandoned: AbandonOnDrop,
     /// Who waits for the verification (dedup candidates).
     waiting: Vec<oneshot::Sender<TensorDesc>>,
+    /// Its chunk checksums, filled by the first send that computes them.
+    checksums: Arc<ChunkChecksums>,
     _reservation: Reservation,
 }
 
@@ -787,6 +793,7 @@ impl<B: Backend> Worker<B> {
                 region,
                 abandoned: AbandonOnDrop(Arc::new(AtomicBool::new(false))),
                 waiting: Vec::new(),
+                checksums: Arc::default(),
                 _reservation: reservation,
             },
         );
@@ -813,6 +820,7 @@ impl<B: Backend> Entry<B> {
         Ok(match shared {
             Some(mut shared) => {
                 shared.region = self.region.clone();
+                shared.checksums = Some(self.checksums.clone());
                 HostBytes::Shared(shared)
             }
             None => HostBytes::Owned(self.primitive.to_data()?),

@@ -75,6 +75,12 @@ struct Args {
     /// Log format on stderr: `text` for people, `json` (one object per line) for collectors.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
+    /// Freed receive buffers (16 MiB and up, of tensors on Flex devices) kept for reuse, at most
+    /// (suffixes work; 0 keeps none). A new buffer costs the kernel the zeroing of every page,
+    /// more than the network copy into it; a node that receives and drops tensors of similar
+    /// sizes reuses them instead. Unused ones are freed after 2 seconds.
+    #[arg(long, default_value = "512MiB")]
+    recycle: bytesize::ByteSize,
 }
 
 /// Upper bounds of the transfer latency histogram, in seconds.
@@ -118,11 +124,14 @@ fn tune_allocator() {
     std::thread::Builder::new()
         .name("malloc-trim".into())
         .spawn(|| {
-            loop {
-                std::thread::sleep(Duration::from_secs(5));
-                // SAFETY: as above.
-                unsafe {
-                    libc::malloc_trim(0);
+            for tick in 1u64.. {
+                std::thread::sleep(Duration::from_secs(1));
+                ferry_proto::host::trim_recycled(RECYCLED_IDLE);
+                if tick % 5 == 0 {
+                    // SAFETY: as above.
+                    unsafe {
+                        libc::malloc_trim(0);
+                    }
                 }
             }
         })
@@ -130,7 +139,20 @@ fn tune_allocator() {
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn tune_allocator() {}
+fn tune_allocator() {
+    std::thread::Builder::new()
+        .name("recycle-trim".into())
+        .spawn(|| {
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+                ferry_proto::host::trim_recycled(RECYCLED_IDLE);
+            }
+        })
+        .ok();
+}
+
+/// How long a recycled receive buffer may wait unused before it is freed.
+const RECYCLED_IDLE: Duration = Duration::from_secs(2);
 
 /// Raises the soft limit on open files to the hard one: every connection, peer link and region
 /// in flight is a descriptor, and the default soft limit (often 1024) is below what
@@ -197,6 +219,9 @@ async fn serve() -> anyhow::Result<()> {
     let args = Args::parse();
     init_logs(&args.log_format);
     raise_fd_limit(args.max_connections);
+    ferry_proto::host::set_recycle_limit(
+        usize::try_from(args.recycle.as_u64()).unwrap_or(usize::MAX),
+    );
     if let Some(addr) = args.metrics {
         serve_metrics(addr)?;
     }
