@@ -4,9 +4,11 @@
 //! Lifetime is the kernel's: a region is an anonymous file that exists only while a descriptor or
 //! a mapping refers to it. The sender closes its descriptor once `sendmsg` has handed the kernel
 //! a reference; a descriptor still in flight is closed when the socket closes (receiver gone);
-//! the receiver closes its descriptor as soon as it has mapped the region. What is left is the
-//! receiver's private mapping, which is the received tensor's storage and goes with the tensor.
-//! So no region outlives its transfer on any path, a crash included.
+//! the receiver closes its descriptor once it has mapped the region, or keeps it (a
+//! [`SealedRegion`], for a large payload a node registers) to pass the same region on later.
+//! What is left is the receiver's private mapping (and that descriptor), which is the received
+//! tensor's storage and goes with the tensor. So no region outlives the tensor it carries on any
+//! path, a crash included.
 //!
 //! The receiver trusts nothing: the region must be sealed against writes and resizing (so the
 //! sender cannot change the bytes after they are checked), be exactly the declared size, and
