@@ -261,7 +261,7 @@ impl<S: Transport> Connection<S> {
 
     /// [`read_payload`](Self::read_payload), keeping (with `keep`) the region a payload of at
     /// least [`KEEP_REGION_MIN`] bytes came in, so that whoever registers the tensor can pass it
-    /// on through shared memory without copying it ([`write_payload_shared`](Self::write_payload_shared)).
+    /// on through shared memory without copying it ([`write_payload_known`](Self::write_payload_known)).
     pub async fn read_payload_keeping(
         &mut self,
         assembler: &mut TensorAssembler,
