@@ -1,4 +1,4 @@
-//! `BlockingClient`: the same API as [`Client`](crate::Client) for code without a runtime.
+//! `BlockingClient`: the same API as [`Client`] for code without a runtime.
 
 use ferry_proto::{NodeStats, TensorData, TensorInfo, TensorKey};
 use tokio::runtime::{Builder, Runtime};
