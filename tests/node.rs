@@ -351,3 +351,30 @@ async fn a_flex_device_registers_the_received_buffer_itself() {
     }
     node.shutdown().await;
 }
+
+/// Dedup looks tensors up by content hash through each worker's index, which follows every
+/// registration, replacement and removal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_content_hash_index_follows_overwrites_and_removals() {
+    let node = start_with(&["flex", "ndarray"]).await;
+    let hash_of = |data: &ferry::proto::TensorData| {
+        let meta = ferry::proto::tensor::meta_of(data).unwrap();
+        ferry::proto::tensor::content_hash(&meta, data.as_bytes())
+    };
+    let (x, y) = (
+        samples::plain(DType::F32, &[8, 8], 1),
+        samples::plain(DType::F32, &[8, 8], 2),
+    );
+    let found = async |hash: &str| node.node.find_by_hash(hash).await.unwrap().map(|d| d.key);
+    node.node.insert(1, "w", x.clone(), false).await.unwrap();
+    assert_eq!(found(&hash_of(&x)).await, Some(TensorKey::new(1, "w")));
+    node.node.insert(1, "w", y.clone(), true).await.unwrap();
+    assert_eq!(found(&hash_of(&x)).await, None, "replaced");
+    assert_eq!(found(&hash_of(&y)).await, Some(TensorKey::new(1, "w")));
+    node.node.insert(0, "w2", y.clone(), false).await.unwrap();
+    node.node.remove(&TensorKey::new(1, "w")).await.unwrap();
+    assert_eq!(found(&hash_of(&y)).await, Some(TensorKey::new(0, "w2")));
+    node.node.remove(&TensorKey::new(0, "w2")).await.unwrap();
+    assert_eq!(found(&hash_of(&y)).await, None, "removed");
+    node.shutdown().await;
+}

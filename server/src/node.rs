@@ -303,14 +303,19 @@ impl Node {
     /// stated is waited for until the node has recomputed it (a model pushed twice in a row
     /// still costs one transfer), and answers only if the hash held.
     pub async fn find_by_hash(&self, content_hash: &str) -> Result<Option<TensorDesc>, NodeError> {
-        let all = self.list(None).await?;
-        if let Some(verified) = all
-            .iter()
-            .find(|d| d.hash_verified && d.content_hash == content_hash)
-        {
-            return Ok(Some(verified.clone()));
+        let mut pending = Vec::new();
+        for device in &self.inner.devices {
+            let hash = content_hash.to_string();
+            let found = device
+                .call(|reply| Command::FindByHash { hash, reply })
+                .await?;
+            match found {
+                Some(desc) if desc.hash_verified => return Ok(Some(desc)),
+                Some(desc) => pending.push(desc),
+                None => {}
+            }
         }
-        for candidate in all.iter().filter(|d| d.content_hash == content_hash) {
+        for candidate in pending {
             let (reply, answer) = tokio::sync::oneshot::channel();
             let name = candidate.key.name.clone();
             self.device(candidate.key.device)?

@@ -331,6 +331,15 @@ pub enum Command {
         /// The descriptions, sorted by name.
         reply: Reply<Vec<TensorDesc>>,
     },
+    /// A tensor whose content hash is `hash`: one whose hash is verified if there is one, else
+    /// one registered under that hash as its source stated it (to await with
+    /// [`AwaitVerified`](Command::AwaitVerified)).
+    FindByHash {
+        /// The content hash.
+        hash: String,
+        /// Its description, if any tensor answers to that hash.
+        reply: Reply<Option<TensorDesc>>,
+    },
     /// Describe a tensor once its content hash is verified (at once if it is).
     AwaitVerified {
         /// The name.
@@ -452,6 +461,7 @@ fn spawn_on<B: Backend>(
         kind,
         device,
         tensors: HashMap::new(),
+        by_hash: HashMap::new(),
         verifier,
         next_serial: 0,
         hash_mismatches: hash_mismatches.clone(),
@@ -544,6 +554,8 @@ struct Worker<B: Backend> {
     kind: BackendKind,
     device: B::Device,
     tensors: HashMap<String, Entry<B>>,
+    /// The names registered under each content hash, so that dedup never scans every tensor.
+    by_hash: HashMap<String, std::collections::BTreeSet<String>>,
     verifier: std::sync::mpsc::Sender<VerifyJob>,
     next_serial: u64,
     hash_mismatches: Arc<AtomicU64>,
@@ -635,9 +647,8 @@ impl<B: Backend> Worker<B> {
                         Err(NodeError::Changed(self.key(&name)))
                     }
                     _ => self
-                        .tensors
-                        .remove(&name)
-                        .map(|e| e.desc)
+                        .unregister(&name)
+                        .map(|e| e.desc.clone())
                         .ok_or_else(|| NodeError::NotFound(self.key(&name))),
                 };
                 self.publish_held();
@@ -648,6 +659,16 @@ impl<B: Backend> Worker<B> {
                     self.tensors.values().map(|e| e.desc.clone()).collect();
                 all.sort_by(|a, b| a.key.name.cmp(&b.key.name));
                 let _ = reply.send(Ok(all));
+            }
+            Command::FindByHash { hash, reply } => {
+                let named = self.by_hash.get(&hash).into_iter().flatten();
+                let descs = named.filter_map(|name| self.tensors.get(name).map(|e| &e.desc));
+                let found = descs
+                    .clone()
+                    .find(|d| d.hash_verified)
+                    .or_else(|| descs.clone().next())
+                    .cloned();
+                let _ = reply.send(Ok(found));
             }
             Command::AwaitVerified { name, reply } => {
                 if let Some(entry) = self.tensors.get_mut(&name) {
@@ -682,12 +703,37 @@ impl<B: Backend> Worker<B> {
                 %computed,
                 "a source stated a content hash its bytes do not have; keeping the computed one"
             );
-            entry.desc.content_hash = computed;
+            let stated = std::mem::replace(&mut entry.desc.content_hash, computed.clone());
+            Self::unindex(&mut self.by_hash, &stated, name);
+            self.by_hash
+                .entry(computed)
+                .or_default()
+                .insert(name.to_string());
         }
         entry.desc.hash_verified = true;
         for waiter in entry.waiting.drain(..) {
             let _ = waiter.send(entry.desc.clone());
         }
+    }
+
+    fn unindex(
+        by_hash: &mut HashMap<String, std::collections::BTreeSet<String>>,
+        hash: &str,
+        name: &str,
+    ) {
+        if let Some(names) = by_hash.get_mut(hash) {
+            names.remove(name);
+            if names.is_empty() {
+                by_hash.remove(hash);
+            }
+        }
+    }
+
+    /// Takes a tensor out of the map and the hash index.
+    fn unregister(&mut self, name: &str) -> Option<Entry<B>> {
+        let entry = self.tensors.remove(name)?;
+        Self::unindex(&mut self.by_hash, &entry.desc.content_hash, name);
+        Some(entry)
     }
 
     /// Hands a registered tensor with a stated hash to the verifier, sharing its bytes where the
@@ -784,6 +830,12 @@ impl<B: Backend> Worker<B> {
             hash_verified,
         };
         self.next_serial += 1;
+        // Replaced (with `overwrite`): the old tensor leaves the index with it.
+        drop(self.unregister(&name));
+        self.by_hash
+            .entry(desc.content_hash.clone())
+            .or_default()
+            .insert(name.clone());
         self.tensors.insert(
             name.clone(),
             Entry {
@@ -798,8 +850,28 @@ impl<B: Backend> Worker<B> {
             },
         );
         if !hash_verified && let Err(error) = self.verify_later(&name) {
-            // Registered all the same: the stated hash then never answers dedup.
-            tracing::warn!(key = %self.key(&name), %error, "content hash left unverified");
+            // No verifier to hand it to: checked here and now instead, so that nobody waiting
+            // for the verification waits forever.
+            tracing::warn!(key = %self.key(&name), %error, "verifying the content hash in line");
+            let computed = self
+                .entry(&name)
+                .and_then(|e| e.host_bytes(true))
+                .and_then(|bytes| {
+                    let meta = TensorMeta::new(desc.shape.clone(), desc.dtype)?;
+                    ferry_proto::tensor::content_hash_parts(&meta, &bytes.parts(), || false)
+                        .ok_or_else(|| NodeError::Backend("hashing stopped".into()))
+                });
+            match computed {
+                Ok(computed) => {
+                    let serial = self.next_serial;
+                    self.verified(&name, serial, computed);
+                }
+                Err(error) => {
+                    drop(self.unregister(&name));
+                    return Err(error);
+                }
+            }
+            return self.entry(&name).map(|e| e.desc.clone());
         }
         Ok(desc)
     }
