@@ -610,3 +610,75 @@ async fn many_clients_together_cannot_push_a_device_past_its_budget() {
     assert_eq!(held, stored);
     node.shutdown().await;
 }
+
+/// A node of an older protocol minor answers `stat` with fewer fields: the client says so in
+/// words instead of reporting trailing or missing bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stat_answer_of_another_minor_is_named_as_such() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let older = PROTOCOL_MINOR - 1;
+    let node = tokio::spawn(async move {
+        let (socket, _) = listener.accept().await.unwrap();
+        let mut conn = ferry::client::Connection::new(socket, Default::default());
+        assert!(matches!(
+            conn.read_request().await.unwrap(),
+            Some(Request::Hello(_))
+        ));
+        let welcome = Response::Welcome(ferry::proto::Welcome {
+            major: PROTOCOL_VERSION,
+            minor: older,
+            features: FEATURES.iter().map(|f| f.to_string()).collect(),
+            agent: "ferry-server/older".into(),
+            max_body: frame::DEFAULT_MAX_BODY as u64,
+            chunk_size: 4 << 20,
+        });
+        conn.write_response(&welcome).await.unwrap();
+        assert_eq!(conn.read_request().await.unwrap(), Some(Request::Stat));
+        // This minor's answer without the fields this minor added (three u64 at the end).
+        let stats = ferry::proto::NodeStats {
+            agent: "ferry-server/older".into(),
+            devices: vec![],
+            transfers_done: 0,
+            transfers_failed: 0,
+            native_transfers: 0,
+            round_trip_transfers: 0,
+            connections: 1,
+            transfer_policy: "auto".into(),
+            node_id: "older".into(),
+            pulls: 0,
+            pull_retries: 0,
+            dedup_hits: 0,
+            fetches_served: 0,
+            unix_socket: None,
+            shared_memory: false,
+            shm_payloads_sent: 0,
+            shm_payloads_received: 0,
+            shm_bytes: 0,
+            regions_in_flight: 0,
+            resident_bytes: 0,
+            peak_resident_bytes: 0,
+            hashes_pending: 0,
+            hash_mismatches: 0,
+            recycled_bytes: 0,
+        };
+        let whole = control::encode_response(&Response::Stats(stats));
+        let body = &whole[frame::HEADER_LEN..whole.len() - 24];
+        conn.write_frame(&frame::encode(FrameKind::Control, body))
+            .await
+            .unwrap();
+        conn
+    });
+    let mut client = Client::connect(addr, None).await.unwrap();
+    let error = client.stat().await.unwrap_err();
+    assert!(
+        matches!(
+            error,
+            ferry::client::ClientError::StatsOfAnotherMinor { node, client, .. }
+                if node == older && client == PROTOCOL_MINOR
+        ),
+        "{error}"
+    );
+    assert!(error.to_string().contains("protocol minor"), "{error}");
+    drop(node.await.unwrap());
+}

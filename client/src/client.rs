@@ -48,6 +48,20 @@ pub enum ClientError {
     /// dtype, a device that cannot hold it).
     #[error("{0}")]
     Tensor(String),
+    /// The node's `stat` answer is of another protocol minor version, whose fields differ
+    /// (PROTOCOL.md §8): the one answer that does not carry across minors.
+    #[error(
+        "the node speaks protocol minor {node}, this client minor {client}: its stat answer has \
+         other fields ({cause}); use a client of the node's version"
+    )]
+    StatsOfAnotherMinor {
+        /// The node's minor version.
+        node: u16,
+        /// This client's.
+        client: u16,
+        /// What failed to decode.
+        cause: String,
+    },
 }
 
 impl ClientError {
@@ -450,9 +464,18 @@ impl Client {
         self.begin()?;
         let result = async {
             self.conn.write_request(&Request::Stat).await?;
-            match self.conn.read_response().await? {
-                Response::Stats(stats) => Ok(stats),
-                other => Err(unexpected(other)),
+            let node = self.welcome.minor;
+            match self.conn.read_response().await {
+                Ok(Response::Stats(stats)) => Ok(stats),
+                Ok(other) => Err(unexpected(other)),
+                Err(ConnectionError::Proto(cause)) if node != PROTOCOL_MINOR => {
+                    Err(ClientError::StatsOfAnotherMinor {
+                        node,
+                        client: PROTOCOL_MINOR,
+                        cause: cause.to_string(),
+                    })
+                }
+                Err(error) => Err(error.into()),
             }
         }
         .await;
