@@ -635,7 +635,7 @@ async fn a_stat_answer_of_another_minor_is_named_as_such() {
         });
         conn.write_response(&welcome).await.unwrap();
         assert_eq!(conn.read_request().await.unwrap(), Some(Request::Stat));
-        // This minor's answer without the fields this minor added (three u64 at the end).
+        // This minor's answer without the fields this minor added (four u64 at the end).
         let stats = ferry::proto::NodeStats {
             agent: "ferry-server/older".into(),
             devices: vec![],
@@ -661,9 +661,10 @@ async fn a_stat_answer_of_another_minor_is_named_as_such() {
             hashes_pending: 0,
             hash_mismatches: 0,
             recycled_bytes: 0,
+            regions_kept: 0,
         };
         let whole = control::encode_response(&Response::Stats(stats));
-        let body = &whole[frame::HEADER_LEN..whole.len() - 24];
+        let body = &whole[frame::HEADER_LEN..whole.len() - 32];
         conn.write_frame(&frame::encode(FrameKind::Control, body))
             .await
             .unwrap();

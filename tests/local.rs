@@ -494,6 +494,7 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
     }
     let kept = region_inodes(a.pid());
     assert_eq!(kept.len(), 3, "A keeps the regions the puts came in");
+    assert_eq!(on_a.stat().await.unwrap().regions_kept, 3);
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
     let mut how = NodeCopy {
         source_addr: &a_unix,
@@ -552,5 +553,54 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
             (0, 0),
             "nothing left once the tensors are gone"
         );
+        assert_eq!(client.stat().await.unwrap().regions_kept, 0);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_does_not_read_is_sent_no_new_regions() {
+    use ferry::client::connection::UNREAD_REGION_BYTES;
+    let _serial = COUNTING.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let node = unix_server(&dir, "n.sock", &[]);
+    let unix = node.unix.clone().unwrap();
+    // Put over TCP: the tensor lies in the node's heap, so every region would be a new copy.
+    let data = samples::plain(ferry::proto::DType::F32, &[2048, 1024], 8);
+    let size = data.as_bytes().len();
+    let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
+    client.put(0, "w", &data).await.unwrap();
+    // Sixteen gets pipelined by a peer that reads nothing for a while.
+    const GETS: usize = 16;
+    let mut conn = raw_shared_connection(&unix).await;
+    for _ in 0..GETS {
+        let key = TensorKey::new(0, "w");
+        conn.write_request(&Request::Get { key }).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Meanwhile the node made new regions up to the unread budget, then sent chunks, which
+    // wait on the socket until the peer reads.
+    let bounded = (UNREAD_REGION_BYTES / size) as u64;
+    assert!(bounded < GETS as u64);
+    assert_eq!(client.stat().await.unwrap().shm_payloads_sent, bounded);
+    let mut routes = Vec::new();
+    for _ in 0..GETS {
+        let Response::Tensor { meta, .. } = conn.read_response().await.unwrap() else {
+            panic!("expected a tensor");
+        };
+        let meta = ferry::proto::TensorMeta::try_from(&meta).unwrap();
+        let mut assembler = ferry::proto::TensorAssembler::new(meta, 1 << 30).unwrap();
+        routes.push(conn.read_payload(&mut assembler).await.unwrap());
+        assert_same(&assembler.finish().unwrap(), &data, "w");
+    }
+    let bounded = bounded as usize;
+    assert!(routes[..bounded].iter().all(|r| *r == PayloadRoute::Region));
+    assert_eq!(routes[bounded], PayloadRoute::Chunks, "{routes:?}");
+    let regions = routes
+        .iter()
+        .filter(|r| **r == PayloadRoute::Region)
+        .count() as u64;
+    assert_eq!(client.stat().await.unwrap().shm_payloads_sent, regions);
+    drop(conn);
+    client.delete(&TensorKey::new(0, "w")).await.unwrap();
+    node_is_clean(&node).await;
 }

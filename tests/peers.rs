@@ -407,18 +407,71 @@ async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_i
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_dedup() {
     use ferry::server::{Arrived, KnownHash};
+    // Flex verifies after registering, NdArray (which cannot lend its bytes) before: the same
+    // outcome on both.
+    let node = start_with(&["flex", "ndarray"]).await;
+    let mut client = node.client().await;
+    let lie = "0".repeat(64);
+    for device in [0u32, 1] {
+        let data = samples::plain(DType::F32, &[64, 64], 3 + u64::from(device));
+        let meta = ferry::proto::tensor::meta_of(&data).unwrap();
+        let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
+        let reservation = node
+            .node
+            .admit(
+                device,
+                "w",
+                &meta.dtype(),
+                meta.shape(),
+                meta.byte_len() as u64,
+            )
+            .unwrap();
+        let arrived = Arrived {
+            data: data.clone(),
+            hash: KnownHash::Stated(lie.clone()),
+            region: None,
+        };
+        let desc = node
+            .node
+            .register(device, "w", arrived, false, reservation)
+            .await
+            .unwrap();
+        if device == 0 {
+            assert_eq!(desc.content_hash, lie, "registered under the stated hash");
+            assert!(!desc.hash_verified);
+        } else {
+            assert_eq!(desc.content_hash, truth, "checked before registering");
+            assert!(desc.hash_verified);
+        }
+        // Whether asked before or after the verifier answered, the lie finds nothing.
+        assert!(node.node.find_by_hash(&lie).await.unwrap().is_none());
+        let stats = hashes_verified(&mut client).await;
+        assert_eq!(stats.hash_mismatches, 1 + u64::from(device));
+        let key = TensorKey::new(device, "w");
+        let held = node.node.describe(&key).await.unwrap();
+        assert!(held.hash_verified);
+        assert_eq!(held.content_hash, truth);
+        let found = node.node.find_by_hash(&truth).await.unwrap().unwrap();
+        assert_eq!(found.key, key);
+        assert_same(&client.get(&found.key).await.unwrap(), &data, "w");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dedup_check_waits_for_a_pending_verification() {
+    use ferry::server::{Arrived, KnownHash};
     let node = start_with(&["flex"]).await;
-    let data = samples::plain(DType::F32, &[64, 64], 3);
+    // 64 MiB: hashing takes tens of milliseconds, so the check below comes while it runs.
+    let data = samples::plain(DType::F32, &[4096, 4096], 5);
     let meta = ferry::proto::tensor::meta_of(&data).unwrap();
     let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
-    let lie = "0".repeat(64);
     let reservation = node
         .node
         .admit(0, "w", &meta.dtype(), meta.shape(), meta.byte_len() as u64)
         .unwrap();
     let arrived = Arrived {
-        data: data.clone(),
-        hash: KnownHash::Stated(lie.clone()),
+        data,
+        hash: KnownHash::Stated(truth.clone()),
         region: None,
     };
     let desc = node
@@ -426,19 +479,12 @@ async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_d
         .register(0, "w", arrived, false, reservation)
         .await
         .unwrap();
-    assert_eq!(desc.content_hash, lie, "registered under the stated hash");
     assert!(!desc.hash_verified);
-    // Whether asked before or after the verifier answered, the lie finds nothing.
-    assert!(node.node.find_by_hash(&lie).await.unwrap().is_none());
-    let mut client = node.client().await;
-    let stats = hashes_verified(&mut client).await;
-    assert_eq!(stats.hash_mismatches, 1);
-    let held = node.node.describe(&TensorKey::new(0, "w")).await.unwrap();
-    assert!(held.hash_verified);
-    assert_eq!(held.content_hash, truth);
     let found = node.node.find_by_hash(&truth).await.unwrap().unwrap();
     assert_eq!(found.key, TensorKey::new(0, "w"));
-    assert_same(&client.get(&found.key).await.unwrap(), &data, "w");
+    assert!(found.hash_verified, "answered once verified");
+    let stats = node.client().await.stat().await.unwrap();
+    assert_eq!((stats.hashes_pending, stats.hash_mismatches), (0, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -474,6 +520,29 @@ async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
             "kept for reuse"
         );
     }
+    // A pull cut mid-stream resumes into the recycled buffer: the bytes before the cut are the
+    // new tensor's, those after it are received again, none of the old tensor's shows.
+    let via = proxy(
+        a.addr.parse().unwrap(),
+        Fault::CutOnceAfter(bytes as usize / 2),
+    )
+    .await
+    .to_string();
+    let key = TensorKey::new(0, "cut");
+    source.put(0, &key.name, &versions[2]).await.unwrap();
+    let keys = std::slice::from_ref(&key);
+    let answers = copy_between(&mut source, &mut target, keys, &how(&via, 0))
+        .await
+        .unwrap();
+    answers[0].as_ref().unwrap();
+    assert_eq!(
+        target.stat().await.unwrap().pull_retries,
+        1,
+        "the cut was resumed"
+    );
+    assert_same(&target.get(&key).await.unwrap(), &versions[2], "resumed");
+    hashes_verified(&mut target).await;
+    target.delete(&key).await.unwrap();
     // A put takes a recycled buffer the same way.
     target.put(0, "put", &versions[2]).await.unwrap();
     assert!(

@@ -121,6 +121,10 @@ pub struct Connection<S> {
     limits: ConnectionLimits,
     /// Both sides agreed that payloads may travel as shared-memory regions.
     shared_memory: bool,
+    /// The peer had not read everything sent before the last answer this side began.
+    peer_behind: bool,
+    /// Bytes of new regions sent since the peer was last seen to have read everything.
+    unread_region_bytes: usize,
 }
 
 impl<S: Transport> Connection<S> {
@@ -131,6 +135,8 @@ impl<S: Transport> Connection<S> {
             buffer: BytesMut::with_capacity(64 * 1024),
             limits,
             shared_memory: false,
+            peer_behind: false,
+            unread_region_bytes: 0,
         }
     }
 
@@ -363,12 +369,41 @@ impl<S: Transport> Connection<S> {
 
     /// Writes a request and flushes.
     pub async fn write_request(&mut self, request: &Request) -> Result<(), ConnectionError> {
+        // A payload after a request (a put) is read by a node that serves requests in order:
+        // it never leaves a region unread, whatever this side pipelines.
+        self.peer_behind = false;
+        self.unread_region_bytes = 0;
         self.write_frame(&control::encode_request(request)).await
     }
 
     /// Writes a response and flushes.
     pub async fn write_response(&mut self, response: &Response) -> Result<(), ConnectionError> {
+        self.note_peer_progress();
         self.write_frame(&control::encode_response(response)).await
+    }
+
+    /// Records whether the peer had read everything sent so far, as a new answer begins (a
+    /// payload that follows the answer is then judged by it, not by the answer itself): a
+    /// client may pipeline requests and leave answers unread.
+    fn note_peer_progress(&mut self) {
+        let unread = self.stream.get_ref().unread_by_peer();
+        self.peer_behind = unread.is_some_and(|n| n > 0) || !self.stream.buffer().is_empty();
+        if !self.peer_behind {
+            self.unread_region_bytes = 0;
+        }
+    }
+
+    /// Whether a new region of `len` bytes may be made for the answer being sent: always where
+    /// the peer had read everything before it; otherwise only while the new regions it has not
+    /// read stay under [`UNREAD_REGION_BYTES`] (a pipelining client reading its answers in
+    /// order keeps its regions; one that reads nothing pins little).
+    fn may_make_region(&mut self, len: usize) -> bool {
+        let outstanding = self.unread_region_bytes.saturating_add(len);
+        let allowed = !self.peer_behind || outstanding <= UNREAD_REGION_BYTES;
+        if allowed {
+            self.unread_region_bytes = outstanding;
+        }
+        allowed
     }
 
     /// Writes already-encoded frame bytes and flushes.
@@ -440,13 +475,19 @@ impl<S: Transport> Connection<S> {
                 }
                 None => {}
             }
+            // A new region is a whole copy of the payload that the kernel pins until the peer
+            // reads its frame, and a peer that pipelines requests without reading could have
+            // one made per request: bounded by what the peer has not read. Chunks instead wait
+            // on the socket like any bytes.
+            let peer_behind = !self.may_make_region(total);
             // A region that cannot be made (out of descriptors or memory, a kernel that refuses
             // memfds) costs nothing on the wire yet: send chunks instead.
-            match make_region(parts, total).await {
-                Ok((descriptor, fd)) => {
+            match make_region_unless(peer_behind, parts, total).await {
+                Ok(Some((descriptor, fd))) => {
                     self.send_region(descriptor, fd).await?;
                     return Ok(PayloadRoute::Region);
                 }
+                Ok(None) => {}
                 Err(error) => {
                     tracing::warn!(%error, bytes = total, "no shared-memory region; sending chunks");
                 }
@@ -531,6 +572,18 @@ async fn make_region(
     Ok((descriptor, fd))
 }
 
+/// [`make_region`], unless `skip`.
+async fn make_region_unless(
+    skip: bool,
+    parts: &[&[u8]],
+    total: usize,
+) -> std::io::Result<Option<(RegionDescriptor, std::os::fd::OwnedFd)>> {
+    if skip {
+        return Ok(None);
+    }
+    make_region(parts, total).await.map(Some)
+}
+
 /// Payload bytes copied into a region between yields.
 const REGION_PIECE: usize = 8 << 20;
 
@@ -597,6 +650,10 @@ impl ChunkChecksums {
         self.len() == 0
     }
 }
+
+/// New regions a connection sends while its peer has not read everything before them, at most
+/// (in bytes; one region is always allowed to a peer that has).
+pub const UNREAD_REGION_BYTES: usize = 64 << 20;
 
 /// Regions of payloads at least this large are kept by a receiver that asks for it: below it a
 /// copy into a new region is cheap, and a kept region holds a file descriptor per tensor.

@@ -41,6 +41,22 @@ pub fn regions_in_flight() -> u64 {
     REGIONS_IN_FLIGHT.load(Ordering::Relaxed)
 }
 
+/// Regions this process keeps (a descriptor each) to pass tensors on without a copy.
+static REGIONS_KEPT: AtomicU64 = AtomicU64::new(0);
+
+/// Regions this process keeps now ([`SealedRegion`]s alive).
+pub fn regions_kept() -> u64 {
+    REGIONS_KEPT.load(Ordering::Relaxed)
+}
+
+/// The most regions a process keeps at once: a quarter of its open-file limit, so that kept
+/// regions never starve connections of descriptors. Past it, a region is mapped and its
+/// descriptor closed as before (the tensor then goes on by copy).
+fn kept_limit() -> u64 {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    limit.current.unwrap_or(u64::MAX) / 4
+}
+
 /// A region being filled with a payload, then sealed and sent.
 #[derive(Debug)]
 pub struct OutgoingRegion {
@@ -156,6 +172,12 @@ pub struct SealedRegion {
     descriptor: RegionDescriptor,
 }
 
+impl Drop for SealedRegion {
+    fn drop(&mut self) {
+        REGIONS_KEPT.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl SealedRegion {
     /// What a region frame for it declares (its length and crc32c, checked when it arrived).
     pub fn descriptor(&self) -> RegionDescriptor {
@@ -234,6 +256,12 @@ pub fn adopt(
     let map = map
         .make_mut()
         .map_err(|e| refuse(format!("mprotect: {e}")))?;
+    let keep = keep
+        && REGIONS_KEPT
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < kept_limit()).then_some(n + 1)
+            })
+            .is_ok();
     let kept = keep.then_some(SealedRegion {
         fd,
         descriptor: declared,

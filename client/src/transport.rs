@@ -131,6 +131,11 @@ pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send {
             "file descriptors only travel on Unix sockets",
         ))
     }
+
+    /// Bytes written that the peer has not read yet, where the stream can tell (a Unix socket).
+    fn unread_by_peer(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl Transport for TcpStream {}
@@ -273,6 +278,19 @@ impl Transport for UnixTransport {
         true
     }
 
+    fn unread_by_peer(&self) -> Option<usize> {
+        // SIOCOUTQ (numerically TIOCOUTQ): on a Unix stream socket, the bytes sent and not yet
+        // consumed by the peer (they stay charged to the sender until read).
+        const SIOCOUTQ: rustix::ioctl::Opcode = 0x5411;
+        // SAFETY: SIOCOUTQ writes one `int` on a socket, which is what the getter provides.
+        let unread = unsafe {
+            let getter = rustix::ioctl::Getter::<SIOCOUTQ, std::ffi::c_int>::new();
+            rustix::ioctl::ioctl(&self.stream, getter)
+        }
+        .ok()?;
+        usize::try_from(unread).ok()
+    }
+
     fn take_fd(&mut self) -> Option<OwnedFd> {
         self.received.pop_front()
     }
@@ -361,6 +379,13 @@ impl Transport for Stream {
         match self {
             Stream::Tcp(s) => s.take_fd(),
             Stream::Unix(s) => s.take_fd(),
+        }
+    }
+
+    fn unread_by_peer(&self) -> Option<usize> {
+        match self {
+            Stream::Tcp(s) => s.unread_by_peer(),
+            Stream::Unix(s) => s.unread_by_peer(),
         }
     }
 

@@ -148,7 +148,8 @@ impl Recycler {
             .enumerate()
             .filter(|(_, b)| b.cap >= len && b.cap <= most)
             .min_by_key(|(_, b)| b.cap)?;
-        let block = self.blocks.swap_remove(index);
+        // `remove`, not `swap_remove`: the blocks stay oldest first for `shrink_to`.
+        let block = self.blocks.remove(index);
         self.held -= block.cap;
         Some(block)
     }

@@ -408,6 +408,9 @@ pub struct NodeStats {
     /// Freed receive buffers the node keeps for reuse, in bytes (resident, held by no tensor).
     /// Added in minor 2.
     pub recycled_bytes: u64,
+    /// Shared-memory regions the node keeps (a descriptor each) to pass tensors on without a
+    /// copy. Added in minor 2.
+    pub regions_kept: u64,
 }
 
 /// One hosted device.

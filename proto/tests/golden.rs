@@ -366,6 +366,7 @@ fn vectors() -> Vec<Vector> {
                 hashes_pending: 2,
                 hash_mismatches: 0,
                 recycled_bytes: 256 << 20,
+                regions_kept: 3,
             }))],
         },
         Vector {

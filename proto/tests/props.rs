@@ -293,7 +293,7 @@ fn arb_response() -> BoxedStrategy<Response> {
     let stats = (
         arb_text(),
         vec(device, 0..3),
-        any::<[u64; 18]>(),
+        any::<[u64; 19]>(),
         arb_text(),
         arb_text(),
         proptest::option::of(arb_text()),
@@ -325,6 +325,7 @@ fn arb_response() -> BoxedStrategy<Response> {
                     hashes_pending: n[15],
                     hash_mismatches: n[16],
                     recycled_bytes: n[17],
+                    regions_kept: n[18],
                 })
             },
         );

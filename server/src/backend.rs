@@ -24,6 +24,20 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    /// Whether a registered tensor of `dtype` on this backend can be read without a copy (what
+    /// [`Primitive::shared_host_bytes`] gives): Flex, for plain dtypes and for quantized ones of
+    /// one scale level stored one value per byte.
+    pub fn shares_registered_bytes(self, dtype: &DType) -> bool {
+        use burn_backend::quantization::global_scale_dtype;
+        self == BackendKind::Flex
+            && match dtype {
+                DType::QFloat(scheme) => {
+                    scheme.store == QuantStore::Native && global_scale_dtype(scheme).is_none()
+                }
+                _ => true,
+            }
+    }
+
     /// The name used in `--device` and in `stat`.
     pub fn name(self) -> &'static str {
         match self {

@@ -22,6 +22,9 @@ use crate::worker::{
     self, Arrived, Command, DeviceHandle, Exported, HostBytes, Payload, Reservation, TensorDesc,
 };
 
+/// How long a dedup check waits for a candidate's stated hash to be verified.
+const VERIFY_WAIT: Duration = Duration::from_secs(10);
+
 /// The software name a node reports.
 pub const AGENT: &str = concat!("ferry-server/", env!("CARGO_PKG_VERSION"));
 
@@ -321,11 +324,14 @@ impl Node {
             self.device(candidate.key.device)?
                 .tell(Command::AwaitVerified { name, reply })
                 .await?;
-            // A tensor removed meanwhile drops the question unanswered: no candidate.
-            if let Ok(desc) = answer.await
-                && desc.content_hash == content_hash
-            {
-                return Ok(Some(desc));
+            // A tensor removed meanwhile drops the question unanswered: no candidate. A long
+            // queue of verifications is not waited out: pulling the bytes is then cheaper.
+            match tokio::time::timeout(VERIFY_WAIT, answer).await {
+                Ok(Ok(desc)) if desc.content_hash == content_hash => return Ok(Some(desc)),
+                Ok(_) => {}
+                Err(_) => {
+                    tracing::info!(key = %candidate.key, "dedup candidate still unverified; pulling");
+                }
             }
         }
         Ok(None)
@@ -798,6 +804,7 @@ impl Node {
             hashes_pending,
             hash_mismatches,
             recycled_bytes: ferry_proto::host::recycled_bytes() as u64,
+            regions_kept: regions_kept(),
         })
     }
 }
@@ -834,6 +841,16 @@ fn regions_in_flight() -> u64 {
 
 #[cfg(not(target_os = "linux"))]
 fn regions_in_flight() -> u64 {
+    0
+}
+
+#[cfg(target_os = "linux")]
+fn regions_kept() -> u64 {
+    ferry_client::region::regions_kept()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn regions_kept() -> u64 {
     0
 }
 

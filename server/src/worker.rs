@@ -4,10 +4,10 @@
 //! holds them. Registration is one map insert on this thread, so a tensor is either wholly
 //! registered or not at all.
 //!
-//! A tensor pulled from another node is registered under the content hash that node stated, and
-//! the worker's verifier thread recomputes it from the registered bytes afterwards: hashing is
-//! off the transfer's critical path, and a stated hash is used for nothing that trusts it (dedup)
-//! until it is verified.
+//! A tensor pulled from another node is registered under the content hash that node stated in its
+//! grant (relayed by the client), and the worker's verifier thread recomputes it from the
+//! registered bytes afterwards: hashing is off the transfer's critical path, and a stated hash is
+//! used for nothing that trusts it (dedup) until it is verified.
 //!
 //! Registered tensors are never written to (the node moves tensors; it computes nothing), so a
 //! tensor that arrived as a sealed shared-memory region keeps that region, and is passed on
@@ -485,9 +485,22 @@ struct VerifyJob {
     name: String,
     serial: u64,
     meta: TensorMeta,
-    bytes: HostBytes,
+    /// The registered tensor's values, not kept alive by a queued job: a tensor removed before
+    /// its turn is not hashed at all, and its memory is not held past its removal.
+    values: std::sync::Weak<burn_backend::Bytes>,
+    /// What follows the values in the payload (a quantized tensor's scales).
+    tail: Vec<u8>,
     /// Set once the tensor is unregistered: the check is then abandoned.
     abandoned: Arc<AtomicBool>,
+}
+
+impl VerifyJob {
+    /// The content hash of the job's bytes; `None` once the tensor is gone.
+    fn hash(&self) -> Option<String> {
+        let values = self.values.upgrade()?;
+        let stop = || self.abandoned.load(Ordering::Relaxed);
+        ferry_proto::tensor::content_hash_parts(&self.meta, &[&values[..], &self.tail], stop)
+    }
 }
 
 /// Starts a device's verifier: one thread that hashes registered tensors whose hash was stated by
@@ -501,13 +514,9 @@ fn spawn_verifier(
         .name(format!("ferry-verify-{index}"))
         .spawn(move || {
             while let Ok(job) = queue.recv() {
-                let stop = || job.abandoned.load(Ordering::Relaxed);
-                let Some(computed) =
-                    ferry_proto::tensor::content_hash_parts(&job.meta, &job.bytes.parts(), stop)
-                else {
+                let Some(computed) = job.hash() else {
                     continue;
                 };
-                drop(job.bytes);
                 let Some(worker) = worker.upgrade() else {
                     return;
                 };
@@ -524,6 +533,19 @@ fn spawn_verifier(
     Ok(jobs)
 }
 
+/// Counts and logs a stated content hash that the bytes do not have. The bytes are what the
+/// source sent, each chunk checked (and the capability pinned them to what the source held):
+/// only the statement about them was wrong, so the tensor answers to the computed hash.
+fn note_mismatch(count: &AtomicU64, key: &TensorKey, stated: &str, computed: &str) {
+    count.fetch_add(1, Ordering::Relaxed);
+    tracing::error!(
+        %key,
+        %stated,
+        %computed,
+        "a stated content hash is not the bytes'; the tensor answers to the computed one"
+    );
+}
+
 struct Entry<B: Backend> {
     primitive: Primitive<B>,
     desc: TensorDesc,
@@ -532,7 +554,7 @@ struct Entry<B: Backend> {
     /// The sealed region the tensor's bytes lie in, kept to pass them on without a copy.
     region: Option<Arc<SealedRegion>>,
     /// Raised when the entry goes, so that a pending verification of it stops.
-    abandoned: AbandonOnDrop,
+    _abandoned: AbandonOnDrop,
     /// Who waits for the verification (dedup candidates).
     waiting: Vec<oneshot::Sender<TensorDesc>>,
     /// Its chunk checksums, filled by the first send that computes them.
@@ -694,14 +716,11 @@ impl<B: Backend> Worker<B> {
             return;
         };
         if entry.desc.content_hash != computed {
-            // The bytes are what the source sent, each chunk checked; only its statement about
-            // them was wrong. From now on the tensor answers to the hash of what it holds.
-            self.hash_mismatches.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(
-                %key,
-                stated = %entry.desc.content_hash,
-                %computed,
-                "a source stated a content hash its bytes do not have; keeping the computed one"
+            note_mismatch(
+                &self.hash_mismatches,
+                &key,
+                &entry.desc.content_hash,
+                &computed,
             );
             let stated = std::mem::replace(&mut entry.desc.content_hash, computed.clone());
             Self::unindex(&mut self.by_hash, &stated, name);
@@ -736,20 +755,16 @@ impl<B: Backend> Worker<B> {
         Some(entry)
     }
 
-    /// Hands a registered tensor with a stated hash to the verifier, sharing its bytes where the
-    /// backend allows (else a host copy, held only while it is hashed).
-    fn verify_later(&self, name: &str) -> Result<(), NodeError> {
-        let entry = self.entry(name)?;
-        let job = VerifyJob {
-            name: name.to_string(),
-            serial: entry.serial,
-            meta: TensorMeta::new(entry.desc.shape.clone(), entry.desc.dtype)?,
-            bytes: entry.host_bytes(true)?,
-            abandoned: entry.abandoned.0.clone(),
-        };
-        self.verifier
-            .send(job)
-            .map_err(|_| NodeError::Backend("the hash verifier stopped".into()))
+    /// Hands a just registered tensor with a stated hash to the verifier, or, where there is
+    /// no verifier to take it, verifies it here and now (so that nobody waiting for the
+    /// verification waits forever).
+    fn verify_later(&mut self, name: &str, job: VerifyJob) {
+        if let Err(std::sync::mpsc::SendError(job)) = self.verifier.send(job) {
+            tracing::warn!(key = %self.key(name), "no hash verifier; verifying in line");
+            if let Some(computed) = job.hash() {
+                self.verified(name, job.serial, computed);
+            }
+        }
     }
 
     fn insert(
@@ -773,10 +788,24 @@ impl<B: Backend> Worker<B> {
                 let compute = || ferry_proto::tensor::content_hash(&meta, data.as_bytes());
                 let (content_hash, hash_verified) = match hash {
                     KnownHash::Computed(hash) => (hash, true),
-                    // Only Flex shares a registered tensor's bytes for the verifier to read;
-                    // elsewhere that would take a second host copy, so the hash is checked now.
-                    KnownHash::Stated(hash) if self.kind == BackendKind::Flex => (hash, false),
-                    KnownHash::Stated(_) | KnownHash::Unknown => (compute(), true),
+                    // Checked later only where the verifier can read the registered bytes
+                    // without a copy; elsewhere that would take a second host copy, so now.
+                    KnownHash::Stated(hash) if self.kind.shares_registered_bytes(&dtype) => {
+                        (hash, false)
+                    }
+                    KnownHash::Stated(stated) => {
+                        let computed = compute();
+                        if computed != stated {
+                            note_mismatch(
+                                &self.hash_mismatches,
+                                &self.key(&name),
+                                &stated,
+                                &computed,
+                            );
+                        }
+                        (computed, true)
+                    }
+                    KnownHash::Unknown => (compute(), true),
                 };
                 if let Some(expected) = &expect_hash
                     && *expected != content_hash
@@ -820,6 +849,20 @@ impl<B: Backend> Worker<B> {
                 )
             }
         };
+        // What the verifier will read, prepared before anything is replaced: nothing after the
+        // replacement can fail.
+        let pending = if hash_verified {
+            None
+        } else {
+            let shared = primitive.shared_host_bytes().ok_or_else(|| {
+                NodeError::Backend("a tensor to verify later cannot be read in place".into())
+            })?;
+            Some((
+                TensorMeta::new(shape.clone(), dtype)?,
+                Arc::downgrade(&shared.values),
+                shared.tail,
+            ))
+        };
         let desc = TensorDesc {
             key: self.key(&name),
             dtype,
@@ -830,6 +873,7 @@ impl<B: Backend> Worker<B> {
             hash_verified,
         };
         self.next_serial += 1;
+        let abandoned = Arc::new(AtomicBool::new(false));
         // Replaced (with `overwrite`): the old tensor leaves the index with it.
         drop(self.unregister(&name));
         self.by_hash
@@ -843,35 +887,22 @@ impl<B: Backend> Worker<B> {
                 desc: desc.clone(),
                 serial: self.next_serial,
                 region,
-                abandoned: AbandonOnDrop(Arc::new(AtomicBool::new(false))),
+                _abandoned: AbandonOnDrop(abandoned.clone()),
                 waiting: Vec::new(),
                 checksums: Arc::default(),
                 _reservation: reservation,
             },
         );
-        if !hash_verified && let Err(error) = self.verify_later(&name) {
-            // No verifier to hand it to: checked here and now instead, so that nobody waiting
-            // for the verification waits forever.
-            tracing::warn!(key = %self.key(&name), %error, "verifying the content hash in line");
-            let computed = self
-                .entry(&name)
-                .and_then(|e| e.host_bytes(true))
-                .and_then(|bytes| {
-                    let meta = TensorMeta::new(desc.shape.clone(), desc.dtype)?;
-                    ferry_proto::tensor::content_hash_parts(&meta, &bytes.parts(), || false)
-                        .ok_or_else(|| NodeError::Backend("hashing stopped".into()))
-                });
-            match computed {
-                Ok(computed) => {
-                    let serial = self.next_serial;
-                    self.verified(&name, serial, computed);
-                }
-                Err(error) => {
-                    drop(self.unregister(&name));
-                    return Err(error);
-                }
-            }
-            return self.entry(&name).map(|e| e.desc.clone());
+        if let Some((meta, values, tail)) = pending {
+            let job = VerifyJob {
+                name: name.clone(),
+                serial: self.next_serial,
+                meta,
+                values,
+                tail,
+                abandoned,
+            };
+            self.verify_later(&name, job);
         }
         Ok(desc)
     }
