@@ -59,8 +59,8 @@ use burn_std::TensorData;
 use ferry_client::{Client, TensorKey};
 
 use support::{
-    MIB, Memory, NodeProcess, Rate, WRITE_SIZE, f32_tensor, memcpy_once, pull_once, q8s_256,
-    raw_tcp_once, server_binary, verified_since,
+    MIB, Memory, NodeProcess, Rate, WRITE_SIZE, clients, f32_tensor, memcpy_once, pull_once,
+    q8s_256, raw_tcp_once, server_binary, verified_since,
 };
 /// The name the tensor has on both nodes.
 const NAME: &str = "bench.w";
@@ -154,22 +154,8 @@ async fn cold_copies(binary: &Path, data: &TensorData, runs: usize) -> Cold {
     let bytes = data.as_bytes().len();
     let a = NodeProcess::start(binary, "bench-cold-a", &["--recycle", "0"]);
     let b = NodeProcess::start(binary, "bench-cold-b", &["--recycle", "0"]);
-    let mut source = Client::connect(a.addr.as_str(), None)
-        .await
-        .expect("connect to A");
-    let mut target = Client::connect(b.addr.as_str(), None)
-        .await
-        .expect("connect to B");
-    let mut memory = (
-        Memory {
-            start: a.rss(),
-            ..Memory::default()
-        },
-        Memory {
-            start: b.rss(),
-            ..Memory::default()
-        },
-    );
+    let (mut source, mut target) = clients(&a, &b).await;
+    let mut memory = (Memory::of(&a), Memory::of(&b));
     let mut times = Vec::with_capacity(runs);
     let mut verified = Vec::with_capacity(runs);
     // One more than measured: the first opens B's link to A.
@@ -233,20 +219,8 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
     // A fresh pair of nodes per case, so that one case's memory never shows in another's.
     let a = NodeProcess::start(binary, "bench-a", &[]);
     let b = NodeProcess::start(binary, "bench-b", &[]);
-    let mut mem_a = Memory {
-        start: a.rss(),
-        ..Memory::default()
-    };
-    let mut mem_b = Memory {
-        start: b.rss(),
-        ..Memory::default()
-    };
-    let mut source = Client::connect(a.addr.as_str(), None)
-        .await
-        .expect("connect to A");
-    let mut target = Client::connect(b.addr.as_str(), None)
-        .await
-        .expect("connect to B");
+    let (mut mem_a, mut mem_b) = (Memory::of(&a), Memory::of(&b));
+    let (mut source, mut target) = clients(&a, &b).await;
     source.put(0, NAME, &data).await.expect("put on A");
     let key = TensorKey::new(0, NAME);
     let copy = async |source: &mut Client, target: &mut Client| {

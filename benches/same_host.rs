@@ -129,14 +129,7 @@ async fn ferry_copy(binary: &Path, data: &TensorData, route: Route) -> Measured 
     target.delete(&key).await.expect("delete on B");
     let shm_before = target.stat().await.expect("stat B").shm_payloads_received;
 
-    let mut source_mem = Memory {
-        start: a.rss(),
-        ..Memory::default()
-    };
-    let mut target_mem = Memory {
-        start: b.rss(),
-        ..Memory::default()
-    };
+    let (mut source_mem, mut target_mem) = (Memory::of(&a), Memory::of(&b));
     let mut times = Vec::with_capacity(RUNS);
     let mut verified = Vec::with_capacity(RUNS);
     for _ in 0..RUNS {

@@ -195,6 +195,14 @@ pub struct Memory {
 }
 
 impl Memory {
+    /// Watching `node`, whose resident memory now is the start.
+    pub fn of(node: &NodeProcess) -> Memory {
+        Memory {
+            start: node.rss(),
+            ..Memory::default()
+        }
+    }
+
     pub fn saw(&mut self, held: u64, peak: u64) {
         self.held = self.held.max(held);
         self.peak = self.peak.max(peak);
@@ -326,4 +334,17 @@ pub async fn verified_since(target: &mut ferry_client::Client, started: Instant)
         );
         tokio::time::sleep(Duration::from_micros(500)).await;
     }
+}
+
+/// A client of each node, by its TCP address: the source's and the target's.
+pub async fn clients(
+    a: &NodeProcess,
+    b: &NodeProcess,
+) -> (ferry_client::Client, ferry_client::Client) {
+    let connect = async |node: &NodeProcess| {
+        ferry_client::Client::connect(node.addr.as_str(), None)
+            .await
+            .expect("connect to a node")
+    };
+    (connect(a).await, connect(b).await)
 }
