@@ -59,8 +59,8 @@ use burn_std::TensorData;
 use ferry_client::{Client, TensorKey};
 
 use support::{
-    MIB, Memory, NodeProcess, Rate, WRITE_SIZE, clients, f32_tensor, memcpy_once, pull_once,
-    q8s_256, raw_tcp_once, server_binary, verified_since,
+    Copies, MIB, Memory, NodeProcess, Rate, WRITE_SIZE, clients, f32_tensor, memcpy_once,
+    pull_once, q8s_256, raw_tcp_once, server_binary, verified_since,
 };
 /// The name the tensor has on both nodes.
 const NAME: &str = "bench.w";
@@ -138,19 +138,11 @@ struct Outcome {
     large: bool,
 }
 
-/// What the cold copies measured.
-struct Cold {
-    rate: Rate,
-    verified: Rate,
-    source: Memory,
-    target: Memory,
-}
-
 /// Copies that pay every first-time cost: each run puts the tensor on A under a new name (A has
 /// never sent it, so its chunk checksums are computed as it goes) and B keeps no freed receive
 /// buffer (`--recycle 0`), so its buffer is new memory the kernel faults in and zeroes. What a
 /// first push of a model to a fresh worker costs.
-async fn cold_copies(binary: &Path, data: &TensorData, runs: usize) -> Cold {
+async fn cold_copies(binary: &Path, data: &TensorData, runs: usize) -> Copies {
     let bytes = data.as_bytes().len();
     let a = NodeProcess::start(binary, "bench-cold-a", &["--recycle", "0"]);
     let b = NodeProcess::start(binary, "bench-cold-b", &["--recycle", "0"]);
@@ -178,7 +170,7 @@ async fn cold_copies(binary: &Path, data: &TensorData, runs: usize) -> Cold {
         target.delete(&key).await.expect("delete on B");
         source.delete(&key).await.expect("delete on A");
     }
-    Cold {
+    Copies {
         rate: Rate::of(bytes, &mut times),
         verified: Rate::of(bytes, &mut verified),
         source: memory.0,

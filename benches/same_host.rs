@@ -40,8 +40,8 @@ use std::time::Instant;
 use burn_std::TensorData;
 use ferry_client::{Client, TensorKey};
 use support::{
-    MIB, Memory, NodeProcess, Rate, f32_tensor, memcpy_once, pull_once, q8s_256, raw_tcp_once,
-    raw_unix_once, server_binary, verified_since,
+    Copies, MIB, Memory, NodeProcess, Rate, f32_tensor, memcpy_once, pull_once, q8s_256,
+    raw_tcp_once, raw_unix_once, server_binary, verified_since,
 };
 
 const RUNS: usize = 5;
@@ -74,14 +74,7 @@ impl Route {
 /// A tensor to measure: its label and how to make it.
 type Case = (&'static str, fn() -> TensorData);
 
-struct Measured {
-    rate: Rate,
-    verified: Rate,
-    source: Memory,
-    target: Memory,
-}
-
-async fn ferry_copy(binary: &Path, data: &TensorData, route: Route) -> Measured {
+async fn ferry_copy(binary: &Path, data: &TensorData, route: Route) -> Copies {
     let bytes = data.as_bytes().len();
     let dir = tempfile::tempdir().expect("a temporary directory");
     let socket = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
@@ -152,7 +145,7 @@ async fn ferry_copy(binary: &Path, data: &TensorData, route: Route) -> Measured 
         "{}: payloads through shared memory",
         route.label()
     );
-    Measured {
+    Copies {
         rate: Rate::of(bytes, &mut times),
         verified: Rate::of(bytes, &mut verified),
         source: source_mem,

@@ -336,6 +336,15 @@ pub async fn verified_since(target: &mut ferry_client::Client, started: Instant)
     }
 }
 
+/// What timed copies between two nodes measured: the copies, when the target had verified the
+/// content hash (from each copy's start), and both nodes' memory.
+pub struct Copies {
+    pub rate: Rate,
+    pub verified: Rate,
+    pub source: Memory,
+    pub target: Memory,
+}
+
 /// A client of each node, by its TCP address: the source's and the target's.
 pub async fn clients(
     a: &NodeProcess,
