@@ -610,7 +610,10 @@ impl SealedRegion {
 /// What a sender already knows of a payload that never changes (a registered tensor's).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Known<'a> {
-    /// The sealed region the payload lies in, kept from when it arrived.
+    /// The sealed region the payload lies in, kept from when it arrived. The caller vouches
+    /// that its bytes are exactly the payload's (a node keeps a region only while it is the
+    /// registered tensor's own memory); only its length is checked here, and the receiver
+    /// checks its crc32c.
     pub region: Option<&'a SealedRegion>,
     /// The payload's chunk checksums, once a send computed them.
     pub checksums: Option<&'a ChunkChecksums>,
