@@ -779,90 +779,107 @@ impl<B: Backend> Worker<B> {
         if !overwrite && self.tensors.contains_key(&name) {
             return Err(NodeError::AlreadyExists(self.key(&name)));
         }
-        let (primitive, dtype, shape, bytes, content_hash, hash_verified, region) = match payload {
-            Payload::Data(Arrived { data, hash, region }) => {
-                let dtype = data.dtype();
-                let shape = data.shape().as_slice().to_vec();
-                let bytes = data.bytes().len() as u64;
-                let meta = ferry_proto::tensor::meta_of(&data)?;
-                let compute = || ferry_proto::tensor::content_hash(&meta, data.as_bytes());
-                let (content_hash, hash_verified) = match hash {
-                    KnownHash::Computed(hash) => (hash, true),
-                    // Checked later only where the verifier can read the registered bytes
-                    // without a copy; elsewhere that would take a second host copy, so now.
-                    KnownHash::Stated(hash) if self.kind.shares_registered_bytes(&dtype) => {
-                        (hash, false)
-                    }
-                    KnownHash::Stated(stated) => {
-                        let computed = compute();
-                        if computed != stated {
-                            note_mismatch(
-                                &self.hash_mismatches,
-                                &self.key(&name),
-                                &stated,
-                                &computed,
-                            );
+        let (primitive, dtype, shape, bytes, mut content_hash, mut hash_verified, region) =
+            match payload {
+                Payload::Data(Arrived { data, hash, region }) => {
+                    let dtype = data.dtype();
+                    let shape = data.shape().as_slice().to_vec();
+                    let bytes = data.bytes().len() as u64;
+                    let meta = ferry_proto::tensor::meta_of(&data)?;
+                    let compute = || ferry_proto::tensor::content_hash(&meta, data.as_bytes());
+                    let (content_hash, hash_verified) = match hash {
+                        KnownHash::Computed(hash) => (hash, true),
+                        // Checked later only where the verifier can read the registered bytes
+                        // without a copy; elsewhere that would take a second host copy, so now.
+                        KnownHash::Stated(hash) if self.kind.shares_registered_bytes(&dtype) => {
+                            (hash, false)
                         }
-                        (computed, true)
+                        KnownHash::Stated(stated) => {
+                            let computed = compute();
+                            if computed != stated {
+                                note_mismatch(
+                                    &self.hash_mismatches,
+                                    &self.key(&name),
+                                    &stated,
+                                    &computed,
+                                );
+                            }
+                            (computed, true)
+                        }
+                        KnownHash::Unknown => (compute(), true),
+                    };
+                    if let Some(expected) = &expect_hash
+                        && *expected != content_hash
+                    {
+                        return Err(NodeError::Changed(self.key(&name)));
                     }
-                    KnownHash::Unknown => (compute(), true),
-                };
-                if let Some(expected) = &expect_hash
-                    && *expected != content_hash
-                {
-                    return Err(NodeError::Changed(self.key(&name)));
+                    let origin = data.as_bytes().as_ptr();
+                    let primitive = Primitive::<B>::from_data(data, &self.device)?;
+                    // Kept only while the region's mapping is the tensor's own storage: a backend that
+                    // copied the bytes out freed the mapping, and the region would double the memory.
+                    let region = region.filter(|_| {
+                        primitive
+                            .shared_host_bytes()
+                            .is_some_and(|shared| std::ptr::eq(shared.values.as_ptr(), origin))
+                    });
+                    (
+                        primitive,
+                        dtype,
+                        shape,
+                        bytes,
+                        content_hash,
+                        hash_verified,
+                        region.map(Arc::new),
+                    )
                 }
-                let origin = data.as_bytes().as_ptr();
-                let primitive = Primitive::<B>::from_data(data, &self.device)?;
-                // Kept only while the region's mapping is the tensor's own storage: a backend that
-                // copied the bytes out freed the mapping, and the region would double the memory.
-                let region = region.filter(|_| {
-                    primitive
-                        .shared_host_bytes()
-                        .is_some_and(|shared| std::ptr::eq(shared.values.as_ptr(), origin))
-                });
-                (
-                    primitive,
-                    dtype,
-                    shape,
-                    bytes,
-                    content_hash,
-                    hash_verified,
-                    region.map(Arc::new),
-                )
-            }
-            Payload::Native(native) => {
-                let primitive = native.primitive.downcast::<Primitive<B>>().map_err(|_| {
-                    NodeError::Backend(format!(
-                        "native transfer to device {} ({}) got a tensor of another backend",
-                        self.index, self.kind
-                    ))
-                })?;
-                (
-                    primitive.to_device(&self.device)?,
-                    native.dtype,
-                    native.shape,
-                    native.bytes,
-                    native.content_hash,
-                    native.hash_verified,
-                    None,
-                )
-            }
-        };
+                Payload::Native(native) => {
+                    let primitive = native.primitive.downcast::<Primitive<B>>().map_err(|_| {
+                        NodeError::Backend(format!(
+                            "native transfer to device {} ({}) got a tensor of another backend",
+                            self.index, self.kind
+                        ))
+                    })?;
+                    (
+                        primitive.to_device(&self.device)?,
+                        native.dtype,
+                        native.shape,
+                        native.bytes,
+                        native.content_hash,
+                        native.hash_verified,
+                        None,
+                    )
+                }
+            };
         // What the verifier will read, prepared before anything is replaced: nothing after the
         // replacement can fail.
-        let pending = if hash_verified {
-            None
-        } else {
-            let shared = primitive.shared_host_bytes().ok_or_else(|| {
-                NodeError::Backend("a tensor to verify later cannot be read in place".into())
-            })?;
-            Some((
-                TensorMeta::new(shape.clone(), dtype)?,
-                Arc::downgrade(&shared.values),
-                shared.tail,
-            ))
-        };
+        let mut pending = None;
+        if !hash_verified {
+            let meta = TensorMeta::new(shape.clone(), dtype)?;
+            let shared = primitive.shared_host_bytes().filter(|shared| {
+                shared.dtype == dtype && shared.shape == shape && shared.len() as u64 == bytes
+            });
+            match shared {
+                Some(shared) => {
+                    pending = Some((meta, Arc::downgrade(&shared.values), shared.tail));
+                }
+                // Not readable in place after all: checked here, from a copy, before anything
+                // is replaced.
+                None => {
+                    let data = primitive.to_data()?;
+                    let computed = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
+                    if computed != content_hash {
+                        note_mismatch(
+                            &self.hash_mismatches,
+                            &self.key(&name),
+                            &content_hash,
+                            &computed,
+                        );
+                    }
+                    content_hash = computed;
+                    hash_verified = true;
+                }
+            }
+        }
         let desc = TensorDesc {
             key: self.key(&name),
             dtype,
