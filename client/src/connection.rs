@@ -479,17 +479,17 @@ impl<S: Transport> Connection<S> {
             // reads its frame, and a peer that pipelines requests without reading could have
             // one made per request: bounded by what the peer has not read. Chunks instead wait
             // on the socket like any bytes.
-            let peer_behind = !self.may_make_region(total);
             // A region that cannot be made (out of descriptors or memory, a kernel that refuses
             // memfds) costs nothing on the wire yet: send chunks instead.
-            match make_region_unless(peer_behind, parts, total).await {
-                Ok(Some((descriptor, fd))) => {
-                    self.send_region(descriptor, fd).await?;
-                    return Ok(PayloadRoute::Region);
-                }
-                Ok(None) => {}
-                Err(error) => {
-                    tracing::warn!(%error, bytes = total, "no shared-memory region; sending chunks");
+            if self.may_make_region(total) {
+                match make_region(parts, total).await {
+                    Ok((descriptor, fd)) => {
+                        self.send_region(descriptor, fd).await?;
+                        return Ok(PayloadRoute::Region);
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, bytes = total, "no shared-memory region; sending chunks");
+                    }
                 }
             }
         }
@@ -570,18 +570,6 @@ async fn make_region(
         .into_fd()
         .ok_or_else(|| std::io::Error::other("region not sealed"))?;
     Ok((descriptor, fd))
-}
-
-/// [`make_region`], unless `skip`.
-async fn make_region_unless(
-    skip: bool,
-    parts: &[&[u8]],
-    total: usize,
-) -> std::io::Result<Option<(RegionDescriptor, std::os::fd::OwnedFd)>> {
-    if skip {
-        return Ok(None);
-    }
-    make_region(parts, total).await.map(Some)
 }
 
 /// Payload bytes copied into a region between yields.

@@ -709,6 +709,15 @@ impl<B: Backend> Worker<B> {
         }
     }
 
+    /// The hash a tensor answers to once `computed` from its bytes: a `stated` one it is not is
+    /// counted and logged ([`note_mismatch`]).
+    fn settle(&self, name: &str, stated: &str, computed: String) -> String {
+        if computed != stated {
+            note_mismatch(&self.hash_mismatches, &self.key(name), stated, &computed);
+        }
+        computed
+    }
+
     /// Records a verifier's answer, if the registration it checked is still there.
     fn verified(&mut self, name: &str, serial: u64, computed: String) {
         let key = self.key(name);
@@ -794,18 +803,7 @@ impl<B: Backend> Worker<B> {
                         KnownHash::Stated(hash) if self.kind.shares_registered_bytes(&dtype) => {
                             (hash, false)
                         }
-                        KnownHash::Stated(stated) => {
-                            let computed = compute();
-                            if computed != stated {
-                                note_mismatch(
-                                    &self.hash_mismatches,
-                                    &self.key(&name),
-                                    &stated,
-                                    &computed,
-                                );
-                            }
-                            (computed, true)
-                        }
+                        KnownHash::Stated(stated) => (self.settle(&name, &stated, compute()), true),
                         KnownHash::Unknown => (compute(), true),
                     };
                     if let Some(expected) = &expect_hash
@@ -867,15 +865,7 @@ impl<B: Backend> Worker<B> {
                 None => {
                     let data = primitive.to_data()?;
                     let computed = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
-                    if computed != content_hash {
-                        note_mismatch(
-                            &self.hash_mismatches,
-                            &self.key(&name),
-                            &content_hash,
-                            &computed,
-                        );
-                    }
-                    content_hash = computed;
+                    content_hash = self.settle(&name, &content_hash, computed);
                     hash_verified = true;
                 }
             }
