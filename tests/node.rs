@@ -182,7 +182,7 @@ async fn what_a_source_sends_from_the_registered_tensor_is_exactly_into_data() {
             "{}: the parts are into_data's bytes",
             sample.name
         );
-        if matches!(bytes, HostBytes::Shared(_)) {
+        if matches!(bytes, HostBytes::Shared(..)) {
             shared += 1;
         }
         node.node.remove(&key).await.unwrap();
@@ -341,7 +341,7 @@ async fn a_flex_device_registers_the_received_buffer_itself() {
         let key = TensorKey::new(0, name);
         let (_, _, bytes) = node.node.read_host(&key).await.unwrap();
         assert_eq!(bytes.parts().concat(), expected, "{name}");
-        let HostBytes::Shared(shared) = &bytes else {
+        let HostBytes::Shared(shared, _) = &bytes else {
             panic!("{name}: not shared");
         };
         assert!(

@@ -563,3 +563,328 @@ async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
     }
     assert_eq!(left, 0, "recycled buffers freed once idle");
 }
+
+/// The content hash of `data` as nodes state it.
+fn hash_of(data: &TensorData) -> String {
+    let meta = ferry::proto::tensor::meta_of(data).unwrap();
+    ferry::proto::tensor::content_hash(&meta, data.as_bytes())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_racing_dedup_pulls_never_gets_the_other_value() {
+    // The target holds a candidate for dedup whose value a writer flips between the pulled
+    // tensor's bytes and other bytes: a dedup must copy the version it found, or pull.
+    let a = start_with(&["flex"]).await;
+    let b = start_with(&["flex"]).await;
+    let wanted = samples::plain(DType::F32, &[4, 4], 1);
+    let other = samples::plain(DType::F32, &[4, 4], 2);
+    a.client().await.put(0, "w", &wanted).await.unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (stop, mut client) = (stop.clone(), b.client().await);
+        let (wanted, other) = (wanted.clone(), other.clone());
+        tokio::spawn(async move {
+            let mut writes = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let value = if writes % 2 == 0 { &wanted } else { &other };
+                client.put_with(0, Some("cand"), value, true).await.unwrap();
+                writes += 1;
+            }
+            writes
+        })
+    };
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    let addr = a.addr.to_string();
+    let mut again = how(&addr, 0);
+    again.dst_name = Some("out");
+    again.overwrite = true;
+    let key = TensorKey::new(0, "w");
+    let started = std::time::Instant::now();
+    let (mut pulls, mut dedups) = (0u64, 0u64);
+    while started.elapsed() < Duration::from_secs(10) {
+        let answer = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &again)
+            .await
+            .unwrap()
+            .remove(0)
+            .unwrap();
+        match answer.path.as_str() {
+            "dedup" => dedups += 1,
+            _ => pulls += 1,
+        }
+        let got = target.get(&TensorKey::new(0, "out")).await.unwrap();
+        assert_same(&got, &wanted, "a pull answered Stored");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let writes = writer.await.unwrap();
+    eprintln!("{dedups} dedups and {pulls} pulls against {writes} racing writes");
+    assert!(dedups > 0, "the race was never run: no dedup");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_false_stated_hash_over_tcp_fails_the_pull_and_registers_nothing() {
+    let a = start_with(&["flex"]).await;
+    let b = start_with(&["flex", "ndarray"]).await;
+    let c = start_with(&["flex"]).await;
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    let data = samples::plain(DType::F32, &[64, 64], 3);
+    let unrelated = samples::plain(DType::F32, &[4], 4);
+    source.put(0, "w", &data).await.unwrap();
+    // The third node holds unrelated bytes under their true hash: a lie that reached it would
+    // make it dedup them.
+    c.client().await.put(0, "u", &unrelated).await.unwrap();
+    let b_id = target.identify().await.unwrap();
+    for device in [0u32, 1] {
+        let mut grant = source.grant(&TensorKey::new(0, "w"), &b_id).await.unwrap();
+        grant.content_hash = hash_of(&unrelated);
+        let refused = target
+            .pull(&a.addr.to_string(), &grant, device, Some("w"), false)
+            .await;
+        assert_eq!(code_of(refused), ErrorCode::Integrity, "device {device}");
+    }
+    assert!(target.list(None).await.unwrap().is_empty(), "nothing registered");
+    // An honest copy from the target onwards has nothing to carry a lie with; the source's own
+    // copy to the third node holds the source's bytes.
+    let mut third = c.client().await;
+    let addr = a.addr.to_string();
+    let answers = copy_between(
+        &mut source,
+        &mut third,
+        &[TensorKey::new(0, "w")],
+        &how(&addr, 0),
+    )
+    .await
+    .unwrap();
+    assert_eq!(answers[0].as_ref().unwrap().path, "pull");
+    assert_same(
+        &third.get(&TensorKey::new(0, "w")).await.unwrap(),
+        &data,
+        "third node",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_states_only_a_verified_hash_after_a_false_statement_through_shared_memory() {
+    // Through a sealed region the target registers under the stated hash and verifies it
+    // afterwards: a grant of that tensor waits for the verification, and states the truth.
+    let config = || NodeConfig {
+        devices: devices(&["flex"]),
+        ..NodeConfig::default()
+    };
+    let a = common::start_unix(config(), ServiceConfig::default()).await;
+    let b = common::start_unix(config(), ServiceConfig::default()).await;
+    let c = start_with(&["flex"]).await;
+    let a_unix = a.unix.clone().unwrap();
+    let mut source = Client::connect(a_unix.as_str(), None).await.unwrap();
+    let mut target = Client::connect(b.unix.clone().unwrap().as_str(), None)
+        .await
+        .unwrap();
+    // 8 MiB: large enough to travel as a kept region.
+    let data = samples::plain(DType::F32, &[2048, 1024], 6);
+    let unrelated = samples::plain(DType::F32, &[8], 7);
+    source.put(0, "w", &data).await.unwrap();
+    c.client().await.put(0, "u", &unrelated).await.unwrap();
+    let b_id = target.identify().await.unwrap();
+    let mut grant = source.grant(&TensorKey::new(0, "w"), &b_id).await.unwrap();
+    grant.content_hash = hash_of(&unrelated);
+    let stored = target.pull(&a_unix, &grant, 0, Some("w"), false).await.unwrap();
+    assert_eq!(stored.path, "pull");
+    // Granted onwards at once: the grant waits for the verification and states the truth.
+    let mut from_b = b.client().await;
+    let mut third = c.client().await;
+    let c_id = third.identify().await.unwrap();
+    let onwards = from_b.grant(&TensorKey::new(0, "w"), &c_id).await.unwrap();
+    assert_eq!(onwards.content_hash, hash_of(&data));
+    let stored = third
+        .pull(&b.addr.to_string(), &onwards, 0, Some("w"), false)
+        .await
+        .unwrap();
+    assert_eq!(stored.path, "pull", "no dedup on the unrelated tensor");
+    assert_same(&third.get(&stored.key).await.unwrap(), &data, "third node");
+    assert_eq!(from_b.stat().await.unwrap().hash_mismatches, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_rewrites_chunks_and_their_checksums_fails_the_pull() {
+    let (a, b, via, data) = faulty_pair(Fault::FlipAndReframe).await;
+    let result = pull_big(&b, &a, &via).await;
+    let Err(error) = result else {
+        panic!("a pull of altered bytes answered Stored");
+    };
+    assert_eq!(error.code(), Some(ErrorCode::Integrity), "{error}");
+    nothing_registered_and_source_intact(&a, &b, &data).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
+    let a = start_with(&["flex"]).await;
+    let b = start_with(&["flex"]).await;
+    let addr = a.addr.to_string();
+    let key = TensorKey::new(0, "k");
+    let value = |i: u64| TensorData::new(vec![i as i64; 1 << 16], [1 << 16]);
+    let id_of = |data: &TensorData| data.as_slice::<i64>().unwrap()[0] as u64;
+
+    // The steps of a move, one at a time: copied, then overwritten, then the conditional delete.
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    source.put(0, "k", &value(1)).await.unwrap();
+    let b_id = target.identify().await.unwrap();
+    let grant = source.grant(&key, &b_id).await.unwrap();
+    target.pull(&addr, &grant, 0, None, true).await.unwrap();
+    source.put_with(0, Some("k"), &value(2), true).await.unwrap();
+    let refused = source.delete_if(&key, &grant.content_hash).await;
+    assert_eq!(code_of(refused), ErrorCode::Changed);
+    assert_eq!(id_of(&source.get(&key).await.unwrap()), 2, "the newer version stays");
+
+    // Racing: a writer overwrites the source while moves run; after each round the last
+    // acknowledged write is at the source, or it was moved (and is then at the target).
+    let mut move_how = how(&addr, 0);
+    move_how.remove_source = true;
+    move_how.overwrite = true;
+    let (mut changed, mut moved) = (0u32, 0u32);
+    let mut next = 10u64;
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        let mut writer = a.client().await;
+        let first = next;
+        let writes = tokio::spawn(async move {
+            let mut last = None;
+            for i in first..first + 4 {
+                writer.put_with(0, Some("k"), &value(i), true).await.unwrap();
+                last = Some(i);
+                tokio::task::yield_now().await;
+            }
+            last.unwrap()
+        });
+        let answers = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &move_how)
+            .await
+            .unwrap();
+        match answers.into_iter().next().unwrap() {
+            Ok(_) => moved += 1,
+            Err(ferry::client::ClientError::SourceChanged { .. }) => changed += 1,
+            Err(e) if e.code() == Some(ErrorCode::NotFound) => {}
+            Err(e) if e.code() == Some(ErrorCode::CapabilityRefused) => {}
+            Err(e) => panic!("move failed: {e}"),
+        }
+        let last = writes.await.unwrap();
+        next += 4;
+        match source.get(&key).await {
+            Ok(held) => assert_eq!(id_of(&held), last, "the source holds the last write"),
+            Err(e) => {
+                assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
+                let there = target.get(&key).await.unwrap();
+                assert_eq!(id_of(&there), last, "the last write was moved, not lost");
+            }
+        }
+    }
+    eprintln!("{moved} moves, {changed} refused deletes of a changed source");
+    assert!(moved + changed > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capability_serves_one_whole_fetch_and_only_its_fetcher_releases_it() {
+    let a = start_with(&["flex"]).await;
+    let b = start_with(&["flex"]).await;
+    let mut source = a.client().await;
+    let data = samples::plain(DType::F32, &[256, 256], 8);
+    source.put(0, "w", &data).await.unwrap();
+    let key = TensorKey::new(0, "w");
+    let b_id = b.client().await.identify().await.unwrap();
+    let grant = source.grant(&key, &b_id).await.unwrap();
+
+    // Fetched whole once (as node B would), then refused a second whole fetch.
+    let mut fetcher = a.client().await;
+    let (_, meta) = fetcher.fetch_begin(&grant.token, &b_id, 0).await.unwrap();
+    let mut assembler = ferry::proto::TensorAssembler::new(meta.clone(), u64::MAX).unwrap();
+    fetcher.fetch_payload(&mut assembler).await.unwrap();
+    assert_same(&assembler.finish().unwrap(), &data, "fetched");
+    let mut other = a.client().await;
+    let again = other.fetch_begin(&grant.token, &b_id, 0).await;
+    assert_eq!(code_of(again), ErrorCode::CapabilityRefused, "a second whole fetch");
+
+    // A resume (a later offset) by the audience is still served.
+    let (_, resumed) = other.fetch_begin(&grant.token, &b_id, 1024).await.unwrap();
+    let mut tail = ferry::proto::TensorAssembler::new(resumed, u64::MAX).unwrap();
+    tail.accept(0, &data.as_bytes()[..1024]).unwrap();
+    other.fetch_payload(&mut tail).await.unwrap();
+    assert_same(&tail.finish().unwrap(), &data, "resumed");
+
+    // Released only by the connection of the latest fetch: not by a third party that knows the
+    // token and the audience, nor by the client it was granted to once a fetch began.
+    let mut third = a.client().await;
+    assert_eq!(
+        code_of(third.release(&grant.token, &b_id).await),
+        ErrorCode::CapabilityRefused
+    );
+    assert_eq!(
+        code_of(source.release(&grant.token, &b_id).await),
+        ErrorCode::CapabilityRefused
+    );
+    other.release(&grant.token, &b_id).await.unwrap();
+    let used = third.fetch_begin(&grant.token, &b_id, 1024).await;
+    assert_eq!(code_of(used), ErrorCode::CapabilityRefused, "used up");
+
+    // Before any fetch, the client it was granted to may hand it back; nobody else.
+    let unused = source.grant(&key, &b_id).await.unwrap();
+    assert_eq!(
+        code_of(third.release(&unused.token, &b_id).await),
+        ErrorCode::CapabilityRefused
+    );
+    source.release(&unused.token, &b_id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outstanding_grants_are_capped_per_client_and_revoked_with_its_connection() {
+    let a = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            max_grants_per_client: 8,
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let b = start_with(&["flex"]).await;
+    let data = samples::plain(DType::F32, &[4], 1);
+    let mut greedy = a.client().await;
+    greedy.put(0, "w", &data).await.unwrap();
+    let key = TensorKey::new(0, "w");
+    let b_id = b.client().await.identify().await.unwrap();
+    for _ in 0..8 {
+        greedy.grant(&key, &b_id).await.unwrap();
+    }
+    let over = greedy.grant(&key, &b_id).await;
+    let Err(error) = over else {
+        panic!("a ninth grant was issued");
+    };
+    assert_eq!(error.code(), Some(ErrorCode::LimitExceeded));
+    assert!(error.to_string().contains("8 outstanding"), "{error}");
+    let held = greedy.grant(&key, &b_id).await;
+    assert_eq!(code_of(held), ErrorCode::LimitExceeded);
+
+    // Another client copies as usual meanwhile.
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    let addr = a.addr.to_string();
+    let answers = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &how(&addr, 0))
+        .await
+        .unwrap();
+    assert!(answers[0].is_ok());
+
+    // A client's unused capabilities go with its connection.
+    let mut fresh = a.client().await;
+    let grant = fresh.grant(&key, &b_id).await.unwrap();
+    let before = a.node.stats().await.unwrap().connections;
+    drop(fresh);
+    for _ in 0..200 {
+        if a.node.stats().await.unwrap().connections < before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut fetcher = a.client().await;
+    let revoked = fetcher.fetch_begin(&grant.token, &b_id, 0).await;
+    assert_eq!(code_of(revoked), ErrorCode::CapabilityRefused);
+    drop(greedy);
+}

@@ -1,7 +1,7 @@
 //! `Client`: the async Rust API to a ferry node (put, get, copy, move, delete, list, stat).
 
 use crate::connection::{
-    Connection, ConnectionError, ConnectionLimits, PayloadRoute, SealedRegion,
+    Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, SealedRegion,
 };
 use crate::transport::{Endpoint, Stream};
 use ferry_proto::{
@@ -15,6 +15,9 @@ const PIPELINE_WINDOW: usize = 64;
 
 /// How many capabilities a node-to-node batch asks for ahead of their pulls.
 const GRANT_WINDOW: usize = 4;
+
+/// How many tensors [`Client::list`] asks for per page.
+const LIST_PAGE: u32 = 4096;
 
 /// The software name the client reports.
 pub const AGENT: &str = concat!("ferry-client/", env!("CARGO_PKG_VERSION"));
@@ -48,6 +51,19 @@ pub enum ClientError {
     /// dtype, a device that cannot hold it).
     #[error("{0}")]
     Tensor(String),
+    /// A move between nodes copied the tensor, but the source changed meanwhile (a newer
+    /// version was written there), so the source was not deleted: both remain.
+    #[error(
+        "{key} was copied to the target as {}, but the source changed meanwhile, so it was \
+         kept: both remain",
+        stored.key
+    )]
+    SourceChanged {
+        /// The source key.
+        key: TensorKey,
+        /// What the target registered.
+        stored: TensorInfo,
+    },
     /// The node's `stat` answer is of another protocol minor version, whose fields differ
     /// (PROTOCOL.md §8): the one answer that does not carry across minors.
     #[error(
@@ -184,12 +200,26 @@ pub async fn copy_between(
                 results.push(Err(e));
                 continue;
             }
-            if stored.is_ok()
-                && remove_source
-                && let Err(e) = source.delete(&grant.info.key).await
-            {
-                results.push(Err(e));
-                continue;
+            // A move deletes the version it copied, and only that one: a newer version written
+            // to the source meanwhile stays, and the move says so.
+            if let (Ok(info), true) = (&stored, remove_source) {
+                match source.delete_if(&grant.info.key, &grant.content_hash).await {
+                    Ok(_) => {}
+                    Err(ClientError::Node {
+                        code: ErrorCode::Changed,
+                        ..
+                    }) => {
+                        results.push(Err(ClientError::SourceChanged {
+                            key: grant.info.key.clone(),
+                            stored: info.clone(),
+                        }));
+                        continue;
+                    }
+                    Err(e) => {
+                        results.push(Err(e));
+                        continue;
+                    }
+                }
             }
             results.push(stored);
         }
@@ -445,8 +475,77 @@ impl Client {
         self.end(result)
     }
 
-    /// The tensors on `device`, or on every device.
+    /// Deletes the tensor under `key` only if it is still the version whose content hash is
+    /// `content_hash`; a node that holds another version answers [`ErrorCode::Changed`] and
+    /// deletes nothing.
+    pub async fn delete_if(
+        &mut self,
+        key: &TensorKey,
+        content_hash: &str,
+    ) -> Result<TensorInfo, ClientError> {
+        self.begin()?;
+        let result = async {
+            self.conn
+                .write_request(&Request::DeleteIf {
+                    key: key.clone(),
+                    content_hash: content_hash.to_string(),
+                })
+                .await?;
+            match self.conn.read_response().await? {
+                Response::Deleted(info) => Ok(info),
+                other => Err(unexpected(other)),
+            }
+        }
+        .await;
+        self.end(result)
+    }
+
+    /// The tensors on `device`, or on every device, sorted by device and name: read a page at
+    /// a time, so any number of them can be listed.
     pub async fn list(&mut self, device: Option<u32>) -> Result<Vec<TensorInfo>, ClientError> {
+        if self.welcome.minor < 3 {
+            return self.list_whole(device).await;
+        }
+        let mut all = Vec::new();
+        let mut after = None;
+        loop {
+            let (page, next) = self.list_page(device, after, LIST_PAGE).await?;
+            all.extend(page);
+            match next {
+                Some(next) => after = Some(next),
+                None => return Ok(all),
+            }
+        }
+    }
+
+    /// One page of [`list`](Self::list): at most `limit` tensors (the node may send fewer)
+    /// after the key `after`, and where the next page starts (`None` after the last).
+    pub async fn list_page(
+        &mut self,
+        device: Option<u32>,
+        after: Option<TensorKey>,
+        limit: u32,
+    ) -> Result<(Vec<TensorInfo>, Option<TensorKey>), ClientError> {
+        self.begin()?;
+        let result = async {
+            self.conn
+                .write_request(&Request::ListPage {
+                    device,
+                    after,
+                    limit,
+                })
+                .await?;
+            match self.conn.read_response().await? {
+                Response::Page { tensors, next } => Ok((tensors, next)),
+                other => Err(unexpected(other)),
+            }
+        }
+        .await;
+        self.end(result)
+    }
+
+    /// The listing of a node older than minor 3, in one answer.
+    async fn list_whole(&mut self, device: Option<u32>) -> Result<Vec<TensorInfo>, ClientError> {
         self.begin()?;
         let result = async {
             self.conn.write_request(&Request::List { device }).await?;
@@ -758,21 +857,20 @@ impl Client {
         &mut self,
         assembler: &mut TensorAssembler,
     ) -> Result<PayloadRoute, ClientError> {
-        self.fetch_payload_keeping(assembler, false)
+        self.fetch_payload_keeping(assembler, RegionUse::Map)
             .await
             .map(|(route, _)| route)
     }
 
-    /// [`fetch_payload`](Self::fetch_payload), keeping (with `keep`) the shared-memory region a
-    /// large payload came in, to pass the tensor on without a copy
-    /// ([`Connection::read_payload_keeping`]).
+    /// [`fetch_payload`](Self::fetch_payload), doing with a payload that comes as a
+    /// shared-memory region what `regions` says ([`Connection::read_payload_keeping`]).
     pub async fn fetch_payload_keeping(
         &mut self,
         assembler: &mut TensorAssembler,
-        keep: bool,
+        regions: RegionUse,
     ) -> Result<(PayloadRoute, Option<SealedRegion>), ClientError> {
         self.begin()?;
-        let result = async { Ok(self.conn.read_payload_keeping(assembler, keep).await?) }.await;
+        let result = async { Ok(self.conn.read_payload_keeping(assembler, regions).await?) }.await;
         self.end(result)
     }
 }

@@ -42,6 +42,15 @@ pub enum ConnectionError {
     /// The peer closed the connection in the middle of a frame or a payload.
     #[error("connection closed in the middle of a frame or tensor payload")]
     Closed,
+    /// A whole payload took longer than its deadline (the idle timeout plus its length at the
+    /// minimum rate): a peer that trickles bytes cannot hold a buffer and its budget for ever.
+    #[error("a payload of {bytes} bytes took longer than its deadline of {deadline:?}")]
+    PayloadDeadline {
+        /// The payload's length.
+        bytes: u64,
+        /// How long it was given.
+        deadline: Duration,
+    },
     /// The peer sent a frame of the wrong kind at this point.
     #[error("expected a {expected} frame, got a {got:?} frame")]
     UnexpectedFrame {
@@ -76,6 +85,27 @@ pub struct ConnectionLimits {
     /// Where shared memory was agreed, payloads of at least this many bytes (and at least one)
     /// are sent as a region; smaller ones go as chunks, which is cheaper for a few pages.
     pub region_min: usize,
+    /// The slowest a whole payload may move, in bytes per second: a payload must be sent or
+    /// received within the idle timeout plus its length at this rate ([`payload_deadline`]),
+    /// or the connection is dropped. Zero for no whole-payload deadline.
+    ///
+    /// [`payload_deadline`]: ConnectionLimits::payload_deadline
+    pub min_rate: u64,
+}
+
+/// The default [`ConnectionLimits::min_rate`]: 1 MiB/s, far below any working link, far above
+/// a peer that sends a byte now and then to keep a reservation.
+pub const DEFAULT_MIN_RATE: u64 = 1 << 20;
+
+impl ConnectionLimits {
+    /// How long a payload of `bytes` may take as a whole; `None` where there is no such limit.
+    pub fn payload_deadline(&self, bytes: u64) -> Option<Duration> {
+        if self.min_rate == 0 {
+            return None;
+        }
+        let at_rate = Duration::from_secs_f64(bytes as f64 / self.min_rate as f64);
+        Some(self.idle_timeout.saturating_add(at_rate))
+    }
 }
 
 impl Default for ConnectionLimits {
@@ -85,8 +115,23 @@ impl Default for ConnectionLimits {
             idle_timeout: Duration::from_secs(30),
             chunk_size: frame::DEFAULT_CHUNK_SIZE,
             region_min: DEFAULT_REGION_MIN,
+            min_rate: DEFAULT_MIN_RATE,
         }
     }
+}
+
+/// What a receiver does with a payload that arrives as a shared-memory region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegionUse {
+    /// Map it, and let the descriptor go once mapped (a client reading a tensor).
+    Map,
+    /// Keep the sealed region (a payload of at least [`KEEP_REGION_MIN`] bytes), to pass the
+    /// tensor on without a copy.
+    Keep,
+    /// Keep it, and leave its content hash to be verified later by whoever registers it: the
+    /// seals vouch that the bytes cannot change, so the check need not hold up the answer (a
+    /// pull between nodes of one host). The assembler's hash, if any, is not computed.
+    KeepUnhashed,
 }
 
 /// How a payload travelled.
@@ -260,7 +305,7 @@ impl<S: Transport> Connection<S> {
         &mut self,
         assembler: &mut TensorAssembler,
     ) -> Result<PayloadRoute, ConnectionError> {
-        self.read_payload_keeping(assembler, false)
+        self.read_payload_keeping(assembler, RegionUse::Map)
             .await
             .map(|(route, _)| route)
     }
@@ -268,10 +313,28 @@ impl<S: Transport> Connection<S> {
     /// [`read_payload`](Self::read_payload), keeping (with `keep`) the region a payload of at
     /// least [`KEEP_REGION_MIN`] bytes came in, so that whoever registers the tensor can pass it
     /// on through shared memory without copying it ([`write_payload_known`](Self::write_payload_known)).
+    ///
+    /// The whole payload must arrive within [`ConnectionLimits::payload_deadline`].
     pub async fn read_payload_keeping(
         &mut self,
         assembler: &mut TensorAssembler,
-        keep: bool,
+        regions: RegionUse,
+    ) -> Result<(PayloadRoute, Option<SealedRegion>), ConnectionError> {
+        let bytes = assembler.meta().byte_len() as u64;
+        match self.limits.payload_deadline(bytes) {
+            None => self.read_payload_unbounded(assembler, regions).await,
+            Some(deadline) => {
+                tokio::time::timeout(deadline, self.read_payload_unbounded(assembler, regions))
+                    .await
+                    .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?
+            }
+        }
+    }
+
+    async fn read_payload_unbounded(
+        &mut self,
+        assembler: &mut TensorAssembler,
+        regions: RegionUse,
     ) -> Result<(PayloadRoute, Option<SealedRegion>), ConnectionError> {
         while !assembler.is_complete() {
             self.fill_to(HEADER_LEN).await?;
@@ -283,8 +346,7 @@ impl<S: Transport> Connection<S> {
             match header.kind {
                 FrameKind::Chunk => {}
                 FrameKind::Region => {
-                    let keep = keep && assembler.meta().byte_len() >= KEEP_REGION_MIN;
-                    let kept = self.read_region(header, assembler, keep).await?;
+                    let kept = self.read_region(header, assembler, regions).await?;
                     return Ok((PayloadRoute::Region, kept));
                 }
                 FrameKind::Control => {
@@ -334,7 +396,7 @@ impl<S: Transport> Connection<S> {
         &mut self,
         header: FrameHeader,
         assembler: &mut TensorAssembler,
-        keep: bool,
+        regions: RegionUse,
     ) -> Result<Option<SealedRegion>, ConnectionError> {
         let refuse = |reason: &str| {
             ConnectionError::from(StreamError::RegionRefused {
@@ -364,7 +426,7 @@ impl<S: Transport> Connection<S> {
         if assembler.received() != 0 {
             return Err(refuse("a region must carry the whole payload"));
         }
-        adopt_region(fd, declared, assembler, keep).await
+        adopt_region(fd, declared, assembler, regions).await
     }
 
     /// Writes a request and flushes.
@@ -453,7 +515,28 @@ impl<S: Transport> Connection<S> {
     /// what is already known of it: where a region is due and the payload lies in a kept
     /// region, that one is passed on as it is, with no copy at all; chunk checksums computed by
     /// an earlier send with the same chunk size are reused rather than computed again.
+    ///
+    /// The whole payload must be written within [`ConnectionLimits::payload_deadline`]: a peer
+    /// that stops reading cannot pin the payload's memory for ever.
     pub async fn write_payload_known(
+        &mut self,
+        parts: &[&[u8]],
+        start: usize,
+        known: Known<'_>,
+    ) -> Result<PayloadRoute, ConnectionError> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let bytes = total.saturating_sub(start) as u64;
+        match self.limits.payload_deadline(bytes) {
+            None => self.write_payload_unbounded(parts, start, known).await,
+            Some(deadline) => {
+                tokio::time::timeout(deadline, self.write_payload_unbounded(parts, start, known))
+                    .await
+                    .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?
+            }
+        }
+    }
+
+    async fn write_payload_unbounded(
         &mut self,
         parts: &[&[u8]],
         start: usize,
@@ -658,10 +741,13 @@ async fn adopt_region(
     fd: std::os::fd::OwnedFd,
     declared: RegionDescriptor,
     assembler: &mut TensorAssembler,
-    keep: bool,
+    regions: RegionUse,
 ) -> Result<Option<SealedRegion>, ConnectionError> {
     let expected = assembler.meta().byte_len();
-    let hasher = assembler.take_hasher();
+    let keep = regions != RegionUse::Map && expected >= KEEP_REGION_MIN;
+    let hasher = assembler
+        .take_hasher()
+        .filter(|_| regions != RegionUse::KeepUnhashed);
     let (bytes, kept, hasher) = tokio::task::spawn_blocking(move || {
         let (bytes, kept) = crate::region::adopt(fd, declared, expected, keep)?;
         let hasher = hasher.map(|mut h| {
@@ -703,7 +789,7 @@ async fn adopt_region(
     _fd: std::os::fd::OwnedFd,
     _declared: RegionDescriptor,
     _assembler: &mut TensorAssembler,
-    _keep: bool,
+    _regions: RegionUse,
 ) -> Result<Option<SealedRegion>, ConnectionError> {
     Err(StreamError::RegionRefused {
         reason: "shared-memory regions need Linux".into(),

@@ -13,6 +13,6 @@ pub mod transport;
 
 pub use blocking::BlockingClient;
 pub use client::{Client, ClientConfig, ClientError, Grant, NodeCopy, copy_between};
-pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute};
+pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse};
 pub use ferry_proto::{ErrorCode, TensorData, TensorInfo, TensorKey};
 pub use transport::{Endpoint, Stream, Transport};

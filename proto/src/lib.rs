@@ -13,6 +13,7 @@ pub mod message;
 pub mod meta;
 pub mod scales;
 pub mod tensor;
+mod trailing;
 
 pub use burn_std::{BoolStore, DType, TensorData};
 pub use dtype::{WireDType, WireQuantScheme, dtype_name};

@@ -205,6 +205,27 @@ pub enum Request {
         /// The node id of the node that fetched.
         node_id: String,
     },
+    /// Lists tensors a page at a time, sorted by device and name: at most `limit` of them (the
+    /// node may answer fewer), starting after the key `after`. Answered by [`Response::Page`].
+    /// Added in minor 3: a listing of any size, where [`Request::List`] is bounded by a frame.
+    ListPage {
+        /// One device, or every device when absent.
+        device: Option<u32>,
+        /// The last key of the previous page; the first page when absent.
+        after: Option<TensorKey>,
+        /// The most tensors wanted in this page.
+        limit: u32,
+    },
+    /// Deletes the tensor under `key` only if it is still the version whose content hash is
+    /// `content_hash` (a move between nodes deletes the version it copied, never a newer one
+    /// written meanwhile). Answered by [`Response::Deleted`], or an error with code
+    /// [`ErrorCode::Changed`] (nothing deleted). Added in minor 3.
+    DeleteIf {
+        /// Which tensor.
+        key: TensorKey,
+        /// The content hash of the version to delete (see `PROTOCOL.md` §7.2).
+        content_hash: String,
+    },
 }
 
 impl Request {
@@ -227,6 +248,8 @@ impl Request {
             Request::Pull { .. } => "pull",
             Request::Fetch { .. } => "fetch",
             Request::Release { .. } => "release",
+            Request::ListPage { .. } => "list",
+            Request::DeleteIf { .. } => "delete",
         }
     }
 
@@ -288,6 +311,13 @@ pub enum Response {
     },
     /// The capability is used up.
     Released,
+    /// One page of a listing ([`Request::ListPage`]). Added in minor 3.
+    Page {
+        /// The tensors, sorted by device and name.
+        tensors: Vec<TensorInfo>,
+        /// Where the next page starts (pass it as `after`); `None` once this page is the last.
+        next: Option<TensorKey>,
+    },
 }
 
 /// A registered tensor.
@@ -342,6 +372,12 @@ pub enum ErrorCode {
     /// A node-to-node transfer failed on the way (the peer vanished, went silent, or sent
     /// corrupt bytes); nothing was registered.
     PeerFailed,
+    /// The tensor under the key is no longer the version the operation was for (it was
+    /// replaced or deleted meanwhile); nothing was changed. Added in minor 3.
+    Changed,
+    /// The bytes that arrived do not have the content hash they were granted under (altered on
+    /// the way, or a false statement); nothing was registered. Added in minor 3.
+    Integrity,
 }
 
 impl ErrorCode {

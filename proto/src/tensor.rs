@@ -132,12 +132,28 @@ fn alloc_for(dtype: DType, len: usize) -> Result<Bytes, MetaError> {
 /// Bytes are written in place ([`slot`](Self::slot), then [`commit`](Self::commit) once their
 /// checksum is verified), so a receiver never holds a second copy of the tensor.
 pub struct TensorAssembler {
+    /// The content hash where the receiver wants it ([`hashing`](Self::hashing)). Declared
+    /// before `buf`, so that a hashing thread is joined before the buffer it reads is freed.
+    hash: HashState,
     meta: TensorMeta,
     buf: Bytes,
     received: usize,
-    /// The content hash where the receiver wants it ([`hashing`](Self::hashing)), fed as bytes
-    /// are committed (while they are still in cache), so it costs no separate pass.
-    hasher: Option<blake3::Hasher>,
+}
+
+/// Payloads at least this large are hashed on their own thread while they arrive; smaller ones
+/// as each chunk is committed, on the receiving thread (a thread costs more than their hash).
+pub const TRAILING_HASH_MIN: usize = 1 << 20;
+
+/// How a receiver computes the content hash of what it receives.
+#[derive(Debug, Default)]
+enum HashState {
+    /// It does not.
+    #[default]
+    None,
+    /// Fed as bytes are committed, while they are still in cache.
+    Inline(blake3::Hasher),
+    /// On another thread, a chunk behind the receiver.
+    Trailing(crate::trailing::TrailingHash),
 }
 
 impl std::fmt::Debug for TensorAssembler {
@@ -175,19 +191,40 @@ impl TensorAssembler {
             None => alloc_for(meta.dtype(), len)?,
         };
         Ok(Self {
+            hash: HashState::None,
             meta,
             buf,
             received: 0,
-            hasher: None,
         })
     }
 
     /// Also computes the content hash while the payload arrives (see
     /// [`finish_hashed`](Self::finish_hashed)).
+    ///
+    /// A payload of [`TRAILING_HASH_MIN`] bytes or more is hashed on another thread while it
+    /// arrives, so that [`finish_hashed`](Self::finish_hashed) waits only for the last chunk.
     pub fn hashing(mut self) -> Self {
-        if self.received == 0 {
-            self.hasher = Some(content_hasher(&self.meta));
+        if self.received != 0 || !matches!(self.hash, HashState::None) {
+            return self;
         }
+        let hasher = content_hasher(&self.meta);
+        let len = self.buf.len();
+        if len >= TRAILING_HASH_MIN {
+            let base = self.buf.as_mut_ptr();
+            // SAFETY: `buf` is `len` bytes that live as long as `self`; `hash` is declared before
+            // it (dropped, and its thread joined, first), is finished before `buf` is handed out
+            // or replaced (`finish*`, `take_hasher`, `adopt`), and while it lives every access to
+            // `buf` goes through it (`slot`).
+            match unsafe { crate::trailing::TrailingHash::start(base, len, hasher.clone()) } {
+                Ok(trailing) => {
+                    self.hash = HashState::Trailing(trailing);
+                    return self;
+                }
+                // No thread to be had (out of threads or memory): hashed in line instead.
+                Err(_) => {}
+            }
+        }
+        self.hash = HashState::Inline(hasher);
         self
     }
 
@@ -232,14 +269,24 @@ impl TensorAssembler {
     /// declared length, and not empty. Nothing counts as received until [`commit`](Self::commit).
     pub fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError> {
         let range = self.check_range(offset, len)?;
-        Ok(&mut self.buf[range])
+        match &mut self.hash {
+            HashState::Trailing(trailing) => trailing.slot(range).ok_or(StreamError::OutOfOrder {
+                offset,
+                expected: self.received as u64,
+            }),
+            _ => Ok(&mut self.buf[range]),
+        }
     }
 
     /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received.
     pub fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError> {
         let range = self.check_range(offset, len)?;
-        if let Some(hasher) = &mut self.hasher {
-            hasher.update(&self.buf[range.clone()]);
+        match &mut self.hash {
+            HashState::None => {}
+            HashState::Inline(hasher) => {
+                hasher.update(&self.buf[range.clone()]);
+            }
+            HashState::Trailing(trailing) => trailing.commit(range.end),
         }
         self.received = range.end;
         Ok(())
@@ -248,7 +295,17 @@ impl TensorAssembler {
     /// The content hasher, to feed elsewhere (off an async runtime) and give back with
     /// [`adopt_hashed`](Self::adopt_hashed); `None` where this receiver does not hash.
     pub fn take_hasher(&mut self) -> Option<blake3::Hasher> {
-        self.hasher.take()
+        match std::mem::take(&mut self.hash) {
+            HashState::None => None,
+            HashState::Inline(hasher) => Some(hasher),
+            // Everything committed so far is fed to it; a thread that died leaves the bytes to
+            // be hashed again from the start.
+            HashState::Trailing(trailing) => trailing.finish().or_else(|| {
+                let mut hasher = content_hasher(&self.meta);
+                hasher.update(&self.buf[..self.received]);
+                Some(hasher)
+            }),
+        }
     }
 
     /// [`adopt`](Self::adopt) for a payload already fed to the hasher taken with
@@ -258,9 +315,9 @@ impl TensorAssembler {
         payload: Bytes,
         hasher: Option<blake3::Hasher>,
     ) -> Result<(), StreamError> {
-        self.hasher = None;
+        self.hash = HashState::None;
         self.adopt(payload)?;
-        self.hasher = hasher;
+        self.hash = hasher.map_or(HashState::None, HashState::Inline);
         Ok(())
     }
 
@@ -280,7 +337,13 @@ impl TensorAssembler {
                 total: total as u64,
             });
         }
-        if let Some(hasher) = &mut self.hasher {
+        // A hashing thread reads the old buffer: it is done with it before the buffer goes.
+        if let HashState::Trailing(_) = self.hash {
+            self.hash = self
+                .take_hasher()
+                .map_or(HashState::None, HashState::Inline);
+        }
+        if let HashState::Inline(hasher) = &mut self.hash {
             hasher.update(&payload);
         }
         self.buf = payload;
@@ -308,14 +371,19 @@ impl TensorAssembler {
     /// The assembled tensor, once every declared byte has arrived (no content hash computed).
     pub fn finish(self) -> Result<TensorData, crate::ProtoError> {
         self.check_complete()?;
-        Ok(from_parts(&self.meta, self.buf)?)
+        let Self {
+            hash, meta, buf, ..
+        } = self;
+        // Joined (and its thread done with the buffer) before the buffer is handed out.
+        drop(hash);
+        Ok(from_parts(&meta, buf)?)
     }
 
     /// The assembled tensor and its content hash ([`content_hash`]), once every declared byte
     /// has arrived.
-    pub fn finish_hashed(self) -> Result<(TensorData, String), crate::ProtoError> {
+    pub fn finish_hashed(mut self) -> Result<(TensorData, String), crate::ProtoError> {
         self.check_complete()?;
-        let hash = match self.hasher {
+        let hash = match self.take_hasher() {
             Some(hasher) => hasher.finalize().to_hex().to_string(),
             None => content_hash(&self.meta, &self.buf),
         };
@@ -373,6 +441,52 @@ mod tests {
             Some(whole)
         );
         assert_eq!(content_hash_parts(&meta, &[&payload[..]], || true), None);
+    }
+
+    #[test]
+    fn a_large_payload_hashed_on_its_own_thread_hashes_as_in_line() {
+        let n = TRAILING_HASH_MIN; // 4 MiB of f32
+        let data = TensorData::new((0..n).map(|i| i as f32).collect::<Vec<_>>(), [n]);
+        let (meta, payload) = into_parts(data.clone()).unwrap();
+        let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
+            .unwrap()
+            .hashing();
+        assert!(matches!(asm.hash, HashState::Trailing(_)));
+        for (offset, piece) in chunks(&payload, 300_001) {
+            asm.accept(offset, piece).unwrap();
+        }
+        let (back, hash) = asm.finish_hashed().unwrap();
+        assert_eq!(hash, content_hash(&meta, data.as_bytes()));
+        assert_eq!(back.as_bytes(), data.as_bytes());
+    }
+
+    #[test]
+    fn a_receive_dropped_half_way_stops_its_hashing_thread() {
+        let n = TRAILING_HASH_MIN;
+        let data = TensorData::new(vec![7u8; n], [n]);
+        let (meta, payload) = into_parts(data).unwrap();
+        let mut asm = TensorAssembler::new(meta, u64::MAX).unwrap().hashing();
+        asm.accept(0, &payload[..n / 2]).unwrap();
+        // Out of order is still refused through the hashing thread's view of the buffer.
+        assert!(asm.accept(0, &payload[..8]).is_err());
+        drop(asm); // joins the thread; a hang here fails the test by timing out
+    }
+
+    #[test]
+    fn a_hasher_taken_mid_way_carries_the_committed_bytes() {
+        let n = 2 * TRAILING_HASH_MIN;
+        let data = TensorData::new((0..n).map(|i| (i % 251) as u8).collect::<Vec<_>>(), [n]);
+        let (meta, payload) = into_parts(data.clone()).unwrap();
+        let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
+            .unwrap()
+            .hashing();
+        asm.accept(0, &payload[..n / 3]).unwrap();
+        let mut hasher = asm.take_hasher().unwrap();
+        hasher.update(&payload[n / 3..]);
+        assert_eq!(
+            hasher.finalize().to_hex().to_string(),
+            content_hash(&meta, data.as_bytes())
+        );
     }
 
     #[test]

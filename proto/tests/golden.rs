@@ -249,7 +249,8 @@ fn vectors() -> Vec<Vector> {
         Vector {
             name: "other_requests",
             about: "Request::Copy, Delete, List (one device and all), Stat, Identify, Grant, \
-                    Pull, Fetch and Release, one frame each.",
+                    Pull, Fetch, Release, ListPage (first and next page) and DeleteIf, one \
+                    frame each.",
             items: vec![
                 Item::Request(Request::Copy {
                     src: key(0, "a"),
@@ -285,6 +286,20 @@ fn vectors() -> Vec<Vector> {
                     capability: "cap".to_string(),
                     node_id: "node-b".to_string(),
                 }),
+                Item::Request(Request::ListPage {
+                    device: None,
+                    after: None,
+                    limit: 1000,
+                }),
+                Item::Request(Request::ListPage {
+                    device: Some(1),
+                    after: Some(key(1, "b")),
+                    limit: 2,
+                }),
+                Item::Request(Request::DeleteIf {
+                    key: key(0, "a"),
+                    content_hash: "ab".to_string(),
+                }),
             ],
         },
         Vector {
@@ -311,6 +326,8 @@ fn vectors() -> Vec<Vector> {
                 ErrorCode::VersionMismatch,
                 ErrorCode::CapabilityRefused,
                 ErrorCode::PeerFailed,
+                ErrorCode::Changed,
+                ErrorCode::Integrity,
             ]
             .into_iter()
             .map(|code| {
@@ -372,7 +389,8 @@ fn vectors() -> Vec<Vector> {
         Vector {
             name: "other_responses",
             about: "Response::Stored, Tensor (its chunks would follow), Deleted, Ready (a Put \
-                    admitted: its chunks may follow), Identity and Capability.",
+                    admitted: its chunks may follow), Identity, Capability, Released, and Page \
+                    (one that continues, one that ends).",
             items: vec![
                 Item::Response(Response::Stored(info(
                     key(0, "w"),
@@ -401,6 +419,14 @@ fn vectors() -> Vec<Vector> {
                     content_hash: "ab".to_string(),
                 }),
                 Item::Response(Response::Released),
+                Item::Response(Response::Page {
+                    tensors: vec![info(key(0, "a"), &[4], DType::U8, "put")],
+                    next: Some(key(0, "a")),
+                }),
+                Item::Response(Response::Page {
+                    tensors: Vec::new(),
+                    next: None,
+                }),
             ],
         },
         Vector {

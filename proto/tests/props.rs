@@ -26,7 +26,7 @@ use proptest::sample::select;
 // Strategies
 // ---------------------------------------------------------------------------------------------
 
-const ERROR_CODES: [ErrorCode; 12] = [
+const ERROR_CODES: [ErrorCode; 14] = [
     ErrorCode::Protocol,
     ErrorCode::BadRequest,
     ErrorCode::NotFound,
@@ -39,6 +39,8 @@ const ERROR_CODES: [ErrorCode; 12] = [
     ErrorCode::VersionMismatch,
     ErrorCode::CapabilityRefused,
     ErrorCode::PeerFailed,
+    ErrorCode::Changed,
+    ErrorCode::Integrity,
 ];
 
 /// Any scheme Burn's builders make: every field random, block extents 1..=8 over 1..=5 dims
@@ -249,6 +251,18 @@ fn arb_request() -> BoxedStrategy<Request> {
                 offset,
             }
         }),
+        (
+            option::of(any::<u32>()),
+            option::of(arb_key()),
+            any::<u32>()
+        )
+            .prop_map(|(device, after, limit)| Request::ListPage {
+                device,
+                after,
+                limit
+            }),
+        (arb_key(), arb_text())
+            .prop_map(|(key, content_hash)| Request::DeleteIf { key, content_hash }),
     ]
     .boxed()
 }
@@ -348,6 +362,8 @@ fn arb_response() -> BoxedStrategy<Response> {
                 content_hash,
             }
         ),
+        (vec(arb_info(), 0..4), option::of(arb_key()))
+            .prop_map(|(tensors, next)| Response::Page { tensors, next }),
     ]
     .boxed()
 }

@@ -53,6 +53,57 @@ pub enum NodeError {
         /// The budget.
         limit: u64,
     },
+    /// The device holds as many tensors as it may.
+    #[error("device {device} holds {limit} tensors, the most it may (--max-tensors)")]
+    TooManyTensors {
+        /// The device index.
+        device: u32,
+        /// The cap.
+        limit: u64,
+    },
+    /// A client holds as many outstanding capabilities as one may.
+    #[error(
+        "this client holds {limit} outstanding capabilities, the most one may (--max-grants); \
+         use or release some first"
+    )]
+    TooManyGrants {
+        /// The cap.
+        limit: usize,
+    },
+    /// A listing asked for whole that would not fit one answer.
+    #[error(
+        "{tensors} tensors are too many for one listing (at most {limit}); list them a page at \
+         a time (ListPage, protocol minor 3)"
+    )]
+    ListingTooLarge {
+        /// The tensors there are.
+        tensors: u64,
+        /// The most one listing holds.
+        limit: usize,
+    },
+    /// The node's capability table is full.
+    #[error("{limit} capabilities are outstanding on this node; try again once some are used")]
+    CapabilitiesFull {
+        /// The table's size.
+        limit: usize,
+    },
+    /// Not possible right now, for a reason that passes (a hash still being verified).
+    #[error("{0}")]
+    Busy(String),
+    /// Bytes that arrived do not hash to the content hash they were granted under: altered on
+    /// the way, or a false statement. Nothing was registered.
+    #[error(
+        "the bytes pulled from {source_addr} do not have the granted content hash {expected} \
+         (they hash to {computed}); nothing was registered"
+    )]
+    Integrity {
+        /// The source node.
+        source_addr: String,
+        /// The hash granted.
+        expected: String,
+        /// The hash of what arrived.
+        computed: String,
+    },
     /// A request that makes no sense as asked.
     #[error("{0}")]
     BadRequest(String),
@@ -71,9 +122,11 @@ pub enum NodeError {
     /// The node is shutting down.
     #[error("the node is shutting down")]
     ShuttingDown,
-    /// The tensor is not the one the operation was for (it changed in between, or assembled
-    /// bytes do not hash to what the source advertised).
-    #[error("tensor {0} changed during the transfer; nothing was registered or removed")]
+    /// The tensor under the key is not the version the operation was for: it was replaced or
+    /// deleted meanwhile.
+    #[error(
+        "tensor {0} changed meanwhile (another version is registered now); nothing was changed"
+    )]
     Changed(TensorKey),
     /// A capability that is unknown, used, expired or bound to another node.
     #[error("capability refused: {0}")]
@@ -102,13 +155,19 @@ impl NodeError {
             NodeError::NotFound(_) => ErrorCode::NotFound,
             NodeError::AlreadyExists(_) => ErrorCode::AlreadyExists,
             NodeError::UnsupportedDType { .. } => ErrorCode::UnsupportedDType,
-            NodeError::TensorTooLarge { .. } | NodeError::OverBudget { .. } => {
-                ErrorCode::LimitExceeded
-            }
+            NodeError::TensorTooLarge { .. }
+            | NodeError::OverBudget { .. }
+            | NodeError::TooManyTensors { .. }
+            | NodeError::TooManyGrants { .. }
+            | NodeError::CapabilitiesFull { .. }
+            | NodeError::ListingTooLarge { .. } => ErrorCode::LimitExceeded,
+            NodeError::Busy(_) => ErrorCode::Backend,
             NodeError::Backend(_) => ErrorCode::Backend,
             NodeError::DeviceGone(_) | NodeError::ShuttingDown => ErrorCode::ShuttingDown,
             NodeError::CapabilityRefused(_) => ErrorCode::CapabilityRefused,
-            NodeError::Peer { .. } | NodeError::Changed(_) => ErrorCode::PeerFailed,
+            NodeError::Peer { .. } => ErrorCode::PeerFailed,
+            NodeError::Changed(_) => ErrorCode::Changed,
+            NodeError::Integrity { .. } => ErrorCode::Integrity,
         }
     }
 

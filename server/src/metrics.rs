@@ -25,6 +25,8 @@ pub const CONNECTIONS_REFUSED: &str = "ferry_connections_refused_total";
 pub const PULL_RETRIES: &str = "ferry_pull_retries_total";
 /// Pulls answered from a tensor this node already held.
 pub const DEDUP_HITS: &str = "ferry_dedup_hits_total";
+/// Pulls refused because the bytes did not hash to the granted content hash.
+pub const INTEGRITY_FAILURES: &str = "ferry_integrity_failures_total";
 /// The node process's resident memory, in bytes.
 pub const RESIDENT_BYTES: &str = "ferry_process_resident_bytes";
 
@@ -51,6 +53,10 @@ pub fn describe() {
     describe_gauge!(CONNECTIONS, "Client and peer connections open");
     describe_counter!(CONNECTIONS_REFUSED, "Connections refused at the limit");
     describe_counter!(PULL_RETRIES, "Pull reconnections after a transient drop");
+    describe_counter!(
+        INTEGRITY_FAILURES,
+        "Pulls refused: the bytes did not hash to the granted content hash"
+    );
     describe_counter!(
         DEDUP_HITS,
         "Pulls skipped because the node held the same bytes"
@@ -95,6 +101,11 @@ pub fn connection_refused() {
 /// A pull reconnected.
 pub fn pull_retry() {
     counter!(PULL_RETRIES).increment(1);
+}
+
+/// A pull refused because the bytes that arrived did not hash to the granted content hash.
+pub fn integrity_failure() {
+    counter!(INTEGRITY_FAILURES).increment(1);
 }
 
 /// A pull answered by dedup.

@@ -19,7 +19,8 @@ use crate::backend::{BackendKind, DeviceSpec};
 use crate::engine::{TransferPath, TransferPolicy, choose_path};
 use crate::error::NodeError;
 use crate::worker::{
-    self, Arrived, Command, DeviceHandle, Exported, HostBytes, Payload, Reservation, TensorDesc,
+    self, Arrived, Command, DeviceHandle, DeviceLimits, DeviceSummary, Exported, HostBytes,
+    Payload, Reservation, TensorDesc, Version,
 };
 
 /// How long a dedup check waits for a candidate's stated hash to be verified.
@@ -35,8 +36,14 @@ pub struct NodeConfig {
     pub devices: Vec<DeviceSpec>,
     /// The largest tensor accepted, in bytes.
     pub max_tensor_bytes: u64,
-    /// A memory budget per device, in bytes.
+    /// A memory budget per device, in bytes: tensors (each with
+    /// [`TENSOR_OVERHEAD`](crate::worker::TENSOR_OVERHEAD)), transfers in flight and host copies
+    /// being sent.
     pub memory_limit: Option<u64>,
+    /// The most tensors one device holds.
+    pub max_tensors: Option<u64>,
+    /// The most capabilities one client (one connection) may hold outstanding at once.
+    pub max_grants_per_client: usize,
     /// Which transfer paths may be taken.
     pub policy: TransferPolicy,
     /// The node's id; a random one when absent.
@@ -70,6 +77,8 @@ impl Default for NodeConfig {
             ],
             max_tensor_bytes: 16 << 30,
             memory_limit: None,
+            max_tensors: Some(DEFAULT_MAX_TENSORS),
+            max_grants_per_client: DEFAULT_MAX_GRANTS,
             policy: TransferPolicy::Auto,
             node_id: None,
             capability_ttl: Duration::from_secs(300),
@@ -108,21 +117,48 @@ pub(crate) struct Counters {
 }
 
 /// The most capabilities a node keeps outstanding; past it, `Grant` is refused until some are
-/// used or expire.
+/// used or expire. With the per-client cap and capabilities revoked with the connection that
+/// asked for them, only a node whose every connection asks for its cap reaches it.
 const MAX_CAPABILITIES: usize = 65_536;
 
+/// The default [`NodeConfig::max_grants_per_client`].
+pub const DEFAULT_MAX_GRANTS: usize = 64;
+
+/// The default [`NodeConfig::max_tensors`].
+pub const DEFAULT_MAX_TENSORS: u64 = 1_000_000;
+
+/// The most tensors one listing page holds: a page of the longest names stays far below the
+/// control message limit.
+pub const MAX_PAGE: usize = 4096;
+
+/// One client of the node (a connection), as capabilities know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClientId(u64);
+
 /// A capability this node issued.
+///
+/// Its life: granted to a client (for one audience node) → fetched by that audience, perhaps
+/// resumed → released by the connection that fetched it (every byte arrived and verified), or by
+/// the client it was granted to before any fetch began (a dedup never fetched). It also ends
+/// when it expires, when a fetch ended and no release or resume came within one idle timeout,
+/// or, before any fetch, when the connection that asked for it closes.
 #[derive(Debug)]
 struct Capability {
     key: TensorKey,
-    /// The content it grants: a fetch of anything else (the tensor was replaced) is refused, so
+    /// The version it grants: a fetch of anything else (the tensor was replaced) is refused, so
     /// a resumed transfer can never join two versions.
-    content_hash: String,
+    version: Version,
     audience: String,
     expires: Instant,
+    /// The connection that asked for it.
+    granted_to: ClientId,
+    /// The connection of the latest fetch, once one began.
+    fetcher: Option<ClientId>,
     /// Counts fetches; only the latest may touch the capability when it ends, so a resume can
     /// take over from a fetch whose connection has not noticed it is dead.
     generation: u64,
+    /// A fetch sent every byte once: from then on only a resume (from a later offset) is served.
+    served: bool,
 }
 
 /// The longest node id or audience accepted.
@@ -133,6 +169,7 @@ struct Inner {
     config: NodeConfig,
     node_id: String,
     capabilities: Mutex<HashMap<String, Capability>>,
+    next_client: AtomicU64,
     counters: Counters,
     /// The Unix socket the service listens on, for `stat`.
     unix_socket: Mutex<Option<String>>,
@@ -180,7 +217,11 @@ impl Node {
         for (index, spec) in config.devices.iter().enumerate() {
             let index = u32::try_from(index)
                 .map_err(|_| NodeError::BadRequest("too many devices".into()))?;
-            let (handle, thread) = worker::spawn(index, *spec, config.memory_limit)
+            let limits = DeviceLimits {
+                memory: config.memory_limit,
+                tensors: config.max_tensors,
+            };
+            let (handle, thread) = worker::spawn(index, *spec, limits)
                 .map_err(|e| NodeError::Backend(format!("cannot start device {index}: {e}")))?;
             devices.push(handle);
             threads.push(thread);
@@ -195,6 +236,7 @@ impl Node {
                 config,
                 node_id,
                 capabilities: Mutex::new(HashMap::new()),
+                next_client: AtomicU64::new(0),
                 counters: Counters::default(),
                 unix_socket: Mutex::new(None),
                 threads: std::sync::Mutex::new(threads),
@@ -216,39 +258,89 @@ impl Node {
         &self.inner.counters
     }
 
-    /// Issues a single-use capability for `audience` (a node id) to pull the tensor under `key`.
+    /// A new client's id, for the capabilities it asks for.
+    pub fn new_client(&self) -> ClientId {
+        ClientId(self.inner.next_client.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A client's connection closed: the capabilities it asked for that no fetch has begun on
+    /// are revoked (nobody is left to hand them on), so they stop counting against any cap.
+    pub fn client_gone(&self, client: ClientId) {
+        self.capabilities()
+            .retain(|_, c| c.granted_to != client || c.fetcher.is_some());
+    }
+
+    /// Issues a single-use capability for `audience` (a node id) to pull the version of the
+    /// tensor under `key` registered now, with its content hash, which this node has verified
+    /// (a tensor whose hash is still being verified is waited for).
     pub async fn grant(
         &self,
         key: &TensorKey,
         audience: &str,
+        client: ClientId,
     ) -> Result<(String, Duration, TensorDesc), NodeError> {
         if audience.is_empty() || audience.len() > MAX_NODE_ID_LEN {
             return Err(NodeError::BadRequest(format!(
                 "a node id is 1 to {MAX_NODE_ID_LEN} bytes"
             )));
         }
-        let desc = self.describe(key).await?;
+        let desc = self.describe_verified(key).await?;
         let ttl = self.inner.config.capability_ttl;
         let token = format!("{:032x}", rand::random::<u128>());
         let now = Instant::now();
         let mut capabilities = self.capabilities();
         capabilities.retain(|_, c| c.expires > now);
+        let cap = self.inner.config.max_grants_per_client;
+        let held = capabilities
+            .values()
+            .filter(|c| c.granted_to == client)
+            .count();
+        if held >= cap {
+            return Err(NodeError::TooManyGrants { limit: cap });
+        }
         if capabilities.len() >= MAX_CAPABILITIES {
-            return Err(NodeError::BadRequest(format!(
-                "{MAX_CAPABILITIES} capabilities are outstanding; try again once some are used"
-            )));
+            return Err(NodeError::CapabilitiesFull {
+                limit: MAX_CAPABILITIES,
+            });
         }
         capabilities.insert(
             token.clone(),
             Capability {
                 key: key.clone(),
-                content_hash: desc.content_hash.clone(),
+                version: desc.version,
                 audience: audience.to_string(),
                 expires: now + ttl,
+                granted_to: client,
+                fetcher: None,
                 generation: 0,
+                served: false,
             },
         );
         Ok((token, ttl, desc))
+    }
+
+    /// Describes the tensor under `key` once its content hash is verified: at once where it
+    /// is, else after the verifier's answer (bounded by [`VERIFY_WAIT`]).
+    async fn describe_verified(&self, key: &TensorKey) -> Result<TensorDesc, NodeError> {
+        let desc = self.describe(key).await?;
+        if desc.hash_verified {
+            return Ok(desc);
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.device(key.device)?
+            .tell(Command::AwaitVerified {
+                name: key.name.clone(),
+                reply,
+            })
+            .await?;
+        match tokio::time::timeout(VERIFY_WAIT, answer).await {
+            Ok(Ok(verified)) if verified.version == desc.version => Ok(verified),
+            // Replaced or removed meanwhile.
+            Ok(_) => Err(NodeError::Changed(key.clone())),
+            Err(_) => Err(NodeError::Busy(format!(
+                "the content hash of {key} is still being verified; try again"
+            ))),
+        }
     }
 
     fn capabilities(&self) -> std::sync::MutexGuard<'_, HashMap<String, Capability>> {
@@ -259,11 +351,16 @@ impl Node {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Starts serving a fetch: the capability must exist, be unexpired, be bound to `node_id`
-    /// and not be in use. It is used up when the fetching node releases it (after the last
-    /// byte verified); a fetch that ends otherwise leaves it usable for a resume by the same
-    /// node for one idle timeout, and then it is gone.
-    pub fn begin_fetch(&self, token: &str, node_id: &str) -> Result<FetchLease, NodeError> {
+    /// Starts serving a fetch from `offset` on: the capability must exist, be unexpired and be
+    /// bound to `node_id`; a capability already served to the end once serves only a resume
+    /// (a later offset). A new fetch takes over from an earlier one still under way.
+    pub fn begin_fetch(
+        &self,
+        token: &str,
+        node_id: &str,
+        client: ClientId,
+        offset: u64,
+    ) -> Result<FetchLease, NodeError> {
         let now = Instant::now();
         let mut capabilities = self.capabilities();
         let refused = |why: &str| NodeError::CapabilityRefused(why.to_string());
@@ -277,28 +374,49 @@ impl Node {
         if capability.audience != node_id {
             return Err(refused("capability issued to another node"));
         }
+        if capability.served && offset == 0 {
+            return Err(refused(
+                "capability already served in full; only a resume from a later offset is served",
+            ));
+        }
         capability.generation += 1;
+        capability.fetcher = Some(client);
         Ok(FetchLease {
             node: self.clone(),
             token: token.to_string(),
             key: capability.key.clone(),
-            content_hash: capability.content_hash.clone(),
+            version: capability.version,
             generation: capability.generation,
         })
     }
 
-    /// The fetching node has every byte: the capability is used up.
-    pub fn release(&self, token: &str, node_id: &str) -> Result<(), NodeError> {
+    /// Ends a capability that can never be served again (the version it grants is gone), so
+    /// that it stops counting against its client's cap at once.
+    pub fn revoke(&self, token: &str) {
+        self.capabilities().remove(token);
+    }
+
+    /// Uses a capability up: by the connection of its latest fetch once every byte arrived, or
+    /// by the client it was granted to before any fetch began (handing back one it did not
+    /// need). Nobody else may release it.
+    pub fn release(&self, token: &str, node_id: &str, client: ClientId) -> Result<(), NodeError> {
         let mut capabilities = self.capabilities();
-        match capabilities.get(token) {
-            Some(c) if c.audience == node_id => {
-                capabilities.remove(token);
-                Ok(())
-            }
-            _ => Err(NodeError::CapabilityRefused(
-                "unknown capability, or issued to another node".into(),
-            )),
+        let allowed = capabilities.get(token).is_some_and(|c| {
+            c.audience == node_id
+                && match c.fetcher {
+                    Some(fetcher) => fetcher == client,
+                    None => c.granted_to == client,
+                }
+        });
+        if !allowed {
+            return Err(NodeError::CapabilityRefused(
+                "unknown capability, or not this client's to release (only the node that \
+                 fetched it, or before any fetch the client it was granted to)"
+                    .into(),
+            ));
         }
+        capabilities.remove(token);
+        Ok(())
     }
 
     /// Finds a registered tensor with these bytes (BLAKE3, hex).
@@ -378,7 +496,7 @@ impl Node {
         }
         let handle = self.device(device)?;
         handle.check_holds(dtype, shape)?;
-        handle.budget().reserve(bytes)
+        handle.budget().reserve_tensor(bytes)
     }
 
     /// Registers `data` under `name` on `device`, after checking it against the byte-length rule
@@ -434,7 +552,6 @@ impl Node {
                 path: TransferPath::Put,
                 overwrite,
                 reservation,
-                expect_hash: None,
                 reply,
             })
             .await;
@@ -456,9 +573,9 @@ impl Node {
 
     /// The description and bytes of the tensor under `key`, which stays registered.
     pub async fn read(&self, key: &TensorKey) -> Result<(TensorDesc, TensorData), NodeError> {
-        match self.read_bytes(key, false).await? {
-            (desc, HostBytes::Owned(data)) => Ok((desc, data)),
-            (_, HostBytes::Shared(_)) => Err(NodeError::Backend(
+        match self.read_bytes(key, None, false).await? {
+            (desc, HostBytes::Owned(data, _)) => Ok((desc, data)),
+            (_, HostBytes::Shared(..)) => Err(NodeError::Backend(
                 "a worker shared bytes it was asked to copy".into(),
             )),
         }
@@ -469,6 +586,7 @@ impl Node {
     async fn read_bytes(
         &self,
         key: &TensorKey,
+        pin: Option<Version>,
         share: bool,
     ) -> Result<(TensorDesc, HostBytes), NodeError> {
         let started = Instant::now();
@@ -476,6 +594,7 @@ impl Node {
             .device(key.device)?
             .call(|reply| Command::Read {
                 name: key.name.clone(),
+                pin,
                 share,
                 reply,
             })
@@ -498,7 +617,17 @@ impl Node {
         &self,
         key: &TensorKey,
     ) -> Result<(TensorDesc, ferry_proto::TensorMeta, HostBytes), NodeError> {
-        let (desc, bytes) = self.read_bytes(key, true).await?;
+        self.read_host_pinned(key, None).await
+    }
+
+    /// [`read_host`](Self::read_host) of one version only ([`NodeError::Changed`] if the key
+    /// holds another now).
+    pub async fn read_host_pinned(
+        &self,
+        key: &TensorKey,
+        pin: Option<Version>,
+    ) -> Result<(TensorDesc, ferry_proto::TensorMeta, HostBytes), NodeError> {
+        let (desc, bytes) = self.read_bytes(key, pin, true).await?;
         let meta = ferry_proto::TensorMeta::with_byte_len(
             desc.shape.clone(),
             desc.dtype,
@@ -511,25 +640,40 @@ impl Node {
     pub async fn take(&self, key: &TensorKey) -> Result<TensorData, NodeError> {
         let (desc, data) = self.read(key).await?;
         // Only the version read goes; one registered meanwhile stays.
-        self.remove_if(key, Some(desc.content_hash)).await?;
+        self.remove_pinned(key, Some(desc.version)).await?;
         Ok(data)
     }
 
     /// Unregisters the tensor under `key`.
     pub async fn remove(&self, key: &TensorKey) -> Result<TensorDesc, NodeError> {
-        self.remove_if(key, None).await
+        self.remove_pinned(key, None).await
     }
 
-    /// Unregisters the tensor under `key` if its content hash is still `expect_hash`.
-    async fn remove_if(
+    /// Unregisters the tensor under `key` only if it is still the version whose content hash,
+    /// verified by this node, is `content_hash` ([`NodeError::Changed`] otherwise): the source
+    /// side of a move between nodes deletes what it copied, never a newer version.
+    pub async fn remove_if_content(
         &self,
         key: &TensorKey,
-        expect_hash: Option<String>,
+        content_hash: &str,
+    ) -> Result<TensorDesc, NodeError> {
+        let desc = self.describe_verified(key).await?;
+        if desc.content_hash != content_hash {
+            return Err(NodeError::Changed(key.clone()));
+        }
+        self.remove_pinned(key, Some(desc.version)).await
+    }
+
+    /// Unregisters the tensor under `key`, if it is still the version `pin` names.
+    async fn remove_pinned(
+        &self,
+        key: &TensorKey,
+        pin: Option<Version>,
     ) -> Result<TensorDesc, NodeError> {
         self.device(key.device)?
             .call(|reply| Command::Remove {
                 name: key.name.clone(),
-                expect_hash,
+                pin,
                 reply,
             })
             .await
@@ -547,15 +691,63 @@ impl Node {
 
     /// Describes the tensors on one device, or on all, sorted by device and name.
     pub async fn list(&self, device: Option<u32>) -> Result<Vec<TensorDesc>, NodeError> {
+        let mut all = Vec::new();
+        let mut after = None;
+        loop {
+            let (page, next) = self.list_page(device, after.as_ref(), MAX_PAGE).await?;
+            all.extend(page);
+            match next {
+                Some(next) => after = Some(next),
+                None => return Ok(all),
+            }
+        }
+    }
+
+    /// One page of [`list`](Self::list): at most `limit` (and at most [`MAX_PAGE`]) tensors
+    /// after the key `after`, and where the next page starts (`None` when this is the last).
+    pub async fn list_page(
+        &self,
+        device: Option<u32>,
+        after: Option<&TensorKey>,
+        limit: usize,
+    ) -> Result<(Vec<TensorDesc>, Option<TensorKey>), NodeError> {
+        let limit = limit.clamp(1, MAX_PAGE);
         let devices: Vec<&DeviceHandle> = match device {
             Some(index) => vec![self.device(index)?],
             None => self.inner.devices.iter().collect(),
         };
-        let mut all = Vec::new();
+        let mut page = Vec::new();
         for handle in devices {
-            all.extend(handle.call(|reply| Command::List { reply }).await?);
+            let from = match after {
+                Some(after) if after.device > handle.index() => continue,
+                Some(after) if after.device == handle.index() => Some(after.name.clone()),
+                _ => None,
+            };
+            let want = limit - page.len();
+            page.extend(
+                handle
+                    .call(|reply| Command::List {
+                        after: from,
+                        limit: want,
+                        reply,
+                    })
+                    .await?,
+            );
+            if page.len() == limit {
+                break;
+            }
         }
-        Ok(all)
+        let next = (page.len() == limit)
+            .then(|| page.last().map(|d: &TensorDesc| d.key.clone()))
+            .flatten();
+        Ok((page, next))
+    }
+
+    /// How many tensors, and bytes, a device holds.
+    pub async fn summary(&self, device: u32) -> Result<DeviceSummary, NodeError> {
+        self.device(device)?
+            .call(|reply| Command::Summary { reply })
+            .await
     }
 
     /// Copies or moves the tensor under `src` to `dst_device` (under `dst_name`, or its own
@@ -573,8 +765,9 @@ impl Node {
             .await
     }
 
-    /// [`copy`](Self::copy), registering the target with `label` as its path when given (a dedup
-    /// is a copy that stands in for a pull).
+    /// [`copy`](Self::copy) of the version `desc` describes, registering the target with
+    /// `label` as its path when given (a dedup is a copy that stands in for a pull). A source
+    /// replaced meanwhile is [`NodeError::Changed`]: nothing is copied or removed.
     pub(crate) async fn copy_as(
         &self,
         src: &TensorKey,
@@ -587,9 +780,13 @@ impl Node {
         let started = Instant::now();
         let dst = TensorKey::new(dst_device, dst_name.unwrap_or(&src.name));
         let mut path = None;
-        let result = self
-            .transfer(src, &dst, mode, overwrite, label, &mut path)
-            .await;
+        let result = match self.describe(src).await {
+            Ok(desc) => {
+                self.transfer(&desc, &dst, mode, overwrite, label, &mut path)
+                    .await
+            }
+            Err(error) => Err(error),
+        };
         let op = match mode {
             TransferMode::Copy => "copy",
             TransferMode::Move => "move",
@@ -599,45 +796,61 @@ impl Node {
         result
     }
 
+    /// Copies (or moves) exactly the version `source` describes to `dst`: its bytes are
+    /// reserved on the target before anything is read, the export is pinned to that version
+    /// (so what was reserved is what arrives), and a move removes that version only.
     async fn transfer(
         &self,
-        src: &TensorKey,
+        source: &TensorDesc,
         dst: &TensorKey,
         mode: TransferMode,
         overwrite: bool,
         label: Option<TransferPath>,
         path_taken: &mut Option<TransferPath>,
     ) -> Result<TensorDesc, NodeError> {
+        let src = &source.key;
         if src == dst {
             return Err(NodeError::BadRequest(format!(
                 "source and target are the same tensor {src}"
             )));
         }
-        let source = self.device(src.device)?;
+        let from = self.device(src.device)?;
         let target = self.device(dst.device)?;
-        let desc = self.describe(src).await?;
-        let reservation =
-            self.admit(dst.device, &dst.name, &desc.dtype, &desc.shape, desc.bytes)?;
+        let reservation = self.admit(
+            dst.device,
+            &dst.name,
+            &source.dtype,
+            &source.shape,
+            source.bytes,
+        )?;
         let path = choose_path(
             self.inner.config.policy,
-            source.kind(),
+            from.kind(),
             target.kind(),
-            &desc.dtype,
+            &source.dtype,
         );
         *path_taken = Some(path);
-        let exported = source
+        let exported = from
             .call(|reply| Command::Export {
                 name: src.name.clone(),
+                pin: Some(source.version),
                 native: path == TransferPath::Native,
                 reply,
             })
             .await?;
+        // A host copy stays counted on the source device until the target holds the bytes
+        // (under its own reservation).
+        let mut copy_held = None;
         let payload = match exported {
             Exported::Native(native) => Payload::Native(native),
-            Exported::Data(data) => {
+            Exported::Data(data, held) => {
+                copy_held = Some(held);
                 // The bytes crossed a channel between workers: held to the same rule as bytes
                 // from a socket before the target's backend sees them.
-                ferry_proto::tensor::meta_of(&data)?;
+                let meta = ferry_proto::tensor::meta_of(&data)?;
+                if meta.byte_len() as u64 != source.bytes {
+                    return Err(NodeError::Changed(src.clone()));
+                }
                 Payload::Data(Arrived::new(data))
             }
         };
@@ -648,19 +861,51 @@ impl Node {
                 path: label.unwrap_or(path),
                 overwrite,
                 reservation,
-                expect_hash: None,
                 reply,
             })
             .await?;
+        drop(copy_held);
         match path {
             TransferPath::Native => &self.inner.counters.native,
             _ => &self.inner.counters.round_trip,
         }
         .fetch_add(1, Ordering::Relaxed);
         if mode == TransferMode::Move {
-            self.remove_if(src, Some(desc.content_hash)).await?;
+            self.remove_pinned(src, Some(source.version)).await?;
         }
         Ok(registered)
+    }
+
+    /// Registers a copy of the version `source` describes as a dedup'd pull, logged as one
+    /// transfer.
+    pub(crate) async fn copy_version(
+        &self,
+        source: &TensorDesc,
+        dst: &TensorKey,
+        overwrite: bool,
+    ) -> Result<TensorDesc, NodeError> {
+        let started = Instant::now();
+        let mut path = None;
+        let result = self
+            .transfer(
+                source,
+                dst,
+                TransferMode::Copy,
+                overwrite,
+                Some(TransferPath::Dedup),
+                &mut path,
+            )
+            .await;
+        let path = path.map_or("-", TransferPath::name);
+        self.record(
+            "copy",
+            &source.key,
+            Some(dst),
+            path,
+            result.as_ref(),
+            started,
+        );
+        result
     }
 
     /// One log line and the metrics per transfer: key, dtype, bytes, path, time.
@@ -759,15 +1004,15 @@ impl Node {
         let mut devices = Vec::with_capacity(self.inner.devices.len());
         let (mut hashes_pending, mut hash_mismatches) = (0, 0);
         for handle in &self.inner.devices {
-            let tensors = handle.call(|reply| Command::List { reply }).await?;
-            hashes_pending += tensors.iter().filter(|t| !t.hash_verified).count() as u64;
+            let summary = handle.call(|reply| Command::Summary { reply }).await?;
+            hashes_pending += summary.hashes_pending;
             hash_mismatches += handle.hash_mismatches();
             devices.push(DeviceStats {
                 index: handle.index(),
                 backend: handle.kind().name().to_string(),
                 device: handle.label().to_string(),
-                tensors: tensors.len() as u64,
-                bytes_held: tensors.iter().map(|t| t.bytes).sum(),
+                tensors: summary.tensors,
+                bytes_held: summary.bytes,
                 memory_limit: handle.budget().limit(),
             });
         }
@@ -861,7 +1106,7 @@ pub struct FetchLease {
     node: Node,
     token: String,
     key: TensorKey,
-    content_hash: String,
+    version: Version,
     generation: u64,
 }
 
@@ -871,9 +1116,18 @@ impl FetchLease {
         &self.key
     }
 
-    /// The content it grants.
-    pub fn content_hash(&self) -> &str {
-        &self.content_hash
+    /// The version it grants.
+    pub fn version(&self) -> Version {
+        self.version
+    }
+
+    /// Every byte was sent: from now on the capability serves only a resume.
+    pub fn served(&self) {
+        if let Some(capability) = self.node.capabilities().get_mut(&self.token)
+            && capability.generation == self.generation
+        {
+            capability.served = true;
+        }
     }
 }
 

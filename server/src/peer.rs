@@ -4,12 +4,14 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use ferry_client::{Client, ClientConfig, ClientError, ConnectionError, ErrorCode, PayloadRoute};
+use ferry_client::{
+    Client, ClientConfig, ClientError, ConnectionError, ErrorCode, PayloadRoute, RegionUse,
+};
 use ferry_proto::{TensorAssembler, TensorKey, dtype_name};
 
 use crate::engine::TransferPath;
 use crate::error::NodeError;
-use crate::node::{Node, TransferMode};
+use crate::node::Node;
 use crate::worker::{Arrived, Command, KnownHash, Payload, Reservation, TensorDesc};
 
 /// What a client asks a target node to pull.
@@ -27,7 +29,8 @@ pub struct PullRequest {
     pub dst_name: Option<String>,
     /// Replace a tensor of that name.
     pub overwrite: bool,
-    /// The source's content hash, for dedup.
+    /// The content hash the source granted the tensor under: what the bytes that arrive must
+    /// hash to, and what a tensor this node already holds may stand in for. Required.
     pub content_hash: Option<String>,
 }
 
@@ -49,11 +52,13 @@ enum AttemptError {
     Fatal(NodeError),
 }
 
-/// The receiver's state across attempts: the buffer with its verified bytes, the budget, and the
-/// region the payload came in (kept, to pass the tensor on without a copy).
+/// The receiver's state across attempts: the buffer with its verified bytes, the budget, how
+/// the payload completed, and the region it came in (kept, to pass the tensor on without a
+/// copy).
 struct Receiving {
     assembler: TensorAssembler,
     reservation: Reservation,
+    route: PayloadRoute,
     region: Option<ferry_client::connection::SealedRegion>,
 }
 
@@ -105,12 +110,24 @@ impl Node {
     ) -> Result<TensorDesc, NodeError> {
         ferry_proto::message::validate_name(name)?;
         self.device(req.dst_device)?;
-        if let Some(hash) = &req.content_hash
-            && let Some(existing) = self.find_by_hash(hash).await?
-        {
-            return self
+        let Some(granted) = req.content_hash.as_deref() else {
+            return Err(NodeError::BadRequest(
+                "a pull names the content hash its capability was granted under \
+                 (Pull.content_hash): the bytes are checked against it end to end"
+                    .into(),
+            ));
+        };
+        if let Some(existing) = self.find_by_hash(granted).await? {
+            match self
                 .dedup(existing, req.dst_device, name, req.overwrite)
-                .await;
+                .await
+            {
+                // The candidate was replaced between finding it and copying it: pull instead.
+                Err(NodeError::Changed(key)) => {
+                    tracing::info!(%key, "dedup candidate replaced meanwhile; pulling the bytes");
+                }
+                done => return done,
+            }
         }
         let config = self.config();
         let mut receiving: Option<Receiving> = None;
@@ -148,6 +165,7 @@ impl Node {
         let Some(Receiving {
             assembler,
             reservation,
+            route,
             region,
         }) = receiving
         else {
@@ -155,18 +173,31 @@ impl Node {
                 "pull finished without a tensor".into(),
             ));
         };
-        // With the source's hash stated (in its grant, relayed by the client), the worker
-        // registers under it and recomputes it afterwards (or before, where it cannot read the
-        // registered bytes without a copy).
-        let finished = match &req.content_hash {
-            Some(stated) => assembler
-                .finish()
-                .map(|data| (data, KnownHash::Stated(stated.clone()))),
-            None => assembler
-                .finish_hashed()
-                .map(|(data, hash)| (data, KnownHash::Computed(hash))),
+        let bad = |e: ferry_proto::ProtoError| NodeError::BadRequest(e.to_string());
+        let (data, hash) = match route {
+            // Chunks went through a link that vouches for nothing beyond each chunk's CRC (a
+            // proxy can rewrite both): hashed while they arrived, and compared with the grant
+            // before anything is registered.
+            PayloadRoute::Chunks => {
+                let (data, computed) = assembler.finish_hashed().map_err(bad)?;
+                if computed != granted {
+                    crate::metrics::integrity_failure();
+                    return Err(NodeError::Integrity {
+                        source_addr: req.source.clone(),
+                        expected: granted.to_string(),
+                        computed,
+                    });
+                }
+                (data, KnownHash::Computed(computed))
+            }
+            // A sealed region from a peer of this host: its bytes cannot change, so the worker
+            // registers it under the granted hash and verifies that off the critical path; until
+            // it has, the tensor is granted, matched and deduped on by nothing.
+            PayloadRoute::Region => (
+                assembler.finish().map_err(bad)?,
+                KnownHash::Stated(granted.to_string()),
+            ),
         };
-        let (data, hash) = finished.map_err(|e| NodeError::BadRequest(e.to_string()))?;
         let desc = self
             .device(req.dst_device)?
             .call(|reply| Command::Insert {
@@ -175,10 +206,6 @@ impl Node {
                 path: TransferPath::Pull,
                 overwrite: req.overwrite,
                 reservation,
-                // The stated hash is checked against the bytes by the worker (now, or after
-                // registering): the capability already pins the content at the source, and each
-                // chunk was checked on the way.
-                expect_hash: None,
                 reply,
             })
             .await?;
@@ -229,18 +256,15 @@ impl Node {
                         meta.byte_len() as u64,
                     )
                     .map_err(AttemptError::Fatal)?;
+                // Hashed while it arrives, a chunk behind, on another thread.
                 let assembler = self
                     .receiver(req.dst_device, meta)
-                    .map_err(AttemptError::Fatal)?;
-                // Hashed while it arrives only where the source stated no hash to check later.
-                let assembler = if req.content_hash.is_some() {
-                    assembler
-                } else {
-                    assembler.hashing()
-                };
+                    .map_err(AttemptError::Fatal)?
+                    .hashing();
                 *receiving = Some(Receiving {
                     assembler,
                     reservation,
+                    route: PayloadRoute::Chunks,
                     region: None,
                 });
             }
@@ -251,9 +275,10 @@ impl Node {
             )));
         };
         let (route, region) = client
-            .fetch_payload_keeping(&mut r.assembler, true)
+            .fetch_payload_keeping(&mut r.assembler, RegionUse::KeepUnhashed)
             .await
             .map_err(|e| classify(&req.source, e))?;
+        r.route = route;
         r.region = region;
         let bytes = r.assembler.meta().byte_len() as u64;
         match route {
@@ -307,7 +332,9 @@ impl Node {
         }
     }
 
-    /// Registers a copy of a tensor this node already holds instead of pulling the same bytes.
+    /// Registers a copy of a tensor this node already holds (the verified version `existing`
+    /// describes) instead of pulling the same bytes; [`NodeError::Changed`] if that version was
+    /// replaced meanwhile.
     async fn dedup(
         &self,
         existing: TensorDesc,
@@ -319,15 +346,7 @@ impl Node {
         let desc = if existing.key == dst {
             existing
         } else {
-            self.copy_as(
-                &existing.key,
-                dst_device,
-                Some(name),
-                TransferMode::Copy,
-                overwrite,
-                Some(TransferPath::Dedup),
-            )
-            .await?
+            self.copy_version(&existing, &dst, overwrite).await?
         };
         self.counters().dedup_hits.fetch_add(1, Ordering::Relaxed);
         crate::metrics::dedup_hit();
@@ -344,7 +363,10 @@ impl Node {
 fn classify(source: &str, error: ClientError) -> AttemptError {
     match error {
         ClientError::Connection(
-            ConnectionError::Io(_) | ConnectionError::Closed | ConnectionError::IdleTimeout(_),
+            ConnectionError::Io(_)
+            | ConnectionError::Closed
+            | ConnectionError::IdleTimeout(_)
+            | ConnectionError::PayloadDeadline { .. },
         ) => AttemptError::Transient(error.to_string()),
         ClientError::Node {
             code: ErrorCode::CapabilityRefused,

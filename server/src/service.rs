@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use ferry_client::transport::UnixTransport;
 use ferry_client::{
-    Connection, ConnectionError, ConnectionLimits, PayloadRoute, Stream, Transport,
+    Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Stream, Transport,
 };
 use ferry_proto::{
     ErrorCode, ErrorReply, FEATURE_SHM, FEATURES, FrameError, PROTOCOL_MINOR, PROTOCOL_VERSION,
@@ -25,7 +25,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc};
 use tracing::Instrument;
 
 use crate::error::NodeError;
-use crate::node::{AGENT, Node, TransferMode};
+use crate::node::{AGENT, ClientId, MAX_PAGE, Node, TransferMode};
 use crate::peer::{PeerLink, PullRequest};
 use crate::worker::{Arrived, KnownHash};
 
@@ -221,18 +221,21 @@ async fn accept_loop(
         tokio::spawn(async move {
             node.count_connection(true);
             let mut conn = Connection::new(socket, config.limits);
+            let id = node.new_client();
             let result = Session {
                 node: &node,
                 config: &config,
                 shutdown,
                 peer: PeerLink::default(),
                 client: &peer,
+                id,
             }
             .serve(&mut conn)
             .await;
             if let Err(error) = result {
                 tracing::info!(%peer, %error, "connection closed on error");
             }
+            node.client_gone(id);
             node.count_connection(false);
             drop(permit);
             drop(done);
@@ -300,6 +303,8 @@ struct Session<'a> {
     peer: PeerLink,
     /// Who is on the other end, for logs.
     client: &'a str,
+    /// Who is on the other end, for the capabilities it asks for, fetches and releases.
+    id: ClientId,
 }
 
 impl Session<'_> {
@@ -449,16 +454,28 @@ impl Session<'_> {
                 .remove(&key)
                 .await
                 .map(|desc| Response::Deleted(desc.to_wire())),
-            Request::List { device } => node
-                .list(device)
+            Request::List { device } => self.list_whole(device).await,
+            Request::ListPage {
+                device,
+                after,
+                limit,
+            } => node
+                .list_page(device, after.as_ref(), limit as usize)
                 .await
-                .map(|all| Response::Listing(all.iter().map(|d| d.to_wire()).collect())),
+                .map(|(page, next)| Response::Page {
+                    tensors: page.iter().map(|d| d.to_wire()).collect(),
+                    next,
+                }),
+            Request::DeleteIf { key, content_hash } => node
+                .remove_if_content(&key, &content_hash)
+                .await
+                .map(|desc| Response::Deleted(desc.to_wire())),
             Request::Stat => node.stats().await.map(Response::Stats),
             Request::Identify => Ok(Response::Identity {
                 node_id: node.node_id().to_string(),
             }),
             Request::Grant { key, audience } => {
-                node.grant(&key, &audience)
+                node.grant(&key, &audience, self.id)
                     .await
                     .map(|(token, ttl, desc)| Response::Capability {
                         token,
@@ -498,7 +515,7 @@ impl Session<'_> {
                 capability,
                 node_id,
             } => node
-                .release(&capability, &node_id)
+                .release(&capability, &node_id, self.id)
                 .map(|()| Response::Released),
         };
         conn.write_response(&reply.unwrap_or_else(|e| Response::Error(e.reply())))
@@ -536,7 +553,10 @@ impl Session<'_> {
             }
         };
         conn.write_response(&Response::Ready).await?;
-        let region = match conn.read_payload_keeping(&mut assembler, true).await {
+        let region = match conn
+            .read_payload_keeping(&mut assembler, RegionUse::Keep)
+            .await
+        {
             Ok((PayloadRoute::Region, region)) => {
                 node.count_shm_payload(false, assembler.meta().byte_len() as u64);
                 region
@@ -580,19 +600,24 @@ impl Session<'_> {
         node_id: &str,
         offset: u64,
     ) -> Result<(), ConnectionError> {
-        let lease = match self.node.begin_fetch(capability, node_id) {
+        let lease = match self.node.begin_fetch(capability, node_id, self.id, offset) {
             Ok(lease) => lease,
             Err(error) => {
                 tracing::warn!(%node_id, %error, "fetch refused");
                 return conn.write_response(&Response::Error(error.reply())).await;
             }
         };
-        let (desc, meta, bytes) = match self.node.read_host(lease.key()).await {
-            Ok(read) if read.0.content_hash == lease.content_hash() => read,
-            Ok(_) => {
+        let read = self
+            .node
+            .read_host_pinned(lease.key(), Some(lease.version()))
+            .await;
+        let (desc, meta, bytes) = match read {
+            Ok(read) => read,
+            // The version granted is gone for good: so is the capability.
+            Err(NodeError::Changed(key) | NodeError::NotFound(key)) => {
+                self.node.revoke(capability);
                 let error = NodeError::CapabilityRefused(format!(
-                    "{} changed since the capability was granted",
-                    lease.key()
+                    "{key} changed or went since the capability was granted"
                 ));
                 return conn.write_response(&Response::Error(error.reply())).await;
             }
@@ -614,8 +639,38 @@ impl Session<'_> {
             .await?;
         self.count_sent(route, bytes.len());
         self.node.count_fetch_served();
+        lease.served();
         drop(lease);
         Ok(())
+    }
+
+    /// The old, unpaged listing: bounded to what one answer holds.
+    async fn list_whole(&self, device: Option<u32>) -> Result<Response, NodeError> {
+        let (page, next) = self.node.list_page(device, None, MAX_PAGE).await?;
+        if let Some(next) = next
+            && !self
+                .node
+                .list_page(device, Some(&next), 1)
+                .await?
+                .0
+                .is_empty()
+        {
+            let indexes: Vec<u32> = match device {
+                Some(index) => vec![index],
+                None => self.node.devices().iter().map(|d| d.index()).collect(),
+            };
+            let mut tensors = 0u64;
+            for index in indexes {
+                tensors += self.node.summary(index).await?.tensors;
+            }
+            return Err(NodeError::ListingTooLarge {
+                tensors,
+                limit: MAX_PAGE,
+            });
+        }
+        Ok(Response::Listing(
+            page.iter().map(|d| d.to_wire()).collect(),
+        ))
     }
 
     fn count_sent(&self, route: PayloadRoute, bytes: usize) {

@@ -14,7 +14,7 @@
 //! through it without a copy.
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -29,6 +29,25 @@ use crate::error::NodeError;
 
 /// How many commands may wait for one worker before senders wait too.
 const QUEUE_DEPTH: usize = 256;
+
+/// What a registered tensor costs beyond its payload, charged to its device's budget: the
+/// description, the map entries, the backend's tensor and allocator rounding (about 4 KiB each
+/// was measured resident for small tensors), so that a budget bounds many tiny tensors as well
+/// as a few large ones.
+pub const TENSOR_OVERHEAD: u64 = 4096;
+
+/// Which registration under a key a tensor is: every insert takes a new one, never reused while
+/// the node runs. Operations that read a tensor and then act on it (a copy, a move, a dedup, a
+/// fetch under a capability, a conditional delete) pin the version they read, so that a tensor
+/// replaced meanwhile is never mistaken for the one they were about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Version(u64);
+
+impl std::fmt::Display for Version {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "v{}", self.0)
+    }
+}
 
 /// A registered tensor, as the node describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,8 +66,10 @@ pub struct TensorDesc {
     /// from, until [`hash_verified`](Self::hash_verified)).
     pub content_hash: String,
     /// Whether this node computed `content_hash` from the bytes it holds. Only verified hashes
-    /// answer dedup.
+    /// answer dedup, and are granted or matched by a conditional delete.
     pub hash_verified: bool,
+    /// Which registration under the key this is.
+    pub version: Version,
 }
 
 impl TensorDesc {
@@ -64,79 +85,123 @@ impl TensorDesc {
     }
 }
 
-/// A device's memory budget: bytes registered plus bytes reserved for transfers in flight.
+/// A device's memory budget: bytes registered (each tensor with its [`TENSOR_OVERHEAD`]), bytes
+/// reserved for transfers in flight, and host copies read out of it for sending; and the number
+/// of tensors it may hold.
+///
+/// Invariant: `used <= limit` and `tensors <= max_tensors` at every instant, whatever the
+/// interleaving: both are claimed by compare-and-swap before the memory they stand for exists,
+/// and given back only when it is gone (a [`Reservation`] dropped).
 #[derive(Debug)]
 pub struct Budget {
     device: u32,
     limit: Option<u64>,
+    max_tensors: Option<u64>,
     used: AtomicU64,
+    tensors: AtomicU64,
 }
 
 impl Budget {
-    fn new(device: u32, limit: Option<u64>) -> Self {
+    fn new(device: u32, limit: Option<u64>, max_tensors: Option<u64>) -> Self {
         Self {
             device,
             limit,
+            max_tensors,
             used: AtomicU64::new(0),
+            tensors: AtomicU64::new(0),
         }
     }
 
-    /// Claims `bytes`, or says how much is free. Claimed before a single byte is received, so
-    /// many clients together cannot push a device past its budget.
-    pub fn reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, NodeError> {
-        let mut used = self.used.load(Ordering::Relaxed);
-        loop {
-            let next = used.checked_add(bytes);
-            if let (Some(limit), Some(next)) = (self.limit, next)
-                && next > limit
-            {
-                return Err(NodeError::OverBudget {
-                    device: self.device,
-                    bytes,
-                    available: limit.saturating_sub(used),
-                    limit,
-                });
-            }
-            let next = next.ok_or(NodeError::TensorTooLarge {
+    /// Claims room for a tensor of `bytes` (with its overhead, and one of the device's tensor
+    /// slots), or says what is short. Claimed before a single byte is received, so many
+    /// clients together cannot push a device past its budget.
+    pub fn reserve_tensor(self: &Arc<Self>, bytes: u64) -> Result<Reservation, NodeError> {
+        let charged = bytes
+            .checked_add(TENSOR_OVERHEAD)
+            .ok_or(NodeError::TensorTooLarge {
                 bytes,
-                limit: u64::MAX,
+                limit: u64::MAX - TENSOR_OVERHEAD,
             })?;
-            match self
-                .used
-                .compare_exchange_weak(used, next, Ordering::AcqRel, Ordering::Relaxed)
-            {
-                Ok(_) => {
-                    return Ok(Reservation {
-                        budget: self.clone(),
-                        bytes,
-                    });
-                }
-                Err(now) => used = now,
+        claim(&self.tensors, 1, self.max_tensors).map_err(|_| NodeError::TooManyTensors {
+            device: self.device,
+            limit: self.max_tensors.unwrap_or(u64::MAX),
+        })?;
+        match self.claim_bytes(charged) {
+            Ok(()) => Ok(Reservation {
+                budget: self.clone(),
+                bytes: charged,
+                tensors: 1,
+            }),
+            Err(error) => {
+                self.tensors.fetch_sub(1, Ordering::AcqRel);
+                Err(error)
             }
         }
     }
 
-    /// Bytes registered or reserved now.
-    pub fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
+    /// Claims room for a host copy of `bytes` read out of the device (to send, or to hand to
+    /// another device), held for as long as the copy lives.
+    pub fn reserve_copy(self: &Arc<Self>, bytes: u64) -> Result<Reservation, NodeError> {
+        self.claim_bytes(bytes)?;
+        Ok(Reservation {
+            budget: self.clone(),
+            bytes,
+            tensors: 0,
+        })
+    }
+
+    fn claim_bytes(&self, bytes: u64) -> Result<(), NodeError> {
+        claim(&self.used, bytes, self.limit).map_err(|used| NodeError::OverBudget {
+            device: self.device,
+            bytes,
+            available: self.limit.map_or(u64::MAX, |l| l.saturating_sub(used)),
+            limit: self.limit.unwrap_or(u64::MAX),
+        })
     }
 
     /// The budget, if any.
     pub fn limit(&self) -> Option<u64> {
         self.limit
     }
+
+    /// Bytes claimed now: registered tensors with their overhead, transfers in flight and host
+    /// copies being sent.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
 }
 
-/// Bytes claimed from a [`Budget`]; given back when dropped (a failed transfer, a removed tensor).
+/// Adds `amount` to `counter` unless that would pass `limit` (or overflow); on refusal, the
+/// counter's value seen.
+fn claim(counter: &AtomicU64, amount: u64, limit: Option<u64>) -> Result<(), u64> {
+    let mut now = counter.load(Ordering::Relaxed);
+    loop {
+        let next = now
+            .checked_add(amount)
+            .filter(|&next| limit.is_none_or(|limit| next <= limit))
+            .ok_or(now)?;
+        match counter.compare_exchange_weak(now, next, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return Ok(()),
+            Err(seen) => now = seen,
+        }
+    }
+}
+
+/// Room claimed from a [`Budget`]; given back when dropped (a failed transfer, a removed tensor,
+/// a send finished).
 #[derive(Debug)]
 pub struct Reservation {
     budget: Arc<Budget>,
     bytes: u64,
+    tensors: u64,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+        self.budget
+            .tensors
+            .fetch_sub(self.tensors, Ordering::AcqRel);
     }
 }
 
@@ -202,24 +267,27 @@ pub enum Payload {
     Native(NativeTensor),
 }
 
-/// A tensor's bytes on the host, for sending.
+/// A tensor's bytes on the host, for sending; counted in its device's budget for as long as
+/// they live, even if the tensor is removed meanwhile.
 pub enum HostBytes {
     /// Shared with the registered tensor (no copy); the `Arc` keeps them alive even if the
-    /// tensor is removed meanwhile, and nothing writes to a buffer that is shared.
-    Shared(SharedPayload),
-    /// Read out with `into_data`.
-    Owned(TensorData),
+    /// tensor is removed meanwhile, and nothing writes to a buffer that is shared. The tensor's
+    /// own reservation is held with them, so a removed tensor's memory stays counted until the
+    /// last send of it ends.
+    Shared(SharedPayload, Arc<Reservation>),
+    /// Read out with `into_data`: a copy, with its own reservation.
+    Owned(TensorData, Reservation),
 }
 
 impl HostBytes {
     /// The payload, as the slices it lies in (to be sent end to end).
     pub fn parts(&self) -> Vec<&[u8]> {
         match self {
-            HostBytes::Shared(shared) => [&shared.values[..], &shared.tail[..]]
+            HostBytes::Shared(shared, _) => [&shared.values[..], &shared.tail[..]]
                 .into_iter()
                 .filter(|p| !p.is_empty())
                 .collect(),
-            HostBytes::Owned(data) => vec![data.as_bytes()],
+            HostBytes::Owned(data, _) => vec![data.as_bytes()],
         }
     }
 
@@ -227,19 +295,19 @@ impl HostBytes {
     /// its chunk checksums, once a send computed them (the registered tensor never changes).
     pub fn known(&self) -> Known<'_> {
         match self {
-            HostBytes::Shared(shared) => Known {
+            HostBytes::Shared(shared, _) => Known {
                 region: shared.region.as_deref(),
                 checksums: shared.checksums.as_deref(),
             },
-            HostBytes::Owned(_) => Known::default(),
+            HostBytes::Owned(..) => Known::default(),
         }
     }
 
     /// The payload's length.
     pub fn len(&self) -> usize {
         match self {
-            HostBytes::Shared(shared) => shared.len(),
-            HostBytes::Owned(data) => data.as_bytes().len(),
+            HostBytes::Shared(shared, _) => shared.len(),
+            HostBytes::Owned(data, _) => data.as_bytes().len(),
         }
     }
 
@@ -252,8 +320,8 @@ impl HostBytes {
 impl std::fmt::Debug for HostBytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            HostBytes::Shared(b) => write!(f, "HostBytes::Shared({} bytes)", b.len()),
-            HostBytes::Owned(d) => write!(f, "HostBytes::Owned({} bytes)", d.as_bytes().len()),
+            HostBytes::Shared(b, _) => write!(f, "HostBytes::Shared({} bytes)", b.len()),
+            HostBytes::Owned(d, _) => write!(f, "HostBytes::Owned({} bytes)", d.as_bytes().len()),
         }
     }
 }
@@ -261,8 +329,8 @@ impl std::fmt::Debug for HostBytes {
 /// What a worker hands out for a copy or a move.
 #[derive(Debug)]
 pub enum Exported {
-    /// Host bytes (`into_data`).
-    Data(TensorData),
+    /// Host bytes (`into_data`), counted in the source device's budget while they live.
+    Data(TensorData, Reservation),
     /// The primitive itself (a cheap clone of the handle).
     Native(NativeTensor),
 }
@@ -283,9 +351,6 @@ pub enum Command {
         overwrite: bool,
         /// The budget claimed for it, held for as long as the tensor is registered.
         reservation: Reservation,
-        /// Refuse the tensor unless its content hash is this (a pull checks end to end that it
-        /// assembled the tensor it was granted).
-        expect_hash: Option<String>,
         /// Answered once registered.
         reply: Reply<TensorDesc>,
     },
@@ -295,6 +360,8 @@ pub enum Command {
     Read {
         /// The name.
         name: String,
+        /// Only this version ([`NodeError::Changed`] if the name holds another).
+        pin: Option<Version>,
         /// Share rather than copy where the backend allows it.
         share: bool,
         /// The description and bytes.
@@ -304,6 +371,8 @@ pub enum Command {
     Export {
         /// The name.
         name: String,
+        /// Only this version ([`NodeError::Changed`] if the name holds another).
+        pin: Option<Version>,
         /// Hand out the primitive rather than its bytes.
         native: bool,
         /// The tensor.
@@ -320,16 +389,25 @@ pub enum Command {
     Remove {
         /// The name.
         name: String,
-        /// Remove it only if its content hash is still this (a move removes the version it
-        /// copied, never a newer one registered meanwhile).
-        expect_hash: Option<String>,
+        /// Remove it only if it is still this version (a move removes the version it copied,
+        /// never a newer one registered meanwhile).
+        pin: Option<Version>,
         /// What was removed.
         reply: Reply<TensorDesc>,
     },
-    /// Describe every tensor.
+    /// Describe the tensors whose names come after `after`, at most `limit` of them.
     List {
+        /// The last name of the previous page; from the first name when absent.
+        after: Option<String>,
+        /// The most descriptions wanted.
+        limit: usize,
         /// The descriptions, sorted by name.
         reply: Reply<Vec<TensorDesc>>,
+    },
+    /// Count the tensors and what they hold.
+    Summary {
+        /// The counts.
+        reply: Reply<DeviceSummary>,
     },
     /// A tensor whose content hash is `hash`: one whose hash is verified if there is one, else
     /// one registered under that hash as its source stated it (to await with
@@ -352,10 +430,21 @@ pub enum Command {
         /// The tensor's name.
         name: String,
         /// Which registration under that name was checked.
-        serial: u64,
+        version: Version,
         /// The hash of the registered bytes.
         computed: String,
     },
+}
+
+/// What a device holds, in sum.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceSummary {
+    /// Registered tensors.
+    pub tensors: u64,
+    /// Their payload bytes.
+    pub bytes: u64,
+    /// Those whose stated content hash is not verified yet.
+    pub hashes_pending: u64,
 }
 
 /// The handle through which everything else reaches a device worker.
@@ -428,20 +517,30 @@ impl DeviceHandle {
 }
 
 /// Starts the worker thread for one device.
+/// What bounds a device's memory: its budget in bytes and the most tensors it holds.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DeviceLimits {
+    /// Bytes of tensors (with their overhead), transfers in flight and copies being sent.
+    pub memory: Option<u64>,
+    /// Registered tensors.
+    pub tensors: Option<u64>,
+}
+
+/// Starts the worker thread for one device.
 pub fn spawn(
     index: u32,
     spec: DeviceSpec,
-    memory_limit: Option<u64>,
+    limits: DeviceLimits,
 ) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
     match spec.kind {
         BackendKind::Flex => {
-            spawn_on::<burn_flex::Flex>(index, spec.kind, Default::default(), memory_limit)
+            spawn_on::<burn_flex::Flex>(index, spec.kind, Default::default(), limits)
         }
         // Deprecated upstream in favour of Flex, but still what many deployments run, and the
         // second CPU backend that keeps the cross-backend paths honest.
         #[allow(deprecated)]
         BackendKind::NdArray => {
-            spawn_on::<burn_ndarray::NdArray>(index, spec.kind, Default::default(), memory_limit)
+            spawn_on::<burn_ndarray::NdArray>(index, spec.kind, Default::default(), limits)
         }
     }
 }
@@ -450,21 +549,23 @@ fn spawn_on<B: Backend>(
     index: u32,
     kind: BackendKind,
     device: B::Device,
-    memory_limit: Option<u64>,
+    limits: DeviceLimits,
 ) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let label = format!("{kind}:{device:?}");
     let hash_mismatches = Arc::new(AtomicU64::new(0));
     let verifier = spawn_verifier(index, tx.downgrade())?;
+    let budget = Arc::new(Budget::new(index, limits.memory, limits.tensors));
     let worker = Worker::<B> {
         index,
         kind,
         device,
-        tensors: HashMap::new(),
+        tensors: BTreeMap::new(),
         by_hash: HashMap::new(),
         verifier,
-        next_serial: 0,
+        next_version: 0,
         hash_mismatches: hash_mismatches.clone(),
+        budget: budget.clone(),
     };
     let thread = std::thread::Builder::new()
         .name(format!("ferry-device-{index}"))
@@ -474,7 +575,7 @@ fn spawn_on<B: Backend>(
         kind,
         label,
         tx,
-        budget: Arc::new(Budget::new(index, memory_limit)),
+        budget,
         hash_mismatches,
     };
     Ok((handle, thread))
@@ -483,7 +584,7 @@ fn spawn_on<B: Backend>(
 /// A stated hash to check against a registered tensor's bytes.
 struct VerifyJob {
     name: String,
-    serial: u64,
+    version: Version,
     meta: TensorMeta,
     /// The registered tensor's values, not kept alive by a queued job: a tensor removed before
     /// its turn is not hashed at all, and its memory is not held past its removal.
@@ -522,7 +623,7 @@ fn spawn_verifier(
                 };
                 let verified = Command::Verified {
                     name: job.name,
-                    serial: job.serial,
+                    version: job.version,
                     computed,
                 };
                 if worker.blocking_send(verified).is_err() {
@@ -548,9 +649,8 @@ fn note_mismatch(count: &AtomicU64, key: &TensorKey, stated: &str, computed: &st
 
 struct Entry<B: Backend> {
     primitive: Primitive<B>,
+    /// Its description; `desc.version` is which registration under this name this is.
     desc: TensorDesc,
-    /// Which registration under this name this is (a verifier's answer names it).
-    serial: u64,
     /// The sealed region the tensor's bytes lie in, kept to pass them on without a copy.
     region: Option<Arc<SealedRegion>>,
     /// Raised when the entry goes, so that a pending verification of it stops.
@@ -559,7 +659,8 @@ struct Entry<B: Backend> {
     waiting: Vec<oneshot::Sender<TensorDesc>>,
     /// Its chunk checksums, filled by the first send that computes them.
     checksums: Arc<ChunkChecksums>,
-    _reservation: Reservation,
+    /// Its room in the budget, shared with sends of its bytes still under way.
+    reservation: Arc<Reservation>,
 }
 
 /// A flag raised when its holder is dropped.
@@ -575,12 +676,14 @@ struct Worker<B: Backend> {
     index: u32,
     kind: BackendKind,
     device: B::Device,
-    tensors: HashMap<String, Entry<B>>,
+    /// Sorted by name, so that a listing is read a page at a time.
+    tensors: BTreeMap<String, Entry<B>>,
     /// The names registered under each content hash, so that dedup never scans every tensor.
     by_hash: HashMap<String, std::collections::BTreeSet<String>>,
     verifier: std::sync::mpsc::Sender<VerifyJob>,
-    next_serial: u64,
+    next_version: u64,
     hash_mismatches: Arc<AtomicU64>,
+    budget: Arc<Budget>,
 }
 
 impl<B: Backend> Worker<B> {
@@ -612,6 +715,17 @@ impl<B: Backend> Worker<B> {
             .ok_or_else(|| NodeError::NotFound(self.key(name)))
     }
 
+    /// The entry under `name`, if it is the version `pin` asks for (any, without one).
+    fn pinned(&self, name: &str, pin: Option<Version>) -> Result<&Entry<B>, NodeError> {
+        let entry = self.entry(name)?;
+        match pin {
+            Some(version) if entry.desc.version != version => {
+                Err(NodeError::Changed(self.key(name)))
+            }
+            _ => Ok(entry),
+        }
+    }
+
     // A dropped reply means the asker gave up (its connection closed); nothing to do about it.
     fn handle(&mut self, command: Command) {
         match command {
@@ -621,25 +735,30 @@ impl<B: Backend> Worker<B> {
                 path,
                 overwrite,
                 reservation,
-                expect_hash,
                 reply,
             } => {
-                let result = self.insert(name, payload, path, overwrite, reservation, expect_hash);
+                let result = self.insert(name, payload, path, overwrite, reservation);
                 self.publish_held();
                 let _ = reply.send(result);
             }
-            Command::Read { name, share, reply } => {
+            Command::Read {
+                name,
+                pin,
+                share,
+                reply,
+            } => {
                 let result = self
-                    .entry(&name)
-                    .and_then(|e| Ok((e.desc.clone(), e.host_bytes(share)?)));
+                    .pinned(&name, pin)
+                    .and_then(|e| Ok((e.desc.clone(), e.host_bytes(share, &self.budget)?)));
                 let _ = reply.send(result);
             }
             Command::Export {
                 name,
+                pin,
                 native,
                 reply,
             } => {
-                let result = self.entry(&name).and_then(|e| {
+                let result = self.pinned(&name, pin).and_then(|e| {
                     if native {
                         Ok(Exported::Native(NativeTensor {
                             primitive: Box::new(e.primitive.clone()),
@@ -650,7 +769,8 @@ impl<B: Backend> Worker<B> {
                             hash_verified: e.desc.hash_verified,
                         }))
                     } else {
-                        e.primitive.to_data().map(Exported::Data)
+                        let held = self.budget.reserve_copy(e.desc.bytes)?;
+                        Ok(Exported::Data(e.primitive.to_data()?, held))
                     }
                 });
                 let _ = reply.send(result);
@@ -658,29 +778,41 @@ impl<B: Backend> Worker<B> {
             Command::Describe { name, reply } => {
                 let _ = reply.send(self.entry(&name).map(|e| e.desc.clone()));
             }
-            Command::Remove {
-                name,
-                expect_hash,
-                reply,
-            } => {
-                let result = match (self.tensors.get(&name), expect_hash) {
-                    (None, _) => Err(NodeError::NotFound(self.key(&name))),
-                    (Some(e), Some(hash)) if e.desc.content_hash != hash => {
-                        Err(NodeError::Changed(self.key(&name)))
-                    }
-                    _ => self
-                        .unregister(&name)
+            Command::Remove { name, pin, reply } => {
+                let result = self.pinned(&name, pin).map(|_| ()).and_then(|()| {
+                    self.unregister(&name)
                         .map(|e| e.desc.clone())
-                        .ok_or_else(|| NodeError::NotFound(self.key(&name))),
-                };
+                        .ok_or_else(|| NodeError::NotFound(self.key(&name)))
+                });
                 self.publish_held();
                 let _ = reply.send(result);
             }
-            Command::List { reply } => {
-                let mut all: Vec<TensorDesc> =
-                    self.tensors.values().map(|e| e.desc.clone()).collect();
-                all.sort_by(|a, b| a.key.name.cmp(&b.key.name));
-                let _ = reply.send(Ok(all));
+            Command::List {
+                after,
+                limit,
+                reply,
+            } => {
+                use std::ops::Bound;
+                let from = match &after {
+                    Some(name) => Bound::Excluded(name.as_str()),
+                    None => Bound::Unbounded,
+                };
+                let page = self
+                    .tensors
+                    .range::<str, _>((from, Bound::Unbounded))
+                    .take(limit)
+                    .map(|(_, e)| e.desc.clone())
+                    .collect();
+                let _ = reply.send(Ok(page));
+            }
+            Command::Summary { reply } => {
+                let mut summary = DeviceSummary::default();
+                for entry in self.tensors.values() {
+                    summary.tensors += 1;
+                    summary.bytes += entry.desc.bytes;
+                    summary.hashes_pending += u64::from(!entry.desc.hash_verified);
+                }
+                let _ = reply.send(Ok(summary));
             }
             Command::FindByHash { hash, reply } => {
                 let named = self.by_hash.get(&hash).into_iter().flatten();
@@ -703,9 +835,9 @@ impl<B: Backend> Worker<B> {
             }
             Command::Verified {
                 name,
-                serial,
+                version,
                 computed,
-            } => self.verified(&name, serial, computed),
+            } => self.verified(&name, version, computed),
         }
     }
 
@@ -719,9 +851,13 @@ impl<B: Backend> Worker<B> {
     }
 
     /// Records a verifier's answer, if the registration it checked is still there.
-    fn verified(&mut self, name: &str, serial: u64, computed: String) {
+    fn verified(&mut self, name: &str, version: Version, computed: String) {
         let key = self.key(name);
-        let Some(entry) = self.tensors.get_mut(name).filter(|e| e.serial == serial) else {
+        let Some(entry) = self
+            .tensors
+            .get_mut(name)
+            .filter(|e| e.desc.version == version)
+        else {
             return;
         };
         if entry.desc.content_hash != computed {
@@ -771,7 +907,7 @@ impl<B: Backend> Worker<B> {
         if let Err(std::sync::mpsc::SendError(job)) = self.verifier.send(job) {
             tracing::warn!(key = %self.key(name), "no hash verifier; verifying in line");
             if let Some(computed) = job.hash() {
-                self.verified(name, job.serial, computed);
+                self.verified(name, job.version, computed);
             }
         }
     }
@@ -783,7 +919,6 @@ impl<B: Backend> Worker<B> {
         path: TransferPath,
         overwrite: bool,
         reservation: Reservation,
-        expect_hash: Option<String>,
     ) -> Result<TensorDesc, NodeError> {
         if !overwrite && self.tensors.contains_key(&name) {
             return Err(NodeError::AlreadyExists(self.key(&name)));
@@ -806,11 +941,6 @@ impl<B: Backend> Worker<B> {
                         KnownHash::Stated(stated) => (self.settle(&name, &stated, compute()), true),
                         KnownHash::Unknown => (compute(), true),
                     };
-                    if let Some(expected) = &expect_hash
-                        && *expected != content_hash
-                    {
-                        return Err(NodeError::Changed(self.key(&name)));
-                    }
                     let origin = data.as_bytes().as_ptr();
                     let primitive = Primitive::<B>::from_data(data, &self.device)?;
                     // Kept only while the region's mapping is the tensor's own storage: a backend that
@@ -870,6 +1000,8 @@ impl<B: Backend> Worker<B> {
                 }
             }
         }
+        self.next_version += 1;
+        let version = Version(self.next_version);
         let desc = TensorDesc {
             key: self.key(&name),
             dtype,
@@ -878,8 +1010,8 @@ impl<B: Backend> Worker<B> {
             path,
             content_hash,
             hash_verified,
+            version,
         };
-        self.next_serial += 1;
         let abandoned = Arc::new(AtomicBool::new(false));
         // Replaced (with `overwrite`): the old tensor leaves the index with it.
         drop(self.unregister(&name));
@@ -892,18 +1024,17 @@ impl<B: Backend> Worker<B> {
             Entry {
                 primitive,
                 desc: desc.clone(),
-                serial: self.next_serial,
                 region,
                 _abandoned: AbandonOnDrop(abandoned.clone()),
                 waiting: Vec::new(),
                 checksums: Arc::default(),
-                _reservation: reservation,
+                reservation: Arc::new(reservation),
             },
         );
         if let Some((meta, values, tail)) = pending {
             let job = VerifyJob {
                 name: name.clone(),
-                serial: self.next_serial,
+                version,
                 meta,
                 values,
                 tail,
@@ -918,7 +1049,7 @@ impl<B: Backend> Worker<B> {
 impl<B: Backend> Entry<B> {
     /// The tensor's payload on the host: with `share`, the registered bytes themselves where the
     /// backend allows it (with the region they lie in, if kept); otherwise a copy (`into_data`).
-    fn host_bytes(&self, share: bool) -> Result<HostBytes, NodeError> {
+    fn host_bytes(&self, share: bool, budget: &Arc<Budget>) -> Result<HostBytes, NodeError> {
         let shared = share
             .then(|| self.primitive.shared_host_bytes())
             .flatten()
@@ -931,9 +1062,13 @@ impl<B: Backend> Entry<B> {
             Some(mut shared) => {
                 shared.region = self.region.clone();
                 shared.checksums = Some(self.checksums.clone());
-                HostBytes::Shared(shared)
+                HostBytes::Shared(shared, self.reservation.clone())
             }
-            None => HostBytes::Owned(self.primitive.to_data()?),
+            // The copy is memory too: counted before it is made, refused where it would not fit.
+            None => {
+                let held = budget.reserve_copy(self.desc.bytes)?;
+                HostBytes::Owned(self.primitive.to_data()?, held)
+            }
         })
     }
 }

@@ -123,6 +123,10 @@ pub enum Fault {
     DieAfter(usize),
     /// Flips one bit of the byte at this position of the first connection.
     FlipAt(usize),
+    /// Flips one bit of the first payload byte of every chunk frame on the first connection and
+    /// writes the frame's checksum anew, as an attacker on the path would: every frame checks,
+    /// only the end-to-end content hash can tell.
+    FlipAndReframe,
 }
 
 /// A TCP proxy on loopback in front of `upstream` that applies `fault`; returns its address.
@@ -141,6 +145,10 @@ pub async fn proxy(upstream: SocketAddr, fault: Fault) -> SocketAddr {
             };
             let fault_now = first;
             first = false;
+            if fault_now && matches!(fault, Fault::FlipAndReframe) {
+                tokio::spawn(reframe(down, up));
+                continue;
+            }
             let (mut down_r, mut down_w) = down.split();
             let (mut up_r, mut up_w) = up.split();
             let to_upstream = tokio::io::copy(&mut down_r, &mut up_w);
@@ -184,6 +192,40 @@ pub async fn proxy(upstream: SocketAddr, fault: Fault) -> SocketAddr {
         }
     });
     addr
+}
+
+/// Relays one connection, rewriting every chunk frame from upstream: one payload bit flipped,
+/// the frame's CRC-32C computed again over the altered body.
+async fn reframe(mut down: tokio::net::TcpStream, mut up: tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut down_r, mut down_w) = down.split();
+    let (mut up_r, mut up_w) = up.split();
+    let to_upstream = tokio::io::copy(&mut down_r, &mut up_w);
+    let from_upstream = async {
+        loop {
+            let mut header = [0u8; 16];
+            if up_r.read_exact(&mut header).await.is_err() {
+                return;
+            }
+            let len = u32::from_le_bytes(header[8..12].try_into().unwrap()) as usize;
+            let mut body = vec![0u8; len];
+            if up_r.read_exact(&mut body).await.is_err() {
+                return;
+            }
+            // Kind 2 is a chunk: an 8-byte offset, then payload.
+            if header[5] == 2 && body.len() > 8 {
+                body[8] ^= 0x01;
+                header[12..16].copy_from_slice(&crc32c::crc32c(&body).to_le_bytes());
+            }
+            if down_w.write_all(&header).await.is_err() || down_w.write_all(&body).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = to_upstream => {},
+        () = from_upstream => {},
+    }
 }
 
 /// A binary cargo built next to this test's executable (`ferry-server`, `ferry`).

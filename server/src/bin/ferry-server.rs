@@ -39,9 +39,21 @@ struct Args {
     /// Largest tensor accepted (bytes; suffixes like 512MiB or 4GB work).
     #[arg(long, default_value = "16GiB")]
     max_tensor_bytes: bytesize::ByteSize,
-    /// Memory budget per device (bytes; suffixes work). Unlimited when absent.
+    /// Memory budget per device (bytes; suffixes work): tensors, each with 4 KiB of bookkeeping,
+    /// transfers in flight and host copies being sent. Unlimited when absent.
     #[arg(long)]
     memory_limit: Option<bytesize::ByteSize>,
+    /// The most tensors one device holds.
+    #[arg(long, default_value_t = ferry_server::node::DEFAULT_MAX_TENSORS)]
+    max_tensors: u64,
+    /// The most capabilities (for node-to-node copies) one connection may hold outstanding.
+    #[arg(long, default_value_t = ferry_server::node::DEFAULT_MAX_GRANTS)]
+    max_grants: usize,
+    /// The slowest a whole payload may move, in bytes per second (suffixes work; 0 for no
+    /// limit): a payload gets the idle timeout plus its length at this rate, so a peer that
+    /// trickles bytes cannot hold a reservation or a buffer for ever.
+    #[arg(long, default_value = "1MiB")]
+    min_rate: bytesize::ByteSize,
     /// Transfer path policy between devices of this node.
     #[arg(long, default_value = "auto", value_parser = ["auto", "round-trip"])]
     transfer: String,
@@ -234,6 +246,7 @@ async fn serve() -> anyhow::Result<()> {
         idle_timeout: Duration::from_secs(args.idle_timeout),
         chunk_size,
         region_min: usize::try_from(args.shm_min.as_u64()).unwrap_or(usize::MAX),
+        min_rate: args.min_rate.as_u64(),
         ..ConnectionLimits::default()
     };
     let mut config = NodeConfig {
@@ -245,6 +258,8 @@ async fn serve() -> anyhow::Result<()> {
         shared_memory: !args.no_shm,
         max_tensor_bytes: args.max_tensor_bytes.as_u64(),
         memory_limit: args.memory_limit.map(|b| b.as_u64()),
+        max_tensors: Some(args.max_tensors),
+        max_grants_per_client: args.max_grants,
         policy: args
             .transfer
             .parse::<TransferPolicy>()
