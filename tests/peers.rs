@@ -643,7 +643,10 @@ async fn a_false_stated_hash_over_tcp_fails_the_pull_and_registers_nothing() {
             .await;
         assert_eq!(code_of(refused), ErrorCode::Integrity, "device {device}");
     }
-    assert!(target.list(None).await.unwrap().is_empty(), "nothing registered");
+    assert!(
+        target.list(None).await.unwrap().is_empty(),
+        "nothing registered"
+    );
     // An honest copy from the target onwards has nothing to carry a lie with; the source's own
     // copy to the third node holds the source's bytes.
     let mut third = c.client().await;
@@ -688,7 +691,10 @@ async fn a_grant_states_only_a_verified_hash_after_a_false_statement_through_sha
     let b_id = target.identify().await.unwrap();
     let mut grant = source.grant(&TensorKey::new(0, "w"), &b_id).await.unwrap();
     grant.content_hash = hash_of(&unrelated);
-    let stored = target.pull(&a_unix, &grant, 0, Some("w"), false).await.unwrap();
+    let stored = target
+        .pull(&a_unix, &grant, 0, Some("w"), false)
+        .await
+        .unwrap();
     assert_eq!(stored.path, "pull");
     // Granted onwards at once: the grant waits for the verification and states the truth.
     let mut from_b = b.client().await;
@@ -732,10 +738,17 @@ async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
     let b_id = target.identify().await.unwrap();
     let grant = source.grant(&key, &b_id).await.unwrap();
     target.pull(&addr, &grant, 0, None, true).await.unwrap();
-    source.put_with(0, Some("k"), &value(2), true).await.unwrap();
+    source
+        .put_with(0, Some("k"), &value(2), true)
+        .await
+        .unwrap();
     let refused = source.delete_if(&key, &grant.content_hash).await;
     assert_eq!(code_of(refused), ErrorCode::Changed);
-    assert_eq!(id_of(&source.get(&key).await.unwrap()), 2, "the newer version stays");
+    assert_eq!(
+        id_of(&source.get(&key).await.unwrap()),
+        2,
+        "the newer version stays"
+    );
 
     // Racing: a writer overwrites the source while moves run; after each round the last
     // acknowledged write is at the source, or it was moved (and is then at the target).
@@ -751,15 +764,23 @@ async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
         let writes = tokio::spawn(async move {
             let mut last = None;
             for i in first..first + 4 {
-                writer.put_with(0, Some("k"), &value(i), true).await.unwrap();
+                writer
+                    .put_with(0, Some("k"), &value(i), true)
+                    .await
+                    .unwrap();
                 last = Some(i);
                 tokio::task::yield_now().await;
             }
             last.unwrap()
         });
-        let answers = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &move_how)
-            .await
-            .unwrap();
+        let answers = copy_between(
+            &mut source,
+            &mut target,
+            std::slice::from_ref(&key),
+            &move_how,
+        )
+        .await
+        .unwrap();
         match answers.into_iter().next().unwrap() {
             Ok(_) => moved += 1,
             Err(ferry::client::ClientError::SourceChanged { .. }) => changed += 1,
@@ -801,7 +822,11 @@ async fn a_capability_serves_one_whole_fetch_and_only_its_fetcher_releases_it() 
     assert_same(&assembler.finish().unwrap(), &data, "fetched");
     let mut other = a.client().await;
     let again = other.fetch_begin(&grant.token, &b_id, 0).await;
-    assert_eq!(code_of(again), ErrorCode::CapabilityRefused, "a second whole fetch");
+    assert_eq!(
+        code_of(again),
+        ErrorCode::CapabilityRefused,
+        "a second whole fetch"
+    );
 
     // A resume (a later offset) by the audience is still served.
     let (_, resumed) = other.fetch_begin(&grant.token, &b_id, 1024).await.unwrap();
@@ -867,9 +892,14 @@ async fn outstanding_grants_are_capped_per_client_and_revoked_with_its_connectio
     let mut source = a.client().await;
     let mut target = b.client().await;
     let addr = a.addr.to_string();
-    let answers = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &how(&addr, 0))
-        .await
-        .unwrap();
+    let answers = copy_between(
+        &mut source,
+        &mut target,
+        std::slice::from_ref(&key),
+        &how(&addr, 0),
+    )
+    .await
+    .unwrap();
     assert!(answers[0].is_ok());
 
     // A client's unused capabilities go with its connection.
