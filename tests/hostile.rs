@@ -3,7 +3,8 @@
 
 mod common;
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use common::{TestNode, assert_same, start, start_with};
@@ -11,9 +12,10 @@ use ferry::client::{Client, ErrorCode};
 use ferry::proto::frame::{self, FrameKind};
 use ferry::proto::{
     DType, ErrorReply, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
-    TensorKey, WireDType, control, tensor,
+    TensorData, TensorKey, WireDType, control, tensor,
 };
 use ferry::samples;
+use ferry::server::worker::TENSOR_OVERHEAD;
 use ferry::server::{NodeConfig, ServiceConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -302,7 +304,8 @@ async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told
         NodeConfig {
             devices: common::devices(&["flex"]),
             max_tensor_bytes: 1024,
-            memory_limit: Some(1500),
+            // 1500 bytes of payload beside one tensor's bookkeeping.
+            memory_limit: Some(1500 + TENSOR_OVERHEAD),
             ..NodeConfig::default()
         },
         ServiceConfig {
@@ -319,7 +322,7 @@ async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told
     );
     let fits = samples::plain(DType::F32, &[200], 1);
     client.put(0, "a", &fits).await.unwrap();
-    // 800 bytes held: another 800 would pass the 1500-byte budget.
+    // 800 bytes held: another 800 (and its bookkeeping) would pass the budget.
     let over = client.put(0, "b", &fits).await;
     assert_eq!(common::code_of(over), ErrorCode::LimitExceeded);
     client.delete(&TensorKey::new(0, "a")).await.unwrap();
@@ -682,4 +685,539 @@ async fn a_stat_answer_of_another_minor_is_named_as_such() {
     );
     assert!(error.to_string().contains("protocol minor"), "{error}");
     drop(node.await.unwrap());
+}
+
+// Memory budgets and limits under concurrency and against peers that hold on to them.
+
+const MIB: u64 = 1 << 20;
+
+/// An f32 tensor of exactly `mib` MiB, its values made from `seed`.
+fn f32_mib(mib: usize, seed: u64) -> TensorData {
+    samples::plain(DType::F32, &[mib * 256, 1024], seed)
+}
+
+/// Polls `check` every few milliseconds until it holds; fails the test if it does not within
+/// `within`. For conditions that become true when the node gets round to it (a dropped
+/// connection giving its reservation back), so no test sleeps a fixed time and hopes.
+async fn eventually(what: &str, within: Duration, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !check() {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A node with one device of each of `specs`, a budget of `limit` bytes per device and
+/// `service`'s limits.
+async fn budget_node(specs: &[&str], limit: u64, service: ServiceConfig) -> TestNode {
+    start(
+        NodeConfig {
+            devices: common::devices(specs),
+            memory_limit: Some(limit),
+            ..NodeConfig::default()
+        },
+        service,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_in_node_copies_never_push_a_device_past_its_budget() {
+    const LIMIT: u64 = 64 * MIB;
+    let node = budget_node(&["flex", "flex"], LIMIT, ServiceConfig::default()).await;
+    // 4 KiB and 40 MiB: a device holds one large tensor next to small ones, never two, so a copy
+    // of the large source onto a device that already holds a large one must be refused.
+    let small = Arc::new(samples::plain(DType::F32, &[1024], 1));
+    let large = Arc::new(f32_mib(40, 2));
+    let src = TensorKey::new(0, "src");
+    let mut writer = node.client().await;
+    writer.put_with(0, Some("src"), &small, true).await.unwrap();
+
+    let end = Instant::now() + Duration::from_secs(3);
+    let writes = tokio::spawn({
+        let (small, large) = (small.clone(), large.clone());
+        async move {
+            let mut writes = 0u32;
+            while Instant::now() < end {
+                let data = if writes.is_multiple_of(2) {
+                    &large
+                } else {
+                    &small
+                };
+                // Never refused: an overwrite holds the old tensor until the new one replaces
+                // it, and one large with one small fits device 0 (an in-node copy between two
+                // flex devices is native and reads no host copy out of the source).
+                writer.put_with(0, Some("src"), data, true).await.unwrap();
+                writes += 1;
+            }
+            writes
+        }
+    });
+    let large_len = large.as_bytes().len() as u64;
+    let mut copiers = Vec::new();
+    for i in 0..4 {
+        let (addr, src) = (node.addr, src.clone());
+        copiers.push(tokio::spawn(async move {
+            let mut client = Client::connect(addr, None).await.unwrap();
+            let dst = format!("dst-{i}");
+            // Copies of the large and of the small version, refused copies, and copies whose
+            // source was overwritten between the node's look at it and its read (refused as
+            // `Changed` rather than mixing two versions).
+            let (mut large, mut small, mut refused, mut changed) = (0u32, 0u32, 0u32, 0u32);
+            while Instant::now() < end {
+                match client.transfer(&src, 1, Some(&dst), false, true).await {
+                    Ok(info) if info.bytes == large_len => large += 1,
+                    Ok(_) => small += 1,
+                    Err(e) => match e.code() {
+                        Some(ErrorCode::LimitExceeded) => refused += 1,
+                        Some(ErrorCode::Changed) => changed += 1,
+                        _ => panic!("copy to {dst}: {e}"),
+                    },
+                }
+            }
+            [large, small, refused, changed]
+        }));
+    }
+
+    // Every sample, on both devices: what is claimed and what is registered stay in the budget.
+    let budgets = [0, 1].map(|d| node.node.device(d).unwrap().budget().clone());
+    let mut peak = [0u64; 2];
+    let mut sampled = 0u32;
+    while Instant::now() < end {
+        for (d, budget) in budgets.iter().enumerate() {
+            let used = budget.used();
+            assert!(
+                used <= LIMIT,
+                "device {d} claims {used} of a {LIMIT}-byte budget"
+            );
+            peak[d] = peak[d].max(used);
+        }
+        for device in node.node.stats().await.unwrap().devices {
+            assert!(
+                device.bytes_held <= LIMIT,
+                "device {} holds {} bytes past a {LIMIT}-byte budget",
+                device.index,
+                device.bytes_held
+            );
+        }
+        sampled += 1;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let writes = writes.await.unwrap();
+    let mut totals = [0u32; 4];
+    for copier in copiers {
+        for (total, n) in totals.iter_mut().zip(copier.await.unwrap()) {
+            *total += n;
+        }
+    }
+    let [large_copies, small_copies, refused, changed] = totals;
+    eprintln!(
+        "{writes} writes, {large_copies} large and {small_copies} small copies, {refused} \
+         refused, {changed} changed, {sampled} samples, peaks {peak:?}"
+    );
+    // The race ran: both versions were copied, and copies were refused for want of room.
+    assert!(writes >= 4, "only {writes} writes");
+    assert!(large_copies > 0 && small_copies > 0, "{totals:?}");
+    assert!(refused > 0, "no copy was refused: {totals:?}");
+    assert!(peak[1] > large_len, "device 1 never held the large tensor");
+    assert!(sampled > 10);
+
+    // Every target is one of the two versions, whole; and once everything is quiet, each
+    // device claims exactly its tensors with their overhead: refused and changed copies gave
+    // back all they claimed.
+    let mut client = node.client().await;
+    let targets = client.list(Some(1)).await.unwrap();
+    assert_eq!(targets.len(), 4, "{targets:?}");
+    for info in &targets {
+        let back = client.get(&info.key).await.unwrap();
+        let expected = if back.as_bytes().len() as u64 == large_len {
+            &large
+        } else {
+            &small
+        };
+        assert_same(&back, expected, &info.key.to_string());
+    }
+    let stats = client.stat().await.unwrap();
+    for (d, budget) in budgets.iter().enumerate() {
+        let listed = client.list(Some(d as u32)).await.unwrap();
+        // The running totals `stat` reports survived every overwrite and refusal.
+        let held: u64 = listed.iter().map(|i| i.bytes).sum();
+        let device = &stats.devices[d];
+        assert_eq!(
+            (device.tensors, device.bytes_held),
+            (listed.len() as u64, held),
+            "device {d}"
+        );
+        let registered: u64 = listed.iter().map(|i| i.bytes + TENSOR_OVERHEAD).sum();
+        eventually(
+            &format!("device {d} claims only its tensors"),
+            Duration::from_secs(5),
+            || budget.used() == registered,
+        )
+        .await;
+    }
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
+    // Empty tensors cost no payload, only their overhead: a budget still bounds how many.
+    const BUDGET: u64 = MIB;
+    let node = budget_node(&["flex"], BUDGET, ServiceConfig::default()).await;
+    let mut client = node.client().await;
+    let empty = samples::plain(DType::F32, &[0], 0);
+    let mut stored = 0u64;
+    let refusal = loop {
+        match client.put(0, &format!("e{stored}"), &empty).await {
+            Ok(info) => assert_eq!(info.bytes, 0),
+            Err(e) => break e,
+        }
+        stored += 1;
+        assert!(
+            stored <= BUDGET / TENSOR_OVERHEAD,
+            "{stored} empty tensors in a {BUDGET}-byte budget"
+        );
+    };
+    assert_eq!(refusal.code(), Some(ErrorCode::LimitExceeded), "{refusal}");
+    assert!(refusal.to_string().contains("budget"), "{refusal}");
+    // Exactly as many as the overhead divides the budget into.
+    assert_eq!(stored, BUDGET / TENSOR_OVERHEAD);
+    assert_eq!(node.node.device(0).unwrap().budget().used(), BUDGET);
+    let device = &client.stat().await.unwrap().devices[0];
+    assert_eq!((device.tensors, device.bytes_held), (stored, 0));
+    node.shutdown().await;
+
+    // The tensor cap, with no byte budget at all.
+    let node = start(
+        NodeConfig {
+            devices: common::devices(&["flex"]),
+            max_tensors: Some(10),
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let mut client = node.client().await;
+    let data = samples::plain(DType::F32, &[16], 3);
+    for i in 0..10 {
+        client.put(0, &format!("t{i}"), &data).await.unwrap();
+    }
+    let over = client.put(0, "t10", &data).await.unwrap_err();
+    assert_eq!(over.code(), Some(ErrorCode::LimitExceeded), "{over}");
+    assert!(over.to_string().contains("--max-tensors"), "{over}");
+    // A copy within the device makes a tensor too.
+    let copy = client.copy(&TensorKey::new(0, "t0"), 0, Some("c")).await;
+    assert_eq!(common::code_of(copy), ErrorCode::LimitExceeded);
+    // Refusals hold no slot: one delete lets exactly one put through.
+    client.delete(&TensorKey::new(0, "t3")).await.unwrap();
+    client.put(0, "t10", &data).await.unwrap();
+    let again = client.put(0, "t11", &data).await;
+    assert_eq!(common::code_of(again), ErrorCode::LimitExceeded);
+    let back = client.get(&TensorKey::new(0, "t10")).await.unwrap();
+    assert_same(&back, &data, "the put after a delete");
+    assert_eq!(client.stat().await.unwrap().devices[0].tensors, 10);
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickling_upload_gives_its_reservation_back() {
+    const SIZE: u64 = 32 * MIB;
+    let mut service = ServiceConfig::default();
+    service.limits.idle_timeout = Duration::from_secs(1);
+    service.limits.min_rate = 16 * MIB;
+    // 1 s of idle timeout plus 32 MiB at 16 MiB/s.
+    let deadline = Duration::from_secs(3);
+    assert_eq!(service.limits.payload_deadline(SIZE), Some(deadline));
+    let node = budget_node(&["flex"], 48 * MIB, service).await;
+    let budget = node.node.device(0).unwrap().budget().clone();
+    let data = f32_mib(32, 7);
+    assert_eq!(data.as_bytes().len() as u64, SIZE);
+
+    let (mut raw, _) = Raw::hello(&node, None).await;
+    let meta = tensor::meta_of(&data).unwrap().to_wire();
+    raw.send(&put_request(0, "slow", meta)).await;
+    assert_eq!(raw.response().await, Some(Response::Ready));
+    let ready = Instant::now();
+    assert_eq!(
+        budget.used(),
+        SIZE + TENSOR_OVERHEAD,
+        "claimed before a byte arrived"
+    );
+    // Two such tensors do not fit: while the trickler holds its claim, an honest put is refused.
+    let mut client = node.client().await;
+    let refused = client.put(0, "fast", &data).await;
+    assert_eq!(common::code_of(refused), ErrorCode::LimitExceeded);
+
+    // 64 bytes every half second: within the idle timeout each time, far below the rate.
+    let bytes = data.as_bytes();
+    let mut offset = 0;
+    let reply = loop {
+        tokio::select! {
+            // The node's answer first, whenever it is there: a chunk written after the node
+            // closed could make the kernel reset the connection before the answer is read.
+            biased;
+            reply = raw.response() => break reply,
+            () = tokio::time::sleep(Duration::from_millis(500)) => {
+                assert!(
+                    ready.elapsed() < Duration::from_secs(8),
+                    "the trickler is still connected after {:?}",
+                    ready.elapsed()
+                );
+                let chunk = frame::encode_chunk(offset as u64, &bytes[offset..offset + 64]);
+                if raw.stream.write_all(&chunk).await.is_ok() {
+                    offset += 64;
+                }
+            }
+        }
+    };
+    let dropped_after = ready.elapsed();
+    // Dropped for its whole-payload deadline, not for silence, and told why.
+    match reply {
+        Some(Response::Error(ErrorReply { code, message })) => {
+            assert_eq!(code, ErrorCode::Protocol, "{message}");
+            assert!(message.contains("deadline"), "{message}");
+            assert!(message.contains(&SIZE.to_string()), "{message}");
+        }
+        other => panic!("expected the node's reason, got {other:?}"),
+    }
+    assert!(
+        dropped_after >= deadline - Duration::from_millis(300),
+        "dropped after {dropped_after:?}, before its {deadline:?} deadline"
+    );
+    assert!(offset >= 4 * 64, "only {offset} bytes trickled");
+    assert!(
+        raw.response().await.is_none(),
+        "the node closes the connection"
+    );
+
+    eventually(
+        "the trickler's claim is given back",
+        Duration::from_secs(5),
+        || budget.used() == 0,
+    )
+    .await;
+    client.put(0, "fast", &data).await.unwrap();
+    let back = client.get(&TensorKey::new(0, "fast")).await.unwrap();
+    assert_same(&back, &data, "the put after the trickler");
+    let names: Vec<String> = client
+        .list(None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.key.name)
+        .collect();
+    assert_eq!(
+        names,
+        ["fast"],
+        "nothing of the trickled upload was registered"
+    );
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_get_holds_its_bytes_in_the_budget_until_its_deadline() {
+    const SIZE: u64 = 40 * MIB;
+    let mut service = ServiceConfig::default();
+    service.limits.idle_timeout = Duration::from_secs(1);
+    service.limits.min_rate = 64 * MIB;
+    let node = budget_node(&["flex"], 64 * MIB, service).await;
+    let budget = node.node.device(0).unwrap().budget().clone();
+    let data = f32_mib(40, 5);
+    // Made before the stall begins: the refusal below must come while the stall lasts.
+    let other = f32_mib(40, 6);
+    let key = TensorKey::new(0, "t");
+    let mut client = node.client().await;
+    client.put(0, "t", &data).await.unwrap();
+
+    // The description arrives; then the reader reads nothing more. 40 MiB is far more than
+    // loopback socket buffers take, so the node's send blocks.
+    let (mut raw, _) = Raw::hello(&node, None).await;
+    raw.send(&control::encode_request(&Request::Get { key: key.clone() }))
+        .await;
+    match raw.response().await {
+        Some(Response::Tensor { info, .. }) => assert_eq!(info.bytes, SIZE),
+        other => panic!("expected the tensor's description, got {other:?}"),
+    }
+    let stalled = Instant::now();
+    client.delete(&key).await.unwrap();
+    // Unregistered, but its bytes are still being sent: still counted.
+    assert_eq!(budget.used(), SIZE + TENSOR_OVERHEAD);
+    assert_eq!(client.stat().await.unwrap().devices[0].bytes_held, 0);
+    let refused = client.put(0, "u", &other).await;
+    assert_eq!(common::code_of(refused), ErrorCode::LimitExceeded);
+
+    eventually(
+        "the stalled send is dropped and gives its bytes back",
+        Duration::from_secs(8),
+        || budget.used() == 0,
+    )
+    .await;
+    let held_for = stalled.elapsed();
+    assert!(
+        held_for >= Duration::from_millis(800),
+        "given back after {held_for:?}, before the 1 s idle timeout"
+    );
+    client.put(0, "u", &other).await.unwrap();
+    let back = client.get(&TensorKey::new(0, "u")).await.unwrap();
+    assert_same(&back, &other, "the put after the stall");
+
+    // The stalled reader got part of the tensor, then the close.
+    loop {
+        let read = tokio::time::timeout(Duration::from_secs(5), raw.stream.read_buf(&mut raw.buf))
+            .await
+            .expect("the node closed the stalled connection");
+        if matches!(read, Ok(0) | Err(_)) {
+            break;
+        }
+    }
+    assert!(
+        (raw.buf.len() as u64) < SIZE,
+        "{} bytes reached the stalled reader",
+        raw.buf.len()
+    );
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ndarray_read_copy_is_counted() {
+    const LARGE: u64 = 40 * MIB;
+    const SMALL: u64 = 16 * MIB;
+    let node = budget_node(&["ndarray"], 64 * MIB, ServiceConfig::default()).await;
+    let budget = node.node.device(0).unwrap().budget().clone();
+    let mut client = node.client().await;
+    let large = f32_mib(40, 8);
+    let large_key = TensorKey::new(0, "large");
+    client.put(0, "large", &large).await.unwrap();
+    assert_eq!(budget.used(), LARGE + TENSOR_OVERHEAD);
+
+    // NdArray cannot lend its storage: a get reads a host copy out, which would not fit.
+    let refused = client.get(&large_key).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::LimitExceeded), "{refused}");
+    let message = refused.to_string();
+    assert!(message.contains("budget"), "{message}");
+    assert!(message.contains(&LARGE.to_string()), "{message}");
+    assert_eq!(budget.used(), LARGE + TENSOR_OVERHEAD, "no copy is left");
+
+    // A 16 MiB tensor fits next to it, but its copy does not (40 + 16 + 16 MiB).
+    let small = f32_mib(16, 9);
+    let small_key = TensorKey::new(0, "small");
+    client.put(0, "small", &small).await.unwrap();
+    assert_eq!(
+        common::code_of(client.get(&small_key).await),
+        ErrorCode::LimitExceeded
+    );
+    // Alone, it and its copy fit.
+    client.delete(&large_key).await.unwrap();
+    let back = client.get(&small_key).await.unwrap();
+    assert_same(&back, &small, "a get with room for its copy");
+    eventually(
+        "the copy is given back once sent",
+        Duration::from_secs(5),
+        || budget.used() == SMALL + TENSOR_OVERHEAD,
+    )
+    .await;
+    node.shutdown().await;
+}
+
+/// The name and the bytes of the `i`th of many tiny tensors: its own index, so that any mixup
+/// between names shows.
+fn tiny(i: usize) -> (String, TensorData) {
+    let bytes = u32::try_from(i).unwrap().to_le_bytes().to_vec();
+    (format!("t{i:06}"), TensorData::new(bytes, [4]))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_thousand_tensors_list_and_copy_as_a_device() {
+    const COUNT: usize = 100_000;
+    const COPY_CLIENTS: usize = 4;
+    let node = start_with(&["flex", "flex"]).await;
+    let started = Instant::now();
+    // In process, a few at a time, so the device worker always has the next one queued.
+    let mut inserts = Vec::new();
+    for part in 0..4 {
+        let node = node.node.clone();
+        inserts.push(tokio::spawn(async move {
+            for i in (part..COUNT).step_by(4) {
+                let (name, data) = tiny(i);
+                node.insert(0, &name, data, false).await.unwrap();
+            }
+        }));
+    }
+    for insert in inserts {
+        insert.await.unwrap();
+    }
+    let inserted = started.elapsed();
+
+    let mut client = node.client().await;
+    let listed = client.list(Some(0)).await.unwrap();
+    let keys: Vec<TensorKey> = listed.iter().map(|i| i.key.clone()).collect();
+    let expected: Vec<TensorKey> = (0..COUNT).map(|i| TensorKey::new(0, tiny(i).0)).collect();
+    assert!(keys == expected, "not every tensor, or not sorted by name");
+    assert!(listed.iter().all(|i| i.bytes == 4));
+    let (page, next) = client.list_page(Some(0), None, 10).await.unwrap();
+    let names: Vec<String> = page.into_iter().map(|i| i.key.name).collect();
+    let first: Vec<String> = (0..10).map(|i| tiny(i).0).collect();
+    assert_eq!(names, first);
+    assert_eq!(next, Some(TensorKey::new(0, "t000009")));
+    let listing = started.elapsed();
+
+    // The old, unpaged listing cannot hold them: refused with the count and the way out.
+    let (mut raw, _) = Raw::hello(&node, None).await;
+    for device in [Some(0), None] {
+        raw.send(&control::encode_request(&Request::List { device }))
+            .await;
+        let message = raw.expect_error(ErrorCode::LimitExceeded).await;
+        assert!(message.contains(&COUNT.to_string()), "{message}");
+        assert!(message.contains("ListPage"), "{message}");
+    }
+
+    // As `ferry cp NODE/0 NODE/1` does it: the listing, then one copy per key; here from a few
+    // clients at once, each with its share of the keys, so that a debug build keeps up.
+    let keys = Arc::new(keys);
+    let mut copies = Vec::new();
+    for part in 0..COPY_CLIENTS {
+        let (addr, keys) = (node.addr, keys.clone());
+        copies.push(tokio::spawn(async move {
+            let mut client = Client::connect(addr, None).await.unwrap();
+            for key in keys.iter().skip(part).step_by(COPY_CLIENTS) {
+                let info = client.transfer(key, 1, None, false, false).await.unwrap();
+                assert_eq!(info.key, TensorKey::new(1, key.name.clone()));
+            }
+        }));
+    }
+    for copy in copies {
+        copy.await.unwrap();
+    }
+    let copied = started.elapsed();
+    // A new connection: the first one sat idle through the copies, which may have outlasted the
+    // node's keepalive.
+    let mut client = node.client().await;
+    let targets: Vec<String> = client
+        .list(Some(1))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.key.name)
+        .collect();
+    assert!(
+        targets.iter().eq(keys.iter().map(|k| &k.name)),
+        "device 1 does not hold the same {COUNT} names"
+    );
+    let sample: Vec<usize> = (0..COUNT).step_by(997).chain([COUNT - 1]).collect();
+    let sample_keys: Vec<TensorKey> = sample
+        .iter()
+        .map(|&i| TensorKey::new(1, tiny(i).0))
+        .collect();
+    for (&i, back) in sample
+        .iter()
+        .zip(client.get_batch(&sample_keys).await.unwrap())
+    {
+        assert_same(&back.unwrap(), &tiny(i).1, &tiny(i).0);
+    }
+    eprintln!(
+        "{COUNT} tensors: inserted in {inserted:?}, listed by {listing:?}, copied by \
+         {copied:?}, checked by {:?}",
+        started.elapsed()
+    );
+    node.shutdown().await;
 }

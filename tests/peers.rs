@@ -424,6 +424,7 @@ async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_d
                 &meta.dtype(),
                 meta.shape(),
                 meta.byte_len() as u64,
+                false,
             )
             .unwrap();
         let arrived = Arrived {
@@ -467,7 +468,14 @@ async fn a_dedup_check_waits_for_a_pending_verification() {
     let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
     let reservation = node
         .node
-        .admit(0, "w", &meta.dtype(), meta.shape(), meta.byte_len() as u64)
+        .admit(
+            0,
+            "w",
+            &meta.dtype(),
+            meta.shape(),
+            meta.byte_len() as u64,
+            false,
+        )
         .unwrap();
     let arrived = Arrived {
         data,
@@ -586,7 +594,7 @@ async fn a_writer_racing_dedup_pulls_never_gets_the_other_value() {
         tokio::spawn(async move {
             let mut writes = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let value = if writes % 2 == 0 { &wanted } else { &other };
+                let value = if writes.is_multiple_of(2) { &wanted } else { &other };
                 client.put_with(0, Some("cand"), value, true).await.unwrap();
                 writes += 1;
             }

@@ -62,7 +62,7 @@ pub enum ClientError {
         /// The source key.
         key: TensorKey,
         /// What the target registered.
-        stored: TensorInfo,
+        stored: Box<TensorInfo>,
     },
     /// The node's `stat` answer is of another protocol minor version, whose fields differ
     /// (PROTOCOL.md §8): the one answer that does not carry across minors.
@@ -211,7 +211,7 @@ pub async fn copy_between(
                     }) => {
                         results.push(Err(ClientError::SourceChanged {
                             key: grant.info.key.clone(),
-                            stored: info.clone(),
+                            stored: Box::new(info.clone()),
                         }));
                         continue;
                     }

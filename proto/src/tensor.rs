@@ -151,7 +151,7 @@ enum HashState {
     #[default]
     None,
     /// Fed as bytes are committed, while they are still in cache.
-    Inline(blake3::Hasher),
+    Inline(Box<blake3::Hasher>),
     /// On another thread, a chunk behind the receiver.
     Trailing(crate::trailing::TrailingHash),
 }
@@ -215,16 +215,15 @@ impl TensorAssembler {
             // it (dropped, and its thread joined, first), is finished before `buf` is handed out
             // or replaced (`finish*`, `take_hasher`, `adopt`), and while it lives every access to
             // `buf` goes through it (`slot`).
-            match unsafe { crate::trailing::TrailingHash::start(base, len, hasher.clone()) } {
-                Ok(trailing) => {
-                    self.hash = HashState::Trailing(trailing);
-                    return self;
-                }
-                // No thread to be had (out of threads or memory): hashed in line instead.
-                Err(_) => {}
+            let started =
+                unsafe { crate::trailing::TrailingHash::start(base, len, hasher.clone()) };
+            // Without a thread to be had (out of threads or memory), hashed in line instead.
+            if let Ok(trailing) = started {
+                self.hash = HashState::Trailing(trailing);
+                return self;
             }
         }
-        self.hash = HashState::Inline(hasher);
+        self.hash = HashState::Inline(Box::new(hasher));
         self
     }
 
@@ -297,7 +296,7 @@ impl TensorAssembler {
     pub fn take_hasher(&mut self) -> Option<blake3::Hasher> {
         match std::mem::take(&mut self.hash) {
             HashState::None => None,
-            HashState::Inline(hasher) => Some(hasher),
+            HashState::Inline(hasher) => Some(*hasher),
             // Everything committed so far is fed to it; a thread that died leaves the bytes to
             // be hashed again from the start.
             HashState::Trailing(trailing) => trailing.finish().or_else(|| {
@@ -317,7 +316,7 @@ impl TensorAssembler {
     ) -> Result<(), StreamError> {
         self.hash = HashState::None;
         self.adopt(payload)?;
-        self.hash = hasher.map_or(HashState::None, HashState::Inline);
+        self.hash = hasher.map_or(HashState::None, |h| HashState::Inline(Box::new(h)));
         Ok(())
     }
 
@@ -341,7 +340,7 @@ impl TensorAssembler {
         if let HashState::Trailing(_) = self.hash {
             self.hash = self
                 .take_hasher()
-                .map_or(HashState::None, HashState::Inline);
+                .map_or(HashState::None, |h| HashState::Inline(Box::new(h)));
         }
         if let HashState::Inline(hasher) = &mut self.hash {
             hasher.update(&payload);

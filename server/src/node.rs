@@ -479,8 +479,9 @@ impl Node {
     }
 
     /// Everything checked before a tensor of `dtype`, `shape` and `bytes` may go to `device`:
-    /// the name, the per-tensor limit, what the backend holds, and the device's budget. The
-    /// returned reservation is held while the bytes arrive and then by the registered tensor.
+    /// the name, the per-tensor limit, what the backend holds, the device's budget, and (for a
+    /// tensor that may not replace another) its tensor cap. The returned reservation is held
+    /// while the bytes arrive and then by the registered tensor.
     pub fn admit(
         &self,
         device: u32,
@@ -488,6 +489,7 @@ impl Node {
         dtype: &burn_backend::DType,
         shape: &[usize],
         bytes: u64,
+        overwrite: bool,
     ) -> Result<Reservation, NodeError> {
         validate_name(name)?;
         let limit = self.inner.config.max_tensor_bytes;
@@ -496,7 +498,7 @@ impl Node {
         }
         let handle = self.device(device)?;
         handle.check_holds(dtype, shape)?;
-        handle.budget().reserve_tensor(bytes)
+        handle.budget().reserve_tensor(bytes, overwrite)
     }
 
     /// Registers `data` under `name` on `device`, after checking it against the byte-length rule
@@ -515,6 +517,7 @@ impl Node {
             &meta.dtype(),
             meta.shape(),
             meta.byte_len() as u64,
+            overwrite,
         )?;
         self.register(device, name, Arrived::new(data), overwrite, reservation)
             .await
@@ -822,6 +825,7 @@ impl Node {
             &source.dtype,
             &source.shape,
             source.bytes,
+            overwrite,
         )?;
         let path = choose_path(
             self.inner.config.policy,

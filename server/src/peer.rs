@@ -179,7 +179,7 @@ impl Node {
             // proxy can rewrite both): hashed while they arrived, and compared with the grant
             // before anything is registered.
             PayloadRoute::Chunks => {
-                let (data, computed) = assembler.finish_hashed().map_err(bad)?;
+                let (data, computed) = crate::service::finish_hashed(assembler).await?;
                 if computed != granted {
                     crate::metrics::integrity_failure();
                     return Err(NodeError::Integrity {
@@ -254,6 +254,7 @@ impl Node {
                         &meta.dtype(),
                         meta.shape(),
                         meta.byte_len() as u64,
+                        req.overwrite,
                     )
                     .map_err(AttemptError::Fatal)?;
                 // Hashed while it arrives, a chunk behind, on another thread.

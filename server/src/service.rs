@@ -539,7 +539,8 @@ impl Session<'_> {
             .map_err(NodeError::from)
             .and_then(|meta| {
                 let bytes = meta.byte_len() as u64;
-                let reservation = node.admit(device, &name, &meta.dtype(), meta.shape(), bytes)?;
+                let reservation =
+                    node.admit(device, &name, &meta.dtype(), meta.shape(), bytes, overwrite)?;
                 let assembler = node.receiver(device, meta)?.hashing();
                 Ok((assembler, reservation))
             });
@@ -567,14 +568,16 @@ impl Session<'_> {
             }
             Err(error) => {
                 // The rest of the stream cannot be trusted to line up with frames: report and
-                // close. The assembler and the reservation are dropped here: nothing was
-                // registered.
+                // close. Nothing was registered; the buffer and the reservation go first, not
+                // after the report (which may wait on the peer).
+                drop(assembler);
+                drop(reservation);
                 node.count_failure();
                 tracing::warn!(device, %name, %error, "upload failed");
                 return Err(fail(conn, error).await);
             }
         };
-        let reply = match assembler.finish_hashed() {
+        let reply = match finish_hashed(assembler).await {
             Ok((data, hash)) => {
                 let arrived = Arrived {
                     data,
@@ -585,7 +588,7 @@ impl Session<'_> {
                     .await
                     .map(|desc| Response::Stored(desc.to_wire()))
             }
-            Err(error) => Err(NodeError::BadRequest(error.to_string())),
+            Err(error) => Err(error),
         };
         conn.write_response(&reply.unwrap_or_else(|e| Response::Error(e.reply())))
             .await?;
@@ -701,6 +704,17 @@ impl Session<'_> {
         }
         Ok(())
     }
+}
+
+/// The assembled tensor and its content hash, off the runtime: the hashing thread may still
+/// be a chunk or two behind the receiver.
+pub(crate) async fn finish_hashed(
+    assembler: ferry_proto::TensorAssembler,
+) -> Result<(burn_backend::TensorData, String), NodeError> {
+    tokio::task::spawn_blocking(move || assembler.finish_hashed())
+        .await
+        .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))?
+        .map_err(|e| NodeError::BadRequest(e.to_string()))
 }
 
 fn protocol_error(message: &str) -> ConnectionError {

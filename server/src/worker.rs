@@ -112,30 +112,43 @@ impl Budget {
         }
     }
 
-    /// Claims room for a tensor of `bytes` (with its overhead, and one of the device's tensor
-    /// slots), or says what is short. Claimed before a single byte is received, so many
-    /// clients together cannot push a device past its budget.
-    pub fn reserve_tensor(self: &Arc<Self>, bytes: u64) -> Result<Reservation, NodeError> {
+    /// Claims room for a tensor of `bytes` (with its overhead), or says what is short. Claimed
+    /// before a single byte is received, so many clients together cannot push a device past
+    /// its budget. Without `overwrite`, a device already at its tensor cap refuses at once
+    /// (the slot itself is claimed when the tensor is registered under a new name).
+    pub fn reserve_tensor(
+        self: &Arc<Self>,
+        bytes: u64,
+        overwrite: bool,
+    ) -> Result<Reservation, NodeError> {
         let charged = bytes
             .checked_add(TENSOR_OVERHEAD)
             .ok_or(NodeError::TensorTooLarge {
                 bytes,
                 limit: u64::MAX - TENSOR_OVERHEAD,
             })?;
-        claim(&self.tensors, 1, self.max_tensors).map_err(|_| NodeError::TooManyTensors {
+        if !overwrite
+            && let Some(limit) = self.max_tensors
+            && self.tensors.load(Ordering::Acquire) >= limit
+        {
+            return Err(self.too_many_tensors());
+        }
+        self.reserve_copy(charged)
+    }
+
+    /// One of the device's tensor slots, for a tensor registered under a new name; held by the
+    /// registered tensor.
+    fn claim_slot(self: &Arc<Self>) -> Result<TensorSlot, NodeError> {
+        claim(&self.tensors, 1, self.max_tensors).map_err(|_| self.too_many_tensors())?;
+        Ok(TensorSlot {
+            budget: self.clone(),
+        })
+    }
+
+    fn too_many_tensors(&self) -> NodeError {
+        NodeError::TooManyTensors {
             device: self.device,
             limit: self.max_tensors.unwrap_or(u64::MAX),
-        })?;
-        match self.claim_bytes(charged) {
-            Ok(()) => Ok(Reservation {
-                budget: self.clone(),
-                bytes: charged,
-                tensors: 1,
-            }),
-            Err(error) => {
-                self.tensors.fetch_sub(1, Ordering::AcqRel);
-                Err(error)
-            }
         }
     }
 
@@ -146,7 +159,6 @@ impl Budget {
         Ok(Reservation {
             budget: self.clone(),
             bytes,
-            tensors: 0,
         })
     }
 
@@ -193,15 +205,25 @@ fn claim(counter: &AtomicU64, amount: u64, limit: Option<u64>) -> Result<(), u64
 pub struct Reservation {
     budget: Arc<Budget>,
     bytes: u64,
-    tensors: u64,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
-        self.budget
-            .tensors
-            .fetch_sub(self.tensors, Ordering::AcqRel);
+    }
+}
+
+/// One of a device's tensor slots ([`DeviceLimits::tensors`]), held by a registered tensor: a
+/// tensor that replaces another under its name takes the other's slot over, so a device at its
+/// cap still accepts overwrites.
+#[derive(Debug)]
+struct TensorSlot {
+    budget: Arc<Budget>,
+}
+
+impl Drop for TensorSlot {
+    fn drop(&mut self) {
+        self.budget.tensors.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -566,6 +588,7 @@ fn spawn_on<B: Backend>(
         next_version: 0,
         hash_mismatches: hash_mismatches.clone(),
         budget: budget.clone(),
+        held_bytes: 0,
     };
     let thread = std::thread::Builder::new()
         .name(format!("ferry-device-{index}"))
@@ -661,6 +684,8 @@ struct Entry<B: Backend> {
     checksums: Arc<ChunkChecksums>,
     /// Its room in the budget, shared with sends of its bytes still under way.
     reservation: Arc<Reservation>,
+    /// Its place under the device's tensor cap.
+    slot: TensorSlot,
 }
 
 /// A flag raised when its holder is dropped.
@@ -684,6 +709,9 @@ struct Worker<B: Backend> {
     next_version: u64,
     hash_mismatches: Arc<AtomicU64>,
     budget: Arc<Budget>,
+    /// The payload bytes of every registered tensor, kept as they change (summing them per
+    /// insert made a device of many tensors quadratic).
+    held_bytes: u64,
 }
 
 impl<B: Backend> Worker<B> {
@@ -701,8 +729,7 @@ impl<B: Backend> Worker<B> {
 
     /// Sets the held-tensors gauges after the set changed.
     fn publish_held(&self) {
-        let bytes = self.tensors.values().map(|e| e.desc.bytes).sum();
-        crate::metrics::device_held(self.index, self.tensors.len(), bytes);
+        crate::metrics::device_held(self.index, self.tensors.len(), self.held_bytes);
     }
 
     fn key(&self, name: &str) -> TensorKey {
@@ -806,12 +833,13 @@ impl<B: Backend> Worker<B> {
                 let _ = reply.send(Ok(page));
             }
             Command::Summary { reply } => {
-                let mut summary = DeviceSummary::default();
-                for entry in self.tensors.values() {
-                    summary.tensors += 1;
-                    summary.bytes += entry.desc.bytes;
-                    summary.hashes_pending += u64::from(!entry.desc.hash_verified);
-                }
+                let summary = DeviceSummary {
+                    tensors: self.tensors.len() as u64,
+                    bytes: self.held_bytes,
+                    hashes_pending: self.tensors.values().fold(0, |pending, e| {
+                        pending + u64::from(!e.desc.hash_verified)
+                    }),
+                };
                 let _ = reply.send(Ok(summary));
             }
             Command::FindByHash { hash, reply } => {
@@ -897,6 +925,7 @@ impl<B: Backend> Worker<B> {
     fn unregister(&mut self, name: &str) -> Option<Entry<B>> {
         let entry = self.tensors.remove(name)?;
         Self::unindex(&mut self.by_hash, &entry.desc.content_hash, name);
+        self.held_bytes -= entry.desc.bytes;
         Some(entry)
     }
 
@@ -923,6 +952,13 @@ impl<B: Backend> Worker<B> {
         if !overwrite && self.tensors.contains_key(&name) {
             return Err(NodeError::AlreadyExists(self.key(&name)));
         }
+        // A new name takes a slot under the cap now, before anything can be replaced; a
+        // replacement takes over the slot of the tensor it replaces.
+        let new_slot = if self.tensors.contains_key(&name) {
+            None
+        } else {
+            Some(self.budget.claim_slot()?)
+        };
         let (primitive, dtype, shape, bytes, mut content_hash, mut hash_verified, region) =
             match payload {
                 Payload::Data(Arrived { data, hash, region }) => {
@@ -1013,12 +1049,19 @@ impl<B: Backend> Worker<B> {
             version,
         };
         let abandoned = Arc::new(AtomicBool::new(false));
-        // Replaced (with `overwrite`): the old tensor leaves the index with it.
-        drop(self.unregister(&name));
+        // Replaced (with `overwrite`): the old tensor leaves the index with it, and leaves its
+        // slot to the new one.
+        let replaced = self.unregister(&name);
+        let slot = match (new_slot, replaced) {
+            (Some(slot), _) => slot,
+            (None, Some(Entry { slot, .. })) => slot,
+            (None, None) => self.budget.claim_slot()?,
+        };
         self.by_hash
             .entry(desc.content_hash.clone())
             .or_default()
             .insert(name.clone());
+        self.held_bytes += desc.bytes;
         self.tensors.insert(
             name.clone(),
             Entry {
@@ -1029,6 +1072,7 @@ impl<B: Backend> Worker<B> {
                 waiting: Vec::new(),
                 checksums: Arc::default(),
                 reservation: Arc::new(reservation),
+                slot,
             },
         );
         if let Some((meta, values, tail)) = pending {
