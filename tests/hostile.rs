@@ -915,6 +915,19 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     assert_eq!(common::code_of(again), ErrorCode::LimitExceeded);
     let back = client.get(&TensorKey::new(0, "t10")).await.unwrap();
     assert_same(&back, &data, "the put after a delete");
+    // At the cap, a tensor that replaces another takes its slot: overwrites and copies onto an
+    // existing name still go through.
+    let newer = samples::plain(DType::F32, &[16], 4);
+    client.put_with(0, Some("t0"), &newer, true).await.unwrap();
+    client
+        .transfer(&TensorKey::new(0, "t0"), 0, Some("t1"), false, true)
+        .await
+        .unwrap();
+    assert_same(
+        &client.get(&TensorKey::new(0, "t1")).await.unwrap(),
+        &newer,
+        "copied onto an existing name at the cap",
+    );
     assert_eq!(client.stat().await.unwrap().devices[0].tensors, 10);
     node.shutdown().await;
 }
