@@ -594,7 +594,11 @@ async fn a_writer_racing_dedup_pulls_never_gets_the_other_value() {
         tokio::spawn(async move {
             let mut writes = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let value = if writes.is_multiple_of(2) { &wanted } else { &other };
+                let value = if writes.is_multiple_of(2) {
+                    &wanted
+                } else {
+                    &other
+                };
                 client.put_with(0, Some("cand"), value, true).await.unwrap();
                 writes += 1;
             }

@@ -836,9 +836,10 @@ impl<B: Backend> Worker<B> {
                 let summary = DeviceSummary {
                     tensors: self.tensors.len() as u64,
                     bytes: self.held_bytes,
-                    hashes_pending: self.tensors.values().fold(0, |pending, e| {
-                        pending + u64::from(!e.desc.hash_verified)
-                    }),
+                    hashes_pending: self
+                        .tensors
+                        .values()
+                        .fold(0, |pending, e| pending + u64::from(!e.desc.hash_verified)),
                 };
                 let _ = reply.send(Ok(summary));
             }
