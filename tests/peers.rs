@@ -930,3 +930,57 @@ async fn outstanding_grants_are_capped_per_client_and_revoked_with_its_connectio
     assert_eq!(code_of(revoked), ErrorCode::CapabilityRefused);
     drop(greedy);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capability_serves_a_bounded_number_of_fetches_and_ends_with_its_client() {
+    let a = start_with(&["flex"]).await;
+    let data = samples::plain(DType::F32, &[64, 64], 9);
+    let key = TensorKey::new(0, "w");
+    let mut granter = a.client().await;
+    granter.put(0, "w", &data).await.unwrap();
+    let audience = "node-b";
+
+    // Resumes of a served capability are bounded: 16 fetches in all, then refused.
+    let grant = granter.grant(&key, audience).await.unwrap();
+    let mut fetcher = a.client().await;
+    let mut served = 0;
+    loop {
+        let offset = if served == 0 { 0 } else { 4 };
+        match fetcher.fetch_begin(&grant.token, audience, offset).await {
+            Ok((_, meta)) => {
+                let mut assembler = ferry::proto::TensorAssembler::new(meta, u64::MAX).unwrap();
+                if offset > 0 {
+                    assembler.accept(0, &data.as_bytes()[..4]).unwrap();
+                }
+                fetcher.fetch_payload(&mut assembler).await.unwrap();
+                assert_same(&assembler.finish().unwrap(), &data, "fetched");
+                served += 1;
+            }
+            Err(e) => {
+                assert_eq!(e.code(), Some(ErrorCode::CapabilityRefused), "{e}");
+                break;
+            }
+        }
+        assert!(served <= 16, "a capability served more than 16 fetches");
+    }
+    assert_eq!(served, 16);
+
+    // A capability ends with the connection that asked for it, fetched or not.
+    let grant = granter.grant(&key, audience).await.unwrap();
+    let (_, meta) = fetcher
+        .fetch_begin(&grant.token, audience, 0)
+        .await
+        .unwrap();
+    let mut assembler = ferry::proto::TensorAssembler::new(meta, u64::MAX).unwrap();
+    fetcher.fetch_payload(&mut assembler).await.unwrap();
+    let before = a.node.stats().await.unwrap().connections;
+    drop(granter);
+    for _ in 0..200 {
+        if a.node.stats().await.unwrap().connections < before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let resumed = fetcher.fetch_begin(&grant.token, audience, 4).await;
+    assert_eq!(code_of(resumed), ErrorCode::CapabilityRefused);
+}

@@ -378,6 +378,9 @@ pub enum ErrorCode {
     /// The bytes that arrived do not have the content hash they were granted under (altered on
     /// the way, or a false statement); nothing was registered. Added in minor 3.
     Integrity,
+    /// Not possible right now for a reason that passes (a content hash still being verified);
+    /// the same request may succeed if tried again. Added in minor 3.
+    Busy,
 }
 
 impl ErrorCode {

@@ -328,6 +328,7 @@ fn vectors() -> Vec<Vector> {
                 ErrorCode::PeerFailed,
                 ErrorCode::Changed,
                 ErrorCode::Integrity,
+                ErrorCode::Busy,
             ]
             .into_iter()
             .map(|code| {

@@ -26,7 +26,7 @@ use proptest::sample::select;
 // Strategies
 // ---------------------------------------------------------------------------------------------
 
-const ERROR_CODES: [ErrorCode; 14] = [
+const ERROR_CODES: [ErrorCode; 15] = [
     ErrorCode::Protocol,
     ErrorCode::BadRequest,
     ErrorCode::NotFound,
@@ -41,6 +41,7 @@ const ERROR_CODES: [ErrorCode; 14] = [
     ErrorCode::PeerFailed,
     ErrorCode::Changed,
     ErrorCode::Integrity,
+    ErrorCode::Busy,
 ];
 
 /// Any scheme Burn's builders make: every field random, block extents 1..=8 over 1..=5 dims

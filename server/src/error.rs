@@ -161,7 +161,7 @@ impl NodeError {
             | NodeError::TooManyGrants { .. }
             | NodeError::CapabilitiesFull { .. }
             | NodeError::ListingTooLarge { .. } => ErrorCode::LimitExceeded,
-            NodeError::Busy(_) => ErrorCode::Backend,
+            NodeError::Busy(_) => ErrorCode::Busy,
             NodeError::Backend(_) => ErrorCode::Backend,
             NodeError::DeviceGone(_) | NodeError::ShuttingDown => ErrorCode::ShuttingDown,
             NodeError::CapabilityRefused(_) => ErrorCode::CapabilityRefused,

@@ -159,7 +159,16 @@ struct Capability {
     generation: u64,
     /// A fetch sent every byte once: from then on only a resume (from a later offset) is served.
     served: bool,
+    /// A fetch is under way now (its lease is alive).
+    in_flight: bool,
+    /// The connection it was granted to closed while a fetch was under way: it ends with that
+    /// fetch.
+    orphaned: bool,
 }
+
+/// The most fetches one capability serves: the first and its resumes (a pull retries three
+/// times by default), so that a capability cannot be fetched again and again until it expires.
+const MAX_FETCHES: u64 = 16;
 
 /// The longest node id or audience accepted.
 const MAX_NODE_ID_LEN: usize = 256;
@@ -263,11 +272,17 @@ impl Node {
         ClientId(self.inner.next_client.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// A client's connection closed: the capabilities it asked for that no fetch has begun on
-    /// are revoked (nobody is left to hand them on), so they stop counting against any cap.
+    /// A client's connection closed: the capabilities it asked for are revoked (nobody is left
+    /// to wait for the copy they were for), those with a fetch under way once it ends; so a
+    /// client that reconnects cannot pile up capabilities past its cap.
     pub fn client_gone(&self, client: ClientId) {
-        self.capabilities()
-            .retain(|_, c| c.granted_to != client || c.fetcher.is_some());
+        self.capabilities().retain(|_, c| {
+            if c.granted_to != client {
+                return true;
+            }
+            c.orphaned = true;
+            c.in_flight
+        });
     }
 
     /// Issues a single-use capability for `audience` (a node id) to pull the version of the
@@ -314,6 +329,8 @@ impl Node {
                 fetcher: None,
                 generation: 0,
                 served: false,
+                in_flight: false,
+                orphaned: false,
             },
         );
         Ok((token, ttl, desc))
@@ -379,8 +396,12 @@ impl Node {
                 "capability already served in full; only a resume from a later offset is served",
             ));
         }
+        if capability.generation >= MAX_FETCHES {
+            return Err(refused("capability fetched too often; ask for a new one"));
+        }
         capability.generation += 1;
         capability.fetcher = Some(client);
+        capability.in_flight = true;
         Ok(FetchLease {
             node: self.clone(),
             token: token.to_string(),
@@ -1140,9 +1161,15 @@ impl Drop for FetchLease {
         // Whatever was read for this fetch is freed with it; the capability stays only long
         // enough for the same node to release it or resume.
         let window = self.node.inner.config.peer_limits.idle_timeout;
-        if let Some(capability) = self.node.capabilities().get_mut(&self.token)
+        let mut capabilities = self.node.capabilities();
+        if let Some(capability) = capabilities.get_mut(&self.token)
             && capability.generation == self.generation
         {
+            if capability.orphaned {
+                capabilities.remove(&self.token);
+                return;
+            }
+            capability.in_flight = false;
             capability.expires = capability.expires.min(Instant::now() + window);
         }
     }
