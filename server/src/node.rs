@@ -785,28 +785,14 @@ impl Node {
         mode: TransferMode,
         overwrite: bool,
     ) -> Result<TensorDesc, NodeError> {
-        self.copy_as(src, dst_device, dst_name, mode, overwrite, None)
-            .await
-    }
-
-    /// [`copy`](Self::copy) of the version `desc` describes, registering the target with
-    /// `label` as its path when given (a dedup is a copy that stands in for a pull). A source
-    /// replaced meanwhile is [`NodeError::Changed`]: nothing is copied or removed.
-    pub(crate) async fn copy_as(
-        &self,
-        src: &TensorKey,
-        dst_device: u32,
-        dst_name: Option<&str>,
-        mode: TransferMode,
-        overwrite: bool,
-        label: Option<TransferPath>,
-    ) -> Result<TensorDesc, NodeError> {
         let started = Instant::now();
         let dst = TensorKey::new(dst_device, dst_name.unwrap_or(&src.name));
         let mut path = None;
+        // The version described here is the one copied (and, for a move, removed): one
+        // replaced meanwhile is `Changed`, and nothing is copied or removed.
         let result = match self.describe(src).await {
             Ok(desc) => {
-                self.transfer(&desc, &dst, mode, overwrite, label, &mut path)
+                self.transfer(&desc, &dst, mode, overwrite, None, &mut path)
                     .await
             }
             Err(error) => Err(error),
