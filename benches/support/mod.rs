@@ -103,6 +103,11 @@ impl NodeProcess {
         self.status("VmHWM")
     }
 
+    /// CPU time (user + system) the node has used so far.
+    pub fn cpu(&self) -> Duration {
+        cpu_time_of(&format!("/proc/{}/stat", self.child.id()))
+    }
+
     /// Resets VmHWM to the current RSS; false where the kernel does not allow it.
     pub fn reset_peak(&self) -> bool {
         std::fs::write(format!("/proc/{}/clear_refs", self.child.id()), "5").is_ok()
@@ -152,6 +157,24 @@ impl std::fmt::Display for Rate {
             self.median_time.as_secs_f64() * 1e3
         )
     }
+}
+
+/// CPU time (user + system, every thread) this process has used so far.
+pub fn own_cpu() -> Duration {
+    cpu_time_of("/proc/self/stat")
+}
+
+/// utime + stime of `/proc/PID/stat`, in the kernel's clock ticks (USER_HZ, 100 on Linux: a
+/// 10 ms resolution, so callers sum over several runs).
+fn cpu_time_of(path: &str) -> Duration {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    // The command name (field 2) may hold spaces; the fields after it are plain numbers.
+    let after_name = &text[text.rfind(')').expect("a comm field") + 2..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // Fields 14 and 15 of the whole line are utime and stime: 12 and 13 after the name.
+    let ticks: u64 =
+        fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime");
+    Duration::from_millis(ticks * 10)
 }
 
 /// One single-stream TCP transfer of `src` over loopback into `dst`, timed from the moment both
