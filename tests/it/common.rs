@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
 use ferry::client::{Client, ClientError, ErrorCode};
 use ferry::proto::TensorData;
@@ -11,6 +12,11 @@ use tokio::task::JoinHandle;
 
 /// A node serving on `127.0.0.1:0` (and a Unix socket in a temporary directory, where asked)
 /// inside the test process, through real sockets.
+/// Shared-memory region counts are per process, and every test of this binary shares one: a
+/// test that counts them, or makes them in this process (a node or client on a Unix socket),
+/// holds this, so that no count sees another test's regions.
+pub static REGIONS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 pub struct TestNode {
     pub addr: SocketAddr,
     pub node: Node,
@@ -294,4 +300,40 @@ pub fn spawn_server(args: &[&str], token: Option<&str>) -> ServerProcess {
     let addr = read_address();
     let unix = args.contains(&"--unix").then(read_address);
     ServerProcess { child, addr, unix }
+}
+
+/// How often the polling helpers look again.
+const POLL: Duration = Duration::from_millis(5);
+
+/// Polls `check` until it holds; fails the test, naming `what`, if it does not within `within`.
+/// For what becomes true when a node gets round to it (a dropped connection giving its
+/// reservation back, a region arriving), so that no test sleeps a fixed time and hopes.
+pub async fn eventually(what: &str, within: Duration, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !check() {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// [`eventually`] for a check that must ask a node (an async call).
+pub async fn eventually_async<F: Future<Output = bool>>(
+    what: &str,
+    within: Duration,
+    mut check: impl FnMut() -> F,
+) {
+    let deadline = Instant::now() + within;
+    while !check().await {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// [`eventually`] outside a runtime (a child process's exit, a file appearing).
+pub fn eventually_blocking(what: &str, within: Duration, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !check() {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        std::thread::sleep(POLL);
+    }
 }

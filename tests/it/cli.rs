@@ -1,12 +1,10 @@
 //! The `ferry` command line against a real `ferry-server`: files in, copies, files out, compared
 //! tensor by tensor, and every error path giving a non-zero exit and one `error:` line.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{ServerProcess, binary, spawn_server};
+use crate::common::{ServerProcess, binary, spawn_server};
 
 use ferry::client::files::{read_tensors, write_tensors};
 use ferry::proto::dtype::PLAIN_DTYPES;

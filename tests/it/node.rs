@@ -1,9 +1,7 @@
 //! A real node on loopback: every dtype and quantization scheme through put, copy (each path
 //! forced), move and get, bit-exact; Flex to NdArray and back; 16 concurrent clients.
 
-mod common;
-
-use common::{assert_same, code_of, devices, start, start_with};
+use crate::common::{assert_same, code_of, devices, start, start_with};
 use ferry::client::ErrorCode;
 use ferry::proto::{DType, TensorKey, dtype_name};
 use ferry::samples;

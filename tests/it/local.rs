@@ -3,12 +3,9 @@
 //! sender gone after creating a region, a receiver gone before reading one), each ending with a
 //! count of the regions left in every process involved: none.
 
-mod common;
-
 use std::time::Duration;
-use tokio::sync::Mutex;
 
-use common::{ServerProcess, assert_same, spawn_server, start_unix};
+use crate::common::{REGIONS, ServerProcess, assert_same, eventually, spawn_server, start_unix};
 use ferry::client::connection::{DEFAULT_REGION_MIN, PayloadRoute};
 use ferry::client::region::{OutgoingRegion, count_regions, regions_in_flight};
 use ferry::client::transport::Endpoint;
@@ -16,15 +13,11 @@ use ferry::client::{
     Client, ClientConfig, Connection, ConnectionLimits, NodeCopy, Stream, copy_between,
 };
 use ferry::proto::{
-    FEATURE_SHM, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response, TensorData,
-    TensorKey,
+    FEATURE_SHM, FEATURES, Hello, NodeStats, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
+    TensorData, TensorKey,
 };
 use ferry::samples;
 use ferry::server::{NodeConfig, ServiceConfig};
-
-/// Region counts are per process: the tests here run one at a time, so that one test's count
-/// never sees another's regions.
-static COUNTING: Mutex<()> = Mutex::const_new(());
 
 /// Limits that send every non-empty payload through shared memory where it is agreed.
 fn every_payload_shared() -> ConnectionLimits {
@@ -82,7 +75,7 @@ async fn round_trip_matrix(client: &mut Client) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dtype_and_scheme_goes_through_shared_memory_bit_exact_and_leaves_no_region() {
-    let _serial = COUNTING.lock().await;
+    let _serial = REGIONS.lock().await;
     let node = start_unix(
         NodeConfig::default(),
         ServiceConfig {
@@ -123,7 +116,7 @@ async fn every_dtype_and_scheme_goes_through_shared_memory_bit_exact_and_leaves_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dtype_and_scheme_goes_over_a_unix_socket_without_shared_memory() {
-    let _serial = COUNTING.lock().await;
+    let _serial = REGIONS.lock().await;
     let node = start_unix(
         NodeConfig::default(),
         ServiceConfig {
@@ -147,7 +140,7 @@ async fn every_dtype_and_scheme_goes_over_a_unix_socket_without_shared_memory() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_without_shared_memory_is_still_reached_over_its_unix_socket() {
-    let _serial = COUNTING.lock().await;
+    let _serial = REGIONS.lock().await;
     let node = start_unix(
         NodeConfig {
             shared_memory: false,
@@ -183,13 +176,29 @@ fn unix_server(dir: &tempfile::TempDir, name: &str, extra: &[&str]) -> ServerPro
 }
 
 /// Regions left in a node process: open descriptors and mappings.
+/// Asks the node for its stats until `check` holds (5 s at most).
+async fn stat_until(client: &mut Client, what: &str, check: impl Fn(&NodeStats) -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = client.stat().await.unwrap();
+        if check(&stats) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within 5 s: {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 fn regions_in(server: &ServerProcess) -> (usize, usize) {
     count_regions(server.pid()).expect("the node's /proc is readable")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_node_processes_copy_a_batch_through_shared_memory() {
-    let _serial = COUNTING.lock().await;
+    let _serial = REGIONS.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let a = unix_server(&dir, "a.sock", &["--shm-min", "1"]);
     let b = unix_server(&dir, "b.sock", &["--shm-min", "1"]);
@@ -314,7 +323,7 @@ async fn node_is_clean(node: &ServerProcess) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_gone_after_creating_a_region_leaves_nothing_behind() {
-    let _serial = COUNTING.lock().await;
+    let _serial = REGIONS.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let node = unix_server(&dir, "n.sock", &[]);
     let unix = node.unix.clone().unwrap();
@@ -340,15 +349,18 @@ async fn a_sender_gone_after_creating_a_region_leaves_nothing_behind() {
     drop(conn);
     let mut client = Client::connect(unix.as_str(), None).await.unwrap();
     let key = TensorKey::new(0, "w");
-    let mut stored = None;
-    for _ in 0..50 {
-        if let Ok(back) = client.get(&key).await {
-            stored = Some(back);
-            break;
+    // The node registers it once it has read the region: poll for it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let stored = loop {
+        match client.get(&key).await {
+            Ok(back) => break back,
+            Err(e) => assert!(std::time::Instant::now() < deadline, "not registered: {e}"),
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_same(&stored.expect("registered"), &data, "w");
+    };
+    assert_same(&stored, &data, "w");
+    // It came back mapped from a region: let that go before this process's regions are counted.
+    drop(stored);
     client.delete(&key).await.unwrap();
     drop(client);
 
@@ -381,8 +393,13 @@ async fn a_sender_gone_after_creating_a_region_leaves_nothing_behind() {
     );
     drop(conn);
 
-    // Give the node a moment to see the last connections close.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The node drops what the refused connections sent once it sees them close.
+    eventually(
+        "the node let go of every region",
+        Duration::from_secs(5),
+        || regions_in(&node) == (0, 0),
+    )
+    .await;
     node_is_clean(&node).await;
     assert_eq!(regions_here(), (0, 0), "and none left in the sender");
 }
@@ -400,7 +417,7 @@ async fn send_region(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
-    let _serial = COUNTING.lock().await;
+    let _serial = REGIONS.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let node = unix_server(&dir, "n.sock", &[]);
     let unix = node.unix.clone().unwrap();
@@ -420,14 +437,13 @@ async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
         conn.read_response().await.unwrap(),
         Response::Tensor { .. }
     ));
-    // Let the region and its descriptor arrive in this side's socket buffer, unread.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The region and its descriptor are in this side's socket buffer, unread, once sent.
+    stat_until(&mut client, "the region sent", |s| s.shm_payloads_sent == 1).await;
     drop(conn);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-
-    let stats = client.stat().await.unwrap();
-    assert_eq!(stats.shm_payloads_sent, 1, "the node did send it");
-    assert_eq!(stats.regions_in_flight, 0);
+    stat_until(&mut client, "no region in flight", |s| {
+        s.regions_in_flight == 0
+    })
+    .await;
     // What is left is the stored tensor's own: its mapping, and (at 4 MiB, large enough to be
     // passed on without a copy) the region's descriptor it keeps for that.
     assert!(data.as_bytes().len() >= ferry::client::connection::KEEP_REGION_MIN);
@@ -460,7 +476,7 @@ fn region_inodes(pid: u32) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region() {
-    let _serial = COUNTING.lock().await;
+    let _serial = REGIONS.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let a = unix_server(&dir, "a.sock", &[]);
     let b = unix_server(&dir, "b.sock", &[]);
@@ -560,7 +576,7 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_does_not_read_is_sent_no_new_regions() {
     use ferry::client::connection::UNREAD_REGION_BYTES;
-    let _serial = COUNTING.lock().await;
+    let _serial = REGIONS.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let node = unix_server(&dir, "n.sock", &[]);
     let unix = node.unix.clone().unwrap();

@@ -1,12 +1,10 @@
 //! The real `ferry-server` binary: its `listening on` line, a flex and an ndarray device, a
 //! token from the environment, and a clean exit on SIGTERM.
 
-mod common;
-
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{assert_same, binary, code_of, spawn_server};
+use crate::common::{assert_same, binary, code_of, spawn_server};
 use ferry::client::{Client, ErrorCode};
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;

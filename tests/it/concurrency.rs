@@ -13,7 +13,6 @@
 
 #[path = "concurrency/checker.rs"]
 mod checker;
-mod common;
 #[path = "concurrency/history.rs"]
 mod history;
 
@@ -21,7 +20,7 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use common::{TestNode, start_with};
+use crate::common::{TestNode, start_with};
 use ferry::client::{Client, ClientError, ErrorCode, NodeCopy, copy_between};
 use history::{Clock, Counts, Key, Op, OpKind, Outcome, count_into};
 

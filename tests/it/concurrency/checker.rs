@@ -1,6 +1,6 @@
 //! The history checker: whether what the clients saw could have come from a linearizable store
 //! of tensors under keys, in the style of Jepsen's register checks (no phantom or stale read, no
-//! lost acknowledged write), over a [`history`](crate::history) of puts, gets, deletes, and
+//! lost acknowledged write), over a [`history`](super::history) of puts, gets, deletes, and
 //! copies and moves in one node and between nodes.
 //!
 //! An operation takes effect at one instant between its invoke and its completion. An
@@ -37,7 +37,7 @@ use std::ops::Bound;
 
 use ferry::client::ErrorCode;
 
-use crate::history::{Key, Op, OpKind, Outcome};
+use super::history::{Key, Op, OpKind, Outcome};
 
 /// The completion of an operation that may take effect at any later time.
 const NEVER: u64 = u64::MAX;

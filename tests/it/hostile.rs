@@ -1,13 +1,11 @@
 //! Bad input against a live node: each gets its typed error, the node stays up, a second client
 //! still puts and gets bit-exact, and nothing half-registered is left behind.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::common::{TestNode, assert_same, eventually, start, start_with};
 use bytes::BytesMut;
-use common::{TestNode, assert_same, start, start_with};
 use ferry::client::{Client, ErrorCode};
 use ferry::proto::frame::{self, FrameKind};
 use ferry::proto::{
@@ -104,7 +102,7 @@ fn put_request(device: u32, name: &str, meta: ferry::proto::WireMeta) -> Vec<u8>
 async fn flex_node(service: ServiceConfig) -> TestNode {
     start(
         NodeConfig {
-            devices: common::devices(&["flex"]),
+            devices: crate::common::devices(&["flex"]),
             ..NodeConfig::default()
         },
         service,
@@ -114,7 +112,11 @@ async fn flex_node(service: ServiceConfig) -> TestNode {
 
 /// After each attack: a second client puts and gets bit-exact and the node holds only its tensor.
 async fn node_still_serves(node: &TestNode) {
-    let mut client = node.client().await;
+    serves(node.client().await).await;
+}
+
+/// `client`'s node still takes a put, gives it back bit-exact and leaves nothing behind.
+async fn serves(mut client: Client) {
     let data = samples::quantized(&samples::schemes()[6].1, &[3, 5, 7], 11);
     client.put(0, "after", &data).await.unwrap();
     let key = TensorKey::new(0, "after");
@@ -288,7 +290,7 @@ async fn a_wrong_token_is_refused_before_any_command_runs() {
             .await;
         assert!(raw.response().await.is_none());
         let refused = Client::connect(node.addr, token).await;
-        assert_eq!(common::code_of(refused), ErrorCode::AuthRefused);
+        assert_eq!(crate::common::code_of(refused), ErrorCode::AuthRefused);
     }
     let mut client = Client::connect(node.addr, Some("s3cret")).await.unwrap();
     let data = samples::plain(DType::U16, &[3, 5, 7], 4);
@@ -302,7 +304,7 @@ async fn a_wrong_token_is_refused_before_any_command_runs() {
 async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told() {
     let node = start(
         NodeConfig {
-            devices: common::devices(&["flex"]),
+            devices: crate::common::devices(&["flex"]),
             max_tensor_bytes: 1024,
             // 1500 bytes of payload beside one tensor's bookkeeping.
             memory_limit: Some(1500 + TENSOR_OVERHEAD),
@@ -317,20 +319,20 @@ async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told
     let mut client = node.client().await;
     let big = samples::plain(DType::F32, &[300], 1);
     assert_eq!(
-        common::code_of(client.put(0, "big", &big).await),
+        crate::common::code_of(client.put(0, "big", &big).await),
         ErrorCode::LimitExceeded
     );
     let fits = samples::plain(DType::F32, &[200], 1);
     client.put(0, "a", &fits).await.unwrap();
     // 800 bytes held: another 800 (and its bookkeeping) would pass the budget.
     let over = client.put(0, "b", &fits).await;
-    assert_eq!(common::code_of(over), ErrorCode::LimitExceeded);
+    assert_eq!(crate::common::code_of(over), ErrorCode::LimitExceeded);
     client.delete(&TensorKey::new(0, "a")).await.unwrap();
     client.put(0, "b", &fits).await.unwrap();
 
     let _second = node.client().await;
     let third = Client::connect(node.addr, None).await;
-    assert_eq!(common::code_of(third), ErrorCode::LimitExceeded);
+    assert_eq!(crate::common::code_of(third), ErrorCode::LimitExceeded);
     // The accepted clients are not starved.
     let back = client.get(&TensorKey::new(0, "b")).await.unwrap();
     assert_same(&back, &fits, "under the limit");
@@ -445,7 +447,7 @@ async fn thousands_of_corrupted_frames_leave_the_node_serving_and_empty() {
     service.limits.idle_timeout = Duration::from_millis(200);
     let node = start(
         NodeConfig {
-            devices: common::devices(&["flex", "flex"]),
+            devices: crate::common::devices(&["flex", "flex"]),
             ..NodeConfig::default()
         },
         service,
@@ -524,10 +526,17 @@ async fn idle_connections_are_closed_so_they_cannot_hold_every_slot() {
     let _idle_a = node.client().await;
     let _idle_b = node.client().await;
     let refused = Client::connect(node.addr, None).await;
-    assert_eq!(common::code_of(refused), ErrorCode::LimitExceeded);
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    // The two idle ones were closed; their slots are free again.
-    node_still_serves(&node).await;
+    assert_eq!(crate::common::code_of(refused), ErrorCode::LimitExceeded);
+    // The two idle ones are closed after the keepalive; their slots are free again.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let client = loop {
+        match Client::connect(node.addr, None).await {
+            Ok(client) => break client,
+            Err(e) => assert!(Instant::now() < deadline, "still refused: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    serves(client).await;
     node.shutdown().await;
 }
 
@@ -572,7 +581,7 @@ async fn many_clients_together_cannot_push_a_device_past_its_budget() {
     const BUDGET: u64 = 1 << 20;
     let node = start(
         NodeConfig {
-            devices: common::devices(&["flex"]),
+            devices: crate::common::devices(&["flex"]),
             memory_limit: Some(BUDGET),
             ..NodeConfig::default()
         },
@@ -696,23 +705,12 @@ fn f32_mib(mib: usize, seed: u64) -> TensorData {
     samples::plain(DType::F32, &[mib * 256, 1024], seed)
 }
 
-/// Polls `check` every few milliseconds until it holds; fails the test if it does not within
-/// `within`. For conditions that become true when the node gets round to it (a dropped
-/// connection giving its reservation back), so no test sleeps a fixed time and hopes.
-async fn eventually(what: &str, within: Duration, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !check() {
-        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 /// A node with one device of each of `specs`, a budget of `limit` bytes per device and
 /// `service`'s limits.
 async fn budget_node(specs: &[&str], limit: u64, service: ServiceConfig) -> TestNode {
     start(
         NodeConfig {
-            devices: common::devices(specs),
+            devices: crate::common::devices(specs),
             memory_limit: Some(limit),
             ..NodeConfig::default()
         },
@@ -890,7 +888,7 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     // The tensor cap, with no byte budget at all.
     let node = start(
         NodeConfig {
-            devices: common::devices(&["flex"]),
+            devices: crate::common::devices(&["flex"]),
             max_tensors: Some(10),
             ..NodeConfig::default()
         },
@@ -907,12 +905,12 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     assert!(over.to_string().contains("--max-tensors"), "{over}");
     // A copy within the device makes a tensor too.
     let copy = client.copy(&TensorKey::new(0, "t0"), 0, Some("c")).await;
-    assert_eq!(common::code_of(copy), ErrorCode::LimitExceeded);
+    assert_eq!(crate::common::code_of(copy), ErrorCode::LimitExceeded);
     // Refusals hold no slot: one delete lets exactly one put through.
     client.delete(&TensorKey::new(0, "t3")).await.unwrap();
     client.put(0, "t10", &data).await.unwrap();
     let again = client.put(0, "t11", &data).await;
-    assert_eq!(common::code_of(again), ErrorCode::LimitExceeded);
+    assert_eq!(crate::common::code_of(again), ErrorCode::LimitExceeded);
     let back = client.get(&TensorKey::new(0, "t10")).await.unwrap();
     assert_same(&back, &data, "the put after a delete");
     // At the cap, a tensor that replaces another takes its slot: overwrites and copies onto an
@@ -959,7 +957,7 @@ async fn a_trickling_upload_gives_its_reservation_back() {
     // Two such tensors do not fit: while the trickler holds its claim, an honest put is refused.
     let mut client = node.client().await;
     let refused = client.put(0, "fast", &data).await;
-    assert_eq!(common::code_of(refused), ErrorCode::LimitExceeded);
+    assert_eq!(crate::common::code_of(refused), ErrorCode::LimitExceeded);
 
     // 64 bytes every half second: within the idle timeout each time, far below the rate.
     let bytes = data.as_bytes();
@@ -1057,7 +1055,7 @@ async fn a_stalled_get_holds_its_bytes_in_the_budget_until_its_deadline() {
     assert_eq!(budget.used(), SIZE + TENSOR_OVERHEAD);
     assert_eq!(client.stat().await.unwrap().devices[0].bytes_held, 0);
     let refused = client.put(0, "u", &other).await;
-    assert_eq!(common::code_of(refused), ErrorCode::LimitExceeded);
+    assert_eq!(crate::common::code_of(refused), ErrorCode::LimitExceeded);
 
     eventually(
         "the stalled send is dropped and gives its bytes back",
@@ -1116,7 +1114,7 @@ async fn an_ndarray_read_copy_is_counted() {
     let small_key = TensorKey::new(0, "small");
     client.put(0, "small", &small).await.unwrap();
     assert_eq!(
-        common::code_of(client.get(&small_key).await),
+        crate::common::code_of(client.get(&small_key).await),
         ErrorCode::LimitExceeded
     );
     // Alone, it and its copy fit.

@@ -2,18 +2,16 @@
 //!
 //! Ignored by default: it needs root, `ip` and `tc`, and it uses the `ferry-server` and `ferry`
 //! binaries, which `cargo test -p ferry` does not build (`cargo build -p ferry-server -p
-//! ferry-client` does). Run with `cargo test -p ferry --test netns -- --ignored --nocapture`.
+//! ferry-client` does). Run with `cargo test -p ferry --test it netns:: -- --ignored --nocapture`.
 //! `tests/netns-pull.sh` sets up the namespaces, the lossy link and the nodes and runs the CLI;
 //! this test writes the model and checks what came back, bit for bit.
-
-mod common;
 
 use std::io::Read;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::binary;
+use crate::common::binary;
 use ferry::client::files::{read_tensors, write_tensors};
 use ferry::proto::{DType, TensorData};
 use ferry::samples;

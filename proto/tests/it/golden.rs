@@ -7,7 +7,7 @@
 //! and only then regenerate the files with
 //!
 //! ```text
-//! FERRY_BLESS=1 cargo test -p ferry-proto --test golden
+//! FERRY_BLESS=1 cargo test -p ferry-proto --test it golden::
 //! ```
 //!
 //! which rewrites every file from the values here instead of comparing (the test still decodes
@@ -503,7 +503,7 @@ fn render(vector: &Vector) -> String {
         "#\n# These bytes are ferry's wire format, protocol version {PROTOCOL_VERSION}. Changing \
          them changes the\n# protocol: bump PROTOCOL_VERSION (proto/src/frame.rs) and update \
          PROTOCOL.md first, then\n# regenerate with `FERRY_BLESS=1 cargo test -p ferry-proto \
-         --test golden`.\n# Format: '#' starts a comment; everything else is hex, whitespace \
+         --test it golden::`.\n# Format: '#' starts a comment; everything else is hex, whitespace \
          ignored."
     );
     for (i, item) in vector.items.iter().enumerate() {

@@ -1,13 +1,11 @@
 //! What an operator relies on: the Prometheus endpoint (scraped here), the health check, JSON
 //! logs with a span per request, and the load generator's bit-exact run.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{binary, spawn_server};
+use crate::common::{binary, spawn_server};
 use ferry::client::load::{LoadConfig, run};
 use ferry::client::{Client, ClientConfig, Endpoint};
 use ferry::proto::{DType, TensorKey};
@@ -196,8 +194,14 @@ fn json_logs_carry_one_span_per_request() {
         let data = samples::plain(DType::I32, &[8, 8], 2);
         client.put(0, "w", &data).await.unwrap();
     });
-    std::thread::sleep(Duration::from_millis(200));
-    let _ = child.kill();
+    // A clean stop (SIGTERM, then the exit) rather than a kill after a pause: every line the
+    // node logged is written by the time it has exited.
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(term.success());
+    let _ = child.wait();
     let mut stderr = String::new();
     child
         .stderr

@@ -1,0 +1,3 @@
+//! ferry-client's integration tests, one binary.
+
+mod files;

@@ -1,0 +1,3 @@
+//! ferry-server's integration tests, one binary.
+
+mod binary;
