@@ -31,11 +31,12 @@ use burn_std::quantization::{QuantScheme, QuantStore, QuantValue, ScaleDtype};
 use burn_std::{Bytes, TensorData};
 use bytes::BytesMut;
 use criterion::{BatchSize, Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
+use ferry_io::TensorAssembler;
+use ferry_proto::TensorMeta;
 use ferry_proto::frame::{
     self, CHUNK_PREFIX_LEN, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BODY, FrameHeader, HEADER_LEN,
 };
 use ferry_proto::tensor::into_parts;
-use ferry_proto::{TensorAssembler, TensorMeta};
 
 const MIB: usize = 1 << 20;
 

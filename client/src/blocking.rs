@@ -4,8 +4,8 @@ use ferry_proto::{NodeStats, TensorData, TensorInfo, TensorKey};
 use tokio::runtime::{Builder, Runtime};
 
 use crate::client::{Client, ClientConfig, ClientError};
-use crate::connection::ConnectionError;
-use crate::transport::Endpoint;
+use ferry_io::connection::ConnectionError;
+use ferry_io::transport::Endpoint;
 
 /// A [`Client`] driven by its own single-threaded runtime. Each call blocks until the node
 /// answered. Do not use it from inside an async runtime; use [`Client`] there.

@@ -1,13 +1,12 @@
 //! `Client`: the async Rust API to a ferry node (put, get, copy, move, delete, list, stat).
 
-use crate::connection::{
-    Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, SealedRegion,
-};
-use crate::transport::{Endpoint, Stream};
+use ferry_io::TensorAssembler;
+use ferry_io::connection::{Connection, ConnectionError, ConnectionLimits};
+use ferry_io::handshake::{self, HelloError};
+use ferry_io::transport::{Endpoint, Stream};
 use ferry_proto::{
-    ErrorCode, ErrorReply, FEATURE_SHM, FEATURES, Hello, MetaError, NodeStats, PROTOCOL_MINOR,
-    PROTOCOL_VERSION, ProtoError, Request, Response, TensorAssembler, TensorData, TensorInfo,
-    TensorKey, TensorMeta, Welcome,
+    ErrorCode, ErrorReply, MetaError, NodeStats, PROTOCOL_MINOR, ProtoError, Request, Response,
+    TensorData, TensorInfo, TensorKey, TensorMeta, Welcome,
 };
 
 /// How many downloads a batch keeps outstanding at once.
@@ -95,6 +94,16 @@ impl From<ErrorReply> for ClientError {
         ClientError::Node {
             code: reply.code,
             message: reply.message,
+        }
+    }
+}
+
+impl From<HelloError> for ClientError {
+    fn from(error: HelloError) -> Self {
+        match error {
+            HelloError::Connection(e) => ClientError::Connection(e),
+            HelloError::Refused(reply) => reply.into(),
+            HelloError::Unexpected(what) => ClientError::Unexpected(what),
         }
     }
 }
@@ -279,25 +288,12 @@ impl Client {
     ) -> Result<Self, ClientError> {
         let socket = addr.into().connect().await.map_err(ConnectionError::from)?;
         let mut conn = Connection::new(socket, config.limits);
-        let mut features: Vec<String> = FEATURES.iter().map(|f| f.to_string()).collect();
-        let offered = conn.can_share_memory() && !config.disable_shared_memory;
-        if offered {
-            features.push(FEATURE_SHM.to_string());
-        }
-        conn.write_request(&Request::Hello(Hello {
-            major: PROTOCOL_VERSION,
-            minor: PROTOCOL_MINOR,
-            features,
-            token: config.token,
-            agent: AGENT.to_string(),
-        }))
-        .await?;
-        let welcome = match conn.read_response().await? {
-            Response::Welcome(welcome) => welcome,
-            other => return Err(unexpected(other)),
+        let offer = handshake::Offer {
+            token: config.token.as_deref(),
+            agent: AGENT,
+            shared_memory: !config.disable_shared_memory,
         };
-        // In force only where this side offered it and the node agreed.
-        conn.set_shared_memory(offered && welcome.features.iter().any(|f| f == FEATURE_SHM));
+        let welcome = handshake::hello(&mut conn, offer).await?;
         Ok(Self {
             conn,
             welcome,
@@ -804,36 +800,8 @@ impl Client {
         Ok(())
     }
 
-    /// Node to node: asks this (source) node for the tensor `capability` names, from `offset`
-    /// on. The payload follows; read it with [`fetch_payload`](Self::fetch_payload).
-    pub async fn fetch_begin(
-        &mut self,
-        capability: &str,
-        node_id: &str,
-        offset: u64,
-    ) -> Result<(TensorInfo, TensorMeta), ClientError> {
-        self.begin()?;
-        let result = async {
-            self.conn
-                .write_request(&Request::Fetch {
-                    capability: capability.to_string(),
-                    node_id: node_id.to_string(),
-                    offset,
-                })
-                .await?;
-            match self.conn.read_response().await? {
-                Response::Tensor { info, meta } => {
-                    let meta = TensorMeta::try_from(&meta).map_err(ProtoError::from)?;
-                    Ok((info, meta))
-                }
-                other => Err(unexpected(other)),
-            }
-        }
-        .await;
-        self.end(result)
-    }
-
-    /// Node to node: tells the source that every byte arrived, which uses the capability up.
+    /// Gives back a capability this connection was granted and no node fetched (or, node to
+    /// node, tells the source that every byte arrived), which uses it up.
     pub async fn release(&mut self, capability: &str, node_id: &str) -> Result<(), ClientError> {
         self.begin()?;
         let result = async {
@@ -849,28 +817,6 @@ impl Client {
             }
         }
         .await;
-        self.end(result)
-    }
-
-    /// Reads a fetched payload into `assembler`, from where its verified bytes end.
-    pub async fn fetch_payload(
-        &mut self,
-        assembler: &mut TensorAssembler,
-    ) -> Result<PayloadRoute, ClientError> {
-        self.fetch_payload_keeping(assembler, RegionUse::Map)
-            .await
-            .map(|(route, _)| route)
-    }
-
-    /// [`fetch_payload`](Self::fetch_payload), doing with a payload that comes as a
-    /// shared-memory region what `regions` says ([`Connection::read_payload_keeping`]).
-    pub async fn fetch_payload_keeping(
-        &mut self,
-        assembler: &mut TensorAssembler,
-        regions: RegionUse,
-    ) -> Result<(PayloadRoute, Option<SealedRegion>), ClientError> {
-        self.begin()?;
-        let result = async { Ok(self.conn.read_payload_keeping(assembler, regions).await?) }.await;
         self.end(result)
     }
 }

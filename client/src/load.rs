@@ -12,7 +12,7 @@ use ferry_proto::TensorKey;
 use tokio::sync::{Mutex, Semaphore};
 
 use crate::client::{Client, ClientConfig, ClientError};
-use crate::transport::Endpoint;
+use ferry_io::transport::Endpoint;
 
 /// What to run.
 #[derive(Debug, Clone)]

@@ -1,19 +1,20 @@
 //! ferry's wire: dtype codes, tensor metas and their byte-length rule, frames and control
-//! messages. No sockets and no runtime: everything here works on bytes in memory.
+//! messages. No sockets, no runtime, no threads and no `unsafe`: everything here works on bytes
+//! in memory (the I/O that moves them is `ferry-io`).
 //!
 //! `PROTOCOL.md` at the repository root describes the same format for a peer in another
 //! language; the golden vectors in `proto/tests/golden` pin it.
+
+#![forbid(unsafe_code)]
 
 pub mod control;
 pub mod dtype;
 pub mod error;
 pub mod frame;
-pub mod host;
 pub mod message;
 pub mod meta;
 pub mod scales;
 pub mod tensor;
-mod trailing;
 
 pub use burn_std::{BoolStore, DType, TensorData};
 pub use dtype::{WireDType, WireQuantScheme, dtype_name};
@@ -26,7 +27,6 @@ pub use message::{
     Welcome,
 };
 pub use meta::{TensorMeta, WireMeta};
-pub use tensor::TensorAssembler;
 
 /// Features this build speaks, announced in [`Hello`] and [`Welcome`].
 pub const FEATURES: &[&str] = &["chunked-crc32c"];

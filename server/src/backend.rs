@@ -153,9 +153,9 @@ pub struct SharedPayload {
     pub shape: Vec<usize>,
     /// The sealed shared-memory region holding the same payload, where the tensor arrived in one
     /// and it was kept (set by the worker, which knows).
-    pub region: Option<std::sync::Arc<ferry_client::connection::SealedRegion>>,
+    pub region: Option<std::sync::Arc<ferry_io::connection::SealedRegion>>,
     /// The payload's chunk checksums once a send computed them (set by the worker).
-    pub checksums: Option<std::sync::Arc<ferry_client::connection::ChunkChecksums>>,
+    pub checksums: Option<std::sync::Arc<ferry_io::connection::ChunkChecksums>>,
 }
 
 impl SharedPayload {

@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod node;
 pub mod peer;
 pub mod service;
+pub mod source;
 pub mod worker;
 
 pub use backend::{BackendKind, DeviceSpec};

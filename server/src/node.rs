@@ -9,11 +9,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_client::ConnectionLimits;
+use ferry_io::ConnectionLimits;
 
 use burn_backend::TensorData;
+use ferry_io::TensorAssembler;
 use ferry_proto::message::validate_name;
-use ferry_proto::{DeviceStats, NodeStats, TensorAssembler, TensorKey, TensorMeta, dtype_name};
+use ferry_proto::{DeviceStats, NodeStats, TensorKey, TensorMeta, dtype_name};
 
 use crate::backend::{BackendKind, DeviceSpec};
 use crate::engine::{TransferPath, TransferPolicy, choose_path};
@@ -1050,7 +1051,7 @@ impl Node {
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
             shared_memory: self.inner.config.shared_memory
-                && ferry_client::connection::shared_memory_supported(),
+                && ferry_io::connection::shared_memory_supported(),
             shm_payloads_sent: c.shm_sent.load(Ordering::Relaxed),
             shm_payloads_received: c.shm_received.load(Ordering::Relaxed),
             shm_bytes: c.shm_bytes.load(Ordering::Relaxed),
@@ -1059,7 +1060,7 @@ impl Node {
             peak_resident_bytes: memory.map_or(0, |m| m.peak),
             hashes_pending,
             hash_mismatches,
-            recycled_bytes: ferry_proto::host::recycled_bytes() as u64,
+            recycled_bytes: ferry_io::host::recycled_bytes() as u64,
             regions_kept: regions_kept(),
         })
     }
@@ -1092,7 +1093,7 @@ pub fn process_memory() -> Option<ProcessMemory> {
 
 #[cfg(target_os = "linux")]
 fn regions_in_flight() -> u64 {
-    ferry_client::region::regions_in_flight()
+    ferry_io::region::regions_in_flight()
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -1102,7 +1103,7 @@ fn regions_in_flight() -> u64 {
 
 #[cfg(target_os = "linux")]
 fn regions_kept() -> u64 {
-    ferry_client::region::regions_kept()
+    ferry_io::region::regions_kept()
 }
 
 #[cfg(not(target_os = "linux"))]

@@ -4,14 +4,15 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use ferry_client::{
-    Client, ClientConfig, ClientError, ConnectionError, ErrorCode, PayloadRoute, RegionUse,
-};
-use ferry_proto::{TensorAssembler, TensorKey, dtype_name};
+use ferry_io::TensorAssembler;
+use ferry_io::{ConnectionError, PayloadRoute, RegionUse};
+use ferry_proto::ErrorCode;
+use ferry_proto::{TensorKey, dtype_name};
 
 use crate::engine::TransferPath;
 use crate::error::NodeError;
 use crate::node::Node;
+use crate::source::{SourceConfig, SourceConnection, SourceError};
 use crate::worker::{Arrived, Command, KnownHash, Payload, Reservation, TensorDesc};
 
 /// What a client asks a target node to pull.
@@ -38,7 +39,7 @@ pub struct PullRequest {
 /// one connection).
 #[derive(Debug, Default)]
 pub struct PeerLink {
-    source: Option<(String, Client)>,
+    source: Option<(String, SourceConnection)>,
 }
 
 /// The longest wait between two reconnections.
@@ -59,7 +60,7 @@ struct Receiving {
     assembler: TensorAssembler,
     reservation: Reservation,
     route: PayloadRoute,
-    region: Option<ferry_client::connection::SealedRegion>,
+    region: Option<ferry_io::connection::SealedRegion>,
 }
 
 impl Node {
@@ -220,24 +221,25 @@ impl Node {
         name: &str,
         receiving: &mut Option<Receiving>,
     ) -> Result<(), AttemptError> {
-        let client = self.link_to(link, &req.source).await?;
+        let source = self.link_to(link, &req.source).await?;
         let offset = receiving.as_ref().map_or(0, |r| r.assembler.received()) as u64;
         // A source that answers nothing is as gone as one that hung up.
         let idle = self.config().peer_limits.idle_timeout;
-        let begin = client.fetch_begin(&req.capability, self.node_id(), offset);
-        let (info, meta) = tokio::time::timeout(idle, begin)
+        let begin = source.fetch(&req.capability, self.node_id(), offset);
+        let fetch = tokio::time::timeout(idle, begin)
             .await
             .map_err(|_| AttemptError::Transient(format!("{} did not answer", req.source)))?
             .map_err(|e| classify(&req.source, e))?;
-        if info.key != req.src {
+        if fetch.info.key != req.src {
             return Err(AttemptError::Fatal(NodeError::Peer {
                 source_addr: req.source.clone(),
                 message: format!(
                     "asked for {} but the capability is for {}",
-                    req.src, info.key
+                    req.src, fetch.info.key
                 ),
             }));
         }
+        let meta = fetch.meta.clone();
         match receiving {
             Some(r) if r.assembler.meta() != &meta => {
                 return Err(AttemptError::Fatal(NodeError::Peer {
@@ -275,8 +277,8 @@ impl Node {
                 "no receiver".into(),
             )));
         };
-        let (route, region) = client
-            .fetch_payload_keeping(&mut r.assembler, RegionUse::KeepUnhashed)
+        let (route, region) = fetch
+            .payload(&mut r.assembler, RegionUse::KeepUnhashed)
             .await
             .map_err(|e| classify(&req.source, e))?;
         r.route = route;
@@ -288,7 +290,7 @@ impl Node {
         }
         // Every byte is here and verified: the transfer stands even if the release is lost (the
         // capability then lapses at the source on its own).
-        let release = client.release(&req.capability, self.node_id());
+        let release = source.release(&req.capability, self.node_id());
         match tokio::time::timeout(idle, release).await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
@@ -312,23 +314,25 @@ impl Node {
         &self,
         link: &'a mut PeerLink,
         source: &str,
-    ) -> Result<&'a mut Client, AttemptError> {
-        if !matches!(&link.source, Some((addr, _)) if addr == source) {
-            let config = ClientConfig {
-                token: self.config().peer_token.clone(),
+    ) -> Result<&'a mut SourceConnection, AttemptError> {
+        // A connection left out of step (a fetch abandoned before its payload) is never reused.
+        let usable = matches!(&link.source, Some((addr, conn)) if addr == source && conn.in_step());
+        if !usable {
+            link.source = None;
+            let config = SourceConfig {
+                token: self.config().peer_token.as_deref(),
                 limits: self.config().peer_limits,
-                max_tensor_bytes: Some(self.config().max_tensor_bytes),
-                disable_shared_memory: !self.config().shared_memory,
+                shared_memory: self.config().shared_memory,
             };
-            let connect = Client::connect_with(source, config);
-            let client = tokio::time::timeout(self.config().peer_limits.idle_timeout, connect)
+            let connect = SourceConnection::open(source, config);
+            let conn = tokio::time::timeout(self.config().peer_limits.idle_timeout, connect)
                 .await
                 .map_err(|_| AttemptError::Transient(format!("connecting to {source} timed out")))?
                 .map_err(|e| classify(source, e))?;
-            link.source = Some((source.to_string(), client));
+            link.source = Some((source.to_string(), conn));
         }
         match &mut link.source {
-            Some((_, client)) => Ok(client),
+            Some((_, conn)) => Ok(conn),
             None => Err(AttemptError::Fatal(NodeError::BadRequest("no link".into()))),
         }
     }
@@ -361,21 +365,22 @@ impl Node {
 
 /// Which failures are worth a reconnection: a connection that dropped, closed, failed or went
 /// silent. A refused capability, a corrupt chunk or a bad description are not.
-fn classify(source: &str, error: ClientError) -> AttemptError {
+fn classify(source: &str, error: SourceError) -> AttemptError {
     match error {
-        ClientError::Connection(
+        SourceError::Connection(
             ConnectionError::Io(_)
             | ConnectionError::Closed
             | ConnectionError::IdleTimeout(_)
             | ConnectionError::PayloadDeadline { .. },
-        ) => AttemptError::Transient(error.to_string()),
-        ClientError::Node {
+        )
+        | SourceError::OutOfStep => AttemptError::Transient(error.to_string()),
+        SourceError::Node {
             code: ErrorCode::CapabilityRefused,
             message,
         } => AttemptError::Fatal(NodeError::CapabilityRefused(format!(
             "by {source}: {message}"
         ))),
-        ClientError::Node {
+        SourceError::Node {
             code: ErrorCode::ShuttingDown,
             message,
         } => AttemptError::Transient(message),

@@ -11,15 +11,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_client::transport::UnixTransport;
-use ferry_client::{
+use ferry_io::handshake::{self, protocol_error, refuse as fail};
+use ferry_io::transport::UnixTransport;
+use ferry_io::{
     Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Stream, Transport,
 };
-use ferry_proto::{
-    ErrorCode, ErrorReply, FEATURE_SHM, FEATURES, FrameError, PROTOCOL_MINOR, PROTOCOL_VERSION,
-    ProtoError, Request, Response, TensorKey, TensorMeta, Welcome, control,
-};
-use subtle::ConstantTimeEq;
+use ferry_proto::{ErrorCode, ErrorReply, Request, Response, TensorKey, TensorMeta};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{Semaphore, broadcast, mpsc};
 use tracing::Instrument;
@@ -352,68 +349,22 @@ impl Session<'_> {
         }
     }
 
-    /// The first frame must be a `Hello` with the right major version and token.
+    /// The first frame must be a `Hello` with the right major version and token; `false` where
+    /// the peer was refused or left.
     async fn handshake<S: Transport>(
         &self,
         conn: &mut Connection<S>,
     ) -> Result<bool, ConnectionError> {
-        let idle = self.config.limits.idle_timeout;
-        let first = match tokio::time::timeout(idle, conn.read_request()).await {
-            Err(_) => return Err(ConnectionError::IdleTimeout(idle)),
-            Ok(Ok(Some(request))) => request,
-            Ok(Ok(None)) => return Ok(false),
-            Ok(Err(error)) => return Err(fail(conn, error).await),
+        let policy = handshake::Policy {
+            token: self.config.token.as_deref(),
+            agent: AGENT,
+            shared_memory: self.node.config().shared_memory,
+            deadline: self.config.limits.idle_timeout,
         };
-        let Request::Hello(hello) = first else {
-            let error = protocol_error("the first message must be Hello");
-            return Err(fail(conn, error).await);
-        };
-        if hello.major != PROTOCOL_VERSION {
-            let reply = ErrorReply {
-                code: ErrorCode::VersionMismatch,
-                message: format!(
-                    "client speaks protocol {}, this node speaks {PROTOCOL_VERSION}",
-                    hello.major
-                ),
-            };
-            conn.write_response(&Response::Error(reply)).await?;
-            return Ok(false);
-        }
-        if let Some(expected) = &self.config.token {
-            let given = hello.token.as_deref().unwrap_or("");
-            if !bool::from(given.as_bytes().ct_eq(expected.as_bytes())) {
-                tracing::warn!(agent = %hello.agent, "authentication refused");
-                let reply = ErrorReply {
-                    code: ErrorCode::AuthRefused,
-                    message: "authentication refused: wrong or missing token".into(),
-                };
-                conn.write_response(&Response::Error(reply)).await?;
-                return Ok(false);
-            }
-        }
-        let mut features: Vec<String> = FEATURES
-            .iter()
-            .filter(|f| hello.features.iter().any(|g| g == *f))
-            .map(|f| f.to_string())
-            .collect();
-        let shared_memory = self.node.config().shared_memory
-            && conn.can_share_memory()
-            && hello.features.iter().any(|f| f == FEATURE_SHM);
-        if shared_memory {
-            features.push(FEATURE_SHM.to_string());
-        }
-        let limits = self.config.limits;
-        conn.write_response(&Response::Welcome(Welcome {
-            major: PROTOCOL_VERSION,
-            minor: PROTOCOL_MINOR,
-            features,
-            agent: AGENT.to_string(),
-            max_body: limits.max_body as u64,
-            chunk_size: limits.chunk_size as u64,
-        }))
-        .await?;
-        conn.set_shared_memory(shared_memory);
-        Ok(true)
+        Ok(matches!(
+            handshake::accept(conn, policy).await?,
+            handshake::Greeting::Welcomed(_)
+        ))
     }
 
     async fn handle<S: Transport>(
@@ -709,37 +660,10 @@ impl Session<'_> {
 /// The assembled tensor and its content hash, off the runtime: the hashing thread may still
 /// be a chunk or two behind the receiver.
 pub(crate) async fn finish_hashed(
-    assembler: ferry_proto::TensorAssembler,
+    assembler: ferry_io::TensorAssembler,
 ) -> Result<(burn_backend::TensorData, String), NodeError> {
     tokio::task::spawn_blocking(move || assembler.finish_hashed())
         .await
         .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))?
         .map_err(|e| NodeError::BadRequest(e.to_string()))
-}
-
-fn protocol_error(message: &str) -> ConnectionError {
-    ConnectionError::Proto(ProtoError::Frame(FrameError::Malformed(
-        message.to_string(),
-    )))
-}
-
-/// Tells the peer why the connection is being closed (best effort), and hands the error back.
-async fn fail<S: Transport>(conn: &mut Connection<S>, error: ConnectionError) -> ConnectionError {
-    let code = match &error {
-        ConnectionError::Proto(ProtoError::Frame(FrameError::UnsupportedVersion { .. })) => {
-            ErrorCode::VersionMismatch
-        }
-        _ => ErrorCode::Protocol,
-    };
-    let reply = Response::Error(ErrorReply {
-        code,
-        message: error.to_string(),
-    });
-    // Written as a raw frame: the peer may be mid-way through sending, and only needs the reason.
-    let _ = tokio::time::timeout(
-        Duration::from_secs(1),
-        conn.write_frame(&control::encode_response(&reply)),
-    )
-    .await;
-    error
 }

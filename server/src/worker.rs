@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use burn_backend::{Backend, DType, TensorData};
-use ferry_client::connection::{ChunkChecksums, Known, SealedRegion};
+use ferry_io::connection::{ChunkChecksums, Known, SealedRegion};
 use ferry_proto::{TensorInfo, TensorKey, TensorMeta, WireDType, dtype_name};
 use tokio::sync::{mpsc, oneshot};
 

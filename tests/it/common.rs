@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use ferry::client::{Client, ClientError, ErrorCode};
 use ferry::proto::TensorData;
+use ferry::server::source::{SourceConfig, SourceConnection, SourceError};
 use ferry::server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -117,6 +118,27 @@ pub fn code_of<T: std::fmt::Debug>(result: Result<T, ClientError>) -> ErrorCode 
         Err(ClientError::Node { code, .. }) => code,
         other => panic!("expected an error reply from the node, got {other:?}"),
     }
+}
+
+/// [`code_of`] for an exchange a node makes with its source.
+pub fn source_code_of<T: std::fmt::Debug>(result: Result<T, SourceError>) -> ErrorCode {
+    match result {
+        Err(SourceError::Node { code, .. }) => code,
+        other => panic!("expected an error reply from the source, got {other:?}"),
+    }
+}
+
+/// A connection to `node` as a pulling node opens one (no token, no shared memory): for tests
+/// that fetch and release capabilities as a node would, or as a hostile one might.
+pub async fn source_connection(node: &TestNode) -> SourceConnection {
+    let config = SourceConfig {
+        token: None,
+        limits: Default::default(),
+        shared_memory: false,
+    };
+    SourceConnection::open(node.addr, config)
+        .await
+        .expect("connect to the source")
 }
 
 /// What a [`proxy`] does to the bytes flowing from upstream (the source node) to the client.

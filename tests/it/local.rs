@@ -6,12 +6,12 @@
 use std::time::Duration;
 
 use crate::common::{REGIONS, ServerProcess, assert_same, eventually, spawn_server, start_unix};
-use ferry::client::connection::{DEFAULT_REGION_MIN, PayloadRoute};
-use ferry::client::region::{OutgoingRegion, count_regions, regions_in_flight};
-use ferry::client::transport::Endpoint;
 use ferry::client::{
     Client, ClientConfig, Connection, ConnectionLimits, NodeCopy, Stream, copy_between,
 };
+use ferry::io::connection::{DEFAULT_REGION_MIN, PayloadRoute};
+use ferry::io::region::{OutgoingRegion, count_regions, regions_in_flight};
+use ferry::io::transport::Endpoint;
 use ferry::proto::{
     FEATURE_SHM, FEATURES, Hello, NodeStats, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
     TensorData, TensorKey,
@@ -446,7 +446,7 @@ async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
     .await;
     // What is left is the stored tensor's own: its mapping, and (at 4 MiB, large enough to be
     // passed on without a copy) the region's descriptor it keeps for that.
-    assert!(data.as_bytes().len() >= ferry::client::connection::KEEP_REGION_MIN);
+    assert!(data.as_bytes().len() >= ferry::io::connection::KEEP_REGION_MIN);
     assert_eq!(regions_in(&node), (1, 1));
     client.delete(&TensorKey::new(0, "w")).await.unwrap();
     drop(client);
@@ -505,7 +505,7 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
         ),
     ];
     for (name, data) in &tensors {
-        assert!(data.as_bytes().len() >= ferry::client::connection::KEEP_REGION_MIN);
+        assert!(data.as_bytes().len() >= ferry::io::connection::KEEP_REGION_MIN);
         on_a.put(0, name, data).await.unwrap();
     }
     let kept = region_inodes(a.pid());
@@ -575,7 +575,7 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_does_not_read_is_sent_no_new_regions() {
-    use ferry::client::connection::UNREAD_REGION_BYTES;
+    use ferry::io::connection::UNREAD_REGION_BYTES;
     let _serial = REGIONS.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let node = unix_server(&dir, "n.sock", &[]);
@@ -604,7 +604,7 @@ async fn a_peer_that_does_not_read_is_sent_no_new_regions() {
             panic!("expected a tensor");
         };
         let meta = ferry::proto::TensorMeta::try_from(&meta).unwrap();
-        let mut assembler = ferry::proto::TensorAssembler::new(meta, 1 << 30).unwrap();
+        let mut assembler = ferry::io::TensorAssembler::new(meta, 1 << 30).unwrap();
         routes.push(conn.read_payload(&mut assembler).await.unwrap());
         assert_same(&assembler.finish().unwrap(), &data, "w");
     }

@@ -5,9 +5,10 @@
 use std::time::Duration;
 
 use crate::common::{
-    Fault, TestNode, assert_same, code_of, devices, proxy, spawn_server, start, start_with,
+    Fault, TestNode, assert_same, code_of, devices, proxy, source_code_of, source_connection,
+    spawn_server, start, start_with,
 };
-use ferry::client::{Client, ErrorCode, NodeCopy, copy_between};
+use ferry::client::{Client, ErrorCode, NodeCopy, RegionUse, copy_between};
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
 use ferry::server::{NodeConfig, ServiceConfig};
@@ -339,9 +340,9 @@ async fn a_target_that_goes_away_mid_stream_costs_the_source_nothing() {
     nothing_registered_and_source_intact(&a, &b, &data).await;
     // Past the resume window the capability is gone, and the source serves others as before.
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let mut direct = Client::connect(a.addr, None).await.unwrap();
-    let lapsed = direct.fetch_begin(&grant.token, &b_id, 0).await;
-    assert_eq!(code_of(lapsed), ErrorCode::CapabilityRefused);
+    let mut direct = source_connection(&a).await;
+    let lapsed = direct.fetch(&grant.token, &b_id, 0).await.map(|f| f.meta);
+    assert_eq!(source_code_of(lapsed), ErrorCode::CapabilityRefused);
     let mut other = Client::connect(a.addr, None).await.unwrap();
     assert_same(
         &other.get(&TensorKey::new(0, "big")).await.unwrap(),
@@ -829,31 +830,31 @@ async fn a_capability_serves_one_whole_fetch_and_only_its_fetcher_releases_it() 
     let grant = source.grant(&key, &b_id).await.unwrap();
 
     // Fetched whole once (as node B would), then refused a second whole fetch.
-    let mut fetcher = a.client().await;
-    let (_, meta) = fetcher.fetch_begin(&grant.token, &b_id, 0).await.unwrap();
-    let mut assembler = ferry::proto::TensorAssembler::new(meta.clone(), u64::MAX).unwrap();
-    fetcher.fetch_payload(&mut assembler).await.unwrap();
+    let mut fetcher = source_connection(&a).await;
+    let fetch = fetcher.fetch(&grant.token, &b_id, 0).await.unwrap();
+    let mut assembler = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+    fetch.payload(&mut assembler, RegionUse::Map).await.unwrap();
     assert_same(&assembler.finish().unwrap(), &data, "fetched");
-    let mut other = a.client().await;
-    let again = other.fetch_begin(&grant.token, &b_id, 0).await;
+    let mut other = source_connection(&a).await;
+    let again = other.fetch(&grant.token, &b_id, 0).await.map(|f| f.meta);
     assert_eq!(
-        code_of(again),
+        source_code_of(again),
         ErrorCode::CapabilityRefused,
         "a second whole fetch"
     );
 
     // A resume (a later offset) by the audience is still served.
-    let (_, resumed) = other.fetch_begin(&grant.token, &b_id, 1024).await.unwrap();
-    let mut tail = ferry::proto::TensorAssembler::new(resumed, u64::MAX).unwrap();
+    let fetch = other.fetch(&grant.token, &b_id, 1024).await.unwrap();
+    let mut tail = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
     tail.accept(0, &data.as_bytes()[..1024]).unwrap();
-    other.fetch_payload(&mut tail).await.unwrap();
+    fetch.payload(&mut tail, RegionUse::Map).await.unwrap();
     assert_same(&tail.finish().unwrap(), &data, "resumed");
 
     // Released only by the connection of the latest fetch: not by a third party that knows the
     // token and the audience, nor by the client it was granted to once a fetch began.
-    let mut third = a.client().await;
+    let mut third = source_connection(&a).await;
     assert_eq!(
-        code_of(third.release(&grant.token, &b_id).await),
+        source_code_of(third.release(&grant.token, &b_id).await),
         ErrorCode::CapabilityRefused
     );
     assert_eq!(
@@ -861,13 +862,17 @@ async fn a_capability_serves_one_whole_fetch_and_only_its_fetcher_releases_it() 
         ErrorCode::CapabilityRefused
     );
     other.release(&grant.token, &b_id).await.unwrap();
-    let used = third.fetch_begin(&grant.token, &b_id, 1024).await;
-    assert_eq!(code_of(used), ErrorCode::CapabilityRefused, "used up");
+    let used = third.fetch(&grant.token, &b_id, 1024).await.map(|f| f.meta);
+    assert_eq!(
+        source_code_of(used),
+        ErrorCode::CapabilityRefused,
+        "used up"
+    );
 
     // Before any fetch, the client it was granted to may hand it back; nobody else.
     let unused = source.grant(&key, &b_id).await.unwrap();
     assert_eq!(
-        code_of(third.release(&unused.token, &b_id).await),
+        source_code_of(third.release(&unused.token, &b_id).await),
         ErrorCode::CapabilityRefused
     );
     source.release(&unused.token, &b_id).await.unwrap();
@@ -927,9 +932,9 @@ async fn outstanding_grants_are_capped_per_client_and_revoked_with_its_connectio
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let mut fetcher = a.client().await;
-    let revoked = fetcher.fetch_begin(&grant.token, &b_id, 0).await;
-    assert_eq!(code_of(revoked), ErrorCode::CapabilityRefused);
+    let mut fetcher = source_connection(&a).await;
+    let revoked = fetcher.fetch(&grant.token, &b_id, 0).await.map(|f| f.meta);
+    assert_eq!(source_code_of(revoked), ErrorCode::CapabilityRefused);
     drop(greedy);
 }
 
@@ -944,17 +949,18 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_ends_with_its_clien
 
     // Resumes of a served capability are bounded: 16 fetches in all, then refused.
     let grant = granter.grant(&key, audience).await.unwrap();
-    let mut fetcher = a.client().await;
+    let mut fetcher = source_connection(&a).await;
     let mut served = 0;
     loop {
         let offset = if served == 0 { 0 } else { 4 };
-        match fetcher.fetch_begin(&grant.token, audience, offset).await {
-            Ok((_, meta)) => {
-                let mut assembler = ferry::proto::TensorAssembler::new(meta, u64::MAX).unwrap();
+        match fetcher.fetch(&grant.token, audience, offset).await {
+            Ok(fetch) => {
+                let mut assembler =
+                    ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
                 if offset > 0 {
                     assembler.accept(0, &data.as_bytes()[..4]).unwrap();
                 }
-                fetcher.fetch_payload(&mut assembler).await.unwrap();
+                fetch.payload(&mut assembler, RegionUse::Map).await.unwrap();
                 assert_same(&assembler.finish().unwrap(), &data, "fetched");
                 served += 1;
             }
@@ -969,12 +975,9 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_ends_with_its_clien
 
     // A capability ends with the connection that asked for it, fetched or not.
     let grant = granter.grant(&key, audience).await.unwrap();
-    let (_, meta) = fetcher
-        .fetch_begin(&grant.token, audience, 0)
-        .await
-        .unwrap();
-    let mut assembler = ferry::proto::TensorAssembler::new(meta, u64::MAX).unwrap();
-    fetcher.fetch_payload(&mut assembler).await.unwrap();
+    let fetch = fetcher.fetch(&grant.token, audience, 0).await.unwrap();
+    let mut assembler = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+    fetch.payload(&mut assembler, RegionUse::Map).await.unwrap();
     let before = a.node.stats().await.unwrap().connections;
     drop(granter);
     for _ in 0..200 {
@@ -983,6 +986,9 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_ends_with_its_clien
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let resumed = fetcher.fetch_begin(&grant.token, audience, 4).await;
-    assert_eq!(code_of(resumed), ErrorCode::CapabilityRefused);
+    let resumed = fetcher
+        .fetch(&grant.token, audience, 4)
+        .await
+        .map(|f| f.meta);
+    assert_eq!(source_code_of(resumed), ErrorCode::CapabilityRefused);
 }

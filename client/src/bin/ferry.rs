@@ -177,7 +177,7 @@ impl Address {
     /// number of `/` (and digit-only parts like `/run/user/1000`), so the node is the longest
     /// prefix that is a socket, and what follows it is DEVICE/NAME.
     fn parse_with(text: &str, is_socket: &dyn Fn(&Path) -> bool) -> anyhow::Result<Address> {
-        let (node, rest) = match text.strip_prefix(ferry_client::transport::UNIX_PREFIX) {
+        let (node, rest) = match text.strip_prefix(ferry_io::transport::UNIX_PREFIX) {
             Some(path) => {
                 let ends = path
                     .match_indices('/')
@@ -189,10 +189,7 @@ impl Address {
                     bail!("{text:?}: no Unix socket found at unix:PATH");
                 };
                 let rest = path[end..].strip_prefix('/');
-                (
-                    &text[..ferry_client::transport::UNIX_PREFIX.len() + end],
-                    rest,
-                )
+                (&text[..ferry_io::transport::UNIX_PREFIX.len() + end], rest)
             }
             None => match text.split_once('/') {
                 Some((node, rest)) => (node, Some(rest)),

@@ -24,10 +24,11 @@ use burn_std::quantization::{
 };
 use burn_std::{BoolStore, Bytes, DType, TensorData};
 use bytes::BytesMut;
+use ferry_io::TensorAssembler;
 use ferry_proto::control::{decode_request, encode_request};
 use ferry_proto::frame::{self, DEFAULT_MAX_BODY, Frame, FrameKind};
 use ferry_proto::tensor::into_parts;
-use ferry_proto::{MetaError, ProtoError, Request, StreamError, TensorAssembler, TensorMeta};
+use ferry_proto::{MetaError, ProtoError, Request, StreamError, TensorMeta};
 use ferry_proto::{dtype_name, meta::expected_byte_len};
 
 /// Payload bytes per chunk frame in most cases: small and odd, so chunks end mid-element.

@@ -23,13 +23,14 @@ use burn_flex::{Flex, FlexDevice};
 use burn_std::quantization::{QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype};
 use burn_std::{BoolStore, DType, TensorData};
 use bytes::BytesMut;
+use ferry_io::TensorAssembler;
 use ferry_proto::control::{decode_request, decode_response, encode_request, encode_response};
 use ferry_proto::frame::{self, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BODY, FrameKind, HEADER_LEN};
 use ferry_proto::tensor::into_parts;
 use ferry_proto::{
     DeviceStats, ErrorCode, ErrorReply, FEATURES, Hello, NodeStats, PROTOCOL_MINOR,
-    PROTOCOL_VERSION, RegionDescriptor, Request, Response, TensorAssembler, TensorInfo, TensorKey,
-    TensorMeta, Welcome, WireMeta, dtype_name,
+    PROTOCOL_VERSION, RegionDescriptor, Request, Response, TensorInfo, TensorKey, TensorMeta,
+    Welcome, WireMeta, dtype_name,
 };
 
 /// One frame of a vector.

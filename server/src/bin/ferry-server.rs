@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use ferry_client::ConnectionLimits;
+use ferry_io::ConnectionLimits;
 use ferry_server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig, TransferPolicy};
 
 /// A ferry node: hosts Burn devices and moves tensors of every dtype between them and over TCP.
@@ -116,53 +116,6 @@ fn init_logs(format: &str) {
     }
 }
 
-/// Makes freed tensor memory go back to the system. glibc serves allocations under its mmap
-/// threshold from per-thread arenas and raises that threshold (up to 32 MiB) each time a large
-/// block is freed, so after a burst of mid-sized tensors the arenas keep hundreds of MiB the
-/// node no longer holds. A fixed threshold keeps every buffer of 256 KiB or more in its own
-/// mapping, returned when freed, and a periodic trim returns what the arenas free. One arena
-/// instead of up to eight per core: tensor buffers never come from an arena, and every extra
-/// arena kept a few MiB of fragments after a 256-client run (measured after `ferry load
-/// --clients 256`: +19% to +44% over the idle node's memory with glibc's default, +1% to +2%
-/// with one arena, at the same throughput).
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn tune_allocator() {
-    // SAFETY: mallopt and malloc_trim only change and apply glibc's allocation policy.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * 1024);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 4 << 20);
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-    }
-    std::thread::Builder::new()
-        .name("malloc-trim".into())
-        .spawn(|| {
-            for tick in 1u64.. {
-                std::thread::sleep(Duration::from_secs(1));
-                ferry_proto::host::trim_recycled(RECYCLED_IDLE);
-                if tick % 5 == 0 {
-                    // SAFETY: as above.
-                    unsafe {
-                        libc::malloc_trim(0);
-                    }
-                }
-            }
-        })
-        .ok();
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn tune_allocator() {
-    std::thread::Builder::new()
-        .name("recycle-trim".into())
-        .spawn(|| {
-            loop {
-                std::thread::sleep(Duration::from_secs(1));
-                ferry_proto::host::trim_recycled(RECYCLED_IDLE);
-            }
-        })
-        .ok();
-}
-
 /// How long a recycled receive buffer may wait unused before it is freed.
 const RECYCLED_IDLE: Duration = Duration::from_secs(2);
 
@@ -219,7 +172,7 @@ fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
 fn main() -> anyhow::Result<()> {
     // Before the runtime's threads exist: glibc fixes its arena limit when the second arena is
     // made, and a thread's first allocation makes one.
-    tune_allocator();
+    ferry_io::allocator::tune(RECYCLED_IDLE);
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -231,9 +184,7 @@ async fn serve() -> anyhow::Result<()> {
     let args = Args::parse();
     init_logs(&args.log_format);
     raise_fd_limit(args.max_connections);
-    ferry_proto::host::set_recycle_limit(
-        usize::try_from(args.recycle.as_u64()).unwrap_or(usize::MAX),
-    );
+    ferry_io::host::set_recycle_limit(usize::try_from(args.recycle.as_u64()).unwrap_or(usize::MAX));
     if let Some(addr) = args.metrics {
         serve_metrics(addr)?;
     }
@@ -296,7 +247,7 @@ async fn serve() -> anyhow::Result<()> {
     }
     stdout.flush()?;
     drop(stdout);
-    let shm = !args.no_shm && ferry_client::connection::shared_memory_supported();
+    let shm = !args.no_shm && ferry_io::connection::shared_memory_supported();
     tracing::info!(%addr, unix = ?args.unix, shared_memory = shm, ?devices, "ferry node serving");
     service.run(shutdown_signal()).await?;
     tracing::info!("ferry node stopped");

@@ -6,7 +6,8 @@
 
 use burn_std::TensorData;
 use ferry_proto::dtype::{WireDType, WireQuantScheme};
-use ferry_proto::{TensorAssembler, TensorMeta, WireMeta};
+use ferry_io::TensorAssembler;
+use ferry_proto::{TensorMeta, WireMeta};
 use ferry_server::BackendKind;
 use ferry_server::backend::Primitive;
 use libfuzzer_sys::fuzz_target;

@@ -266,7 +266,7 @@ pub fn adopt(
         fd,
         descriptor: declared,
     });
-    Ok((ferry_proto::host::bytes_from_mapping(map), kept))
+    Ok((crate::host::bytes_from_mapping(map), kept))
 }
 
 /// Regions at least this large are checksummed on two threads: the check is the receiver's

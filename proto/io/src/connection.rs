@@ -13,11 +13,10 @@ use bytes::{Buf, BytesMut};
 use ferry_proto::frame::{
     self, CHUNK_PREFIX_LEN, FrameHeader, FrameKind, HEADER_LEN, REGION_BODY_LEN, RegionDescriptor,
 };
-use ferry_proto::{
-    FrameError, ProtoError, Request, Response, StreamError, TensorAssembler, control,
-};
+use ferry_proto::{FrameError, ProtoError, Request, Response, StreamError, control};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 
+use crate::assembler::TensorAssembler;
 use crate::transport::Transport;
 
 /// Payloads smaller than this go as chunks by default even where regions are agreed: creating,

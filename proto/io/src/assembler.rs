@@ -1,0 +1,394 @@
+//! Receiving one tensor: a buffer sized from the validated meta, written in place chunk by
+//! chunk (or adopted whole from a region), its content hash computed as the bytes arrive.
+
+use burn_std::{Bytes, DType, TensorData};
+
+use ferry_proto::tensor::{content_hash, content_hasher, from_parts};
+use ferry_proto::{MetaError, ProtoError, StreamError, TensorMeta};
+
+/// A zeroed buffer of `len` bytes, allocated with the alignment of `dtype`'s elements so that
+/// backends can use it in place (NdArray panics on misaligned buffers; Flex would copy), and from
+/// the global allocator, so that a backend that wants a `Vec` takes it over without a copy.
+///
+/// The allocation is fallible: a size the allocator refuses is an error, not an abort.
+fn alloc_for(dtype: DType, len: usize) -> Result<Bytes, MetaError> {
+    fn zeroed<T: bytemuck::Zeroable + bytemuck::NoUninit + Send + Sync>(
+        n: usize,
+        len: usize,
+    ) -> Result<Bytes, MetaError> {
+        let elems = bytemuck::allocation::try_zeroed_vec::<T>(n)
+            .map_err(|()| MetaError::AllocationFailed { bytes: len as u64 })?;
+        crate::host::advise_huge_pages(bytemuck::cast_slice(&elems));
+        Ok(Bytes::from_elems(elems))
+    }
+    match dtype {
+        DType::QFloat(_) => zeroed::<u8>(len, len),
+        plain => match plain.size() {
+            8 => zeroed::<u64>(len / 8, len),
+            4 => zeroed::<u32>(len / 4, len),
+            2 => zeroed::<u16>(len / 2, len),
+            _ => zeroed::<u8>(len, len),
+        },
+    }
+}
+
+/// Receives one tensor's payload in order, into one buffer sized from the validated meta.
+///
+/// Bytes are written in place ([`slot`](Self::slot), then [`commit`](Self::commit) once their
+/// checksum is verified), so a receiver never holds a second copy of the tensor.
+pub struct TensorAssembler {
+    /// The content hash where the receiver wants it ([`hashing`](Self::hashing)). Declared
+    /// before `buf`, so that a hashing thread is joined before the buffer it reads is freed.
+    hash: HashState,
+    meta: TensorMeta,
+    buf: Bytes,
+    received: usize,
+}
+
+/// Payloads at least this large are hashed on their own thread while they arrive; smaller ones
+/// as each chunk is committed, on the receiving thread (a thread costs more than their hash).
+pub const TRAILING_HASH_MIN: usize = 1 << 20;
+
+/// How a receiver computes the content hash of what it receives.
+#[derive(Debug, Default)]
+enum HashState {
+    /// It does not.
+    #[default]
+    None,
+    /// Fed as bytes are committed, while they are still in cache.
+    Inline(Box<blake3::Hasher>),
+    /// On another thread, a chunk behind the receiver.
+    Trailing(crate::trailing::TrailingHash),
+}
+
+impl std::fmt::Debug for TensorAssembler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorAssembler")
+            .field("meta", &self.meta)
+            .field("received", &self.received)
+            .finish()
+    }
+}
+
+impl TensorAssembler {
+    /// Preallocates for `meta`, refusing a payload over `max_bytes` before allocating.
+    pub fn new(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
+        Self::allocate(meta, max_bytes, false)
+    }
+
+    /// [`new`](Self::new), in a recycled buffer where the process keeps one of about the size
+    /// ([`crate::host::receive_buffer`]). For a receiver whose backend keeps the buffer as the
+    /// tensor's memory as it is (Flex): one that wants a `Vec` would copy it.
+    pub fn new_recycled(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
+        Self::allocate(meta, max_bytes, true)
+    }
+
+    fn allocate(meta: TensorMeta, max_bytes: u64, recycled: bool) -> Result<Self, MetaError> {
+        let len = meta.byte_len();
+        if len as u64 > max_bytes {
+            return Err(MetaError::TooLarge {
+                bytes: len as u64,
+                limit: max_bytes,
+            });
+        }
+        let buf = match recycled.then(|| crate::host::receive_buffer(len)).flatten() {
+            Some(buf) => buf,
+            None => alloc_for(meta.dtype(), len)?,
+        };
+        Ok(Self {
+            hash: HashState::None,
+            meta,
+            buf,
+            received: 0,
+        })
+    }
+
+    /// Also computes the content hash while the payload arrives (see
+    /// [`finish_hashed`](Self::finish_hashed)).
+    ///
+    /// A payload of [`TRAILING_HASH_MIN`] bytes or more is hashed on another thread while it
+    /// arrives, so that [`finish_hashed`](Self::finish_hashed) waits only for the last chunk.
+    pub fn hashing(mut self) -> Self {
+        if self.received != 0 || !matches!(self.hash, HashState::None) {
+            return self;
+        }
+        let hasher = content_hasher(&self.meta);
+        let len = self.buf.len();
+        if len >= TRAILING_HASH_MIN {
+            let base = self.buf.as_mut_ptr();
+            // SAFETY: `buf` is `len` bytes that live as long as `self`; `hash` is declared before
+            // it (dropped, and its thread joined, first), is finished before `buf` is handed out
+            // or replaced (`finish*`, `take_hasher`, `adopt`), and while it lives every access to
+            // `buf` goes through it (`slot`).
+            let started =
+                unsafe { crate::trailing::TrailingHash::start(base, len, hasher.clone()) };
+            // Without a thread to be had (out of threads or memory), hashed in line instead.
+            if let Ok(trailing) = started {
+                self.hash = HashState::Trailing(trailing);
+                return self;
+            }
+        }
+        self.hash = HashState::Inline(Box::new(hasher));
+        self
+    }
+
+    /// What is being received.
+    pub fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+
+    /// Bytes received and committed so far.
+    pub fn received(&self) -> usize {
+        self.received
+    }
+
+    /// Whether every byte has arrived.
+    pub fn is_complete(&self) -> bool {
+        self.received == self.meta.byte_len()
+    }
+
+    fn check_range(&self, offset: u64, len: usize) -> Result<std::ops::Range<usize>, StreamError> {
+        let total = self.meta.byte_len();
+        if offset != self.received as u64 {
+            return Err(StreamError::OutOfOrder {
+                offset,
+                expected: self.received as u64,
+            });
+        }
+        if len == 0 {
+            return Err(StreamError::EmptyChunk { offset });
+        }
+        let end = self.received.checked_add(len).filter(|&end| end <= total);
+        match end {
+            Some(end) => Ok(self.received..end),
+            None => Err(StreamError::PastEnd {
+                offset,
+                len: len as u64,
+                total: total as u64,
+            }),
+        }
+    }
+
+    /// The place in the buffer for `len` bytes at `offset`: the next bytes expected, within the
+    /// declared length, and not empty. Nothing counts as received until [`commit`](Self::commit).
+    pub fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError> {
+        let range = self.check_range(offset, len)?;
+        match &mut self.hash {
+            HashState::Trailing(trailing) => trailing.slot(range).ok_or(StreamError::OutOfOrder {
+                offset,
+                expected: self.received as u64,
+            }),
+            _ => Ok(&mut self.buf[range]),
+        }
+    }
+
+    /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received.
+    pub fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError> {
+        let range = self.check_range(offset, len)?;
+        match &mut self.hash {
+            HashState::None => {}
+            HashState::Inline(hasher) => {
+                hasher.update(&self.buf[range.clone()]);
+            }
+            HashState::Trailing(trailing) => trailing.commit(range.end),
+        }
+        self.received = range.end;
+        Ok(())
+    }
+
+    /// The content hasher, to feed elsewhere (off an async runtime) and give back with
+    /// [`adopt_hashed`](Self::adopt_hashed); `None` where this receiver does not hash.
+    pub fn take_hasher(&mut self) -> Option<blake3::Hasher> {
+        match std::mem::take(&mut self.hash) {
+            HashState::None => None,
+            HashState::Inline(hasher) => Some(*hasher),
+            // Everything committed so far is fed to it; a thread that died leaves the bytes to
+            // be hashed again from the start.
+            HashState::Trailing(trailing) => trailing.finish().or_else(|| {
+                let mut hasher = content_hasher(&self.meta);
+                hasher.update(&self.buf[..self.received]);
+                Some(hasher)
+            }),
+        }
+    }
+
+    /// [`adopt`](Self::adopt) for a payload already fed to the hasher taken with
+    /// [`take_hasher`](Self::take_hasher).
+    pub fn adopt_hashed(
+        &mut self,
+        payload: Bytes,
+        hasher: Option<blake3::Hasher>,
+    ) -> Result<(), StreamError> {
+        self.hash = HashState::None;
+        self.adopt(payload)?;
+        self.hash = hasher.map_or(HashState::None, |h| HashState::Inline(Box::new(h)));
+        Ok(())
+    }
+
+    /// Takes a whole, already verified payload in place of the preallocated buffer (a
+    /// shared-memory region the sender filled), instead of receiving it in chunks.
+    pub fn adopt(&mut self, payload: Bytes) -> Result<(), StreamError> {
+        let total = self.meta.byte_len();
+        if self.received != 0 {
+            return Err(StreamError::OutOfOrder {
+                offset: 0,
+                expected: self.received as u64,
+            });
+        }
+        if payload.len() != total {
+            return Err(StreamError::RegionSize {
+                len: payload.len() as u64,
+                total: total as u64,
+            });
+        }
+        // A hashing thread reads the old buffer: it is done with it before the buffer goes.
+        if let HashState::Trailing(_) = self.hash {
+            self.hash = self
+                .take_hasher()
+                .map_or(HashState::None, |h| HashState::Inline(Box::new(h)));
+        }
+        if let HashState::Inline(hasher) = &mut self.hash {
+            hasher.update(&payload);
+        }
+        self.buf = payload;
+        self.received = total;
+        Ok(())
+    }
+
+    /// Copies a verified chunk in.
+    pub fn accept(&mut self, offset: u64, data: &[u8]) -> Result<(), StreamError> {
+        self.slot(offset, data.len())?.copy_from_slice(data);
+        self.commit(offset, data.len())
+    }
+
+    fn check_complete(&self) -> Result<(), ProtoError> {
+        if !self.is_complete() {
+            return Err(StreamError::Incomplete {
+                received: self.received as u64,
+                total: self.meta.byte_len() as u64,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// The assembled tensor, once every declared byte has arrived (no content hash computed).
+    pub fn finish(self) -> Result<TensorData, ProtoError> {
+        self.check_complete()?;
+        let Self {
+            hash, meta, buf, ..
+        } = self;
+        // Joined (and its thread done with the buffer) before the buffer is handed out.
+        drop(hash);
+        Ok(from_parts(&meta, buf)?)
+    }
+
+    /// The assembled tensor and its content hash ([`content_hash`]), once every declared byte
+    /// has arrived.
+    pub fn finish_hashed(mut self) -> Result<(TensorData, String), ProtoError> {
+        self.check_complete()?;
+        let hash = match self.take_hasher() {
+            Some(hasher) => hasher.finalize().to_hex().to_string(),
+            None => content_hash(&self.meta, &self.buf),
+        };
+        Ok((from_parts(&self.meta, self.buf)?, hash))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_proto::frame::chunks;
+    use ferry_proto::tensor::into_parts;
+
+    #[test]
+    fn assembles_in_order_and_refuses_the_rest() {
+        let data = TensorData::new((0..10).map(|i| i as f32).collect::<Vec<_>>(), [2, 5]);
+        let (meta, payload) = into_parts(data.clone()).unwrap();
+        let mut asm = TensorAssembler::new(meta.clone(), 1 << 20).unwrap();
+        assert!(matches!(
+            asm.accept(4, &payload[4..8]),
+            Err(StreamError::OutOfOrder { .. })
+        ));
+        assert!(matches!(
+            asm.accept(0, &[]),
+            Err(StreamError::EmptyChunk { .. })
+        ));
+        for (offset, piece) in chunks(&payload, 12) {
+            asm.accept(offset, piece).unwrap();
+        }
+        assert!(matches!(
+            asm.accept(40, &[0]),
+            Err(StreamError::PastEnd { .. })
+        ));
+        let (back, hash) = asm.finish_hashed().unwrap();
+        assert_eq!(hash, content_hash(&meta, data.as_bytes()));
+        assert_eq!(back.as_bytes(), data.as_bytes());
+        assert_eq!(back.dtype(), data.dtype());
+        assert_eq!(back.shape(), data.shape());
+    }
+
+    #[test]
+    fn a_large_payload_hashed_on_its_own_thread_hashes_as_in_line() {
+        let n = TRAILING_HASH_MIN; // 4 MiB of f32
+        let data = TensorData::new((0..n).map(|i| i as f32).collect::<Vec<_>>(), [n]);
+        let (meta, payload) = into_parts(data.clone()).unwrap();
+        let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
+            .unwrap()
+            .hashing();
+        assert!(matches!(asm.hash, HashState::Trailing(_)));
+        for (offset, piece) in chunks(&payload, 300_001) {
+            asm.accept(offset, piece).unwrap();
+        }
+        let (back, hash) = asm.finish_hashed().unwrap();
+        assert_eq!(hash, content_hash(&meta, data.as_bytes()));
+        assert_eq!(back.as_bytes(), data.as_bytes());
+    }
+
+    #[test]
+    fn a_receive_dropped_half_way_stops_its_hashing_thread() {
+        let n = TRAILING_HASH_MIN;
+        let data = TensorData::new(vec![7u8; n], [n]);
+        let (meta, payload) = into_parts(data).unwrap();
+        let mut asm = TensorAssembler::new(meta, u64::MAX).unwrap().hashing();
+        asm.accept(0, &payload[..n / 2]).unwrap();
+        // Out of order is still refused through the hashing thread's view of the buffer.
+        assert!(asm.accept(0, &payload[..8]).is_err());
+        drop(asm); // joins the thread; a hang here fails the test by timing out
+    }
+
+    #[test]
+    fn a_hasher_taken_mid_way_carries_the_committed_bytes() {
+        let n = 2 * TRAILING_HASH_MIN;
+        let data = TensorData::new((0..n).map(|i| (i % 251) as u8).collect::<Vec<_>>(), [n]);
+        let (meta, payload) = into_parts(data.clone()).unwrap();
+        let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
+            .unwrap()
+            .hashing();
+        asm.accept(0, &payload[..n / 3]).unwrap();
+        let mut hasher = asm.take_hasher().unwrap();
+        hasher.update(&payload[n / 3..]);
+        assert_eq!(
+            hasher.finalize().to_hex().to_string(),
+            content_hash(&meta, data.as_bytes())
+        );
+    }
+
+    #[test]
+    fn an_early_end_is_an_error() {
+        let data = TensorData::new(vec![1u8, 2, 3], [3]);
+        let (meta, payload) = into_parts(data).unwrap();
+        let mut asm = TensorAssembler::new(meta, 100).unwrap();
+        asm.accept(0, &payload[..2]).unwrap();
+        assert!(asm.finish().is_err());
+    }
+
+    #[test]
+    fn too_large_is_refused_before_allocating() {
+        let meta = TensorMeta::new(vec![1 << 40], DType::F32).unwrap();
+        assert!(matches!(
+            TensorAssembler::new(meta, 1 << 30),
+            Err(MetaError::TooLarge { .. })
+        ));
+    }
+}

@@ -1,0 +1,21 @@
+//! ferry's I/O, shared by the node and the client: transports (TCP, Unix sockets with descriptor
+//! passing), the [`Connection`] that moves frames and payloads over them, shared-memory regions,
+//! host memory for received tensors, and the handshake both sides run.
+//!
+//! Every `unsafe` block of ferry lives in this crate (`allocator`, `host`, `trailing`), each minimal and with
+//! its SAFETY reason; `ferry-proto` is the sans-IO wire underneath and forbids `unsafe`.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+pub mod allocator;
+pub mod assembler;
+pub mod connection;
+pub mod handshake;
+pub mod host;
+#[cfg(target_os = "linux")]
+pub mod region;
+mod trailing;
+pub mod transport;
+
+pub use assembler::{TRAILING_HASH_MIN, TensorAssembler};
+pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse};
+pub use transport::{Endpoint, Stream, Transport};
