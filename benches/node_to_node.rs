@@ -5,7 +5,7 @@
 //! Run with `cargo bench -p ferry --bench node_to_node`. The nodes are the release
 //! `ferry-server` binary next to this bench's executable (`target/release/ferry-server`), which
 //! `cargo bench -p ferry` does not build (it is another package's binary): build it first with
-//! `cargo build --release -p ferry-server`, and rebuild it after changing the server, or this
+//! `cargo build --release -p ferry-server-cli`, and rebuild it after changing the server, or this
 //! bench measures the old one.
 //!
 //! Per tensor (f32 1 MiB, 64 MiB, 256 MiB; Q8S 256 MiB), on a fresh pair of nodes A and B with

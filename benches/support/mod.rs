@@ -28,7 +28,7 @@ pub fn server_binary() -> PathBuf {
     if !binary.is_file() {
         eprintln!(
             "node_to_node: {} is missing: cargo bench does not build another package's binary.\n\
-             Run `cargo build --release -p ferry-server` first, then \
+             Run `cargo build --release -p ferry-server-cli` first, then \
              `cargo bench -p ferry --bench node_to_node`.",
             binary.display()
         );

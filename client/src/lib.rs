@@ -1,9 +1,9 @@
 //! The ferry client: the async (and blocking) Rust API to a ferry node, over the connection
 //! `ferry-io` provides.
 
+pub mod address;
 pub mod blocking;
 pub mod client;
-pub mod files;
 pub mod load;
 pub mod tensor;
 

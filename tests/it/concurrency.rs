@@ -20,8 +20,8 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use crate::common::{TestNode, start_with};
 use ferry::client::{Client, ClientError, ErrorCode, NodeCopy, copy_between};
+use ferry::testing::{TestNode, start_with};
 use history::{Clock, Counts, Key, Op, OpKind, Outcome, count_into};
 
 /// Devices per node, and names per device: keys are (node, device, name).

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::common::{TestNode, assert_same, eventually, start, start_with};
 use bytes::BytesMut;
 use ferry::client::{Client, ErrorCode};
 use ferry::proto::frame::{self, FrameKind};
@@ -15,6 +14,7 @@ use ferry::proto::{
 use ferry::samples;
 use ferry::server::worker::TENSOR_OVERHEAD;
 use ferry::server::{NodeConfig, ServiceConfig};
+use ferry::testing::{TestNode, assert_same, eventually, start, start_with};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -102,7 +102,7 @@ fn put_request(device: u32, name: &str, meta: ferry::proto::WireMeta) -> Vec<u8>
 async fn flex_node(service: ServiceConfig) -> TestNode {
     start(
         NodeConfig {
-            devices: crate::common::devices(&["flex"]),
+            devices: ferry::testing::devices(&["flex"]),
             ..NodeConfig::default()
         },
         service,
@@ -290,7 +290,7 @@ async fn a_wrong_token_is_refused_before_any_command_runs() {
             .await;
         assert!(raw.response().await.is_none());
         let refused = Client::connect(node.addr, token).await;
-        assert_eq!(crate::common::code_of(refused), ErrorCode::AuthRefused);
+        assert_eq!(ferry::testing::code_of(refused), ErrorCode::AuthRefused);
     }
     let mut client = Client::connect(node.addr, Some("s3cret")).await.unwrap();
     let data = samples::plain(DType::U16, &[3, 5, 7], 4);
@@ -304,7 +304,7 @@ async fn a_wrong_token_is_refused_before_any_command_runs() {
 async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told() {
     let node = start(
         NodeConfig {
-            devices: crate::common::devices(&["flex"]),
+            devices: ferry::testing::devices(&["flex"]),
             max_tensor_bytes: 1024,
             // 1500 bytes of payload beside one tensor's bookkeeping.
             memory_limit: Some(1500 + TENSOR_OVERHEAD),
@@ -319,20 +319,20 @@ async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told
     let mut client = node.client().await;
     let big = samples::plain(DType::F32, &[300], 1);
     assert_eq!(
-        crate::common::code_of(client.put(0, "big", &big).await),
+        ferry::testing::code_of(client.put(0, "big", &big).await),
         ErrorCode::LimitExceeded
     );
     let fits = samples::plain(DType::F32, &[200], 1);
     client.put(0, "a", &fits).await.unwrap();
     // 800 bytes held: another 800 (and its bookkeeping) would pass the budget.
     let over = client.put(0, "b", &fits).await;
-    assert_eq!(crate::common::code_of(over), ErrorCode::LimitExceeded);
+    assert_eq!(ferry::testing::code_of(over), ErrorCode::LimitExceeded);
     client.delete(&TensorKey::new(0, "a")).await.unwrap();
     client.put(0, "b", &fits).await.unwrap();
 
     let _second = node.client().await;
     let third = Client::connect(node.addr, None).await;
-    assert_eq!(crate::common::code_of(third), ErrorCode::LimitExceeded);
+    assert_eq!(ferry::testing::code_of(third), ErrorCode::LimitExceeded);
     // The accepted clients are not starved.
     let back = client.get(&TensorKey::new(0, "b")).await.unwrap();
     assert_same(&back, &fits, "under the limit");
@@ -447,7 +447,7 @@ async fn thousands_of_corrupted_frames_leave_the_node_serving_and_empty() {
     service.limits.idle_timeout = Duration::from_millis(200);
     let node = start(
         NodeConfig {
-            devices: crate::common::devices(&["flex", "flex"]),
+            devices: ferry::testing::devices(&["flex", "flex"]),
             ..NodeConfig::default()
         },
         service,
@@ -526,7 +526,7 @@ async fn idle_connections_are_closed_so_they_cannot_hold_every_slot() {
     let _idle_a = node.client().await;
     let _idle_b = node.client().await;
     let refused = Client::connect(node.addr, None).await;
-    assert_eq!(crate::common::code_of(refused), ErrorCode::LimitExceeded);
+    assert_eq!(ferry::testing::code_of(refused), ErrorCode::LimitExceeded);
     // The two idle ones are closed after the keepalive; their slots are free again.
     let deadline = Instant::now() + Duration::from_secs(5);
     let client = loop {
@@ -581,7 +581,7 @@ async fn many_clients_together_cannot_push_a_device_past_its_budget() {
     const BUDGET: u64 = 1 << 20;
     let node = start(
         NodeConfig {
-            devices: crate::common::devices(&["flex"]),
+            devices: ferry::testing::devices(&["flex"]),
             memory_limit: Some(BUDGET),
             ..NodeConfig::default()
         },
@@ -710,7 +710,7 @@ fn f32_mib(mib: usize, seed: u64) -> TensorData {
 async fn budget_node(specs: &[&str], limit: u64, service: ServiceConfig) -> TestNode {
     start(
         NodeConfig {
-            devices: crate::common::devices(specs),
+            devices: ferry::testing::devices(specs),
             memory_limit: Some(limit),
             ..NodeConfig::default()
         },
@@ -888,7 +888,7 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     // The tensor cap, with no byte budget at all.
     let node = start(
         NodeConfig {
-            devices: crate::common::devices(&["flex"]),
+            devices: ferry::testing::devices(&["flex"]),
             max_tensors: Some(10),
             ..NodeConfig::default()
         },
@@ -905,12 +905,12 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     assert!(over.to_string().contains("--max-tensors"), "{over}");
     // A copy within the device makes a tensor too.
     let copy = client.copy(&TensorKey::new(0, "t0"), 0, Some("c")).await;
-    assert_eq!(crate::common::code_of(copy), ErrorCode::LimitExceeded);
+    assert_eq!(ferry::testing::code_of(copy), ErrorCode::LimitExceeded);
     // Refusals hold no slot: one delete lets exactly one put through.
     client.delete(&TensorKey::new(0, "t3")).await.unwrap();
     client.put(0, "t10", &data).await.unwrap();
     let again = client.put(0, "t11", &data).await;
-    assert_eq!(crate::common::code_of(again), ErrorCode::LimitExceeded);
+    assert_eq!(ferry::testing::code_of(again), ErrorCode::LimitExceeded);
     let back = client.get(&TensorKey::new(0, "t10")).await.unwrap();
     assert_same(&back, &data, "the put after a delete");
     // At the cap, a tensor that replaces another takes its slot: overwrites and copies onto an
@@ -957,7 +957,7 @@ async fn a_trickling_upload_gives_its_reservation_back() {
     // Two such tensors do not fit: while the trickler holds its claim, an honest put is refused.
     let mut client = node.client().await;
     let refused = client.put(0, "fast", &data).await;
-    assert_eq!(crate::common::code_of(refused), ErrorCode::LimitExceeded);
+    assert_eq!(ferry::testing::code_of(refused), ErrorCode::LimitExceeded);
 
     // 64 bytes every half second: within the idle timeout each time, far below the rate.
     let bytes = data.as_bytes();
@@ -1055,7 +1055,7 @@ async fn a_stalled_get_holds_its_bytes_in_the_budget_until_its_deadline() {
     assert_eq!(budget.used(), SIZE + TENSOR_OVERHEAD);
     assert_eq!(client.stat().await.unwrap().devices[0].bytes_held, 0);
     let refused = client.put(0, "u", &other).await;
-    assert_eq!(crate::common::code_of(refused), ErrorCode::LimitExceeded);
+    assert_eq!(ferry::testing::code_of(refused), ErrorCode::LimitExceeded);
 
     eventually(
         "the stalled send is dropped and gives its bytes back",
@@ -1114,7 +1114,7 @@ async fn an_ndarray_read_copy_is_counted() {
     let small_key = TensorKey::new(0, "small");
     client.put(0, "small", &small).await.unwrap();
     assert_eq!(
-        crate::common::code_of(client.get(&small_key).await),
+        ferry::testing::code_of(client.get(&small_key).await),
         ErrorCode::LimitExceeded
     );
     // Alone, it and its copy fit.

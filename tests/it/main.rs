@@ -1,17 +1,13 @@
-//! ferry's integration tests, one binary: real nodes (in this process and as `ferry-server`
-//! processes) driven through the client library and the `ferry` command line.
+//! The node and client libraries' integration tests, one binary: real nodes in this process on
+//! loopback, driven through the client library (every dtype, hostile input, node to node, and
+//! randomized histories of racing clients).
 //!
 //! One binary rather than one per file: each links Burn, and linking dominated a cold build.
-//! Run one module with `cargo test -p ferry --test it MODULE::` (e.g. `hostile::`).
+//! Run one module with `cargo test -p ferry --test it MODULE::` (e.g. `hostile::`). Tests of the
+//! `ferry-server` and `ferry` binaries live with the packages that own them (`server/cli`,
+//! `client/cli`).
 
-mod common;
-
-mod binary;
-mod cli;
 mod concurrency;
 mod hostile;
-mod local;
-mod netns;
 mod node;
-mod ops;
 mod peers;

@@ -1,11 +1,11 @@
 //! A real node on loopback: every dtype and quantization scheme through put, copy (each path
 //! forced), move and get, bit-exact; Flex to NdArray and back; 16 concurrent clients.
 
-use crate::common::{assert_same, code_of, devices, start, start_with};
 use ferry::client::ErrorCode;
 use ferry::proto::{DType, TensorKey, dtype_name};
 use ferry::samples;
 use ferry::server::{BackendKind, NodeConfig, ServiceConfig, TransferPolicy};
+use ferry::testing::{assert_same, code_of, devices, start, start_with};
 
 async fn copy_matrix(policy: TransferPolicy, expected_path: &str) {
     let node = start(

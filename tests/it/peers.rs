@@ -4,14 +4,14 @@
 
 use std::time::Duration;
 
-use crate::common::{
-    Fault, TestNode, assert_same, code_of, devices, proxy, source_code_of, source_connection,
-    spawn_server, start, start_with,
-};
 use ferry::client::{Client, ErrorCode, NodeCopy, RegionUse, copy_between};
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
 use ferry::server::{NodeConfig, ServiceConfig};
+use ferry::testing::{
+    Fault, TestNode, assert_same, code_of, devices, proxy, source_code_of, source_connection,
+    start, start_with,
+};
 
 fn how(source_addr: &str, dst_device: u32) -> NodeCopy<'_> {
     NodeCopy {
@@ -494,86 +494,6 @@ async fn a_dedup_check_waits_for_a_pending_verification() {
     assert_eq!((stats.hashes_pending, stats.hash_mismatches), (0, 0));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
-    // Two node processes with the default recycling (a process-wide pool, hence processes).
-    let a = spawn_server(&["--device", "flex"], None);
-    let b = spawn_server(&["--device", "flex"], None);
-    let mut source = Client::connect(a.addr.as_str(), None).await.unwrap();
-    let mut target = Client::connect(b.addr.as_str(), None).await.unwrap();
-    // 20 MiB each, over the 16 MiB from which buffers are recycled; each its own bytes.
-    let versions: Vec<TensorData> = (0..3)
-        .map(|seed| samples::plain(DType::F32, &[1280, 4096], 40 + seed))
-        .collect();
-    let bytes = versions[0].as_bytes().len() as u64;
-    let name = |i: usize| format!("v{i}");
-    for (i, data) in versions.iter().enumerate().take(2) {
-        source.put(0, &name(i), data).await.unwrap();
-        let key = TensorKey::new(0, name(i));
-        let keys = std::slice::from_ref(&key);
-        let answers = copy_between(&mut source, &mut target, keys, &how(&a.addr, 0))
-            .await
-            .unwrap();
-        assert_eq!(answers[0].as_ref().unwrap().path, "pull");
-        // The second pull lands in the buffer the first one's tensor left.
-        if i == 1 {
-            assert!(target.stat().await.unwrap().recycled_bytes < bytes, "taken");
-        }
-        assert_same(&target.get(&key).await.unwrap(), data, &name(i));
-        hashes_verified(&mut target).await;
-        target.delete(&key).await.unwrap();
-        assert!(
-            target.stat().await.unwrap().recycled_bytes >= bytes,
-            "kept for reuse"
-        );
-    }
-    // A pull cut mid-stream resumes into the recycled buffer: the bytes before the cut are the
-    // new tensor's, those after it are received again, none of the old tensor's shows.
-    let via = proxy(
-        a.addr.parse().unwrap(),
-        Fault::CutOnceAfter(bytes as usize / 2),
-    )
-    .await
-    .to_string();
-    let key = TensorKey::new(0, "cut");
-    source.put(0, &key.name, &versions[2]).await.unwrap();
-    let keys = std::slice::from_ref(&key);
-    let answers = copy_between(&mut source, &mut target, keys, &how(&via, 0))
-        .await
-        .unwrap();
-    answers[0].as_ref().unwrap();
-    assert_eq!(
-        target.stat().await.unwrap().pull_retries,
-        1,
-        "the cut was resumed"
-    );
-    assert_same(&target.get(&key).await.unwrap(), &versions[2], "resumed");
-    hashes_verified(&mut target).await;
-    target.delete(&key).await.unwrap();
-    // A put takes a recycled buffer the same way.
-    target.put(0, "put", &versions[2]).await.unwrap();
-    assert!(
-        target.stat().await.unwrap().recycled_bytes < bytes,
-        "taken again"
-    );
-    let key = TensorKey::new(0, "put");
-    assert_same(&target.get(&key).await.unwrap(), &versions[2], "put");
-    target.delete(&key).await.unwrap();
-    // Unused, it goes back to the system within a few seconds.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let left = target.stat().await.unwrap().recycled_bytes;
-        if left == 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "recycled buffers not freed once idle: {left} bytes left"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// The content hash of `data` as nodes state it.
 fn hash_of(data: &TensorData) -> String {
     let meta = ferry::proto::tensor::meta_of(data).unwrap();
@@ -689,9 +609,9 @@ async fn a_grant_states_only_a_verified_hash_after_a_false_statement_through_sha
         devices: devices(&["flex"]),
         ..NodeConfig::default()
     };
-    let _serial = crate::common::REGIONS.lock().await;
-    let a = crate::common::start_unix(config(), ServiceConfig::default()).await;
-    let b = crate::common::start_unix(config(), ServiceConfig::default()).await;
+    let _serial = ferry::testing::REGIONS.lock().await;
+    let a = ferry::testing::start_unix(config(), ServiceConfig::default()).await;
+    let b = ferry::testing::start_unix(config(), ServiceConfig::default()).await;
     let c = start_with(&["flex"]).await;
     let a_unix = a.unix.clone().unwrap();
     let mut source = Client::connect(a_unix.as_str(), None).await.unwrap();

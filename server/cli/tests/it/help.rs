@@ -1,5 +1,4 @@
-//! The `ferry-server` binary's command line (this test also makes cargo build the binary that the
-//! workspace's integration tests start).
+//! `ferry-server --help`: every flag is documented.
 
 use std::process::Command;
 

@@ -1,24 +1,59 @@
-//! The `ferry` command line against a real `ferry-server`: files in, copies, files out, compared
-//! tensor by tensor, and every error path giving a non-zero exit and one `error:` line.
+//! The `ferry` command line against real nodes (served in this test process, over TCP and Unix
+//! sockets): files in, copies, files out, compared tensor by tensor, and every error path giving
+//! a non-zero exit and one `error:` line.
 
 use std::path::Path;
 use std::process::{Command, Output};
 
-use crate::common::{ServerProcess, binary, spawn_server};
-
-use ferry::client::files::{read_tensors, write_tensors};
+use ferry::io::ConnectionLimits;
 use ferry::proto::dtype::PLAIN_DTYPES;
 use ferry::proto::{BoolStore, DType, TensorData};
 use ferry::samples;
+use ferry::server::{NodeConfig, ServiceConfig};
+use ferry::testing::{BackgroundNode, devices};
+use ferry_cli::files::{read_tensors, write_tensors};
 
-fn server(extra: &[&str]) -> ServerProcess {
-    let mut args = vec!["--device", "flex", "--device", "flex"];
-    args.extend_from_slice(extra);
-    spawn_server(&args, None)
+/// A node with two flex devices, reached by TCP only, requiring no token.
+fn server() -> BackgroundNode {
+    BackgroundNode::start(node_config(), ServiceConfig::default(), None)
+}
+
+/// A node that requires `token`.
+fn server_with_token(token: &str) -> BackgroundNode {
+    let service = ServiceConfig {
+        token: Some(token.to_string()),
+        ..ServiceConfig::default()
+    };
+    BackgroundNode::start(node_config(), service, None)
+}
+
+/// A node that also listens on the Unix socket `path` and sends every non-empty payload through
+/// shared memory where it is agreed (`--shm-min 1`), to clients and to nodes it pulls from.
+fn unix_server(path: &Path) -> BackgroundNode {
+    let limits = ConnectionLimits {
+        region_min: 1,
+        ..ConnectionLimits::default()
+    };
+    let config = NodeConfig {
+        peer_limits: limits,
+        ..node_config()
+    };
+    let service = ServiceConfig {
+        limits,
+        ..ServiceConfig::default()
+    };
+    BackgroundNode::start(config, service, Some(path))
+}
+
+fn node_config() -> NodeConfig {
+    NodeConfig {
+        devices: devices(&["flex", "flex"]),
+        ..NodeConfig::default()
+    }
 }
 
 fn ferry(args: &[&str]) -> Output {
-    Command::new(binary("ferry"))
+    Command::new(crate::ferry_cli())
         .args(args)
         .env_remove("FERRY_TOKEN")
         .output()
@@ -91,7 +126,7 @@ fn model() -> Vec<(String, TensorData)> {
 
 #[test]
 fn a_quantized_model_goes_in_moves_between_devices_and_comes_back_identical() {
-    let node = server(&[]);
+    let node = server();
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("model.bpk");
     let tensors = model();
@@ -149,8 +184,8 @@ fn unix_socket_addresses_work_everywhere_and_payloads_take_shared_memory() {
     std::fs::create_dir_all(&sockets).unwrap();
     let a_path = sockets.join("a.sock");
     let b_path = sockets.join("b.sock");
-    let a = server(&["--unix", a_path.to_str().unwrap(), "--shm-min", "1"]);
-    let b = server(&["--unix", b_path.to_str().unwrap(), "--shm-min", "1"]);
+    let a = unix_server(&a_path);
+    let b = unix_server(&b_path);
     let (a_unix, b_unix) = (a.unix.clone().unwrap(), b.unix.clone().unwrap());
     let input = dir.path().join("model.bpk");
     let tensors = model();
@@ -226,7 +261,7 @@ fn unix_socket_addresses_work_everywhere_and_payloads_take_shared_memory() {
 
 #[test]
 fn plain_dtypes_round_trip_through_safetensors() {
-    let node = server(&[]);
+    let node = server();
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("plain.safetensors");
     // Every plain dtype: Flex32 and the wider bool stores are kept by a ferry record in the
@@ -265,8 +300,8 @@ fn plain_dtypes_round_trip_through_safetensors() {
 
 #[test]
 fn every_error_path_exits_non_zero_with_an_error_line() {
-    let node = server(&["--token", "t0k"]);
-    let other = server(&[]);
+    let node = server_with_token("t0k");
+    let other = server();
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("m.bpk");
     write_tensors(&file, &model()).unwrap();

@@ -1,8 +1,9 @@
 //! A quantized model pulled node to node across two network namespaces with delay and loss.
 //!
-//! Ignored by default: it needs root, `ip` and `tc`, and it uses the `ferry-server` and `ferry`
-//! binaries, which `cargo test -p ferry` does not build (`cargo build -p ferry-server -p
-//! ferry-client` does). Run with `cargo test -p ferry --test it netns:: -- --ignored --nocapture`.
+//! Ignored by default: it needs root, `ip` and `tc`, and it runs the `ferry-server` binary, which
+//! `cargo test -p ferry-cli` does not build (`cargo build -p ferry-server-cli` does). Run with
+//! `cargo build -p ferry-server-cli && cargo test -p ferry-cli --test it netns:: -- --ignored
+//! --nocapture`.
 //! `tests/netns-pull.sh` sets up the namespaces, the lossy link and the nodes and runs the CLI;
 //! this test writes the model and checks what came back, bit for bit.
 
@@ -11,10 +12,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::binary;
-use ferry::client::files::{read_tensors, write_tensors};
 use ferry::proto::{DType, TensorData};
 use ferry::samples;
+use ferry_cli::files::{read_tensors, write_tensors};
 
 /// What the script is allowed in all (its own deadline), and the margin past it after which
 /// this test kills it.
@@ -98,8 +98,8 @@ fn run_script(args: &[&Path]) -> (bool, String, String) {
 #[test]
 #[ignore = "needs root, ip and tc: creates network namespaces"]
 fn a_quantized_model_crosses_a_lossy_link_node_to_node_bit_exact() {
-    let server = binary("ferry-server");
-    let cli = binary("ferry");
+    let server = ferry_server_next_to(crate::ferry_cli());
+    let cli = crate::ferry_cli().to_path_buf();
     let dir = tempfile::tempdir().expect("temp dir");
     let sent = dir.path().join("model.bpk");
     let back = dir.path().join("back.bpk");
@@ -128,4 +128,17 @@ fn a_quantized_model_crosses_a_lossy_link_node_to_node_bit_exact() {
         assert!(got.as_bytes() == want.as_bytes(), "{name}: bytes differ");
     }
     println!("{} tensors came back bit-exact", received.len());
+}
+
+/// The `ferry-server` binary, which this test runs inside a network namespace of its own, so
+/// that it must be a process; another package's binary, found where cargo builds it beside
+/// `ferry` (`cargo build -p ferry-server-cli` first).
+fn ferry_server_next_to(ferry: &Path) -> std::path::PathBuf {
+    let path = ferry.with_file_name(format!("ferry-server{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        path.is_file(),
+        "{} is missing: run `cargo build -p ferry-server-cli` first",
+        path.display()
+    );
+    path
 }

@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use crate::common::{REGIONS, ServerProcess, assert_same, eventually, spawn_server, start_unix};
+use ferry::testing::{REGIONS, ServerProcess, assert_same, eventually, spawn_server, start_unix};
+
+use crate::ferry_server;
 use ferry::client::{
     Client, ClientConfig, Connection, ConnectionLimits, NodeCopy, Stream, copy_between,
 };
@@ -172,7 +174,7 @@ fn unix_server(dir: &tempfile::TempDir, name: &str, extra: &[&str]) -> ServerPro
     let path = path.to_str().unwrap();
     let mut args = vec!["--device", "flex", "--device", "ndarray", "--unix", path];
     args.extend_from_slice(extra);
-    spawn_server(&args, None)
+    spawn_server(ferry_server(), &args, None)
 }
 
 /// Regions left in a node process: open descriptors and mappings.

@@ -4,14 +4,20 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::common::{assert_same, binary, code_of, spawn_server};
+use ferry::testing::{assert_same, code_of, spawn_server};
+
+use crate::ferry_server;
 use ferry::client::{Client, ErrorCode};
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_serves_and_stops_cleanly_on_sigterm() {
-    let mut server = spawn_server(&["--device", "flex", "--device", "ndarray"], Some("tok"));
+    let mut server = spawn_server(
+        ferry_server(),
+        &["--device", "flex", "--device", "ndarray"],
+        Some("tok"),
+    );
     assert_eq!(
         code_of(Client::connect(server.addr.as_str(), None).await),
         ErrorCode::AuthRefused
@@ -59,7 +65,7 @@ async fn the_binary_serves_and_stops_cleanly_on_sigterm() {
 
 #[test]
 fn a_bad_device_spec_is_a_clear_error() {
-    let output = Command::new(binary("ferry-server"))
+    let output = Command::new(ferry_server())
         .args(["--listen", "127.0.0.1:0", "--device", "tpu"])
         .output()
         .expect("ferry-server runs");

@@ -5,7 +5,9 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::common::{binary, spawn_server};
+use ferry::testing::spawn_server;
+
+use crate::ferry_server;
 use ferry::client::load::{LoadConfig, run};
 use ferry::client::{Client, ClientConfig, Endpoint};
 use ferry::proto::{DType, TensorKey};
@@ -55,6 +57,7 @@ async fn the_metrics_endpoint_is_scraped_and_counts_what_happened() {
     let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
     let node = spawn_server(
+        ferry_server(),
         &[
             "--device",
             "flex",
@@ -142,29 +145,8 @@ async fn the_metrics_endpoint_is_scraped_and_counts_what_happened() {
 }
 
 #[test]
-fn the_health_check_says_ok_for_a_live_node_and_fails_for_a_dead_one() {
-    let node = spawn_server(&["--device", "flex"], None);
-    let out = Command::new(binary("ferry"))
-        .args(["health", &node.addr])
-        .env_remove("FERRY_TOKEN")
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.starts_with("ok "), "{stdout}");
-    let dead = format!("127.0.0.1:{}", free_port());
-    let out = Command::new(binary("ferry"))
-        .args(["health", &dead, "--timeout", "2"])
-        .env_remove("FERRY_TOKEN")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("error:"));
-}
-
-#[test]
 fn json_logs_carry_one_span_per_request() {
-    let mut child = Command::new(binary("ferry-server"))
+    let mut child = Command::new(ferry_server())
         .args([
             "--listen",
             "127.0.0.1:0",
@@ -230,7 +212,11 @@ fn json_logs_carry_one_span_per_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_run_checks_every_transfer_and_leaves_nothing_behind() {
-    let node = spawn_server(&["--device", "flex", "--device", "flex"], None);
+    let node = spawn_server(
+        ferry_server(),
+        &["--device", "flex", "--device", "flex"],
+        None,
+    );
     let report = run(LoadConfig {
         endpoint: Endpoint::parse(&node.addr),
         client: ClientConfig::default(),

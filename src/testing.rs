@@ -1,13 +1,13 @@
-//! Helpers shared by the integration tests: in-process nodes on loopback and byte comparisons.
-#![allow(dead_code)]
+//! Helpers the integration tests of every package share: in-process nodes on loopback, node
+//! processes, a fault-injecting proxy, byte comparisons and polling.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use ferry::client::{Client, ClientError, ErrorCode};
-use ferry::proto::TensorData;
-use ferry::server::source::{SourceConfig, SourceConnection, SourceError};
-use ferry::server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig};
+use ferry_client::{Client, ClientError, ErrorCode};
+use ferry_proto::TensorData;
+use ferry_server::source::{SourceConfig, SourceConnection, SourceError};
+use ferry_server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -256,22 +256,6 @@ async fn reframe(mut down: tokio::net::TcpStream, mut up: tokio::net::TcpStream)
     }
 }
 
-/// A binary cargo built next to this test's executable (`ferry-server`, `ferry`).
-pub fn binary(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target directory");
-    let path = dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        path.is_file(),
-        "{} is missing: run `cargo build -p ferry-server -p ferry-client` first",
-        path.display()
-    );
-    path
-}
-
 /// A `ferry-server` process on `127.0.0.1:0`, found through its `listening on` line; killed when
 /// dropped.
 pub struct ServerProcess {
@@ -295,10 +279,12 @@ impl Drop for ServerProcess {
     }
 }
 
-/// Starts `ferry-server --listen 127.0.0.1:0 ARGS...`, with `FERRY_TOKEN` set to `token` if given.
-pub fn spawn_server(args: &[&str], token: Option<&str>) -> ServerProcess {
+/// Starts `BINARY --listen 127.0.0.1:0 ARGS...` (a `ferry-server`: a test of the package that
+/// owns it passes `env!("CARGO_BIN_EXE_ferry-server")`), with `FERRY_TOKEN` set to `token` if
+/// given.
+pub fn spawn_server(binary: &std::path::Path, args: &[&str], token: Option<&str>) -> ServerProcess {
     use std::io::BufRead;
-    let mut command = std::process::Command::new(binary("ferry-server"));
+    let mut command = std::process::Command::new(binary);
     command
         .args(["--listen", "127.0.0.1:0"])
         .args(args)
@@ -357,5 +343,72 @@ pub fn eventually_blocking(what: &str, within: Duration, mut check: impl FnMut()
     while !check() {
         assert!(Instant::now() < deadline, "{what}: not within {within:?}");
         std::thread::sleep(POLL);
+    }
+}
+
+/// A node in this process, served by a runtime on a thread of its own, for synchronous tests (a
+/// command line run against it); stopped when dropped.
+pub struct BackgroundNode {
+    /// `127.0.0.1:PORT`.
+    pub addr: String,
+    /// `unix:PATH`, where it also listens on a Unix socket.
+    pub unix: Option<String>,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl BackgroundNode {
+    /// Serves a node of `config` with `service`'s settings on `127.0.0.1:0`, and on the Unix
+    /// socket `unix` where given.
+    pub fn start(
+        config: NodeConfig,
+        service: ServiceConfig,
+        unix: Option<&std::path::Path>,
+    ) -> BackgroundNode {
+        let unix = unix.map(std::path::Path::to_path_buf);
+        let (ready, addresses) = std::sync::mpsc::channel();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            runtime.block_on(async move {
+                let node = Node::start(config).expect("node starts");
+                let loopback: SocketAddr = "127.0.0.1:0".parse().expect("an address");
+                let mut service = Service::bind(node, loopback, service).await.expect("bind");
+                if let Some(path) = &unix {
+                    service = service.listen_unix(path).expect("bind the Unix socket");
+                }
+                let addr = service.local_addr().expect("bound").to_string();
+                let unix = unix.map(|p| format!("unix:{}", p.display()));
+                ready.send((addr, unix)).expect("the test waits");
+                service
+                    .run(async {
+                        let _ = stopped.await;
+                    })
+                    .await
+                    .expect("service ran");
+            });
+        });
+        let (addr, unix) = addresses.recv().expect("the node started");
+        BackgroundNode {
+            addr,
+            unix,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for BackgroundNode {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }

@@ -1,12 +1,12 @@
-//! Writes a small quantized model file to try the CLI with: `cargo run --example make_model -- model.bpk`.
+//! Writes a small quantized model file to try the CLI with: `cargo run -p ferry-cli --example make_model -- model.bpk`.
 //!
 //! Plain and quantized tensors (Q8S per-tensor, Q4S per-block [32] with UE8M0 scales, E2M1 with
 //! two-level scales), quantized by Burn's own Flex backend; `.safetensors` works for a path
 //! ending so, with the quantized tensors left out.
 
-use ferry::client::files::{FileFormat, write_tensors};
 use ferry::proto::{DType, TensorData};
 use ferry::samples;
+use ferry_cli::files::{FileFormat, write_tensors};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::path::PathBuf::from(

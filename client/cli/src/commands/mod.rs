@@ -1,0 +1,13 @@
+//! One file per command of the `ferry` command line.
+
+pub(crate) mod get;
+pub(crate) mod health;
+pub(crate) mod load;
+pub(crate) mod ls;
+pub(crate) mod put;
+pub(crate) mod rm;
+pub(crate) mod stat;
+pub(crate) mod transfer;
+
+/// Tensors per pipelined batch between two progress updates.
+const BATCH: usize = 16;

@@ -1,0 +1,57 @@
+//! `ferry put FILE NODE/DEVICE`: every tensor of a file onto a device.
+
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use ferry_cli::files::read_tensors;
+use ferry_client::TensorData;
+use ferry_client::address::Address;
+
+use super::BATCH;
+use crate::Cli;
+use crate::connect::connect;
+use crate::progress::progress;
+use crate::report::check_all;
+
+pub(crate) async fn put(
+    cli: &Cli,
+    file: &Path,
+    target: &str,
+    prefix: &str,
+    overwrite: bool,
+) -> anyhow::Result<()> {
+    let address = Address::parse(target)?;
+    let device = address.device("put")?;
+    if address.name.is_some() {
+        bail!("put takes HOST:PORT/DEVICE; tensor names come from the file");
+    }
+    // Read and validated in full before anything reaches the node.
+    let tensors = read_tensors(file).with_context(|| format!("reading {}", file.display()))?;
+    let tensors: Vec<(String, TensorData)> = tensors
+        .into_iter()
+        .map(|(name, data)| (format!("{prefix}{name}"), data))
+        .collect();
+    let total: u64 = tensors.iter().map(|(_, d)| d.as_bytes().len() as u64).sum();
+    let bar = progress(total);
+    let mut client = connect(&address.node, cli).await?;
+    let mut results = Vec::with_capacity(tensors.len());
+    for batch in tensors.chunks(BATCH) {
+        let answers = client.put_batch(device, batch, overwrite).await?;
+        for ((name, data), answer) in batch.iter().zip(answers) {
+            if let Some(bar) = &bar {
+                bar.inc(data.as_bytes().len() as u64);
+            }
+            results.push((name.clone(), answer));
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let count = results.len();
+    check_all(results)?;
+    eprintln!(
+        "put {count} tensors ({total} bytes) on {}/{device}",
+        address.node
+    );
+    Ok(())
+}

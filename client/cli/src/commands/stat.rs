@@ -1,0 +1,52 @@
+//! `ferry stat NODE`: a node's devices, counters and shared-memory use, as text or JSON.
+
+use ferry_client::address::Address;
+
+use crate::Cli;
+use crate::connect::connect;
+
+pub(crate) async fn stat(cli: &Cli, node: &str, json: bool) -> anyhow::Result<()> {
+    let address = Address::parse(node)?;
+    let mut client = connect(&address.node, cli).await?;
+    let stats = client.stat().await?;
+    if json {
+        let value = serde_json::to_value(&stats)?;
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        println!(
+            "{} {} ({} policy)",
+            stats.agent, stats.node_id, stats.transfer_policy
+        );
+        for d in &stats.devices {
+            let limit = d
+                .memory_limit
+                .map_or_else(|| "no limit".to_string(), |l| format!("limit {l}"));
+            println!(
+                "device {}: {} {}, {} tensors, {} bytes ({limit})",
+                d.index, d.backend, d.device, d.tensors, d.bytes_held
+            );
+        }
+        println!(
+            "transfers: {} done, {} failed; in-node paths: {} native, {} round-trip; {} connections",
+            stats.transfers_done,
+            stats.transfers_failed,
+            stats.native_transfers,
+            stats.round_trip_transfers,
+            stats.connections
+        );
+        println!(
+            "node to node: {} pulled ({} retries, {} skipped as duplicates), {} served",
+            stats.pulls, stats.pull_retries, stats.dedup_hits, stats.fetches_served
+        );
+        println!(
+            "unix socket: {}; shared memory: {}; {} payloads sent and {} received through it ({} bytes), {} regions in flight",
+            stats.unix_socket.as_deref().unwrap_or("none"),
+            if stats.shared_memory { "on" } else { "off" },
+            stats.shm_payloads_sent,
+            stats.shm_payloads_received,
+            stats.shm_bytes,
+            stats.regions_in_flight
+        );
+    }
+    Ok(())
+}

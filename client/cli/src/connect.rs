@@ -1,0 +1,24 @@
+//! Connecting to a node with the command line's token and shared-memory settings.
+
+use anyhow::Context;
+use ferry_client::{Client, ClientConfig};
+
+use crate::Cli;
+
+pub(crate) async fn connect(node: &str, cli: &Cli) -> anyhow::Result<Client> {
+    Client::connect_with(node, client_config(cli))
+        .await
+        .with_context(|| format!("connecting to {node}"))
+}
+
+pub(crate) fn client_config(cli: &Cli) -> ClientConfig {
+    ClientConfig {
+        token: cli.token.clone(),
+        disable_shared_memory: cli.no_shm,
+        limits: ferry_client::ConnectionLimits {
+            region_min: usize::try_from(cli.shm_min.as_u64()).unwrap_or(usize::MAX),
+            ..Default::default()
+        },
+        ..ClientConfig::default()
+    }
+}

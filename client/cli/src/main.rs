@@ -1,0 +1,234 @@
+//! `ferry`: the command line for putting, getting, copying and listing tensors on ferry nodes.
+//! One file per command under `commands/`; tensor files are the `ferry_cli::files` library.
+
+mod commands;
+mod connect;
+mod progress;
+mod report;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use ferry_client::Endpoint;
+use ferry_client::address::Address;
+use ferry_client::load::LoadConfig;
+
+/// Move Burn tensors between ferry nodes, devices and files.
+///
+/// A node is HOST:PORT or unix:PATH (a Unix socket); a tensor is NODE/DEVICE/NAME; NODE/DEVICE
+/// is every tensor on that device. On a Unix socket, payloads go through shared memory unless
+/// --no-shm.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+pub(crate) struct Cli {
+    /// The nodes' shared token.
+    #[arg(long, global = true, env = "FERRY_TOKEN", hide_env_values = true)]
+    pub(crate) token: Option<String>,
+    /// Never move payloads through shared memory, even over a Unix socket.
+    #[arg(long, global = true)]
+    pub(crate) no_shm: bool,
+    /// Smallest payload this command sends through shared memory (suffixes like 64KiB work);
+    /// smaller ones go through the socket.
+    #[arg(long, global = true, default_value = "256KiB")]
+    pub(crate) shm_min: bytesize::ByteSize,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Upload every tensor in FILE (.bpk or .safetensors) to HOST:PORT/DEVICE under its name.
+    Put {
+        /// The file.
+        file: PathBuf,
+        /// HOST:PORT/DEVICE.
+        target: String,
+        /// Prepended to every tensor name.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// Replace tensors that already exist.
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// Download one tensor, or a whole device, into FILE (.bpk or .safetensors).
+    Get {
+        /// HOST:PORT/DEVICE[/NAME].
+        source: String,
+        /// The file to write.
+        #[arg(short, long)]
+        output: PathBuf,
+    },
+    /// Copy a tensor (or every tensor of a device) to HOST:PORT/DEVICE[/NAME].
+    Cp {
+        /// HOST:PORT/DEVICE[/NAME].
+        source: String,
+        /// HOST:PORT/DEVICE[/NAME].
+        target: String,
+        /// Replace tensors that already exist.
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// Move a tensor (or every tensor of a device): the source goes once the target holds it.
+    Mv {
+        /// HOST:PORT/DEVICE[/NAME].
+        source: String,
+        /// HOST:PORT/DEVICE[/NAME].
+        target: String,
+        /// Replace tensors that already exist.
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// List the tensors on a node, or on one of its devices.
+    Ls {
+        /// HOST:PORT[/DEVICE].
+        location: String,
+        /// Print a JSON array.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a tensor.
+    Rm {
+        /// HOST:PORT/DEVICE/NAME.
+        tensor: String,
+    },
+    /// Check that a node answers: exit status 0 and `ok` when it does within the timeout (for
+    /// supervisors and readiness probes), non-zero and an error line when not.
+    Health {
+        /// HOST:PORT or unix:PATH.
+        node: String,
+        /// Seconds to wait for the answer.
+        #[arg(long, default_value_t = 5)]
+        timeout: u64,
+    },
+    /// Put load on a node: many clients putting, getting, copying and deleting tensors of mixed
+    /// sizes and dtypes, every transfer checked byte for byte. Prints throughput, latency
+    /// percentiles, errors and the node's memory; exits non-zero on any error or mismatch.
+    Load {
+        /// HOST:PORT or unix:PATH.
+        node: String,
+        /// Clients at once, one connection each.
+        #[arg(long, default_value_t = 16)]
+        clients: usize,
+        /// Rounds per client (put, get, copy, get, two deletes).
+        #[arg(long)]
+        rounds: Option<u64>,
+        /// Run for this many seconds instead (or as well: whichever ends first).
+        #[arg(long)]
+        seconds: Option<u64>,
+        /// Smallest tensor (suffixes work).
+        #[arg(long, default_value = "4KiB")]
+        min_size: bytesize::ByteSize,
+        /// Largest tensor (suffixes work); sizes are spread evenly on a log scale.
+        #[arg(long, default_value = "64MiB")]
+        max_size: bytesize::ByteSize,
+        /// Tensor bytes this command holds at once across its clients.
+        #[arg(long, default_value = "2GiB")]
+        max_in_flight: bytesize::ByteSize,
+        /// The device tensors are put on.
+        #[arg(long, default_value_t = 0)]
+        device: u32,
+        /// The device they are copied to.
+        #[arg(long, default_value_t = 1)]
+        copy_device: u32,
+        /// Seed for sizes, dtypes and contents (tensor names carry it).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Unmeasured rounds per client first, so that "before" includes what the node keeps
+        /// for good (connection buffers, allocator state).
+        #[arg(long, default_value_t = 1)]
+        warmup_rounds: u64,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a node's devices, tensors and transfer counters.
+    Stat {
+        /// HOST:PORT.
+        node: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+async fn run(cli: &Cli) -> anyhow::Result<()> {
+    match &cli.command {
+        Command::Put {
+            file,
+            target,
+            prefix,
+            overwrite,
+        } => commands::put::put(cli, file, target, prefix, *overwrite).await,
+        Command::Get { source, output } => commands::get::get(cli, source, output).await,
+        Command::Cp {
+            source,
+            target,
+            overwrite,
+        } => commands::transfer::transfer(cli, source, target, false, *overwrite).await,
+        Command::Mv {
+            source,
+            target,
+            overwrite,
+        } => commands::transfer::transfer(cli, source, target, true, *overwrite).await,
+        Command::Ls { location, json } => commands::ls::ls(cli, location, *json).await,
+        Command::Rm { tensor } => commands::rm::rm(cli, tensor).await,
+        Command::Stat { node, json } => commands::stat::stat(cli, node, *json).await,
+        Command::Health { node, timeout } => commands::health::health(cli, node, *timeout).await,
+        Command::Load {
+            node,
+            clients,
+            rounds,
+            seconds,
+            min_size,
+            max_size,
+            max_in_flight,
+            device,
+            copy_device,
+            seed,
+            warmup_rounds,
+            json,
+        } => {
+            let to_usize =
+                |b: &bytesize::ByteSize| usize::try_from(b.as_u64()).unwrap_or(usize::MAX);
+            let config = LoadConfig {
+                endpoint: Endpoint::parse(&Address::parse(node)?.node),
+                client: connect::client_config(cli),
+                clients: *clients,
+                rounds: *rounds,
+                duration: seconds.map(std::time::Duration::from_secs),
+                min_bytes: to_usize(min_size),
+                max_bytes: to_usize(max_size),
+                max_in_flight_bytes: to_usize(max_in_flight),
+                device: *device,
+                copy_device: *copy_device,
+                seed: *seed,
+                warmup_rounds: *warmup_rounds,
+            };
+            commands::load::load(config, *json).await
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(&cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // One line: the context chain joined.
+            let chain: Vec<String> = error.chain().map(|e| e.to_string()).collect();
+            eprintln!("error: {}", chain.join(": "));
+            ExitCode::FAILURE
+        }
+    }
+}

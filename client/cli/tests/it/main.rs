@@ -1,0 +1,12 @@
+//! The `ferry` command line's integration tests, one binary: the commands against real nodes,
+//! tensor files, and (ignored by default) a model pulled across network namespaces.
+
+mod cli;
+mod files;
+mod health;
+mod netns;
+
+/// The binary under test, built by cargo for this package's tests.
+fn ferry_cli() -> &'static std::path::Path {
+    std::path::Path::new(env!("CARGO_BIN_EXE_ferry"))
+}

@@ -1,3 +1,0 @@
-//! ferry-client's integration tests, one binary.
-
-mod files;

@@ -1,0 +1,14 @@
+//! The `ferry-server` binary's integration tests, one binary: its command line, and what only a
+//! real node process shows (signals, logs, the metrics endpoint, the load generator against it,
+//! shared memory between processes, the process-wide buffer pool).
+
+mod help;
+mod local;
+mod ops;
+mod recycling;
+mod signals;
+
+/// The binary under test, built by cargo for this package's tests.
+fn ferry_server() -> &'static std::path::Path {
+    std::path::Path::new(env!("CARGO_BIN_EXE_ferry-server"))
+}

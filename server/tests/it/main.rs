@@ -1,3 +1,0 @@
-//! ferry-server's integration tests, one binary.
-
-mod binary;
