@@ -1,0 +1,293 @@
+//! Burn's burnpack files (`.bpk`): the header and CBOR metadata validated against the file before
+//! burn-pack reads any tensor, and written through burn-pack.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Read;
+use std::path::Path;
+use std::sync::{Arc, Mutex, mpsc};
+
+use burn_std::{Bytes, DType};
+use ferry_proto::tensor::meta_of;
+use ferry_proto::{MetaError, TensorData, TensorMeta};
+use serde::Deserialize;
+
+use super::{
+    FileError, ORDER_KEY, apply_recorded_order, check_block_sizes, io_error, order_record,
+    zeroed_for,
+};
+
+/// The part of burnpack's CBOR metadata ferry checks; the rest (param ids, scalars) is ignored.
+#[derive(Deserialize)]
+struct PackMetadata {
+    tensors: BTreeMap<String, PackDescriptor>,
+    #[serde(default)]
+    metadata: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+struct PackDescriptor {
+    /// Kept raw so that it can be checked before it becomes a `DType` (see `check_block_sizes`).
+    dtype: ciborium::Value,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// One tensor of a burnpack file, validated against the file before any of its data is read.
+struct Planned {
+    name: String,
+    start: u64,
+    end: u64,
+    meta: TensorMeta,
+}
+
+pub(super) fn read_burnpack(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {
+    let bad = |message: String| FileError::Burnpack(format!("{}: {message}", path.display()));
+    let planned = plan_burnpack(path, &bad)?;
+
+    let mut tensors: HashMap<String, burn_pack::Tensor> = burn_pack::Reader::from_file_exact(path)
+        .and_then(burn_pack::Reader::into_tensors)
+        .map_err(|e| pack_error(path, e))?
+        .into_iter()
+        .map(|t| (t.name.clone(), t))
+        .collect();
+    // burn-pack reopened the file by name; if it is not the file just validated, stop.
+    let changed = || bad("the file changed while it was being read".to_string());
+    if tensors.len() != planned.len() {
+        return Err(changed());
+    }
+
+    let mut out = Vec::with_capacity(planned.len());
+    for plan in planned {
+        let tensor = tensors.remove(&plan.name).ok_or_else(changed)?;
+        let (name, dtype, shape, _, view) = tensor.into_parts().map_err(|e| bad(e.to_string()))?;
+        if dtype != plan.meta.dtype()
+            || shape.as_slice() != plan.meta.shape()
+            || view.len() != plan.meta.byte_len()
+        {
+            return Err(changed());
+        }
+        // burn-pack hands out lazy views of the file that re-read the path on access (and on
+        // `split`, which GPU backends use on quantized data): a file overwritten later would
+        // change or break tensors already returned, and a failed read panics inside `Deref`.
+        // So read each view once, fallibly, into memory of ferry's own.
+        let mut bytes = zeroed_for(dtype, view.len());
+        let read = view
+            .read(burn_std::Reader::new())
+            .map_err(|e| FileError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::other(format!("tensor '{name}': {e}")),
+            })?;
+        bytes.copy_from_slice(read);
+        drop(view);
+        let data = TensorData::try_from_bytes(bytes, shape, dtype)
+            .map_err(|e| bad(format!("tensor '{name}': {e}")))?;
+        meta_of(&data).map_err(|source| FileError::Invalid {
+            name: name.clone(),
+            source,
+        })?;
+        out.push((name, data));
+    }
+    Ok(out)
+}
+
+/// Reads a burnpack header and metadata and checks them against the file: every tensor's range
+/// within the file and disjoint from the others, its length per ferry's rule (which burn-pack
+/// skips for quantized dtypes), its dtype one Burn can handle without panicking, and the file
+/// exactly as long as its tensors. Returns the tensors in order, their data not yet read.
+fn plan_burnpack(
+    path: &Path,
+    bad: &impl Fn(String) -> FileError,
+) -> Result<Vec<Planned>, FileError> {
+    use burn_pack::{
+        FORMAT_VERSION, HEADER_SIZE, Header, MAX_CBOR_RECURSION_DEPTH, MAX_METADATA_SIZE,
+        MAX_TENSOR_COUNT, aligned_data_section_start,
+    };
+
+    let mut file = File::open(path).map_err(io_error(path))?;
+    let file_len = file.metadata().map_err(io_error(path))?.len();
+    if file_len < HEADER_SIZE as u64 {
+        return Err(bad(format!(
+            "{file_len} bytes is too short for a burnpack header ({HEADER_SIZE} bytes)"
+        )));
+    }
+    let mut raw_header = [0u8; HEADER_SIZE];
+    file.read_exact(&mut raw_header).map_err(io_error(path))?;
+    let header = Header::from_bytes(&raw_header).map_err(|e| bad(e.to_string()))?;
+    if header.version > FORMAT_VERSION {
+        return Err(bad(format!(
+            "format version {} is newer than the {FORMAT_VERSION} this build reads",
+            header.version
+        )));
+    }
+    if header.metadata_size > MAX_METADATA_SIZE {
+        return Err(bad(format!(
+            "metadata of {} bytes exceeds burnpack's limit of {MAX_METADATA_SIZE}",
+            header.metadata_size
+        )));
+    }
+    // Checked before allocating: burn-pack would allocate whatever the header claims first.
+    let metadata_end = HEADER_SIZE as u64 + u64::from(header.metadata_size);
+    if metadata_end > file_len {
+        return Err(bad(format!(
+            "truncated: the header claims {} bytes of metadata, the file has {}",
+            header.metadata_size,
+            file_len - HEADER_SIZE as u64
+        )));
+    }
+    let mut raw = vec![0u8; header.metadata_size as usize];
+    file.read_exact(&mut raw).map_err(io_error(path))?;
+    drop(file);
+    let mut rest = raw.as_slice();
+    let metadata: PackMetadata =
+        ciborium::de::from_reader_with_recursion_limit(&mut rest, MAX_CBOR_RECURSION_DEPTH)
+            .map_err(|e| bad(format!("metadata: {e}")))?;
+    // The header's size must be the metadata's: bytes past the CBOR mean it lies.
+    if !rest.is_empty() {
+        return Err(bad(format!(
+            "the header claims {} bytes of metadata, its CBOR ends {} bytes earlier",
+            header.metadata_size,
+            rest.len()
+        )));
+    }
+    drop(raw);
+    if metadata.tensors.len() > MAX_TENSOR_COUNT {
+        return Err(bad(format!(
+            "{} tensors exceeds burnpack's limit of {MAX_TENSOR_COUNT}",
+            metadata.tensors.len()
+        )));
+    }
+
+    let data_start = aligned_data_section_start(header.metadata_size as usize) as u64;
+    let mut planned = Vec::with_capacity(metadata.tensors.len());
+    for (name, descriptor) in metadata.tensors {
+        check_block_sizes(&descriptor.dtype).map_err(|reason| FileError::MalformedDType {
+            name: name.clone(),
+            reason,
+        })?;
+        let dtype: DType = descriptor
+            .dtype
+            .deserialized()
+            .map_err(|e| bad(format!("tensor '{name}': dtype: {e}")))?;
+        let shape = descriptor
+            .shape
+            .iter()
+            .map(|&dim| usize::try_from(dim).map_err(|_| MetaError::DimTooLarge { dim }))
+            .collect::<Result<Vec<_>, _>>();
+        let (start, end) = descriptor.data_offsets;
+        if end < start {
+            return Err(bad(format!(
+                "tensor '{name}': data range {start}..{end} ends before it starts"
+            )));
+        }
+        let meta = shape
+            .and_then(|shape| TensorMeta::with_byte_len(shape, dtype, end - start))
+            .map_err(|source| FileError::Invalid {
+                name: name.clone(),
+                source,
+            })?;
+        planned.push(Planned {
+            name,
+            start,
+            end,
+            meta,
+        });
+    }
+
+    planned.sort_by(|a, b| (a.start, a.end, &a.name).cmp(&(b.start, b.end, &b.name)));
+    // burn-pack would hand out overlapping ranges as two tensors sharing bytes; its writer never
+    // makes them, so they mean a corrupt or hand-crafted file.
+    for pair in planned.windows(2) {
+        if pair[1].start < pair[0].end {
+            return Err(bad(format!(
+                "tensors '{}' and '{}' overlap in the data section",
+                pair[0].name, pair[1].name
+            )));
+        }
+    }
+    let data_len = planned.iter().map(|p| p.end).max().unwrap_or(0);
+    let expected = data_start
+        .checked_add(data_len)
+        .ok_or_else(|| bad("tensor offsets overflow".to_string()))?;
+    if file_len < expected {
+        return Err(bad(format!(
+            "truncated: its tensors need {expected} bytes, the file has {file_len}"
+        )));
+    }
+    if file_len > expected {
+        return Err(bad(format!(
+            "{} bytes after the last tensor, where burnpack has none",
+            file_len - expected
+        )));
+    }
+
+    let record = metadata.metadata.get(ORDER_KEY).map(String::as_str);
+    Ok(apply_recorded_order(planned, |p| p.name.as_str(), record))
+}
+
+pub(super) fn write_burnpack(
+    path: &Path,
+    tensors: &[(String, TensorData)],
+) -> Result<(), FileError> {
+    // burn-pack wants `'static` tensor bytes, but these are borrowed: copying them all up front
+    // would double the caller's memory. Instead each tensor is deferred, and a scoped thread
+    // copies one tensor at a time as the writer asks for it, in the writer's (= this) order.
+    let (sender, receiver) = mpsc::sync_channel::<(usize, Bytes)>(0);
+    let receiver = Arc::new(Mutex::new(receiver));
+    let entries: Vec<burn_pack::Tensor> = tensors
+        .iter()
+        .enumerate()
+        .map(|(index, (name, data))| {
+            let receiver = Arc::clone(&receiver);
+            burn_pack::Tensor::deferred(
+                name.clone(),
+                data.dtype(),
+                data.shape().clone(),
+                None,
+                data.bytes().len(),
+                move || {
+                    let next = receiver
+                        .lock()
+                        .map_err(|_| burn_pack::Error::IoError("tensor source failed".into()))?
+                        .recv();
+                    match next {
+                        Ok((sent, bytes)) if sent == index => Ok(bytes),
+                        _ => Err(burn_pack::Error::IoError(
+                            "tensor source out of step with the writer".into(),
+                        )),
+                    }
+                },
+            )
+        })
+        .collect();
+    drop(receiver);
+    let writer = burn_pack::Writer::new(entries)
+        .with_metadata(ORDER_KEY, &order_record(tensors))
+        .auto_extension(false);
+
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            for (index, (_, data)) in tensors.iter().enumerate() {
+                let copy = Bytes::from_bytes_vec(data.as_bytes().to_vec());
+                // The writer stopped early (and dropped the receiver): so does this.
+                if sender.send((index, copy)).is_err() {
+                    break;
+                }
+            }
+        });
+        // Builds `<name>.<pid>-<n>.tmp` beside `path`, fsyncs it, renames it onto `path`.
+        writer.write_to_file(path).map_err(|e| pack_error(path, e))
+    })
+}
+
+/// burn-pack's error as ferry's: its I/O failures (a missing directory, a full disk) become
+/// [`FileError::Io`], though burn-pack keeps only their message, not the original error.
+fn pack_error(path: &Path, error: burn_pack::Error) -> FileError {
+    match error {
+        burn_pack::Error::IoError(message) => FileError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(message),
+        },
+        other => FileError::Burnpack(format!("{}: {other}", path.display())),
+    }
+}
