@@ -55,6 +55,8 @@
 //! the best run. The ratio is ferry's median over raw TCP's median; the goal is >= 0.8 at
 //! 256 MiB. The ratio against raw TCP into a fresh buffer is printed beside it: a receiver that
 //! allocates its buffer per tensor pays those page faults too.
+// Test and example code: an unwrap that fails is the failure, with its location.
+#![allow(clippy::unwrap_used)]
 
 mod support;
 

@@ -31,6 +31,8 @@
 //! Ratios are medians over the medians of memcpy into an already-touched buffer (the issue's
 //! limit), and beside it over raw TCP. Goal: shared memory >= 0.5x memcpy, printed for both
 //! shared-memory routes.
+// Test and example code: an unwrap that fails is the failure, with its location.
+#![allow(clippy::unwrap_used)]
 
 mod support;
 

@@ -1,6 +1,8 @@
 //! `BlockingClient`: the client API for a program without an async runtime.
 //!
 //! `cargo run --example blocking`. A node runs in a background thread of this process.
+// Test and example code: an unwrap that fails is the failure, with its location.
+#![allow(clippy::unwrap_used)]
 
 use ferry::client::{BlockingClient, TensorKey};
 use ferry::proto::TensorData;

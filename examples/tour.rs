@@ -2,6 +2,8 @@
 //!
 //! `cargo run --example tour`. It starts two nodes in process (each with two flex devices) on
 //! free ports, so it needs nothing else running.
+// Test and example code: an unwrap that fails is the failure, with its location.
+#![allow(clippy::unwrap_used)]
 
 use burn_tensor::quantization::{QuantScheme, QuantStore, QuantValue};
 use burn_tensor::{Device, Tensor};

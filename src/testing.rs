@@ -1,5 +1,8 @@
 //! Helpers the integration tests of every package share: in-process nodes on loopback, node
 //! processes, a fault-injecting proxy, byte comparisons and polling.
+// Test support: a failed unwrap fails the test that called it, and these helpers are read in
+// the tests that use them rather than in `cargo doc`.
+#![allow(clippy::unwrap_used, missing_docs)]
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

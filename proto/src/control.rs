@@ -18,10 +18,18 @@ const CONFIG: Configuration<LittleEndian, Fixint, Limit<DEFAULT_MAX_BODY>> =
         .with_fixed_int_encoding()
         .with_limit::<DEFAULT_MAX_BODY>();
 
-fn encode_body<T: Serialize>(message: &T) -> Vec<u8> {
-    // Encoding our own plain data types into a Vec cannot fail: no I/O, no custom serializers,
-    // and every message is far below the limit.
-    bincode::serde::encode_to_vec(message, CONFIG).unwrap_or_default()
+/// The body of a control frame: `message` encoded, and no larger than any peer accepts (a
+/// message this side cannot send is an error here, never an empty or truncated frame there).
+fn encode_body<T: Serialize>(message: &T) -> Result<Vec<u8>, FrameError> {
+    let body = bincode::serde::encode_to_vec(message, CONFIG)
+        .map_err(|e| FrameError::Unencodable(e.to_string()))?;
+    if body.len() > DEFAULT_MAX_BODY {
+        return Err(FrameError::TooLarge {
+            len: body.len() as u64,
+            max: DEFAULT_MAX_BODY as u64,
+        });
+    }
+    Ok(body)
 }
 
 fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
@@ -37,13 +45,13 @@ fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
 }
 
 /// A whole control frame carrying `request`.
-pub fn encode_request(request: &Request) -> Vec<u8> {
-    frame::encode(FrameKind::Control, &encode_body(request))
+pub fn encode_request(request: &Request) -> Result<Vec<u8>, FrameError> {
+    Ok(frame::encode(FrameKind::Control, &encode_body(request)?))
 }
 
 /// A whole control frame carrying `response`.
-pub fn encode_response(response: &Response) -> Vec<u8> {
-    frame::encode(FrameKind::Control, &encode_body(response))
+pub fn encode_response(response: &Response) -> Result<Vec<u8>, FrameError> {
+    Ok(frame::encode(FrameKind::Control, &encode_body(response)?))
 }
 
 /// The request in a control frame's body.

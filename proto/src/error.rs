@@ -205,6 +205,9 @@ pub enum FrameError {
     /// A control body that does not decode.
     #[error("malformed control message: {0}")]
     Malformed(String),
+    /// A control message this side could not encode (it is never sent).
+    #[error("control message could not be encoded: {0}")]
+    Unencodable(String),
     /// A chunk body too short to hold its offset.
     #[error("chunk frame of {len} bytes is too short for its offset field")]
     ShortChunk {

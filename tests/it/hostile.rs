@@ -34,13 +34,16 @@ impl Raw {
 
     async fn hello(node: &TestNode, token: Option<&str>) -> (Raw, Response) {
         let mut raw = Raw::connect(node).await;
-        raw.send(&control::encode_request(&Request::Hello(Hello {
-            major: PROTOCOL_VERSION,
-            minor: PROTOCOL_MINOR,
-            features: FEATURES.iter().map(|f| f.to_string()).collect(),
-            token: token.map(str::to_string),
-            agent: "hostile-test".into(),
-        })))
+        raw.send(
+            &control::encode_request(&Request::Hello(Hello {
+                major: PROTOCOL_VERSION,
+                minor: PROTOCOL_MINOR,
+                features: FEATURES.iter().map(|f| f.to_string()).collect(),
+                token: token.map(str::to_string),
+                agent: "hostile-test".into(),
+            }))
+            .unwrap(),
+        )
         .await;
         let welcome = raw.response().await.expect("a reply to hello");
         (raw, welcome)
@@ -96,6 +99,7 @@ fn put_request(device: u32, name: &str, meta: ferry::proto::WireMeta) -> Vec<u8>
         meta,
         overwrite: false,
     })
+    .unwrap()
 }
 
 /// A node with one flex device and `service`'s limits.
@@ -140,7 +144,7 @@ async fn garbage_instead_of_a_frame() {
 async fn a_frame_of_another_major_version_is_refused_clearly() {
     let node = start_with(&["flex"]).await;
     let mut raw = Raw::connect(&node).await;
-    let mut hello = control::encode_request(&Request::Stat);
+    let mut hello = control::encode_request(&Request::Stat).unwrap();
     hello[4] = PROTOCOL_VERSION + 1;
     raw.send(&hello).await;
     let message = raw.expect_fatal(ErrorCode::VersionMismatch).await;
@@ -152,7 +156,7 @@ async fn a_frame_of_another_major_version_is_refused_clearly() {
 async fn a_lying_frame_length_is_refused_before_allocation() {
     let node = start_with(&["flex"]).await;
     let (mut raw, _) = Raw::hello(&node, None).await;
-    let mut frame = control::encode_request(&Request::Stat);
+    let mut frame = control::encode_request(&Request::Stat).unwrap();
     frame[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
     raw.send(&frame[..16]).await;
     let message = raw.expect_fatal(ErrorCode::Protocol).await;
@@ -205,7 +209,7 @@ async fn a_chunk_past_the_declared_length_or_out_of_order_or_corrupt_is_refused(
         (frame::encode_chunk(4, &bytes[4..]), "expected offset 0"),
         (corrupt, "checksum"),
         (
-            control::encode_request(&Request::Stat),
+            control::encode_request(&Request::Stat).unwrap(),
             "expected a chunk frame",
         ),
     ];
@@ -265,7 +269,7 @@ async fn a_silent_peer_mid_frame_is_dropped_after_the_idle_timeout() {
     service.limits.idle_timeout = Duration::from_millis(300);
     let node = flex_node(service).await;
     let (mut raw, _) = Raw::hello(&node, None).await;
-    raw.send(&control::encode_request(&Request::Stat)[..10])
+    raw.send(&control::encode_request(&Request::Stat).unwrap()[..10])
         .await;
     let message = raw.expect_fatal(ErrorCode::Protocol).await;
     assert!(message.contains("sent nothing"), "{message}");
@@ -286,7 +290,7 @@ async fn a_wrong_token_is_refused_before_any_command_runs() {
         };
         assert_eq!(code, ErrorCode::AuthRefused);
         // Disconnected: a command sent now is never answered.
-        raw.send(&control::encode_request(&Request::List { device: None }))
+        raw.send(&control::encode_request(&Request::List { device: None }).unwrap())
             .await;
         assert!(raw.response().await.is_none());
         let refused = Client::connect(node.addr, token).await;
@@ -389,7 +393,7 @@ fn valid_frames() -> Vec<Vec<u8>> {
         },
     ]
     .iter()
-    .map(control::encode_request)
+    .map(|r| control::encode_request(r).unwrap())
     .collect();
     frames.push(frame::encode_chunk(0, data.as_bytes()));
     frames.push(
@@ -508,7 +512,7 @@ async fn a_whole_header_then_silence_is_dropped_after_the_idle_timeout() {
     service.limits.idle_timeout = Duration::from_millis(300);
     let node = flex_node(service).await;
     let (mut raw, _) = Raw::hello(&node, None).await;
-    let frame = control::encode_request(&Request::Stat);
+    let frame = control::encode_request(&Request::Stat).unwrap();
     raw.send(&frame[..frame::HEADER_LEN]).await;
     let message = raw.expect_fatal(ErrorCode::Protocol).await;
     assert!(message.contains("sent nothing"), "{message}");
@@ -675,7 +679,7 @@ async fn a_stat_answer_of_another_minor_is_named_as_such() {
             recycled_bytes: 0,
             regions_kept: 0,
         };
-        let whole = control::encode_response(&Response::Stats(stats));
+        let whole = control::encode_response(&Response::Stats(stats)).unwrap();
         let body = &whole[frame::HEADER_LEN..whole.len() - 32];
         conn.write_frame(&frame::encode(FrameKind::Control, body))
             .await
@@ -1043,7 +1047,7 @@ async fn a_stalled_get_holds_its_bytes_in_the_budget_until_its_deadline() {
     // The description arrives; then the reader reads nothing more. 40 MiB is far more than
     // loopback socket buffers take, so the node's send blocks.
     let (mut raw, _) = Raw::hello(&node, None).await;
-    raw.send(&control::encode_request(&Request::Get { key: key.clone() }))
+    raw.send(&control::encode_request(&Request::Get { key: key.clone() }).unwrap())
         .await;
     match raw.response().await {
         Some(Response::Tensor { info, .. }) => assert_eq!(info.bytes, SIZE),
@@ -1175,7 +1179,7 @@ async fn a_hundred_thousand_tensors_list_and_copy_as_a_device() {
     // The old, unpaged listing cannot hold them: refused with the count and the way out.
     let (mut raw, _) = Raw::hello(&node, None).await;
     for device in [Some(0), None] {
-        raw.send(&control::encode_request(&Request::List { device }))
+        raw.send(&control::encode_request(&Request::List { device }).unwrap())
             .await;
         let message = raw.expect_error(ErrorCode::LimitExceeded).await;
         assert!(message.contains(&COUNT.to_string()), "{message}");

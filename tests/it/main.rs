@@ -6,8 +6,11 @@
 //! Run one module with `cargo test -p ferry --test it MODULE::` (e.g. `hostile::`). Tests of the
 //! `ferry-server` and `ferry` binaries live with the packages that own them (`server/cli`,
 //! `client/cli`).
+// Test and example code: an unwrap that fails is the failure, with its location.
+#![allow(clippy::unwrap_used)]
 
 mod concurrency;
+mod holds;
 mod hostile;
 mod node;
 mod peers;

@@ -3,6 +3,8 @@
 //! Plain and quantized tensors (Q8S per-tensor, Q4S per-block [32] with UE8M0 scales, E2M1 with
 //! two-level scales), quantized by Burn's own Flex backend; `.safetensors` works for a path
 //! ending so, with the quantized tensors left out.
+// Test and example code: an unwrap that fails is the failure, with its location.
+#![allow(clippy::unwrap_used)]
 
 use ferry::proto::{DType, TensorData};
 use ferry::samples;

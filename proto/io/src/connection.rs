@@ -434,13 +434,13 @@ impl<S: Transport> Connection<S> {
         // it never leaves a region unread, whatever this side pipelines.
         self.peer_behind = false;
         self.unread_region_bytes = 0;
-        self.write_frame(&control::encode_request(request)).await
+        self.write_frame(&control::encode_request(request)?).await
     }
 
     /// Writes a response and flushes.
     pub async fn write_response(&mut self, response: &Response) -> Result<(), ConnectionError> {
         self.note_peer_progress();
-        self.write_frame(&control::encode_response(response)).await
+        self.write_frame(&control::encode_response(response)?).await
     }
 
     /// Records whether the peer had read everything sent so far, as a new answer begins (a

@@ -179,10 +179,9 @@ pub async fn refuse<S: Transport>(
         message: error.to_string(),
     });
     // Written as a raw frame: the peer may be mid-way through sending, and only needs the reason.
-    let _ = tokio::time::timeout(
-        Duration::from_secs(1),
-        conn.write_frame(&control::encode_response(&reply)),
-    )
-    .await;
+    // (A reply that cannot be encoded is not sent: the connection closes all the same.)
+    if let Ok(frame) = control::encode_response(&reply) {
+        let _ = tokio::time::timeout(Duration::from_secs(1), conn.write_frame(&frame)).await;
+    }
     error
 }

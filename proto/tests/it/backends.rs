@@ -127,7 +127,7 @@ fn send(data: TensorData, chunk_size: usize) -> (Vec<u8>, usize) {
         meta: meta.to_wire(),
         overwrite: false,
     };
-    let mut stream = encode_request(&put);
+    let mut stream = encode_request(&put).unwrap();
     let mut chunks = 0;
     for (offset, piece) in frame::chunks(&payload, chunk_size) {
         stream.extend_from_slice(&frame::encode_chunk(offset, piece));

@@ -44,8 +44,8 @@ enum Item {
 impl Item {
     fn encode(&self) -> Vec<u8> {
         match self {
-            Item::Request(r) => encode_request(r),
-            Item::Response(r) => encode_response(r),
+            Item::Request(r) => encode_request(r).unwrap(),
+            Item::Response(r) => encode_response(r).unwrap(),
             Item::Chunk { offset, data } => frame::encode_chunk(*offset, data),
             Item::Region(region) => region.frame(),
         }

@@ -372,8 +372,8 @@ fn arb_response() -> BoxedStrategy<Response> {
 /// A valid frame of either kind.
 fn arb_frame() -> BoxedStrategy<Vec<u8>> {
     prop_oneof![
-        arb_request().prop_map(|r| encode_request(&r)),
-        arb_response().prop_map(|r| encode_response(&r)),
+        arb_request().prop_map(|r| encode_request(&r).unwrap()),
+        arb_response().prop_map(|r| encode_response(&r).unwrap()),
         (any::<u64>(), vec(any::<u8>(), 0..64)).prop_map(|(o, p)| frame::encode_chunk(o, &p)),
         vec(any::<u8>(), 0..64).prop_map(|b| frame::encode(FrameKind::Control, &b)),
     ]
@@ -423,7 +423,7 @@ proptest! {
         overwrite in any::<bool>(),
     ) {
         let put = Request::Put { device, name, meta: meta.to_wire(), overwrite };
-        let decoded = decode_request(&only_control_body(&encode_request(&put))).unwrap();
+        let decoded = decode_request(&only_control_body(&encode_request(&put).unwrap())).unwrap();
         prop_assert_eq!(&decoded, &put);
         let Request::Put { meta: wire, .. } = decoded else { unreachable!() };
         prop_assert_eq!(wire.byte_len, meta.byte_len() as u64);
@@ -433,13 +433,13 @@ proptest! {
 
     #[test]
     fn every_request_round_trips(request in arb_request()) {
-        let body = only_control_body(&encode_request(&request));
+        let body = only_control_body(&encode_request(&request).unwrap());
         prop_assert_eq!(decode_request(&body), Ok(request));
     }
 
     #[test]
     fn every_response_round_trips(response in arb_response()) {
-        let body = only_control_body(&encode_response(&response));
+        let body = only_control_body(&encode_response(&response).unwrap());
         prop_assert_eq!(decode_response(&body), Ok(response));
     }
 }
@@ -626,8 +626,8 @@ fn arb_body() -> BoxedStrategy<Vec<u8>> {
 /// A valid request or response body with a few bytes replaced, cut or appended.
 fn arb_mangled_body() -> BoxedStrategy<Vec<u8>> {
     let body = prop_oneof![
-        arb_request().prop_map(|r| only_control_body(&encode_request(&r)).to_vec()),
-        arb_response().prop_map(|r| only_control_body(&encode_response(&r)).to_vec()),
+        arb_request().prop_map(|r| only_control_body(&encode_request(&r).unwrap()).to_vec()),
+        arb_response().prop_map(|r| only_control_body(&encode_response(&r).unwrap()).to_vec()),
     ];
     (
         body,
@@ -657,10 +657,10 @@ proptest! {
     ) {
         // What decodes is canonical: encoding it again gives the very same bytes.
         if let Ok(request) = decode_request(&body) {
-            prop_assert_eq!(&only_control_body(&encode_request(&request))[..], &body[..]);
+            prop_assert_eq!(&only_control_body(&encode_request(&request).unwrap())[..], &body[..]);
         }
         if let Ok(response) = decode_response(&body) {
-            prop_assert_eq!(&only_control_body(&encode_response(&response))[..], &body[..]);
+            prop_assert_eq!(&only_control_body(&encode_response(&response).unwrap())[..], &body[..]);
         }
     }
 }
@@ -697,7 +697,7 @@ fn a_sender_cannot_build_a_meta_the_receiver_refuses() {
 /// there (without allocating it).
 #[test]
 fn non_canonical_bodies_are_refused() {
-    let body = |r: &Request| only_control_body(&encode_request(r)).to_vec();
+    let body = |r: &Request| only_control_body(&encode_request(r).unwrap()).to_vec();
     let put = Request::Put {
         device: 0,
         name: Some("w".to_string()),

@@ -1,6 +1,8 @@
 //! The `ferry-server` binary's integration tests, one binary: its command line, and what only a
 //! real node process shows (signals, logs, the metrics endpoint, the load generator against it,
 //! shared memory between processes, the process-wide buffer pool).
+// Test and example code: an unwrap that fails is the failure, with its location.
+#![allow(clippy::unwrap_used)]
 
 mod help;
 mod local;
