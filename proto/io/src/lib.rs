@@ -2,8 +2,9 @@
 //! passing), the [`Connection`] that moves frames and payloads over them, shared-memory regions,
 //! host memory for received tensors, and the handshake both sides run.
 //!
-//! Every `unsafe` block of ferry lives in this crate (`allocator`, `host`, `trailing`), each minimal and with
-//! its SAFETY reason; `ferry-proto` is the sans-IO wire underneath and forbids `unsafe`.
+//! Every `unsafe` block of ferry lives in this crate (`allocator`, `assembler`, `host`, `region`,
+//! `trailing`, `transport`), each minimal and with its SAFETY reason; `ferry-proto` is the
+//! sans-IO wire underneath and forbids `unsafe`.
 // The one crate allowed `unsafe` (the workspace denies it); every block says why it is sound.
 #![allow(unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]

@@ -39,11 +39,6 @@ impl Endpoint {
         }
     }
 
-    /// Whether this is a Unix socket (the same host, so shared memory is possible).
-    pub fn is_unix(&self) -> bool {
-        matches!(self, Endpoint::Unix(_))
-    }
-
     /// Opens a stream to it.
     pub async fn connect(&self) -> io::Result<Stream> {
         match self {
@@ -273,15 +268,21 @@ impl AsyncWrite for UnixTransport {
     }
 }
 
+/// `SIOCOUTQ`: on a Unix stream socket, the bytes sent and not yet consumed by the peer (they
+/// stay charged to the sender until read). Linux defines it as `TIOCOUTQ` (`linux/sockios.h`),
+/// whose number differs between architectures, so it is taken from `libc` rather than written
+/// out. Other systems have no such request: there a socket cannot tell, and nothing asks, as
+/// shared memory (the only user) is Linux's alone.
+#[cfg(target_os = "linux")]
+const SIOCOUTQ: rustix::ioctl::Opcode = libc::TIOCOUTQ as rustix::ioctl::Opcode;
+
 impl Transport for UnixTransport {
     fn passes_fds(&self) -> bool {
         true
     }
 
+    #[cfg(target_os = "linux")]
     fn unread_by_peer(&self) -> Option<usize> {
-        // SIOCOUTQ (numerically TIOCOUTQ): on a Unix stream socket, the bytes sent and not yet
-        // consumed by the peer (they stay charged to the sender until read).
-        const SIOCOUTQ: rustix::ioctl::Opcode = 0x5411;
         // SAFETY: SIOCOUTQ writes one `int` on a socket, which is what the getter provides.
         let unread = unsafe {
             let getter = rustix::ioctl::Getter::<SIOCOUTQ, std::ffi::c_int>::new();
@@ -313,18 +314,6 @@ pub enum Stream {
     Tcp(TcpStream),
     /// A Unix domain socket.
     Unix(UnixTransport),
-}
-
-impl Stream {
-    /// The peer, for logs.
-    pub fn peer(&self) -> String {
-        match self {
-            Stream::Tcp(s) => s
-                .peer_addr()
-                .map_or_else(|_| "tcp:?".to_string(), |a| a.to_string()),
-            Stream::Unix(_) => "unix".to_string(),
-        }
-    }
 }
 
 impl AsyncRead for Stream {

@@ -1,0 +1,125 @@
+//! What a sender already knows of a payload that never changes: the sealed region it lies in
+//! ([`Known`]) and its chunk checksums, computed once and reused ([`ChunkChecksums`]).
+
+use super::SealedRegion;
+
+/// What a sender already knows of a payload that never changes (a registered tensor's).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Known<'a> {
+    /// The sealed region the payload lies in, kept from when it arrived. The caller vouches
+    /// that its bytes are exactly the payload's (a node keeps a region only while it is the
+    /// registered tensor's own memory); only its length is checked here, and the receiver
+    /// checks its crc32c.
+    pub region: Option<&'a SealedRegion>,
+    /// The payload's chunk checksums, once a send computed them.
+    pub checksums: Option<&'a ChunkChecksums>,
+}
+
+/// The chunk checksums of a payload that never changes, computed by its first whole send and
+/// reused by later sends with the same chunk size (a model served to many workers is
+/// checksummed once). A stale entry could only make a receiver refuse a chunk, never accept a
+/// wrong one; and a checksum taken once also catches a later change of the bytes in memory.
+#[derive(Debug, Default)]
+pub struct ChunkChecksums {
+    known: std::sync::Mutex<Option<(usize, std::sync::Arc<Vec<u32>>)>>,
+}
+
+impl ChunkChecksums {
+    pub(super) fn for_chunk_size(&self, chunk: usize) -> Option<std::sync::Arc<Vec<u32>>> {
+        let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        known
+            .as_ref()
+            .filter(|(size, _)| *size == chunk)
+            .map(|(_, crcs)| crcs.clone())
+    }
+
+    pub(super) fn remember(&self, chunk: usize, crcs: Vec<u32>) {
+        *self.known.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((chunk, std::sync::Arc::new(crcs)));
+    }
+
+    /// How many chunk checksums are known (for tests).
+    pub fn len(&self) -> usize {
+        let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        known.as_ref().map_or(0, |(_, crcs)| crcs.len())
+    }
+
+    /// Whether none are known yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::assembler::TensorAssembler;
+    use crate::connection::{Connection, ConnectionError, ConnectionLimits};
+    use ferry_proto::{TensorData, tensor::into_parts};
+
+    fn limits() -> ConnectionLimits {
+        ConnectionLimits {
+            chunk_size: 1000,
+            ..ConnectionLimits::default()
+        }
+    }
+
+    /// Sends `payload` with `known` through an in-memory pipe and reads it back.
+    async fn send_and_receive(
+        meta: &ferry_proto::TensorMeta,
+        payload: &[u8],
+        known: Known<'_>,
+    ) -> Result<Vec<u8>, ConnectionError> {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let mut writer = Connection::new(a, limits());
+        let mut reader = Connection::new(b, limits());
+        let mut assembler = TensorAssembler::new(meta.clone(), 1 << 20).unwrap();
+        let parts = [payload];
+        let (sent, received) = tokio::join!(
+            writer.write_payload_known(&parts, 0, known),
+            reader.read_payload(&mut assembler),
+        );
+        sent?;
+        received?;
+        Ok(assembler.finish().unwrap().as_bytes().to_vec())
+    }
+
+    #[tokio::test]
+    async fn chunk_checksums_are_computed_once_and_reused() {
+        let data = TensorData::new((0..2500).map(|i| i as f32).collect::<Vec<_>>(), [2500]);
+        let (meta, payload) = into_parts(data).unwrap();
+        let checksums = ChunkChecksums::default();
+        let known = Known {
+            region: None,
+            checksums: Some(&checksums),
+        };
+        assert_eq!(
+            send_and_receive(&meta, &payload, known).await.unwrap(),
+            &payload[..]
+        );
+        assert_eq!(checksums.len(), 10, "one per 1000-byte chunk");
+        let first = checksums.for_chunk_size(1000).unwrap();
+        assert_eq!(
+            send_and_receive(&meta, &payload, known).await.unwrap(),
+            &payload[..]
+        );
+        assert!(std::sync::Arc::ptr_eq(
+            &first,
+            &checksums.for_chunk_size(1000).unwrap()
+        ));
+        // Checksums that do not match the bytes (the bytes changed in memory since): refused.
+        let mut wrong = first.to_vec();
+        wrong[3] ^= 1;
+        checksums.remember(1000, wrong);
+        let refused = send_and_receive(&meta, &payload, known).await;
+        assert!(
+            matches!(
+                refused,
+                Err(ConnectionError::Proto(ferry_proto::ProtoError::Frame(
+                    ferry_proto::FrameError::ChecksumMismatch { .. }
+                )))
+            ),
+            "{refused:?}"
+        );
+    }
+}

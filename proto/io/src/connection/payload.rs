@@ -1,0 +1,224 @@
+//! Payloads: a tensor's bytes after its control message, written and read as chunk frames (each
+//! with its offset and checksum), or handed to the shared-memory route where that was agreed;
+//! each whole payload within its deadline.
+
+use bytes::Buf;
+use ferry_proto::FrameError;
+use ferry_proto::frame::{self, CHUNK_PREFIX_LEN, FrameHeader, FrameKind, HEADER_LEN};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::{Connection, ConnectionError, Known, RegionUse, SealedRegion};
+use crate::assembler::TensorAssembler;
+use crate::transport::Transport;
+
+/// Bytes of a payload read and checksummed at a time (fits in L2 alongside everything else).
+const CHECKSUM_PIECE: usize = 256 * 1024;
+
+/// How a payload travelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadRoute {
+    /// As chunk frames through the socket.
+    Chunks,
+    /// As one shared-memory region.
+    Region,
+}
+
+impl<S: Transport> Connection<S> {
+    /// Reads chunk frames into `assembler` until the whole payload has arrived. Each chunk's
+    /// payload goes straight into its place in the preallocated buffer and counts only once its
+    /// checksum matches. Where shared memory was agreed, the whole payload may come instead as
+    /// one region, which is checked and adopted.
+    pub async fn read_payload(
+        &mut self,
+        assembler: &mut TensorAssembler,
+    ) -> Result<PayloadRoute, ConnectionError> {
+        self.read_payload_keeping(assembler, RegionUse::Map)
+            .await
+            .map(|(route, _)| route)
+    }
+
+    /// [`read_payload`](Self::read_payload), keeping (with `keep`) the region a payload of at
+    /// least [`KEEP_REGION_MIN`](super::KEEP_REGION_MIN) bytes came in, so that whoever
+    /// registers the tensor can pass it on through shared memory without copying it
+    /// ([`write_payload_known`](Self::write_payload_known)).
+    ///
+    /// The whole payload must arrive within
+    /// [`ConnectionLimits::payload_deadline`](super::ConnectionLimits::payload_deadline).
+    pub async fn read_payload_keeping(
+        &mut self,
+        assembler: &mut TensorAssembler,
+        regions: RegionUse,
+    ) -> Result<(PayloadRoute, Option<SealedRegion>), ConnectionError> {
+        let bytes = assembler.meta().byte_len() as u64;
+        match self.limits.payload_deadline(bytes) {
+            None => self.read_payload_unbounded(assembler, regions).await,
+            Some(deadline) => {
+                tokio::time::timeout(deadline, self.read_payload_unbounded(assembler, regions))
+                    .await
+                    .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?
+            }
+        }
+    }
+
+    async fn read_payload_unbounded(
+        &mut self,
+        assembler: &mut TensorAssembler,
+        regions: RegionUse,
+    ) -> Result<(PayloadRoute, Option<SealedRegion>), ConnectionError> {
+        while !assembler.is_complete() {
+            self.fill_to(HEADER_LEN).await?;
+            let head = self
+                .buffer
+                .first_chunk::<HEADER_LEN>()
+                .ok_or(FrameError::TruncatedFrame)?;
+            let header = FrameHeader::decode(head, self.limits.max_body)?;
+            match header.kind {
+                FrameKind::Chunk => {}
+                FrameKind::Region => {
+                    let kept = self.read_region(header, assembler, regions).await?;
+                    return Ok((PayloadRoute::Region, kept));
+                }
+                FrameKind::Control => {
+                    return Err(ConnectionError::UnexpectedFrame {
+                        expected: "chunk",
+                        got: header.kind,
+                    });
+                }
+            }
+            let body_len = header.body_len as usize;
+            let len = body_len
+                .checked_sub(CHUNK_PREFIX_LEN)
+                .ok_or(FrameError::ShortChunk { len: body_len })?;
+            self.fill_to(HEADER_LEN + CHUNK_PREFIX_LEN).await?;
+            self.buffer.advance(HEADER_LEN);
+            let offset_bytes = self.buffer.get_u64_le().to_le_bytes();
+            let offset = u64::from_le_bytes(offset_bytes);
+            let slot = assembler.slot(offset, len)?;
+            let buffered = self.buffer.len().min(len);
+            slot[..buffered].copy_from_slice(&self.buffer[..buffered]);
+            self.buffer.advance(buffered);
+            let mut crc = crc32c::crc32c_append(crc32c::crc32c(&offset_bytes), &slot[..buffered]);
+            // Read the rest in cache-sized pieces and checksum each while it is still hot, so
+            // the payload costs one pass over memory rather than two.
+            for piece in slot[buffered..].chunks_mut(CHECKSUM_PIECE) {
+                let idle = self.limits.idle_timeout;
+                match tokio::time::timeout(idle, self.stream.read_exact(piece)).await {
+                    Err(_) => return Err(ConnectionError::IdleTimeout(idle)),
+                    Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        return Err(ConnectionError::Closed);
+                    }
+                    Ok(result) => {
+                        result?;
+                    }
+                }
+                crc = crc32c::crc32c_append(crc, piece);
+            }
+            header.verify_crc(crc)?;
+            assembler.commit(offset, len)?;
+        }
+        Ok((PayloadRoute::Chunks, None))
+    }
+
+    /// Writes `payload` and flushes: as one shared-memory region where that was agreed and the
+    /// payload is large enough to gain from it, else as chunk frames written from where the
+    /// payload lies (only the 24-byte prefix of each chunk is built).
+    pub async fn write_payload(&mut self, payload: &[u8]) -> Result<PayloadRoute, ConnectionError> {
+        self.write_payload_parts(&[payload], 0).await
+    }
+
+    /// [`write_payload`](Self::write_payload) for a payload that lies in several slices (a
+    /// quantized tensor's values and its scales, kept apart by the backend), sent as if laid end
+    /// to end, without joining them, from byte `start` on (a resumed transfer: chunk frames whose
+    /// offsets count from the payload's start, or, from the start only, one region).
+    pub async fn write_payload_parts(
+        &mut self,
+        parts: &[&[u8]],
+        start: usize,
+    ) -> Result<PayloadRoute, ConnectionError> {
+        self.write_payload_known(parts, start, Known::default())
+            .await
+    }
+
+    /// [`write_payload_parts`](Self::write_payload_parts) for a payload that never changes, with
+    /// what is already known of it: where a region is due and the payload lies in a kept
+    /// region, that one is passed on as it is, with no copy at all; chunk checksums computed by
+    /// an earlier send with the same chunk size are reused rather than computed again.
+    ///
+    /// The whole payload must be written within
+    /// [`ConnectionLimits::payload_deadline`](super::ConnectionLimits::payload_deadline): a peer
+    /// that stops reading cannot pin the payload's memory for ever.
+    pub async fn write_payload_known(
+        &mut self,
+        parts: &[&[u8]],
+        start: usize,
+        known: Known<'_>,
+    ) -> Result<PayloadRoute, ConnectionError> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let bytes = total.saturating_sub(start) as u64;
+        match self.limits.payload_deadline(bytes) {
+            None => self.write_payload_unbounded(parts, start, known).await,
+            Some(deadline) => {
+                tokio::time::timeout(deadline, self.write_payload_unbounded(parts, start, known))
+                    .await
+                    .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?
+            }
+        }
+    }
+
+    async fn write_payload_unbounded(
+        &mut self,
+        parts: &[&[u8]],
+        start: usize,
+        known: Known<'_>,
+    ) -> Result<PayloadRoute, ConnectionError> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if self.shared_memory
+            && start == 0
+            && total >= self.limits.region_min.max(1)
+            && self.write_region(parts, total, known.region).await?
+        {
+            return Ok(PayloadRoute::Region);
+        }
+        let idle = self.limits.idle_timeout;
+        let chunk = self.limits.chunk_size.max(1);
+        let mut offset = start.min(total);
+        let cached = known.checksums.and_then(|c| c.for_chunk_size(chunk));
+        // A whole send with nothing cached yet records what it computes, for the next one.
+        let mut computed =
+            (offset == 0 && cached.is_none() && known.checksums.is_some()).then(Vec::new);
+        while offset < total {
+            let end = offset.saturating_add(chunk).min(total);
+            let pieces = frame::slices_in(parts, offset..end);
+            let known_crc = cached
+                .as_ref()
+                .filter(|_| offset.is_multiple_of(chunk))
+                .and_then(|crcs| crcs.get(offset / chunk));
+            let prefix = match known_crc {
+                Some(&crc) => frame::chunk_prefix_checked(offset as u64, end - offset, crc),
+                None => frame::chunk_prefix_parts(offset as u64, &pieces),
+            };
+            if let Some(crcs) = &mut computed {
+                crcs.push(frame::prefix_checksum(&prefix));
+            }
+            let write = async {
+                self.stream.write_all(&prefix).await?;
+                for piece in &pieces {
+                    self.stream.write_all(piece).await?;
+                }
+                Ok::<(), std::io::Error>(())
+            };
+            // Each chunk must get out within the idle timeout: a reader that stalls is dropped.
+            tokio::time::timeout(idle, write)
+                .await
+                .map_err(|_| ConnectionError::IdleTimeout(idle))??;
+            offset = end;
+        }
+        tokio::time::timeout(idle, self.stream.flush())
+            .await
+            .map_err(|_| ConnectionError::IdleTimeout(idle))??;
+        if let (Some(crcs), Some(cache)) = (computed, known.checksums) {
+            cache.remember(chunk, crcs);
+        }
+        Ok(PayloadRoute::Chunks)
+    }
+}
