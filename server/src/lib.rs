@@ -4,6 +4,7 @@
 //! Embed a [`Node`] to share tensors in process; wrap it in a [`Service`] to serve it on TCP.
 
 pub mod backend;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod metrics;
@@ -11,12 +12,11 @@ pub mod node;
 pub mod peer;
 pub mod service;
 pub mod source;
-pub mod worker;
 
 pub use backend::{BackendKind, DeviceSpec};
+pub use device::{Arrived, Existing, KnownHash, TensorDesc};
 pub use engine::{TransferPath, TransferPolicy};
 pub use error::NodeError;
-pub use node::{Node, NodeConfig, TransferMode};
+pub use node::{Admission, Node, NodeConfig, TransferMode};
 pub use peer::{PeerLink, PullRequest};
 pub use service::{Service, ServiceConfig};
-pub use worker::{Arrived, KnownHash, TensorDesc};

@@ -9,11 +9,11 @@ use ferry_io::{ConnectionError, PayloadRoute, RegionUse};
 use ferry_proto::ErrorCode;
 use ferry_proto::{TensorKey, dtype_name};
 
+use crate::device::{Arrived, Existing, KnownHash, Payload, TensorDesc};
 use crate::engine::TransferPath;
 use crate::error::NodeError;
-use crate::node::Node;
+use crate::node::{Admission, Direction, Node};
 use crate::source::{SourceConfig, SourceConnection, SourceError};
-use crate::worker::{Arrived, Command, KnownHash, Payload, Reservation, TensorDesc};
 
 /// What a client asks a target node to pull.
 #[derive(Debug, Clone)]
@@ -28,8 +28,8 @@ pub struct PullRequest {
     pub dst_device: u32,
     /// The target name; the source's name when absent.
     pub dst_name: Option<String>,
-    /// Replace a tensor of that name.
-    pub overwrite: bool,
+    /// What becomes of a tensor already registered under the target name.
+    pub existing: Existing,
     /// The content hash the source granted the tensor under: what the bytes that arrive must
     /// hash to, and what a tensor this node already holds may stand in for. Required.
     pub content_hash: Option<String>,
@@ -53,12 +53,12 @@ enum AttemptError {
     Fatal(NodeError),
 }
 
-/// The receiver's state across attempts: the buffer with its verified bytes, the budget, how
-/// the payload completed, and the region it came in (kept, to pass the tensor on without a
-/// copy).
+/// The receiver's state across attempts: the buffer with its verified bytes, the admission (with
+/// its budget), how the payload completed, and the region it came in (kept, to pass the tensor
+/// on without a copy).
 struct Receiving {
     assembler: TensorAssembler,
-    reservation: Reservation,
+    admission: Admission,
     route: PayloadRoute,
     region: Option<ferry_io::connection::SealedRegion>,
 }
@@ -118,11 +118,8 @@ impl Node {
                     .into(),
             ));
         };
-        if let Some(existing) = self.find_by_hash(granted).await? {
-            match self
-                .dedup(existing, req.dst_device, name, req.overwrite)
-                .await
-            {
+        if let Some(held) = self.find_by_hash(granted).await? {
+            match self.dedup(held, req.dst_device, name, req.existing).await {
                 // The candidate was replaced between finding it and copying it: pull instead.
                 Err(NodeError::Changed(key)) => {
                     tracing::info!(%key, "dedup candidate replaced meanwhile; pulling the bytes");
@@ -165,7 +162,7 @@ impl Node {
         }
         let Some(Receiving {
             assembler,
-            reservation,
+            admission,
             route,
             region,
         }) = receiving
@@ -199,16 +196,9 @@ impl Node {
                 KnownHash::Stated(granted.to_string()),
             ),
         };
+        let payload = Payload::Data(Arrived { data, hash, region });
         let desc = self
-            .device(req.dst_device)?
-            .call(|reply| Command::Insert {
-                name: name.to_string(),
-                payload: Payload::Data(Arrived { data, hash, region }),
-                path: TransferPath::Pull,
-                overwrite: req.overwrite,
-                reservation,
-                reply,
-            })
+            .register_payload(admission, payload, TransferPath::Pull)
             .await?;
         self.counters().pulls.fetch_add(1, Ordering::Relaxed);
         Ok(desc)
@@ -249,14 +239,14 @@ impl Node {
             }
             Some(_) => {}
             None => {
-                let reservation = self
+                let admission = self
                     .admit(
                         req.dst_device,
                         name,
                         &meta.dtype(),
                         meta.shape(),
                         meta.byte_len() as u64,
-                        req.overwrite,
+                        req.existing,
                     )
                     .map_err(AttemptError::Fatal)?;
                 // Hashed while it arrives, a chunk behind, on another thread.
@@ -266,7 +256,7 @@ impl Node {
                     .hashing();
                 *receiving = Some(Receiving {
                     assembler,
-                    reservation,
+                    admission,
                     route: PayloadRoute::Chunks,
                     region: None,
                 });
@@ -285,7 +275,7 @@ impl Node {
         r.region = region;
         let bytes = r.assembler.meta().byte_len() as u64;
         match route {
-            PayloadRoute::Region => self.count_shm_payload(false, bytes),
+            PayloadRoute::Region => self.count_shm_payload(Direction::Received, bytes),
             PayloadRoute::Chunks => crate::metrics::bytes("in", "chunks", bytes),
         }
         // Every byte is here and verified: the transfer stands even if the release is lost (the
@@ -337,21 +327,21 @@ impl Node {
         }
     }
 
-    /// Registers a copy of a tensor this node already holds (the verified version `existing`
+    /// Registers a copy of a tensor this node already holds (the verified version `held`
     /// describes) instead of pulling the same bytes; [`NodeError::Changed`] if that version was
     /// replaced meanwhile.
     async fn dedup(
         &self,
-        existing: TensorDesc,
+        held: TensorDesc,
         dst_device: u32,
         name: &str,
-        overwrite: bool,
+        existing: Existing,
     ) -> Result<TensorDesc, NodeError> {
         let dst = TensorKey::new(dst_device, name);
-        let desc = if existing.key == dst {
-            existing
+        let desc = if held.key == dst {
+            held
         } else {
-            self.copy_version(&existing, &dst, overwrite).await?
+            self.copy_version(&held, &dst, existing).await?
         };
         self.counters().dedup_hits.fetch_add(1, Ordering::Relaxed);
         crate::metrics::dedup_hit();

@@ -21,10 +21,10 @@ use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{Semaphore, broadcast, mpsc};
 use tracing::Instrument;
 
+use crate::device::{Arrived, Existing, KnownHash};
 use crate::error::NodeError;
-use crate::node::{AGENT, ClientId, MAX_PAGE, Node, TransferMode};
+use crate::node::{AGENT, ClientId, Direction, MAX_PAGE, Node, TransferMode};
 use crate::peer::{PeerLink, PullRequest};
-use crate::worker::{Arrived, KnownHash};
 
 /// The largest frame body accepted before a connection's `Hello` is answered.
 const HANDSHAKE_MAX_BODY: usize = 64 * 1024;
@@ -216,7 +216,7 @@ async fn accept_loop(
         let shutdown = notify_shutdown.subscribe();
         let done = done_tx.clone();
         tokio::spawn(async move {
-            node.count_connection(true);
+            node.count_connection_opened();
             let mut conn = Connection::new(socket, config.limits);
             let id = node.new_client();
             let result = Session {
@@ -233,7 +233,7 @@ async fn accept_loop(
                 tracing::info!(%peer, %error, "connection closed on error");
             }
             node.client_gone(id);
-            node.count_connection(false);
+            node.count_connection_closed();
             drop(permit);
             drop(done);
         });
@@ -383,7 +383,10 @@ impl Session<'_> {
                 name,
                 meta,
                 overwrite,
-            } => return self.put(conn, device, name, &meta, overwrite).await,
+            } => {
+                let existing = Existing::from_overwrite(overwrite);
+                return self.put(conn, device, name, &meta, existing).await;
+            }
             Request::Get { key } => return self.get(conn, &key).await,
             Request::Copy {
                 src,
@@ -397,7 +400,8 @@ impl Session<'_> {
                 } else {
                     TransferMode::Copy
                 };
-                node.copy(&src, dst_device, dst_name.as_deref(), mode, overwrite)
+                let existing = Existing::from_overwrite(overwrite);
+                node.copy(&src, dst_device, dst_name.as_deref(), mode, existing)
                     .await
                     .map(|desc| Response::Stored(desc.to_wire()))
             }
@@ -450,7 +454,7 @@ impl Session<'_> {
                     src,
                     dst_device,
                     dst_name,
-                    overwrite,
+                    existing: Existing::from_overwrite(overwrite),
                     content_hash,
                 };
                 node.pull(&mut self.peer, &request)
@@ -480,7 +484,7 @@ impl Session<'_> {
         device: u32,
         name: Option<String>,
         wire: &ferry_proto::WireMeta,
-        overwrite: bool,
+        existing: Existing,
     ) -> Result<(), ConnectionError> {
         let node = self.node;
         let name = name.unwrap_or_else(|| node.fresh_name());
@@ -490,12 +494,12 @@ impl Session<'_> {
             .map_err(NodeError::from)
             .and_then(|meta| {
                 let bytes = meta.byte_len() as u64;
-                let reservation =
-                    node.admit(device, &name, &meta.dtype(), meta.shape(), bytes, overwrite)?;
+                let admission =
+                    node.admit(device, &name, &meta.dtype(), meta.shape(), bytes, existing)?;
                 let assembler = node.receiver(device, meta)?.hashing();
-                Ok((assembler, reservation))
+                Ok((assembler, admission))
             });
-        let (mut assembler, reservation) = match admitted {
+        let (mut assembler, admission) = match admitted {
             Ok(admitted) => admitted,
             Err(error) => {
                 node.count_failure();
@@ -510,7 +514,7 @@ impl Session<'_> {
             .await
         {
             Ok((PayloadRoute::Region, region)) => {
-                node.count_shm_payload(false, assembler.meta().byte_len() as u64);
+                node.count_shm_payload(Direction::Received, assembler.meta().byte_len() as u64);
                 region
             }
             Ok((PayloadRoute::Chunks, _)) => {
@@ -522,7 +526,7 @@ impl Session<'_> {
                 // close. Nothing was registered; the buffer and the reservation go first, not
                 // after the report (which may wait on the peer).
                 drop(assembler);
-                drop(reservation);
+                drop(admission);
                 node.count_failure();
                 tracing::warn!(device, %name, %error, "upload failed");
                 return Err(fail(conn, error).await);
@@ -535,7 +539,7 @@ impl Session<'_> {
                     hash: KnownHash::Computed(hash),
                     region,
                 };
-                node.register(device, &name, arrived, overwrite, reservation)
+                node.register(admission, arrived)
                     .await
                     .map(|desc| Response::Stored(desc.to_wire()))
             }
@@ -629,7 +633,7 @@ impl Session<'_> {
 
     fn count_sent(&self, route: PayloadRoute, bytes: usize) {
         match route {
-            PayloadRoute::Region => self.node.count_shm_payload(true, bytes as u64),
+            PayloadRoute::Region => self.node.count_shm_payload(Direction::Sent, bytes as u64),
             PayloadRoute::Chunks => crate::metrics::bytes("out", "chunks", bytes as u64),
         }
     }

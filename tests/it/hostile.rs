@@ -12,8 +12,8 @@ use ferry::proto::{
     TensorData, TensorKey, WireDType, control, tensor,
 };
 use ferry::samples;
-use ferry::server::worker::TENSOR_OVERHEAD;
-use ferry::server::{NodeConfig, ServiceConfig};
+use ferry::server::device::TENSOR_OVERHEAD;
+use ferry::server::{Existing, NodeConfig, ServiceConfig};
 use ferry::testing::{TestNode, assert_same, eventually, start, start_with};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -1154,7 +1154,7 @@ async fn a_hundred_thousand_tensors_list_and_copy_as_a_device() {
         inserts.push(tokio::spawn(async move {
             for i in (part..COUNT).step_by(4) {
                 let (name, data) = tiny(i);
-                node.insert(0, &name, data, false).await.unwrap();
+                node.insert(0, &name, data, Existing::Refuse).await.unwrap();
             }
         }));
     }

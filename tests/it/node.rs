@@ -4,7 +4,7 @@
 use ferry::client::ErrorCode;
 use ferry::proto::{DType, TensorKey, dtype_name};
 use ferry::samples;
-use ferry::server::{BackendKind, NodeConfig, ServiceConfig, TransferPolicy};
+use ferry::server::{BackendKind, Existing, NodeConfig, ServiceConfig, TransferPolicy};
 use ferry::testing::{assert_same, code_of, devices, start, start_with};
 
 async fn copy_matrix(policy: TransferPolicy, expected_path: &str) {
@@ -138,7 +138,7 @@ async fn the_in_process_api_shares_the_workers_the_service_uses() {
     let node = start_with(&["flex", "flex"]).await;
     let data = samples::plain(DType::BF16, &[3, 5], 3);
     node.node
-        .insert(0, "embedded", data.clone(), false)
+        .insert(0, "embedded", data.clone(), Existing::Refuse)
         .await
         .unwrap();
     let mut client = node.client().await;
@@ -157,13 +157,13 @@ async fn the_in_process_api_shares_the_workers_the_service_uses() {
 /// end are exactly `into_data`'s bytes, for every sample Flex holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_a_source_sends_from_the_registered_tensor_is_exactly_into_data() {
-    use ferry::server::worker::HostBytes;
+    use ferry::server::device::HostBytes;
     let node = start_with(&["flex"]).await;
     let mut shared = 0;
     for (i, sample) in samples::full_matrix().iter().enumerate() {
         let name = format!("s{i}");
         node.node
-            .insert(0, &name, sample.data.clone(), false)
+            .insert(0, &name, sample.data.clone(), Existing::Refuse)
             .await
             .unwrap();
         let key = TensorKey::new(0, &name);
@@ -313,7 +313,7 @@ async fn burn_tensors_go_in_and_come_back_with_their_dtype_quantized_included() 
 /// it cannot take over as a `Vec`): the registered tensor's bytes are the very bytes handed in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flex_device_registers_the_received_buffer_itself() {
-    use ferry::server::worker::HostBytes;
+    use ferry::server::device::HostBytes;
     let node = start_with(&["flex"]).await;
     let schemes = samples::schemes();
     let scheme = |name: &str| schemes.iter().find(|(n, _)| n == name).unwrap().1;
@@ -335,7 +335,10 @@ async fn a_flex_device_registers_the_received_buffer_itself() {
     for (name, data) in cases {
         let expected = data.as_bytes().to_vec();
         let handed_in = data.as_bytes().as_ptr();
-        node.node.insert(0, name, data, false).await.unwrap();
+        node.node
+            .insert(0, name, data, Existing::Refuse)
+            .await
+            .unwrap();
         let key = TensorKey::new(0, name);
         let (_, _, bytes) = node.node.read_host(&key).await.unwrap();
         assert_eq!(bytes.parts().concat(), expected, "{name}");
@@ -364,12 +367,21 @@ async fn the_content_hash_index_follows_overwrites_and_removals() {
         samples::plain(DType::F32, &[8, 8], 2),
     );
     let found = async |hash: &str| node.node.find_by_hash(hash).await.unwrap().map(|d| d.key);
-    node.node.insert(1, "w", x.clone(), false).await.unwrap();
+    node.node
+        .insert(1, "w", x.clone(), Existing::Refuse)
+        .await
+        .unwrap();
     assert_eq!(found(&hash_of(&x)).await, Some(TensorKey::new(1, "w")));
-    node.node.insert(1, "w", y.clone(), true).await.unwrap();
+    node.node
+        .insert(1, "w", y.clone(), Existing::Replace)
+        .await
+        .unwrap();
     assert_eq!(found(&hash_of(&x)).await, None, "replaced");
     assert_eq!(found(&hash_of(&y)).await, Some(TensorKey::new(1, "w")));
-    node.node.insert(0, "w2", y.clone(), false).await.unwrap();
+    node.node
+        .insert(0, "w2", y.clone(), Existing::Refuse)
+        .await
+        .unwrap();
     node.node.remove(&TensorKey::new(1, "w")).await.unwrap();
     assert_eq!(found(&hash_of(&y)).await, Some(TensorKey::new(0, "w2")));
     node.node.remove(&TensorKey::new(0, "w2")).await.unwrap();

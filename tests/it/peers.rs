@@ -405,7 +405,7 @@ async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_dedup() {
-    use ferry::server::{Arrived, KnownHash};
+    use ferry::server::{Arrived, Existing, KnownHash};
     // Flex verifies after registering, NdArray (which cannot lend its bytes) before: the same
     // outcome on both.
     let node = start_with(&["flex", "ndarray"]).await;
@@ -415,7 +415,7 @@ async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_d
         let data = samples::plain(DType::F32, &[64, 64], 3 + u64::from(device));
         let meta = ferry::proto::tensor::meta_of(&data).unwrap();
         let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
-        let reservation = node
+        let admission = node
             .node
             .admit(
                 device,
@@ -423,7 +423,7 @@ async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_d
                 &meta.dtype(),
                 meta.shape(),
                 meta.byte_len() as u64,
-                false,
+                Existing::Refuse,
             )
             .unwrap();
         let arrived = Arrived {
@@ -431,11 +431,7 @@ async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_d
             hash: KnownHash::Stated(lie.clone()),
             region: None,
         };
-        let desc = node
-            .node
-            .register(device, "w", arrived, false, reservation)
-            .await
-            .unwrap();
+        let desc = node.node.register(admission, arrived).await.unwrap();
         if device == 0 {
             assert_eq!(desc.content_hash, lie, "registered under the stated hash");
             assert!(!desc.hash_verified);
@@ -459,13 +455,13 @@ async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_d
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dedup_check_waits_for_a_pending_verification() {
-    use ferry::server::{Arrived, KnownHash};
+    use ferry::server::{Arrived, Existing, KnownHash};
     let node = start_with(&["flex"]).await;
     // 64 MiB: hashing takes tens of milliseconds, so the check below comes while it runs.
     let data = samples::plain(DType::F32, &[4096, 4096], 5);
     let meta = ferry::proto::tensor::meta_of(&data).unwrap();
     let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
-    let reservation = node
+    let admission = node
         .node
         .admit(
             0,
@@ -473,7 +469,7 @@ async fn a_dedup_check_waits_for_a_pending_verification() {
             &meta.dtype(),
             meta.shape(),
             meta.byte_len() as u64,
-            false,
+            Existing::Refuse,
         )
         .unwrap();
     let arrived = Arrived {
@@ -481,11 +477,7 @@ async fn a_dedup_check_waits_for_a_pending_verification() {
         hash: KnownHash::Stated(truth.clone()),
         region: None,
     };
-    let desc = node
-        .node
-        .register(0, "w", arrived, false, reservation)
-        .await
-        .unwrap();
+    let desc = node.node.register(admission, arrived).await.unwrap();
     assert!(!desc.hash_verified);
     let found = node.node.find_by_hash(&truth).await.unwrap().unwrap();
     assert_eq!(found.key, TensorKey::new(0, "w"));

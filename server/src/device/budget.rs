@@ -1,0 +1,166 @@
+//! A device's memory budget: the bytes and tensor slots it may hand out ([`DeviceLimits`]), and
+//! the claims on it ([`Reservation`], [`TensorSlot`]) that give their share back when dropped.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::device::Existing;
+use crate::error::NodeError;
+
+/// What a registered tensor costs beyond its payload, charged to its device's budget: the
+/// description, the map entries, the backend's tensor and allocator rounding (about 4 KiB each
+/// was measured resident for small tensors), so that a budget bounds many tiny tensors as well
+/// as a few large ones.
+pub const TENSOR_OVERHEAD: u64 = 4096;
+
+/// What bounds a device's memory: its budget in bytes and the most tensors it holds.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct DeviceLimits {
+    /// Bytes of tensors (with their overhead), transfers in flight and copies being sent.
+    pub(crate) memory: Option<u64>,
+    /// Registered tensors.
+    pub(crate) tensors: Option<u64>,
+}
+
+/// A device's memory budget: bytes registered (each tensor with its [`TENSOR_OVERHEAD`]), bytes
+/// reserved for transfers in flight, and host copies read out of it for sending; and the number
+/// of tensors it may hold.
+///
+/// Invariant: `used <= limit` and `tensors <= max_tensors` at every instant, whatever the
+/// interleaving: both are claimed by compare-and-swap before the memory they stand for exists,
+/// and given back only when it is gone (a [`Reservation`] dropped).
+#[derive(Debug)]
+pub struct Budget {
+    device: u32,
+    limit: Option<u64>,
+    max_tensors: Option<u64>,
+    used: AtomicU64,
+    tensors: AtomicU64,
+}
+
+impl Budget {
+    pub(super) fn new(device: u32, limits: DeviceLimits) -> Self {
+        Self {
+            device,
+            limit: limits.memory,
+            max_tensors: limits.tensors,
+            used: AtomicU64::new(0),
+            tensors: AtomicU64::new(0),
+        }
+    }
+
+    /// Claims room for a tensor of `bytes` (with its overhead), or says what is short. Claimed
+    /// before a single byte is received, so many clients together cannot push a device past
+    /// its budget. A tensor that may not replace another ([`Existing::Refuse`]) is refused at
+    /// once by a device already at its tensor cap (the slot itself is claimed when the tensor
+    /// is registered under a new name).
+    pub(crate) fn reserve_tensor(
+        self: &Arc<Self>,
+        bytes: u64,
+        existing: Existing,
+    ) -> Result<Reservation, NodeError> {
+        let charged = bytes
+            .checked_add(TENSOR_OVERHEAD)
+            .ok_or(NodeError::TensorTooLarge {
+                bytes,
+                limit: u64::MAX - TENSOR_OVERHEAD,
+            })?;
+        if existing == Existing::Refuse
+            && let Some(limit) = self.max_tensors
+            && self.tensors.load(Ordering::Acquire) >= limit
+        {
+            return Err(self.too_many_tensors());
+        }
+        self.reserve_copy(charged)
+    }
+
+    /// One of the device's tensor slots, for a tensor registered under a new name; held by the
+    /// registered tensor.
+    pub(super) fn claim_slot(self: &Arc<Self>) -> Result<TensorSlot, NodeError> {
+        claim(&self.tensors, 1, self.max_tensors).map_err(|_| self.too_many_tensors())?;
+        Ok(TensorSlot {
+            budget: self.clone(),
+        })
+    }
+
+    fn too_many_tensors(&self) -> NodeError {
+        NodeError::TooManyTensors {
+            device: self.device,
+            limit: self.max_tensors.unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Claims room for a host copy of `bytes` read out of the device (to send, or to hand to
+    /// another device), held for as long as the copy lives.
+    pub(crate) fn reserve_copy(self: &Arc<Self>, bytes: u64) -> Result<Reservation, NodeError> {
+        self.claim_bytes(bytes)?;
+        Ok(Reservation {
+            budget: self.clone(),
+            bytes,
+        })
+    }
+
+    fn claim_bytes(&self, bytes: u64) -> Result<(), NodeError> {
+        claim(&self.used, bytes, self.limit).map_err(|used| NodeError::OverBudget {
+            device: self.device,
+            bytes,
+            available: self.limit.map_or(u64::MAX, |l| l.saturating_sub(used)),
+            limit: self.limit.unwrap_or(u64::MAX),
+        })
+    }
+
+    /// The budget, if any.
+    pub fn limit(&self) -> Option<u64> {
+        self.limit
+    }
+
+    /// Bytes claimed now: registered tensors with their overhead, transfers in flight and host
+    /// copies being sent.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+}
+
+/// Adds `amount` to `counter` unless that would pass `limit` (or overflow); on refusal, the
+/// counter's value seen.
+fn claim(counter: &AtomicU64, amount: u64, limit: Option<u64>) -> Result<(), u64> {
+    let mut now = counter.load(Ordering::Relaxed);
+    loop {
+        let next = now
+            .checked_add(amount)
+            .filter(|&next| limit.is_none_or(|limit| next <= limit))
+            .ok_or(now)?;
+        match counter.compare_exchange_weak(now, next, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return Ok(()),
+            Err(seen) => now = seen,
+        }
+    }
+}
+
+/// Room claimed from a [`Budget`]; given back when dropped (a failed transfer, a removed tensor,
+/// a send finished).
+#[derive(Debug)]
+pub struct Reservation {
+    budget: Arc<Budget>,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// One of a device's tensor slots ([`DeviceLimits::tensors`]), held by a registered tensor: a
+/// tensor that replaces another under its name takes the other's slot over, so a device at its
+/// cap still accepts overwrites.
+#[derive(Debug)]
+pub(super) struct TensorSlot {
+    budget: Arc<Budget>,
+}
+
+impl Drop for TensorSlot {
+    fn drop(&mut self) {
+        self.budget.tensors.fetch_sub(1, Ordering::AcqRel);
+    }
+}

@@ -1,0 +1,85 @@
+//! [`DeviceHandle`]: how the rest of the node reaches a device's worker, and what it may know of
+//! the device without asking the worker.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn_backend::DType;
+use ferry_proto::dtype_name;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::backend::BackendKind;
+use crate::device::{Budget, Command, Reply};
+use crate::error::NodeError;
+
+/// The handle through which everything else reaches a device worker.
+#[derive(Debug, Clone)]
+pub struct DeviceHandle {
+    pub(super) index: u32,
+    pub(super) kind: BackendKind,
+    pub(super) label: String,
+    pub(super) tx: mpsc::Sender<Command>,
+    pub(super) budget: Arc<Budget>,
+    pub(super) hash_mismatches: Arc<AtomicU64>,
+}
+
+impl DeviceHandle {
+    /// Its index on the node.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// Its backend.
+    pub fn kind(&self) -> BackendKind {
+        self.kind
+    }
+
+    /// Its Burn device, readable.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// Its memory budget.
+    pub fn budget(&self) -> &Arc<Budget> {
+        &self.budget
+    }
+
+    /// Stated content hashes that the registered bytes did not match.
+    pub fn hash_mismatches(&self) -> u64 {
+        self.hash_mismatches.load(Ordering::Relaxed)
+    }
+
+    /// Checks that this device's backend stores `dtype` on `shape` exactly.
+    pub(crate) fn check_holds(&self, dtype: &DType, shape: &[usize]) -> Result<(), NodeError> {
+        self.kind
+            .holds(dtype, shape)
+            .map_err(|reason| NodeError::UnsupportedDType {
+                device: format!("{} ({})", self.index, self.kind),
+                dtype: dtype_name(dtype),
+                reason,
+            })
+    }
+
+    /// Queues a command whose answer comes some other way.
+    pub(crate) async fn tell(&self, command: Command) -> Result<(), NodeError> {
+        self.tx
+            .send(command)
+            .await
+            .map_err(|_| NodeError::DeviceGone(self.index))
+    }
+
+    /// Sends a command and waits for its answer.
+    pub(crate) async fn call<T>(
+        &self,
+        make: impl FnOnce(Reply<T>) -> Command,
+    ) -> Result<T, NodeError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(make(reply))
+            .await
+            .map_err(|_| NodeError::DeviceGone(self.index))?;
+        answer
+            .await
+            .map_err(|_| NodeError::DeviceGone(self.index))?
+    }
+}

@@ -1,0 +1,131 @@
+//! What travels in and out of a device worker: a tensor to register ([`Payload`]: host bytes
+//! that [`Arrived`], or a [`NativeTensor`] from a worker of the same backend), a tensor handed
+//! out for a copy or a move ([`Exported`]), and a tensor's bytes on the host for sending
+//! ([`HostBytes`]).
+
+use std::any::Any;
+use std::sync::Arc;
+
+use burn_backend::{DType, TensorData};
+use ferry_io::connection::{Known, SealedRegion};
+
+use crate::backend::SharedPayload;
+use crate::device::{KnownHash, Reservation};
+
+/// A backend primitive handed between two workers of the same backend (the native path).
+pub(crate) struct NativeTensor {
+    pub(super) primitive: Box<dyn Any + Send>,
+    pub(super) dtype: DType,
+    pub(super) shape: Vec<usize>,
+    pub(super) bytes: u64,
+    pub(super) content_hash: String,
+    pub(super) hash_verified: bool,
+}
+
+impl std::fmt::Debug for NativeTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NativeTensor")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .finish()
+    }
+}
+
+/// Host bytes that arrived, to register.
+#[derive(Debug)]
+pub struct Arrived {
+    /// The tensor, validated against the byte-length rule.
+    pub data: TensorData,
+    /// What is known of its content hash.
+    pub hash: KnownHash,
+    /// The sealed shared-memory region the bytes lie in, where it was kept.
+    pub region: Option<SealedRegion>,
+}
+
+impl Arrived {
+    /// Bytes with nothing known about them yet.
+    pub fn new(data: TensorData) -> Self {
+        Self {
+            data,
+            hash: KnownHash::Unknown,
+            region: None,
+        }
+    }
+}
+
+/// What a worker registers.
+#[derive(Debug)]
+pub(crate) enum Payload {
+    /// Host bytes: `from_data` on the target.
+    Data(Arrived),
+    /// A primitive from a worker of the same backend: `*_to_device` on the target.
+    Native(NativeTensor),
+}
+
+/// A tensor's bytes on the host, for sending; counted in its device's budget for as long as
+/// they live, even if the tensor is removed meanwhile.
+pub enum HostBytes {
+    /// Shared with the registered tensor (no copy); the `Arc` keeps them alive even if the
+    /// tensor is removed meanwhile, and nothing writes to a buffer that is shared. The tensor's
+    /// own reservation is held with them, so a removed tensor's memory stays counted until the
+    /// last send of it ends.
+    Shared(SharedPayload, Arc<Reservation>),
+    /// Read out with `into_data`: a copy, with its own reservation.
+    Owned(TensorData, Reservation),
+}
+
+impl HostBytes {
+    /// The payload, as the slices it lies in (to be sent end to end).
+    pub fn parts(&self) -> Vec<&[u8]> {
+        match self {
+            HostBytes::Shared(shared, _) => [&shared.values[..], &shared.tail[..]]
+                .into_iter()
+                .filter(|p| !p.is_empty())
+                .collect(),
+            HostBytes::Owned(data, _) => vec![data.as_bytes()],
+        }
+    }
+
+    /// What is known of the payload already: the sealed region it lies in, if it was kept, and
+    /// its chunk checksums, once a send computed them (the registered tensor never changes).
+    pub fn known(&self) -> Known<'_> {
+        match self {
+            HostBytes::Shared(shared, _) => Known {
+                region: shared.region.as_deref(),
+                checksums: shared.checksums.as_deref(),
+            },
+            HostBytes::Owned(..) => Known::default(),
+        }
+    }
+
+    /// The payload's length.
+    pub fn len(&self) -> usize {
+        match self {
+            HostBytes::Shared(shared, _) => shared.len(),
+            HostBytes::Owned(data, _) => data.as_bytes().len(),
+        }
+    }
+
+    /// Whether the payload is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Debug for HostBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HostBytes::Shared(b, _) => write!(f, "HostBytes::Shared({} bytes)", b.len()),
+            HostBytes::Owned(d, _) => write!(f, "HostBytes::Owned({} bytes)", d.as_bytes().len()),
+        }
+    }
+}
+
+/// What a worker hands out for a copy or a move.
+#[derive(Debug)]
+pub(crate) enum Exported {
+    /// Host bytes (`into_data`), counted in the source device's budget while they live.
+    Data(TensorData, Reservation),
+    /// The primitive itself (a cheap clone of the handle).
+    Native(NativeTensor),
+}

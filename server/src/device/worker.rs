@@ -1,0 +1,566 @@
+//! The device worker: the single owner of one hosted device and its tensors, on its own thread.
+//!
+//! It answers [`Command`]s one at a time from its queue, over its table of registered tensors
+//! (sorted by name, and indexed by content hash).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use burn_backend::{Backend, DType, TensorData};
+use ferry_io::connection::{ChunkChecksums, SealedRegion};
+use ferry_proto::{TensorKey, TensorMeta};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::backend::{BackendKind, DeviceSpec, Primitive};
+use crate::device::budget::TensorSlot;
+use crate::device::payload::NativeTensor;
+use crate::device::verify::{VerifyJob, note_mismatch, spawn_verifier};
+use crate::device::{
+    Arrived, Budget, Command, DeviceHandle, DeviceLimits, DeviceSummary, Existing, Exported,
+    HostBytes, KnownHash, Payload, Reservation, TensorDesc, Version,
+};
+use crate::engine::TransferPath;
+use crate::error::NodeError;
+
+/// How many commands may wait for one worker before senders wait too.
+const QUEUE_DEPTH: usize = 256;
+
+/// Starts the worker thread for one device.
+pub(crate) fn spawn(
+    index: u32,
+    spec: DeviceSpec,
+    limits: DeviceLimits,
+) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
+    match spec.kind {
+        BackendKind::Flex => {
+            spawn_on::<burn_flex::Flex>(index, spec.kind, Default::default(), limits)
+        }
+        // Deprecated upstream in favour of Flex, but still what many deployments run, and the
+        // second CPU backend that keeps the cross-backend paths honest.
+        #[allow(deprecated)]
+        BackendKind::NdArray => {
+            spawn_on::<burn_ndarray::NdArray>(index, spec.kind, Default::default(), limits)
+        }
+    }
+}
+
+fn spawn_on<B: Backend>(
+    index: u32,
+    kind: BackendKind,
+    device: B::Device,
+    limits: DeviceLimits,
+) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
+    let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
+    let label = format!("{kind}:{device:?}");
+    let hash_mismatches = Arc::new(AtomicU64::new(0));
+    let verifier = spawn_verifier(index, tx.downgrade())?;
+    let budget = Arc::new(Budget::new(index, limits));
+    let worker = Worker::<B> {
+        index,
+        kind,
+        device,
+        tensors: BTreeMap::new(),
+        by_hash: HashMap::new(),
+        verifier,
+        next_version: 0,
+        hash_mismatches: hash_mismatches.clone(),
+        budget: budget.clone(),
+        held_bytes: 0,
+    };
+    let thread = std::thread::Builder::new()
+        .name(format!("ferry-device-{index}"))
+        .spawn(move || worker.run(rx))?;
+    let handle = DeviceHandle {
+        index,
+        kind,
+        label,
+        tx,
+        budget,
+        hash_mismatches,
+    };
+    Ok((handle, thread))
+}
+
+/// A registered tensor, as its worker holds it.
+struct Entry<B: Backend> {
+    primitive: Primitive<B>,
+    /// Its description; `desc.version` is which registration under this name this is.
+    desc: TensorDesc,
+    /// The sealed region the tensor's bytes lie in, kept to pass them on without a copy.
+    region: Option<Arc<SealedRegion>>,
+    /// Raised when the entry goes, so that a pending verification of it stops.
+    _abandoned: AbandonOnDrop,
+    /// Who waits for the verification (dedup candidates).
+    waiting: Vec<oneshot::Sender<TensorDesc>>,
+    /// Its chunk checksums, filled by the first send that computes them.
+    checksums: Arc<ChunkChecksums>,
+    /// Its room in the budget, shared with sends of its bytes still under way.
+    reservation: Arc<Reservation>,
+    /// Its place under the device's tensor cap.
+    slot: TensorSlot,
+}
+
+/// A flag raised when its holder is dropped.
+struct AbandonOnDrop(Arc<AtomicBool>);
+
+impl Drop for AbandonOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A device's worker: its tensors, and what it needs to register and describe them.
+struct Worker<B: Backend> {
+    index: u32,
+    kind: BackendKind,
+    device: B::Device,
+    /// Sorted by name, so that a listing is read a page at a time.
+    tensors: BTreeMap<String, Entry<B>>,
+    /// The names registered under each content hash, so that dedup never scans every tensor.
+    by_hash: HashMap<String, std::collections::BTreeSet<String>>,
+    verifier: std::sync::mpsc::Sender<VerifyJob>,
+    next_version: u64,
+    hash_mismatches: Arc<AtomicU64>,
+    budget: Arc<Budget>,
+    /// The payload bytes of every registered tensor, kept as they change (summing them per
+    /// insert made a device of many tensors quadratic).
+    held_bytes: u64,
+}
+
+impl<B: Backend> Worker<B> {
+    fn run(mut self, mut rx: mpsc::Receiver<Command>) {
+        tracing::debug!(device = self.index, backend = %self.kind, "device worker started");
+        while let Some(command) = rx.blocking_recv() {
+            self.handle(command);
+        }
+        tracing::debug!(
+            device = self.index,
+            tensors = self.tensors.len(),
+            "device worker stopped"
+        );
+    }
+
+    /// Sets the held-tensors gauges after the set changed.
+    fn publish_held(&self) {
+        crate::metrics::device_held(self.index, self.tensors.len(), self.held_bytes);
+    }
+
+    fn key(&self, name: &str) -> TensorKey {
+        TensorKey::new(self.index, name)
+    }
+
+    fn entry(&self, name: &str) -> Result<&Entry<B>, NodeError> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| NodeError::NotFound(self.key(name)))
+    }
+
+    /// The entry under `name`, if it is the version `pin` asks for (any, without one).
+    fn pinned(&self, name: &str, pin: Option<Version>) -> Result<&Entry<B>, NodeError> {
+        let entry = self.entry(name)?;
+        match pin {
+            Some(version) if entry.desc.version != version => {
+                Err(NodeError::Changed(self.key(name)))
+            }
+            _ => Ok(entry),
+        }
+    }
+
+    // A dropped reply means the asker gave up (its connection closed); nothing to do about it.
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Insert {
+                name,
+                payload,
+                path,
+                existing,
+                reservation,
+                reply,
+            } => {
+                let result = self.insert(name, payload, path, existing, reservation);
+                self.publish_held();
+                let _ = reply.send(result);
+            }
+            Command::ReadHost { name, pin, reply } => {
+                let result = self
+                    .pinned(&name, pin)
+                    .and_then(|e| Ok((e.desc.clone(), e.host_bytes(&self.budget)?)));
+                let _ = reply.send(result);
+            }
+            Command::Read { name, reply } => {
+                let result = self.entry(&name).and_then(|e| {
+                    let (data, held) = e.copy(&self.budget)?;
+                    Ok((e.desc.clone(), data, held))
+                });
+                let _ = reply.send(result);
+            }
+            Command::Export {
+                name,
+                pin,
+                native,
+                reply,
+            } => {
+                let result = self.pinned(&name, pin).and_then(|e| {
+                    if native {
+                        Ok(Exported::Native(NativeTensor {
+                            primitive: Box::new(e.primitive.clone()),
+                            dtype: e.desc.dtype,
+                            shape: e.desc.shape.clone(),
+                            bytes: e.desc.bytes,
+                            content_hash: e.desc.content_hash.clone(),
+                            hash_verified: e.desc.hash_verified,
+                        }))
+                    } else {
+                        let (data, held) = e.copy(&self.budget)?;
+                        Ok(Exported::Data(data, held))
+                    }
+                });
+                let _ = reply.send(result);
+            }
+            Command::Describe { name, reply } => {
+                let _ = reply.send(self.entry(&name).map(|e| e.desc.clone()));
+            }
+            Command::Remove { name, pin, reply } => {
+                let result = self.pinned(&name, pin).map(|_| ()).and_then(|()| {
+                    self.unregister(&name)
+                        .map(|e| e.desc.clone())
+                        .ok_or_else(|| NodeError::NotFound(self.key(&name)))
+                });
+                self.publish_held();
+                let _ = reply.send(result);
+            }
+            Command::List {
+                after,
+                limit,
+                reply,
+            } => {
+                use std::ops::Bound;
+                let from = match &after {
+                    Some(name) => Bound::Excluded(name.as_str()),
+                    None => Bound::Unbounded,
+                };
+                let page = self
+                    .tensors
+                    .range::<str, _>((from, Bound::Unbounded))
+                    .take(limit)
+                    .map(|(_, e)| e.desc.clone())
+                    .collect();
+                let _ = reply.send(Ok(page));
+            }
+            Command::Summary { reply } => {
+                let summary = DeviceSummary {
+                    tensors: self.tensors.len() as u64,
+                    bytes: self.held_bytes,
+                    hashes_pending: self
+                        .tensors
+                        .values()
+                        .fold(0, |pending, e| pending + u64::from(!e.desc.hash_verified)),
+                };
+                let _ = reply.send(Ok(summary));
+            }
+            Command::FindByHash { hash, reply } => {
+                let named = self.by_hash.get(&hash).into_iter().flatten();
+                let descs = named.filter_map(|name| self.tensors.get(name).map(|e| &e.desc));
+                let found = descs
+                    .clone()
+                    .find(|d| d.hash_verified)
+                    .or_else(|| descs.clone().next())
+                    .cloned();
+                let _ = reply.send(Ok(found));
+            }
+            Command::AwaitVerified { name, reply } => {
+                if let Some(entry) = self.tensors.get_mut(&name) {
+                    if entry.desc.hash_verified {
+                        let _ = reply.send(entry.desc.clone());
+                    } else {
+                        entry.waiting.push(reply);
+                    }
+                }
+            }
+            Command::Verified {
+                name,
+                version,
+                computed,
+            } => self.verified(&name, version, computed),
+        }
+    }
+
+    /// The hash a tensor answers to once `computed` from its bytes: a `stated` one it is not is
+    /// counted and logged ([`note_mismatch`]).
+    fn settle(&self, name: &str, stated: &str, computed: String) -> String {
+        if computed != stated {
+            note_mismatch(&self.hash_mismatches, &self.key(name), stated, &computed);
+        }
+        computed
+    }
+
+    /// Records a verifier's answer, if the registration it checked is still there.
+    fn verified(&mut self, name: &str, version: Version, computed: String) {
+        let key = self.key(name);
+        let Some(entry) = self
+            .tensors
+            .get_mut(name)
+            .filter(|e| e.desc.version == version)
+        else {
+            return;
+        };
+        if entry.desc.content_hash != computed {
+            note_mismatch(
+                &self.hash_mismatches,
+                &key,
+                &entry.desc.content_hash,
+                &computed,
+            );
+            let stated = std::mem::replace(&mut entry.desc.content_hash, computed.clone());
+            Self::unindex(&mut self.by_hash, &stated, name);
+            self.by_hash
+                .entry(computed)
+                .or_default()
+                .insert(name.to_string());
+        }
+        entry.desc.hash_verified = true;
+        for waiter in entry.waiting.drain(..) {
+            let _ = waiter.send(entry.desc.clone());
+        }
+    }
+
+    fn unindex(
+        by_hash: &mut HashMap<String, std::collections::BTreeSet<String>>,
+        hash: &str,
+        name: &str,
+    ) {
+        if let Some(names) = by_hash.get_mut(hash) {
+            names.remove(name);
+            if names.is_empty() {
+                by_hash.remove(hash);
+            }
+        }
+    }
+
+    /// Takes a tensor out of the map and the hash index.
+    fn unregister(&mut self, name: &str) -> Option<Entry<B>> {
+        let entry = self.tensors.remove(name)?;
+        Self::unindex(&mut self.by_hash, &entry.desc.content_hash, name);
+        self.held_bytes -= entry.desc.bytes;
+        Some(entry)
+    }
+
+    /// Hands a just registered tensor with a stated hash to the verifier, or, where there is
+    /// no verifier to take it, verifies it here and now (so that nobody waiting for the
+    /// verification waits forever).
+    fn verify_later(&mut self, name: &str, job: VerifyJob) {
+        if let Err(std::sync::mpsc::SendError(job)) = self.verifier.send(job) {
+            tracing::warn!(key = %self.key(name), "no hash verifier; verifying in line");
+            if let Some(computed) = job.hash() {
+                self.verified(name, job.version, computed);
+            }
+        }
+    }
+
+    /// Registers `payload` under `name`, replacing a tensor registered under it only where
+    /// `existing` says so.
+    fn insert(
+        &mut self,
+        name: String,
+        payload: Payload,
+        path: TransferPath,
+        existing: Existing,
+        reservation: Reservation,
+    ) -> Result<TensorDesc, NodeError> {
+        if existing == Existing::Refuse && self.tensors.contains_key(&name) {
+            return Err(NodeError::AlreadyExists(self.key(&name)));
+        }
+        // A new name takes a slot under the cap now, before anything can be replaced; a
+        // replacement takes over the slot of the tensor it replaces.
+        let new_slot = if self.tensors.contains_key(&name) {
+            None
+        } else {
+            Some(self.budget.claim_slot()?)
+        };
+        let Placed {
+            primitive,
+            dtype,
+            shape,
+            bytes,
+            mut content_hash,
+            mut hash_verified,
+            region,
+        } = self.place(&name, payload)?;
+        // What the verifier will read, prepared before anything is replaced: nothing after the
+        // replacement can fail.
+        let mut pending = None;
+        if !hash_verified {
+            let meta = TensorMeta::new(shape.clone(), dtype)?;
+            let shared = primitive.shared_host_bytes().filter(|shared| {
+                shared.dtype == dtype && shared.shape == shape && shared.len() as u64 == bytes
+            });
+            match shared {
+                Some(shared) => {
+                    pending = Some((meta, Arc::downgrade(&shared.values), shared.tail));
+                }
+                // Not readable in place after all: checked here, from a copy, before anything
+                // is replaced.
+                None => {
+                    let data = primitive.to_data()?;
+                    let computed = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
+                    content_hash = self.settle(&name, &content_hash, computed);
+                    hash_verified = true;
+                }
+            }
+        }
+        self.next_version += 1;
+        let version = Version(self.next_version);
+        let desc = TensorDesc {
+            key: self.key(&name),
+            dtype,
+            shape,
+            bytes,
+            path,
+            content_hash,
+            hash_verified,
+            version,
+        };
+        let abandoned = Arc::new(AtomicBool::new(false));
+        // Replaced (with `Existing::Replace`): the old tensor leaves the index with it, and
+        // leaves its slot to the new one.
+        let replaced = self.unregister(&name);
+        let slot = match (new_slot, replaced) {
+            (Some(slot), _) => slot,
+            (None, Some(Entry { slot, .. })) => slot,
+            (None, None) => self.budget.claim_slot()?,
+        };
+        self.by_hash
+            .entry(desc.content_hash.clone())
+            .or_default()
+            .insert(name.clone());
+        self.held_bytes += desc.bytes;
+        self.tensors.insert(
+            name.clone(),
+            Entry {
+                primitive,
+                desc: desc.clone(),
+                region,
+                _abandoned: AbandonOnDrop(abandoned.clone()),
+                waiting: Vec::new(),
+                checksums: Arc::default(),
+                reservation: Arc::new(reservation),
+                slot,
+            },
+        );
+        if let Some((meta, values, tail)) = pending {
+            let job = VerifyJob {
+                name: name.clone(),
+                version,
+                meta,
+                values,
+                tail,
+                abandoned,
+            };
+            self.verify_later(&name, job);
+        }
+        Ok(desc)
+    }
+
+    /// Makes `payload`, bound for `name`, a tensor of this device, with what describes it;
+    /// nothing is registered or replaced yet.
+    fn place(&self, name: &str, payload: Payload) -> Result<Placed<B>, NodeError> {
+        Ok(match payload {
+            Payload::Data(Arrived { data, hash, region }) => {
+                let dtype = data.dtype();
+                let shape = data.shape().as_slice().to_vec();
+                let bytes = data.bytes().len() as u64;
+                let meta = ferry_proto::tensor::meta_of(&data)?;
+                let compute = || ferry_proto::tensor::content_hash(&meta, data.as_bytes());
+                let (content_hash, hash_verified) = match hash {
+                    KnownHash::Computed(hash) => (hash, true),
+                    // Checked later only where the verifier can read the registered bytes
+                    // without a copy; elsewhere that would take a second host copy, so now.
+                    KnownHash::Stated(hash) if self.kind.shares_registered_bytes(&dtype) => {
+                        (hash, false)
+                    }
+                    KnownHash::Stated(stated) => (self.settle(name, &stated, compute()), true),
+                    KnownHash::Unknown => (compute(), true),
+                };
+                let origin = data.as_bytes().as_ptr();
+                let primitive = Primitive::<B>::from_data(data, &self.device)?;
+                // Kept only while the region's mapping is the tensor's own storage: a backend that
+                // copied the bytes out freed the mapping, and the region would double the memory.
+                let region = region.filter(|_| {
+                    primitive
+                        .shared_host_bytes()
+                        .is_some_and(|shared| std::ptr::eq(shared.values.as_ptr(), origin))
+                });
+                Placed {
+                    primitive,
+                    dtype,
+                    shape,
+                    bytes,
+                    content_hash,
+                    hash_verified,
+                    region: region.map(Arc::new),
+                }
+            }
+            Payload::Native(native) => {
+                let primitive = native.primitive.downcast::<Primitive<B>>().map_err(|_| {
+                    NodeError::Backend(format!(
+                        "native transfer to device {} ({}) got a tensor of another backend",
+                        self.index, self.kind
+                    ))
+                })?;
+                Placed {
+                    primitive: primitive.to_device(&self.device)?,
+                    dtype: native.dtype,
+                    shape: native.shape,
+                    bytes: native.bytes,
+                    content_hash: native.content_hash,
+                    hash_verified: native.hash_verified,
+                    region: None,
+                }
+            }
+        })
+    }
+}
+
+/// A payload made a tensor of its device, with what describes it, before it is registered.
+struct Placed<B: Backend> {
+    primitive: Primitive<B>,
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: u64,
+    /// As computed, or as stated until `hash_verified`.
+    content_hash: String,
+    hash_verified: bool,
+    /// The sealed region its bytes lie in, where the region's mapping is the tensor's storage.
+    region: Option<Arc<SealedRegion>>,
+}
+
+impl<B: Backend> Entry<B> {
+    /// The tensor's payload on the host, for sending: the registered bytes themselves where the
+    /// backend allows it (with the region they lie in, if kept); otherwise a [`copy`](Self::copy).
+    fn host_bytes(&self, budget: &Arc<Budget>) -> Result<HostBytes, NodeError> {
+        let shared = self.primitive.shared_host_bytes().filter(|shared| {
+            shared.dtype == self.desc.dtype
+                && shared.shape == self.desc.shape
+                && shared.len() as u64 == self.desc.bytes
+        });
+        Ok(match shared {
+            Some(mut shared) => {
+                shared.region = self.region.clone();
+                shared.checksums = Some(self.checksums.clone());
+                HostBytes::Shared(shared, self.reservation.clone())
+            }
+            None => {
+                let (data, held) = self.copy(budget)?;
+                HostBytes::Owned(data, held)
+            }
+        })
+    }
+
+    /// The tensor's payload read out with `into_data`, with its room in `budget`.
+    fn copy(&self, budget: &Arc<Budget>) -> Result<(TensorData, Reservation), NodeError> {
+        // The copy is memory too: counted before it is made, refused where it would not fit.
+        let held = budget.reserve_copy(self.desc.bytes)?;
+        Ok((self.primitive.to_data()?, held))
+    }
+}

@@ -1,0 +1,140 @@
+//! Admission: everything checked, and the budget claimed, before a tensor's bytes arrive
+//! ([`Node::admit`]), carried as one [`Admission`] to the tensor's registration.
+
+use std::time::Instant;
+
+use burn_backend::TensorData;
+use ferry_io::TensorAssembler;
+use ferry_proto::message::validate_name;
+use ferry_proto::{TensorKey, TensorMeta};
+
+use crate::backend::BackendKind;
+use crate::device::{Arrived, Command, Existing, Payload, Reservation, TensorDesc};
+use crate::engine::TransferPath;
+use crate::error::NodeError;
+use crate::node::Node;
+
+/// A tensor admitted to a device: what [`Node::admit`] checked and claimed for it, carried to its
+/// registration, so that it is registered where, under the name and on the terms it was admitted
+/// for.
+#[derive(Debug)]
+pub struct Admission {
+    /// The device and name it was admitted under.
+    key: TensorKey,
+    /// Whether it may replace a tensor registered under that name.
+    existing: Existing,
+    /// Held while the bytes arrive and then by the registered tensor.
+    reservation: Reservation,
+}
+
+impl Node {
+    /// A fresh name for a tensor put without one.
+    pub fn fresh_name(&self) -> String {
+        // Random, not a counter: a counter restarting with the node would hand out names that
+        // earlier uploads (or users) already hold.
+        format!("tensor-{:032x}", rand::random::<u128>())
+    }
+
+    /// Everything checked before a tensor of `dtype`, `shape` and `bytes` may go to `device`:
+    /// the name, the per-tensor limit, what the backend holds, the device's budget, and (for a
+    /// tensor that may not replace another) its tensor cap. The returned admission's reservation
+    /// is held while the bytes arrive and then by the registered tensor.
+    pub fn admit(
+        &self,
+        device: u32,
+        name: &str,
+        dtype: &burn_backend::DType,
+        shape: &[usize],
+        bytes: u64,
+        existing: Existing,
+    ) -> Result<Admission, NodeError> {
+        validate_name(name)?;
+        let limit = self.inner.config.max_tensor_bytes;
+        if bytes > limit {
+            return Err(NodeError::TensorTooLarge { bytes, limit });
+        }
+        let handle = self.device(device)?;
+        handle.check_holds(dtype, shape)?;
+        let reservation = handle.budget().reserve_tensor(bytes, existing)?;
+        Ok(Admission {
+            key: TensorKey::new(device, name),
+            existing,
+            reservation,
+        })
+    }
+
+    /// Registers `data` under `name` on `device`, after checking it against the byte-length rule
+    /// and the device. Answered once registered.
+    pub async fn insert(
+        &self,
+        device: u32,
+        name: &str,
+        data: TensorData,
+        existing: Existing,
+    ) -> Result<TensorDesc, NodeError> {
+        let meta = ferry_proto::tensor::meta_of(&data)?;
+        let admission = self.admit(
+            device,
+            name,
+            &meta.dtype(),
+            meta.shape(),
+            meta.byte_len() as u64,
+            existing,
+        )?;
+        self.register(admission, Arrived::new(data)).await
+    }
+
+    /// A receiver for a payload of `meta` bound for `device`, its buffer preallocated (refused
+    /// over the node's largest tensor): a recycled buffer where the device's backend keeps the
+    /// buffer as the tensor's memory as it is (Flex), so that it comes back for reuse when the
+    /// tensor goes.
+    pub fn receiver(&self, device: u32, meta: TensorMeta) -> Result<TensorAssembler, NodeError> {
+        let max = self.config().max_tensor_bytes;
+        let receiver = if self.device(device)?.kind() == BackendKind::Flex {
+            TensorAssembler::new_recycled(meta, max)
+        } else {
+            TensorAssembler::new(meta, max)
+        };
+        Ok(receiver?)
+    }
+
+    /// Registers validated bytes where [`admit`](Self::admit) gave `admission`, logged as one
+    /// transfer (a put).
+    pub async fn register(
+        &self,
+        admission: Admission,
+        arrived: Arrived,
+    ) -> Result<TensorDesc, NodeError> {
+        let started = Instant::now();
+        let key = admission.key.clone();
+        let result = self
+            .register_payload(admission, Payload::Data(arrived), TransferPath::Put)
+            .await;
+        self.record("put", &key, None, "put", result.as_ref(), started);
+        result
+    }
+
+    /// Registers `payload`, which travelled by `path`, where `admission` says; not logged.
+    pub(crate) async fn register_payload(
+        &self,
+        admission: Admission,
+        payload: Payload,
+        path: TransferPath,
+    ) -> Result<TensorDesc, NodeError> {
+        let Admission {
+            key,
+            existing,
+            reservation,
+        } = admission;
+        self.device(key.device)?
+            .call(|reply| Command::Insert {
+                name: key.name,
+                payload,
+                path,
+                existing,
+                reservation,
+                reply,
+            })
+            .await
+    }
+}

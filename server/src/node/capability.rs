@@ -1,0 +1,266 @@
+//! Capabilities: single-use grants this node issues for another node to pull one version of a
+//! tensor, how a fetch under one is served ([`FetchLease`]), and how each ends (released, revoked,
+//! expired, or with the client that asked for it); and the cap on those a client holds.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use ferry_proto::TensorKey;
+
+use crate::device::{TensorDesc, Version};
+use crate::error::NodeError;
+use crate::node::Node;
+
+/// The most capabilities a node keeps outstanding; past it, `Grant` is refused until some are
+/// used or expire. With the per-client cap and capabilities revoked with the connection that
+/// asked for them, only a node whose every connection asks for its cap reaches it.
+const MAX_CAPABILITIES: usize = 65_536;
+
+/// The default [`NodeConfig::max_grants_per_client`](crate::NodeConfig::max_grants_per_client).
+pub const DEFAULT_MAX_GRANTS: usize = 64;
+
+/// One client of the node (a connection), as capabilities know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClientId(u64);
+
+/// A capability this node issued.
+///
+/// Its life: granted to a client (for one audience node) → fetched by that audience, perhaps
+/// resumed → released by the connection that fetched it (every byte arrived and verified), or by
+/// the client it was granted to before any fetch began (a dedup never fetched). It also ends
+/// when it expires, when a fetch ended and no release or resume came within one idle timeout,
+/// or, before any fetch, when the connection that asked for it closes.
+#[derive(Debug)]
+pub(super) struct Capability {
+    key: TensorKey,
+    /// The version it grants: a fetch of anything else (the tensor was replaced) is refused, so
+    /// a resumed transfer can never join two versions.
+    version: Version,
+    audience: String,
+    expires: Instant,
+    /// The connection that asked for it.
+    granted_to: ClientId,
+    /// The connection of the latest fetch, once one began.
+    fetcher: Option<ClientId>,
+    /// Counts fetches; only the latest may touch the capability when it ends, so a resume can
+    /// take over from a fetch whose connection has not noticed it is dead.
+    generation: u64,
+    /// A fetch sent every byte once: from then on only a resume (from a later offset) is served.
+    served: bool,
+    /// A fetch is under way now (its lease is alive).
+    in_flight: bool,
+    /// The connection it was granted to closed while a fetch was under way: it ends with that
+    /// fetch.
+    orphaned: bool,
+}
+
+/// The most fetches one capability serves: the first and its resumes (a pull retries three
+/// times by default), so that a capability cannot be fetched again and again until it expires.
+const MAX_FETCHES: u64 = 16;
+
+/// The longest node id or audience accepted.
+const MAX_NODE_ID_LEN: usize = 256;
+
+impl Node {
+    /// A new client's id, for the capabilities it asks for.
+    pub fn new_client(&self) -> ClientId {
+        ClientId(self.inner.next_client.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A client's connection closed: the capabilities it asked for are revoked (nobody is left
+    /// to wait for the copy they were for), those with a fetch under way once it ends; so a
+    /// client that reconnects cannot pile up capabilities past its cap.
+    pub fn client_gone(&self, client: ClientId) {
+        self.capabilities().retain(|_, c| {
+            if c.granted_to != client {
+                return true;
+            }
+            c.orphaned = true;
+            c.in_flight
+        });
+    }
+
+    /// Issues a single-use capability for `audience` (a node id) to pull the version of the
+    /// tensor under `key` registered now, with its content hash, which this node has verified
+    /// (a tensor whose hash is still being verified is waited for).
+    pub async fn grant(
+        &self,
+        key: &TensorKey,
+        audience: &str,
+        client: ClientId,
+    ) -> Result<(String, Duration, TensorDesc), NodeError> {
+        if audience.is_empty() || audience.len() > MAX_NODE_ID_LEN {
+            return Err(NodeError::BadRequest(format!(
+                "a node id is 1 to {MAX_NODE_ID_LEN} bytes"
+            )));
+        }
+        let desc = self.describe_verified(key).await?;
+        let ttl = self.inner.config.capability_ttl;
+        let token = format!("{:032x}", rand::random::<u128>());
+        let now = Instant::now();
+        let mut capabilities = self.capabilities();
+        capabilities.retain(|_, c| c.expires > now);
+        let cap = self.inner.config.max_grants_per_client;
+        let held = capabilities
+            .values()
+            .filter(|c| c.granted_to == client)
+            .count();
+        if held >= cap {
+            return Err(NodeError::TooManyGrants { limit: cap });
+        }
+        if capabilities.len() >= MAX_CAPABILITIES {
+            return Err(NodeError::CapabilitiesFull {
+                limit: MAX_CAPABILITIES,
+            });
+        }
+        capabilities.insert(
+            token.clone(),
+            Capability {
+                key: key.clone(),
+                version: desc.version,
+                audience: audience.to_string(),
+                expires: now + ttl,
+                granted_to: client,
+                fetcher: None,
+                generation: 0,
+                served: false,
+                in_flight: false,
+                orphaned: false,
+            },
+        );
+        Ok((token, ttl, desc))
+    }
+
+    /// The capabilities issued and not ended.
+    fn capabilities(&self) -> std::sync::MutexGuard<'_, HashMap<String, Capability>> {
+        // The map stays consistent under a panic (every update is one statement).
+        self.inner
+            .capabilities
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Starts serving a fetch from `offset` on: the capability must exist, be unexpired and be
+    /// bound to `node_id`; a capability already served to the end once serves only a resume
+    /// (a later offset). A new fetch takes over from an earlier one still under way.
+    pub fn begin_fetch(
+        &self,
+        token: &str,
+        node_id: &str,
+        client: ClientId,
+        offset: u64,
+    ) -> Result<FetchLease, NodeError> {
+        let now = Instant::now();
+        let mut capabilities = self.capabilities();
+        let refused = |why: &str| NodeError::CapabilityRefused(why.to_string());
+        let capability = capabilities
+            .get_mut(token)
+            .ok_or_else(|| refused("unknown or already used capability"))?;
+        if capability.expires <= now {
+            capabilities.remove(token);
+            return Err(refused("expired capability"));
+        }
+        if capability.audience != node_id {
+            return Err(refused("capability issued to another node"));
+        }
+        if capability.served && offset == 0 {
+            return Err(refused(
+                "capability already served in full; only a resume from a later offset is served",
+            ));
+        }
+        if capability.generation >= MAX_FETCHES {
+            return Err(refused("capability fetched too often; ask for a new one"));
+        }
+        capability.generation += 1;
+        capability.fetcher = Some(client);
+        capability.in_flight = true;
+        Ok(FetchLease {
+            node: self.clone(),
+            token: token.to_string(),
+            key: capability.key.clone(),
+            version: capability.version,
+            generation: capability.generation,
+        })
+    }
+
+    /// Ends a capability that can never be served again (the version it grants is gone), so
+    /// that it stops counting against its client's cap at once.
+    pub fn revoke(&self, token: &str) {
+        self.capabilities().remove(token);
+    }
+
+    /// Uses a capability up: by the connection of its latest fetch once every byte arrived, or
+    /// by the client it was granted to before any fetch began (handing back one it did not
+    /// need). Nobody else may release it.
+    pub fn release(&self, token: &str, node_id: &str, client: ClientId) -> Result<(), NodeError> {
+        let mut capabilities = self.capabilities();
+        let allowed = capabilities.get(token).is_some_and(|c| {
+            c.audience == node_id
+                && match c.fetcher {
+                    Some(fetcher) => fetcher == client,
+                    None => c.granted_to == client,
+                }
+        });
+        if !allowed {
+            return Err(NodeError::CapabilityRefused(
+                "unknown capability, or not this client's to release (only the node that \
+                 fetched it, or before any fetch the client it was granted to)"
+                    .into(),
+            ));
+        }
+        capabilities.remove(token);
+        Ok(())
+    }
+}
+
+/// A fetch in progress under a capability; when it ends, the capability waits one idle timeout
+/// for the fetching node's release or a resume, and then lapses.
+#[derive(Debug)]
+pub struct FetchLease {
+    node: Node,
+    token: String,
+    key: TensorKey,
+    version: Version,
+    generation: u64,
+}
+
+impl FetchLease {
+    /// The tensor it grants.
+    pub fn key(&self) -> &TensorKey {
+        &self.key
+    }
+
+    /// The version it grants.
+    pub fn version(&self) -> Version {
+        self.version
+    }
+
+    /// Every byte was sent: from now on the capability serves only a resume.
+    pub fn served(&self) {
+        if let Some(capability) = self.node.capabilities().get_mut(&self.token)
+            && capability.generation == self.generation
+        {
+            capability.served = true;
+        }
+    }
+}
+
+impl Drop for FetchLease {
+    fn drop(&mut self) {
+        // Whatever was read for this fetch is freed with it; the capability stays only long
+        // enough for the same node to release it or resume.
+        let window = self.node.inner.config.peer_limits.idle_timeout;
+        let mut capabilities = self.node.capabilities();
+        if let Some(capability) = capabilities.get_mut(&self.token)
+            && capability.generation == self.generation
+        {
+            if capability.orphaned {
+                capabilities.remove(&self.token);
+                return;
+            }
+            capability.in_flight = false;
+            capability.expires = capability.expires.min(Instant::now() + window);
+        }
+    }
+}

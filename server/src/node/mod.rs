@@ -1,0 +1,210 @@
+//! `Node`: the embeddable library API over a node's device workers, and its transfer engine.
+//!
+//! An application (a GPU worker running its model) holds a `Node` and calls `insert`, `get`,
+//! `take`, `remove` and `copy` in process; the TCP service calls exactly the same methods, so
+//! both share one set of device workers and one set of rules.
+
+mod admission;
+mod capability;
+mod stats;
+mod tensors;
+mod transfer;
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_io::ConnectionLimits;
+
+use crate::backend::DeviceSpec;
+use crate::device::{self, DeviceHandle, DeviceLimits};
+use crate::engine::TransferPolicy;
+use crate::error::NodeError;
+
+pub use admission::Admission;
+use capability::Capability;
+pub use capability::{ClientId, DEFAULT_MAX_GRANTS, FetchLease};
+use stats::Counters;
+pub(crate) use stats::{Direction, process_memory};
+pub use tensors::MAX_PAGE;
+pub use transfer::TransferMode;
+
+/// The software name a node reports.
+pub const AGENT: &str = concat!("ferry-server/", env!("CARGO_PKG_VERSION"));
+
+/// What a node hosts and the limits it keeps.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The devices, in index order.
+    pub devices: Vec<DeviceSpec>,
+    /// The largest tensor accepted, in bytes.
+    pub max_tensor_bytes: u64,
+    /// A memory budget per device, in bytes: tensors (each with
+    /// [`TENSOR_OVERHEAD`](crate::device::TENSOR_OVERHEAD)), transfers in flight and host copies
+    /// being sent.
+    pub memory_limit: Option<u64>,
+    /// The most tensors one device holds.
+    pub max_tensors: Option<u64>,
+    /// The most capabilities one client (one connection) may hold outstanding at once.
+    pub max_grants_per_client: usize,
+    /// Which transfer paths may be taken.
+    pub policy: TransferPolicy,
+    /// The node's id; a random one when absent.
+    pub node_id: Option<String>,
+    /// How long a capability this node issues stays valid.
+    pub capability_ttl: Duration,
+    /// How often a pull reconnects after a transient drop before it gives up.
+    pub pull_retries: u32,
+    /// The wait before the first reconnection; it doubles with each further one.
+    pub retry_backoff: Duration,
+    /// The token this node presents to the nodes it pulls from.
+    pub peer_token: Option<String>,
+    /// Frame, chunk and idle limits of the connections this node opens to peers; the idle
+    /// timeout is how long a silent source may stall a pull.
+    pub peer_limits: ConnectionLimits,
+    /// Move payloads through shared memory on Unix-socket connections whose other side agrees
+    /// (clients, and peers this node pulls from).
+    pub shared_memory: bool,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            devices: vec![
+                DeviceSpec {
+                    kind: crate::BackendKind::Flex,
+                },
+                DeviceSpec {
+                    kind: crate::BackendKind::Flex,
+                },
+            ],
+            max_tensor_bytes: 16 << 30,
+            memory_limit: None,
+            max_tensors: Some(DEFAULT_MAX_TENSORS),
+            max_grants_per_client: DEFAULT_MAX_GRANTS,
+            policy: TransferPolicy::Auto,
+            node_id: None,
+            capability_ttl: Duration::from_secs(300),
+            pull_retries: 3,
+            retry_backoff: Duration::from_millis(100),
+            peer_token: None,
+            peer_limits: ConnectionLimits::default(),
+            shared_memory: true,
+        }
+    }
+}
+
+/// The default [`NodeConfig::max_tensors`].
+pub const DEFAULT_MAX_TENSORS: u64 = 1_000_000;
+
+struct Inner {
+    devices: Vec<DeviceHandle>,
+    config: NodeConfig,
+    node_id: String,
+    capabilities: Mutex<HashMap<String, Capability>>,
+    next_client: AtomicU64,
+    counters: Counters,
+    /// The Unix socket the service listens on, for `stat`.
+    unix_socket: Mutex<Option<String>>,
+    threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Dropping the handles closes the workers' queues; they finish what they hold and stop.
+        self.devices.clear();
+        let threads = match self.threads.get_mut() {
+            Ok(threads) => std::mem::take(threads),
+            Err(poisoned) => std::mem::take(poisoned.into_inner()),
+        };
+        for thread in threads {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A running node: its device workers and the operations on them. Cheap to clone.
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("devices", &self.inner.devices)
+            .finish()
+    }
+}
+
+impl Node {
+    /// Starts one worker thread per configured device.
+    pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
+        if config.devices.is_empty() {
+            return Err(NodeError::BadRequest(
+                "a node needs at least one device".into(),
+            ));
+        }
+        let mut devices = Vec::with_capacity(config.devices.len());
+        let mut threads = Vec::with_capacity(config.devices.len());
+        for (index, spec) in config.devices.iter().enumerate() {
+            let index = u32::try_from(index)
+                .map_err(|_| NodeError::BadRequest("too many devices".into()))?;
+            let limits = DeviceLimits {
+                memory: config.memory_limit,
+                tensors: config.max_tensors,
+            };
+            let (handle, thread) = device::spawn(index, *spec, limits)
+                .map_err(|e| NodeError::Backend(format!("cannot start device {index}: {e}")))?;
+            devices.push(handle);
+            threads.push(thread);
+        }
+        let node_id = config
+            .node_id
+            .clone()
+            .unwrap_or_else(|| format!("node-{:016x}", rand::random::<u64>()));
+        Ok(Node {
+            inner: Arc::new(Inner {
+                devices,
+                config,
+                node_id,
+                capabilities: Mutex::new(HashMap::new()),
+                next_client: AtomicU64::new(0),
+                counters: Counters::default(),
+                unix_socket: Mutex::new(None),
+                threads: std::sync::Mutex::new(threads),
+            }),
+        })
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &NodeConfig {
+        &self.inner.config
+    }
+
+    /// The node's id, which the capabilities it is granted are bound to.
+    pub fn node_id(&self) -> &str {
+        &self.inner.node_id
+    }
+
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.inner.counters
+    }
+
+    /// The device at `index`.
+    pub fn device(&self, index: u32) -> Result<&DeviceHandle, NodeError> {
+        self.inner
+            .devices
+            .get(index as usize)
+            .ok_or(NodeError::NoSuchDevice {
+                index,
+                count: self.inner.devices.len(),
+            })
+    }
+
+    /// Every hosted device.
+    pub fn devices(&self) -> &[DeviceHandle] {
+        &self.inner.devices
+    }
+}

@@ -1,0 +1,264 @@
+//! The tensors a node holds: reading them (`get`, `read`, `read_host`, `take`), removing them
+//! (`remove`, `remove_if_content`), describing and listing them, and finding them by content hash.
+
+use std::time::{Duration, Instant};
+
+use burn_backend::TensorData;
+use ferry_proto::TensorKey;
+
+use crate::device::{Command, DeviceHandle, DeviceSummary, HostBytes, TensorDesc, Version};
+use crate::error::NodeError;
+use crate::node::Node;
+
+/// How long a dedup check waits for a candidate's stated hash to be verified.
+const VERIFY_WAIT: Duration = Duration::from_secs(10);
+
+/// The most tensors one listing page holds: a page of the longest names stays far below the
+/// control message limit.
+pub const MAX_PAGE: usize = 4096;
+
+impl Node {
+    /// The bytes of the tensor under `key`, which stays registered.
+    pub async fn get(&self, key: &TensorKey) -> Result<TensorData, NodeError> {
+        self.read(key).await.map(|(_, data)| data)
+    }
+
+    /// The description and bytes of the tensor under `key`, which stays registered.
+    pub async fn read(&self, key: &TensorKey) -> Result<(TensorDesc, TensorData), NodeError> {
+        let started = Instant::now();
+        let result = self
+            .device(key.device)?
+            .call(|reply| Command::Read {
+                name: key.name.clone(),
+                reply,
+            })
+            .await;
+        self.record(
+            "get",
+            key,
+            None,
+            "get",
+            result.as_ref().map(|(desc, ..)| desc),
+            started,
+        );
+        // The copy's room in the budget is given back as it is handed over.
+        result.map(|(desc, data, _copy)| (desc, data))
+    }
+
+    /// The tensor under `key` as a description, a checked meta and its bytes for sending: shared
+    /// with the registered tensor where the backend allows it (no host copy), read out
+    /// otherwise. The tensor stays registered.
+    pub async fn read_host(
+        &self,
+        key: &TensorKey,
+    ) -> Result<(TensorDesc, ferry_proto::TensorMeta, HostBytes), NodeError> {
+        self.read_host_pinned(key, None).await
+    }
+
+    /// [`read_host`](Self::read_host) of one version only ([`NodeError::Changed`] if the key
+    /// holds another now), logged as one transfer.
+    pub async fn read_host_pinned(
+        &self,
+        key: &TensorKey,
+        pin: Option<Version>,
+    ) -> Result<(TensorDesc, ferry_proto::TensorMeta, HostBytes), NodeError> {
+        let started = Instant::now();
+        let result = self
+            .device(key.device)?
+            .call(|reply| Command::ReadHost {
+                name: key.name.clone(),
+                pin,
+                reply,
+            })
+            .await;
+        self.record(
+            "get",
+            key,
+            None,
+            "get",
+            result.as_ref().map(|(desc, _)| desc),
+            started,
+        );
+        let (desc, bytes) = result?;
+        let meta = ferry_proto::TensorMeta::with_byte_len(
+            desc.shape.clone(),
+            desc.dtype,
+            bytes.len() as u64,
+        )?;
+        Ok((desc, meta, bytes))
+    }
+
+    /// The bytes of the tensor under `key`, which is unregistered once they are read.
+    pub async fn take(&self, key: &TensorKey) -> Result<TensorData, NodeError> {
+        let (desc, data) = self.read(key).await?;
+        // Only the version read goes; one registered meanwhile stays.
+        self.remove_pinned(key, Some(desc.version)).await?;
+        Ok(data)
+    }
+
+    /// Unregisters the tensor under `key`.
+    pub async fn remove(&self, key: &TensorKey) -> Result<TensorDesc, NodeError> {
+        self.remove_pinned(key, None).await
+    }
+
+    /// Unregisters the tensor under `key` only if it is still the version whose content hash,
+    /// verified by this node, is `content_hash` ([`NodeError::Changed`] otherwise): the source
+    /// side of a move between nodes deletes what it copied, never a newer version.
+    pub async fn remove_if_content(
+        &self,
+        key: &TensorKey,
+        content_hash: &str,
+    ) -> Result<TensorDesc, NodeError> {
+        let desc = self.describe_verified(key).await?;
+        if desc.content_hash != content_hash {
+            return Err(NodeError::Changed(key.clone()));
+        }
+        self.remove_pinned(key, Some(desc.version)).await
+    }
+
+    /// Unregisters the tensor under `key`, if it is still the version `pin` names.
+    pub(super) async fn remove_pinned(
+        &self,
+        key: &TensorKey,
+        pin: Option<Version>,
+    ) -> Result<TensorDesc, NodeError> {
+        self.device(key.device)?
+            .call(|reply| Command::Remove {
+                name: key.name.clone(),
+                pin,
+                reply,
+            })
+            .await
+    }
+
+    /// Describes the tensor under `key`.
+    pub async fn describe(&self, key: &TensorKey) -> Result<TensorDesc, NodeError> {
+        self.device(key.device)?
+            .call(|reply| Command::Describe {
+                name: key.name.clone(),
+                reply,
+            })
+            .await
+    }
+
+    /// Describes the tensor under `key` once its content hash is verified: at once where it
+    /// is, else after the verifier's answer (bounded by [`VERIFY_WAIT`]).
+    pub(super) async fn describe_verified(&self, key: &TensorKey) -> Result<TensorDesc, NodeError> {
+        let desc = self.describe(key).await?;
+        if desc.hash_verified {
+            return Ok(desc);
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.device(key.device)?
+            .tell(Command::AwaitVerified {
+                name: key.name.clone(),
+                reply,
+            })
+            .await?;
+        match tokio::time::timeout(VERIFY_WAIT, answer).await {
+            Ok(Ok(verified)) if verified.version == desc.version => Ok(verified),
+            // Replaced or removed meanwhile.
+            Ok(_) => Err(NodeError::Changed(key.clone())),
+            Err(_) => Err(NodeError::Busy(format!(
+                "the content hash of {key} is still being verified; try again"
+            ))),
+        }
+    }
+
+    /// Finds a registered tensor with these bytes (BLAKE3, hex).
+    /// Only hashes this node computed itself count: a tensor registered under a hash its source
+    /// stated is waited for until the node has recomputed it (a model pushed twice in a row
+    /// still costs one transfer), and answers only if the hash held.
+    pub async fn find_by_hash(&self, content_hash: &str) -> Result<Option<TensorDesc>, NodeError> {
+        let mut pending = Vec::new();
+        for device in &self.inner.devices {
+            let hash = content_hash.to_string();
+            let found = device
+                .call(|reply| Command::FindByHash { hash, reply })
+                .await?;
+            match found {
+                Some(desc) if desc.hash_verified => return Ok(Some(desc)),
+                Some(desc) => pending.push(desc),
+                None => {}
+            }
+        }
+        for candidate in pending {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let name = candidate.key.name.clone();
+            self.device(candidate.key.device)?
+                .tell(Command::AwaitVerified { name, reply })
+                .await?;
+            // A tensor removed meanwhile drops the question unanswered: no candidate. A long
+            // queue of verifications is not waited out: pulling the bytes is then cheaper.
+            match tokio::time::timeout(VERIFY_WAIT, answer).await {
+                Ok(Ok(desc)) if desc.content_hash == content_hash => return Ok(Some(desc)),
+                Ok(_) => {}
+                Err(_) => {
+                    tracing::info!(key = %candidate.key, "dedup candidate still unverified; pulling");
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Describes the tensors on one device, or on all, sorted by device and name.
+    pub async fn list(&self, device: Option<u32>) -> Result<Vec<TensorDesc>, NodeError> {
+        let mut all = Vec::new();
+        let mut after = None;
+        loop {
+            let (page, next) = self.list_page(device, after.as_ref(), MAX_PAGE).await?;
+            all.extend(page);
+            match next {
+                Some(next) => after = Some(next),
+                None => return Ok(all),
+            }
+        }
+    }
+
+    /// One page of [`list`](Self::list): at most `limit` (and at most [`MAX_PAGE`]) tensors
+    /// after the key `after`, and where the next page starts (`None` when this is the last).
+    pub async fn list_page(
+        &self,
+        device: Option<u32>,
+        after: Option<&TensorKey>,
+        limit: usize,
+    ) -> Result<(Vec<TensorDesc>, Option<TensorKey>), NodeError> {
+        let limit = limit.clamp(1, MAX_PAGE);
+        let devices: Vec<&DeviceHandle> = match device {
+            Some(index) => vec![self.device(index)?],
+            None => self.inner.devices.iter().collect(),
+        };
+        let mut page = Vec::new();
+        for handle in devices {
+            let from = match after {
+                Some(after) if after.device > handle.index() => continue,
+                Some(after) if after.device == handle.index() => Some(after.name.clone()),
+                _ => None,
+            };
+            let want = limit - page.len();
+            page.extend(
+                handle
+                    .call(|reply| Command::List {
+                        after: from,
+                        limit: want,
+                        reply,
+                    })
+                    .await?,
+            );
+            if page.len() == limit {
+                break;
+            }
+        }
+        let next = (page.len() == limit)
+            .then(|| page.last().map(|d: &TensorDesc| d.key.clone()))
+            .flatten();
+        Ok((page, next))
+    }
+
+    /// How many tensors, and bytes, a device holds.
+    pub async fn summary(&self, device: u32) -> Result<DeviceSummary, NodeError> {
+        self.device(device)?
+            .call(|reply| Command::Summary { reply })
+            .await
+    }
+}

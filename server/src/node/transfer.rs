@@ -1,0 +1,161 @@
+//! In-node transfers: a copy or a move of one tensor from one device of the node to another (or
+//! to another name), by the path the policy chooses, and a dedup'd pull's copy of a version.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use ferry_proto::TensorKey;
+
+use crate::device::{Arrived, Command, Existing, Exported, Payload, TensorDesc};
+use crate::engine::{TransferPath, choose_path};
+use crate::error::NodeError;
+use crate::node::Node;
+
+/// Copy or move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferMode {
+    /// The source stays.
+    Copy,
+    /// The source is deleted once the target registered the tensor.
+    Move,
+}
+
+impl Node {
+    /// Copies or moves the tensor under `src` to `dst_device` (under `dst_name`, or its own
+    /// name). Answered only after the target registered it; a move deletes the source only then,
+    /// and a failed transfer leaves the source as it was.
+    pub async fn copy(
+        &self,
+        src: &TensorKey,
+        dst_device: u32,
+        dst_name: Option<&str>,
+        mode: TransferMode,
+        existing: Existing,
+    ) -> Result<TensorDesc, NodeError> {
+        let started = Instant::now();
+        let dst = TensorKey::new(dst_device, dst_name.unwrap_or(&src.name));
+        let mut path = None;
+        // The version described here is the one copied (and, for a move, removed): one
+        // replaced meanwhile is `Changed`, and nothing is copied or removed.
+        let result = match self.describe(src).await {
+            Ok(desc) => {
+                self.transfer(&desc, &dst, mode, existing, None, &mut path)
+                    .await
+            }
+            Err(error) => Err(error),
+        };
+        let op = match mode {
+            TransferMode::Copy => "copy",
+            TransferMode::Move => "move",
+        };
+        let path = path.map_or("-", TransferPath::name);
+        self.record(op, src, Some(&dst), path, result.as_ref(), started);
+        result
+    }
+
+    /// Copies (or moves) exactly the version `source` describes to `dst`: its bytes are
+    /// reserved on the target before anything is read, the export is pinned to that version
+    /// (so what was reserved is what arrives), and a move removes that version only.
+    async fn transfer(
+        &self,
+        source: &TensorDesc,
+        dst: &TensorKey,
+        mode: TransferMode,
+        existing: Existing,
+        label: Option<TransferPath>,
+        path_taken: &mut Option<TransferPath>,
+    ) -> Result<TensorDesc, NodeError> {
+        let src = &source.key;
+        if src == dst {
+            return Err(NodeError::BadRequest(format!(
+                "source and target are the same tensor {src}"
+            )));
+        }
+        let from = self.device(src.device)?;
+        let target = self.device(dst.device)?;
+        let admission = self.admit(
+            dst.device,
+            &dst.name,
+            &source.dtype,
+            &source.shape,
+            source.bytes,
+            existing,
+        )?;
+        let path = choose_path(
+            self.inner.config.policy,
+            from.kind(),
+            target.kind(),
+            &source.dtype,
+        );
+        *path_taken = Some(path);
+        let exported = from
+            .call(|reply| Command::Export {
+                name: src.name.clone(),
+                pin: Some(source.version),
+                native: path == TransferPath::Native,
+                reply,
+            })
+            .await?;
+        // A host copy stays counted on the source device until the target holds the bytes
+        // (under its own reservation).
+        let mut copy_held = None;
+        let payload = match exported {
+            Exported::Native(native) => Payload::Native(native),
+            Exported::Data(data, held) => {
+                copy_held = Some(held);
+                // The bytes crossed a channel between workers: held to the same rule as bytes
+                // from a socket before the target's backend sees them.
+                let meta = ferry_proto::tensor::meta_of(&data)?;
+                if meta.byte_len() as u64 != source.bytes {
+                    return Err(NodeError::Changed(src.clone()));
+                }
+                Payload::Data(Arrived::new(data))
+            }
+        };
+        let registered = self
+            .register_payload(admission, payload, label.unwrap_or(path))
+            .await?;
+        drop(copy_held);
+        match path {
+            TransferPath::Native => &self.counters().native,
+            _ => &self.counters().round_trip,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        if mode == TransferMode::Move {
+            self.remove_pinned(src, Some(source.version)).await?;
+        }
+        Ok(registered)
+    }
+
+    /// Registers a copy of the version `source` describes as a dedup'd pull, logged as one
+    /// transfer.
+    pub(crate) async fn copy_version(
+        &self,
+        source: &TensorDesc,
+        dst: &TensorKey,
+        existing: Existing,
+    ) -> Result<TensorDesc, NodeError> {
+        let started = Instant::now();
+        let mut path = None;
+        let result = self
+            .transfer(
+                source,
+                dst,
+                TransferMode::Copy,
+                existing,
+                Some(TransferPath::Dedup),
+                &mut path,
+            )
+            .await;
+        let path = path.map_or("-", TransferPath::name);
+        self.record(
+            "copy",
+            &source.key,
+            Some(dst),
+            path,
+            result.as_ref(),
+            started,
+        );
+        result
+    }
+}
