@@ -7,8 +7,8 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use ferry_client::{Client, ClientError, ErrorCode};
-use ferry_proto::TensorData;
+use ferry_client::{Client, ClientError, ErrorCode, NodeCopy};
+use ferry_proto::{NodeStats, TensorData};
 use ferry_server::source::{SourceConfig, SourceConnection, SourceError};
 use ferry_server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig};
 use tokio::sync::oneshot;
@@ -414,4 +414,29 @@ impl Drop for BackgroundNode {
             let _ = thread.join();
         }
     }
+}
+
+/// Node-to-node copy settings: to `dst_device` under the source's names, keeping the source, not
+/// replacing anything.
+pub fn how(source_addr: &str, dst_device: u32) -> NodeCopy<'_> {
+    NodeCopy {
+        source_addr,
+        dst_device,
+        dst_name: None,
+        remove_source: false,
+        overwrite: false,
+    }
+}
+
+/// Waits (5 s at most) until the client's node has verified every content hash it was told, and
+/// returns its stats then.
+pub async fn hashes_verified(client: &mut Client) -> NodeStats {
+    for _ in 0..500 {
+        let stats = client.stat().await.unwrap();
+        if stats.hashes_pending == 0 {
+            return stats;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("stated hashes still unverified after 5 s");
 }

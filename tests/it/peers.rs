@@ -4,24 +4,14 @@
 
 use std::time::Duration;
 
-use ferry::client::{Client, ErrorCode, NodeCopy, RegionUse, copy_between};
+use ferry::client::{Client, ErrorCode, RegionUse, copy_between};
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
 use ferry::server::{NodeConfig, ServiceConfig};
 use ferry::testing::{
-    Fault, TestNode, assert_same, code_of, devices, proxy, source_code_of, source_connection,
-    start, start_with,
+    Fault, TestNode, assert_same, code_of, devices, hashes_verified, how, proxy, source_code_of,
+    source_connection, start, start_with,
 };
-
-fn how(source_addr: &str, dst_device: u32) -> NodeCopy<'_> {
-    NodeCopy {
-        source_addr,
-        dst_device,
-        dst_name: None,
-        remove_source: false,
-        overwrite: false,
-    }
-}
 
 async fn pair() -> (TestNode, TestNode) {
     (
@@ -352,17 +342,6 @@ async fn a_target_that_goes_away_mid_stream_costs_the_source_nothing() {
 }
 
 /// Waits until `node` has recomputed every stated content hash.
-async fn hashes_verified(client: &mut Client) -> ferry::proto::NodeStats {
-    for _ in 0..500 {
-        let stats = client.stat().await.unwrap();
-        if stats.hashes_pending == 0 {
-            return stats;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("stated hashes still unverified after 5 s");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_it() {
     let (a, b) = pair().await;

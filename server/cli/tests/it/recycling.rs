@@ -3,33 +3,12 @@
 
 use std::time::Duration;
 
-use ferry::client::{Client, NodeCopy, copy_between};
+use ferry::client::{Client, copy_between};
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
-use ferry::testing::{Fault, assert_same, proxy, spawn_server};
+use ferry::testing::{Fault, assert_same, hashes_verified, how, proxy, spawn_server};
 
 use crate::ferry_server;
-
-fn how(source_addr: &str, dst_device: u32) -> NodeCopy<'_> {
-    NodeCopy {
-        source_addr,
-        dst_device,
-        dst_name: None,
-        remove_source: false,
-        overwrite: false,
-    }
-}
-
-/// Waits until every stated hash on the client's node is verified.
-async fn hashes_verified(client: &mut Client) {
-    for _ in 0..500 {
-        if client.stat().await.unwrap().hashes_pending == 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("stated hashes still unverified after 5 s");
-}
 
 fn server() -> ferry::testing::ServerProcess {
     spawn_server(ferry_server(), &["--device", "flex"], None)
