@@ -10,8 +10,9 @@
 //!   `unix:A`, the payload goes through the socket as chunk frames;
 //! - `ferry shm, kept region`: the same with shared memory on, the tensor put on A through shared
 //!   memory as well: A keeps the sealed region the put came in as the tensor's storage and passes
-//!   that very region to B (no copy on either side; B checks its size, seals and crc32c and maps
-//!   it). This is how a tensor moves on through a chain of same-host nodes;
+//!   that very region to B (no copy on either side; B checks its size, seals and owner and maps
+//!   it lazily, in constant time). This is how a tensor moves on through a chain of same-host
+//!   nodes. Its goal is a time: at most 2 ms for 256 MiB, printed beside the memcpy time;
 //! - `ferry shm, new region`: the same, but the tensor was put on A over TCP, so it lies in A's
 //!   heap: A writes the payload once into a new sealed memfd region, passes it, and B maps it.
 //!
@@ -29,8 +30,8 @@
 //! floor of the `new region` route, printed against memcpy in the same run.
 //!
 //! Ratios are medians over the medians of memcpy into an already-touched buffer (the issue's
-//! limit), and beside it over raw TCP. Goal: shared memory >= 0.5x memcpy, printed for both
-//! shared-memory routes.
+//! limit), and beside it over raw TCP. Goals: the kept region handed over in at most 2 ms; a new
+//! region >= 0.5x memcpy.
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
@@ -219,16 +220,73 @@ fn main() {
             let (line_a, _) = measured.source.report("    node A (src)", bytes);
             let (line_b, _) = measured.target.report("    node B (dst)", bytes);
             println!("{line_a}\n{line_b}");
-            if route.shared() {
-                goals.push((label, route.label(), vs_memcpy));
+            match route {
+                // A kept region passes on in constant time: its goal is a time, printed as a
+                // multiple of the memcpy of the same bytes in this run.
+                Route::ShmKept => {
+                    let ms = measured.rate.median_time.as_secs_f64() * 1e3;
+                    let of_memcpy =
+                        measured.rate.median_time.as_secs_f64() / memcpy.median_time.as_secs_f64();
+                    println!(
+                        "    {:<19} {ms:.2} ms, {of_memcpy:.3}x the memcpy time",
+                        "handoff"
+                    );
+                    goals.push(Goal::Time {
+                        label,
+                        route: route.label(),
+                        ms,
+                        of_memcpy,
+                    });
+                }
+                Route::ShmNew => goals.push(Goal::Ratio {
+                    label,
+                    route: route.label(),
+                    vs_memcpy,
+                }),
+                Route::Tcp | Route::Unix => {}
             }
         }
     }
     println!("goals:");
-    for (label, route, ratio) in goals {
-        println!(
-            "  {label:<12} {route:<22} {ratio:.2}x memcpy {} 0.5",
-            if ratio >= 0.5 { ">=" } else { "< (MISSED)" }
-        );
+    for goal in goals {
+        match goal {
+            Goal::Time {
+                label,
+                route,
+                ms,
+                of_memcpy,
+            } => println!(
+                "  {label:<12} {route:<22} {ms:.2} ms ({of_memcpy:.3}x memcpy time) {} {HANDOFF_MS} ms",
+                if ms <= HANDOFF_MS { "<=" } else { "> (MISSED)" }
+            ),
+            Goal::Ratio {
+                label,
+                route,
+                vs_memcpy,
+            } => println!(
+                "  {label:<12} {route:<22} {vs_memcpy:.2}x memcpy {} 0.5",
+                if vs_memcpy >= 0.5 { ">=" } else { "< (MISSED)" }
+            ),
+        }
     }
+}
+
+/// The longest a 256 MiB tensor in a kept region may take to reach the other node (issue 14).
+const HANDOFF_MS: f64 = 2.0;
+
+/// A goal and what was measured against it.
+enum Goal {
+    /// A time: a kept region handed over.
+    Time {
+        label: &'static str,
+        route: &'static str,
+        ms: f64,
+        of_memcpy: f64,
+    },
+    /// A rate as a multiple of memcpy's: a new region.
+    Ratio {
+        label: &'static str,
+        route: &'static str,
+        vs_memcpy: f64,
+    },
 }

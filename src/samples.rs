@@ -176,8 +176,8 @@ pub fn plain_matrix() -> Vec<Sample> {
 }
 
 /// The quantization schemes the matrix covers, with a label: every value type per-tensor with
-/// each scale dtype; Q8S, Q4S and E2M1 per-block [32], [16], [4, 4] with each scale dtype; and
-/// two-level block [16] + per-tensor F32 for every block dtype Burn allows under a global scale.
+/// each scale dtype; Q8S, Q4S and E2M1 per-block `[32]`, `[16]`, `[4, 4]` with each scale dtype; and
+/// two-level block `[16]` + per-tensor F32 for every block dtype Burn allows under a global scale.
 pub fn schemes() -> Vec<(String, QuantScheme)> {
     let native = QuantScheme::default().with_store(QuantStore::Native);
     let mut out = Vec::new();

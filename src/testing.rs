@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use ferry_client::{Client, ClientError, ErrorCode, NodeCopy};
 use ferry_proto::{NodeStats, TensorData};
-use ferry_server::source::{SourceConfig, SourceConnection, SourceError};
 use ferry_server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig};
+use ferry_server::{SourceConfig, SourceConnection, SourceError};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 

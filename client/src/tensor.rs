@@ -49,17 +49,9 @@ pub fn from_data<const D: usize, K: Basic + 'static>(
         )));
     }
     // Backends fail by panicking (a dtype the device cannot hold): turn that into an error.
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        Tensor::<D, K>::from_data(data, (device, dtype))
-    }))
-    .map_err(|panic| {
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_default();
+    ferry_proto::contained(|| Tensor::<D, K>::from_data(data, (device, dtype))).map_err(|panic| {
         ClientError::Tensor(format!(
-            "{device:?} cannot hold {}: {message}",
+            "{device:?} cannot hold {}: {panic}",
             dtype_name(&dtype)
         ))
     })

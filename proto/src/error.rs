@@ -275,16 +275,6 @@ pub enum StreamError {
         /// Why.
         reason: String,
     },
-    /// The region's bytes do not match the checksum its frame declared.
-    #[error(
-        "shared-memory region checksum mismatch: declared {declared:#010x}, computed {computed:#010x}"
-    )]
-    RegionChecksum {
-        /// What the frame declared.
-        declared: u32,
-        /// What the region's bytes give.
-        computed: u32,
-    },
 }
 
 /// Any wire-level failure.

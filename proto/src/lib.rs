@@ -7,6 +7,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod contain;
 pub mod control;
 pub mod dtype;
 pub mod error;
@@ -17,6 +18,7 @@ pub mod scales;
 pub mod tensor;
 
 pub use burn_std::{BoolStore, DType, TensorData};
+pub use contain::{Panicked, contained};
 pub use dtype::{WireDType, WireQuantScheme, dtype_name};
 pub use error::{DTypeError, FrameError, MetaError, ProtoError, StreamError};
 pub use frame::{

@@ -312,14 +312,8 @@ impl<B: Backend> Clone for Primitive<B> {
 /// Runs a backend call, turning a panic into an error so that one bad tensor never takes a
 /// device worker (or the node) down.
 pub fn contain<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, NodeError> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".to_string());
-        NodeError::Backend(format!("{what}: backend panicked: {message}"))
-    })
+    ferry_proto::contained(f)
+        .map_err(|panic| NodeError::Backend(format!("{what}: backend panicked: {panic}")))
 }
 
 impl<B: Backend> Primitive<B> {

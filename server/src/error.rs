@@ -1,7 +1,7 @@
 //! The node's typed errors, each mapped to the wire's error code.
 
 use ferry_proto::message::NameError;
-use ferry_proto::{ErrorCode, ErrorReply, MetaError, TensorKey};
+use ferry_proto::{ErrorCode, ErrorReply, MetaError, ProtoError, TensorKey};
 use thiserror::Error;
 
 /// Why a node operation failed.
@@ -87,9 +87,10 @@ pub enum NodeError {
         /// The table's size.
         limit: usize,
     },
-    /// Not possible right now, for a reason that passes (a hash still being verified).
-    #[error("{0}")]
-    Busy(String),
+    /// The tensor's content hash is still being verified: it cannot be granted or deduped on
+    /// yet. Passes on its own.
+    #[error("the content hash of {0} is still being verified; try again")]
+    StillVerifying(TensorKey),
     /// Bytes that arrived do not hash to the content hash they were granted under: altered on
     /// the way, or a false statement. Nothing was registered.
     #[error(
@@ -104,9 +105,43 @@ pub enum NodeError {
         /// The hash of what arrived.
         computed: String,
     },
-    /// A request that makes no sense as asked.
-    #[error("{0}")]
-    BadRequest(String),
+    /// A node configured without devices.
+    #[error("a node needs at least one device")]
+    NoDevices,
+    /// More devices configured than a device index can name.
+    #[error("{count} devices are more than a node can index")]
+    TooManyDevices {
+        /// How many were configured.
+        count: usize,
+    },
+    /// A node id outside its allowed length.
+    #[error("a node id is 1 to {max} bytes; this one is {len}")]
+    InvalidNodeId {
+        /// Its length in bytes.
+        len: usize,
+        /// The longest allowed.
+        max: usize,
+    },
+    /// A transfer whose source and target are one key.
+    #[error("source and target are the same tensor {0}")]
+    SameTensor(TensorKey),
+    /// A pull that does not name the content hash its capability was granted under.
+    #[error(
+        "a pull names the content hash its capability was granted under (Pull.content_hash): \
+         the bytes are checked against it end to end"
+    )]
+    PullWithoutHash,
+    /// A fetch resumed from beyond the end of the tensor.
+    #[error("offset {offset} is beyond the tensor's {bytes} bytes")]
+    OffsetOutOfRange {
+        /// The offset asked for.
+        offset: u64,
+        /// The tensor's size.
+        bytes: u64,
+    },
+    /// Bytes that arrived do not form the tensor they were described as.
+    #[error("the received bytes do not form the tensor described: {0}")]
+    Received(#[source] ProtoError),
     /// A bad tensor name.
     #[error(transparent)]
     Name(#[from] NameError),
@@ -130,7 +165,7 @@ pub enum NodeError {
     Changed(TensorKey),
     /// A capability that is unknown, used, expired or bound to another node.
     #[error("capability refused: {0}")]
-    CapabilityRefused(String),
+    CapabilityRefused(Refusal),
     /// A node-to-node transfer failed on the way; nothing was registered.
     #[error("pull from {source_addr} failed: {message}")]
     Peer {
@@ -145,13 +180,19 @@ impl NodeError {
     /// The wire code for this error.
     pub fn code(&self) -> ErrorCode {
         match self {
-            NodeError::NoSuchDevice { .. } | NodeError::BadRequest(_) | NodeError::Name(_) => {
-                ErrorCode::BadRequest
-            }
-            NodeError::Meta(MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. }) => {
-                ErrorCode::LimitExceeded
-            }
-            NodeError::Meta(_) => ErrorCode::BadRequest,
+            NodeError::NoSuchDevice { .. }
+            | NodeError::NoDevices
+            | NodeError::TooManyDevices { .. }
+            | NodeError::InvalidNodeId { .. }
+            | NodeError::SameTensor(_)
+            | NodeError::PullWithoutHash
+            | NodeError::OffsetOutOfRange { .. }
+            | NodeError::Name(_) => ErrorCode::BadRequest,
+            NodeError::Meta(MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. })
+            | NodeError::Received(ProtoError::Meta(
+                MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. },
+            )) => ErrorCode::LimitExceeded,
+            NodeError::Meta(_) | NodeError::Received(_) => ErrorCode::BadRequest,
             NodeError::NotFound(_) => ErrorCode::NotFound,
             NodeError::AlreadyExists(_) => ErrorCode::AlreadyExists,
             NodeError::UnsupportedDType { .. } => ErrorCode::UnsupportedDType,
@@ -161,7 +202,7 @@ impl NodeError {
             | NodeError::TooManyGrants { .. }
             | NodeError::CapabilitiesFull { .. }
             | NodeError::ListingTooLarge { .. } => ErrorCode::LimitExceeded,
-            NodeError::Busy(_) => ErrorCode::Busy,
+            NodeError::StillVerifying(_) => ErrorCode::Busy,
             NodeError::Backend(_) => ErrorCode::Backend,
             NodeError::DeviceGone(_) | NodeError::ShuttingDown => ErrorCode::ShuttingDown,
             NodeError::CapabilityRefused(_) => ErrorCode::CapabilityRefused,
@@ -178,4 +219,41 @@ impl NodeError {
             message: self.to_string(),
         }
     }
+}
+
+/// Why a capability was refused.
+#[derive(Debug, Error)]
+pub enum Refusal {
+    /// Never issued here, already used up, or released.
+    #[error("unknown or already used capability")]
+    Unknown,
+    /// Past its time to live.
+    #[error("expired capability")]
+    Expired,
+    /// Bound to another node than the one presenting it.
+    #[error("capability issued to another node")]
+    OtherNode,
+    /// Served to the end once: only a resume from a later offset is served.
+    #[error("capability already served in full; only a resume from a later offset is served")]
+    AlreadyServed,
+    /// Fetched as often as one capability may be.
+    #[error("capability fetched too often; ask for a new one")]
+    FetchedTooOften,
+    /// A release by someone who may not release it.
+    #[error(
+        "unknown capability, or not this client's to release (only the node that fetched it, \
+         or before any fetch the client it was granted to)"
+    )]
+    NotYours,
+    /// The version it grants was replaced or deleted.
+    #[error("{0} changed or went since the capability was granted")]
+    VersionGone(TensorKey),
+    /// The source node refused the capability this node presented.
+    #[error("by {source_addr}: {message}")]
+    BySource {
+        /// The source node.
+        source_addr: String,
+        /// What it answered.
+        message: String,
+    },
 }

@@ -1,5 +1,8 @@
-//! The node's Prometheus metrics, emitted through the `metrics` facade (free when no recorder is
-//! installed; `ferry-server --metrics ADDR` installs the Prometheus exporter).
+//! The node's Prometheus metrics: their names (public, for dashboards and the exporter) and their
+//! emitters, through the `metrics` facade (free when no recorder is installed;
+//! `ferry-server --metrics ADDR` installs the Prometheus exporter). Events reach them through the
+//! node's recorder (`node/recorder.rs`), which counts the same events for `stat`; only the
+//! per-device gauges come straight from the device workers that own those numbers.
 
 use std::time::Duration;
 
@@ -69,47 +72,47 @@ pub fn describe() {
 }
 
 /// A transfer that ended.
-pub fn transfer(op: &'static str, path: &str, ok: bool, elapsed: Duration) {
+pub(crate) fn transfer(op: &'static str, path: &str, ok: bool, elapsed: Duration) {
     let outcome = if ok { "ok" } else { "error" };
     counter!(TRANSFERS, "op" => op, "path" => path.to_string(), "outcome" => outcome).increment(1);
     histogram!(TRANSFER_SECONDS, "op" => op, "outcome" => outcome).record(elapsed.as_secs_f64());
 }
 
 /// Payload bytes that went `direction` (`in` or `out`) by `route`.
-pub fn bytes(direction: &'static str, route: &'static str, bytes: u64) {
+pub(crate) fn bytes(direction: &'static str, route: &'static str, bytes: u64) {
     counter!(BYTES, "direction" => direction, "route" => route).increment(bytes);
 }
 
 /// What a device holds now.
-pub fn device_held(device: u32, tensors: usize, bytes: u64) {
+pub(crate) fn device_held(device: u32, tensors: usize, bytes: u64) {
     let device = device.to_string();
     gauge!(DEVICE_TENSORS, "device" => device.clone()).set(tensors as f64);
     gauge!(DEVICE_BYTES, "device" => device).set(bytes as f64);
 }
 
 /// A connection opened (`true`) or closed.
-pub fn connection(opened: bool) {
+pub(crate) fn connection(opened: bool) {
     let delta = if opened { 1.0 } else { -1.0 };
     gauge!(CONNECTIONS).increment(delta);
 }
 
 /// A connection refused at the limit.
-pub fn connection_refused() {
+pub(crate) fn connection_refused() {
     counter!(CONNECTIONS_REFUSED).increment(1);
 }
 
 /// A pull reconnected.
-pub fn pull_retry() {
+pub(crate) fn pull_retry() {
     counter!(PULL_RETRIES).increment(1);
 }
 
 /// A pull refused because the bytes that arrived did not hash to the granted content hash.
-pub fn integrity_failure() {
+pub(crate) fn integrity_failure() {
     counter!(INTEGRITY_FAILURES).increment(1);
 }
 
 /// A pull answered by dedup.
-pub fn dedup_hit() {
+pub(crate) fn dedup_hit() {
     counter!(DEDUP_HITS).increment(1);
 }
 
@@ -122,11 +125,11 @@ pub fn sample_resident_memory() -> Option<u64> {
 
 /// Counts a transfer as under way until dropped.
 #[derive(Debug)]
-pub struct InFlight(());
+pub(crate) struct InFlight(());
 
 impl InFlight {
     /// Starts counting.
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         gauge!(IN_FLIGHT).increment(1.0);
         InFlight(())
     }

@@ -1,7 +1,6 @@
 //! Node-to-node pulls: the target connects to the source with a capability and streams the
 //! tensor straight into one preallocated buffer, resuming after a transient drop.
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use ferry_io::TensorAssembler;
@@ -11,7 +10,7 @@ use ferry_proto::{TensorKey, dtype_name};
 
 use crate::device::{Arrived, Existing, KnownHash, Payload, TensorDesc};
 use crate::engine::TransferPath;
-use crate::error::NodeError;
+use crate::error::{NodeError, Refusal};
 use crate::node::{Admission, Direction, Node};
 use crate::source::{SourceConfig, SourceConnection, SourceError};
 
@@ -45,6 +44,22 @@ pub struct PeerLink {
 /// The longest wait between two reconnections.
 const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// How one attempt failed, and what it had received (to resume from).
+struct Failed {
+    error: AttemptError,
+    resume: Option<Receiving>,
+}
+
+impl Failed {
+    /// A failure no retry mends: nothing to resume.
+    fn fatal(error: NodeError) -> Failed {
+        Failed {
+            error: AttemptError::Fatal(error),
+            resume: None,
+        }
+    }
+}
+
 /// How one attempt failed.
 enum AttemptError {
     /// The connection dropped or went silent: worth reconnecting and resuming.
@@ -76,13 +91,10 @@ impl Node {
         let dst = TensorKey::new(req.dst_device, &name);
         let result = self.pull_inner(link, req, &name).await;
         let path = result.as_ref().map_or("pull", |d| d.path.name());
-        crate::metrics::transfer("pull", path, result.is_ok(), started.elapsed());
+        self.recorder()
+            .transfer_ended("pull", path, result.is_ok(), started.elapsed());
         match &result {
             Ok(desc) => {
-                // A dedup was counted as the in-node copy it is.
-                if desc.path == TransferPath::Pull {
-                    self.counters().done.fetch_add(1, Ordering::Relaxed);
-                }
                 tracing::info!(
                 op = "pull",
                 source = %req.source,
@@ -96,7 +108,6 @@ impl Node {
                 )
             }
             Err(error) => {
-                self.count_failure();
                 tracing::warn!(op = "pull", source = %req.source, key = %req.src, %error, "transfer failed");
             }
         }
@@ -112,11 +123,7 @@ impl Node {
         ferry_proto::message::validate_name(name)?;
         self.device(req.dst_device)?;
         let Some(granted) = req.content_hash.as_deref() else {
-            return Err(NodeError::BadRequest(
-                "a pull names the content hash its capability was granted under \
-                 (Pull.content_hash): the bytes are checked against it end to end"
-                    .into(),
-            ));
+            return Err(NodeError::PullWithoutHash);
         };
         if let Some(held) = self.find_by_hash(granted).await? {
             match self.dedup(held, req.dst_device, name, req.existing).await {
@@ -128,16 +135,21 @@ impl Node {
             }
         }
         let config = self.config();
-        let mut receiving: Option<Receiving> = None;
+        // What arrived so far travels from one attempt to the next, and comes back whole from
+        // the one that completes.
+        let mut resume: Option<Receiving> = None;
         let mut attempt = 0u32;
-        loop {
-            match self.attempt(link, req, name, &mut receiving).await {
-                Ok(()) => break,
-                Err(AttemptError::Transient(why)) if attempt < config.pull_retries => {
+        let received = loop {
+            let failed = match self.attempt(link, req, name, resume).await {
+                Ok(received) => break received,
+                Err(failed) => failed,
+            };
+            resume = failed.resume;
+            match failed.error {
+                AttemptError::Transient(why) if attempt < config.pull_retries => {
                     attempt += 1;
-                    self.counters().pull_retries.fetch_add(1, Ordering::Relaxed);
-                    crate::metrics::pull_retry();
-                    let resume_at = receiving.as_ref().map_or(0, |r| r.assembler.received());
+                    self.recorder().pull_retry();
+                    let resume_at = resume.as_ref().map_or(0, |r| r.assembler.received());
                     tracing::warn!(
                         source = %req.source, key = %req.src, attempt, resume_at, %why,
                         "pull dropped; reconnecting"
@@ -147,31 +159,25 @@ impl Node {
                     let backoff = config.retry_backoff.saturating_mul(doubling);
                     tokio::time::sleep(backoff.min(MAX_BACKOFF)).await;
                 }
-                Err(AttemptError::Transient(why)) => {
+                AttemptError::Transient(why) => {
                     link.source = None;
                     return Err(NodeError::Peer {
                         source_addr: req.source.clone(),
                         message: format!("{why} (after {attempt} retries)"),
                     });
                 }
-                Err(AttemptError::Fatal(error)) => {
+                AttemptError::Fatal(error) => {
                     link.source = None;
                     return Err(error);
                 }
             }
-        }
-        let Some(Receiving {
+        };
+        let Receiving {
             assembler,
             admission,
             route,
             region,
-        }) = receiving
-        else {
-            return Err(NodeError::BadRequest(
-                "pull finished without a tensor".into(),
-            ));
-        };
-        let bad = |e: ferry_proto::ProtoError| NodeError::BadRequest(e.to_string());
+        } = received;
         let (data, hash) = match route {
             // Chunks went through a link that vouches for nothing beyond each chunk's CRC (a
             // proxy can rewrite both): hashed while they arrived, and compared with the grant
@@ -179,7 +185,7 @@ impl Node {
             PayloadRoute::Chunks => {
                 let (data, computed) = crate::service::finish_hashed(assembler).await?;
                 if computed != granted {
-                    crate::metrics::integrity_failure();
+                    self.recorder().integrity_failure();
                     return Err(NodeError::Integrity {
                         source_addr: req.source.clone(),
                         expected: granted.to_string(),
@@ -192,7 +198,7 @@ impl Node {
             // registers it under the granted hash and verifies that off the critical path; until
             // it has, the tensor is granted, matched and deduped on by nothing.
             PayloadRoute::Region => (
-                assembler.finish().map_err(bad)?,
+                assembler.finish().map_err(NodeError::Received)?,
                 KnownHash::Stated(granted.to_string()),
             ),
         };
@@ -200,28 +206,40 @@ impl Node {
         let desc = self
             .register_payload(admission, payload, TransferPath::Pull)
             .await?;
-        self.counters().pulls.fetch_add(1, Ordering::Relaxed);
+        self.recorder().pulled();
         Ok(desc)
     }
 
+    /// One connection's try at the pull, resuming after what `resume` holds; what arrived comes
+    /// back either way (a transient failure resumes from it).
     async fn attempt(
         &self,
         link: &mut PeerLink,
         req: &PullRequest,
         name: &str,
-        receiving: &mut Option<Receiving>,
-    ) -> Result<(), AttemptError> {
-        let source = self.link_to(link, &req.source).await?;
-        let offset = receiving.as_ref().map_or(0, |r| r.assembler.received()) as u64;
+        resume: Option<Receiving>,
+    ) -> Result<Receiving, Failed> {
+        let offset = resume.as_ref().map_or(0, |r| r.assembler.received()) as u64;
         // A source that answers nothing is as gone as one that hung up.
         let idle = self.config().peer_limits.idle_timeout;
+        let source = match self.link_to(link, &req.source).await {
+            Ok(source) => source,
+            Err(error) => return Err(Failed { error, resume }),
+        };
         let begin = source.fetch(&req.capability, self.node_id(), offset);
-        let fetch = tokio::time::timeout(idle, begin)
-            .await
-            .map_err(|_| AttemptError::Transient(format!("{} did not answer", req.source)))?
-            .map_err(|e| classify(&req.source, e))?;
+        let fetch = match tokio::time::timeout(idle, begin).await {
+            Ok(Ok(fetch)) => fetch,
+            Ok(Err(e)) => {
+                let error = classify(&req.source, e);
+                return Err(Failed { error, resume });
+            }
+            Err(_) => {
+                let error = AttemptError::Transient(format!("{} did not answer", req.source));
+                return Err(Failed { error, resume });
+            }
+        };
         if fetch.info.key != req.src {
-            return Err(AttemptError::Fatal(NodeError::Peer {
+            return Err(Failed::fatal(NodeError::Peer {
                 source_addr: req.source.clone(),
                 message: format!(
                     "asked for {} but the capability is for {}",
@@ -229,55 +247,35 @@ impl Node {
                 ),
             }));
         }
-        let meta = fetch.meta.clone();
-        match receiving {
-            Some(r) if r.assembler.meta() != &meta => {
-                return Err(AttemptError::Fatal(NodeError::Peer {
+        let mut r = match resume {
+            Some(r) if r.assembler.meta() == &fetch.meta => r,
+            Some(_) => {
+                return Err(Failed::fatal(NodeError::Peer {
                     source_addr: req.source.clone(),
                     message: "the tensor changed between two attempts".into(),
                 }));
             }
-            Some(_) => {}
-            None => {
-                let admission = self
-                    .admit(
-                        req.dst_device,
-                        name,
-                        &meta.dtype(),
-                        meta.shape(),
-                        meta.byte_len() as u64,
-                        req.existing,
-                    )
-                    .map_err(AttemptError::Fatal)?;
-                // Hashed while it arrives, a chunk behind, on another thread.
-                let assembler = self
-                    .receiver(req.dst_device, meta)
-                    .map_err(AttemptError::Fatal)?
-                    .hashing();
-                *receiving = Some(Receiving {
-                    assembler,
-                    admission,
-                    route: PayloadRoute::Chunks,
-                    region: None,
-                });
-            }
-        }
-        let Some(r) = receiving.as_mut() else {
-            return Err(AttemptError::Fatal(NodeError::BadRequest(
-                "no receiver".into(),
-            )));
+            None => self
+                .start_receiving(req, name, fetch.meta.clone())
+                .map_err(Failed::fatal)?,
         };
-        let (route, region) = fetch
+        let (route, region) = match fetch
             .payload(&mut r.assembler, RegionUse::KeepUnhashed)
             .await
-            .map_err(|e| classify(&req.source, e))?;
+        {
+            Ok(done) => done,
+            Err(e) => {
+                let error = classify(&req.source, e);
+                return Err(Failed {
+                    error,
+                    resume: Some(r),
+                });
+            }
+        };
         r.route = route;
         r.region = region;
         let bytes = r.assembler.meta().byte_len() as u64;
-        match route {
-            PayloadRoute::Region => self.count_shm_payload(Direction::Received, bytes),
-            PayloadRoute::Chunks => crate::metrics::bytes("in", "chunks", bytes),
-        }
+        self.recorder().payload(Direction::Received, route, bytes);
         // Every byte is here and verified: the transfer stands even if the release is lost (the
         // capability then lapses at the source on its own).
         let release = source.release(&req.capability, self.node_id());
@@ -291,7 +289,32 @@ impl Node {
                 self.drop_link_after_timeout(link);
             }
         }
-        Ok(())
+        Ok(r)
+    }
+
+    /// Admits the tensor a first attempt found and makes its receiver.
+    fn start_receiving(
+        &self,
+        req: &PullRequest,
+        name: &str,
+        meta: ferry_proto::TensorMeta,
+    ) -> Result<Receiving, NodeError> {
+        let admission = self.admit(
+            req.dst_device,
+            name,
+            &meta.dtype(),
+            meta.shape(),
+            meta.byte_len() as u64,
+            req.existing,
+        )?;
+        // Hashed while it arrives, a chunk behind, on another thread.
+        let assembler = self.receiver(req.dst_device, meta)?.hashing();
+        Ok(Receiving {
+            assembler,
+            admission,
+            route: PayloadRoute::Chunks,
+            region: None,
+        })
     }
 
     /// A link whose peer stopped answering mid-exchange is out of step: never reuse it.
@@ -306,25 +329,29 @@ impl Node {
         source: &str,
     ) -> Result<&'a mut SourceConnection, AttemptError> {
         // A connection left out of step (a fetch abandoned before its payload) is never reused.
-        let usable = matches!(&link.source, Some((addr, conn)) if addr == source && conn.in_step());
-        if !usable {
-            link.source = None;
-            let config = SourceConfig {
-                token: self.config().peer_token.as_deref(),
-                limits: self.config().peer_limits,
-                shared_memory: self.config().shared_memory,
-            };
-            let connect = SourceConnection::open(source, config);
-            let conn = tokio::time::timeout(self.config().peer_limits.idle_timeout, connect)
-                .await
-                .map_err(|_| AttemptError::Transient(format!("connecting to {source} timed out")))?
-                .map_err(|e| classify(source, e))?;
-            link.source = Some((source.to_string(), conn));
-        }
-        match &mut link.source {
-            Some((_, conn)) => Ok(conn),
-            None => Err(AttemptError::Fatal(NodeError::BadRequest("no link".into()))),
-        }
+        let kept = link
+            .source
+            .take()
+            .filter(|(addr, conn)| addr == source && conn.in_step());
+        let current = match kept {
+            Some(current) => current,
+            None => {
+                let config = SourceConfig {
+                    token: self.config().peer_token.as_deref(),
+                    limits: self.config().peer_limits,
+                    shared_memory: self.config().shared_memory,
+                };
+                let connect = SourceConnection::open(source, config);
+                let conn = tokio::time::timeout(self.config().peer_limits.idle_timeout, connect)
+                    .await
+                    .map_err(|_| {
+                        AttemptError::Transient(format!("connecting to {source} timed out"))
+                    })?
+                    .map_err(|e| classify(source, e))?;
+                (source.to_string(), conn)
+            }
+        };
+        Ok(&mut link.source.insert(current).1)
     }
 
     /// Registers a copy of a tensor this node already holds (the verified version `held`
@@ -343,8 +370,7 @@ impl Node {
         } else {
             self.copy_version(&held, &dst, existing).await?
         };
-        self.counters().dedup_hits.fetch_add(1, Ordering::Relaxed);
-        crate::metrics::dedup_hit();
+        self.recorder().dedup_hit();
         tracing::info!(key = %dst, from = %desc.key, "pull skipped: same bytes already held");
         Ok(TensorDesc {
             path: TransferPath::Dedup,
@@ -367,9 +393,10 @@ fn classify(source: &str, error: SourceError) -> AttemptError {
         SourceError::Node {
             code: ErrorCode::CapabilityRefused,
             message,
-        } => AttemptError::Fatal(NodeError::CapabilityRefused(format!(
-            "by {source}: {message}"
-        ))),
+        } => AttemptError::Fatal(NodeError::CapabilityRefused(Refusal::BySource {
+            source_addr: source.to_string(),
+            message,
+        })),
         SourceError::Node {
             code: ErrorCode::ShuttingDown,
             message,

@@ -22,7 +22,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc};
 use tracing::Instrument;
 
 use crate::device::{Arrived, Existing, KnownHash};
-use crate::error::NodeError;
+use crate::error::{NodeError, Refusal};
 use crate::node::{AGENT, ClientId, Direction, MAX_PAGE, Node, TransferMode};
 use crate::peer::{PeerLink, PullRequest};
 
@@ -207,7 +207,7 @@ async fn accept_loop(
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             tracing::warn!(%peer, "connection refused: at the connection limit");
-            crate::metrics::connection_refused();
+            service.node.recorder().connection_refused();
             tokio::spawn(refuse(socket, service.config.clone()));
             continue;
         };
@@ -216,7 +216,7 @@ async fn accept_loop(
         let shutdown = notify_shutdown.subscribe();
         let done = done_tx.clone();
         tokio::spawn(async move {
-            node.count_connection_opened();
+            let open = node.connection_opened();
             let mut conn = Connection::new(socket, config.limits);
             let id = node.new_client();
             let result = Session {
@@ -233,7 +233,7 @@ async fn accept_loop(
                 tracing::info!(%peer, %error, "connection closed on error");
             }
             node.client_gone(id);
-            node.count_connection_closed();
+            drop(open);
             drop(permit);
             drop(done);
         });
@@ -344,7 +344,7 @@ impl Session<'_> {
             let span = tracing::info_span!("request", op = request.name(), client = self.client);
             let _in_flight = request
                 .moves_a_tensor()
-                .then(crate::metrics::InFlight::start);
+                .then(|| self.node.recorder().in_flight());
             self.handle(conn, request).instrument(span).await?;
         }
     }
@@ -487,6 +487,7 @@ impl Session<'_> {
         existing: Existing,
     ) -> Result<(), ConnectionError> {
         let node = self.node;
+        let started = std::time::Instant::now();
         let name = name.unwrap_or_else(|| node.fresh_name());
         // Everything about the tensor is checked, and its budget claimed, before one byte of it
         // is read or its buffer allocated.
@@ -502,7 +503,8 @@ impl Session<'_> {
         let (mut assembler, admission) = match admitted {
             Ok(admitted) => admitted,
             Err(error) => {
-                node.count_failure();
+                node.recorder()
+                    .transfer_ended("put", "-", false, started.elapsed());
                 tracing::warn!(device, %name, %error, "put refused");
                 conn.write_response(&Response::Error(error.reply())).await?;
                 return Ok(());
@@ -513,13 +515,10 @@ impl Session<'_> {
             .read_payload_keeping(&mut assembler, RegionUse::Keep)
             .await
         {
-            Ok((PayloadRoute::Region, region)) => {
-                node.count_shm_payload(Direction::Received, assembler.meta().byte_len() as u64);
+            Ok((route, region)) => {
+                let bytes = assembler.meta().byte_len() as u64;
+                node.recorder().payload(Direction::Received, route, bytes);
                 region
-            }
-            Ok((PayloadRoute::Chunks, _)) => {
-                crate::metrics::bytes("in", "chunks", assembler.meta().byte_len() as u64);
-                None
             }
             Err(error) => {
                 // The rest of the stream cannot be trusted to line up with frames: report and
@@ -527,7 +526,8 @@ impl Session<'_> {
                 // after the report (which may wait on the peer).
                 drop(assembler);
                 drop(admission);
-                node.count_failure();
+                node.recorder()
+                    .transfer_ended("put", "-", false, started.elapsed());
                 tracing::warn!(device, %name, %error, "upload failed");
                 return Err(fail(conn, error).await);
             }
@@ -574,15 +574,16 @@ impl Session<'_> {
             // The version granted is gone for good: so is the capability.
             Err(NodeError::Changed(key) | NodeError::NotFound(key)) => {
                 self.node.revoke(capability);
-                let error = NodeError::CapabilityRefused(format!(
-                    "{key} changed or went since the capability was granted"
-                ));
+                let error = NodeError::CapabilityRefused(Refusal::VersionGone(key));
                 return conn.write_response(&Response::Error(error.reply())).await;
             }
             Err(error) => return conn.write_response(&Response::Error(error.reply())).await,
         };
         let Ok(start) = usize::try_from(offset).map(|o| o.min(bytes.len())) else {
-            let error = NodeError::BadRequest(format!("offset {offset} is out of range"));
+            let error = NodeError::OffsetOutOfRange {
+                offset,
+                bytes: bytes.len() as u64,
+            };
             return conn.write_response(&Response::Error(error.reply())).await;
         };
         conn.write_response(&Response::Tensor {
@@ -596,7 +597,7 @@ impl Session<'_> {
             .write_payload_known(&bytes.parts(), start, bytes.known())
             .await?;
         self.count_sent(route, bytes.len());
-        self.node.count_fetch_served();
+        self.node.recorder().fetch_served();
         lease.served();
         drop(lease);
         Ok(())
@@ -632,10 +633,9 @@ impl Session<'_> {
     }
 
     fn count_sent(&self, route: PayloadRoute, bytes: usize) {
-        match route {
-            PayloadRoute::Region => self.node.count_shm_payload(Direction::Sent, bytes as u64),
-            PayloadRoute::Chunks => crate::metrics::bytes("out", "chunks", bytes as u64),
-        }
+        self.node
+            .recorder()
+            .payload(Direction::Sent, route, bytes as u64);
     }
 
     async fn get<S: Transport>(
@@ -669,5 +669,5 @@ pub(crate) async fn finish_hashed(
     tokio::task::spawn_blocking(move || assembler.finish_hashed())
         .await
         .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))?
-        .map_err(|e| NodeError::BadRequest(e.to_string()))
+        .map_err(NodeError::Received)
 }

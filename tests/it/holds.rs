@@ -10,7 +10,7 @@ use burn_ndarray::{NdArray, NdArrayDevice};
 use ferry::proto::{TensorData, dtype_name};
 use ferry::samples;
 use ferry::server::BackendKind;
-use ferry::server::backend::Primitive;
+use ferry::server::Primitive;
 
 /// Whether `device` gives `data` back exactly (a panic inside the backend counts as no).
 fn round_trips<B: Backend>(data: &TensorData, device: &B::Device) -> bool {

@@ -12,7 +12,7 @@ use ferry::proto::{
     TensorData, TensorKey, WireDType, control, tensor,
 };
 use ferry::samples;
-use ferry::server::device::TENSOR_OVERHEAD;
+use ferry::server::TENSOR_OVERHEAD;
 use ferry::server::{Existing, NodeConfig, ServiceConfig};
 use ferry::testing::{TestNode, assert_same, eventually, start, start_with};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

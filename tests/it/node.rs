@@ -157,7 +157,7 @@ async fn the_in_process_api_shares_the_workers_the_service_uses() {
 /// end are exactly `into_data`'s bytes, for every sample Flex holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_a_source_sends_from_the_registered_tensor_is_exactly_into_data() {
-    use ferry::server::device::HostBytes;
+    use ferry::server::HostBytes;
     let node = start_with(&["flex"]).await;
     let mut shared = 0;
     for (i, sample) in samples::full_matrix().iter().enumerate() {
@@ -313,7 +313,7 @@ async fn burn_tensors_go_in_and_come_back_with_their_dtype_quantized_included() 
 /// it cannot take over as a `Vec`): the registered tensor's bytes are the very bytes handed in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flex_device_registers_the_received_buffer_itself() {
-    use ferry::server::device::HostBytes;
+    use ferry::server::HostBytes;
     let node = start_with(&["flex"]).await;
     let schemes = samples::schemes();
     let scheme = |name: &str| schemes.iter().find(|(n, _)| n == name).unwrap().1;

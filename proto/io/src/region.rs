@@ -10,9 +10,14 @@
 //! tensor's storage and goes with the tensor. So no region outlives the tensor it carries on any
 //! path, a crash included.
 //!
-//! The receiver trusts nothing: the region must be sealed against writes and resizing (so the
-//! sender cannot change the bytes after they are checked), be exactly the declared size, and
-//! match the declared crc32c, before anything reaches Burn.
+//! The receiver trusts nothing it cannot check in constant time: the region must be ordinary
+//! shared memory, sealed against writes and resizing (so nobody, its sender included, can change
+//! or truncate the bytes once sent), exactly the declared size, and owned by this user or root,
+//! before anything reaches Burn. It does not read the bytes to adopt them: the declared crc32c
+//! was computed by the same peer that made the region, so it vouches for nothing the seals do not
+//! already guarantee, and what the bytes *are* is checked end to end by their content hash
+//! (BLAKE3), by whoever registers them. The mapping is lazy: adopting a region of any size is a
+//! handful of system calls, and each page is read from the shared pages when first touched.
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -191,9 +196,10 @@ impl SealedRegion {
 }
 
 /// Checks a region a peer sent against what its frame declared and what the meta allows, and maps
-/// it privately (copy-on-write: the receiver may change its tensor, never the sender's pages).
-/// With `keep`, the descriptor comes back as a [`SealedRegion`] to pass the tensor on later;
-/// otherwise it is closed on return, whatever the outcome.
+/// it privately (copy-on-write: the receiver may change its tensor, never the sender's pages), in
+/// time independent of its size: no pass over the bytes. With `keep`, the descriptor comes back
+/// as a [`SealedRegion`] to pass the tensor on later; otherwise it is closed on return, whatever
+/// the outcome.
 pub fn adopt(
     fd: OwnedFd,
     declared: RegionDescriptor,
@@ -232,30 +238,24 @@ pub fn adopt(
             total: expected_len as u64,
         });
     }
+    // Made by a process of this user (or root): the peers a node accepts on its Unix socket.
+    let own = rustix::process::geteuid().as_raw();
+    if stat.st_uid != own && stat.st_uid != 0 {
+        return Err(refuse(format!(
+            "owned by user {}, neither this user ({own}) nor root",
+            stat.st_uid
+        )));
+    }
     // SAFETY: the region is sealed against writes and resizing (checked above), so the mapped
-    // bytes cannot change or vanish under us; the mapping is private, so our writes stay ours.
-    // Mapped read-only and populated: one call maps every page the sender already filled,
-    // instead of one fault per 4 KiB page while the checksum reads them (populating a writable
-    // private mapping would instead copy every page).
+    // bytes cannot change or vanish under us (no truncation, hence no SIGBUS on a later touch);
+    // the mapping is private, so our writes stay ours. Not populated: pages are mapped as they
+    // are first read, by whoever reads them (Burn, the content hash, a socket), not here.
     let map = unsafe {
         memmap2::MmapOptions::new()
             .len(expected_len)
-            .populate()
-            .map_copy_read_only(&fd)
+            .map_copy(&fd)
             .map_err(|e| refuse(format!("mmap: {e}")))?
     };
-    let computed = crc32c_parallel(&map);
-    if computed != declared.crc32c {
-        return Err(StreamError::RegionChecksum {
-            declared: declared.crc32c,
-            computed,
-        });
-    }
-    // Writable again (still private: a write copies that page only), as Burn may write to a
-    // tensor's own memory.
-    let map = map
-        .make_mut()
-        .map_err(|e| refuse(format!("mprotect: {e}")))?;
     let keep = keep
         && REGIONS_KEPT
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
@@ -267,28 +267,6 @@ pub fn adopt(
         descriptor: declared,
     });
     Ok((crate::host::bytes_from_mapping(map), kept))
-}
-
-/// Regions at least this large are checksummed on two threads: the check is the receiver's
-/// whole cost of a region, and it is memory-bound on one core.
-const PARALLEL_CRC_MIN: usize = 8 << 20;
-
-/// crc32c of `bytes`, the two halves on two threads and combined, for large buffers.
-fn crc32c_parallel(bytes: &[u8]) -> u32 {
-    if bytes.len() < PARALLEL_CRC_MIN {
-        return crc32c::crc32c(bytes);
-    }
-    let (head, tail) = bytes.split_at(bytes.len() / 2);
-    let (head_crc, tail_crc) = std::thread::scope(|scope| {
-        let tail_crc = scope.spawn(|| crc32c::crc32c(tail));
-        let head_crc = crc32c::crc32c(head);
-        // A panicking checksum thread cannot happen short of a bug; recompute rather than unwind.
-        (
-            head_crc,
-            tail_crc.join().unwrap_or_else(|_| crc32c::crc32c(tail)),
-        )
-    });
-    crc32c::crc32c_combine(head_crc, tail_crc, tail.len())
 }
 
 /// Regions of this name the process `pid` still has open or mapped (from `/proc`): what a leak
@@ -338,38 +316,24 @@ mod tests {
     }
 
     #[test]
-    fn the_two_thread_checksum_is_the_checksum() {
-        for len in [
-            0,
-            1,
-            PARALLEL_CRC_MIN - 1,
-            PARALLEL_CRC_MIN,
-            PARALLEL_CRC_MIN + 4097,
-        ] {
-            let data = payload(len);
-            assert_eq!(crc32c_parallel(&data), crc32c::crc32c(&data), "{len} bytes");
-        }
-    }
-
-    #[test]
-    fn wrong_size_checksum_or_missing_seals_are_refused() {
+    fn wrong_size_or_missing_seals_are_refused_and_the_checksum_is_not_read() {
         let data = payload(256 * 1024);
         let region = OutgoingRegion::create(&data).unwrap();
         let declared = region.descriptor();
         let fd = region.into_fd().unwrap();
-        let wrong = RegionDescriptor {
-            crc32c: declared.crc32c ^ 1,
-            ..declared
-        };
         let dup = fd.try_clone().unwrap();
-        assert!(matches!(
-            adopt(fd, wrong, data.len(), false),
-            Err(StreamError::RegionChecksum { .. })
-        ));
         assert!(matches!(
             adopt(dup, declared, data.len() + 1, false),
             Err(StreamError::RegionSize { .. })
         ));
+        // The declared crc32c is the sender's word, which the seals make unnecessary: a region
+        // is adopted for the bytes it holds (the content hash is what identifies them).
+        let wrong = RegionDescriptor {
+            crc32c: declared.crc32c ^ 1,
+            ..declared
+        };
+        let (bytes, _) = adopt(fd, wrong, data.len(), false).unwrap();
+        assert_eq!(&bytes[..], &data[..]);
 
         let unsealed = rustix::fs::memfd_create(
             "ferry-test",

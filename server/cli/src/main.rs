@@ -44,10 +44,10 @@ struct Args {
     #[arg(long)]
     memory_limit: Option<bytesize::ByteSize>,
     /// The most tensors one device holds.
-    #[arg(long, default_value_t = ferry_server::node::DEFAULT_MAX_TENSORS)]
+    #[arg(long, default_value_t = ferry_server::DEFAULT_MAX_TENSORS)]
     max_tensors: u64,
     /// The most capabilities (for node-to-node copies) one connection may hold outstanding.
-    #[arg(long, default_value_t = ferry_server::node::DEFAULT_MAX_GRANTS)]
+    #[arg(long, default_value_t = ferry_server::DEFAULT_MAX_GRANTS)]
     max_grants: usize,
     /// The slowest a whole payload may move, in bytes per second (suffixes work; 0 for no
     /// limit): a payload gets the idle timeout plus its length at this rate, so a peer that

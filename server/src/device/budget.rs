@@ -28,7 +28,7 @@ pub(crate) struct DeviceLimits {
 ///
 /// Invariant: `used <= limit` and `tensors <= max_tensors` at every instant, whatever the
 /// interleaving: both are claimed by compare-and-swap before the memory they stand for exists,
-/// and given back only when it is gone (a [`Reservation`] dropped).
+/// and given back only when it is gone (its reservation dropped).
 #[derive(Debug)]
 pub struct Budget {
     device: u32,

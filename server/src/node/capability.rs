@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use ferry_proto::TensorKey;
 
 use crate::device::{TensorDesc, Version};
-use crate::error::NodeError;
+use crate::error::{NodeError, Refusal};
 use crate::node::Node;
 
 /// The most capabilities a node keeps outstanding; past it, `Grant` is refused until some are
@@ -22,7 +22,7 @@ pub const DEFAULT_MAX_GRANTS: usize = 64;
 
 /// One client of the node (a connection), as capabilities know it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ClientId(u64);
+pub(crate) struct ClientId(u64);
 
 /// A capability this node issued.
 ///
@@ -64,14 +64,14 @@ const MAX_NODE_ID_LEN: usize = 256;
 
 impl Node {
     /// A new client's id, for the capabilities it asks for.
-    pub fn new_client(&self) -> ClientId {
+    pub(crate) fn new_client(&self) -> ClientId {
         ClientId(self.inner.next_client.fetch_add(1, Ordering::Relaxed))
     }
 
     /// A client's connection closed: the capabilities it asked for are revoked (nobody is left
     /// to wait for the copy they were for), those with a fetch under way once it ends; so a
     /// client that reconnects cannot pile up capabilities past its cap.
-    pub fn client_gone(&self, client: ClientId) {
+    pub(crate) fn client_gone(&self, client: ClientId) {
         self.capabilities().retain(|_, c| {
             if c.granted_to != client {
                 return true;
@@ -84,16 +84,17 @@ impl Node {
     /// Issues a single-use capability for `audience` (a node id) to pull the version of the
     /// tensor under `key` registered now, with its content hash, which this node has verified
     /// (a tensor whose hash is still being verified is waited for).
-    pub async fn grant(
+    pub(crate) async fn grant(
         &self,
         key: &TensorKey,
         audience: &str,
         client: ClientId,
     ) -> Result<(String, Duration, TensorDesc), NodeError> {
         if audience.is_empty() || audience.len() > MAX_NODE_ID_LEN {
-            return Err(NodeError::BadRequest(format!(
-                "a node id is 1 to {MAX_NODE_ID_LEN} bytes"
-            )));
+            return Err(NodeError::InvalidNodeId {
+                len: audience.len(),
+                max: MAX_NODE_ID_LEN,
+            });
         }
         let desc = self.describe_verified(key).await?;
         let ttl = self.inner.config.capability_ttl;
@@ -144,7 +145,7 @@ impl Node {
     /// Starts serving a fetch from `offset` on: the capability must exist, be unexpired and be
     /// bound to `node_id`; a capability already served to the end once serves only a resume
     /// (a later offset). A new fetch takes over from an earlier one still under way.
-    pub fn begin_fetch(
+    pub(crate) fn begin_fetch(
         &self,
         token: &str,
         node_id: &str,
@@ -153,24 +154,22 @@ impl Node {
     ) -> Result<FetchLease, NodeError> {
         let now = Instant::now();
         let mut capabilities = self.capabilities();
-        let refused = |why: &str| NodeError::CapabilityRefused(why.to_string());
+        let refused = NodeError::CapabilityRefused;
         let capability = capabilities
             .get_mut(token)
-            .ok_or_else(|| refused("unknown or already used capability"))?;
+            .ok_or(refused(Refusal::Unknown))?;
         if capability.expires <= now {
             capabilities.remove(token);
-            return Err(refused("expired capability"));
+            return Err(refused(Refusal::Expired));
         }
         if capability.audience != node_id {
-            return Err(refused("capability issued to another node"));
+            return Err(refused(Refusal::OtherNode));
         }
         if capability.served && offset == 0 {
-            return Err(refused(
-                "capability already served in full; only a resume from a later offset is served",
-            ));
+            return Err(refused(Refusal::AlreadyServed));
         }
         if capability.generation >= MAX_FETCHES {
-            return Err(refused("capability fetched too often; ask for a new one"));
+            return Err(refused(Refusal::FetchedTooOften));
         }
         capability.generation += 1;
         capability.fetcher = Some(client);
@@ -186,14 +185,19 @@ impl Node {
 
     /// Ends a capability that can never be served again (the version it grants is gone), so
     /// that it stops counting against its client's cap at once.
-    pub fn revoke(&self, token: &str) {
+    pub(crate) fn revoke(&self, token: &str) {
         self.capabilities().remove(token);
     }
 
     /// Uses a capability up: by the connection of its latest fetch once every byte arrived, or
     /// by the client it was granted to before any fetch began (handing back one it did not
     /// need). Nobody else may release it.
-    pub fn release(&self, token: &str, node_id: &str, client: ClientId) -> Result<(), NodeError> {
+    pub(crate) fn release(
+        &self,
+        token: &str,
+        node_id: &str,
+        client: ClientId,
+    ) -> Result<(), NodeError> {
         let mut capabilities = self.capabilities();
         let allowed = capabilities.get(token).is_some_and(|c| {
             c.audience == node_id
@@ -203,11 +207,7 @@ impl Node {
                 }
         });
         if !allowed {
-            return Err(NodeError::CapabilityRefused(
-                "unknown capability, or not this client's to release (only the node that \
-                 fetched it, or before any fetch the client it was granted to)"
-                    .into(),
-            ));
+            return Err(NodeError::CapabilityRefused(Refusal::NotYours));
         }
         capabilities.remove(token);
         Ok(())
@@ -217,7 +217,7 @@ impl Node {
 /// A fetch in progress under a capability; when it ends, the capability waits one idle timeout
 /// for the fetching node's release or a resume, and then lapses.
 #[derive(Debug)]
-pub struct FetchLease {
+pub(crate) struct FetchLease {
     node: Node,
     token: String,
     key: TensorKey,
@@ -227,17 +227,17 @@ pub struct FetchLease {
 
 impl FetchLease {
     /// The tensor it grants.
-    pub fn key(&self) -> &TensorKey {
+    pub(crate) fn key(&self) -> &TensorKey {
         &self.key
     }
 
     /// The version it grants.
-    pub fn version(&self) -> Version {
+    pub(crate) fn version(&self) -> Version {
         self.version
     }
 
     /// Every byte was sent: from now on the capability serves only a resume.
-    pub fn served(&self) {
+    pub(crate) fn served(&self) {
         if let Some(capability) = self.node.capabilities().get_mut(&self.token)
             && capability.generation == self.generation
         {

@@ -6,6 +6,7 @@
 
 mod admission;
 mod capability;
+mod recorder;
 mod stats;
 mod tensors;
 mod transfer;
@@ -24,9 +25,10 @@ use crate::error::NodeError;
 
 pub use admission::Admission;
 use capability::Capability;
-pub use capability::{ClientId, DEFAULT_MAX_GRANTS, FetchLease};
-use stats::Counters;
-pub(crate) use stats::{Direction, process_memory};
+pub(crate) use capability::ClientId;
+pub use capability::DEFAULT_MAX_GRANTS;
+pub(crate) use recorder::{Direction, Recorder};
+pub(crate) use stats::process_memory;
 pub use tensors::MAX_PAGE;
 pub use transfer::TransferMode;
 
@@ -104,7 +106,7 @@ struct Inner {
     node_id: String,
     capabilities: Mutex<HashMap<String, Capability>>,
     next_client: AtomicU64,
-    counters: Counters,
+    recorder: Recorder,
     /// The Unix socket the service listens on, for `stat`.
     unix_socket: Mutex<Option<String>>,
     threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
@@ -142,15 +144,14 @@ impl Node {
     /// Starts one worker thread per configured device.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         if config.devices.is_empty() {
-            return Err(NodeError::BadRequest(
-                "a node needs at least one device".into(),
-            ));
+            return Err(NodeError::NoDevices);
         }
         let mut devices = Vec::with_capacity(config.devices.len());
         let mut threads = Vec::with_capacity(config.devices.len());
         for (index, spec) in config.devices.iter().enumerate() {
-            let index = u32::try_from(index)
-                .map_err(|_| NodeError::BadRequest("too many devices".into()))?;
+            let index = u32::try_from(index).map_err(|_| NodeError::TooManyDevices {
+                count: config.devices.len(),
+            })?;
             let limits = DeviceLimits {
                 memory: config.memory_limit,
                 tensors: config.max_tensors,
@@ -171,7 +172,7 @@ impl Node {
                 node_id,
                 capabilities: Mutex::new(HashMap::new()),
                 next_client: AtomicU64::new(0),
-                counters: Counters::default(),
+                recorder: Recorder::default(),
                 unix_socket: Mutex::new(None),
                 threads: std::sync::Mutex::new(threads),
             }),
@@ -186,10 +187,6 @@ impl Node {
     /// The node's id, which the capabilities it is granted are bound to.
     pub fn node_id(&self) -> &str {
         &self.inner.node_id
-    }
-
-    pub(crate) fn counters(&self) -> &Counters {
-        &self.inner.counters
     }
 
     /// The device at `index`.

@@ -159,9 +159,7 @@ impl Node {
             Ok(Ok(verified)) if verified.version == desc.version => Ok(verified),
             // Replaced or removed meanwhile.
             Ok(_) => Err(NodeError::Changed(key.clone())),
-            Err(_) => Err(NodeError::Busy(format!(
-                "the content hash of {key} is still being verified; try again"
-            ))),
+            Err(_) => Err(NodeError::StillVerifying(key.clone())),
         }
     }
 

@@ -1,7 +1,6 @@
 //! In-node transfers: a copy or a move of one tensor from one device of the node to another (or
 //! to another name), by the path the policy chooses, and a dedup'd pull's copy of a version.
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use ferry_proto::TensorKey;
@@ -67,9 +66,7 @@ impl Node {
     ) -> Result<TensorDesc, NodeError> {
         let src = &source.key;
         if src == dst {
-            return Err(NodeError::BadRequest(format!(
-                "source and target are the same tensor {src}"
-            )));
+            return Err(NodeError::SameTensor(src.clone()));
         }
         let from = self.device(src.device)?;
         let target = self.device(dst.device)?;
@@ -116,46 +113,30 @@ impl Node {
             .register_payload(admission, payload, label.unwrap_or(path))
             .await?;
         drop(copy_held);
-        match path {
-            TransferPath::Native => &self.counters().native,
-            _ => &self.counters().round_trip,
-        }
-        .fetch_add(1, Ordering::Relaxed);
+        self.recorder().path_taken(path);
         if mode == TransferMode::Move {
             self.remove_pinned(src, Some(source.version)).await?;
         }
         Ok(registered)
     }
 
-    /// Registers a copy of the version `source` describes as a dedup'd pull, logged as one
-    /// transfer.
+    /// Registers a copy of the version `source` describes as a dedup'd pull; not logged (the
+    /// pull it answers is).
     pub(crate) async fn copy_version(
         &self,
         source: &TensorDesc,
         dst: &TensorKey,
         existing: Existing,
     ) -> Result<TensorDesc, NodeError> {
-        let started = Instant::now();
         let mut path = None;
-        let result = self
-            .transfer(
-                source,
-                dst,
-                TransferMode::Copy,
-                existing,
-                Some(TransferPath::Dedup),
-                &mut path,
-            )
-            .await;
-        let path = path.map_or("-", TransferPath::name);
-        self.record(
-            "copy",
-            &source.key,
-            Some(dst),
-            path,
-            result.as_ref(),
-            started,
-        );
-        result
+        self.transfer(
+            source,
+            dst,
+            TransferMode::Copy,
+            existing,
+            Some(TransferPath::Dedup),
+            &mut path,
+        )
+        .await
     }
 }

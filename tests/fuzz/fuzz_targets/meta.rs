@@ -9,7 +9,7 @@ use ferry_proto::dtype::{WireDType, WireQuantScheme};
 use ferry_io::TensorAssembler;
 use ferry_proto::{TensorMeta, WireMeta};
 use ferry_server::BackendKind;
-use ferry_server::backend::Primitive;
+use ferry_server::Primitive;
 use libfuzzer_sys::fuzz_target;
 
 /// Payloads above this are skipped for the Burn round trip (the rule itself is still checked).

@@ -16,7 +16,6 @@
 //! safetensors is refused ([`FileError::BigEndian`]) rather than written or read byte-swapped.
 
 use std::collections::{HashMap, HashSet};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
 use burn_std::{Bytes, DType};
@@ -193,15 +192,10 @@ pub fn write_tensors(path: &Path, tensors: &[(String, TensorData)]) -> Result<()
 /// Runs `f`, turning a panic anywhere under it into [`FileError::Panic`]: a bad file must never
 /// take the caller (a node, a CLI mid-batch) down with it.
 fn contained<T>(path: &Path, f: impl FnOnce() -> Result<T, FileError>) -> Result<T, FileError> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic payload".to_string());
+    ferry_proto::contained(f).unwrap_or_else(|panic| {
         Err(FileError::Panic {
             path: path.to_path_buf(),
-            message,
+            message: panic.message,
         })
     })
 }

@@ -208,9 +208,9 @@ impl SealedRegion {
     }
 }
 
-/// Checks and maps a region, and hashes it where the receiver wants the content hash, on a
-/// blocking thread: mapping, checksumming and hashing a large region takes a while and must not
-/// hold up the other connections a runtime thread serves.
+/// Checks and maps a region (a few system calls, whatever its size), and hashes it where the
+/// receiver wants the content hash now: that reads every byte, so it runs on a blocking thread,
+/// not on a runtime thread that serves other connections.
 #[cfg(target_os = "linux")]
 async fn adopt_region(
     fd: std::os::fd::OwnedFd,
@@ -223,6 +223,12 @@ async fn adopt_region(
     let hasher = assembler
         .take_hasher()
         .filter(|_| regions != RegionUse::KeepUnhashed);
+    let Some(hasher) = hasher else {
+        let (bytes, kept) = crate::region::adopt(fd, declared, expected, keep)?;
+        assembler.adopt_hashed(bytes, None)?;
+        return Ok(kept);
+    };
+    let hasher = Some(hasher);
     let (bytes, kept, hasher) = tokio::task::spawn_blocking(move || {
         let (bytes, kept) = crate::region::adopt(fd, declared, expected, keep)?;
         let hasher = hasher.map(|mut h| {

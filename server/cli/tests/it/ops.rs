@@ -5,13 +5,16 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use ferry::testing::spawn_server;
+use ferry::testing::{eventually_blocking, spawn_server};
 
 use crate::ferry_server;
 use ferry::client::load::{LoadConfig, run};
 use ferry::client::{Client, ClientConfig, Endpoint};
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;
+
+/// How long a count may take to settle.
+const WAIT: Duration = Duration::from_secs(10);
 
 /// A port free right now on loopback.
 fn free_port() -> u16 {
@@ -76,9 +79,18 @@ async fn the_metrics_endpoint_is_scraped_and_counts_what_happened() {
     let missing = client.get(&TensorKey::new(0, "nope")).await;
     assert!(missing.is_err());
 
-    let text = tokio::task::spawn_blocking(move || scrape(port))
-        .await
-        .unwrap();
+    // A connection is counted closed once its session has ended, just after the peer hung up
+    // (the start-up probe's, say): scraped until only this client's remains.
+    let text = tokio::task::spawn_blocking(move || {
+        let mut text = String::new();
+        eventually_blocking("only the client's connection open", WAIT, || {
+            text = scrape(port);
+            sample(&text, &["ferry_connections "]) == Some(1.0)
+        });
+        text
+    })
+    .await
+    .unwrap();
     let ok = |op: &str| {
         sample(
             &text,

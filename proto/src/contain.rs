@@ -1,0 +1,44 @@
+//! Burn calls that fail by panicking, run so that the panic comes back as an error: one bad
+//! tensor must never take a device worker, a node or a CLI mid-batch down with it.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use thiserror::Error;
+
+/// A call that panicked, with the panic's message.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{message}")]
+pub struct Panicked {
+    /// What the panic said (`"unknown panic"` when it carried no text).
+    pub message: String,
+}
+
+/// Runs `f`; a panic under it becomes [`Panicked`] with its message.
+///
+/// Nothing `f` touched is used again when it panicked (the callers drop or rebuild it), which is
+/// why asserting unwind safety is sound here.
+pub fn contained<T>(f: impl FnOnce() -> T) -> Result<T, Panicked> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|payload| Panicked {
+        message: payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_comes_back_with_its_message() {
+        assert_eq!(contained(|| 7), Ok(7));
+        let formatted = contained(|| -> u8 { panic!("bad {}", "dtype") });
+        assert_eq!(formatted.unwrap_err().message, "bad dtype");
+        let literal = contained(|| -> u8 { panic!("literal") });
+        assert_eq!(literal.unwrap_err().message, "literal");
+        let opaque = contained(|| -> u8 { std::panic::panic_any(3u32) });
+        assert_eq!(opaque.unwrap_err().message, "unknown panic");
+    }
+}
