@@ -1,311 +1,33 @@
-//! The service: accepts connections (TCP, and a Unix socket where asked), runs one session per
-//! connection, shuts down gracefully.
-//!
-//! Bounded everywhere: a semaphore on connections (one over the limit is told so and closed,
-//! never queued), a maximum frame body, an idle timeout in the middle of a frame, a per-tensor
-//! limit and a per-device memory budget checked before a payload's buffer is allocated.
-
-use std::future::Future;
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+//! One connection's session: the handshake, then each request in turn (put, get, fetch,
+//! transfers, listings), answered on the same connection.
 
 use ferry_io::handshake::{self, protocol_error, refuse as fail};
-use ferry_io::transport::UnixTransport;
-use ferry_io::{
-    Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Stream, Transport,
-};
-use ferry_proto::{ErrorCode, ErrorReply, Request, Response, TensorKey, TensorMeta};
-use tokio::net::{TcpListener, UnixListener, UnixStream};
-use tokio::sync::{Semaphore, broadcast, mpsc};
+use ferry_io::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Transport};
+use ferry_proto::{Request, Response, TensorKey, TensorMeta};
+use tokio::sync::broadcast;
 use tracing::Instrument;
 
+use super::{HANDSHAKE_MAX_BODY, ServiceConfig, finish_hashed, idle_for};
 use crate::device::{Arrived, Existing, KnownHash};
 use crate::error::{NodeError, Refusal};
 use crate::node::{AGENT, ClientId, Direction, MAX_PAGE, Node, TransferMode};
 use crate::peer::{PeerLink, PullRequest};
 
-/// The largest frame body accepted before a connection's `Hello` is answered.
-const HANDSHAKE_MAX_BODY: usize = 64 * 1024;
-
-/// How the service listens and what it allows.
-#[derive(Debug, Clone)]
-pub struct ServiceConfig {
-    /// The shared token a client must present, if any.
-    pub token: Option<String>,
-    /// Connections served at once.
-    pub max_connections: usize,
-    /// Frame, chunk and idle limits.
-    pub limits: ConnectionLimits,
-    /// How long in-flight requests may take to finish at shutdown.
-    pub shutdown_grace: Duration,
-    /// How long a connection may sit between requests before the node closes it, so that idle
-    /// connections cannot hold every connection slot; zero for never.
-    pub keepalive: Duration,
-}
-
-impl Default for ServiceConfig {
-    fn default() -> Self {
-        Self {
-            token: None,
-            max_connections: 1024,
-            limits: ConnectionLimits::default(),
-            shutdown_grace: Duration::from_secs(30),
-            keepalive: Duration::from_secs(300),
-        }
-    }
-}
-
-/// A bound, not yet running, service over a node.
-#[derive(Debug)]
-pub struct Service {
-    node: Node,
-    listener: TcpListener,
-    unix: Option<UnixSocket>,
-    config: Arc<ServiceConfig>,
-}
-
-/// The Unix socket a service listens on; its file is removed when the listener goes.
-#[derive(Debug)]
-struct UnixSocket {
-    listener: UnixListener,
-    path: PathBuf,
-}
-
-impl Drop for UnixSocket {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-/// Binds a Unix socket at `path`: a socket file left by a node that is gone is replaced, one a
-/// live node answers on is not, nor is any other kind of file. Only the owner may connect (mode
-/// 0600): a node's tensors are not for every local user.
-fn bind_unix(path: &Path) -> std::io::Result<UnixSocket> {
-    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-    if let Ok(existing) = std::fs::symlink_metadata(path) {
-        if !existing.file_type().is_socket() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket", path.display()),
-            ));
-        }
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AddrInUse,
-                format!("another node listens on {}", path.display()),
-            ));
-        }
-        std::fs::remove_file(path)?;
-    }
-    let listener = UnixListener::bind(path)?;
-    let socket = UnixSocket {
-        listener,
-        path: path.to_path_buf(),
-    };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(socket)
-}
-
-impl Service {
-    /// Binds `addr` (`127.0.0.1:0` picks a free port).
-    pub async fn bind(
-        node: Node,
-        addr: SocketAddr,
-        config: ServiceConfig,
-    ) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(addr).await?;
-        Ok(Self {
-            node,
-            listener,
-            unix: None,
-            config: Arc::new(config),
-        })
-    }
-
-    /// Also listens on a Unix domain socket at `path` (clients and peers reach it as
-    /// `unix:PATH`). Connections there may move payloads through shared memory.
-    pub fn listen_unix(mut self, path: &Path) -> std::io::Result<Self> {
-        let socket = bind_unix(path)?;
-        self.node
-            .set_unix_socket(Some(format!("unix:{}", path.display())));
-        self.unix = Some(socket);
-        Ok(self)
-    }
-
-    /// The Unix socket listened on, if any.
-    pub fn unix_path(&self) -> Option<&Path> {
-        self.unix.as_ref().map(|u| u.path.as_path())
-    }
-
-    /// The address actually bound.
-    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        self.listener.local_addr()
-    }
-
-    /// Serves until `shutdown` completes, then stops accepting, lets sessions finish the request
-    /// in hand within the grace period, and returns.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> std::io::Result<()> {
-        let (notify_shutdown, _) = broadcast::channel::<()>(1);
-        let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
-        let permits = Arc::new(Semaphore::new(self.config.max_connections));
-        let accept = accept_loop(&self, &permits, &notify_shutdown, &done_tx);
-        tokio::select! {
-            result = accept => result?,
-            () = shutdown => tracing::info!("shutting down: no new connections"),
-        }
-        // Closed now, so that new clients are refused at once rather than left waiting.
-        drop(self.listener);
-        drop(self.unix);
-        self.node.set_unix_socket(None);
-        drop(notify_shutdown);
-        drop(done_tx);
-        let grace = self.config.shutdown_grace;
-        if tokio::time::timeout(grace, done_rx.recv()).await.is_err() {
-            tracing::warn!(
-                ?grace,
-                "sessions still busy after the grace period; leaving them"
-            );
-        }
-        Ok(())
-    }
-}
-
-async fn accept_loop(
-    service: &Service,
-    permits: &Arc<Semaphore>,
-    notify_shutdown: &broadcast::Sender<()>,
-    done_tx: &mpsc::Sender<()>,
-) -> std::io::Result<()> {
-    loop {
-        let accepted = tokio::select! {
-            tcp = service.listener.accept() => tcp.map(|(socket, peer)| {
-                // Frames are written whole; waiting to coalesce them only adds latency.
-                let _ = socket.set_nodelay(true);
-                (Stream::Tcp(socket), peer.to_string())
-            }),
-            unix = accept_unix(service.unix.as_ref()) => unix.map(|socket| {
-                let peer = unix_peer(&socket);
-                (Stream::Unix(UnixTransport::new(socket)), peer)
-            }),
-        };
-        if let Ok((Stream::Unix(unix), peer)) = &accepted
-            && !unix_peer_allowed(unix.get_ref())
-        {
-            tracing::warn!(%peer, "Unix connection refused: another user");
-            continue;
-        }
-        let (socket, peer) = match accepted {
-            Ok(accepted) => accepted,
-            // Out of file descriptors and the like: back off rather than spin or die.
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tracing::warn!(%peer, "connection refused: at the connection limit");
-            service.node.recorder().connection_refused();
-            tokio::spawn(refuse(socket, service.config.clone()));
-            continue;
-        };
-        let node = service.node.clone();
-        let config = service.config.clone();
-        let shutdown = notify_shutdown.subscribe();
-        let done = done_tx.clone();
-        tokio::spawn(async move {
-            let open = node.connection_opened();
-            let mut conn = Connection::new(socket, config.limits);
-            let id = node.new_client();
-            let result = Session {
-                node: &node,
-                config: &config,
-                shutdown,
-                peer: PeerLink::default(),
-                client: &peer,
-                id,
-            }
-            .serve(&mut conn)
-            .await;
-            if let Err(error) = result {
-                tracing::info!(%peer, %error, "connection closed on error");
-            }
-            node.client_gone(id);
-            drop(open);
-            drop(permit);
-            drop(done);
-        });
-    }
-}
-
-/// Completes after `keepalive`; never, where it is zero.
-async fn idle_for(keepalive: Duration) {
-    if keepalive.is_zero() {
-        std::future::pending::<()>().await;
-    }
-    tokio::time::sleep(keepalive).await;
-}
-
-/// Whether a Unix peer may connect: the node's own user, or root. The socket file is the
-/// owner's only (mode 0600), but between `bind` and `chmod` another user could have queued a
-/// connection; the kernel's word on who is calling settles it.
-fn unix_peer_allowed(socket: &UnixStream) -> bool {
-    match socket.peer_cred() {
-        Ok(cred) => {
-            let uid = cred.uid();
-            uid == 0 || uid == rustix::process::geteuid().as_raw()
-        }
-        Err(_) => false,
-    }
-}
-
-/// The next connection on the Unix socket; never, where there is none.
-async fn accept_unix(unix: Option<&UnixSocket>) -> std::io::Result<UnixStream> {
-    match unix {
-        Some(unix) => unix.listener.accept().await.map(|(socket, _)| socket),
-        None => std::future::pending().await,
-    }
-}
-
-/// A Unix peer as logs name it: its process and user, as the kernel reports them.
-fn unix_peer(socket: &UnixStream) -> String {
-    match socket.peer_cred() {
-        Ok(cred) => match cred.pid() {
-            Some(pid) => format!("unix:pid={pid},uid={}", cred.uid()),
-            None => format!("unix:uid={}", cred.uid()),
-        },
-        Err(_) => "unix".to_string(),
-    }
-}
-
-/// Tells a connection over the limit why it is closed, without waiting on it for long.
-async fn refuse(socket: Stream, config: Arc<ServiceConfig>) {
-    let mut conn = Connection::new(socket, config.limits);
-    let reply = Response::Error(ErrorReply {
-        code: ErrorCode::LimitExceeded,
-        message: format!(
-            "the node serves at most {} connections at once; try again later",
-            config.max_connections
-        ),
-    });
-    let _ = tokio::time::timeout(Duration::from_secs(1), conn.write_response(&reply)).await;
-}
-
-struct Session<'a> {
-    node: &'a Node,
-    config: &'a ServiceConfig,
-    shutdown: broadcast::Receiver<()>,
-    peer: PeerLink,
+/// A connection's state: the node it serves, who is on the other end, and the session's own
+/// link to a source node (a batch of pulls goes over one).
+pub(super) struct Session<'a> {
+    pub(super) node: &'a Node,
+    pub(super) config: &'a ServiceConfig,
+    pub(super) shutdown: broadcast::Receiver<()>,
+    pub(super) peer: PeerLink,
     /// Who is on the other end, for logs.
-    client: &'a str,
+    pub(super) client: &'a str,
     /// Who is on the other end, for the capabilities it asks for, fetches and releases.
-    id: ClientId,
+    pub(super) id: ClientId,
 }
 
 impl Session<'_> {
-    async fn serve<S: Transport>(
+    pub(super) async fn serve<S: Transport>(
         mut self,
         conn: &mut Connection<S>,
     ) -> Result<(), ConnectionError> {
@@ -659,15 +381,4 @@ impl Session<'_> {
         }
         Ok(())
     }
-}
-
-/// The assembled tensor and its content hash, off the runtime: the hashing thread may still
-/// be a chunk or two behind the receiver.
-pub(crate) async fn finish_hashed(
-    assembler: ferry_io::TensorAssembler,
-) -> Result<(burn_backend::TensorData, String), NodeError> {
-    tokio::task::spawn_blocking(move || assembler.finish_hashed())
-        .await
-        .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))?
-        .map_err(NodeError::Received)
 }
