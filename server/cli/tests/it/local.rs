@@ -580,6 +580,71 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
     }
 }
 
+/// A region is adopted without reading it (seals, size and owner are checked; pages are mapped
+/// as they are first touched), so the target's tensor must stay whole after its sender is gone:
+/// here the source is killed as soon as the pull is answered, before the target has read or
+/// hashed a byte of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_mapped_lazily_stays_whole_after_its_sender_is_killed() {
+    let _serial = REGIONS.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let a = unix_server(&dir, "a.sock", &[]);
+    let b = unix_server(&dir, "b.sock", &[]);
+    let a_unix = a.unix.clone().unwrap();
+    let mut on_a = Client::connect(a_unix.as_str(), None).await.unwrap();
+    let mut on_b = Client::connect(b.unix.as_deref().unwrap(), None)
+        .await
+        .unwrap();
+    let schemes = samples::schemes();
+    let scheme = |name: &str| &schemes.iter().find(|(n, _)| n == name).unwrap().1;
+    let tensors: Vec<(String, TensorData)> = vec![
+        (
+            "w".into(),
+            samples::plain(ferry::proto::DType::F32, &[2048, 1024], 11),
+        ),
+        (
+            "q".into(),
+            samples::quantized(scheme("Q8S-block32-F16"), &[2048, 2560], 12),
+        ),
+    ];
+    for (name, data) in &tensors {
+        on_a.put(0, name, data).await.unwrap();
+    }
+    let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
+    let how = NodeCopy {
+        source_addr: &a_unix,
+        dst_device: 0,
+        dst_name: None,
+        remove_source: false,
+        overwrite: false,
+    };
+    for answer in copy_between(&mut on_a, &mut on_b, &keys, &how)
+        .await
+        .unwrap()
+    {
+        assert_eq!(answer.unwrap().path, "pull");
+    }
+    drop(on_a);
+    drop(a);
+    for ((name, data), key) in tensors.iter().zip(&keys) {
+        assert_same(&on_b.get(key).await.unwrap(), data, name);
+    }
+    let stats = ferry::testing::hashes_verified(&mut on_b).await;
+    assert_eq!(
+        stats.hash_mismatches, 0,
+        "the hashes A stated hold for the bytes B maps"
+    );
+    assert_eq!(stats.shm_payloads_received, 2);
+    for key in &keys {
+        on_b.delete(key).await.unwrap();
+    }
+    assert_eq!(
+        regions_in(&b),
+        (0, 0),
+        "nothing left once the tensors are gone"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_does_not_read_is_sent_no_new_regions() {
     use ferry::io::connection::UNREAD_REGION_BYTES;
