@@ -16,6 +16,7 @@ pub mod message;
 pub mod meta;
 pub mod scales;
 pub mod tensor;
+pub mod untrusted;
 
 pub use burn_std::{BoolStore, DType, TensorData};
 pub use contain::{Panicked, contained};
@@ -29,6 +30,7 @@ pub use message::{
     Welcome,
 };
 pub use meta::{TensorMeta, WireMeta};
+pub use untrusted::Untrusted;
 
 /// Features this build speaks, announced in [`Hello`] and [`Welcome`].
 pub const FEATURES: &[&str] = &["chunked-crc32c"];

@@ -125,6 +125,10 @@ pub enum NodeError {
     /// A transfer whose source and target are one key.
     #[error("source and target are the same tensor {0}")]
     SameTensor(TensorKey),
+    /// A pull whose source address is empty, too long or holds control characters (shown
+    /// escaped).
+    #[error("not a source address: \"{0}\" (empty, over 1024 bytes, or with control characters)")]
+    InvalidSource(String),
     /// A pull that does not name the content hash its capability was granted under.
     #[error(
         "a pull names the content hash its capability was granted under (Pull.content_hash): \
@@ -186,6 +190,7 @@ impl NodeError {
             | NodeError::InvalidNodeId { .. }
             | NodeError::SameTensor(_)
             | NodeError::PullWithoutHash
+            | NodeError::InvalidSource(_)
             | NodeError::OffsetOutOfRange { .. }
             | NodeError::Name(_) => ErrorCode::BadRequest,
             NodeError::Meta(MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. })

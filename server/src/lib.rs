@@ -32,5 +32,5 @@ pub use node::{
     TransferMode,
 };
 pub use peer::{PeerLink, PullRequest};
-pub use service::{Service, ServiceConfig};
+pub use service::{DEFAULT_HELLO_TIMEOUT, Service, ServiceConfig};
 pub use source::{Fetch, SourceConfig, SourceConnection, SourceError};

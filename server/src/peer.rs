@@ -6,7 +6,7 @@ use std::time::Instant;
 use ferry_io::TensorAssembler;
 use ferry_io::{ConnectionError, PayloadRoute, RegionUse};
 use ferry_proto::ErrorCode;
-use ferry_proto::{TensorKey, dtype_name};
+use ferry_proto::{TensorKey, Untrusted, dtype_name};
 
 use crate::device::{Arrived, Existing, KnownHash, Payload, TensorDesc};
 use crate::engine::TransferPath;
@@ -97,7 +97,7 @@ impl Node {
             Ok(desc) => {
                 tracing::info!(
                 op = "pull",
-                source = %req.source,
+                source = %Untrusted(&req.source),
                 key = %req.src,
                 dst = %dst,
                 dtype = %dtype_name(&desc.dtype),
@@ -108,7 +108,7 @@ impl Node {
                 )
             }
             Err(error) => {
-                tracing::warn!(op = "pull", source = %req.source, key = %req.src, %error, "transfer failed");
+                tracing::warn!(op = "pull", source = %Untrusted(&req.source), key = %req.src, %error, "transfer failed");
             }
         }
         result
@@ -121,6 +121,8 @@ impl Node {
         name: &str,
     ) -> Result<TensorDesc, NodeError> {
         ferry_proto::message::validate_name(name)?;
+        ferry_proto::message::validate_name(&req.src.name)?;
+        check_source(&req.source)?;
         self.device(req.dst_device)?;
         let Some(granted) = req.content_hash.as_deref() else {
             return Err(NodeError::PullWithoutHash);
@@ -151,7 +153,7 @@ impl Node {
                     self.recorder().pull_retry();
                     let resume_at = resume.as_ref().map_or(0, |r| r.assembler.received());
                     tracing::warn!(
-                        source = %req.source, key = %req.src, attempt, resume_at, %why,
+                        source = %Untrusted(&req.source), key = %req.src, attempt, resume_at, %why,
                         "pull dropped; reconnecting"
                     );
                     link.source = None;
@@ -282,10 +284,10 @@ impl Node {
         match tokio::time::timeout(idle, release).await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
-                tracing::warn!(source = %req.source, %error, "release after a complete pull failed");
+                tracing::warn!(source = %Untrusted(&req.source), %error, "release after a complete pull failed");
             }
             Err(_) => {
-                tracing::warn!(source = %req.source, "release after a complete pull timed out");
+                tracing::warn!(source = %Untrusted(&req.source), "release after a complete pull timed out");
                 self.drop_link_after_timeout(link);
             }
         }
@@ -377,6 +379,17 @@ impl Node {
             ..desc
         })
     }
+}
+
+/// The longest source address a pull accepts.
+const MAX_SOURCE_LEN: usize = 1024;
+
+/// A source address fit to connect to and to log: not empty, bounded, no control characters.
+fn check_source(source: &str) -> Result<(), NodeError> {
+    if source.is_empty() || source.len() > MAX_SOURCE_LEN || source.chars().any(char::is_control) {
+        return Err(NodeError::InvalidSource(Untrusted(source).to_string()));
+    }
+    Ok(())
 }
 
 /// Which failures are worth a reconnection: a connection that dropped, closed, failed or went

@@ -241,6 +241,28 @@ async fn an_unknown_dtype_code_is_a_typed_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_source_with_control_characters_is_refused_before_any_connection() {
+    let node = start_with(&["flex"]).await;
+    let (mut raw, _) = Raw::hello(&node, None).await;
+    for source in ["127.0.0.1:1\nFORGED line", "", &"h".repeat(2000)] {
+        let pull = Request::Pull {
+            source: source.to_string(),
+            capability: "c".into(),
+            src: TensorKey::new(0, "w"),
+            dst_device: 0,
+            dst_name: None,
+            overwrite: false,
+            content_hash: Some("0".repeat(64)),
+        };
+        raw.send(&control::encode_request(&pull).unwrap()).await;
+        let message = raw.expect_error(ErrorCode::BadRequest).await;
+        assert!(message.contains("not a source address"), "{message}");
+        assert!(!message.contains('\n'), "shown escaped: {message}");
+    }
+    node_still_serves(&node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_closed_mid_upload_registers_nothing() {
     let node = start_with(&["flex"]).await;
     let (mut raw, _) = Raw::hello(&node, None).await;

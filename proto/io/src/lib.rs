@@ -14,6 +14,7 @@ pub mod assembler;
 pub mod connection;
 pub mod handshake;
 pub mod host;
+mod refusal_log;
 #[cfg(target_os = "linux")]
 pub mod region;
 mod trailing;

@@ -4,7 +4,7 @@ use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::Parser;
 use ferry_io::ConnectionLimits;
 use ferry_server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig, TransferPolicy};
@@ -60,6 +60,10 @@ struct Args {
     /// Seconds a peer may stay silent in the middle of a frame.
     #[arg(long, default_value_t = 30)]
     idle_timeout: u64,
+    /// Seconds a new connection may take to say hello before it is closed (a socket that never
+    /// speaks holds a connection slot this long at most).
+    #[arg(long, default_value_t = ferry_server::DEFAULT_HELLO_TIMEOUT.as_secs())]
+    hello_timeout: u64,
     /// Seconds a connection may sit idle between requests before it is closed.
     #[arg(long, default_value_t = 300)]
     keepalive: u64,
@@ -188,7 +192,17 @@ async fn serve() -> anyhow::Result<()> {
     if let Some(addr) = args.metrics {
         serve_metrics(addr)?;
     }
-    let token = args.token.filter(|t| !t.is_empty());
+    // An empty token would silently turn authentication off: refused, so that a variable that
+    // expanded to nothing cannot open the node.
+    if args.token.as_deref() == Some("") {
+        bail!(
+            "--token (or FERRY_TOKEN) is empty: give a token, or leave it unset to run without one"
+        );
+    }
+    if args.peer_token.as_deref() == Some("") {
+        bail!("--peer-token (or FERRY_PEER_TOKEN) is empty: give a token, or leave it unset");
+    }
+    let token = args.token;
     let chunk_size = usize::try_from(args.chunk_size.as_u64())
         .ok()
         .filter(|&c| c > 0 && c <= ferry_proto::frame::DEFAULT_MAX_BODY - 64)
@@ -228,6 +242,7 @@ async fn serve() -> anyhow::Result<()> {
         limits,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         keepalive: Duration::from_secs(args.keepalive),
+        hello_timeout: Duration::from_secs(args.hello_timeout),
     };
     let mut service = Service::bind(node, args.listen, service_config)
         .await

@@ -41,7 +41,14 @@ pub struct ServiceConfig {
     /// How long a connection may sit between requests before the node closes it, so that idle
     /// connections cannot hold every connection slot; zero for never.
     pub keepalive: Duration,
+    /// How long a new connection may take to say `Hello` before it is closed: a socket that
+    /// never speaks holds a connection slot for this long at most.
+    pub hello_timeout: Duration,
 }
+
+/// The default [`ServiceConfig::hello_timeout`]: a client says hello within a round trip of
+/// connecting; a few seconds leave room for a loaded machine.
+pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Default for ServiceConfig {
     fn default() -> Self {
@@ -51,6 +58,7 @@ impl Default for ServiceConfig {
             limits: ConnectionLimits::default(),
             shutdown_grace: Duration::from_secs(30),
             keepalive: Duration::from_secs(300),
+            hello_timeout: DEFAULT_HELLO_TIMEOUT,
         }
     }
 }

@@ -81,7 +81,7 @@ impl Session<'_> {
             token: self.config.token.as_deref(),
             agent: AGENT,
             shared_memory: self.node.config().shared_memory,
-            deadline: self.config.limits.idle_timeout,
+            deadline: self.config.hello_timeout,
         };
         Ok(matches!(
             handshake::accept(conn, policy).await?,

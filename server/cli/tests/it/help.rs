@@ -19,6 +19,7 @@ fn help_names_every_flag() {
         "--memory-limit",
         "--transfer",
         "--idle-timeout",
+        "--hello-timeout",
         "--shutdown-grace",
         "--chunk-size",
         "--node-id",

@@ -9,6 +9,7 @@ mod local;
 mod ops;
 mod recycling;
 mod signals;
+mod trust;
 
 /// The binary under test, built by cargo for this package's tests.
 fn ferry_server() -> &'static std::path::Path {

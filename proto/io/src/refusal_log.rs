@@ -1,0 +1,59 @@
+//! A log line per kind of refusal, bounded in rate: one line per [`INTERVAL`], carrying how many
+//! refusals went unlogged since the last. A peer that is refused over and over (guessing tokens)
+//! is refused every time, but cannot fill the node's log or disk.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use ferry_proto::Untrusted;
+
+/// The shortest time between two log lines of one [`RefusalLog`].
+pub const INTERVAL: Duration = Duration::from_secs(1);
+
+/// A log of refusals bounded in rate: one line per interval, carrying how many went unlogged.
+pub(crate) struct RefusalLog {
+    /// When the last line was written: milliseconds since the process's first refusal, plus one;
+    /// 0 for never.
+    last_ms: AtomicU64,
+    /// Refusals since the last line.
+    unlogged: AtomicU64,
+}
+
+impl RefusalLog {
+    /// A log that has written nothing yet.
+    pub(crate) const fn new() -> Self {
+        RefusalLog {
+            last_ms: AtomicU64::new(0),
+            unlogged: AtomicU64::new(0),
+        }
+    }
+
+    /// Notes one refusal of a peer that called itself `agent`: logged if none was this interval.
+    pub(crate) fn note(&self, agent: &str) {
+        static EPOCH: OnceLock<Instant> = OnceLock::new();
+        let now = EPOCH
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_millis() as u64
+            + 1;
+        let last = self.last_ms.load(Ordering::Relaxed);
+        let due = last == 0 || now.saturating_sub(last) >= INTERVAL.as_millis() as u64;
+        // One thread wins the line for this interval; the others count.
+        if due
+            && self
+                .last_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let unlogged = self.unlogged.swap(0, Ordering::Relaxed);
+            tracing::warn!(
+                agent = %Untrusted(agent),
+                refused_since_last_line = unlogged,
+                "authentication refused"
+            );
+        } else {
+            self.unlogged.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}

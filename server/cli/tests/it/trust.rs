@@ -1,0 +1,173 @@
+//! What a node refuses before it trusts a peer: an empty token at start, a socket that never
+//! says hello (closed at the hello deadline), a flood of wrong tokens (each refused, logged at a
+//! bounded rate), and an agent string that would forge a log line (escaped).
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry::client::Client;
+use ferry::io::connection::{Connection, ConnectionLimits};
+use ferry::io::transport::Endpoint;
+use ferry::proto::{
+    ErrorCode, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
+};
+use ferry::testing::{eventually_async, spawn_server};
+
+use crate::ferry_server;
+
+#[test]
+fn an_empty_token_is_refused_at_start() {
+    for (args, env) in [
+        (vec!["--token", ""], None),
+        (vec![], Some(("FERRY_TOKEN", ""))),
+        (vec!["--peer-token", ""], None),
+    ] {
+        let mut command = Command::new(ferry_server());
+        command
+            .args(["--listen", "127.0.0.1:0"])
+            .args(&args)
+            .env_remove("FERRY_TOKEN")
+            .env_remove("FERRY_PEER_TOKEN");
+        if let Some((key, value)) = env {
+            command.env(key, value);
+        }
+        let output = command.output().expect("ferry-server runs");
+        assert!(!output.status.success(), "{args:?} {env:?} started");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains("is empty"), "{args:?} {env:?}: {stderr}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sockets_that_never_say_hello_hold_their_slots_only_until_the_hello_deadline() {
+    let node = spawn_server(
+        ferry_server(),
+        &[
+            "--device",
+            "flex",
+            "--max-connections",
+            "16",
+            "--hello-timeout",
+            "1",
+        ],
+        None,
+    );
+    let silent: Vec<TcpStream> = (0..16)
+        .map(|_| TcpStream::connect(node.addr.as_str()).unwrap())
+        .collect();
+    // Every slot is taken for now; a client is admitted again once the silent ones are closed,
+    // one hello deadline later.
+    let addr = node.addr.clone();
+    eventually_async(
+        "a client admitted after the silent sockets' deadline",
+        Duration::from_secs(10),
+        || {
+            let addr = addr.clone();
+            async move { Client::connect(addr.as_str(), None).await.is_ok() }
+        },
+    )
+    .await;
+    // And the node closed each silent socket itself.
+    for mut socket in silent {
+        socket
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        // Read to the end: whatever the node said before closing, then end of file.
+        let mut said = Vec::new();
+        let read = socket.read_to_end(&mut said);
+        assert!(
+            read.is_ok() || read.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "a silent socket left open"
+        );
+    }
+}
+
+/// Sends one `Hello` with `token` and `agent`; the node's answer.
+async fn hello(addr: &str, token: &str, agent: &str) -> Response {
+    let stream = Endpoint::parse(addr).connect().await.unwrap();
+    let mut conn = Connection::new(stream, ConnectionLimits::default());
+    conn.write_request(&Request::Hello(Hello {
+        major: PROTOCOL_VERSION,
+        minor: PROTOCOL_MINOR,
+        features: FEATURES.iter().map(|f| f.to_string()).collect(),
+        token: Some(token.to_string()),
+        agent: agent.to_string(),
+    }))
+    .await
+    .unwrap();
+    conn.read_response().await.unwrap()
+}
+
+#[test]
+fn wrong_tokens_are_each_refused_and_logged_at_a_bounded_rate_with_the_agent_escaped() {
+    let mut child = Command::new(ferry_server())
+        .args(["--listen", "127.0.0.1:0", "--device", "flex"])
+        .env("FERRY_TOKEN", "the-right-token")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_string();
+    const GUESSES: usize = 300;
+    let started = Instant::now();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        for i in 0..GUESSES {
+            let answer = hello(&addr, &format!("guess-{i}"), "evil\nFORGED line").await;
+            assert!(
+                matches!(&answer, Response::Error(e) if e.code == ErrorCode::AuthRefused),
+                "{answer:?}"
+            );
+        }
+        // The right token still opens the node.
+        assert!(matches!(
+            hello(&addr, "the-right-token", "ferry-test").await,
+            Response::Welcome(_)
+        ));
+    });
+    let elapsed = started.elapsed();
+    // A clean stop, so that every line the node wrote is in the pipe.
+    let term = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(term.success());
+    let _ = child.wait();
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    let refusals: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("authentication refused"))
+        .collect();
+    // One line per second at most (the first at once), however many guesses.
+    let bound = 2 + elapsed.as_secs() as usize;
+    assert!(
+        !refusals.is_empty() && refusals.len() <= bound,
+        "{} refusal lines for {GUESSES} guesses in {elapsed:?} (at most {bound}):\n{log}",
+        refusals.len()
+    );
+    assert!(
+        refusals.iter().all(|l| l.contains(r"evil\nFORGED line")),
+        "the agent is escaped:\n{log}"
+    );
+    assert!(
+        !log.lines().any(|l| l.starts_with("FORGED")),
+        "no forged line:\n{log}"
+    );
+}
