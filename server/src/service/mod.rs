@@ -20,9 +20,14 @@ use tokio::sync::{Semaphore, broadcast, mpsc};
 use crate::error::NodeError;
 use crate::node::Node;
 use crate::peer::PeerLink;
+use awaiting_hello::AwaitingHello;
 use session::Session;
 
+mod awaiting_hello;
 mod session;
+
+/// How long a newcomer waits for the slot an evicted silent connection gives back.
+const MAKING_ROOM: Duration = Duration::from_secs(1);
 
 /// The largest frame body accepted before a connection's `Hello` is answered.
 const HANDSHAKE_MAX_BODY: usize = 64 * 1024;
@@ -184,6 +189,7 @@ async fn accept_loop(
     notify_shutdown: &broadcast::Sender<()>,
     done_tx: &mpsc::Sender<()>,
 ) -> std::io::Result<()> {
+    let awaiting = Arc::new(AwaitingHello::default());
     loop {
         let accepted = tokio::select! {
             tcp = service.listener.accept() => tcp.map(|(socket, peer)| {
@@ -211,17 +217,39 @@ async fn accept_loop(
                 continue;
             }
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tracing::warn!(%peer, "connection refused: at the connection limit");
-            service.node.recorder().connection_refused();
-            tokio::spawn(refuse(socket, service.config.clone()));
-            continue;
+        // At the limit, the connection that has waited longest for its hello makes room: a
+        // newcomer is refused only when every slot holds a connection that said hello.
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(permit) => Some(permit),
+            Err(_) if awaiting.evict_oldest() => None,
+            Err(_) => {
+                tracing::warn!(%peer, "connection refused: at the connection limit");
+                service.node.recorder().connection_refused();
+                tokio::spawn(refuse(socket, service.config.clone()));
+                continue;
+            }
         };
         let node = service.node.clone();
         let config = service.config.clone();
         let shutdown = notify_shutdown.subscribe();
         let done = done_tx.clone();
+        let permits = permits.clone();
+        let place = awaiting.enter();
         tokio::spawn(async move {
+            let permit = match permit {
+                Some(permit) => permit,
+                // The evicted connection gives its slot back as it closes; another newcomer may
+                // take it first.
+                None => match tokio::time::timeout(MAKING_ROOM, permits.acquire_owned()).await {
+                    Ok(Ok(permit)) => permit,
+                    _ => {
+                        tracing::warn!(%peer, "connection refused: at the connection limit");
+                        node.recorder().connection_refused();
+                        refuse(socket, config).await;
+                        return;
+                    }
+                },
+            };
             let open = node.connection_opened();
             let mut conn = Connection::new(socket, config.limits);
             let id = node.new_client();
@@ -233,7 +261,7 @@ async fn accept_loop(
                 client: &peer,
                 id,
             }
-            .serve(&mut conn)
+            .serve(&mut conn, place)
             .await;
             if let Err(error) = result {
                 tracing::info!(%peer, %error, "connection closed on error");

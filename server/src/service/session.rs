@@ -7,6 +7,7 @@ use ferry_proto::{Request, Response, TensorKey, TensorMeta};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
+use super::awaiting_hello::Place;
 use super::{HANDSHAKE_MAX_BODY, ServiceConfig, finish_hashed, idle_for};
 use crate::device::{Arrived, Existing, KnownHash};
 use crate::error::{NodeError, Refusal};
@@ -27,9 +28,12 @@ pub(super) struct Session<'a> {
 }
 
 impl Session<'_> {
+    /// Serves the connection; `place` holds its place among those awaiting a hello until the
+    /// peer has said it.
     pub(super) async fn serve<S: Transport>(
         mut self,
         conn: &mut Connection<S>,
+        mut place: Place,
     ) -> Result<(), ConnectionError> {
         // Until the peer has said hello (and shown its token), it gets small frames only: an
         // unauthenticated connection cannot make the node buffer a 16 MiB body.
@@ -38,7 +42,18 @@ impl Session<'_> {
             max_body: limits.max_body.min(HANDSHAKE_MAX_BODY),
             ..limits
         });
-        if !self.handshake(conn).await? {
+        let welcomed = tokio::select! {
+            welcomed = self.handshake(conn) => welcomed?,
+            _ = &mut place.evicted => {
+                tracing::info!(
+                    client = self.client,
+                    "closed before its hello: its slot went to a newer connection"
+                );
+                return Ok(());
+            }
+        };
+        drop(place);
+        if !welcomed {
             return Ok(());
         }
         conn.set_limits(limits);

@@ -1,6 +1,7 @@
-//! What a node refuses before it trusts a peer: an empty token at start, a socket that never
-//! says hello (closed at the hello deadline), a flood of wrong tokens (each refused, logged at a
-//! bounded rate), and an agent string that would forge a log line (escaped).
+//! What a node refuses before it trusts a peer: an empty token at start, sockets that never say
+//! hello (closed to make room at the connection limit, or at the hello deadline), a flood of wrong
+//! tokens (each refused, logged at a bounded rate), and an agent string that would forge a log
+//! line (escaped).
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
@@ -13,7 +14,7 @@ use ferry::io::transport::Endpoint;
 use ferry::proto::{
     ErrorCode, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
 };
-use ferry::testing::{eventually_async, spawn_server};
+use ferry::testing::spawn_server;
 
 use crate::ferry_server;
 
@@ -41,7 +42,7 @@ fn an_empty_token_is_refused_at_start() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sockets_that_never_say_hello_hold_their_slots_only_until_the_hello_deadline() {
+async fn sockets_that_never_say_hello_do_not_keep_a_client_out() {
     let node = spawn_server(
         ferry_server(),
         &[
@@ -50,26 +51,28 @@ async fn sockets_that_never_say_hello_hold_their_slots_only_until_the_hello_dead
             "--max-connections",
             "16",
             "--hello-timeout",
-            "1",
+            "2",
         ],
         None,
     );
     let silent: Vec<TcpStream> = (0..16)
         .map(|_| TcpStream::connect(node.addr.as_str()).unwrap())
         .collect();
-    // Every slot is taken for now; a client is admitted again once the silent ones are closed,
-    // one hello deadline later.
-    let addr = node.addr.clone();
-    eventually_async(
-        "a client admitted after the silent sockets' deadline",
-        Duration::from_secs(10),
-        || {
-            let addr = addr.clone();
-            async move { Client::connect(addr.as_str(), None).await.is_ok() }
-        },
-    )
-    .await;
-    // And the node closed each silent socket itself.
+    // Every slot is held by a socket that never spoke: a client that does speak takes the
+    // oldest one's slot, at once (well within the hello deadline), and the others' after it.
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
+        assert_eq!(client.stat().await.unwrap().devices.len(), 1);
+        clients.push(client);
+    }
+    assert_eq!(
+        clients[0].stat().await.unwrap().connections,
+        16,
+        "three silent ones made room"
+    );
+    // The node closes every silent socket itself: the oldest made room, the rest at the
+    // deadline.
     for mut socket in silent {
         socket
             .set_read_timeout(Some(Duration::from_secs(10)))
