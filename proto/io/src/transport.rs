@@ -48,11 +48,31 @@ impl Endpoint {
                 let _ = socket.set_nodelay(true);
                 Ok(Stream::Tcp(socket))
             }
-            Endpoint::Unix(path) => Ok(Stream::Unix(UnixTransport::new(
-                UnixStream::connect(path).await?,
-            ))),
+            Endpoint::Unix(path) => {
+                let socket = UnixStream::connect(path).await?;
+                check_unix_peer(&socket, path)?;
+                Ok(Stream::Unix(UnixTransport::new(socket)))
+            }
         }
     }
+}
+
+/// Whether the process on the other end of a Unix socket may be sent tokens and tensors: one of
+/// this user's, or root's, as the kernel reports it (`SO_PEERCRED`). A socket path in a shared
+/// directory could have been bound by anyone; nothing is sent before this holds.
+fn check_unix_peer(socket: &UnixStream, path: &std::path::Path) -> io::Result<()> {
+    let peer = socket.peer_cred()?.uid();
+    let own = rustix::process::geteuid().as_raw();
+    if peer == own || peer == 0 {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!(
+            "{} is served by user {peer}, neither this user ({own}) nor root: nothing sent",
+            path.display()
+        ),
+    ))
 }
 
 impl std::fmt::Display for Endpoint {
@@ -404,5 +424,34 @@ mod tests {
             Endpoint::parse("unix:/tmp/a.sock").to_string(),
             "unix:/tmp/a.sock"
         );
+    }
+
+    /// A Unix socket another user serves (here bound by a thread that took another user's id,
+    /// which needs root: as the tests run in CI) is refused before a byte is sent.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_unix_socket_served_by_another_user_is_refused_before_anything_is_sent() {
+        use std::io::Read;
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let path = dir.path().join("other.sock");
+        let bind_at = path.clone();
+        let listener = std::thread::spawn(move || {
+            // Linux keeps user ids per thread: only this thread becomes `nobody`.
+            let nobody = rustix::process::Uid::from_raw(65534);
+            rustix::thread::set_thread_res_uid(nobody, nobody, nobody)
+                .expect("these tests run as root, which may take another user's id");
+            std::os::unix::net::UnixListener::bind(&bind_at).unwrap()
+        })
+        .join()
+        .unwrap();
+        let refused = Endpoint::Unix(path).connect().await.err().unwrap();
+        assert_eq!(refused.kind(), io::ErrorKind::PermissionDenied);
+        assert!(refused.to_string().contains("user 65534"), "{refused}");
+        let (mut accepted, _) = listener.accept().unwrap();
+        let mut sent = Vec::new();
+        accepted.read_to_end(&mut sent).unwrap();
+        assert!(sent.is_empty(), "nothing reaches another user's socket");
     }
 }
