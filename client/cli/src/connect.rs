@@ -6,19 +6,30 @@ use ferry_client::{Client, ClientConfig};
 use crate::Cli;
 
 pub(crate) async fn connect(node: &str, cli: &Cli) -> anyhow::Result<Client> {
-    Client::connect_with(node, client_config(cli))
+    Client::connect_with(node, client_config(cli)?)
         .await
         .with_context(|| format!("connecting to {node}"))
 }
 
-pub(crate) fn client_config(cli: &Cli) -> ClientConfig {
-    ClientConfig {
-        token: cli.token.clone(),
+pub(crate) fn client_config(cli: &Cli) -> anyhow::Result<ClientConfig> {
+    let token = match &cli.token_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            Some(
+                ferry_io::credential::token_from_file(&text)
+                    .with_context(|| format!("{}", path.display()))?,
+            )
+        }
+        None => cli.token.clone(),
+    };
+    Ok(ClientConfig {
+        token,
         disable_shared_memory: cli.no_shm,
         limits: ferry_client::ConnectionLimits {
             region_min: usize::try_from(cli.shm_min.as_u64()).unwrap_or(usize::MAX),
             ..Default::default()
         },
         ..ClientConfig::default()
-    }
+    })
 }

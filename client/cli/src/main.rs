@@ -22,9 +22,14 @@ use ferry_client::load::LoadConfig;
 #[derive(Debug, Parser)]
 #[command(version, about)]
 pub(crate) struct Cli {
-    /// The nodes' shared token.
+    /// The nodes' shared token. Prefer --token-file or FERRY_TOKEN: a command line is visible to
+    /// every user of the machine.
     #[arg(long, global = true, env = "FERRY_TOKEN", hide_env_values = true)]
     pub(crate) token: Option<String>,
+    /// A file holding the token (its first line that is not blank or a `#` comment); wins over
+    /// --token.
+    #[arg(long, global = true, value_name = "PATH")]
+    pub(crate) token_file: Option<std::path::PathBuf>,
     /// Never move payloads through shared memory, even over a Unix socket.
     #[arg(long, global = true)]
     pub(crate) no_shm: bool,
@@ -193,7 +198,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 |b: &bytesize::ByteSize| usize::try_from(b.as_u64()).unwrap_or(usize::MAX);
             let config = LoadConfig {
                 endpoint: Endpoint::parse(&Address::parse(node)?.node),
-                client: connect::client_config(cli),
+                client: connect::client_config(cli)?,
                 clients: *clients,
                 rounds: *rounds,
                 duration: seconds.map(std::time::Duration::from_secs),

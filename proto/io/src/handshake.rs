@@ -10,6 +10,7 @@ use ferry_proto::{
 };
 
 use crate::connection::{Connection, ConnectionError};
+use crate::credential::{Credential, Scopes, scopes_for};
 use crate::refusal_log::RefusalLog;
 use crate::transport::Transport;
 
@@ -69,8 +70,8 @@ pub async fn hello<S: Transport>(
 /// What the accepting side requires and announces.
 #[derive(Debug, Clone)]
 pub struct Policy<'a> {
-    /// The token every `Hello` must carry; `None` for none.
-    pub token: Option<&'a str>,
+    /// The credentials a `Hello`'s token must match one of; none for no authentication.
+    pub credentials: &'a [Credential],
     /// The software name to report.
     pub agent: &'a str,
     /// Agree to shared memory where the peer offers it (and the transport allows it).
@@ -82,8 +83,8 @@ pub struct Policy<'a> {
 /// How the opening exchange ended on the accepting side.
 #[derive(Debug)]
 pub enum Greeting {
-    /// Welcomed: requests follow.
-    Welcomed(Hello),
+    /// Welcomed, with what its credential allows: requests follow.
+    Welcomed(Hello, Scopes),
     /// Refused with a reply the peer has been sent (another major version, a wrong token).
     Refused(ErrorCode),
     /// The peer closed before saying anything.
@@ -117,20 +118,17 @@ pub async fn accept<S: Transport>(
         conn.write_response(&Response::Error(reply)).await?;
         return Ok(Greeting::Refused(ErrorCode::VersionMismatch));
     }
-    if let Some(expected) = policy.token {
-        let given = hello.token.as_deref().unwrap_or("");
-        // Compared as fixed-length digests, in constant time (`blake3::Hash`'s equality is):
-        // neither how much of a guess matched nor how long the token is shows in the timing.
-        if blake3::hash(given.as_bytes()) != blake3::hash(expected.as_bytes()) {
-            AUTH_REFUSALS.note(&hello.agent);
-            let reply = ErrorReply {
-                code: ErrorCode::AuthRefused,
-                message: "authentication refused: wrong or missing token".into(),
-            };
-            conn.write_response(&Response::Error(reply)).await?;
-            return Ok(Greeting::Refused(ErrorCode::AuthRefused));
-        }
-    }
+    // Compared as fixed-length digests, in constant time: neither how much of a guess matched
+    // nor how long the token is shows in the timing.
+    let Some(scopes) = scopes_for(policy.credentials, hello.token.as_deref()) else {
+        AUTH_REFUSALS.note(&hello.agent);
+        let reply = ErrorReply {
+            code: ErrorCode::AuthRefused,
+            message: "authentication refused: wrong or missing token".into(),
+        };
+        conn.write_response(&Response::Error(reply)).await?;
+        return Ok(Greeting::Refused(ErrorCode::AuthRefused));
+    };
     let mut features: Vec<String> = FEATURES
         .iter()
         .filter(|f| hello.features.iter().any(|g| g == *f))
@@ -153,7 +151,7 @@ pub async fn accept<S: Transport>(
     }))
     .await?;
     conn.set_shared_memory(shared_memory);
-    Ok(Greeting::Welcomed(hello))
+    Ok(Greeting::Welcomed(hello, scopes))
 }
 
 /// A protocol violation by the peer, as a connection error.

@@ -12,6 +12,7 @@
 pub mod allocator;
 pub mod assembler;
 pub mod connection;
+pub mod credential;
 pub mod handshake;
 pub mod host;
 mod refusal_log;

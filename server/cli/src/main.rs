@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Parser;
 use ferry_io::ConnectionLimits;
+use ferry_io::credential::{Credential, parse_token_file, token_from_file};
 use ferry_server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig, TransferPolicy};
 
 /// A ferry node: hosts Burn devices and moves tensors of every dtype between them and over TCP.
@@ -30,9 +31,18 @@ struct Args {
     /// A device to host (`flex` or `ndarray`); repeat for more. Default: two flex devices.
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
-    /// Shared token clients must present.
+    /// Shared token clients must present (allowing everything). Prefer --token-file: a command
+    /// line is visible to every user of the machine.
     #[arg(long, env = "FERRY_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// A file of credentials clients may present, one per line: `SCOPES TOKEN` (scopes `read`,
+    /// `write`, `peer`, comma-separated, or `all`) or a bare `TOKEN` (everything); `#` starts a
+    /// comment. Keep it readable by the node's user only.
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<std::path::PathBuf>,
+    /// A file holding the token this node presents to the nodes it pulls from (its first line).
+    #[arg(long, value_name = "PATH")]
+    peer_token_file: Option<std::path::PathBuf>,
     /// Connections served at once; more are refused with an error.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
@@ -202,7 +212,25 @@ async fn serve() -> anyhow::Result<()> {
     if args.peer_token.as_deref() == Some("") {
         bail!("--peer-token (or FERRY_PEER_TOKEN) is empty: give a token, or leave it unset");
     }
-    let token = args.token;
+    let mut credentials = Vec::new();
+    if let Some(token) = &args.token {
+        credentials.push(Credential::full(token)?);
+    }
+    if let Some(path) = &args.token_file {
+        let text = read_secret(path)?;
+        let listed = parse_token_file(&text).with_context(|| format!("{}", path.display()))?;
+        if listed.is_empty() {
+            bail!("{} holds no credential", path.display());
+        }
+        credentials.extend(listed);
+    }
+    let peer_token = match &args.peer_token_file {
+        Some(path) => {
+            let text = read_secret(path)?;
+            Some(token_from_file(&text).with_context(|| format!("{}", path.display()))?)
+        }
+        None => args.peer_token.clone().or_else(|| args.token.clone()),
+    };
     let chunk_size = usize::try_from(args.chunk_size.as_u64())
         .ok()
         .filter(|&c| c > 0 && c <= ferry_proto::frame::DEFAULT_MAX_BODY - 64)
@@ -216,7 +244,7 @@ async fn serve() -> anyhow::Result<()> {
     };
     let mut config = NodeConfig {
         node_id: args.node_id,
-        peer_token: args.peer_token.or_else(|| token.clone()),
+        peer_token,
         capability_ttl: Duration::from_secs(args.capability_ttl),
         pull_retries: args.pull_retries,
         peer_limits: limits,
@@ -237,7 +265,7 @@ async fn serve() -> anyhow::Result<()> {
     let devices: Vec<String> = config.devices.iter().map(|d| d.to_string()).collect();
     let node = Node::start(config).context("starting the node")?;
     let service_config = ServiceConfig {
-        token,
+        credentials,
         max_connections: args.max_connections,
         limits,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
@@ -288,4 +316,18 @@ async fn shutdown_signal() {
         () = ctrl_c => {},
         () = terminate => {},
     }
+}
+
+/// A file of secrets, read whole; a warning where other users may read it too.
+fn read_secret(path: &std::path::Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let metadata =
+        std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+    if metadata.permissions().mode() & 0o077 != 0 {
+        tracing::warn!(
+            path = %path.display(),
+            "the token file is readable by other users; chmod 600 it"
+        );
+    }
+    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
 }

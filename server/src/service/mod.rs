@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_io::credential::{Credential, Scopes};
 use ferry_io::transport::UnixTransport;
 use ferry_io::{Connection, ConnectionLimits, Stream};
 use ferry_proto::{ErrorCode, ErrorReply, Response};
@@ -35,8 +36,9 @@ const HANDSHAKE_MAX_BODY: usize = 64 * 1024;
 /// How the service listens and what it allows.
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
-    /// The shared token a client must present, if any.
-    pub token: Option<String>,
+    /// The credentials a client must present one of, each with what it allows; none for no
+    /// authentication (every client may do everything).
+    pub credentials: Vec<Credential>,
     /// Connections served at once.
     pub max_connections: usize,
     /// Frame, chunk and idle limits.
@@ -58,7 +60,7 @@ pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 impl Default for ServiceConfig {
     fn default() -> Self {
         Self {
-            token: None,
+            credentials: Vec::new(),
             max_connections: 1024,
             limits: ConnectionLimits::default(),
             shutdown_grace: Duration::from_secs(30),
@@ -260,6 +262,7 @@ async fn accept_loop(
                 peer: PeerLink::default(),
                 client: &peer,
                 id,
+                scopes: Scopes::of(&[]),
             }
             .serve(&mut conn, place)
             .await;

@@ -1,9 +1,10 @@
 //! One connection's session: the handshake, then each request in turn (put, get, fetch,
 //! transfers, listings), answered on the same connection.
 
+use ferry_io::credential::{Scope, Scopes};
 use ferry_io::handshake::{self, protocol_error, refuse as fail};
 use ferry_io::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Transport};
-use ferry_proto::{Request, Response, TensorKey, TensorMeta};
+use ferry_proto::{ErrorCode, ErrorReply, Request, Response, TensorKey, TensorMeta};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
@@ -25,6 +26,28 @@ pub(super) struct Session<'a> {
     pub(super) client: &'a str,
     /// Who is on the other end, for the capabilities it asks for, fetches and releases.
     pub(super) id: ClientId,
+    /// What its credential allows: nothing until it has said hello.
+    pub(super) scopes: Scopes,
+}
+
+/// What a request needs its connection's credential to allow.
+fn scope_needed(request: &Request) -> Scope {
+    match request {
+        Request::Put { .. }
+        | Request::Copy { .. }
+        | Request::Delete { .. }
+        | Request::DeleteIf { .. }
+        | Request::Pull { .. } => Scope::Write,
+        Request::Fetch { .. } | Request::Release { .. } => Scope::Peer,
+        // A second Hello is refused as a protocol error whatever the scopes.
+        Request::Hello(_)
+        | Request::Get { .. }
+        | Request::List { .. }
+        | Request::ListPage { .. }
+        | Request::Stat
+        | Request::Identify
+        | Request::Grant { .. } => Scope::Read,
+    }
 }
 
 impl Session<'_> {
@@ -53,9 +76,10 @@ impl Session<'_> {
             }
         };
         drop(place);
-        if !welcomed {
+        let Some(scopes) = welcomed else {
             return Ok(());
-        }
+        };
+        self.scopes = scopes;
         conn.set_limits(limits);
         let keepalive = self.config.keepalive;
         loop {
@@ -86,22 +110,22 @@ impl Session<'_> {
         }
     }
 
-    /// The first frame must be a `Hello` with the right major version and token; `false` where
-    /// the peer was refused or left.
+    /// The first frame must be a `Hello` with the right major version and a token the node
+    /// accepts; what that token allows, or `None` where the peer was refused or left.
     async fn handshake<S: Transport>(
         &self,
         conn: &mut Connection<S>,
-    ) -> Result<bool, ConnectionError> {
+    ) -> Result<Option<Scopes>, ConnectionError> {
         let policy = handshake::Policy {
-            token: self.config.token.as_deref(),
+            credentials: &self.config.credentials,
             agent: AGENT,
             shared_memory: self.node.config().shared_memory,
             deadline: self.config.hello_timeout,
         };
-        Ok(matches!(
-            handshake::accept(conn, policy).await?,
-            handshake::Greeting::Welcomed(_)
-        ))
+        Ok(match handshake::accept(conn, policy).await? {
+            handshake::Greeting::Welcomed(_, scopes) => Some(scopes),
+            handshake::Greeting::Refused(_) | handshake::Greeting::Closed => None,
+        })
     }
 
     async fn handle<S: Transport>(
@@ -109,6 +133,19 @@ impl Session<'_> {
         conn: &mut Connection<S>,
         request: Request,
     ) -> Result<(), ConnectionError> {
+        let needed = scope_needed(&request);
+        if !self.scopes.allows(needed) {
+            let refused = ErrorReply {
+                code: ErrorCode::AuthRefused,
+                message: format!(
+                    "this connection's credential allows {}; {} needs {}",
+                    self.scopes,
+                    request.name(),
+                    needed.name()
+                ),
+            };
+            return conn.write_response(&Response::Error(refused)).await;
+        }
         let node = self.node;
         let reply = match request {
             Request::Hello(_) => {

@@ -21,7 +21,7 @@ fn server() -> BackgroundNode {
 /// A node that requires `token`.
 fn server_with_token(token: &str) -> BackgroundNode {
     let service = ServiceConfig {
-        token: Some(token.to_string()),
+        credentials: vec![ferry::io::credential::Credential::full(token).unwrap()],
         ..ServiceConfig::default()
     };
     BackgroundNode::start(node_config(), service, None)
@@ -296,6 +296,38 @@ fn plain_dtypes_round_trip_through_safetensors() {
         ],
         ".bpk",
     );
+}
+
+#[test]
+fn the_token_comes_from_a_file_and_a_read_only_one_cannot_write() {
+    let credentials =
+        ferry::io::credential::parse_token_file("read,write t0k\nread r34d\n").unwrap();
+    let node = BackgroundNode::start(
+        node_config(),
+        ServiceConfig {
+            credentials,
+            ..ServiceConfig::default()
+        },
+        None,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let writer = dir.path().join("writer");
+    std::fs::write(&writer, "# the writer's token\nt0k\n").unwrap();
+    let reader = dir.path().join("reader");
+    std::fs::write(&reader, "r34d\n").unwrap();
+    let file = dir.path().join("m.bpk");
+    write_tensors(&file, &model()).unwrap();
+    let dev0 = format!("{}/0", node.addr);
+    let (writer, reader, file) = (
+        writer.to_str().unwrap(),
+        reader.to_str().unwrap(),
+        file.to_str().unwrap(),
+    );
+    ok(&["--token-file", writer, "put", file, &dev0]);
+    let listed = ok(&["--token-file", reader, "ls", &node.addr]);
+    assert_eq!(listed.lines().count(), model().len(), "{listed}");
+    fails(&["--token-file", reader, "put", file, &dev0], "needs write");
+    fails(&["ls", &node.addr], "authentication refused");
 }
 
 #[test]

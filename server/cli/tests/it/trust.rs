@@ -8,13 +8,15 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry::client::Client;
+use ferry::client::{Client, ClientConfig};
 use ferry::io::connection::{Connection, ConnectionLimits};
 use ferry::io::transport::Endpoint;
+use ferry::proto::{DType, TensorKey};
 use ferry::proto::{
     ErrorCode, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
 };
-use ferry::testing::spawn_server;
+use ferry::samples;
+use ferry::testing::{assert_same, spawn_server};
 
 use crate::ferry_server;
 
@@ -173,4 +175,67 @@ fn wrong_tokens_are_each_refused_and_logged_at_a_bounded_rate_with_the_agent_esc
         !log.lines().any(|l| l.starts_with("FORGED")),
         "no forged line:\n{log}"
     );
+}
+
+/// A connection with `token` to the node at `addr`.
+async fn connect_as(addr: &str, token: &str) -> Client {
+    let config = ClientConfig {
+        token: Some(token.to_string()),
+        ..ClientConfig::default()
+    };
+    Client::connect_with(addr, config).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_credential_allows_its_scopes_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens");
+    std::fs::write(
+        &file,
+        "# who may do what\nread reader-token\nread,write writer-token\npeer peer-token\n",
+    )
+    .unwrap();
+    let node = spawn_server(
+        ferry_server(),
+        &["--device", "flex", "--token-file", file.to_str().unwrap()],
+        None,
+    );
+    let key = TensorKey::new(0, "w");
+    let data = samples::plain(DType::F32, &[16, 16], 3);
+    let mut writer = connect_as(&node.addr, "writer-token").await;
+    writer.put(0, "w", &data).await.unwrap();
+    assert_same(&writer.get(&key).await.unwrap(), &data, "w");
+
+    let mut reader = connect_as(&node.addr, "reader-token").await;
+    assert_same(&reader.get(&key).await.unwrap(), &data, "w");
+    assert_eq!(reader.list(None).await.unwrap().len(), 1);
+    reader.stat().await.unwrap();
+    for refused in [
+        reader.put(0, "v", &data).await.err().unwrap(),
+        reader.delete(&key).await.err().unwrap(),
+    ] {
+        assert_eq!(refused.code(), Some(ErrorCode::AuthRefused), "{refused}");
+        assert!(refused.to_string().contains("needs write"), "{refused}");
+    }
+    // The refused requests changed nothing, and the connection carries on.
+    assert_same(&reader.get(&key).await.unwrap(), &data, "w");
+
+    // A peer credential serves other nodes, and reads nothing itself.
+    let mut peer = connect_as(&node.addr, "peer-token").await;
+    let refused = peer.get(&key).await.err().unwrap();
+    assert_eq!(refused.code(), Some(ErrorCode::AuthRefused), "{refused}");
+    assert!(refused.to_string().contains("needs read"), "{refused}");
+
+    // Tokens that are no credential's are refused at hello.
+    for wrong in ["", "writer", "read reader-token"] {
+        let config = ClientConfig {
+            token: Some(wrong.to_string()),
+            ..ClientConfig::default()
+        };
+        assert!(
+            Client::connect_with(node.addr.as_str(), config)
+                .await
+                .is_err()
+        );
+    }
 }

@@ -1,0 +1,248 @@
+//! Credentials a node accepts, each with its scopes: what its holder may do once welcomed. Kept
+//! as digests (BLAKE3 of the token), so that a token is compared in constant time over a fixed
+//! length and the node's memory holds no token in clear.
+
+use std::fmt;
+
+/// One thing a credential may allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// Read tensors and the node's state: get, list, stat, identify, grant a capability.
+    Read,
+    /// Change what the node holds: put, copy, move, delete, pull.
+    Write,
+    /// Serve another node: fetch with a capability, and release it.
+    Peer,
+}
+
+impl Scope {
+    /// Every scope, in order.
+    pub const ALL: [Scope; 3] = [Scope::Read, Scope::Write, Scope::Peer];
+
+    /// The scope's name, as a token file and messages spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::Read => "read",
+            Scope::Write => "write",
+            Scope::Peer => "peer",
+        }
+    }
+
+    fn bit(self) -> u8 {
+        match self {
+            Scope::Read => 1,
+            Scope::Write => 2,
+            Scope::Peer => 4,
+        }
+    }
+}
+
+impl std::str::FromStr for Scope {
+    type Err = CredentialError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Scope::ALL
+            .into_iter()
+            .find(|scope| scope.name() == s)
+            .ok_or_else(|| CredentialError::UnknownScope(s.to_string()))
+    }
+}
+
+/// A set of scopes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scopes(u8);
+
+impl Scopes {
+    /// Every scope: what a node without credentials, or a credential given as `--token`, allows.
+    pub const ALL: Scopes = Scopes(7);
+
+    /// Exactly `scopes`.
+    pub fn of(scopes: &[Scope]) -> Scopes {
+        Scopes(scopes.iter().fold(0, |bits, s| bits | s.bit()))
+    }
+
+    /// Whether `scope` is among them.
+    pub fn allows(self, scope: Scope) -> bool {
+        self.0 & scope.bit() != 0
+    }
+}
+
+impl fmt::Display for Scopes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = Scope::ALL
+            .into_iter()
+            .filter(|s| self.allows(*s))
+            .map(Scope::name)
+            .collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+/// Why a credential could not be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CredentialError {
+    /// An empty token, which would be no authentication at all.
+    #[error("a token may not be empty")]
+    Empty,
+    /// No scopes: a credential that allows nothing.
+    #[error("a credential needs at least one scope")]
+    NoScopes,
+    /// A scope name that is not `read`, `write` or `peer`.
+    #[error("unknown scope \"{0}\" (the scopes are read, write and peer)")]
+    UnknownScope(String),
+}
+
+/// A token a node accepts, as its digest, with what it allows.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credential {
+    digest: blake3::Hash,
+    scopes: Scopes,
+}
+
+impl fmt::Debug for Credential {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the digest: it is as good as the token to anyone who can replay it offline.
+        f.debug_struct("Credential")
+            .field("scopes", &self.scopes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Credential {
+    /// A credential for `token` allowing `scopes`.
+    pub fn new(token: &str, scopes: Scopes) -> Result<Credential, CredentialError> {
+        if token.is_empty() {
+            return Err(CredentialError::Empty);
+        }
+        if scopes.0 == 0 {
+            return Err(CredentialError::NoScopes);
+        }
+        Ok(Credential {
+            digest: blake3::hash(token.as_bytes()),
+            scopes,
+        })
+    }
+
+    /// A credential for `token` allowing everything.
+    pub fn full(token: &str) -> Result<Credential, CredentialError> {
+        Credential::new(token, Scopes::ALL)
+    }
+
+    /// What it allows.
+    pub fn scopes(&self) -> Scopes {
+        self.scopes
+    }
+}
+
+/// The scopes `given` (a `Hello`'s token, if any) earns among `accepted`: all of them where the
+/// node accepts no credentials; `None` where it requires one and `given` matches none. Every
+/// credential is compared (in constant time, over digests), whichever matches.
+pub fn scopes_for(accepted: &[Credential], given: Option<&str>) -> Option<Scopes> {
+    if accepted.is_empty() {
+        return Some(Scopes::ALL);
+    }
+    let digest = blake3::hash(given.unwrap_or("").as_bytes());
+    let mut earned = None;
+    for credential in accepted {
+        // `blake3::Hash` compares in constant time.
+        if credential.digest == digest && given.is_some() {
+            earned = Some(credential.scopes);
+        }
+    }
+    earned
+}
+
+/// Reads a token file: one credential per line, `SCOPES TOKEN` (scopes comma-separated, or
+/// `all`) or a bare `TOKEN` (every scope); blank lines and lines starting with `#` are skipped.
+pub fn parse_token_file(text: &str) -> Result<Vec<Credential>, CredentialError> {
+    let mut credentials = Vec::new();
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let credential = match line.split_once(char::is_whitespace) {
+            // A scope name alone is a line whose token is missing, not a token.
+            None if line == "all" || line.split(',').all(|s| s.parse::<Scope>().is_ok()) => {
+                return Err(CredentialError::Empty);
+            }
+            None => Credential::full(line)?,
+            Some((scopes, token)) => {
+                let scopes = if scopes == "all" {
+                    Scopes::ALL
+                } else {
+                    let parsed: Result<Vec<Scope>, _> = scopes.split(',').map(str::parse).collect();
+                    Scopes::of(&parsed?)
+                };
+                Credential::new(token.trim(), scopes)?
+            }
+        };
+        credentials.push(credential);
+    }
+    Ok(credentials)
+}
+
+/// The token in a client's token file: its first line that is neither blank nor a `#` comment,
+/// trimmed.
+pub fn token_from_file(text: &str) -> Result<String, CredentialError> {
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_string)
+        .ok_or(CredentialError::Empty)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_earns_the_scopes_of_its_credential_and_nothing_else() {
+        let accepted = parse_token_file(
+            "# readers\nread reader-token\nread,write writer-token\npeer peer-token\nall admin\nroot-token\n",
+        )
+        .unwrap();
+        let earned = |t: Option<&str>| scopes_for(&accepted, t);
+        assert_eq!(
+            earned(Some("reader-token")),
+            Some(Scopes::of(&[Scope::Read]))
+        );
+        assert_eq!(
+            earned(Some("writer-token")),
+            Some(Scopes::of(&[Scope::Read, Scope::Write]))
+        );
+        assert_eq!(earned(Some("peer-token")), Some(Scopes::of(&[Scope::Peer])));
+        assert_eq!(earned(Some("admin")), Some(Scopes::ALL));
+        assert_eq!(earned(Some("root-token")), Some(Scopes::ALL));
+        assert_eq!(earned(Some("reader-toke")), None);
+        assert_eq!(earned(Some("")), None);
+        assert_eq!(earned(None), None);
+        assert_eq!(
+            scopes_for(&[], None),
+            Some(Scopes::ALL),
+            "no credentials: open"
+        );
+        assert_eq!(
+            Scopes::of(&[Scope::Read, Scope::Peer]).to_string(),
+            "read,peer"
+        );
+    }
+
+    #[test]
+    fn bad_token_files_are_refused() {
+        assert_eq!(parse_token_file("read "), Err(CredentialError::Empty));
+        assert_eq!(parse_token_file("write,peer"), Err(CredentialError::Empty));
+        assert!(matches!(
+            parse_token_file("admin,read t"),
+            Err(CredentialError::UnknownScope(s)) if s == "admin"
+        ));
+        assert_eq!(
+            Credential::new("t", Scopes::of(&[])),
+            Err(CredentialError::NoScopes)
+        );
+        assert_eq!(
+            token_from_file("# mine\n\n  s3cret \n"),
+            Ok("s3cret".to_string())
+        );
+        assert_eq!(token_from_file("# nothing\n"), Err(CredentialError::Empty));
+    }
+}
