@@ -118,7 +118,7 @@ start_node() {
 	local ns=$1 addr=$2 name=$3 line=""
 	# `ip netns exec` execs the command, so $! is the node itself.
 	env -u FERRY_TOKEN -u FERRY_PEER_TOKEN ip netns exec "$ns" "$SERVER" \
-		--listen "$addr:0" --device flex --node-id "netns-$name" --shutdown-grace 2 \
+		--listen "$addr:0" --insecure --device flex --node-id "netns-$name" --shutdown-grace 2 \
 		>"$WORK/$name.out" 2>"$WORK/$name.log" &
 	printf -v "PID_$name" '%s' "$!"
 	# The first stdout line is exactly `listening on ADDR`.

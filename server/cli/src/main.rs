@@ -40,6 +40,10 @@ struct Args {
     /// comment. Keep it readable by the node's user only.
     #[arg(long, value_name = "PATH")]
     token_file: Option<std::path::PathBuf>,
+    /// Listen beyond loopback with no credential, where anyone who reaches the port may read,
+    /// overwrite and delete every tensor: refused without this flag.
+    #[arg(long)]
+    insecure: bool,
     /// A file holding the token this node presents to the nodes it pulls from (its first line).
     #[arg(long, value_name = "PATH")]
     peer_token_file: Option<std::path::PathBuf>,
@@ -223,6 +227,24 @@ async fn serve() -> anyhow::Result<()> {
             bail!("{} holds no credential", path.display());
         }
         credentials.extend(listed);
+    }
+    if !args.listen.ip().is_loopback() {
+        if credentials.is_empty() && !args.insecure {
+            bail!(
+                "refusing to listen on {} with no credential: anyone who reaches it could read, \
+                 overwrite and delete every tensor. Give --token-file (or --token), listen on \
+                 loopback, or pass --insecure on a network you trust",
+                args.listen
+            );
+        }
+        if credentials.is_empty() {
+            tracing::warn!(listen = %args.listen, "--insecure: serving beyond loopback with no credential");
+        } else {
+            tracing::warn!(
+                listen = %args.listen,
+                "serving beyond loopback without TLS: tokens and tensors cross the network in clear"
+            );
+        }
     }
     let peer_token = match &args.peer_token_file {
         Some(path) => {

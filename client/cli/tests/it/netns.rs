@@ -54,7 +54,8 @@ fn model() -> Vec<(String, TensorData)> {
 
 /// Runs the script to completion, or kills it once it overran its own deadline.
 fn run_script(args: &[&Path]) -> (bool, String, String) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/netns-pull.sh");
+    // The script lives with the workspace's other scripts, two levels up from this package.
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/netns-pull.sh");
     let mut child = Command::new("bash")
         .arg(&script)
         .args(args)

@@ -43,6 +43,38 @@ fn an_empty_token_is_refused_at_start() {
     }
 }
 
+#[test]
+fn a_tokenless_start_beyond_loopback_is_refused_unless_insecure() {
+    let start = |extra: &[&str]| {
+        Command::new(ferry_server())
+            .args(["--listen", "0.0.0.0:0", "--device", "flex"])
+            .args(extra)
+            .env_remove("FERRY_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let refused = start(&[]).wait_with_output().unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("--insecure"), "{stderr}");
+    // With a credential, or told --insecure, it starts (and says what it is exposed to).
+    for extra in [&["--insecure"][..], &["--token", "t0k"][..]] {
+        let mut child = start(extra);
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("listening on 0.0.0.0:"),
+            "{extra:?}: {line}"
+        );
+        child.kill().unwrap();
+        let _ = child.wait();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sockets_that_never_say_hello_do_not_keep_a_client_out() {
     let node = spawn_server(
