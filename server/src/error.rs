@@ -129,6 +129,9 @@ pub enum NodeError {
     /// escaped).
     #[error("not a source address: \"{0}\" (empty, over 1024 bytes, or with control characters)")]
     InvalidSource(String),
+    /// A pull from a source outside the node's configured peers: refused without connecting.
+    #[error("{0} is not an allowed peer of this node (its --peer list); nothing was sent there")]
+    NotAllowedPeer(String),
     /// A pull that does not name the content hash its capability was granted under.
     #[error(
         "a pull names the content hash its capability was granted under (Pull.content_hash): \
@@ -191,6 +194,7 @@ impl NodeError {
             | NodeError::SameTensor(_)
             | NodeError::PullWithoutHash
             | NodeError::InvalidSource(_)
+            | NodeError::NotAllowedPeer(_)
             | NodeError::OffsetOutOfRange { .. }
             | NodeError::Name(_) => ErrorCode::BadRequest,
             NodeError::Meta(MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. })

@@ -123,6 +123,9 @@ impl Node {
         ferry_proto::message::validate_name(name)?;
         ferry_proto::message::validate_name(&req.src.name)?;
         check_source(&req.source)?;
+        if !self.config().peers.allows(&req.source) {
+            return Err(NodeError::NotAllowedPeer(req.source.clone()));
+        }
         self.device(req.dst_device)?;
         let Some(granted) = req.content_hash.as_deref() else {
             return Err(NodeError::PullWithoutHash);
@@ -163,9 +166,16 @@ impl Node {
                 }
                 AttemptError::Transient(why) => {
                     link.source = None;
+                    // What exactly failed stays in this node's log: a client that names the
+                    // source learns only that it could not be reached, never what answered there
+                    // (no probing of other services through a node).
+                    tracing::warn!(
+                        source = %Untrusted(&req.source), attempt, %why,
+                        "pull gave up: peer unreachable"
+                    );
                     return Err(NodeError::Peer {
                         source_addr: req.source.clone(),
-                        message: format!("{why} (after {attempt} retries)"),
+                        message: format!("peer unreachable (after {attempt} retries)"),
                     });
                 }
                 AttemptError::Fatal(error) => {
@@ -349,7 +359,7 @@ impl Node {
                     .map_err(|_| {
                         AttemptError::Transient(format!("connecting to {source} timed out"))
                     })?
-                    .map_err(|e| classify(source, e))?;
+                    .map_err(|e| opening_failed(source, e))?;
                 (source.to_string(), conn)
             }
         };
@@ -390,6 +400,26 @@ fn check_source(source: &str) -> Result<(), NodeError> {
         return Err(NodeError::InvalidSource(Untrusted(source).to_string()));
     }
     Ok(())
+}
+
+/// How opening a link failed, as the client that named the source may learn it: a ferry node's
+/// own refusal as it said it, anything else (which could be the banner of whatever service
+/// listens there) only as "not a ferry node", the details in this node's log.
+fn opening_failed(source: &str, error: SourceError) -> AttemptError {
+    match error {
+        SourceError::Connection(ConnectionError::Proto(_)) | SourceError::Unexpected(_) => {
+            tracing::warn!(
+                source = %Untrusted(source),
+                error = %Untrusted(&error.to_string()),
+                "pull: the source did not answer hello as a ferry node"
+            );
+            AttemptError::Fatal(NodeError::Peer {
+                source_addr: source.to_string(),
+                message: "the peer did not answer as a ferry node".into(),
+            })
+        }
+        other => classify(source, other),
+    }
 }
 
 /// Which failures are worth a reconnection: a connection that dropped, closed, failed or went

@@ -2,12 +2,16 @@
 //! dedup, moves, capability misuse, and faults injected by a proxy (a source that dies or
 //! drops, a flipped byte, a target that goes away).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
 
 use ferry::client::{Client, ErrorCode, RegionUse, copy_between};
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
-use ferry::server::{NodeConfig, ServiceConfig};
+use ferry::server::{NodeConfig, PeerPolicy, ServiceConfig};
 use ferry::testing::{
     Fault, TestNode, assert_same, code_of, devices, hashes_verified, how, proxy, source_code_of,
     source_connection, start, start_with,
@@ -882,4 +886,126 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_ends_with_its_clien
         .await
         .map(|f| f.meta);
     assert_eq!(source_code_of(resumed), ErrorCode::CapabilityRefused);
+}
+
+/// A listener that counts the connections it gets and answers each with `banner` (another
+/// service on a port a client names).
+async fn decoy(banner: &'static [u8]) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counted = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let _ = socket.write_all(banner).await;
+        }
+    });
+    (addr, connections)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_pulls_only_from_its_listed_peers() {
+    let a = start_with(&["flex"]).await;
+    let (elsewhere, connections) = decoy(b"").await;
+    let b = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            peer_token: Some("the-peer-token".into()),
+            peers: PeerPolicy::Listed(vec![a.addr.to_string()]),
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let data = samples::plain(DType::F32, &[32, 32], 4);
+    let key = TensorKey::new(0, "w");
+    let (mut source, mut target) = (a.client().await, b.client().await);
+    source.put(0, "w", &data).await.unwrap();
+    // Named by a client as the source: refused before any connection, so the peer token never
+    // leaves for it.
+    let elsewhere = elsewhere.to_string();
+    let refused = copy_between(
+        &mut source,
+        &mut target,
+        std::slice::from_ref(&key),
+        &how(&elsewhere, 0),
+    )
+    .await
+    .unwrap()
+    .remove(0)
+    .unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
+    assert!(
+        refused.to_string().contains("not an allowed peer"),
+        "{refused}"
+    );
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        0,
+        "nothing connected there"
+    );
+    // The listed peer serves as before.
+    let a_addr = a.addr.to_string();
+    copy_between(
+        &mut source,
+        &mut target,
+        std::slice::from_ref(&key),
+        &how(&a_addr, 0),
+    )
+    .await
+    .unwrap()
+    .remove(0)
+    .unwrap();
+    assert_same(&target.get(&key).await.unwrap(), &data, "w");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_pull_tells_the_client_nothing_about_what_answered_there() {
+    let (a, b) = pair().await;
+    let data = samples::plain(DType::F32, &[8, 8], 5);
+    let key = TensorKey::new(0, "w");
+    let (mut source, mut target) = (a.client().await, b.client().await);
+    source.put(0, "w", &data).await.unwrap();
+    // Another service's banner: the client learns it is not a ferry node, not what it said.
+    let (service, _) = decoy(b"SSH-2.0-OpenSSH_9.6 secret-build\r\n").await;
+    let service = service.to_string();
+    let error = copy_between(
+        &mut source,
+        &mut target,
+        std::slice::from_ref(&key),
+        &how(&service, 0),
+    )
+    .await
+    .unwrap()
+    .remove(0)
+    .unwrap_err();
+    assert_eq!(error.code(), Some(ErrorCode::PeerFailed), "{error}");
+    assert!(
+        error.to_string().contains("did not answer as a ferry node"),
+        "{error}"
+    );
+    assert!(!error.to_string().contains("SSH"), "{error}");
+    // A closed port and a missing socket file read alike: unreachable.
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().to_string()
+    };
+    for nowhere in [closed.as_str(), "unix:/nonexistent/ferry.sock"] {
+        let error = copy_between(
+            &mut source,
+            &mut target,
+            std::slice::from_ref(&key),
+            &how(nowhere, 0),
+        )
+        .await
+        .unwrap()
+        .remove(0)
+        .unwrap_err();
+        assert_eq!(error.code(), Some(ErrorCode::PeerFailed), "{error}");
+        assert!(error.to_string().contains("peer unreachable"), "{error}");
+        for detail in ["refused", "No such file", "os error"] {
+            assert!(!error.to_string().contains(detail), "{error}");
+        }
+    }
 }

@@ -8,7 +8,9 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use ferry_io::ConnectionLimits;
 use ferry_io::credential::{Credential, parse_token_file, token_from_file};
-use ferry_server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig, TransferPolicy};
+use ferry_server::{
+    DeviceSpec, Node, NodeConfig, PeerPolicy, Service, ServiceConfig, TransferPolicy,
+};
 
 /// A ferry node: hosts Burn devices and moves tensors of every dtype between them and over TCP.
 #[derive(Debug, Parser)]
@@ -40,6 +42,11 @@ struct Args {
     /// comment. Keep it readable by the node's user only.
     #[arg(long, value_name = "PATH")]
     token_file: Option<std::path::PathBuf>,
+    /// A node this node may pull from, as clients name it (`HOST:PORT` or `unix:PATH`); repeat
+    /// for more. A pull from any other source is refused without connecting, so the peer token
+    /// goes nowhere else. With a peer token and no --peer, this node pulls from no one.
+    #[arg(long = "peer", value_name = "ADDR")]
+    peers: Vec<String>,
     /// Listen beyond loopback with no credential, where anyone who reaches the port may read,
     /// overwrite and delete every tensor: refused without this flag.
     #[arg(long)]
@@ -266,6 +273,16 @@ async fn serve() -> anyhow::Result<()> {
     };
     let mut config = NodeConfig {
         node_id: args.node_id,
+        peers: if !args.peers.is_empty() || peer_token.is_some() {
+            PeerPolicy::Listed(
+                args.peers
+                    .iter()
+                    .map(|p| ferry_io::Endpoint::parse(p).to_string())
+                    .collect(),
+            )
+        } else {
+            PeerPolicy::Any
+        },
         peer_token,
         capability_ttl: Duration::from_secs(args.capability_ttl),
         pull_retries: args.pull_retries,

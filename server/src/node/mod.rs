@@ -35,6 +35,27 @@ pub use transfer::TransferMode;
 /// The software name a node reports.
 pub const AGENT: &str = concat!("ferry-server/", env!("CARGO_PKG_VERSION"));
 
+/// Which nodes a node pulls from: a `Pull` naming any other source is refused without
+/// connecting, so the node's peer token goes nowhere else.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerPolicy {
+    /// Any address a client names (a node with no peer token to lose; tests).
+    Any,
+    /// Only these addresses, exactly as clients name them (`host:port` or `unix:PATH`; no name
+    /// resolution takes part in the match).
+    Listed(Vec<String>),
+}
+
+impl PeerPolicy {
+    /// Whether a pull may connect to `source`.
+    pub fn allows(&self, source: &str) -> bool {
+        match self {
+            PeerPolicy::Any => true,
+            PeerPolicy::Listed(peers) => peers.iter().any(|p| p == source),
+        }
+    }
+}
+
 /// What a node hosts and the limits it keeps.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -62,6 +83,8 @@ pub struct NodeConfig {
     pub retry_backoff: Duration,
     /// The token this node presents to the nodes it pulls from.
     pub peer_token: Option<String>,
+    /// Which nodes this node pulls from (and so sends its peer token to).
+    pub peers: PeerPolicy,
     /// Frame, chunk and idle limits of the connections this node opens to peers; the idle
     /// timeout is how long a silent source may stall a pull.
     pub peer_limits: ConnectionLimits,
@@ -91,6 +114,7 @@ impl Default for NodeConfig {
             pull_retries: 3,
             retry_backoff: Duration::from_millis(100),
             peer_token: None,
+            peers: PeerPolicy::Any,
             peer_limits: ConnectionLimits::default(),
             shared_memory: true,
         }
