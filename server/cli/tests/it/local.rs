@@ -465,6 +465,17 @@ async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
     );
 }
 
+/// Copies `keys` from the node `from` is connected to (reached at `source_addr`) to device 0 of
+/// the one `to` is, each by a pull (not a dedup).
+async fn pull_all(from: &mut Client, to: &mut Client, source_addr: &str, keys: &[TensorKey]) {
+    for answer in copy_between(from, to, keys, &ferry::testing::how(source_addr, 0))
+        .await
+        .unwrap()
+    {
+        assert_eq!(answer.unwrap().path, "pull");
+    }
+}
+
 /// The shared-memory files (by inode) the process `pid` holds descriptors of.
 fn region_inodes(pid: u32) -> Vec<u64> {
     use std::os::unix::fs::MetadataExt;
@@ -519,27 +530,9 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
     assert_eq!(kept.len(), 3, "A keeps the regions the puts came in");
     assert_eq!(on_a.stat().await.unwrap().regions_kept, 3);
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
-    let mut how = NodeCopy {
-        source_addr: &a_unix,
-        dst_device: 0,
-        dst_name: None,
-        remove_source: false,
-        overwrite: false,
-    };
-    for answer in copy_between(&mut on_a, &mut on_b, &keys, &how)
-        .await
-        .unwrap()
-    {
-        assert_eq!(answer.unwrap().path, "pull");
-    }
+    pull_all(&mut on_a, &mut on_b, &a_unix, &keys).await;
     // And on again, B -> C: every node maps the regions the client filled.
-    how.source_addr = &b_unix;
-    for answer in copy_between(&mut on_b, &mut on_c, &keys, &how)
-        .await
-        .unwrap()
-    {
-        assert_eq!(answer.unwrap().path, "pull");
-    }
+    pull_all(&mut on_b, &mut on_c, &b_unix, &keys).await;
     assert_eq!(
         region_inodes(b.pid()),
         kept,
@@ -611,19 +604,7 @@ async fn a_region_mapped_lazily_stays_whole_after_its_sender_is_killed() {
         on_a.put(0, name, data).await.unwrap();
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
-    let how = NodeCopy {
-        source_addr: &a_unix,
-        dst_device: 0,
-        dst_name: None,
-        remove_source: false,
-        overwrite: false,
-    };
-    for answer in copy_between(&mut on_a, &mut on_b, &keys, &how)
-        .await
-        .unwrap()
-    {
-        assert_eq!(answer.unwrap().path, "pull");
-    }
+    pull_all(&mut on_a, &mut on_b, &a_unix, &keys).await;
     drop(on_a);
     drop(a);
     for ((name, data), key) in tensors.iter().zip(&keys) {

@@ -1,11 +1,10 @@
 //! What an operator relies on: the Prometheus endpoint (scraped here), the health check, JSON
 //! logs with a span per request, and the load generator's bit-exact run.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Command, Stdio};
+use std::io::{Read, Write};
 use std::time::Duration;
 
-use ferry::testing::{eventually_blocking, spawn_server};
+use ferry::testing::{LoggedServer, eventually_blocking, spawn_server};
 
 use crate::ferry_server;
 use ferry::client::load::{LoadConfig, run};
@@ -158,52 +157,19 @@ async fn the_metrics_endpoint_is_scraped_and_counts_what_happened() {
 
 #[test]
 fn json_logs_carry_one_span_per_request() {
-    let mut child = Command::new(ferry_server())
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--device",
-            "flex",
-            "--log-format",
-            "json",
-        ])
-        .env_remove("FERRY_TOKEN")
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap()
-        .to_string();
+    let node = LoggedServer::start(
+        ferry_server(),
+        &["--device", "flex", "--log-format", "json"],
+        &[],
+    );
+    let addr = node.addr.clone();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let mut client = Client::connect(addr.as_str(), None).await.unwrap();
         let data = samples::plain(DType::I32, &[8, 8], 2);
         client.put(0, "w", &data).await.unwrap();
     });
-    // A clean stop (SIGTERM, then the exit) rather than a kill after a pause: every line the
-    // node logged is written by the time it has exited.
-    let term = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill runs");
-    assert!(term.success());
-    let _ = child.wait();
-    let mut stderr = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
-    let _ = child.wait();
+    let stderr = node.stop();
     let done: Vec<serde_json::Value> = stderr
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))

@@ -16,7 +16,7 @@ use ferry::proto::{
     ErrorCode, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
 };
 use ferry::samples;
-use ferry::testing::{assert_same, spawn_server};
+use ferry::testing::{LoggedServer, assert_same, spawn_server};
 
 use crate::ferry_server;
 
@@ -139,23 +139,12 @@ async fn hello(addr: &str, token: &str, agent: &str) -> Response {
 
 #[test]
 fn wrong_tokens_are_each_refused_and_logged_at_a_bounded_rate_with_the_agent_escaped() {
-    let mut child = Command::new(ferry_server())
-        .args(["--listen", "127.0.0.1:0", "--device", "flex"])
-        .env("FERRY_TOKEN", "the-right-token")
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap()
-        .to_string();
+    let node = LoggedServer::start(
+        ferry_server(),
+        &["--device", "flex"],
+        &[("FERRY_TOKEN", "the-right-token")],
+    );
+    let addr = node.addr.clone();
     const GUESSES: usize = 300;
     let started = Instant::now();
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -174,20 +163,7 @@ fn wrong_tokens_are_each_refused_and_logged_at_a_bounded_rate_with_the_agent_esc
         ));
     });
     let elapsed = started.elapsed();
-    // A clean stop, so that every line the node wrote is in the pipe.
-    let term = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill runs");
-    assert!(term.success());
-    let _ = child.wait();
-    let mut log = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
+    let log = node.stop();
     let refusals: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("authentication refused"))
