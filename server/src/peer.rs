@@ -108,7 +108,7 @@ impl Node {
                 )
             }
             Err(error) => {
-                tracing::warn!(op = "pull", source = %Untrusted(&req.source), key = %req.src, %error, "transfer failed");
+                tracing::warn!(op = "pull", source = %Untrusted(&req.source), key = %Untrusted(&req.src.to_string()), error = %Untrusted(&error.to_string()), "transfer failed");
             }
         }
         result
@@ -156,7 +156,7 @@ impl Node {
                     self.recorder().pull_retry();
                     let resume_at = resume.as_ref().map_or(0, |r| r.assembler.received());
                     tracing::warn!(
-                        source = %Untrusted(&req.source), key = %req.src, attempt, resume_at, %why,
+                        source = %Untrusted(&req.source), key = %req.src, attempt, resume_at, why = %Untrusted(&why),
                         "pull dropped; reconnecting"
                     );
                     link.source = None;
@@ -170,12 +170,12 @@ impl Node {
                     // source learns only that it could not be reached, never what answered there
                     // (no probing of other services through a node).
                     tracing::warn!(
-                        source = %Untrusted(&req.source), attempt, %why,
+                        source = %Untrusted(&req.source), attempt, why = %Untrusted(&why),
                         "pull gave up: peer unreachable"
                     );
                     return Err(NodeError::Peer {
                         source_addr: req.source.clone(),
-                        message: format!("peer unreachable (after {attempt} retries)"),
+                        message: format!("{UNREACHABLE} (after {attempt} retries)"),
                     });
                 }
                 AttemptError::Fatal(error) => {
@@ -294,7 +294,7 @@ impl Node {
         match tokio::time::timeout(idle, release).await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
-                tracing::warn!(source = %Untrusted(&req.source), %error, "release after a complete pull failed");
+                tracing::warn!(source = %Untrusted(&req.source), error = %Untrusted(&error.to_string()), "release after a complete pull failed");
             }
             Err(_) => {
                 tracing::warn!(source = %Untrusted(&req.source), "release after a complete pull timed out");
@@ -391,6 +391,11 @@ impl Node {
     }
 }
 
+/// What a client hears of a source it named that could not be reached or did not answer hello
+/// as a ferry node: one message for both, so that a node does not tell a closed port from an open
+/// one, nor what answered there.
+const UNREACHABLE: &str = "peer unreachable or not a ferry node";
+
 /// The longest source address a pull accepts.
 const MAX_SOURCE_LEN: usize = 1024;
 
@@ -415,7 +420,7 @@ fn opening_failed(source: &str, error: SourceError) -> AttemptError {
             );
             AttemptError::Fatal(NodeError::Peer {
                 source_addr: source.to_string(),
-                message: "the peer did not answer as a ferry node".into(),
+                message: UNREACHABLE.into(),
             })
         }
         other => classify(source, other),

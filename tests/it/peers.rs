@@ -967,7 +967,7 @@ async fn a_failed_pull_tells_the_client_nothing_about_what_answered_there() {
     let key = TensorKey::new(0, "w");
     let (mut source, mut target) = (a.client().await, b.client().await);
     source.put(0, "w", &data).await.unwrap();
-    // Another service's banner: the client learns it is not a ferry node, not what it said.
+    // Another service's banner: the client learns nothing of what it said.
     let (service, _) = decoy(b"SSH-2.0-OpenSSH_9.6 secret-build\r\n").await;
     let service = service.to_string();
     let error = copy_between(
@@ -982,11 +982,13 @@ async fn a_failed_pull_tells_the_client_nothing_about_what_answered_there() {
     .unwrap_err();
     assert_eq!(error.code(), Some(ErrorCode::PeerFailed), "{error}");
     assert!(
-        error.to_string().contains("did not answer as a ferry node"),
+        error
+            .to_string()
+            .contains("peer unreachable or not a ferry node"),
         "{error}"
     );
     assert!(!error.to_string().contains("SSH"), "{error}");
-    // A closed port and a missing socket file read alike: unreachable.
+    // A closed port and a missing socket file read alike, and like the banner.
     let closed = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().to_string()
@@ -1003,9 +1005,94 @@ async fn a_failed_pull_tells_the_client_nothing_about_what_answered_there() {
         .remove(0)
         .unwrap_err();
         assert_eq!(error.code(), Some(ErrorCode::PeerFailed), "{error}");
-        assert!(error.to_string().contains("peer unreachable"), "{error}");
+        assert!(
+            error
+                .to_string()
+                .contains("peer unreachable or not a ferry node"),
+            "{error}"
+        );
         for detail in ["refused", "No such file", "os error"] {
             assert!(!error.to_string().contains(detail), "{error}");
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
+    use ferry::client::ClientConfig;
+    use ferry::io::credential::parse_token_file;
+    let service = || ServiceConfig {
+        credentials: parse_token_file("read,write client-token\npeer node-token\n").unwrap(),
+        ..ServiceConfig::default()
+    };
+    let a = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            ..NodeConfig::default()
+        },
+        service(),
+    )
+    .await;
+    let b = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            peer_token: Some("node-token".into()),
+            peers: PeerPolicy::Listed(vec![a.addr.to_string()]),
+            ..NodeConfig::default()
+        },
+        service(),
+    )
+    .await;
+    let connect = async |node: &TestNode| {
+        let config = ClientConfig {
+            token: Some("client-token".into()),
+            ..ClientConfig::default()
+        };
+        Client::connect_with(node.addr.to_string().as_str(), config)
+            .await
+            .unwrap()
+    };
+    let (mut source, mut target) = (connect(&a).await, connect(&b).await);
+    let data = samples::plain(DType::F32, &[64, 64], 6);
+    source.put(0, "w", &data).await.unwrap();
+    let a_addr = a.addr.to_string();
+    // A pull: the target fetches and releases with its peer credential.
+    let key = TensorKey::new(0, "w");
+    let pulled = copy_between(
+        &mut source,
+        &mut target,
+        std::slice::from_ref(&key),
+        &how(&a_addr, 0),
+    )
+    .await
+    .unwrap()
+    .remove(0)
+    .unwrap();
+    assert_eq!(pulled.path, "pull");
+    // A dedup: the client hands the unneeded capability back itself, with its read scope; and a
+    // move then deletes the source.
+    let mut moving = how(&a_addr, 0);
+    moving.dst_name = Some("again");
+    moving.remove_source = true;
+    hashes_verified(&mut target).await;
+    let deduped = copy_between(
+        &mut source,
+        &mut target,
+        std::slice::from_ref(&key),
+        &moving,
+    )
+    .await
+    .unwrap()
+    .remove(0)
+    .unwrap();
+    assert_eq!(deduped.path, "dedup");
+    assert_same(
+        &target.get(&TensorKey::new(0, "again")).await.unwrap(),
+        &data,
+        "again",
+    );
+    assert!(
+        source.list(None).await.unwrap().is_empty(),
+        "the move deleted the source"
+    );
 }

@@ -44,7 +44,7 @@ impl std::str::FromStr for Scope {
         Scope::ALL
             .into_iter()
             .find(|scope| scope.name() == s)
-            .ok_or_else(|| CredentialError::UnknownScope(s.to_string()))
+            .ok_or(CredentialError::UnknownScope)
     }
 }
 
@@ -87,9 +87,26 @@ pub enum CredentialError {
     /// No scopes: a credential that allows nothing.
     #[error("a credential needs at least one scope")]
     NoScopes,
-    /// A scope name that is not `read`, `write` or `peer`.
-    #[error("unknown scope \"{0}\" (the scopes are read, write and peer)")]
-    UnknownScope(String),
+    /// A scope name that is not `read`, `write` or `peer`. Not echoed: a line written the wrong
+    /// way round would put its token there.
+    #[error("an unknown scope (the scopes are read, write, peer and all)")]
+    UnknownScope,
+    /// A line of a token file that is not a credential, by number (from 1).
+    #[error("line {line}: {error}")]
+    Line {
+        /// The line's number.
+        line: usize,
+        /// What is wrong with it.
+        error: Box<CredentialError>,
+    },
+    /// One token on two lines, by number: which scopes it has would be ambiguous.
+    #[error("line {line}: the same token as line {first}")]
+    Duplicate {
+        /// The later line.
+        line: usize,
+        /// The line it repeats.
+        first: usize,
+    },
 }
 
 /// A token a node accepts, as its digest, with what it allows.
@@ -155,30 +172,44 @@ pub fn scopes_for(accepted: &[Credential], given: Option<&str>) -> Option<Scopes
 /// Reads a token file: one credential per line, `SCOPES TOKEN` (scopes comma-separated, or
 /// `all`) or a bare `TOKEN` (every scope); blank lines and lines starting with `#` are skipped.
 pub fn parse_token_file(text: &str) -> Result<Vec<Credential>, CredentialError> {
-    let mut credentials = Vec::new();
-    for line in text.lines().map(str::trim) {
+    let mut credentials: Vec<(usize, Credential)> = Vec::new();
+    for (index, line) in text.lines().map(str::trim).enumerate() {
+        let number = index + 1;
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
+        let in_line = |error| CredentialError::Line {
+            line: number,
+            error: Box::new(error),
+        };
         let credential = match line.split_once(char::is_whitespace) {
             // A scope name alone is a line whose token is missing, not a token.
             None if line == "all" || line.split(',').all(|s| s.parse::<Scope>().is_ok()) => {
-                return Err(CredentialError::Empty);
+                return Err(in_line(CredentialError::Empty));
             }
-            None => Credential::full(line)?,
+            None => Credential::full(line).map_err(in_line)?,
             Some((scopes, token)) => {
                 let scopes = if scopes == "all" {
                     Scopes::ALL
                 } else {
                     let parsed: Result<Vec<Scope>, _> = scopes.split(',').map(str::parse).collect();
-                    Scopes::of(&parsed?)
+                    Scopes::of(&parsed.map_err(in_line)?)
                 };
-                Credential::new(token.trim(), scopes)?
+                Credential::new(token.trim(), scopes).map_err(in_line)?
             }
         };
-        credentials.push(credential);
+        if let Some((first, _)) = credentials
+            .iter()
+            .find(|(_, c)| c.digest == credential.digest)
+        {
+            return Err(CredentialError::Duplicate {
+                line: number,
+                first: *first,
+            });
+        }
+        credentials.push((number, credential));
     }
-    Ok(credentials)
+    Ok(credentials.into_iter().map(|(_, c)| c).collect())
 }
 
 /// The token in a client's token file: its first line that is neither blank nor a `#` comment,
@@ -229,12 +260,26 @@ mod tests {
 
     #[test]
     fn bad_token_files_are_refused() {
-        assert_eq!(parse_token_file("read "), Err(CredentialError::Empty));
-        assert_eq!(parse_token_file("write,peer"), Err(CredentialError::Empty));
-        assert!(matches!(
-            parse_token_file("admin,read t"),
-            Err(CredentialError::UnknownScope(s)) if s == "admin"
-        ));
+        let line = |line, error| CredentialError::Line {
+            line,
+            error: Box::new(error),
+        };
+        assert_eq!(
+            parse_token_file("read "),
+            Err(line(1, CredentialError::Empty))
+        );
+        assert_eq!(
+            parse_token_file("\nwrite,peer"),
+            Err(line(2, CredentialError::Empty))
+        );
+        assert_eq!(
+            parse_token_file("read t\n# the same, wider\nall t"),
+            Err(CredentialError::Duplicate { line: 3, first: 1 })
+        );
+        // Written the wrong way round: the token is not echoed back.
+        let reversed = parse_token_file("s3cret-token read").unwrap_err();
+        assert_eq!(reversed, line(1, CredentialError::UnknownScope));
+        assert!(!reversed.to_string().contains("s3cret"), "{reversed}");
         assert_eq!(
             Credential::new("t", Scopes::of(&[])),
             Err(CredentialError::NoScopes)

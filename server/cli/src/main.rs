@@ -220,6 +220,9 @@ async fn serve() -> anyhow::Result<()> {
             "--token (or FERRY_TOKEN) is empty: give a token, or leave it unset to run without one"
         );
     }
+    if args.hello_timeout == 0 {
+        bail!("--hello-timeout must be at least 1 second");
+    }
     if args.peer_token.as_deref() == Some("") {
         bail!("--peer-token (or FERRY_PEER_TOKEN) is empty: give a token, or leave it unset");
     }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ferry_io::PayloadRoute;
-use ferry_proto::{TensorKey, dtype_name};
+use ferry_proto::{TensorKey, Untrusted, dtype_name};
 
 use crate::device::TensorDesc;
 use crate::engine::TransferPath;
@@ -202,10 +202,13 @@ impl Node {
         let elapsed_ms = elapsed.as_secs_f64() * 1e3;
         match result {
             Ok(desc) => {
-                let dst = to.map(|k| k.to_string()).unwrap_or_default();
+                // Keys are as a client named them (a failed one may not be a valid name).
+                let dst = to
+                    .map(|k| Untrusted(&k.to_string()).to_string())
+                    .unwrap_or_default();
                 tracing::info!(
                     op,
-                    key = %key,
+                    key = %Untrusted(&key.to_string()),
                     dst,
                     dtype = %dtype_name(&desc.dtype),
                     bytes = desc.bytes,
@@ -215,7 +218,13 @@ impl Node {
                 );
             }
             Err(error) => {
-                tracing::warn!(op, key = %key, %error, elapsed_ms, "transfer failed");
+                tracing::warn!(
+                    op,
+                    key = %Untrusted(&key.to_string()),
+                    error = %Untrusted(&error.to_string()),
+                    elapsed_ms,
+                    "transfer failed"
+                );
             }
         }
     }

@@ -236,7 +236,11 @@ async fn accept_loop(
         let shutdown = notify_shutdown.subscribe();
         let done = done_tx.clone();
         let permits = permits.clone();
-        let place = awaiting.enter();
+        let awaiting = awaiting.clone();
+        // Queued here, in accept order, if it holds a slot already; a newcomer waiting for the
+        // slot it made room for queues once it holds that slot (only a connection that holds a
+        // slot can be evicted to free one).
+        let place = permit.as_ref().map(|_| awaiting.enter());
         tokio::spawn(async move {
             let permit = match permit {
                 Some(permit) => permit,
@@ -252,6 +256,7 @@ async fn accept_loop(
                     }
                 },
             };
+            let place = place.unwrap_or_else(|| awaiting.enter());
             let open = node.connection_opened();
             let mut conn = Connection::new(socket, config.limits);
             let id = node.new_client();

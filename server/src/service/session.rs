@@ -4,7 +4,7 @@
 use ferry_io::credential::{Scope, Scopes};
 use ferry_io::handshake::{self, protocol_error, refuse as fail};
 use ferry_io::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Transport};
-use ferry_proto::{ErrorCode, ErrorReply, Request, Response, TensorKey, TensorMeta};
+use ferry_proto::{ErrorCode, ErrorReply, Request, Response, TensorKey, TensorMeta, Untrusted};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
@@ -30,15 +30,18 @@ pub(super) struct Session<'a> {
     pub(super) scopes: Scopes,
 }
 
-/// What a request needs its connection's credential to allow.
-fn scope_needed(request: &Request) -> Scope {
+/// The scopes of which a request needs its connection's credential to allow one.
+fn scopes_needed(request: &Request) -> &'static [Scope] {
     match request {
         Request::Put { .. }
         | Request::Copy { .. }
         | Request::Delete { .. }
         | Request::DeleteIf { .. }
-        | Request::Pull { .. } => Scope::Write,
-        Request::Fetch { .. } | Request::Release { .. } => Scope::Peer,
+        | Request::Pull { .. } => &[Scope::Write],
+        Request::Fetch { .. } => &[Scope::Peer],
+        // The node that fetched a capability releases it, and so does the client it was granted
+        // to when the target did not need it (a dedup): who may is checked per capability.
+        Request::Release { .. } => &[Scope::Peer, Scope::Read],
         // A second Hello is refused as a protocol error whatever the scopes.
         Request::Hello(_)
         | Request::Get { .. }
@@ -46,7 +49,7 @@ fn scope_needed(request: &Request) -> Scope {
         | Request::ListPage { .. }
         | Request::Stat
         | Request::Identify
-        | Request::Grant { .. } => Scope::Read,
+        | Request::Grant { .. } => &[Scope::Read],
     }
 }
 
@@ -133,15 +136,16 @@ impl Session<'_> {
         conn: &mut Connection<S>,
         request: Request,
     ) -> Result<(), ConnectionError> {
-        let needed = scope_needed(&request);
-        if !self.scopes.allows(needed) {
+        let needed = scopes_needed(&request);
+        if !needed.iter().any(|s| self.scopes.allows(*s)) {
+            let names: Vec<&str> = needed.iter().map(|s| s.name()).collect();
             let refused = ErrorReply {
                 code: ErrorCode::AuthRefused,
                 message: format!(
                     "this connection's credential allows {}; {} needs {}",
                     self.scopes,
                     request.name(),
-                    needed.name()
+                    names.join(" or ")
                 ),
             };
             return conn.write_response(&Response::Error(refused)).await;
@@ -279,7 +283,7 @@ impl Session<'_> {
             Err(error) => {
                 node.recorder()
                     .transfer_ended("put", "-", false, started.elapsed());
-                tracing::warn!(device, %name, %error, "put refused");
+                tracing::warn!(device, name = %Untrusted(&name), %error, "put refused");
                 conn.write_response(&Response::Error(error.reply())).await?;
                 return Ok(());
             }
@@ -302,7 +306,7 @@ impl Session<'_> {
                 drop(admission);
                 node.recorder()
                     .transfer_ended("put", "-", false, started.elapsed());
-                tracing::warn!(device, %name, %error, "upload failed");
+                tracing::warn!(device, name = %Untrusted(&name), %error, "upload failed");
                 return Err(fail(conn, error).await);
             }
         };
@@ -335,7 +339,7 @@ impl Session<'_> {
         let lease = match self.node.begin_fetch(capability, node_id, self.id, offset) {
             Ok(lease) => lease,
             Err(error) => {
-                tracing::warn!(%node_id, %error, "fetch refused");
+                tracing::warn!(node_id = %Untrusted(node_id), %error, "fetch refused");
                 return conn.write_response(&Response::Error(error.reply())).await;
             }
         };
