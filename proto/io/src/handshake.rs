@@ -76,6 +76,8 @@ pub struct Policy<'a> {
     pub agent: &'a str,
     /// Agree to shared memory where the peer offers it (and the transport allows it).
     pub shared_memory: bool,
+    /// Who is connecting, as logs name it (its address, or its process on a Unix socket).
+    pub peer: &'a str,
     /// How long the peer may take to say hello.
     pub deadline: Duration,
 }
@@ -121,7 +123,7 @@ pub async fn accept<S: Transport>(
     // Compared as fixed-length digests, in constant time: neither how much of a guess matched
     // nor how long the token is shows in the timing.
     let Some(scopes) = scopes_for(policy.credentials, hello.token.as_deref()) else {
-        AUTH_REFUSALS.note(&hello.agent);
+        AUTH_REFUSALS.note(policy.peer, &hello.agent);
         let reply = ErrorReply {
             code: ErrorCode::AuthRefused,
             message: "authentication refused: wrong or missing token".into(),

@@ -29,8 +29,9 @@ impl RefusalLog {
         }
     }
 
-    /// Notes one refusal of a peer that called itself `agent`: logged if none was this interval.
-    pub(crate) fn note(&self, agent: &str) {
+    /// Notes one refusal of `peer`, which called itself `agent`: logged if none was this
+    /// interval.
+    pub(crate) fn note(&self, peer: &str, agent: &str) {
         static EPOCH: OnceLock<Instant> = OnceLock::new();
         let now = EPOCH
             .get_or_init(std::time::Instant::now)
@@ -48,6 +49,7 @@ impl RefusalLog {
         {
             let unlogged = self.unlogged.swap(0, Ordering::Relaxed);
             tracing::warn!(
+                peer = %peer,
                 agent = %Untrusted(agent),
                 refused_since_last_line = unlogged,
                 "authentication refused"

@@ -56,8 +56,8 @@ impl PeerPolicy {
     }
 }
 
-/// What a node hosts and the limits it keeps.
-#[derive(Debug, Clone)]
+/// What a node hosts and the limits it keeps. Its `Debug` never shows the peer token.
+#[derive(Clone)]
 pub struct NodeConfig {
     /// The devices, in index order.
     pub devices: Vec<DeviceSpec>,
@@ -91,6 +91,30 @@ pub struct NodeConfig {
     /// Move payloads through shared memory on Unix-socket connections whose other side agrees
     /// (clients, and peers this node pulls from).
     pub shared_memory: bool,
+}
+
+impl std::fmt::Debug for NodeConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeConfig")
+            .field("devices", &self.devices)
+            .field("max_tensor_bytes", &self.max_tensor_bytes)
+            .field("memory_limit", &self.memory_limit)
+            .field("max_tensors", &self.max_tensors)
+            .field("max_grants_per_client", &self.max_grants_per_client)
+            .field("policy", &self.policy)
+            .field("node_id", &self.node_id)
+            .field("capability_ttl", &self.capability_ttl)
+            .field("pull_retries", &self.pull_retries)
+            .field("retry_backoff", &self.retry_backoff)
+            .field(
+                "peer_token",
+                &self.peer_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field("peers", &self.peers)
+            .field("peer_limits", &self.peer_limits)
+            .field("shared_memory", &self.shared_memory)
+            .finish()
+    }
 }
 
 impl Default for NodeConfig {
@@ -227,5 +251,21 @@ impl Node {
     /// Every hosted device.
     pub fn devices(&self) -> &[DeviceHandle] {
         &self.inner.devices
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_printed_for_debugging_does_not_show_the_peer_token() {
+        let config = NodeConfig {
+            peer_token: Some("s3cret-peer-token".into()),
+            ..NodeConfig::default()
+        };
+        let printed = format!("{config:?}");
+        assert!(!printed.contains("s3cret"), "{printed}");
+        assert!(printed.contains("<redacted>"), "{printed}");
     }
 }

@@ -123,6 +123,7 @@ impl Session<'_> {
             credentials: &self.config.credentials,
             agent: AGENT,
             shared_memory: self.node.config().shared_memory,
+            peer: self.client,
             deadline: self.config.hello_timeout,
         };
         Ok(match handshake::accept(conn, policy).await? {

@@ -180,6 +180,10 @@ fn wrong_tokens_are_each_refused_and_logged_at_a_bounded_rate_with_the_agent_esc
         "the agent is escaped:\n{log}"
     );
     assert!(
+        refusals.iter().all(|l| l.contains("peer=127.0.0.1:")),
+        "the line names who was refused:\n{log}"
+    );
+    assert!(
         !log.lines().any(|l| l.starts_with("FORGED")),
         "no forged line:\n{log}"
     );
