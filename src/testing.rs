@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use ferry_client::{Client, ClientError, ErrorCode, NodeCopy};
-use ferry_proto::{NodeStats, TensorData};
+use ferry_proto::{NodeStats, TensorData, TensorInfo, TensorKey};
 use ferry_server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig};
 use ferry_server::{SourceConfig, SourceConnection, SourceError};
 use tokio::sync::oneshot;
@@ -366,6 +366,20 @@ impl LoggedServer {
             .expect("the log");
         log
     }
+}
+
+/// Copies the one tensor `key` from `source`'s node to `target`'s, as `how` says: the answer for
+/// that tensor (the batch itself must go through).
+pub async fn copy_one(
+    source: &mut Client,
+    target: &mut Client,
+    key: &TensorKey,
+    how: &NodeCopy<'_>,
+) -> Result<TensorInfo, ClientError> {
+    ferry_client::copy_between(source, target, std::slice::from_ref(key), how)
+        .await
+        .expect("the batch goes through")
+        .remove(0)
 }
 
 /// How often the polling helpers look again.
