@@ -349,7 +349,10 @@ impl Node {
             Some(current) => current,
             None => {
                 let config = SourceConfig {
-                    token: self.config().peer_token.as_deref(),
+                    token: self
+                        .config()
+                        .peers
+                        .token_for(self.config().peer_token.as_deref()),
                     limits: self.config().peer_limits,
                     shared_memory: self.config().shared_memory,
                 };

@@ -1049,3 +1049,51 @@ async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
         "the move deleted the source"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_chose() {
+    let service = || ServiceConfig {
+        credentials: vec![ferry::io::credential::Credential::full("shared").unwrap()],
+        ..ServiceConfig::default()
+    };
+    let a = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            ..NodeConfig::default()
+        },
+        service(),
+    )
+    .await;
+    // The same peer token, but any source allowed: the token stays home, so a source that
+    // requires it refuses the pull.
+    let open = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            peer_token: Some("shared".into()),
+            peers: PeerPolicy::Any,
+            ..NodeConfig::default()
+        },
+        service(),
+    )
+    .await;
+    let connect = async |node: &TestNode| {
+        let config = ferry::client::ClientConfig {
+            token: Some("shared".into()),
+            ..Default::default()
+        };
+        Client::connect_with(node.addr.to_string().as_str(), config)
+            .await
+            .unwrap()
+    };
+    let (mut source, mut target) = (connect(&a).await, connect(&open).await);
+    let data = samples::plain(DType::F32, &[16, 16], 8);
+    source.put(0, "w", &data).await.unwrap();
+    let key = TensorKey::new(0, "w");
+    let a_addr = a.addr.to_string();
+    let refused = copy_one(&mut source, &mut target, &key, &how(&a_addr, 0))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::PeerFailed), "{refused}");
+    assert!(refused.to_string().contains("AuthRefused"), "{refused}");
+    assert!(target.list(None).await.unwrap().is_empty());
+}

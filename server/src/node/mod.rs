@@ -39,7 +39,8 @@ pub const AGENT: &str = concat!("ferry-server/", env!("CARGO_PKG_VERSION"));
 /// connecting, so the node's peer token goes nowhere else.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PeerPolicy {
-    /// Any address a client names (a node with no peer token to lose; tests).
+    /// Any address a client names; the peer token, if any, is then never sent (an address a
+    /// client chose gets no credential), so only sources that require none can be pulled from.
     Any,
     /// Only these addresses, exactly as clients name them (`host:port` or `unix:PATH`; no name
     /// resolution takes part in the match).
@@ -52,6 +53,15 @@ impl PeerPolicy {
         match self {
             PeerPolicy::Any => true,
             PeerPolicy::Listed(peers) => peers.iter().any(|p| p == source),
+        }
+    }
+
+    /// The token to present to a source this policy allowed: the peer token only to a listed
+    /// peer (an operator's choice), never to an address a client named.
+    pub fn token_for<'a>(&self, peer_token: Option<&'a str>) -> Option<&'a str> {
+        match self {
+            PeerPolicy::Any => None,
+            PeerPolicy::Listed(_) => peer_token,
         }
     }
 }

@@ -1,8 +1,8 @@
 //! The service: accepts connections (TCP, and a Unix socket where asked), runs one session per
 //! connection, shuts down gracefully.
 //!
-//! Bounded everywhere: a semaphore on connections (one over the limit is told so and closed,
-//! never queued), a maximum frame body, an idle timeout in the middle of a frame, a per-tensor
+//! Bounded everywhere: a semaphore on connections (at the limit the oldest connection still
+//! waiting for its hello makes room, else the newcomer is told so and closed), a maximum frame body, an idle timeout in the middle of a frame, a per-tensor
 //! limit and a per-device memory budget checked before a payload's buffer is allocated.
 
 use std::future::Future;
