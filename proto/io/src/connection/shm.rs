@@ -228,18 +228,15 @@ async fn adopt_region(
         assembler.adopt_hashed(bytes, None)?;
         return Ok(kept);
     };
-    let hasher = Some(hasher);
     let (bytes, kept, hasher) = tokio::task::spawn_blocking(move || {
         let (bytes, kept) = crate::region::adopt(fd, declared, expected, keep)?;
-        let hasher = hasher.map(|mut h| {
-            h.update(&bytes);
-            h
-        });
+        let mut hasher = hasher;
+        hasher.update(&bytes);
         Ok::<_, StreamError>((bytes, kept, hasher))
     })
     .await
-    .map_err(|e| std::io::Error::other(format!("region check task: {e}")))??;
-    assembler.adopt_hashed(bytes, hasher)?;
+    .map_err(|e| std::io::Error::other(format!("region task: {e}")))??;
+    assembler.adopt_hashed(bytes, Some(hasher))?;
     Ok(kept)
 }
 
