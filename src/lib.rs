@@ -4,6 +4,7 @@
 //! holds what the integration tests and benchmarks of every package share: [`samples`], the
 //! dtype and quantization matrix, and [`testing`], nodes and helpers to test against.
 
+pub use ferry_certs as certs;
 pub use ferry_client as client;
 pub use ferry_io as io;
 pub use ferry_proto as proto;

@@ -138,6 +138,7 @@ pub async fn source_connection(node: &TestNode) -> SourceConnection {
         token: None,
         limits: Default::default(),
         shared_memory: false,
+        tls: None,
     };
     SourceConnection::open(node.addr, config)
         .await
@@ -508,4 +509,82 @@ pub async fn hashes_verified(client: &mut Client) -> NodeStats {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("stated hashes still unverified after 5 s");
+}
+
+/// A CA in a temporary directory and the certificates tests ask it for: nodes valid for
+/// `127.0.0.1` (where test nodes listen), clients, and whatever else a test issues itself.
+pub struct TestPki {
+    pub certs: ferry_certs::CertDir,
+    pub authority: ferry_certs::Authority,
+    _dir: tempfile::TempDir,
+}
+
+impl Default for TestPki {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl TestPki {
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let certs = ferry_certs::CertDir::open(dir.path()).expect("certificate directory");
+        let (authority, _) = certs
+            .authority(ferry_certs::Validity::days(30))
+            .expect("a CA");
+        Self {
+            certs,
+            authority,
+            _dir: dir,
+        }
+    }
+
+    /// Issues `name` in `role` for `validity`, unless it was issued already.
+    pub fn issue(&self, name: &str, role: &ferry_certs::Role, validity: ferry_certs::Validity) {
+        if !self.certs.cert(name).exists() {
+            self.certs
+                .issue(&self.authority, name, role, validity)
+                .expect("issue a certificate");
+        }
+    }
+
+    /// The files of `name` (issued already) under this CA.
+    pub fn files(&self, name: &str) -> ferry_io::TlsFiles {
+        ferry_io::TlsFiles {
+            cert: self.certs.cert(name),
+            key: self.certs.key(name),
+            ca: self.certs.path(ferry_certs::CA_CERT),
+        }
+    }
+
+    /// A node's TLS, its certificate valid for 127.0.0.1 and a day.
+    pub fn node(&self, name: &str) -> ferry_io::NodeTls {
+        let role = ferry_certs::Role::Node {
+            hosts: vec!["127.0.0.1".into()],
+        };
+        self.issue(name, &role, ferry_certs::Validity::days(1));
+        ferry_io::NodeTls::load(&self.files(name)).expect("load a node's TLS")
+    }
+
+    /// A client's TLS, its certificate valid for a day.
+    pub fn client(&self, name: &str) -> ferry_io::ClientTls {
+        self.issue(
+            name,
+            &ferry_certs::Role::Client,
+            ferry_certs::Validity::days(1),
+        );
+        ferry_io::ClientTls::load(&self.files(name)).expect("load a client's TLS")
+    }
+}
+
+/// A client of `node` over mutual TLS.
+pub async fn tls_client(node: &TestNode, tls: &ferry_io::ClientTls) -> Result<Client, ClientError> {
+    Client::connect_with(
+        node.addr,
+        ferry_client::ClientConfig {
+            tls: Some(tls.clone()),
+            ..Default::default()
+        },
+    )
+    .await
 }

@@ -122,6 +122,17 @@ pub enum NodeError {
         /// The longest allowed.
         max: usize,
     },
+    /// A node id configured that is not the identity of the node's TLS certificate.
+    #[error(
+        "the node id {given:?} is not the identity of this node's certificate ({certified:?}); \
+         under TLS a node is who its certificate says"
+    )]
+    NodeIdNotCertified {
+        /// The id configured.
+        given: String,
+        /// The certificate's identity.
+        certified: String,
+    },
     /// A transfer whose source and target are one key.
     #[error("source and target are the same tensor {0}")]
     SameTensor(TensorKey),
@@ -191,6 +202,7 @@ impl NodeError {
             | NodeError::NoDevices
             | NodeError::TooManyDevices { .. }
             | NodeError::InvalidNodeId { .. }
+            | NodeError::NodeIdNotCertified { .. }
             | NodeError::SameTensor(_)
             | NodeError::PullWithoutHash
             | NodeError::InvalidSource(_)
@@ -242,6 +254,14 @@ pub enum Refusal {
     /// Bound to another node than the one presenting it.
     #[error("capability issued to another node")]
     OtherNode,
+    /// Presented over TLS by a peer whose certificate names another node than it claims.
+    #[error("the fetching node claims to be {claimed} but its certificate names {certified}")]
+    NotCertified {
+        /// What it claimed (escaped).
+        claimed: String,
+        /// Who its certificate says it is.
+        certified: String,
+    },
     /// Served to the end once: only a resume from a later offset is served.
     #[error("capability already served in full; only a resume from a later offset is served")]
     AlreadyServed,

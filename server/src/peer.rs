@@ -355,6 +355,7 @@ impl Node {
                         .token_for(self.config().peer_token.as_deref()),
                     limits: self.config().peer_limits,
                     shared_memory: self.config().shared_memory,
+                    tls: self.config().tls.as_ref().map(|tls| tls.client()),
                 };
                 let connect = SourceConnection::open(source, config);
                 let conn = tokio::time::timeout(self.config().peer_limits.idle_timeout, connect)

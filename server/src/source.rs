@@ -4,8 +4,8 @@
 use ferry_io::connection::SealedRegion;
 use ferry_io::handshake::{self, HelloError};
 use ferry_io::{
-    Connection, ConnectionError, ConnectionLimits, Endpoint, PayloadRoute, RegionUse, Stream,
-    TensorAssembler,
+    ClientTls, Connection, ConnectionError, ConnectionLimits, Endpoint, PayloadRoute, RegionUse,
+    Stream, TensorAssembler,
 };
 use ferry_proto::{
     ErrorCode, ErrorReply, ProtoError, Request, Response, TensorInfo, TensorMeta, Welcome,
@@ -87,6 +87,9 @@ pub struct SourceConfig<'a> {
     pub limits: ConnectionLimits,
     /// Take payloads as shared-memory regions where the source offers them.
     pub shared_memory: bool,
+    /// Mutual TLS to sources over TCP (this node's certificate presented, the source's
+    /// verified); `None` for TCP in clear.
+    pub tls: Option<&'a ClientTls>,
 }
 
 /// One connection to a source node. Exchanges on it run one at a time.
@@ -116,7 +119,11 @@ impl SourceConnection {
         addr: impl Into<Endpoint>,
         config: SourceConfig<'_>,
     ) -> Result<Self, SourceError> {
-        let socket = addr.into().connect().await.map_err(ConnectionError::from)?;
+        let socket = addr
+            .into()
+            .connect(config.tls)
+            .await
+            .map_err(ConnectionError::from)?;
         let mut conn = Connection::new(socket, config.limits);
         let offer = handshake::Offer {
             token: config.token,

@@ -14,3 +14,4 @@ mod holds;
 mod hostile;
 mod node;
 mod peers;
+mod tls;

@@ -1,4 +1,4 @@
-//! Connecting to a node with the command line's token and shared-memory settings.
+//! Connecting to a node with the command line's token, TLS and shared-memory settings.
 
 use anyhow::Context;
 use ferry_client::{Client, ClientConfig};
@@ -23,8 +23,21 @@ pub(crate) fn client_config(cli: &Cli) -> anyhow::Result<ClientConfig> {
         }
         None => cli.token.clone(),
     };
+    let tls = match (&cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
+        (Some(ca), Some(cert), Some(key)) => {
+            let files = ferry_io::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+            };
+            Some(ferry_io::ClientTls::load(&files).context("loading the TLS files")?)
+        }
+        // clap requires all three together.
+        _ => None,
+    };
     Ok(ClientConfig {
         token,
+        tls,
         disable_shared_memory: cli.no_shm,
         limits: ferry_client::ConnectionLimits {
             region_min: usize::try_from(cli.shm_min.as_u64()).unwrap_or(usize::MAX),

@@ -37,6 +37,28 @@ pub(crate) struct Cli {
     /// smaller ones go through the socket.
     #[arg(long, global = true, default_value = "256KiB")]
     pub(crate) shm_min: bytesize::ByteSize,
+    /// The CA certificate (PEM) a node's certificate must chain to: connections over TCP then
+    /// use mutual TLS (with --tls-cert and --tls-key; `ferry certs` makes all three).
+    #[arg(long, global = true, value_name = "PATH", env = "FERRY_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    pub(crate) tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM), presented to nodes that ask (they all do under TLS).
+    #[arg(
+        long,
+        global = true,
+        value_name = "PATH",
+        env = "FERRY_TLS_CERT",
+        requires = "tls_ca"
+    )]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(
+        long,
+        global = true,
+        value_name = "PATH",
+        env = "FERRY_TLS_KEY",
+        requires = "tls_ca"
+    )]
+    pub(crate) tls_key: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -147,6 +169,24 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Make a CA and certificates for a first cluster, in one directory: ca.pem and ca.key, and
+    /// NAME.pem and NAME.key for each node and client. A CA already there is reused and nothing
+    /// is overwritten; keys are written readable by this user only.
+    Certs {
+        /// The directory (made if missing).
+        #[arg(long, default_value = "ferry-certs")]
+        dir: PathBuf,
+        /// A node: NAME (its identity), or NAME=HOST[,HOST...] with the DNS names and IP
+        /// addresses clients and peers dial it at; repeat for more.
+        #[arg(long = "node", value_name = "NAME[=HOSTS]")]
+        nodes: Vec<String>,
+        /// A client (a user, an application): NAME; repeat for more.
+        #[arg(long = "client", value_name = "NAME")]
+        clients: Vec<String>,
+        /// Days the node and client certificates are valid (the CA: ten years).
+        #[arg(long, default_value_t = 365)]
+        days: u32,
+    },
     /// Show a node's devices, tensors and transfer counters.
     Stat {
         /// HOST:PORT.
@@ -179,6 +219,12 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Ls { location, json } => commands::ls::ls(cli, location, *json).await,
         Command::Rm { tensor } => commands::rm::rm(cli, tensor).await,
         Command::Stat { node, json } => commands::stat::stat(cli, node, *json).await,
+        Command::Certs {
+            dir,
+            nodes,
+            clients,
+            days,
+        } => commands::certs::certs(dir, nodes, clients, *days),
         Command::Health { node, timeout } => commands::health::health(cli, node, *timeout).await,
         Command::Load {
             node,

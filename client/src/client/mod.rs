@@ -11,10 +11,10 @@ pub use error::ClientError;
 pub use node_copy::{Grant, NodeCopy, copy_between};
 
 use error::unexpected;
-use ferry_io::TensorAssembler;
 use ferry_io::connection::{Connection, ConnectionError, ConnectionLimits};
 use ferry_io::handshake;
 use ferry_io::transport::{Endpoint, Stream};
+use ferry_io::{ClientTls, TensorAssembler};
 use ferry_proto::{
     NodeStats, PROTOCOL_MINOR, ProtoError, Request, Response, TensorData, TensorInfo, TensorKey,
     TensorMeta, Welcome, WireMeta,
@@ -37,6 +37,9 @@ pub struct ClientConfig {
     pub max_tensor_bytes: Option<u64>,
     /// Never move payloads through shared memory, even on a Unix socket to a node that offers it.
     pub disable_shared_memory: bool,
+    /// Mutual TLS to nodes over TCP: the CA the node's certificate must chain to, and the
+    /// client's own certificate; `None` for TCP in clear. Unix sockets never take it.
+    pub tls: Option<ClientTls>,
 }
 
 /// One connection to a node. Requests on it run one at a time.
@@ -85,7 +88,11 @@ impl Client {
         addr: impl Into<Endpoint>,
         config: ClientConfig,
     ) -> Result<Self, ClientError> {
-        let socket = addr.into().connect().await.map_err(ConnectionError::from)?;
+        let socket = addr
+            .into()
+            .connect(config.tls.as_ref())
+            .await
+            .map_err(ConnectionError::from)?;
         let mut conn = Connection::new(socket, config.limits);
         let offer = handshake::Offer {
             token: config.token.as_deref(),

@@ -189,4 +189,4 @@ pub async fn refuse<S: Transport>(
 
 /// Refused logins, logged at most once per [`crate::refusal_log::INTERVAL`] with the count of
 /// those not logged since: a peer guessing tokens gets each guess refused, but cannot fill the log.
-static AUTH_REFUSALS: RefusalLog = RefusalLog::new();
+static AUTH_REFUSALS: RefusalLog = RefusalLog::new("hello");

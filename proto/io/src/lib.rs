@@ -18,9 +18,11 @@ pub mod host;
 mod refusal_log;
 #[cfg(target_os = "linux")]
 pub mod region;
+pub mod tls;
 mod trailing;
 pub mod transport;
 
 pub use assembler::{TRAILING_HASH_MIN, TensorAssembler};
 pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse};
+pub use tls::{ClientTls, Identity, NodeTls, TlsError, TlsFiles};
 pub use transport::{Endpoint, Stream, Transport};

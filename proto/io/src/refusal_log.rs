@@ -13,6 +13,8 @@ pub const INTERVAL: Duration = Duration::from_secs(1);
 
 /// A log of refusals bounded in rate: one line per interval, carrying how many went unlogged.
 pub(crate) struct RefusalLog {
+    /// Where the refusal happened (the hello's token, the TLS handshake).
+    stage: &'static str,
     /// When the last line was written: milliseconds since the process's first refusal, plus one;
     /// 0 for never.
     last_ms: AtomicU64,
@@ -21,17 +23,18 @@ pub(crate) struct RefusalLog {
 }
 
 impl RefusalLog {
-    /// A log that has written nothing yet.
-    pub(crate) const fn new() -> Self {
+    /// A log of refusals at `stage` that has written nothing yet.
+    pub(crate) const fn new(stage: &'static str) -> Self {
         RefusalLog {
+            stage,
             last_ms: AtomicU64::new(0),
             unlogged: AtomicU64::new(0),
         }
     }
 
-    /// Notes one refusal of `peer`, which called itself `agent`: logged if none was this
-    /// interval.
-    pub(crate) fn note(&self, peer: &str, agent: &str) {
+    /// Notes one refusal of `peer`, with `detail` (what it called itself, or why its
+    /// certificate failed; escaped, as the peer chose it): logged if none was this interval.
+    pub(crate) fn note(&self, peer: &str, detail: &str) {
         static EPOCH: OnceLock<Instant> = OnceLock::new();
         let now = EPOCH
             .get_or_init(std::time::Instant::now)
@@ -50,7 +53,8 @@ impl RefusalLog {
             let unlogged = self.unlogged.swap(0, Ordering::Relaxed);
             tracing::warn!(
                 peer = %peer,
-                agent = %Untrusted(agent),
+                stage = self.stage,
+                detail = %Untrusted(detail),
                 refused_since_last_line = unlogged,
                 "authentication refused"
             );

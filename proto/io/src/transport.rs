@@ -1,5 +1,6 @@
-//! Where a node listens (`HOST:PORT` or `unix:PATH`) and the byte streams that reach it: TCP, or
-//! a Unix socket that can also carry file descriptors (shared-memory regions) with its bytes.
+//! Where a node listens (`HOST:PORT` or `unix:PATH`) and the byte streams that reach it: TCP
+//! (plain, or under mutual TLS), or a Unix socket that can also carry file descriptors
+//! (shared-memory regions) with its bytes.
 
 use std::collections::VecDeque;
 use std::io;
@@ -10,6 +11,8 @@ use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
+
+use crate::tls::{ClientTls, Identity};
 
 /// The prefix that marks a Unix socket address.
 pub const UNIX_PREFIX: &str = "unix:";
@@ -39,14 +42,19 @@ impl Endpoint {
         }
     }
 
-    /// Opens a stream to it.
-    pub async fn connect(&self) -> io::Result<Stream> {
+    /// Opens a stream to it: over TCP under `tls` where given (the node's certificate verified
+    /// against its CA and address before anything is sent), in clear otherwise. A Unix socket
+    /// never takes TLS: its peer is checked by the kernel instead.
+    pub async fn connect(&self, tls: Option<&ClientTls>) -> io::Result<Stream> {
         match self {
             Endpoint::Tcp(addr) => {
                 let socket = TcpStream::connect(addr.as_str()).await?;
                 // Frames are written whole; waiting to coalesce them only adds latency.
                 let _ = socket.set_nodelay(true);
-                Ok(Stream::Tcp(socket))
+                match tls {
+                    Some(tls) => Ok(Stream::Tls(Box::new(tls.connect(socket, addr).await?))),
+                    None => Ok(Stream::Tcp(socket)),
+                }
             }
             Endpoint::Unix(path) => {
                 let socket = UnixStream::connect(path).await?;
@@ -155,6 +163,16 @@ pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send {
 
 impl Transport for TcpStream {}
 impl Transport for tokio::io::DuplexStream {}
+impl Transport for tokio_rustls::TlsStream<TcpStream> {}
+
+/// A TCP stream under TLS and the identity its peer's certificate proved.
+#[derive(Debug)]
+pub struct TlsLink {
+    /// The encrypted stream.
+    pub stream: tokio_rustls::TlsStream<TcpStream>,
+    /// Who the peer is, by its verified certificate.
+    pub peer: Identity,
+}
 
 /// A Unix socket that reads with `recvmsg`, so descriptors sent with the bytes are kept (a plain
 /// `read` would make the kernel close them), and writes an attached descriptor with `sendmsg`.
@@ -327,13 +345,25 @@ impl Transport for UnixTransport {
     }
 }
 
-/// A connection's stream: TCP or a Unix socket.
+/// A connection's stream: TCP, TCP under TLS, or a Unix socket.
 #[derive(Debug)]
 pub enum Stream {
-    /// TCP.
+    /// TCP in clear.
     Tcp(TcpStream),
+    /// TCP under mutual TLS.
+    Tls(Box<TlsLink>),
     /// A Unix domain socket.
     Unix(UnixTransport),
+}
+
+impl Stream {
+    /// Who the peer is by its certificate, on a TLS link; `None` on any other.
+    pub fn peer_identity(&self) -> Option<&Identity> {
+        match self {
+            Stream::Tls(link) => Some(&link.peer),
+            Stream::Tcp(_) | Stream::Unix(_) => None,
+        }
+    }
 }
 
 impl AsyncRead for Stream {
@@ -344,6 +374,7 @@ impl AsyncRead for Stream {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(&mut s.stream).poll_read(cx, buf),
             Stream::Unix(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
@@ -357,6 +388,7 @@ impl AsyncWrite for Stream {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             Stream::Tcp(s) => Pin::new(s).poll_write(cx, data),
+            Stream::Tls(s) => Pin::new(&mut s.stream).poll_write(cx, data),
             Stream::Unix(s) => Pin::new(s).poll_write(cx, data),
         }
     }
@@ -364,6 +396,7 @@ impl AsyncWrite for Stream {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(&mut s.stream).poll_flush(cx),
             Stream::Unix(s) => Pin::new(s).poll_flush(cx),
         }
     }
@@ -371,6 +404,7 @@ impl AsyncWrite for Stream {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(&mut s.stream).poll_shutdown(cx),
             Stream::Unix(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
@@ -380,6 +414,7 @@ impl Transport for Stream {
     fn passes_fds(&self) -> bool {
         match self {
             Stream::Tcp(s) => s.passes_fds(),
+            Stream::Tls(s) => s.stream.passes_fds(),
             Stream::Unix(s) => s.passes_fds(),
         }
     }
@@ -387,6 +422,7 @@ impl Transport for Stream {
     fn take_fd(&mut self) -> Option<OwnedFd> {
         match self {
             Stream::Tcp(s) => s.take_fd(),
+            Stream::Tls(s) => s.stream.take_fd(),
             Stream::Unix(s) => s.take_fd(),
         }
     }
@@ -394,6 +430,7 @@ impl Transport for Stream {
     fn unread_by_peer(&self) -> Option<usize> {
         match self {
             Stream::Tcp(s) => s.unread_by_peer(),
+            Stream::Tls(s) => s.stream.unread_by_peer(),
             Stream::Unix(s) => s.unread_by_peer(),
         }
     }
@@ -401,6 +438,7 @@ impl Transport for Stream {
     fn attach_fd(&mut self, fd: OwnedFd) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.attach_fd(fd),
+            Stream::Tls(s) => s.stream.attach_fd(fd),
             Stream::Unix(s) => s.attach_fd(fd),
         }
     }
@@ -446,7 +484,7 @@ mod tests {
         })
         .join()
         .unwrap();
-        let refused = Endpoint::Unix(path).connect().await.err().unwrap();
+        let refused = Endpoint::Unix(path).connect(None).await.err().unwrap();
         assert_eq!(refused.kind(), io::ErrorKind::PermissionDenied);
         assert!(refused.to_string().contains("user 65534"), "{refused}");
         let (mut accepted, _) = listener.accept().unwrap();

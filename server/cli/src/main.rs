@@ -47,10 +47,28 @@ struct Args {
     /// goes nowhere else. With a peer token and no --peer, this node pulls from no one.
     #[arg(long = "peer", value_name = "ADDR")]
     peers: Vec<String>,
-    /// Listen beyond loopback with no credential, where anyone who reaches the port may read,
-    /// overwrite and delete every tensor: refused without this flag.
+    /// Listen beyond loopback without TLS or without a credential, where anyone on the path may
+    /// read the tensors and tokens (and, with no credential, overwrite and delete every tensor):
+    /// refused without this flag.
     #[arg(long)]
     insecure: bool,
+    /// This node's TLS certificate (PEM, leaf first): every TCP link, served and opened to
+    /// peers, is then mutual TLS, and the node's id is the certificate's common name. Needs
+    /// --tls-key and --tls-ca (`ferry certs` makes all three).
+    #[arg(long, value_name = "PATH", env = "FERRY_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --tls-cert (PEM; keep it readable by the node's user only).
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "FERRY_TLS_KEY",
+        requires = "tls_cert"
+    )]
+    tls_key: Option<std::path::PathBuf>,
+    /// The CA certificate(s) (PEM) every client and peer certificate must chain to; the only
+    /// roots trusted.
+    #[arg(long, value_name = "PATH", env = "FERRY_TLS_CA", requires = "tls_cert")]
+    tls_ca: Option<std::path::PathBuf>,
     /// A file holding the token this node presents to the nodes it pulls from (its first line).
     #[arg(long, value_name = "PATH")]
     peer_token_file: Option<std::path::PathBuf>,
@@ -238,22 +256,37 @@ async fn serve() -> anyhow::Result<()> {
         }
         credentials.extend(listed);
     }
-    if !args.listen.ip().is_loopback() {
-        if credentials.is_empty() && !args.insecure {
-            bail!(
-                "refusing to listen on {} with no credential: anyone who reaches it could read, \
-                 overwrite and delete every tensor. Give --token-file (or --token), listen on \
-                 loopback, or pass --insecure on a network you trust",
-                args.listen
-            );
+    let tls = match (&args.tls_cert, &args.tls_key, &args.tls_ca) {
+        (Some(cert), Some(key), Some(ca)) => {
+            let files = ferry_io::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+            };
+            Some(ferry_io::NodeTls::load(&files).context("loading the node's TLS files")?)
         }
-        if credentials.is_empty() {
-            tracing::warn!(listen = %args.listen, "--insecure: serving beyond loopback with no credential");
-        } else {
-            tracing::warn!(
-                listen = %args.listen,
-                "serving beyond loopback without TLS: tokens and tensors cross the network in clear"
-            );
+        // clap requires all three together.
+        _ => None,
+    };
+    if !args.listen.ip().is_loopback() {
+        let missing = match (credentials.is_empty(), tls.is_none()) {
+            (true, true) => Some("no TLS and no credential"),
+            (true, false) => Some("no credential"),
+            (false, true) => Some("no TLS"),
+            (false, false) => None,
+        };
+        if let Some(missing) = missing {
+            if !args.insecure {
+                bail!(
+                    "refusing to listen on {} with {missing}: whoever reaches it or sits on the \
+                     path could read tensors and tokens, or with no credential overwrite and \
+                     delete them. Give --tls-cert/--tls-key/--tls-ca (`ferry certs` makes them) \
+                     and --token-file, listen on loopback, or pass --insecure on a network you \
+                     trust",
+                    args.listen
+                );
+            }
+            tracing::warn!(listen = %args.listen, "--insecure: serving beyond loopback with {missing}");
         }
     }
     let peer_token = match &args.peer_token_file {
@@ -276,6 +309,7 @@ async fn serve() -> anyhow::Result<()> {
     };
     let mut config = NodeConfig {
         node_id: args.node_id,
+        tls,
         peers: if !args.peers.is_empty() || peer_token.is_some() {
             PeerPolicy::Listed(
                 args.peers
@@ -306,6 +340,8 @@ async fn serve() -> anyhow::Result<()> {
     }
     let devices: Vec<String> = config.devices.iter().map(|d| d.to_string()).collect();
     let node = Node::start(config).context("starting the node")?;
+    let node_id = node.node_id().to_string();
+    let tls_on = node.config().tls.is_some();
     let service_config = ServiceConfig {
         credentials,
         max_connections: args.max_connections,
@@ -333,7 +369,7 @@ async fn serve() -> anyhow::Result<()> {
     stdout.flush()?;
     drop(stdout);
     let shm = !args.no_shm && ferry_io::connection::shared_memory_supported();
-    tracing::info!(%addr, unix = ?args.unix, shared_memory = shm, ?devices, "ferry node serving");
+    tracing::info!(%addr, unix = ?args.unix, shared_memory = shm, tls = tls_on, %node_id, ?devices, "ferry node serving");
     service.run(shutdown_signal()).await?;
     tracing::info!("ferry node stopped");
     Ok(())

@@ -16,7 +16,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_io::ConnectionLimits;
+use ferry_io::{ConnectionLimits, NodeTls};
 
 use crate::backend::DeviceSpec;
 use crate::device::{self, DeviceHandle, DeviceLimits};
@@ -83,8 +83,13 @@ pub struct NodeConfig {
     pub max_grants_per_client: usize,
     /// Which transfer paths may be taken.
     pub policy: TransferPolicy,
-    /// The node's id; a random one when absent.
+    /// The node's id; a random one when absent. Under TLS the id is the certificate's identity,
+    /// and an id given here must be the same.
     pub node_id: Option<String>,
+    /// Mutual TLS on every TCP link, served and opened (to peers): the node's certificate, key
+    /// and CA. The node's identity is then its certificate's, and a peer that fetches under a
+    /// capability is who its certificate says; `None` for TCP in clear.
+    pub tls: Option<NodeTls>,
     /// How long a capability this node issues stays valid.
     pub capability_ttl: Duration,
     /// How often a pull reconnects after a transient drop before it gives up.
@@ -113,6 +118,7 @@ impl std::fmt::Debug for NodeConfig {
             .field("max_grants_per_client", &self.max_grants_per_client)
             .field("policy", &self.policy)
             .field("node_id", &self.node_id)
+            .field("tls", &self.tls)
             .field("capability_ttl", &self.capability_ttl)
             .field("pull_retries", &self.pull_retries)
             .field("retry_backoff", &self.retry_backoff)
@@ -144,6 +150,7 @@ impl Default for NodeConfig {
             max_grants_per_client: DEFAULT_MAX_GRANTS,
             policy: TransferPolicy::Auto,
             node_id: None,
+            tls: None,
             capability_ttl: Duration::from_secs(300),
             pull_retries: 3,
             retry_backoff: Duration::from_millis(100),
@@ -219,10 +226,17 @@ impl Node {
             devices.push(handle);
             threads.push(thread);
         }
-        let node_id = config
-            .node_id
-            .clone()
-            .unwrap_or_else(|| format!("node-{:016x}", rand::random::<u64>()));
+        let node_id = match (&config.tls, &config.node_id) {
+            (Some(tls), Some(given)) if given != tls.identity().as_str() => {
+                return Err(NodeError::NodeIdNotCertified {
+                    given: given.clone(),
+                    certified: tls.identity().to_string(),
+                });
+            }
+            (Some(tls), _) => tls.identity().to_string(),
+            (None, Some(given)) => given.clone(),
+            (None, None) => format!("node-{:016x}", rand::random::<u64>()),
+        };
         Ok(Node {
             inner: Arc::new(Inner {
                 devices,

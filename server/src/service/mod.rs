@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use ferry_io::credential::{Credential, Scopes};
 use ferry_io::transport::UnixTransport;
-use ferry_io::{Connection, ConnectionLimits, Stream};
+use ferry_io::{Connection, ConnectionLimits, NodeTls, Stream};
 use ferry_proto::{ErrorCode, ErrorReply, Response};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{Semaphore, broadcast, mpsc};
@@ -21,7 +21,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc};
 use crate::error::NodeError;
 use crate::node::Node;
 use crate::peer::PeerLink;
-use awaiting_hello::AwaitingHello;
+use awaiting_hello::{AwaitingHello, Place};
 use session::Session;
 
 mod awaiting_hello;
@@ -256,7 +256,13 @@ async fn accept_loop(
                     }
                 },
             };
-            let place = place.unwrap_or_else(|| awaiting.enter());
+            let mut place = place.unwrap_or_else(|| awaiting.enter());
+            let tls = node.config().tls.as_ref();
+            let Some(socket) = secure(socket, tls, &peer, &mut place, config.hello_timeout).await
+            else {
+                return;
+            };
+            let identity = socket.peer_identity().cloned();
             let open = node.connection_opened();
             let mut conn = Connection::new(socket, config.limits);
             let id = node.new_client();
@@ -268,6 +274,7 @@ async fn accept_loop(
                 client: &peer,
                 id,
                 scopes: Scopes::of(&[]),
+                identity,
             }
             .serve(&mut conn, place)
             .await;
@@ -279,6 +286,36 @@ async fn accept_loop(
             drop(permit);
             drop(done);
         });
+    }
+}
+
+/// Puts a TCP connection under the node's TLS, within the hello deadline and unless its slot
+/// goes to a newer connection first; a Unix socket, or any stream of a node without TLS, as it
+/// is. `None` where the handshake failed (logged by the handshake, at a bounded rate) or ran out.
+async fn secure(
+    socket: Stream,
+    tls: Option<&NodeTls>,
+    peer: &str,
+    place: &mut Place,
+    deadline: Duration,
+) -> Option<Stream> {
+    let (tls, tcp) = match (tls, socket) {
+        (Some(tls), Stream::Tcp(tcp)) => (tls, tcp),
+        (_, other) => return Some(other),
+    };
+    tokio::select! {
+        accepted = tokio::time::timeout(deadline, tls.accept(tcp, peer)) => match accepted {
+            Ok(Ok(link)) => Some(Stream::Tls(Box::new(link))),
+            Ok(Err(_)) => None,
+            Err(_) => {
+                tracing::info!(%peer, ?deadline, "closed: no TLS handshake within the hello deadline");
+                None
+            }
+        },
+        _ = &mut place.evicted => {
+            tracing::info!(%peer, "closed during its TLS handshake: its slot went to a newer connection");
+            None
+        }
     }
 }
 

@@ -3,7 +3,9 @@
 
 use ferry_io::credential::{Scope, Scopes};
 use ferry_io::handshake::{self, protocol_error, refuse as fail};
-use ferry_io::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Transport};
+use ferry_io::{
+    Connection, ConnectionError, ConnectionLimits, Identity, PayloadRoute, RegionUse, Transport,
+};
 use ferry_proto::{ErrorCode, ErrorReply, Request, Response, TensorKey, TensorMeta, Untrusted};
 use tokio::sync::broadcast;
 use tracing::Instrument;
@@ -28,6 +30,8 @@ pub(super) struct Session<'a> {
     pub(super) id: ClientId,
     /// What its credential allows: nothing until it has said hello.
     pub(super) scopes: Scopes,
+    /// Who it is by its certificate, on a TLS link.
+    pub(super) identity: Option<Identity>,
 }
 
 /// The scopes of which a request needs its connection's credential to allow one.
@@ -130,6 +134,22 @@ impl Session<'_> {
             handshake::Greeting::Welcomed(_, scopes) => Some(scopes),
             handshake::Greeting::Refused(_) | handshake::Greeting::Closed => None,
         })
+    }
+
+    /// The node a fetch or release speaks for, which its capability must be bound to: on a TLS
+    /// link the identity the peer's certificate proved (a claim on the wire naming another is
+    /// refused); elsewhere (a Unix socket of this node's user, TCP in clear) only the claim.
+    fn speaks_for<'c>(&'c self, claimed: &'c str) -> Result<&'c str, NodeError> {
+        match &self.identity {
+            Some(certified) if certified.as_str() != claimed => {
+                Err(NodeError::CapabilityRefused(Refusal::NotCertified {
+                    claimed: Untrusted(claimed).to_string(),
+                    certified: certified.to_string(),
+                }))
+            }
+            Some(certified) => Ok(certified.as_str()),
+            None => Ok(claimed),
+        }
     }
 
     async fn handle<S: Transport>(
@@ -248,8 +268,9 @@ impl Session<'_> {
             Request::Release {
                 capability,
                 node_id,
-            } => node
-                .release(&capability, &node_id, self.id)
+            } => self
+                .speaks_for(&node_id)
+                .and_then(|node_id| node.release(&capability, node_id, self.id))
                 .map(|()| Response::Released),
         };
         conn.write_response(&reply.unwrap_or_else(|e| Response::Error(e.reply())))
@@ -337,7 +358,10 @@ impl Session<'_> {
         node_id: &str,
         offset: u64,
     ) -> Result<(), ConnectionError> {
-        let lease = match self.node.begin_fetch(capability, node_id, self.id, offset) {
+        let lease = match self
+            .speaks_for(node_id)
+            .and_then(|node_id| self.node.begin_fetch(capability, node_id, self.id, offset))
+        {
             Ok(lease) => lease,
             Err(error) => {
                 tracing::warn!(node_id = %Untrusted(node_id), %error, "fetch refused");

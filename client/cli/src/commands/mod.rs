@@ -1,5 +1,6 @@
 //! One file per command of the `ferry` command line.
 
+pub(crate) mod certs;
 pub(crate) mod get;
 pub(crate) mod health;
 pub(crate) mod load;

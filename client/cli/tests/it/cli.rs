@@ -330,6 +330,91 @@ fn the_token_comes_from_a_file_and_a_read_only_one_cannot_write() {
     fails(&["ls", &node.addr], "authentication refused");
 }
 
+/// `ferry certs` makes a first cluster's CA and certificates; two nodes serving them move a
+/// model over mutual TLS (put, node-to-node copy, get) bit-exact, and a command without the
+/// client's certificate is refused.
+#[test]
+fn certificates_from_ferry_certs_carry_a_model_between_nodes_over_mutual_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let certs_dir = certs.to_str().unwrap();
+    let made = ok(&[
+        "certs",
+        "--dir",
+        certs_dir,
+        "--node",
+        "node-a=127.0.0.1",
+        "--node",
+        "node-b=127.0.0.1,localhost",
+        "--client",
+        "me",
+    ]);
+    assert!(made.contains("made a CA"), "{made}");
+    // A second run reuses the CA and refuses to overwrite a certificate.
+    fails(
+        &["certs", "--dir", certs_dir, "--client", "me"],
+        "exists already",
+    );
+    let again = ok(&["certs", "--dir", certs_dir, "--client", "ops"]);
+    assert!(again.contains("using the CA"), "{again}");
+
+    let files = |name: &str| ferry::io::TlsFiles {
+        cert: certs.join(format!("{name}.pem")),
+        key: certs.join(format!("{name}.key")),
+        ca: certs.join("ca.pem"),
+    };
+    let tls_node = |name: &str, peers: ferry::server::PeerPolicy| {
+        let config = NodeConfig {
+            tls: Some(ferry::io::NodeTls::load(&files(name)).unwrap()),
+            peers,
+            ..node_config()
+        };
+        BackgroundNode::start(config, ServiceConfig::default(), None)
+    };
+    let a = tls_node("node-a", ferry::server::PeerPolicy::Any);
+    let b = tls_node(
+        "node-b",
+        ferry::server::PeerPolicy::Listed(vec![a.addr.clone()]),
+    );
+    let me = files("me");
+    let tls = [
+        "--tls-ca",
+        me.ca.to_str().unwrap(),
+        "--tls-cert",
+        me.cert.to_str().unwrap(),
+        "--tls-key",
+        me.key.to_str().unwrap(),
+    ];
+    let with_tls =
+        |args: &[&str]| -> Vec<String> { tls.iter().chain(args).map(|s| s.to_string()).collect() };
+    let run = |args: &[&str]| {
+        let args = with_tls(args);
+        ok(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let input = dir.path().join("model.bpk");
+    let tensors = model();
+    write_tensors(&input, &tensors).unwrap();
+    run(&["put", input.to_str().unwrap(), &format!("{}/0", a.addr)]);
+    run(&["cp", &format!("{}/0", a.addr), &format!("{}/1", b.addr)]);
+    let output = dir.path().join("back.bpk");
+    run(&[
+        "get",
+        &format!("{}/1", b.addr),
+        "-o",
+        output.to_str().unwrap(),
+    ]);
+    assert_same_files(&output, &tensors);
+    let health = run(&["health", &b.addr]);
+    assert!(health.starts_with("ok node-b "), "{health}");
+
+    // Without the client's certificate the node does not talk.
+    fails(&["health", &b.addr, "--timeout", "2"], "connecting to");
+    fails(
+        &["--tls-ca", me.ca.to_str().unwrap(), "ls", &a.addr],
+        "required arguments",
+    );
+}
+
 #[test]
 fn every_error_path_exits_non_zero_with_an_error_line() {
     let node = server_with_token("t0k");

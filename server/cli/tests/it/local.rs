@@ -264,7 +264,7 @@ async fn two_node_processes_copy_a_batch_through_shared_memory() {
 
 /// A hand-driven connection that has agreed on shared memory with the node at `unix`.
 async fn raw_shared_connection(unix: &str) -> Connection<Stream> {
-    let stream = Endpoint::parse(unix).connect().await.unwrap();
+    let stream = Endpoint::parse(unix).connect(None).await.unwrap();
     let mut conn = Connection::new(stream, ConnectionLimits::default());
     let mut features: Vec<String> = FEATURES.iter().map(|f| f.to_string()).collect();
     features.push(FEATURE_SHM.to_string());

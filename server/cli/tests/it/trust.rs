@@ -16,7 +16,7 @@ use ferry::proto::{
     ErrorCode, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
 };
 use ferry::samples;
-use ferry::testing::{LoggedServer, assert_same, spawn_server};
+use ferry::testing::{LoggedServer, TestPki, assert_same, spawn_server};
 
 use crate::ferry_server;
 
@@ -44,7 +44,16 @@ fn an_empty_token_is_refused_at_start() {
 }
 
 #[test]
-fn a_tokenless_start_beyond_loopback_is_refused_unless_insecure() {
+fn a_start_beyond_loopback_without_tls_and_a_credential_is_refused_unless_insecure() {
+    let pki = TestPki::new();
+    pki.node("node-a");
+    let files = pki.files("node-a");
+    let (cert, key, ca) = (
+        files.cert.to_str().unwrap(),
+        files.key.to_str().unwrap(),
+        files.ca.to_str().unwrap(),
+    );
+    let tls = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca];
     let start = |extra: &[&str]| {
         Command::new(ferry_server())
             .args(["--listen", "0.0.0.0:0", "--device", "flex"])
@@ -55,12 +64,25 @@ fn a_tokenless_start_beyond_loopback_is_refused_unless_insecure() {
             .spawn()
             .unwrap()
     };
-    let refused = start(&[]).wait_with_output().unwrap();
-    assert!(!refused.status.success());
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(stderr.contains("--insecure"), "{stderr}");
-    // With a credential, or told --insecure, it starts (and says what it is exposed to).
-    for extra in [&["--insecure"][..], &["--token", "t0k"][..]] {
+    // Neither, a credential without TLS, TLS without a credential: refused, saying what lacks.
+    for (extra, lacks) in [
+        (vec![], "no TLS and no credential"),
+        (vec!["--token", "t0k"], "no TLS"),
+        (tls.to_vec(), "no credential"),
+    ] {
+        let refused = start(&extra).wait_with_output().unwrap();
+        assert!(!refused.status.success(), "{extra:?} started");
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(stderr.contains("--insecure"), "{stderr}");
+        assert!(stderr.contains(&format!("with {lacks}:")), "{stderr}");
+    }
+    // With both, or told --insecure, it starts (and warns of what it is exposed to).
+    let both: Vec<&str> = tls.iter().copied().chain(["--token", "t0k"]).collect();
+    for extra in [
+        &["--insecure"][..],
+        &["--token", "t0k", "--insecure"][..],
+        &both[..],
+    ] {
         let mut child = start(extra);
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
@@ -73,6 +95,9 @@ fn a_tokenless_start_beyond_loopback_is_refused_unless_insecure() {
         child.kill().unwrap();
         let _ = child.wait();
     }
+    // A TLS flag alone is a usage error: the three go together.
+    let partial = start(&["--tls-cert", cert]).wait_with_output().unwrap();
+    assert!(!partial.status.success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -123,7 +148,7 @@ async fn sockets_that_never_say_hello_do_not_keep_a_client_out() {
 
 /// Sends one `Hello` with `token` and `agent`; the node's answer.
 async fn hello(addr: &str, token: &str, agent: &str) -> Response {
-    let stream = Endpoint::parse(addr).connect().await.unwrap();
+    let stream = Endpoint::parse(addr).connect(None).await.unwrap();
     let mut conn = Connection::new(stream, ConnectionLimits::default());
     conn.write_request(&Request::Hello(Hello {
         major: PROTOCOL_VERSION,
