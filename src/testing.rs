@@ -516,6 +516,8 @@ pub async fn hashes_verified(client: &mut Client) -> NodeStats {
 pub struct TestPki {
     pub certs: ferry_certs::CertDir,
     pub authority: ferry_certs::Authority,
+    /// What each name was issued as, so that asking for it as something else fails loudly.
+    issued: std::sync::Mutex<std::collections::HashMap<String, ferry_certs::Role>>,
     _dir: tempfile::TempDir,
 }
 
@@ -535,16 +537,23 @@ impl TestPki {
         Self {
             certs,
             authority,
+            issued: Default::default(),
             _dir: dir,
         }
     }
 
-    /// Issues `name` in `role` for `validity`, unless it was issued already.
+    /// Issues `name` in `role` for `validity`, unless it was issued in that role already (in
+    /// another role, the test is wrong: this panics).
     pub fn issue(&self, name: &str, role: &ferry_certs::Role, validity: ferry_certs::Validity) {
-        if !self.certs.cert(name).exists() {
-            self.certs
-                .issue(&self.authority, name, role, validity)
-                .expect("issue a certificate");
+        let mut issued = self.issued.lock().unwrap();
+        match issued.get(name) {
+            Some(earlier) => assert_eq!(earlier, role, "{name} was issued in another role"),
+            None => {
+                self.certs
+                    .issue(&self.authority, name, role, validity)
+                    .expect("issue a certificate");
+                issued.insert(name.to_string(), role.clone());
+            }
         }
     }
 

@@ -262,6 +262,13 @@ pub enum Refusal {
         /// Who its certificate says it is.
         certified: String,
     },
+    /// Presented over TLS with a client's certificate (no server usage), which never speaks
+    /// for a node.
+    #[error("{certified}'s certificate is a client's, not a node's: it fetches for no node")]
+    NotANode {
+        /// Who its certificate says it is.
+        certified: String,
+    },
     /// Served to the end once: only a resume from a later offset is served.
     #[error("capability already served in full; only a resume from a later offset is served")]
     AlreadyServed,

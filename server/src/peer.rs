@@ -413,7 +413,8 @@ fn check_source(source: &str) -> Result<(), NodeError> {
 
 /// How opening a link failed, as the client that named the source may learn it: a ferry node's
 /// own refusal as it said it, anything else (which could be the banner of whatever service
-/// listens there) only as "not a ferry node", the details in this node's log.
+/// listens there, or its certificate) only as "not a ferry node", the details in this node's
+/// log.
 fn opening_failed(source: &str, error: SourceError) -> AttemptError {
     match error {
         SourceError::Connection(ConnectionError::Proto(_)) | SourceError::Unexpected(_) => {
@@ -421,6 +422,21 @@ fn opening_failed(source: &str, error: SourceError) -> AttemptError {
                 source = %Untrusted(source),
                 error = %Untrusted(&error.to_string()),
                 "pull: the source did not answer hello as a ferry node"
+            );
+            AttemptError::Fatal(NodeError::Peer {
+                source_addr: source.to_string(),
+                message: UNREACHABLE.into(),
+            })
+        }
+        // A certificate that fails (the source's, or ours as it judged it) or a Unix socket
+        // served by another user: no retry changes that, so none is made.
+        SourceError::Connection(ConnectionError::Io(e))
+            if e.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            tracing::warn!(
+                source = %Untrusted(source),
+                error = %Untrusted(&e.to_string()),
+                "pull: the source's identity did not check"
             );
             AttemptError::Fatal(NodeError::Peer {
                 source_addr: source.to_string(),

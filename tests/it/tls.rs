@@ -3,17 +3,25 @@
 //! certificate can be wrong refused: another CA, expired, issued for another host, no
 //! certificate at all; and bytes altered on the path fail the connection, registering nothing.
 
+use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use ferry::certs::{Role, Validity};
 use ferry::client::{ClientConfig, ErrorCode, copy_between};
-use ferry::io::{ClientTls, NodeTls};
+use ferry::io::connection::{Connection, ConnectionLimits};
+use ferry::io::{ClientTls, NodeTls, TlsFiles, handshake};
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;
-use ferry::server::{NodeConfig, PeerPolicy, ServiceConfig, SourceConfig, SourceConnection};
-use ferry::testing::{
-    Fault, TestNode, TestPki, assert_same, devices, how, proxy, source_code_of, start, tls_client,
+use ferry::server::{
+    NodeConfig, PeerPolicy, ServiceConfig, SourceConfig, SourceConnection, SourceError,
 };
+use ferry::testing::{
+    Fault, TestNode, TestPki, assert_same, devices, how, proxy, start, tls_client,
+};
+use rustls::RootCertStore;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 /// A node under mutual TLS, serving in 64 KiB chunks (so that a fault lands mid-stream and a
 /// resume starts past the beginning).
@@ -87,14 +95,67 @@ async fn a_node_id_that_is_not_the_certificates_is_refused_at_start() {
     assert!(error.to_string().contains("node-a"), "{error}");
 }
 
-/// A client that cannot complete the handshake: the node stays up and serves the next one.
-async fn refused(node: &TestNode, tls: Option<ClientTls>, what: &str) {
+/// What connecting with ferry's client under `tls` gives: the error's text, or `None` when it
+/// got through.
+async fn client_error(node: &TestNode, tls: Option<ClientTls>) -> Option<String> {
     let config = ClientConfig {
         tls,
         ..ClientConfig::default()
     };
-    let result = ferry::client::Client::connect_with(node.addr, config).await;
-    assert!(result.is_err(), "{what}: connected");
+    ferry::client::Client::connect_with(node.addr, config)
+        .await
+        .err()
+        .map(|e| e.to_string())
+}
+
+/// A TLS client built by hand (ferry's own checks its certificate before it connects): trusting
+/// `ca`, presenting `holder`'s certificate (or none), it says hello; what the node answered, or
+/// `None` when it was welcomed.
+async fn hand_built_hello(node: &TestNode, ca: &Path, holder: Option<&TlsFiles>) -> Option<String> {
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match holder {
+        Some(files) => {
+            let chain = CertificateDer::pem_file_iter(&files.cert)
+                .unwrap()
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap();
+            let key = PrivateKeyDer::from_pem_file(&files.key).unwrap();
+            builder.with_client_auth_cert(chain, key).unwrap()
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let tcp = tokio::net::TcpStream::connect(node.addr).await.unwrap();
+    let name = ServerName::try_from("127.0.0.1").unwrap();
+    let tls = match tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+    {
+        Ok(tls) => tokio_rustls::TlsStream::from(tls),
+        Err(e) => return Some(e.to_string()),
+    };
+    let mut conn = Connection::new(tls, ConnectionLimits::default());
+    let offer = handshake::Offer {
+        token: None,
+        agent: "hand-built",
+        shared_memory: false,
+    };
+    handshake::hello(&mut conn, offer)
+        .await
+        .err()
+        .map(|e| e.to_string())
+}
+
+fn assert_refused(error: Option<String>, because: &str, what: &str) {
+    let error = error.unwrap_or_else(|| panic!("{what}: got through"));
+    assert!(error.contains(because), "{what}: {error}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,55 +163,50 @@ async fn wrong_certificates_are_refused_both_ways_and_the_node_stays_up() {
     let pki = TestPki::new();
     let a = tls_node(pki.node("node-a"), PeerPolicy::Any, 0).await;
     let me = pki.client("me");
+    let ca = pki.files("me").ca;
+    assert_eq!(
+        hand_built_hello(&a, &ca, Some(&pki.files("me"))).await,
+        None
+    );
 
-    // No TLS at all, or a certificate from another CA: the node refuses.
-    refused(&a, None, "plain TCP").await;
+    // The node refuses TCP in clear, a client with no certificate, one from another CA, and
+    // an expired one.
+    assert_refused(client_error(&a, None).await, "", "TCP in clear");
+    assert_refused(
+        hand_built_hello(&a, &ca, None).await,
+        "CertificateRequired",
+        "no client certificate",
+    );
     let stranger = TestPki::new();
     stranger.issue("me", &Role::Client, Validity::days(1));
-    let mut mixed = stranger.files("me");
-    mixed.ca = pki.files("me").ca;
-    refused(
-        &a,
-        Some(ClientTls::load(&mixed).unwrap()),
+    assert_refused(
+        hand_built_hello(&a, &ca, Some(&stranger.files("me"))).await,
+        "UnknownCA",
         "another CA's client",
-    )
-    .await;
-
-    // A client that trusts another CA refuses the node's certificate.
-    let mut distrusting = pki.files("me");
-    distrusting.ca = stranger.files("me").ca;
-    refused(
-        &a,
-        Some(ClientTls::load(&distrusting).unwrap()),
-        "another CA's roots",
-    )
-    .await;
-
-    // An expired client certificate is refused by the node.
+    );
     let past = Validity {
         not_before: SystemTime::now() - Duration::from_secs(7 * 86_400),
         not_after: SystemTime::now() - Duration::from_secs(86_400),
     };
     pki.issue("expired", &Role::Client, past);
-    refused(
-        &a,
-        Some(ClientTls::load(&pki.files("expired")).unwrap()),
+    assert_refused(
+        hand_built_hello(&a, &ca, Some(&pki.files("expired"))).await,
+        "CertificateExpired",
         "expired client",
-    )
-    .await;
+    );
 
-    // A node whose certificate expired, or names another host, is refused by the client.
-    let old_role = Role::Node {
-        hosts: vec!["127.0.0.1".into()],
-    };
-    pki.issue("old-node", &old_role, past);
-    let old = tls_node(
-        NodeTls::load(&pki.files("old-node")).unwrap(),
-        PeerPolicy::Any,
-        0,
-    )
-    .await;
-    refused(&old, Some(me.clone()), "expired node").await;
+    // The client refuses a node whose certificate another CA signed, or that names another
+    // host than the one dialled.
+    let mut distrusting = pki.files("me");
+    distrusting.ca = stranger.files("me").ca;
+    stranger.issue("me-too", &Role::Client, Validity::days(1));
+    let mut stranger_client = stranger.files("me-too");
+    stranger_client.ca = stranger.files("me").ca;
+    assert_refused(
+        client_error(&a, Some(ClientTls::load(&stranger_client).unwrap())).await,
+        "UnknownIssuer",
+        "another CA's roots",
+    );
     let elsewhere = Role::Node {
         hosts: vec!["10.9.9.9".into(), "elsewhere.example".into()],
     };
@@ -161,12 +217,27 @@ async fn wrong_certificates_are_refused_both_ways_and_the_node_stays_up() {
         0,
     )
     .await;
-    refused(
-        &misnamed,
-        Some(me.clone()),
+    assert_refused(
+        client_error(&misnamed, Some(me.clone())).await,
+        "not valid for name \"127.0.0.1\"",
         "a certificate for another host",
-    )
-    .await;
+    );
+
+    // Nobody would accept an expired certificate, or one of another CA: neither a node nor a
+    // client starts with one.
+    let node_role = Role::Node {
+        hosts: vec!["127.0.0.1".into()],
+    };
+    pki.issue("old-node", &node_role, past);
+    let old = NodeTls::load(&pki.files("old-node"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        old.contains("does not verify") && old.contains("expired"),
+        "{old}"
+    );
+    let foreign = ClientTls::load(&distrusting).unwrap_err().to_string();
+    assert!(foreign.contains("does not verify"), "{foreign}");
 
     // Through all of it the node served on.
     let data = samples::plain(DType::F32, &[64, 64], 1);
@@ -181,6 +252,12 @@ async fn wrong_certificates_are_refused_both_ways_and_the_node_stays_up() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capability_serves_only_the_node_its_certificate_names() {
+    /// A source's refusal: its message, after checking its code.
+    fn refusal<T: std::fmt::Debug>(result: Result<T, SourceError>) -> Option<String> {
+        let error = result.expect_err("refused");
+        assert_eq!(error.code(), Some(ErrorCode::CapabilityRefused), "{error}");
+        Some(error.to_string())
+    }
     let pki = TestPki::new();
     let a = tls_node(pki.node("node-a"), PeerPolicy::Any, 0).await;
     let me = pki.client("me");
@@ -205,11 +282,37 @@ async fn a_capability_serves_only_the_node_its_certificate_names() {
         .await
         .unwrap();
     let claim = as_b.fetch(&grant.token, "node-c", 0).await.map(|f| f.meta);
-    assert_eq!(source_code_of(claim), ErrorCode::CapabilityRefused);
+    assert_refused(refusal(claim), "certificate names node-b", "a claim");
     let own = as_b.fetch(&grant.token, "node-b", 0).await.map(|f| f.meta);
-    assert_eq!(source_code_of(own), ErrorCode::CapabilityRefused);
-    let release = as_b.release(&grant.token, "node-c").await;
-    assert_eq!(source_code_of(release), ErrorCode::CapabilityRefused);
+    assert_refused(refusal(own), "issued to another node", "its own name");
+
+    // A client's certificate that bears node-c's name (the CA signed it for a client) speaks
+    // for no node.
+    let impostor = pki
+        .authority
+        .issue("node-c", &Role::Client, Validity::days(1))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let files = TlsFiles {
+        cert: dir.path().join("impostor.pem"),
+        key: dir.path().join("impostor.key"),
+        ca: pki.files("me").ca,
+    };
+    std::fs::write(&files.cert, &impostor.cert_pem).unwrap();
+    std::fs::write(&files.key, &impostor.key_pem).unwrap();
+    let impostor = ClientTls::load(&files).unwrap();
+    let mut as_impostor = SourceConnection::open(a.addr, config(&impostor))
+        .await
+        .unwrap();
+    let fetch = as_impostor
+        .fetch(&grant.token, "node-c", 0)
+        .await
+        .map(|f| f.meta);
+    assert_refused(
+        refusal(fetch),
+        "is a client's, not a node's",
+        "a client's certificate",
+    );
 
     // node-c, certified, is served, and the bytes are the source's.
     let c_tls = pki.node("node-c");
@@ -254,6 +357,9 @@ async fn bytes_altered_on_a_tls_link_fail_the_connection_and_register_nothing() 
     .remove(0);
     let error = answer.expect_err("the tampered pull fails");
     assert_eq!(error.code(), Some(ErrorCode::PeerFailed), "{error}");
+    // Not the per-chunk CRC (a plain link's check): the TLS record failed, and with it the
+    // connection ("unreachable" is all a client learns of how).
+    assert!(error.to_string().contains("unreachable"), "{error}");
     assert!(
         target.list(None).await.unwrap().is_empty(),
         "nothing registered"
@@ -281,4 +387,42 @@ async fn bytes_altered_on_a_tls_link_fail_the_connection_and_register_nothing() 
     let stats = target.stat().await.unwrap();
     assert_eq!(stats.pull_retries, 1, "the altered connection failed");
     assert_eq!(stats.hash_mismatches, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_copy_over_tls_dedups_and_hands_its_capability_back() {
+    let pki = TestPki::new();
+    let a = tls_node(pki.node("node-a"), PeerPolicy::Any, 0).await;
+    let b = tls_node(pki.node("node-b"), listed(&[&a]), 0).await;
+    let me = pki.client("me");
+    let mut source = tls_client(&a, &me).await.unwrap();
+    let mut target = tls_client(&b, &me).await.unwrap();
+    let data = samples::plain(DType::F32, &[128, 128], 4);
+    source.put(0, "w", &data).await.unwrap();
+    let addr = a.addr.to_string();
+    let key = TensorKey::new(0, "w");
+    let first = copy_between(
+        &mut source,
+        &mut target,
+        std::slice::from_ref(&key),
+        &how(&addr, 0),
+    )
+    .await
+    .unwrap()
+    .remove(0)
+    .unwrap();
+    assert_eq!(first.path, "pull");
+    // The same bytes under another name on B: B already holds them, so the client hands the
+    // capability it got back to A itself (over its own certificate, not a node's).
+    let again = ferry::client::NodeCopy {
+        dst_name: Some("w2"),
+        ..how(&addr, 0)
+    };
+    let second = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &again)
+        .await
+        .unwrap()
+        .remove(0)
+        .unwrap();
+    assert_eq!(second.path, "dedup");
+    assert_same(&target.get(&second.key).await.unwrap(), &data, "dedup copy");
 }

@@ -31,8 +31,11 @@ pub enum CertsError {
     /// rcgen refused (an unusable host name, say).
     #[error("certificate: {0}")]
     Rcgen(#[from] rcgen::Error),
-    /// A holder name that cannot serve as an identity.
-    #[error("{0:?}: a name must be 1 to {MAX_NAME_LEN} printable ASCII characters without spaces")]
+    /// A holder name that cannot serve as an identity and a file name.
+    #[error(
+        "{0:?}: a name is 1 to {MAX_NAME_LEN} letters, digits, '.', '_' or '-', not starting \
+         with '.', and not \"ca\""
+    )]
     InvalidName(String),
     /// A file could not be read or written.
     #[error("{}: {source}", .path.display())]
@@ -117,8 +120,18 @@ impl std::fmt::Debug for Authority {
     }
 }
 
+/// A name is both the holder's identity and the stem of its files in a [`CertDir`]: letters,
+/// digits, `.`, `_` and `-` only (no path separator, no `..` escaping the directory, nothing a
+/// DNS name or a log line would choke on), not hidden, and not the CA's own.
 fn check_name(name: &str) -> Result<(), CertsError> {
-    if name.is_empty() || name.len() > MAX_NAME_LEN || !name.chars().all(|c| c.is_ascii_graphic()) {
+    let usable = !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && !name.starts_with('.')
+        && name != "ca"
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if !usable {
         return Err(CertsError::InvalidName(name.to_string()));
     }
     Ok(())
@@ -253,7 +266,11 @@ impl CertDir {
             };
             return Ok((Authority::load(&read(&cert)?, &read(&key)?)?, false));
         }
-        let authority = Authority::create("ferry CA", validity)?;
+        // Named apart from every other CA `ferry certs` makes (its creation time, to the
+        // nanosecond), so that a certificate of another cluster's CA is told by its issuer's
+        // name, not only by a failed signature.
+        let made = OffsetDateTime::now_utc().unix_timestamp_nanos();
+        let authority = Authority::create(&format!("ferry CA {made}"), validity)?;
         write_new(&key, &authority.key_pem(), 0o600)?;
         write_new(&cert, authority.cert_pem(), 0o644)?;
         Ok((authority, true))
@@ -334,10 +351,15 @@ mod tests {
         let (again, new) = certs.authority(Validity::days(10)).unwrap();
         assert!(!new, "the CA kept is reused");
         assert_eq!(again.cert_pem(), ca.cert_pem());
-        assert!(matches!(
-            certs.issue(&again, "two words", &Role::Client, Validity::days(1)),
-            Err(CertsError::InvalidName(_))
-        ));
+        for bad in ["two words", "../escape", "a/b", ".hidden", "ca", ""] {
+            assert!(
+                matches!(
+                    certs.issue(&again, bad, &Role::Client, Validity::days(1)),
+                    Err(CertsError::InvalidName(_))
+                ),
+                "{bad:?} accepted"
+            );
+        }
         // The identity a node reads from the certificate is the name it was issued for.
         let files = ferry_io::TlsFiles {
             cert: certs.cert("node-a"),

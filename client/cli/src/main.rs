@@ -37,6 +37,10 @@ pub(crate) struct Cli {
     /// smaller ones go through the socket.
     #[arg(long, global = true, default_value = "256KiB")]
     pub(crate) shm_min: bytesize::ByteSize,
+    /// Send a token over TCP in clear to a host beyond loopback, where anyone on the path can
+    /// read it: refused without this flag (or TLS).
+    #[arg(long, global = true)]
+    pub(crate) insecure: bool,
     /// The CA certificate (PEM) a node's certificate must chain to: connections over TCP then
     /// use mutual TLS (with --tls-cert and --tls-key; `ferry certs` makes all three).
     #[arg(long, global = true, value_name = "PATH", env = "FERRY_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
@@ -244,7 +248,11 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 |b: &bytesize::ByteSize| usize::try_from(b.as_u64()).unwrap_or(usize::MAX);
             let config = LoadConfig {
                 endpoint: Endpoint::parse(&Address::parse(node)?.node),
-                client: connect::client_config(cli)?,
+                client: {
+                    let config = connect::client_config(cli)?;
+                    connect::check_token_stays_private(node, &config, cli)?;
+                    config
+                },
                 clients: *clients,
                 rounds: *rounds,
                 duration: seconds.map(std::time::Duration::from_secs),

@@ -14,7 +14,7 @@ use rustls::RootCertStore;
 use rustls::crypto::CryptoProvider;
 use rustls::server::WebPkiClientVerifier;
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
@@ -24,73 +24,138 @@ use crate::transport::TlsLink;
 /// The longest identity (a certificate's common name) accepted.
 pub const MAX_IDENTITY_LEN: usize = 256;
 
-/// Why TLS could not be set up, or a certificate names no usable identity.
+/// Why TLS could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    /// A PEM file could not be read or holds nothing of the kind asked for.
-    #[error("{what} {}: {reason}", .path.display())]
-    File {
-        /// What the file was to hold (certificate, private key, CA).
+    /// A PEM file could not be read or parsed.
+    #[error("{what} {}: {source}", .path.display())]
+    Pem {
+        /// What the file was to hold (certificate, private key, CA certificate).
         what: &'static str,
         /// The file.
         path: PathBuf,
         /// Why it failed.
-        reason: String,
+        #[source]
+        source: rustls_pki_types::pem::Error,
     },
+    /// A PEM file that holds nothing of the kind asked for.
+    #[error("{what} {}: no PEM {what} in it", .path.display())]
+    Empty {
+        /// What the file was to hold.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+    },
+    /// A CA certificate that cannot serve as a trust anchor.
+    #[error("CA certificate {}: {source}", .path.display())]
+    BadCa {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: rustls::Error,
+    },
+    /// The holder's own certificate does not verify against the CA it was given (expired, not
+    /// yet valid, signed by another CA): nobody would accept it, so it is refused at start.
+    #[error("this certificate does not verify against the CA given: {0}")]
+    OwnCertificate(#[source] rustls::Error),
     /// rustls refused the configuration (a key that does not match its certificate, say).
     #[error("TLS configuration: {0}")]
     Config(#[from] rustls::Error),
     /// The CA could not serve to verify certificates.
     #[error("TLS CA: {0}")]
     Verifier(#[from] rustls::server::VerifierBuilderError),
-    /// A certificate carries no common name to serve as identity, or one that is not usable.
+    /// The certificate names no usable identity.
     #[error("certificate identity: {0}")]
-    Identity(String),
+    Identity(#[from] IdentityError),
+}
+
+/// Why a certificate names no usable identity.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    /// Not a readable X.509 certificate.
+    #[error("unreadable certificate: {0}")]
+    Unreadable(#[source] x509_parser::nom::Err<x509_parser::error::X509Error>),
+    /// Its extensions could not be read.
+    #[error("unreadable certificate extension: {0}")]
+    Extension(#[source] x509_parser::error::X509Error),
+    /// No common name in its subject.
+    #[error("the certificate has no common name")]
+    NoCommonName,
+    /// Several common names: which one is the holder would be a guess.
+    #[error("the certificate has more than one common name")]
+    SeveralCommonNames,
+    /// A common name that is empty, too long, or not printable ASCII without spaces.
+    #[error(
+        "the common name must be 1 to {MAX_IDENTITY_LEN} printable ASCII characters without spaces"
+    )]
+    UnusableCommonName,
+}
+
+/// What a certificate's holder may act as: a node's certificate carries the server usage
+/// (`serverAuth`, as a node serves), a client's does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// A node: it serves, and it may fetch from other nodes under capabilities granted to it.
+    Node,
+    /// A client (a user, an application): it connects, and never speaks for a node.
+    Client,
 }
 
 /// Who a certificate says its holder is: the subject's common name, which `ferry certs` sets to
-/// the node's (or client's) name. Capabilities are bound to it; it comes only from a certificate
-/// the CA signed and the peer proved it holds the key of, never from a claim on the wire.
+/// the node's (or client's) name, and whether it is a node's. Capabilities are bound to it. It
+/// comes only from a certificate a handshake verified against the CA (with proof that the peer
+/// holds its key), never from a claim on the wire: only this crate makes one.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Identity(String);
+pub struct Identity {
+    name: String,
+    role: Role,
+}
 
 impl Identity {
-    /// The identity a DER certificate names: its single, non-empty, printable common name.
-    pub fn of_certificate(der: &[u8]) -> Result<Self, TlsError> {
-        let (_, cert) = x509_parser::parse_x509_certificate(der)
-            .map_err(|e| TlsError::Identity(format!("unreadable certificate: {e}")))?;
+    /// The identity a DER certificate names: its single, non-empty, printable common name, and
+    /// its role by its extended key usage.
+    pub(crate) fn of_certificate(der: &[u8]) -> Result<Self, IdentityError> {
+        let (_, cert) =
+            x509_parser::parse_x509_certificate(der).map_err(IdentityError::Unreadable)?;
         let mut names = cert.subject().iter_common_name();
-        let name = names
-            .next()
-            .ok_or_else(|| TlsError::Identity("the certificate has no common name".into()))?;
+        let name = names.next().ok_or(IdentityError::NoCommonName)?;
         if names.next().is_some() {
-            return Err(TlsError::Identity(
-                "the certificate has more than one common name".into(),
-            ));
+            return Err(IdentityError::SeveralCommonNames);
         }
         let name = name
             .as_str()
-            .map_err(|e| TlsError::Identity(format!("common name is not a string: {e}")))?;
+            .map_err(|_| IdentityError::UnusableCommonName)?;
         if name.is_empty()
             || name.len() > MAX_IDENTITY_LEN
             || !name.chars().all(|c| c.is_ascii_graphic())
         {
-            return Err(TlsError::Identity(format!(
-                "common name must be 1 to {MAX_IDENTITY_LEN} printable ASCII characters without spaces"
-            )));
+            return Err(IdentityError::UnusableCommonName);
         }
-        Ok(Self(name.to_string()))
+        let serves = cert
+            .extended_key_usage()
+            .map_err(IdentityError::Extension)?
+            .is_some_and(|usage| usage.value.server_auth);
+        Ok(Self {
+            name: name.to_string(),
+            role: if serves { Role::Node } else { Role::Client },
+        })
     }
 
     /// The name itself.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.name
+    }
+
+    /// What its holder may act as.
+    pub fn role(&self) -> Role {
+        self.role
     }
 }
 
 impl fmt::Display for Identity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.name)
     }
 }
 
@@ -120,17 +185,20 @@ fn provider() -> Arc<CryptoProvider> {
 }
 
 fn read_certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let fail = |reason: String| TlsError::File {
+    let fail = |source| TlsError::Pem {
         what,
         path: path.to_path_buf(),
-        reason,
+        source,
     };
     let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|e| fail(e.to_string()))?
+        .map_err(fail)?
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| fail(e.to_string()))?;
+        .map_err(fail)?;
     if certs.is_empty() {
-        return Err(fail("no PEM certificate in it".into()));
+        return Err(TlsError::Empty {
+            what,
+            path: path.to_path_buf(),
+        });
     }
     Ok(certs)
 }
@@ -138,28 +206,39 @@ fn read_certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'sta
 fn read_roots(path: &Path) -> Result<Arc<RootCertStore>, TlsError> {
     let mut roots = RootCertStore::empty();
     for cert in read_certs("CA certificate", path)? {
-        roots.add(cert).map_err(|e| TlsError::File {
-            what: "CA certificate",
+        roots.add(cert).map_err(|source| TlsError::BadCa {
             path: path.to_path_buf(),
-            reason: e.to_string(),
+            source,
         })?;
     }
     Ok(Arc::new(roots))
 }
 
+/// Between ferry peers only TLS 1.3: both ends are ferry, and 1.3 alone leaves no weaker
+/// suite or renegotiation to negotiate down to.
+const VERSIONS: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+
 impl Material {
     fn load(files: &TlsFiles) -> Result<Self, TlsError> {
         let chain = read_certs("certificate", &files.cert)?;
-        let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|e| TlsError::File {
+        let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|source| TlsError::Pem {
             what: "private key",
             path: files.key.clone(),
-            reason: e.to_string(),
+            source,
         })?;
         let identity = Identity::of_certificate(&chain[0])?;
+        let roots = read_roots(&files.ca)?;
+        // Verified as a peer would verify it (chain, validity period, usage): a certificate
+        // nobody would accept is an error at start, not a refusal at every connection.
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(roots.clone(), provider()).build()?;
+        verifier
+            .verify_client_cert(&chain[0], &chain[1..], UnixTime::now())
+            .map_err(TlsError::OwnCertificate)?;
         Ok(Self {
             chain,
             key,
-            roots: read_roots(&files.ca)?,
+            roots,
             identity,
         })
     }
@@ -167,7 +246,7 @@ impl Material {
     /// The connecting side: the CA's roots only, and this holder's certificate when asked.
     fn connector(&self) -> Result<TlsConnector, TlsError> {
         let config = rustls::ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()?
+            .with_protocol_versions(VERSIONS)?
             .with_root_certificates(self.roots.clone())
             .with_client_auth_cert(self.chain.clone(), self.key.clone_key())?;
         Ok(TlsConnector::from(Arc::new(config)))
@@ -200,7 +279,7 @@ impl NodeTls {
             WebPkiClientVerifier::builder_with_provider(material.roots.clone(), provider())
                 .build()?;
         let config = rustls::ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()?
+            .with_protocol_versions(VERSIONS)?
             .with_client_cert_verifier(verifier)
             .with_single_cert(material.chain.clone(), material.key.clone_key())?;
         Ok(Self {
@@ -229,10 +308,7 @@ impl NodeTls {
         let accepted = async {
             let stream = self.acceptor.accept(socket).await?;
             let identity = peer_identity(stream.get_ref().1)?;
-            Ok::<_, io::Error>(TlsLink {
-                stream: stream.into(),
-                peer: identity,
-            })
+            Ok::<_, io::Error>(TlsLink::new(stream.into(), identity))
         }
         .await;
         if let Err(error) = &accepted {
@@ -265,14 +341,23 @@ impl ClientTls {
 
     /// Runs the client side of the handshake to the node at `addr` (`HOST:PORT`): the node's
     /// certificate must be signed by the CA and name `HOST` (a DNS name or an IP address).
+    ///
+    /// A handshake the node's certificate (or this side's) fails comes back as
+    /// [`io::ErrorKind::PermissionDenied`]: no retry can change it.
     pub async fn connect(&self, socket: TcpStream, addr: &str) -> io::Result<TlsLink> {
         let name = server_name(addr)?;
-        let stream = self.connector.connect(name, socket).await?;
+        let stream = self.connector.connect(name, socket).await.map_err(|e| {
+            if e.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()) {
+                io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("TLS handshake with {addr}: {e}"),
+                )
+            } else {
+                e
+            }
+        })?;
         let identity = peer_identity(stream.get_ref().1)?;
-        Ok(TlsLink {
-            stream: stream.into(),
-            peer: identity,
-        })
+        Ok(TlsLink::new(stream.into(), identity))
     }
 }
 
@@ -285,8 +370,7 @@ fn peer_identity(state: &rustls::CommonState) -> io::Result<Identity> {
         .peer_certificates()
         .and_then(|chain| chain.first())
         .ok_or_else(|| io::Error::new(io::ErrorKind::PermissionDenied, "no peer certificate"))?;
-    Identity::of_certificate(leaf)
-        .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e.to_string()))
+    Identity::of_certificate(leaf).map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))
 }
 
 /// The name a node's certificate must carry to be the node at `addr`: the host of `HOST:PORT`

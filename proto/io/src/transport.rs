@@ -165,13 +165,23 @@ impl Transport for TcpStream {}
 impl Transport for tokio::io::DuplexStream {}
 impl Transport for tokio_rustls::TlsStream<TcpStream> {}
 
-/// A TCP stream under TLS and the identity its peer's certificate proved.
+/// A TCP stream under TLS and the identity its peer's certificate proved. Only a finished
+/// handshake makes one (in `tls`), so its identity is always a verified one.
 #[derive(Debug)]
 pub struct TlsLink {
-    /// The encrypted stream.
-    pub stream: tokio_rustls::TlsStream<TcpStream>,
+    stream: tokio_rustls::TlsStream<TcpStream>,
+    peer: Identity,
+}
+
+impl TlsLink {
+    pub(crate) fn new(stream: tokio_rustls::TlsStream<TcpStream>, peer: Identity) -> Self {
+        Self { stream, peer }
+    }
+
     /// Who the peer is, by its verified certificate.
-    pub peer: Identity,
+    pub fn peer(&self) -> &Identity {
+        &self.peer
+    }
 }
 
 /// A Unix socket that reads with `recvmsg`, so descriptors sent with the bytes are kept (a plain

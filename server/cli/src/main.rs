@@ -55,19 +55,24 @@ struct Args {
     /// This node's TLS certificate (PEM, leaf first): every TCP link, served and opened to
     /// peers, is then mutual TLS, and the node's id is the certificate's common name. Needs
     /// --tls-key and --tls-ca (`ferry certs` makes all three).
-    #[arg(long, value_name = "PATH", env = "FERRY_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
+    #[arg(long, value_name = "PATH", env = "FERRY_NODE_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
     tls_cert: Option<std::path::PathBuf>,
     /// The private key of --tls-cert (PEM; keep it readable by the node's user only).
     #[arg(
         long,
         value_name = "PATH",
-        env = "FERRY_TLS_KEY",
+        env = "FERRY_NODE_TLS_KEY",
         requires = "tls_cert"
     )]
     tls_key: Option<std::path::PathBuf>,
     /// The CA certificate(s) (PEM) every client and peer certificate must chain to; the only
     /// roots trusted.
-    #[arg(long, value_name = "PATH", env = "FERRY_TLS_CA", requires = "tls_cert")]
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "FERRY_NODE_TLS_CA",
+        requires = "tls_cert"
+    )]
     tls_ca: Option<std::path::PathBuf>,
     /// A file holding the token this node presents to the nodes it pulls from (its first line).
     #[arg(long, value_name = "PATH")]
@@ -112,7 +117,8 @@ struct Args {
     /// Payload bytes per chunk frame (suffixes work).
     #[arg(long, default_value = "4MiB")]
     chunk_size: bytesize::ByteSize,
-    /// This node's id, which capabilities are bound to. Random when absent.
+    /// This node's id, which capabilities are bound to. Random when absent; under TLS it is the
+    /// certificate's common name, and an id given here must be the same.
     #[arg(long)]
     node_id: Option<String>,
     /// Token presented to the nodes this node pulls from. Default: the node's own --token.
@@ -265,8 +271,9 @@ async fn serve() -> anyhow::Result<()> {
             };
             Some(ferry_io::NodeTls::load(&files).context("loading the node's TLS files")?)
         }
-        // clap requires all three together.
-        _ => None,
+        (None, None, None) => None,
+        // Never a silent fall back to TCP in clear.
+        _ => bail!("--tls-cert, --tls-key and --tls-ca go together"),
     };
     if !args.listen.ip().is_loopback() {
         let missing = match (credentials.is_empty(), tls.is_none()) {

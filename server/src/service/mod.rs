@@ -210,6 +210,8 @@ async fn accept_loop(
             tracing::warn!(%peer, "Unix connection refused: another user");
             continue;
         }
+        // One deadline from here for the TLS handshake and the hello together.
+        let hello_by = tokio::time::Instant::now() + service.config.hello_timeout;
         let (socket, peer) = match accepted {
             Ok(accepted) => accepted,
             // Out of file descriptors and the like: back off rather than spin or die.
@@ -227,7 +229,7 @@ async fn accept_loop(
             Err(_) => {
                 tracing::warn!(%peer, "connection refused: at the connection limit");
                 service.node.recorder().connection_refused();
-                tokio::spawn(refuse(socket, service.config.clone()));
+                tokio::spawn(refuse(socket, service.config.clone(), service.node.clone()));
                 continue;
             }
         };
@@ -251,15 +253,14 @@ async fn accept_loop(
                     _ => {
                         tracing::warn!(%peer, "connection refused: at the connection limit");
                         node.recorder().connection_refused();
-                        refuse(socket, config).await;
+                        refuse(socket, config, node.clone()).await;
                         return;
                     }
                 },
             };
             let mut place = place.unwrap_or_else(|| awaiting.enter());
             let tls = node.config().tls.as_ref();
-            let Some(socket) = secure(socket, tls, &peer, &mut place, config.hello_timeout).await
-            else {
+            let Some(socket) = secure(socket, tls, &peer, &mut place, hello_by).await else {
                 return;
             };
             let identity = socket.peer_identity().cloned();
@@ -275,6 +276,7 @@ async fn accept_loop(
                 id,
                 scopes: Scopes::of(&[]),
                 identity,
+                hello_by,
             }
             .serve(&mut conn, place)
             .await;
@@ -289,26 +291,26 @@ async fn accept_loop(
     }
 }
 
-/// Puts a TCP connection under the node's TLS, within the hello deadline and unless its slot
-/// goes to a newer connection first; a Unix socket, or any stream of a node without TLS, as it
-/// is. `None` where the handshake failed (logged by the handshake, at a bounded rate) or ran out.
+/// Puts a TCP connection under the node's TLS, by the hello deadline and unless its slot goes to
+/// a newer connection first; a Unix socket, or any stream of a node without TLS, as it is.
+/// `None` where the handshake failed (logged by the handshake, at a bounded rate) or ran out.
 async fn secure(
     socket: Stream,
     tls: Option<&NodeTls>,
     peer: &str,
     place: &mut Place,
-    deadline: Duration,
+    hello_by: tokio::time::Instant,
 ) -> Option<Stream> {
     let (tls, tcp) = match (tls, socket) {
         (Some(tls), Stream::Tcp(tcp)) => (tls, tcp),
         (_, other) => return Some(other),
     };
     tokio::select! {
-        accepted = tokio::time::timeout(deadline, tls.accept(tcp, peer)) => match accepted {
+        accepted = tokio::time::timeout_at(hello_by, tls.accept(tcp, peer)) => match accepted {
             Ok(Ok(link)) => Some(Stream::Tls(Box::new(link))),
             Ok(Err(_)) => None,
             Err(_) => {
-                tracing::info!(%peer, ?deadline, "closed: no TLS handshake within the hello deadline");
+                tracing::info!(%peer, "closed: no TLS handshake by the hello deadline");
                 None
             }
         },
@@ -359,8 +361,13 @@ fn unix_peer(socket: &UnixStream) -> String {
     }
 }
 
-/// Tells a connection over the limit why it is closed, without waiting on it for long.
-async fn refuse(socket: Stream, config: Arc<ServiceConfig>) {
+/// Tells a connection over the limit why it is closed, without waiting on it for long. A TCP
+/// connection to a TLS node is closed without a word: nothing goes to a peer before its
+/// certificate is verified, and a handshake is what the limit is there to spare.
+async fn refuse(socket: Stream, config: Arc<ServiceConfig>, node: Node) {
+    if node.config().tls.is_some() && matches!(socket, Stream::Tcp(_)) {
+        return;
+    }
     let mut conn = Connection::new(socket, config.limits);
     let reply = Response::Error(ErrorReply {
         code: ErrorCode::LimitExceeded,

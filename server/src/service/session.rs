@@ -5,6 +5,7 @@ use ferry_io::credential::{Scope, Scopes};
 use ferry_io::handshake::{self, protocol_error, refuse as fail};
 use ferry_io::{
     Connection, ConnectionError, ConnectionLimits, Identity, PayloadRoute, RegionUse, Transport,
+    tls,
 };
 use ferry_proto::{ErrorCode, ErrorReply, Request, Response, TensorKey, TensorMeta, Untrusted};
 use tokio::sync::broadcast;
@@ -32,6 +33,8 @@ pub(super) struct Session<'a> {
     pub(super) scopes: Scopes,
     /// Who it is by its certificate, on a TLS link.
     pub(super) identity: Option<Identity>,
+    /// When its hello must have come (the TLS handshake, if any, counted in).
+    pub(super) hello_by: tokio::time::Instant,
 }
 
 /// The scopes of which a request needs its connection's credential to allow one.
@@ -128,7 +131,9 @@ impl Session<'_> {
             agent: AGENT,
             shared_memory: self.node.config().shared_memory,
             peer: self.client,
-            deadline: self.config.hello_timeout,
+            deadline: self
+                .hello_by
+                .saturating_duration_since(tokio::time::Instant::now()),
         };
         Ok(match handshake::accept(conn, policy).await? {
             handshake::Greeting::Welcomed(_, scopes) => Some(scopes),
@@ -136,20 +141,26 @@ impl Session<'_> {
         })
     }
 
-    /// The node a fetch or release speaks for, which its capability must be bound to: on a TLS
-    /// link the identity the peer's certificate proved (a claim on the wire naming another is
-    /// refused); elsewhere (a Unix socket of this node's user, TCP in clear) only the claim.
+    /// The node a fetch speaks for, which its capability must be bound to: on a TLS link the
+    /// identity a node's certificate proved (a claim on the wire naming another, or a client's
+    /// certificate, is refused); elsewhere (a Unix socket of this node's own user, who can read
+    /// its key anyway; TCP in clear) only the claim.
     fn speaks_for<'c>(&'c self, claimed: &'c str) -> Result<&'c str, NodeError> {
-        match &self.identity {
-            Some(certified) if certified.as_str() != claimed => {
-                Err(NodeError::CapabilityRefused(Refusal::NotCertified {
-                    claimed: Untrusted(claimed).to_string(),
-                    certified: certified.to_string(),
-                }))
-            }
-            Some(certified) => Ok(certified.as_str()),
-            None => Ok(claimed),
+        let Some(certified) = &self.identity else {
+            return Ok(claimed);
+        };
+        if certified.role() != tls::Role::Node {
+            return Err(NodeError::CapabilityRefused(Refusal::NotANode {
+                certified: certified.to_string(),
+            }));
         }
+        if certified.as_str() != claimed {
+            return Err(NodeError::CapabilityRefused(Refusal::NotCertified {
+                claimed: Untrusted(claimed).to_string(),
+                certified: certified.to_string(),
+            }));
+        }
+        Ok(certified.as_str())
     }
 
     async fn handle<S: Transport>(
@@ -268,9 +279,11 @@ impl Session<'_> {
             Request::Release {
                 capability,
                 node_id,
-            } => self
-                .speaks_for(&node_id)
-                .and_then(|node_id| node.release(&capability, node_id, self.id))
+            } => node
+                // Who may release is bound to connections: the one whose fetch was checked
+                // against its certificate, or before any fetch the one it was granted to (a
+                // client handing back what its target deduped, which is no node).
+                .release(&capability, &node_id, self.id)
                 .map(|()| Response::Released),
         };
         conn.write_response(&reply.unwrap_or_else(|e| Response::Error(e.reply())))

@@ -413,6 +413,33 @@ fn certificates_from_ferry_certs_carry_a_model_between_nodes_over_mutual_tls() {
         &["--tls-ca", me.ca.to_str().unwrap(), "ls", &a.addr],
         "required arguments",
     );
+    // A token never goes in clear beyond loopback (refused before connecting: this address
+    // is unroutable), unless told --insecure.
+    fails(
+        &[
+            "--token",
+            "t0k",
+            "health",
+            "192.0.2.1:7070",
+            "--timeout",
+            "1",
+        ],
+        "refusing to send a token to 192.0.2.1:7070 in clear",
+    );
+    let told = ferry(&[
+        "--token",
+        "t0k",
+        "--insecure",
+        "health",
+        "192.0.2.1:7070",
+        "--timeout",
+        "1",
+    ]);
+    let stderr = String::from_utf8_lossy(&told.stderr);
+    assert!(
+        !told.status.success() && !stderr.contains("refusing"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -196,7 +196,15 @@ impl<S: Transport> Connection<S> {
                 .await
                 .map_err(|_| ConnectionError::IdleTimeout(idle))??
         } else {
-            read.await?
+            match read.await {
+                Ok(n) => n,
+                // A TLS peer that closes its socket without a `close_notify` (a client dropped
+                // between requests) reads as an unexpected end of file. Between frames that is a
+                // close like any other: frames delimit themselves, so nothing can have been cut
+                // off (in the middle of a frame it stays an error).
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => 0,
+                Err(e) => return Err(e.into()),
+            }
         };
         Ok(n > 0)
     }

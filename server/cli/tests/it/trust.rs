@@ -59,6 +59,9 @@ fn a_start_beyond_loopback_without_tls_and_a_credential_is_refused_unless_insecu
             .args(["--listen", "0.0.0.0:0", "--device", "flex"])
             .args(extra)
             .env_remove("FERRY_TOKEN")
+            .env_remove("FERRY_NODE_TLS_CERT")
+            .env_remove("FERRY_NODE_TLS_KEY")
+            .env_remove("FERRY_NODE_TLS_CA")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -95,9 +98,14 @@ fn a_start_beyond_loopback_without_tls_and_a_credential_is_refused_unless_insecu
         child.kill().unwrap();
         let _ = child.wait();
     }
-    // A TLS flag alone is a usage error: the three go together.
-    let partial = start(&["--tls-cert", cert]).wait_with_output().unwrap();
+    // A TLS flag alone is a usage error (the three go together), on loopback too.
+    let partial = Command::new(ferry_server())
+        .args(["--listen", "127.0.0.1:0", "--tls-cert", cert])
+        .output()
+        .unwrap();
     assert!(!partial.status.success());
+    let stderr = String::from_utf8_lossy(&partial.stderr);
+    assert!(stderr.contains("required arguments"), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
