@@ -32,5 +32,7 @@ pub use node::{
     PeerPolicy, TransferMode,
 };
 pub use peer::{PeerLink, PullRequest};
-pub use service::{DEFAULT_HELLO_TIMEOUT, Service, ServiceConfig};
+pub use service::{
+    DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, Service, ServiceConfig,
+};
 pub use source::{Fetch, SourceConfig, SourceConnection, SourceError};

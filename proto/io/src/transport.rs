@@ -159,11 +159,21 @@ pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send {
     fn unread_by_peer(&self) -> Option<usize> {
         None
     }
+
+    /// Whether the link itself authenticates every byte read (TLS's AEAD records, between two
+    /// certified ends): a per-chunk checksum then adds nothing, and is not checked.
+    fn authenticated(&self) -> bool {
+        false
+    }
 }
 
 impl Transport for TcpStream {}
 impl Transport for tokio::io::DuplexStream {}
-impl Transport for tokio_rustls::TlsStream<TcpStream> {}
+impl Transport for tokio_rustls::TlsStream<TcpStream> {
+    fn authenticated(&self) -> bool {
+        true
+    }
+}
 
 /// A TCP stream under TLS and the identity its peer's certificate proved. Only a finished
 /// handshake makes one (in `tls`), so its identity is always a verified one.
@@ -434,6 +444,14 @@ impl Transport for Stream {
             Stream::Tcp(s) => s.take_fd(),
             Stream::Tls(s) => s.stream.take_fd(),
             Stream::Unix(s) => s.take_fd(),
+        }
+    }
+
+    fn authenticated(&self) -> bool {
+        match self {
+            Stream::Tcp(s) => s.authenticated(),
+            Stream::Tls(s) => s.stream.authenticated(),
+            Stream::Unix(s) => s.authenticated(),
         }
     }
 

@@ -80,6 +80,10 @@ struct Args {
     /// Connections served at once; more are refused with an error.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
+    /// Connections served at once from one IP address, counted from accept (before any hello
+    /// or TLS handshake), so that one host cannot take every slot; Unix sockets apart.
+    #[arg(long, default_value_t = ferry_server::DEFAULT_MAX_CONNECTIONS_PER_ADDRESS)]
+    max_connections_per_address: usize,
     /// Largest tensor accepted (bytes; suffixes like 512MiB or 4GB work).
     #[arg(long, default_value = "16GiB")]
     max_tensor_bytes: bytesize::ByteSize,
@@ -244,6 +248,9 @@ async fn serve() -> anyhow::Result<()> {
             "--token (or FERRY_TOKEN) is empty: give a token, or leave it unset to run without one"
         );
     }
+    if args.max_connections_per_address == 0 {
+        bail!("--max-connections-per-address must be at least 1");
+    }
     if args.hello_timeout == 0 {
         bail!("--hello-timeout must be at least 1 second");
     }
@@ -356,6 +363,7 @@ async fn serve() -> anyhow::Result<()> {
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         keepalive: Duration::from_secs(args.keepalive),
         hello_timeout: Duration::from_secs(args.hello_timeout),
+        max_connections_per_address: args.max_connections_per_address,
     };
     let mut service = Service::bind(node, args.listen, service_config)
         .await

@@ -22,9 +22,11 @@ use crate::error::NodeError;
 use crate::node::Node;
 use crate::peer::PeerLink;
 use awaiting_hello::{AwaitingHello, Place};
+use per_address::PerAddress;
 use session::Session;
 
 mod awaiting_hello;
+mod per_address;
 mod session;
 
 /// How long a newcomer waits for the slot an evicted silent connection gives back.
@@ -51,7 +53,14 @@ pub struct ServiceConfig {
     /// How long a new connection may take to say `Hello` before it is closed: a socket that
     /// never speaks holds a connection slot for this long at most.
     pub hello_timeout: Duration,
+    /// Connections served at once from one IP address (Unix sockets apart), counted from
+    /// accept: one host cannot take every slot.
+    pub max_connections_per_address: usize,
 }
+
+/// The default [`ServiceConfig::max_connections_per_address`]: a quarter of the default
+/// connection limit, room for a client's pool of connections and a load test's.
+pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: usize = 256;
 
 /// The default [`ServiceConfig::hello_timeout`]: a client says hello within a round trip of
 /// connecting; a few seconds leave room for a loaded machine.
@@ -66,6 +75,7 @@ impl Default for ServiceConfig {
             shutdown_grace: Duration::from_secs(30),
             keepalive: Duration::from_secs(300),
             hello_timeout: DEFAULT_HELLO_TIMEOUT,
+            max_connections_per_address: DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
         }
     }
 }
@@ -192,19 +202,21 @@ async fn accept_loop(
     done_tx: &mpsc::Sender<()>,
 ) -> std::io::Result<()> {
     let awaiting = Arc::new(AwaitingHello::default());
+    let per_address = PerAddress::new(service.config.max_connections_per_address);
     loop {
         let accepted = tokio::select! {
             tcp = service.listener.accept() => tcp.map(|(socket, peer)| {
                 // Frames are written whole; waiting to coalesce them only adds latency.
                 let _ = socket.set_nodelay(true);
-                (Stream::Tcp(socket), peer.to_string())
+                (Stream::Tcp(socket), peer.to_string(), Some(peer.ip()))
             }),
             unix = accept_unix(service.unix.as_ref()) => unix.map(|socket| {
                 let peer = unix_peer(&socket);
-                (Stream::Unix(UnixTransport::new(socket)), peer)
+                // The node's own user (checked below): no address to count it under.
+                (Stream::Unix(UnixTransport::new(socket)), peer, None)
             }),
         };
-        if let Ok((Stream::Unix(unix), peer)) = &accepted
+        if let Ok((Stream::Unix(unix), peer, _)) = &accepted
             && !unix_peer_allowed(unix.get_ref())
         {
             tracing::warn!(%peer, "Unix connection refused: another user");
@@ -212,7 +224,7 @@ async fn accept_loop(
         }
         // One deadline from here for the TLS handshake and the hello together.
         let hello_by = tokio::time::Instant::now() + service.config.hello_timeout;
-        let (socket, peer) = match accepted {
+        let (socket, peer, ip) = match accepted {
             Ok(accepted) => accepted,
             // Out of file descriptors and the like: back off rather than spin or die.
             Err(e) => {
@@ -220,6 +232,19 @@ async fn accept_loop(
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
+        };
+        // One address holds so many slots at most, speaking or not (before the limit below, so
+        // that its silent sockets cannot make another host's connections give way).
+        let address_slot = match ip.map(|ip| per_address.enter(ip)) {
+            Some(None) => {
+                tracing::warn!(%peer, "connection refused: at the per-address limit");
+                service.node.recorder().connection_refused();
+                let why = Full::Address(per_address.limit());
+                tokio::spawn(refuse(socket, service.node.clone(), why));
+                continue;
+            }
+            Some(slot) => slot,
+            None => None,
         };
         // At the limit, the connection that has waited longest for its hello makes room: a
         // newcomer is refused only when every slot holds a connection that said hello.
@@ -229,7 +254,8 @@ async fn accept_loop(
             Err(_) => {
                 tracing::warn!(%peer, "connection refused: at the connection limit");
                 service.node.recorder().connection_refused();
-                tokio::spawn(refuse(socket, service.config.clone(), service.node.clone()));
+                let why = Full::Node(service.config.max_connections);
+                tokio::spawn(refuse(socket, service.node.clone(), why));
                 continue;
             }
         };
@@ -253,7 +279,7 @@ async fn accept_loop(
                     _ => {
                         tracing::warn!(%peer, "connection refused: at the connection limit");
                         node.recorder().connection_refused();
-                        refuse(socket, config, node.clone()).await;
+                        refuse(socket, node.clone(), Full::Node(config.max_connections)).await;
                         return;
                     }
                 },
@@ -285,6 +311,7 @@ async fn accept_loop(
             }
             node.client_gone(id);
             drop(open);
+            drop(address_slot);
             drop(permit);
             drop(done);
         });
@@ -361,20 +388,35 @@ fn unix_peer(socket: &UnixStream) -> String {
     }
 }
 
-/// Tells a connection over the limit why it is closed, without waiting on it for long. A TCP
+/// Which connection limit a newcomer met.
+#[derive(Debug, Clone, Copy)]
+enum Full {
+    /// The node's: this many connections at once, every one of which said hello.
+    Node(usize),
+    /// Its address's: this many connections from one address at once.
+    Address(usize),
+}
+
+/// Tells a connection over a limit why it is closed, without waiting on it for long. A TCP
 /// connection to a TLS node is closed without a word: nothing goes to a peer before its
 /// certificate is verified, and a handshake is what the limit is there to spare.
-async fn refuse(socket: Stream, config: Arc<ServiceConfig>, node: Node) {
+async fn refuse(socket: Stream, node: Node, full: Full) {
     if node.config().tls.is_some() && matches!(socket, Stream::Tcp(_)) {
         return;
     }
-    let mut conn = Connection::new(socket, config.limits);
+    let mut conn = Connection::new(socket, ConnectionLimits::default());
+    let message = match full {
+        Full::Node(limit) => {
+            format!("the node serves at most {limit} connections at once; try again later")
+        }
+        Full::Address(limit) => format!(
+            "the node serves at most {limit} connections from one address at once; close some \
+             or try again later"
+        ),
+    };
     let reply = Response::Error(ErrorReply {
         code: ErrorCode::LimitExceeded,
-        message: format!(
-            "the node serves at most {} connections at once; try again later",
-            config.max_connections
-        ),
+        message,
     });
     let _ = tokio::time::timeout(Duration::from_secs(1), conn.write_response(&reply)).await;
 }

@@ -97,7 +97,14 @@ impl<S: Transport> Connection<S> {
             let buffered = self.buffer.len().min(len);
             slot[..buffered].copy_from_slice(&self.buffer[..buffered]);
             self.buffer.advance(buffered);
-            let mut crc = crc32c::crc32c_append(crc32c::crc32c(&offset_bytes), &slot[..buffered]);
+            // On a link that authenticates every byte (TLS), a tampered chunk never gets here
+            // and noise cannot: the checksum is not computed.
+            let check = !self.stream.get_ref().authenticated();
+            let mut crc = if check {
+                crc32c::crc32c_append(crc32c::crc32c(&offset_bytes), &slot[..buffered])
+            } else {
+                0
+            };
             // Read the rest in cache-sized pieces and checksum each while it is still hot, so
             // the payload costs one pass over memory rather than two.
             for piece in slot[buffered..].chunks_mut(CHECKSUM_PIECE) {
@@ -111,9 +118,13 @@ impl<S: Transport> Connection<S> {
                         result?;
                     }
                 }
-                crc = crc32c::crc32c_append(crc, piece);
+                if check {
+                    crc = crc32c::crc32c_append(crc, piece);
+                }
             }
-            header.verify_crc(crc)?;
+            if check {
+                header.verify_crc(crc)?;
+            }
             assembler.commit(offset, len)?;
         }
         Ok((PayloadRoute::Chunks, None))

@@ -109,6 +109,37 @@ fn a_start_beyond_loopback_without_tls_and_a_credential_is_refused_unless_insecu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_holds_at_most_its_share_of_connections() {
+    let node = spawn_server(
+        ferry_server(),
+        &["--device", "flex", "--max-connections-per-address", "4"],
+        None,
+    );
+    // Four silent sockets from this address fill its share (not the node: 1024 slots).
+    let mut silent: Vec<TcpStream> = (0..4)
+        .map(|_| TcpStream::connect(node.addr.as_str()).unwrap())
+        .collect();
+    let refused = Client::connect(node.addr.as_str(), None).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::LimitExceeded), "{refused}");
+    assert!(
+        refused.to_string().contains("from one address"),
+        "{refused}"
+    );
+    // One closes: its slot comes back once the node sees it go.
+    drop(silent.pop());
+    let mut client = None;
+    for _ in 0..200 {
+        if let Ok(connected) = Client::connect(node.addr.as_str(), None).await {
+            client = Some(connected);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let mut client = client.expect("a slot came back within 5 s");
+    assert_eq!(client.stat().await.unwrap().devices.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sockets_that_never_say_hello_do_not_keep_a_client_out() {
     let node = spawn_server(
         ferry_server(),
