@@ -27,6 +27,9 @@
 //! - `ferry A->B, mTLS`: the steady state again, on a pair of nodes serving mutual TLS
 //!   (certificates from `ferry_certs`, the client's too): every byte of the pull crosses a
 //!   rustls stream (AES-GCM); the goal is >= 0.6x raw TCP at 256 MiB;
+//! - `raw mTLS`: raw TCP under mutual TLS (rustls with ring, TLS 1.3, in this process, the
+//!   handshake untimed): what encryption alone costs one stream here, the ceiling for the mTLS
+//!   row;
 //! - `raw TCP`: the same number of bytes over one loopback TCP connection in this process, in
 //!   4 MiB writes, read with `read_exact` into a preallocated buffer whose pages were already
 //!   touched: the most a single stream gets out of this kernel, the ceiling for ferry;
@@ -64,6 +67,7 @@
 mod support;
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use burn_std::TensorData;
@@ -71,7 +75,7 @@ use ferry_client::{Client, TensorKey};
 
 use support::{
     Copies, MIB, Memory, NodeProcess, Rate, WRITE_SIZE, clients, f32_tensor, memcpy_once, own_cpu,
-    pull_once, q8s_256, raw_tcp_once, server_binary, verified_since,
+    pull_once, q8s_256, raw_tcp_once, raw_tls_once, server_binary, verified_since,
 };
 /// The name the tensor has on both nodes.
 const NAME: &str = "bench.w";
@@ -246,6 +250,53 @@ async fn tls_copies(binary: &Path, data: &TensorData, runs: usize) -> Rate {
     Rate::of(bytes, &mut times)
 }
 
+/// rustls configurations for a raw mutual-TLS stream between two certified ends, as ferry's
+/// nodes use (its provider: ring, AES-128-GCM first; TLS 1.3; a client certificate required).
+fn raw_tls_configs() -> (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>) {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let pki = ferry::testing::TestPki::new();
+    pki.node("raw-server");
+    pki.client("raw-client");
+    let load = |name: &str| {
+        let files = pki.files(name);
+        let chain = CertificateDer::pem_file_iter(&files.cert)
+            .expect("a certificate file")
+            .collect::<Result<Vec<_>, _>>()
+            .expect("certificates");
+        let key = PrivateKeyDer::from_pem_file(&files.key).expect("a key");
+        (chain, key, files.ca)
+    };
+    let (server_chain, server_key, ca) = load("raw-server");
+    let (client_chain, client_key, _) = load("raw-client");
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(&ca).expect("the CA") {
+        roots.add(cert.expect("a CA certificate")).expect("a root");
+    }
+    let roots = Arc::new(roots);
+    let provider = ferry_io::tls::provider();
+    let versions = &[&rustls::version::TLS13];
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        roots.clone(),
+        provider.clone(),
+    )
+    .build()
+    .expect("a client verifier");
+    let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(versions)
+        .expect("TLS 1.3")
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(server_chain, server_key)
+        .expect("a server config");
+    let client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(versions)
+        .expect("TLS 1.3")
+        .with_root_certificates(roots)
+        .with_client_auth_cert(client_chain, client_key)
+        .expect("a client config");
+    (Arc::new(server), Arc::new(client))
+}
+
 async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Outcome {
     let data = (case.make)();
     let bytes = data.as_bytes().len();
@@ -264,6 +315,11 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
     // Both ends of the stream run in this process; `measure` makes one untimed run more.
     let tcp_cpu = (own_cpu() - cpu_before) / (runs as u32 + 1);
     assert!(dst == src, "raw TCP delivered other bytes");
+    let (tls_server, tls_client) = raw_tls_configs();
+    let raw_tls = Rate::measure(bytes, runs, || {
+        raw_tls_once(src, &mut dst, &tls_server, &tls_client)
+    });
+    assert!(dst == src, "raw TLS delivered other bytes");
     let memcpy = Rate::measure(bytes, runs, || memcpy_once(src, &mut dst));
     drop(dst);
     let stages = [
@@ -329,6 +385,7 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
     println!("    hash verified     {}", cold.verified);
     println!("  ferry A->B, mTLS    {tls}");
     println!("  raw TCP             {tcp}");
+    println!("  raw mTLS            {raw_tls}");
     println!("  memcpy              {memcpy}");
     for (name, rate) in &stages {
         println!("  {name:<19} {rate}");
@@ -343,9 +400,11 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
         cold.rate.median / stages[0].1.median
     );
     println!(
-        "  ferry/raw TCP, mTLS {:.2} (medians; {:.2} of plain ferry)",
+        "  ferry/raw TCP, mTLS {:.2} (medians; {:.2} of plain ferry, {:.2} of raw mTLS; raw mTLS/raw TCP {:.2})",
         tls.median / tcp.median,
-        tls.median / ferry.median
+        tls.median / ferry.median,
+        tls.median / raw_tls.median,
+        raw_tls.median / tcp.median
     );
     // What a pull cannot avoid: the stream's own CPU (a send and a receive copy), the receiver's
     // BLAKE3 over every byte and its chunk checksums. Spread perfectly over this machine's

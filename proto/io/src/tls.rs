@@ -180,8 +180,19 @@ struct Material {
     identity: Identity,
 }
 
-fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+/// ring, offering TLS 1.3's AES-128-GCM first: tensors are bulk data, and AES-128 takes ten
+/// rounds per block where AES-256 takes fourteen; 128-bit keys are what TLS's own defaults
+/// elsewhere (Go, browsers) prefer. AES-256-GCM and ChaCha20-Poly1305 stay on offer.
+pub fn provider() -> Arc<CryptoProvider> {
+    use rustls::crypto::ring::cipher_suite;
+    Arc::new(CryptoProvider {
+        cipher_suites: vec![
+            cipher_suite::TLS13_AES_128_GCM_SHA256,
+            cipher_suite::TLS13_AES_256_GCM_SHA384,
+            cipher_suite::TLS13_CHACHA20_POLY1305_SHA256,
+        ],
+        ..rustls::crypto::ring::default_provider()
+    })
 }
 
 fn read_certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
