@@ -22,7 +22,9 @@ pub const DEVICE_TENSORS: &str = "ferry_device_tensors";
 pub const DEVICE_BYTES: &str = "ferry_device_bytes";
 /// Connections open now.
 pub const CONNECTIONS: &str = "ferry_connections";
-/// Connections refused at the connection limit.
+/// Connections refused before they were served, by `reason`: `node_limit` (every slot held by
+/// a connection that said hello), `address_limit` (the peer's address holds its share),
+/// `tls_handshake` (no valid certificate, or no handshake by the hello deadline).
 pub const CONNECTIONS_REFUSED: &str = "ferry_connections_refused_total";
 /// Reconnections of node-to-node pulls after a transient drop.
 pub const PULL_RETRIES: &str = "ferry_pull_retries_total";
@@ -54,7 +56,10 @@ pub fn describe() {
     describe_gauge!(DEVICE_TENSORS, "Tensors held per device");
     describe_gauge!(DEVICE_BYTES, Unit::Bytes, "Bytes held per device");
     describe_gauge!(CONNECTIONS, "Client and peer connections open");
-    describe_counter!(CONNECTIONS_REFUSED, "Connections refused at the limit");
+    describe_counter!(
+        CONNECTIONS_REFUSED,
+        "Connections refused before they were served, by reason"
+    );
     describe_counter!(PULL_RETRIES, "Pull reconnections after a transient drop");
     describe_counter!(
         INTEGRITY_FAILURES,
@@ -96,9 +101,9 @@ pub(crate) fn connection(opened: bool) {
     gauge!(CONNECTIONS).increment(delta);
 }
 
-/// A connection refused at the limit.
-pub(crate) fn connection_refused() {
-    counter!(CONNECTIONS_REFUSED).increment(1);
+/// A connection refused before it was served, for `reason`.
+pub(crate) fn connection_refused(reason: &'static str) {
+    counter!(CONNECTIONS_REFUSED, "reason" => reason).increment(1);
 }
 
 /// A pull reconnected.

@@ -17,7 +17,7 @@ use ferry::server::{
     NodeConfig, PeerPolicy, ServiceConfig, SourceConfig, SourceConnection, SourceError,
 };
 use ferry::testing::{
-    Fault, TestNode, TestPki, assert_same, devices, how, proxy, start, tls_client,
+    Fault, TestNode, TestPki, assert_same, copy_one, devices, how, proxy, start, tls_client,
 };
 use rustls::RootCertStore;
 use rustls_pki_types::pem::PemObject;
@@ -346,15 +346,7 @@ async fn bytes_altered_on_a_tls_link_fail_the_connection_and_register_nothing() 
     let mut source = tls_client(&a, &me).await.unwrap();
     let mut target = tls_client(&strict, &me).await.unwrap();
     let via_addr = via.to_string();
-    let answer = copy_between(
-        &mut source,
-        &mut target,
-        std::slice::from_ref(&key),
-        &how(&via_addr, 0),
-    )
-    .await
-    .unwrap()
-    .remove(0);
+    let answer = copy_one(&mut source, &mut target, &key, &how(&via_addr, 0)).await;
     let error = answer.expect_err("the tampered pull fails");
     assert_eq!(error.code(), Some(ErrorCode::PeerFailed), "{error}");
     // Not the per-chunk CRC (a plain link's check): the TLS record failed, and with it the
@@ -369,16 +361,9 @@ async fn bytes_altered_on_a_tls_link_fail_the_connection_and_register_nothing() 
     let via = proxy(a.addr, Fault::FlipAt(3 << 19)).await.to_string();
     let patient = tls_node(pki.node("node-c"), PeerPolicy::Listed(vec![via.clone()]), 1).await;
     let mut target = tls_client(&patient, &me).await.unwrap();
-    let info = copy_between(
-        &mut source,
-        &mut target,
-        std::slice::from_ref(&key),
-        &how(&via, 0),
-    )
-    .await
-    .unwrap()
-    .remove(0)
-    .unwrap();
+    let info = copy_one(&mut source, &mut target, &key, &how(&via, 0))
+        .await
+        .unwrap();
     assert_same(
         &target.get(&info.key).await.unwrap(),
         &data,
@@ -401,16 +386,9 @@ async fn a_second_copy_over_tls_dedups_and_hands_its_capability_back() {
     source.put(0, "w", &data).await.unwrap();
     let addr = a.addr.to_string();
     let key = TensorKey::new(0, "w");
-    let first = copy_between(
-        &mut source,
-        &mut target,
-        std::slice::from_ref(&key),
-        &how(&addr, 0),
-    )
-    .await
-    .unwrap()
-    .remove(0)
-    .unwrap();
+    let first = copy_one(&mut source, &mut target, &key, &how(&addr, 0))
+        .await
+        .unwrap();
     assert_eq!(first.path, "pull");
     // The same bytes under another name on B: B already holds them, so the client hands the
     // capability it got back to A itself (over its own certificate, not a node's).
@@ -418,10 +396,8 @@ async fn a_second_copy_over_tls_dedups_and_hands_its_capability_back() {
         dst_name: Some("w2"),
         ..how(&addr, 0)
     };
-    let second = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &again)
+    let second = copy_one(&mut source, &mut target, &key, &again)
         .await
-        .unwrap()
-        .remove(0)
         .unwrap();
     assert_eq!(second.path, "dedup");
     assert_same(&target.get(&second.key).await.unwrap(), &data, "dedup copy");

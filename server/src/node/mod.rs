@@ -27,7 +27,7 @@ pub use admission::Admission;
 use capability::Capability;
 pub(crate) use capability::ClientId;
 pub use capability::DEFAULT_MAX_GRANTS;
-pub(crate) use recorder::{Direction, Recorder};
+pub(crate) use recorder::{Direction, Recorder, Refused};
 pub(crate) use stats::process_memory;
 pub use tensors::MAX_PAGE;
 pub use transfer::TransferMode;

@@ -13,6 +13,27 @@ use crate::error::NodeError;
 use crate::metrics;
 use crate::node::Node;
 
+/// Why a connection was refused before it was served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// Every slot of the node was held by a connection that said hello.
+    NodeLimit,
+    /// The peer's address held its share of the node's connections.
+    AddressLimit,
+    /// No valid certificate, or no TLS handshake by the hello deadline.
+    TlsHandshake,
+}
+
+impl Refused {
+    fn label(self) -> &'static str {
+        match self {
+            Refused::NodeLimit => "node_limit",
+            Refused::AddressLimit => "address_limit",
+            Refused::TlsHandshake => "tls_handshake",
+        }
+    }
+}
+
 /// Which way a payload went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Direction {
@@ -116,9 +137,9 @@ impl Recorder {
         }
     }
 
-    /// A connection was refused at the connection limit.
-    pub(crate) fn connection_refused(&self) {
-        metrics::connection_refused();
+    /// A connection was refused before it was served, for `why`.
+    pub(crate) fn connection_refused(&self, why: Refused) {
+        metrics::connection_refused(why.label());
     }
 
     /// A pull registered bytes it received.

@@ -19,7 +19,7 @@ use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{Semaphore, broadcast, mpsc};
 
 use crate::error::NodeError;
-use crate::node::Node;
+use crate::node::{Node, Refused};
 use crate::peer::PeerLink;
 use awaiting_hello::{AwaitingHello, Place};
 use per_address::PerAddress;
@@ -238,7 +238,10 @@ async fn accept_loop(
         let address_slot = match ip.map(|ip| per_address.enter(ip)) {
             Some(None) => {
                 tracing::warn!(%peer, "connection refused: at the per-address limit");
-                service.node.recorder().connection_refused();
+                service
+                    .node
+                    .recorder()
+                    .connection_refused(Refused::AddressLimit);
                 let why = Full::Address(per_address.limit());
                 tokio::spawn(refuse(socket, service.node.clone(), why));
                 continue;
@@ -253,7 +256,10 @@ async fn accept_loop(
             Err(_) if awaiting.evict_oldest() => None,
             Err(_) => {
                 tracing::warn!(%peer, "connection refused: at the connection limit");
-                service.node.recorder().connection_refused();
+                service
+                    .node
+                    .recorder()
+                    .connection_refused(Refused::NodeLimit);
                 let why = Full::Node(service.config.max_connections);
                 tokio::spawn(refuse(socket, service.node.clone(), why));
                 continue;
@@ -278,7 +284,7 @@ async fn accept_loop(
                     Ok(Ok(permit)) => permit,
                     _ => {
                         tracing::warn!(%peer, "connection refused: at the connection limit");
-                        node.recorder().connection_refused();
+                        node.recorder().connection_refused(Refused::NodeLimit);
                         refuse(socket, node.clone(), Full::Node(config.max_connections)).await;
                         return;
                     }
@@ -286,8 +292,13 @@ async fn accept_loop(
             };
             let mut place = place.unwrap_or_else(|| awaiting.enter());
             let tls = node.config().tls.as_ref();
-            let Some(socket) = secure(socket, tls, &peer, &mut place, hello_by).await else {
-                return;
+            let socket = match secure(socket, tls, &peer, &mut place, hello_by).await {
+                Ok(socket) => socket,
+                Err(Unsecured::Refused) => {
+                    node.recorder().connection_refused(Refused::TlsHandshake);
+                    return;
+                }
+                Err(Unsecured::Evicted) => return,
             };
             let identity = socket.peer_identity().cloned();
             let open = node.connection_opened();
@@ -318,32 +329,39 @@ async fn accept_loop(
     }
 }
 
+/// Why a connection was not put under TLS.
+enum Unsecured {
+    /// The handshake failed (logged by the handshake, at a bounded rate) or ran out of time.
+    Refused,
+    /// Its slot went to a newer connection first.
+    Evicted,
+}
+
 /// Puts a TCP connection under the node's TLS, by the hello deadline and unless its slot goes to
 /// a newer connection first; a Unix socket, or any stream of a node without TLS, as it is.
-/// `None` where the handshake failed (logged by the handshake, at a bounded rate) or ran out.
 async fn secure(
     socket: Stream,
     tls: Option<&NodeTls>,
     peer: &str,
     place: &mut Place,
     hello_by: tokio::time::Instant,
-) -> Option<Stream> {
+) -> Result<Stream, Unsecured> {
     let (tls, tcp) = match (tls, socket) {
         (Some(tls), Stream::Tcp(tcp)) => (tls, tcp),
-        (_, other) => return Some(other),
+        (_, other) => return Ok(other),
     };
     tokio::select! {
         accepted = tokio::time::timeout_at(hello_by, tls.accept(tcp, peer)) => match accepted {
-            Ok(Ok(link)) => Some(Stream::Tls(Box::new(link))),
-            Ok(Err(_)) => None,
+            Ok(Ok(link)) => Ok(Stream::Tls(Box::new(link))),
+            Ok(Err(_)) => Err(Unsecured::Refused),
             Err(_) => {
                 tracing::info!(%peer, "closed: no TLS handshake by the hello deadline");
-                None
+                Err(Unsecured::Refused)
             }
         },
         _ = &mut place.evicted => {
             tracing::info!(%peer, "closed during its TLS handshake: its slot went to a newer connection");
-            None
+            Err(Unsecured::Evicted)
         }
     }
 }

@@ -16,7 +16,7 @@ use ferry::samples;
 const WAIT: Duration = Duration::from_secs(10);
 
 /// A port free right now on loopback.
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -25,7 +25,7 @@ fn free_port() -> u16 {
 }
 
 /// `GET /metrics` over plain HTTP, the body as text.
-fn scrape(port: u16) -> String {
+pub(crate) fn scrape(port: u16) -> String {
     let mut last = String::new();
     // The exporter starts listening just after the node prints its address.
     for _ in 0..50 {
@@ -47,7 +47,7 @@ fn scrape(port: u16) -> String {
 }
 
 /// The value of the sample whose name and labels contain every one of `parts`.
-fn sample(text: &str, parts: &[&str]) -> Option<f64> {
+pub(crate) fn sample(text: &str, parts: &[&str]) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .find(|l| parts.iter().all(|p| l.contains(p)))

@@ -110,9 +110,18 @@ fn a_start_beyond_loopback_without_tls_and_a_credential_is_refused_unless_insecu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_address_holds_at_most_its_share_of_connections() {
+    let port = crate::ops::free_port();
+    let metrics = format!("127.0.0.1:{port}");
     let node = spawn_server(
         ferry_server(),
-        &["--device", "flex", "--max-connections-per-address", "4"],
+        &[
+            "--device",
+            "flex",
+            "--max-connections-per-address",
+            "4",
+            "--metrics",
+            &metrics,
+        ],
         None,
     );
     // Four silent sockets from this address fill its share (not the node: 1024 slots).
@@ -137,6 +146,17 @@ async fn one_address_holds_at_most_its_share_of_connections() {
     }
     let mut client = client.expect("a slot came back within 5 s");
     assert_eq!(client.stat().await.unwrap().devices.len(), 1);
+    let text = tokio::task::spawn_blocking(move || crate::ops::scrape(port))
+        .await
+        .unwrap();
+    let refused = crate::ops::sample(
+        &text,
+        &[
+            "ferry_connections_refused_total{",
+            "reason=\"address_limit\"",
+        ],
+    );
+    assert!(refused >= Some(1.0), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
