@@ -181,8 +181,9 @@ struct Material {
 }
 
 /// ring, offering TLS 1.3's AES-128-GCM first: tensors are bulk data, and AES-128 takes ten
-/// rounds per block where AES-256 takes fourteen; 128-bit keys are what TLS's own defaults
-/// elsewhere (Go, browsers) prefer. AES-256-GCM and ChaCha20-Poly1305 stay on offer.
+/// rounds per block where AES-256 takes fourteen (on a CPU with VAES both seal about 6 GB/s per
+/// core, measured with ring; without it AES-128 is the faster). AES-256-GCM and
+/// ChaCha20-Poly1305 stay on offer.
 pub fn provider() -> Arc<CryptoProvider> {
     use rustls::crypto::ring::cipher_suite;
     Arc::new(CryptoProvider {
