@@ -27,9 +27,10 @@
 //! - `ferry A->B, mTLS`: the steady state again, on a pair of nodes serving mutual TLS
 //!   (certificates from `ferry_certs`, the client's too): every byte of the pull crosses a
 //!   rustls stream (AES-GCM); the goal is >= 0.6x raw TCP at 256 MiB;
-//! - `raw mTLS`: raw TCP under mutual TLS (rustls with ring, TLS 1.3, in this process, the
-//!   handshake untimed): what encryption alone costs one stream here, the ceiling for the mTLS
-//!   row;
+//! - `raw mTLS`: raw TCP under mutual TLS (rustls with ring, TLS 1.3, both ends threads of this
+//!   process with rustls's blocking stream, the handshake untimed): what rustls costs one
+//!   stream here, a reference for the mTLS row rather than a strict ceiling (the nodes run
+//!   their ends in two processes, each with a runtime of its own);
 //! - `raw TCP`: the same number of bytes over one loopback TCP connection in this process, in
 //!   4 MiB writes, read with `read_exact` into a preallocated buffer whose pages were already
 //!   touched: the most a single stream gets out of this kernel, the ceiling for ferry;

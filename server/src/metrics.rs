@@ -24,7 +24,8 @@ pub const DEVICE_BYTES: &str = "ferry_device_bytes";
 pub const CONNECTIONS: &str = "ferry_connections";
 /// Connections refused before they were served, by `reason`: `node_limit` (every slot held by
 /// a connection that said hello), `address_limit` (the peer's address holds its share),
-/// `tls_handshake` (no valid certificate, or no handshake by the hello deadline).
+/// `tls_handshake` (no valid certificate, or not TLS), `hello_deadline` (no hello, or no TLS
+/// handshake, in time), `unix_user` (a Unix socket peer of another user).
 pub const CONNECTIONS_REFUSED: &str = "ferry_connections_refused_total";
 /// Reconnections of node-to-node pulls after a transient drop.
 pub const PULL_RETRIES: &str = "ferry_pull_retries_total";

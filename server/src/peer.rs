@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use ferry_io::TensorAssembler;
-use ferry_io::{ConnectionError, Endpoint, PayloadRoute, RegionUse};
+use ferry_io::{ConnectionError, PayloadRoute, RegionUse};
 use ferry_proto::ErrorCode;
 use ferry_proto::{TensorKey, Untrusted, dtype_name};
 
@@ -191,18 +191,13 @@ impl Node {
             region,
         } = received;
         let (data, hash) = match route {
-            // Chunks over mutual TLS: every record was authenticated between this node and the
-            // certified source, so nobody on the path changed a byte; what is left to check is
-            // the source's own statement of the hash, which the worker verifies off the critical
-            // path as for a region (until then the tensor is granted, matched and deduped on by
-            // nothing).
-            PayloadRoute::Chunks if self.authenticated_link(&req.source) => (
-                assembler.finish().map_err(NodeError::Received)?,
-                KnownHash::Stated(granted.to_string()),
-            ),
-            // Chunks went through a link that vouches for nothing beyond each chunk's CRC (a
-            // proxy can rewrite both): hashed while they arrived, and compared with the grant
-            // before anything is registered.
+            // Chunks: hashed while they arrived, and compared with the grant before anything is
+            // registered. In clear the link vouches for nothing beyond each chunk's CRC (a proxy
+            // can rewrite both). Over mutual TLS nobody on the path can change a byte, but the
+            // hash compared is the one the client relayed from the grant: checked here all the
+            // same, so that a wrong one fails the pull (`Integrity`) on every link alike. The
+            // hashing overlaps the receive on another thread, so the answer waits for its last
+            // chunk only.
             PayloadRoute::Chunks => {
                 let (data, computed) = crate::service::finish_hashed(assembler).await?;
                 if computed != granted {
@@ -328,26 +323,14 @@ impl Node {
             meta.byte_len() as u64,
             req.existing,
         )?;
-        // Hashed while it arrives, a chunk behind, on another thread; over TLS afterwards
-        // instead, off the critical path (see `pull`).
-        let receiver = self.receiver(req.dst_device, meta)?;
-        let assembler = if self.authenticated_link(&req.source) {
-            receiver
-        } else {
-            receiver.hashing()
-        };
+        // Hashed while it arrives, a chunk behind, on another thread.
+        let assembler = self.receiver(req.dst_device, meta)?.hashing();
         Ok(Receiving {
             assembler,
             admission,
             route: PayloadRoute::Chunks,
             region: None,
         })
-    }
-
-    /// Whether a pull from `source` goes over a link that authenticates every byte between two
-    /// certified nodes: TCP from a node with TLS (which never opens TCP in clear).
-    fn authenticated_link(&self, source: &str) -> bool {
-        self.config().tls.is_some() && matches!(Endpoint::parse(source), Endpoint::Tcp(_))
     }
 
     /// A link whose peer stopped answering mid-exchange is out of step: never reuse it.

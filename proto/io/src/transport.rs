@@ -492,6 +492,22 @@ mod tests {
         );
     }
 
+    /// Only a TLS stream vouches for its bytes (and so skips the chunks' checksum): TCP in clear,
+    /// a Unix socket and an in-memory pipe never do.
+    #[tokio::test]
+    async fn only_tls_streams_are_authenticated() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let tcp = Endpoint::from(listener.local_addr().unwrap())
+            .connect(None)
+            .await
+            .unwrap();
+        assert!(!tcp.authenticated(), "TCP in clear");
+        let (a, _b) = UnixStream::pair().unwrap();
+        assert!(!Stream::Unix(UnixTransport::new(a)).authenticated(), "Unix");
+        let (pipe, _other) = tokio::io::duplex(64);
+        assert!(!pipe.authenticated(), "in-memory pipe");
+    }
+
     /// A Unix socket another user serves (here bound by a thread that took another user's id,
     /// which needs root: as the tests run in CI) is refused before a byte is sent.
     #[cfg(target_os = "linux")]

@@ -83,7 +83,7 @@ struct Args {
     /// Connections served at once from one IP address, counted from accept (before any hello
     /// or TLS handshake), so that one host cannot take every slot; Unix sockets apart.
     #[arg(long, default_value_t = ferry_server::DEFAULT_MAX_CONNECTIONS_PER_ADDRESS)]
-    max_connections_per_address: usize,
+    max_connections_per_address: std::num::NonZeroUsize,
     /// Largest tensor accepted (bytes; suffixes like 512MiB or 4GB work).
     #[arg(long, default_value = "16GiB")]
     max_tensor_bytes: bytesize::ByteSize,
@@ -247,9 +247,6 @@ async fn serve() -> anyhow::Result<()> {
         bail!(
             "--token (or FERRY_TOKEN) is empty: give a token, or leave it unset to run without one"
         );
-    }
-    if args.max_connections_per_address == 0 {
-        bail!("--max-connections-per-address must be at least 1");
     }
     if args.hello_timeout == 0 {
         bail!("--hello-timeout must be at least 1 second");

@@ -20,8 +20,12 @@ pub(crate) enum Refused {
     NodeLimit,
     /// The peer's address held its share of the node's connections.
     AddressLimit,
-    /// No valid certificate, or no TLS handshake by the hello deadline.
+    /// The TLS handshake failed: no valid certificate, or not TLS at all.
     TlsHandshake,
+    /// No hello (or no TLS handshake) by the hello deadline.
+    HelloDeadline,
+    /// A Unix socket peer of another user.
+    UnixUser,
 }
 
 impl Refused {
@@ -30,6 +34,8 @@ impl Refused {
             Refused::NodeLimit => "node_limit",
             Refused::AddressLimit => "address_limit",
             Refused::TlsHandshake => "tls_handshake",
+            Refused::HelloDeadline => "hello_deadline",
+            Refused::UnixUser => "unix_user",
         }
     }
 }

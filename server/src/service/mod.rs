@@ -7,6 +7,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,14 +54,16 @@ pub struct ServiceConfig {
     /// How long a new connection may take to say `Hello` before it is closed: a socket that
     /// never speaks holds a connection slot for this long at most.
     pub hello_timeout: Duration,
-    /// Connections served at once from one IP address (Unix sockets apart), counted from
-    /// accept: one host cannot take every slot.
-    pub max_connections_per_address: usize,
+    /// Connections served at once from one IP address (an IPv6 host by its /64; Unix sockets
+    /// apart), counted from accept: one host cannot take every slot. Clients behind one NAT, and
+    /// a node's pulls from this one, share their address's.
+    pub max_connections_per_address: NonZeroUsize,
 }
 
 /// The default [`ServiceConfig::max_connections_per_address`]: a quarter of the default
 /// connection limit, room for a client's pool of connections and a load test's.
-pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: usize = 256;
+pub const DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: NonZeroUsize =
+    NonZeroUsize::new(256).expect("256 is not zero");
 
 /// The default [`ServiceConfig::hello_timeout`]: a client says hello within a round trip of
 /// connecting; a few seconds leave room for a loaded machine.
@@ -220,6 +223,10 @@ async fn accept_loop(
             && !unix_peer_allowed(unix.get_ref())
         {
             tracing::warn!(%peer, "Unix connection refused: another user");
+            service
+                .node
+                .recorder()
+                .connection_refused(Refused::UnixUser);
             continue;
         }
         // One deadline from here for the TLS handshake and the hello together.
@@ -298,6 +305,10 @@ async fn accept_loop(
                     node.recorder().connection_refused(Refused::TlsHandshake);
                     return;
                 }
+                Err(Unsecured::TooSlow) => {
+                    node.recorder().connection_refused(Refused::HelloDeadline);
+                    return;
+                }
                 Err(Unsecured::Evicted) => return,
             };
             let identity = socket.peer_identity().cloned();
@@ -331,8 +342,10 @@ async fn accept_loop(
 
 /// Why a connection was not put under TLS.
 enum Unsecured {
-    /// The handshake failed (logged by the handshake, at a bounded rate) or ran out of time.
+    /// The handshake failed (logged by the handshake, at a bounded rate).
     Refused,
+    /// No handshake by the hello deadline.
+    TooSlow,
     /// Its slot went to a newer connection first.
     Evicted,
 }
@@ -356,7 +369,7 @@ async fn secure(
             Ok(Err(_)) => Err(Unsecured::Refused),
             Err(_) => {
                 tracing::info!(%peer, "closed: no TLS handshake by the hello deadline");
-                Err(Unsecured::Refused)
+                Err(Unsecured::TooSlow)
             }
         },
         _ = &mut place.evicted => {
@@ -412,7 +425,7 @@ enum Full {
     /// The node's: this many connections at once, every one of which said hello.
     Node(usize),
     /// Its address's: this many connections from one address at once.
-    Address(usize),
+    Address(NonZeroUsize),
 }
 
 /// Tells a connection over a limit why it is closed, without waiting on it for long. A TCP
@@ -422,6 +435,7 @@ async fn refuse(socket: Stream, node: Node, full: Full) {
     if node.config().tls.is_some() && matches!(socket, Stream::Tcp(_)) {
         return;
     }
+    // Only this one answer goes out, and the peer never said hello: the default limits serve.
     let mut conn = Connection::new(socket, ConnectionLimits::default());
     let message = match full {
         Full::Node(limit) => {

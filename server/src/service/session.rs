@@ -15,7 +15,7 @@ use super::awaiting_hello::Place;
 use super::{HANDSHAKE_MAX_BODY, ServiceConfig, finish_hashed, idle_for};
 use crate::device::{Arrived, Existing, KnownHash};
 use crate::error::{NodeError, Refusal};
-use crate::node::{AGENT, ClientId, Direction, MAX_PAGE, Node, TransferMode};
+use crate::node::{AGENT, ClientId, Direction, MAX_PAGE, Node, Refused, TransferMode};
 use crate::peer::{PeerLink, PullRequest};
 
 /// A connection's state: the node it serves, who is on the other end, and the session's own
@@ -76,7 +76,13 @@ impl Session<'_> {
             ..limits
         });
         let welcomed = tokio::select! {
-            welcomed = self.handshake(conn) => welcomed?,
+            welcomed = self.handshake(conn) => match welcomed {
+                Err(late @ ConnectionError::IdleTimeout(_)) => {
+                    self.node.recorder().connection_refused(Refused::HelloDeadline);
+                    return Err(late);
+                }
+                other => other?,
+            },
             _ = &mut place.evicted => {
                 tracing::info!(
                     client = self.client,

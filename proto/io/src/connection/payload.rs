@@ -26,7 +26,8 @@ pub enum PayloadRoute {
 impl<S: Transport> Connection<S> {
     /// Reads chunk frames into `assembler` until the whole payload has arrived. Each chunk's
     /// payload goes straight into its place in the preallocated buffer and counts only once its
-    /// checksum matches. Where shared memory was agreed, the whole payload may come instead as
+    /// checksum matches (on a link that authenticates every byte itself, TLS, once it has
+    /// arrived: the checksum is not computed there). Where shared memory was agreed, the whole payload may come instead as
     /// one region, which is checked and adopted.
     pub async fn read_payload(
         &mut self,

@@ -6,6 +6,7 @@
 
 mod help;
 mod local;
+mod metrics;
 mod ops;
 mod recycling;
 mod signals;

@@ -1,12 +1,12 @@
 //! What an operator relies on: the Prometheus endpoint (scraped here), the health check, JSON
 //! logs with a span per request, and the load generator's bit-exact run.
 
-use std::io::{Read, Write};
 use std::time::Duration;
 
 use ferry::testing::{LoggedServer, eventually_blocking, spawn_server};
 
 use crate::ferry_server;
+use crate::metrics::{free_port, sample, scrape};
 use ferry::client::load::{LoadConfig, run};
 use ferry::client::{Client, ClientConfig, Endpoint};
 use ferry::proto::{DType, TensorKey};
@@ -14,45 +14,6 @@ use ferry::samples;
 
 /// How long a count may take to settle.
 const WAIT: Duration = Duration::from_secs(10);
-
-/// A port free right now on loopback.
-pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `GET /metrics` over plain HTTP, the body as text.
-pub(crate) fn scrape(port: u16) -> String {
-    let mut last = String::new();
-    // The exporter starts listening just after the node prints its address.
-    for _ in 0..50 {
-        if let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-            stream
-                .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-                .unwrap();
-            let mut response = String::new();
-            stream.read_to_string(&mut response).unwrap();
-            if let Some((head, body)) = response.split_once("\r\n\r\n") {
-                assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-                return body.to_string();
-            }
-            last = response;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("no metrics on port {port}: {last}");
-}
-
-/// The value of the sample whose name and labels contain every one of `parts`.
-pub(crate) fn sample(text: &str, parts: &[&str]) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| parts.iter().all(|p| l.contains(p)))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_metrics_endpoint_is_scraped_and_counts_what_happened() {
@@ -82,10 +43,16 @@ async fn the_metrics_endpoint_is_scraped_and_counts_what_happened() {
     // (the start-up probe's, say): scraped until only this client's remains.
     let text = tokio::task::spawn_blocking(move || {
         let mut text = String::new();
-        eventually_blocking("only the client's connection open", WAIT, || {
-            text = scrape(port);
-            sample(&text, &["ferry_connections "]) == Some(1.0)
-        });
+        // A request's in-flight count drops just after its answer is written: settled too.
+        eventually_blocking(
+            "only the client's connection open, nothing in flight",
+            WAIT,
+            || {
+                text = scrape(port);
+                sample(&text, &["ferry_connections "]) == Some(1.0)
+                    && sample(&text, &["ferry_transfers_in_flight "]) == Some(0.0)
+            },
+        );
         text
     })
     .await

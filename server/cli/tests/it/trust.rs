@@ -1,7 +1,8 @@
-//! What a node refuses before it trusts a peer: an empty token at start, sockets that never say
-//! hello (closed to make room at the connection limit, or at the hello deadline), a flood of wrong
-//! tokens (each refused, logged at a bounded rate), and an agent string that would forge a log
-//! line (escaped).
+//! What a node refuses before it trusts a peer: an empty token at start, a start beyond loopback
+//! without TLS and a credential, sockets that never say hello (closed to make room at the
+//! connection limit, or at the hello deadline), more connections from one address than its share,
+//! a flood of wrong tokens (each refused, logged at a bounded rate), and an agent string that
+//! would forge a log line (escaped).
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
@@ -19,6 +20,7 @@ use ferry::samples;
 use ferry::testing::{LoggedServer, TestPki, assert_same, spawn_server};
 
 use crate::ferry_server;
+use crate::metrics::{free_port, sample, scrape};
 
 #[test]
 fn an_empty_token_is_refused_at_start() {
@@ -110,7 +112,7 @@ fn a_start_beyond_loopback_without_tls_and_a_credential_is_refused_unless_insecu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_address_holds_at_most_its_share_of_connections() {
-    let port = crate::ops::free_port();
+    let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
     let node = spawn_server(
         ferry_server(),
@@ -119,6 +121,9 @@ async fn one_address_holds_at_most_its_share_of_connections() {
             "flex",
             "--max-connections-per-address",
             "4",
+            // Long enough that no silent socket is closed for its silence during the test.
+            "--hello-timeout",
+            "60",
             "--metrics",
             &metrics,
         ],
@@ -134,22 +139,26 @@ async fn one_address_holds_at_most_its_share_of_connections() {
         refused.to_string().contains("from one address"),
         "{refused}"
     );
-    // One closes: its slot comes back once the node sees it go.
+    // One closes: its slot comes back once the node sees it go (well before any deadline).
     drop(silent.pop());
     let mut client = None;
-    for _ in 0..200 {
+    for _ in 0..40 {
         if let Ok(connected) = Client::connect(node.addr.as_str(), None).await {
             client = Some(connected);
             break;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    let mut client = client.expect("a slot came back within 5 s");
+    let mut client = client.expect("the closed socket's slot came back within a second");
     assert_eq!(client.stat().await.unwrap().devices.len(), 1);
-    let text = tokio::task::spawn_blocking(move || crate::ops::scrape(port))
+    // The three silent sockets still hold theirs: the address is full again.
+    let full = Client::connect(node.addr.as_str(), None).await.unwrap_err();
+    assert_eq!(full.code(), Some(ErrorCode::LimitExceeded), "{full}");
+    drop(silent);
+    let text = tokio::task::spawn_blocking(move || scrape(port))
         .await
         .unwrap();
-    let refused = crate::ops::sample(
+    let refused = sample(
         &text,
         &[
             "ferry_connections_refused_total{",
