@@ -139,6 +139,7 @@ pub async fn source_connection(node: &TestNode) -> SourceConnection {
         limits: Default::default(),
         shared_memory: false,
         tls: None,
+        identity: None,
     };
     SourceConnection::open(node.addr, config)
         .await

@@ -133,6 +133,13 @@ pub enum NodeError {
         /// The certificate's identity.
         certified: String,
     },
+    /// A peer listed with an identity that no certificate will show: the node has no TLS, or
+    /// the peer is a Unix socket.
+    #[error(
+        "the peer {0} is listed with a name, which only a TLS certificate can show: give the node \
+         --tls-cert/--tls-key/--tls-ca and the peer a TCP address, or list it without a name"
+    )]
+    UncheckablePeerName(String),
     /// A transfer whose source and target are one key.
     #[error("source and target are the same tensor {0}")]
     SameTensor(TensorKey),
@@ -203,6 +210,7 @@ impl NodeError {
             | NodeError::TooManyDevices { .. }
             | NodeError::InvalidNodeId { .. }
             | NodeError::NodeIdNotCertified { .. }
+            | NodeError::UncheckablePeerName(_)
             | NodeError::SameTensor(_)
             | NodeError::PullWithoutHash
             | NodeError::InvalidSource(_)

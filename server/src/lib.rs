@@ -28,7 +28,7 @@ pub use device::{
 pub use engine::{TransferPath, TransferPolicy};
 pub use error::{NodeError, Refusal};
 pub use node::{
-    AGENT, Admission, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, MAX_PAGE, Node, NodeConfig,
+    AGENT, Admission, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, MAX_PAGE, Node, NodeConfig, Peer,
     PeerPolicy, TransferMode,
 };
 pub use peer::{PeerLink, PullRequest};

@@ -360,6 +360,7 @@ impl Node {
                     limits: self.config().peer_limits,
                     shared_memory: self.config().shared_memory,
                     tls: self.config().tls.as_ref().map(|tls| tls.client()),
+                    identity: self.config().peers.identity_of(source),
                 };
                 let connect = SourceConnection::open(source, config);
                 let conn = tokio::time::timeout(self.config().peer_limits.idle_timeout, connect)
@@ -431,6 +432,15 @@ fn opening_failed(source: &str, error: SourceError) -> AttemptError {
                 source_addr: source.to_string(),
                 message: UNREACHABLE.into(),
             })
+        }
+        // A source whose certificate names another node than the one listed there.
+        SourceError::NotThePeer { .. } => {
+            tracing::warn!(
+                source = %Untrusted(source),
+                error = %Untrusted(&error.to_string()),
+                "pull refused: the source is not the peer listed at its address"
+            );
+            AttemptError::Fatal(NodeError::NotAllowedPeer(source.to_string()))
         }
         // A certificate that fails (the source's, or ours as it judged it) or a Unix socket
         // served by another user: no retry changes that, so none is made.

@@ -30,6 +30,15 @@ pub enum SourceError {
     /// The source answered something that does not fit the request.
     #[error("unexpected answer from the source: {0}")]
     Unexpected(String),
+    /// The source's certificate names another node than the one listed at its address (or the
+    /// link has no certificate to show): nothing was sent to it.
+    #[error("the source's certificate names {certified:?}, not the peer {expected:?} listed there")]
+    NotThePeer {
+        /// The identity listed.
+        expected: String,
+        /// What its certificate names (`None`: no certificate, not a TLS link).
+        certified: Option<String>,
+    },
     /// An earlier exchange on this connection did not finish (an error mid-answer, a fetch whose
     /// payload was never read, a cancelled call): answers could be misattributed.
     #[error("the connection to the source is out of step after an unfinished exchange")]
@@ -90,6 +99,9 @@ pub struct SourceConfig<'a> {
     /// Mutual TLS to sources over TCP (this node's certificate presented, the source's
     /// verified); `None` for TCP in clear.
     pub tls: Option<&'a ClientTls>,
+    /// The identity the source's certificate must carry, checked before anything is sent to it
+    /// (the token included); `None` for any certificate the CA signed for the address.
+    pub identity: Option<&'a str>,
 }
 
 /// One connection to a source node. Exchanges on it run one at a time.
@@ -124,6 +136,15 @@ impl SourceConnection {
             .connect(config.tls)
             .await
             .map_err(ConnectionError::from)?;
+        if let Some(expected) = config.identity {
+            let certified = socket.peer_identity().map(|id| id.as_str());
+            if certified != Some(expected) {
+                return Err(SourceError::NotThePeer {
+                    expected: expected.to_string(),
+                    certified: certified.map(str::to_string),
+                });
+            }
+        }
         let mut conn = Connection::new(socket, config.limits);
         let offer = handshake::Offer {
             token: config.token,

@@ -11,7 +11,7 @@ use tokio::io::AsyncWriteExt;
 use ferry::client::{Client, ErrorCode, RegionUse, copy_between};
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
-use ferry::server::{NodeConfig, PeerPolicy, ServiceConfig};
+use ferry::server::{NodeConfig, Peer, PeerPolicy, ServiceConfig};
 use ferry::testing::{
     Fault, TestNode, assert_same, code_of, copy_one, devices, hashes_verified, how, proxy,
     source_code_of, source_connection, start, start_with,
@@ -912,7 +912,7 @@ async fn a_node_pulls_only_from_its_listed_peers() {
         NodeConfig {
             devices: devices(&["flex"]),
             peer_token: Some("the-peer-token".into()),
-            peers: PeerPolicy::Listed(vec![a.addr.to_string()]),
+            peers: PeerPolicy::Listed(vec![Peer::at(a.addr.to_string())]),
             ..NodeConfig::default()
         },
         ServiceConfig::default(),
@@ -1004,7 +1004,7 @@ async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
         NodeConfig {
             devices: devices(&["flex"]),
             peer_token: Some("node-token".into()),
-            peers: PeerPolicy::Listed(vec![a.addr.to_string()]),
+            peers: PeerPolicy::Listed(vec![Peer::at(a.addr.to_string())]),
             ..NodeConfig::default()
         },
         service(),

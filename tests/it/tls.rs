@@ -14,7 +14,7 @@ use ferry::io::{ClientTls, NodeTls, TlsFiles, handshake};
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;
 use ferry::server::{
-    NodeConfig, PeerPolicy, ServiceConfig, SourceConfig, SourceConnection, SourceError,
+    NodeConfig, Peer, PeerPolicy, ServiceConfig, SourceConfig, SourceConnection, SourceError,
 };
 use ferry::testing::{
     Fault, TestNode, TestPki, assert_same, copy_one, devices, how, proxy, start, tls_client,
@@ -43,7 +43,7 @@ async fn tls_node(tls: NodeTls, peers: PeerPolicy, pull_retries: u32) -> TestNod
 }
 
 fn listed(nodes: &[&TestNode]) -> PeerPolicy {
-    PeerPolicy::Listed(nodes.iter().map(|n| n.addr.to_string()).collect())
+    PeerPolicy::Listed(nodes.iter().map(|n| Peer::at(n.addr.to_string())).collect())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -277,6 +277,7 @@ async fn a_capability_serves_only_the_node_its_certificate_names() {
         limits: Default::default(),
         shared_memory: false,
         tls: Some(tls),
+        identity: None,
     };
     let mut as_b = SourceConnection::open(a.addr, config(b_tls.client()))
         .await
@@ -338,7 +339,7 @@ async fn bytes_altered_on_a_tls_link_fail_the_connection_and_register_nothing() 
         .await
         .unwrap();
     let via = proxy(a.addr, Fault::FlipAt(3 << 19)).await;
-    let via_policy = PeerPolicy::Listed(vec![via.to_string()]);
+    let via_policy = PeerPolicy::Listed(vec![Peer::at(via.to_string())]);
 
     // Without retries the pull fails: the altered record does not authenticate, the
     // connection is dropped, and nothing is registered.
@@ -359,7 +360,12 @@ async fn bytes_altered_on_a_tls_link_fail_the_connection_and_register_nothing() 
 
     // With a retry, the next connection (untouched) completes it, bit-exact.
     let via = proxy(a.addr, Fault::FlipAt(3 << 19)).await.to_string();
-    let patient = tls_node(pki.node("node-c"), PeerPolicy::Listed(vec![via.clone()]), 1).await;
+    let patient = tls_node(
+        pki.node("node-c"),
+        PeerPolicy::Listed(vec![Peer::at(via.clone())]),
+        1,
+    )
+    .await;
     let mut target = tls_client(&patient, &me).await.unwrap();
     let info = copy_one(&mut source, &mut target, &key, &how(&via, 0))
         .await
@@ -401,4 +407,52 @@ async fn a_second_copy_over_tls_dedups_and_hands_its_capability_back() {
         .unwrap();
     assert_eq!(second.path, "dedup");
     assert_same(&target.get(&second.key).await.unwrap(), &data, "dedup copy");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_listed_by_name_is_pulled_from_only_if_its_certificate_carries_that_name() {
+    let pki = TestPki::new();
+    let a = tls_node(pki.node("node-a"), PeerPolicy::Any, 0).await;
+    let me = pki.client("me");
+    let mut source = tls_client(&a, &me).await.unwrap();
+    let data = samples::plain(DType::F32, &[64, 64], 5);
+    source.put(0, "w", &data).await.unwrap();
+    let key = TensorKey::new(0, "w");
+    let addr = a.addr.to_string();
+
+    // Listed as node-x: A's certificate names node-a, so B refuses it after the handshake,
+    // before its hello (and its peer token) is sent.
+    let wary = Peer::named("node-x", addr.clone());
+    let b = tls_node(pki.node("node-b"), PeerPolicy::Listed(vec![wary]), 0).await;
+    let mut target = tls_client(&b, &me).await.unwrap();
+    let refused = copy_one(&mut source, &mut target, &key, &how(&addr, 0))
+        .await
+        .expect_err("another node's certificate");
+    assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
+    assert!(
+        refused.to_string().contains("not an allowed peer"),
+        "{refused}"
+    );
+    assert!(
+        target.list(None).await.unwrap().is_empty(),
+        "nothing registered"
+    );
+
+    // Listed as node-a: pulled, bit-exact.
+    let trusting = Peer::named("node-a", addr.clone());
+    let c = tls_node(pki.node("node-c"), PeerPolicy::Listed(vec![trusting]), 0).await;
+    let mut target = tls_client(&c, &me).await.unwrap();
+    let info = copy_one(&mut source, &mut target, &key, &how(&addr, 0))
+        .await
+        .unwrap();
+    assert_same(&target.get(&info.key).await.unwrap(), &data, "named peer");
+
+    // A name no certificate could show (no TLS on this node) is refused at start.
+    let config = NodeConfig {
+        devices: devices(&["flex"]),
+        peers: PeerPolicy::Listed(vec![Peer::named("node-a", addr.clone())]),
+        ..NodeConfig::default()
+    };
+    let error = ferry::server::Node::start(config).err().unwrap();
+    assert!(error.to_string().contains("listed with a name"), "{error}");
 }

@@ -42,11 +42,13 @@ struct Args {
     /// comment. Keep it readable by the node's user only.
     #[arg(long, value_name = "PATH")]
     token_file: Option<std::path::PathBuf>,
-    /// A node this node may pull from, as clients name it (`HOST:PORT` or `unix:PATH`); repeat
-    /// for more. A pull from any other source is refused without connecting, so the peer token
-    /// goes nowhere else. With a peer token and no --peer, this node pulls from no one.
-    #[arg(long = "peer", value_name = "ADDR")]
-    peers: Vec<String>,
+    /// A node this node may pull from, as clients name it (`HOST:PORT` or `unix:PATH`), or
+    /// `NAME=HOST:PORT` for one whose TLS certificate must name NAME (checked before anything
+    /// is sent to it); repeat for more. A pull from any other source is refused without
+    /// connecting, so the peer token goes nowhere else. With a peer token and no --peer, this
+    /// node pulls from no one.
+    #[arg(long = "peer", value_name = "[NAME=]ADDR")]
+    peers: Vec<ferry_server::Peer>,
     /// Listen beyond loopback without TLS or without a credential, where anyone on the path may
     /// read the tensors and tokens (and, with no credential, overwrite and delete every tensor):
     /// refused without this flag.
@@ -325,7 +327,11 @@ async fn serve() -> anyhow::Result<()> {
             PeerPolicy::Listed(
                 args.peers
                     .iter()
-                    .map(|p| ferry_io::Endpoint::parse(p).to_string())
+                    .map(|p| ferry_server::Peer {
+                        // As a client would name it (a `unix:` path written the one way).
+                        addr: ferry_io::Endpoint::parse(&p.addr).to_string(),
+                        identity: p.identity.clone(),
+                    })
                     .collect(),
             )
         } else {

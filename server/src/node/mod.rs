@@ -6,6 +6,7 @@
 
 mod admission;
 mod capability;
+mod peer_policy;
 mod recorder;
 mod stats;
 mod tensors;
@@ -27,6 +28,7 @@ pub use admission::Admission;
 use capability::Capability;
 pub(crate) use capability::ClientId;
 pub use capability::DEFAULT_MAX_GRANTS;
+pub use peer_policy::{Peer, PeerPolicy};
 pub(crate) use recorder::{Direction, Recorder, Refused};
 pub(crate) use stats::process_memory;
 pub use tensors::MAX_PAGE;
@@ -34,37 +36,6 @@ pub use transfer::TransferMode;
 
 /// The software name a node reports.
 pub const AGENT: &str = concat!("ferry-server/", env!("CARGO_PKG_VERSION"));
-
-/// Which nodes a node pulls from: a `Pull` naming any other source is refused without
-/// connecting, so the node's peer token goes nowhere else.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PeerPolicy {
-    /// Any address a client names; the peer token, if any, is then never sent (an address a
-    /// client chose gets no credential), so only sources that require none can be pulled from.
-    Any,
-    /// Only these addresses, exactly as clients name them (`host:port` or `unix:PATH`; no name
-    /// resolution takes part in the match).
-    Listed(Vec<String>),
-}
-
-impl PeerPolicy {
-    /// Whether a pull may connect to `source`.
-    pub fn allows(&self, source: &str) -> bool {
-        match self {
-            PeerPolicy::Any => true,
-            PeerPolicy::Listed(peers) => peers.iter().any(|p| p == source),
-        }
-    }
-
-    /// The token to present to a source this policy allowed: the peer token only to a listed
-    /// peer (an operator's choice), never to an address a client named.
-    pub fn token_for<'a>(&self, peer_token: Option<&'a str>) -> Option<&'a str> {
-        match self {
-            PeerPolicy::Any => None,
-            PeerPolicy::Listed(_) => peer_token,
-        }
-    }
-}
 
 /// What a node hosts and the limits it keeps. Its `Debug` never shows the peer token.
 #[derive(Clone)]
@@ -210,6 +181,16 @@ impl Node {
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         if config.devices.is_empty() {
             return Err(NodeError::NoDevices);
+        }
+        // A peer's name can be checked only against a certificate: over TCP, under TLS.
+        if let Some(peer) = config.peers.named().find(|p| {
+            config.tls.is_none()
+                || !matches!(
+                    ferry_io::Endpoint::parse(&p.addr),
+                    ferry_io::Endpoint::Tcp(_)
+                )
+        }) {
+            return Err(NodeError::UncheckablePeerName(peer.addr.clone()));
         }
         let mut devices = Vec::with_capacity(config.devices.len());
         let mut threads = Vec::with_capacity(config.devices.len());

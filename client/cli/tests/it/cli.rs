@@ -374,7 +374,7 @@ fn certificates_from_ferry_certs_carry_a_model_between_nodes_over_mutual_tls() {
     let a = tls_node("node-a", ferry::server::PeerPolicy::Any);
     let b = tls_node(
         "node-b",
-        ferry::server::PeerPolicy::Listed(vec![a.addr.clone()]),
+        ferry::server::PeerPolicy::Listed(vec![ferry::server::Peer::named("node-a", &a.addr)]),
     );
     let me = files("me");
     let tls = [
