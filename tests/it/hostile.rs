@@ -1258,3 +1258,102 @@ async fn a_hundred_thousand_tensors_list_and_copy_as_a_device() {
     );
     node.shutdown().await;
 }
+
+/// The next number of a xorshift64* sequence: enough randomness for a seeded history, with the
+/// seed printed so that a failing one can be replayed.
+fn next_random(state: &mut u64) -> u64 {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// Silent sockets and clients that speak race for four slots, in a seeded random history: a
+/// speaker is served or turned away, never left hanging; the node never serves more than its
+/// limit; and once the race is over every slot comes back, so neither eviction, refusal nor a
+/// close before the hello leaks a permit or a place in the queue of those awaiting a hello.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_sockets_and_speakers_racing_for_slots_leak_none() {
+    const SLOTS: usize = 4;
+    let node = flex_node(ServiceConfig {
+        max_connections: SLOTS,
+        hello_timeout: Duration::from_secs(1),
+        ..ServiceConfig::default()
+    })
+    .await;
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    println!("history seed {seed}");
+    let addr = node.addr;
+    let racers: Vec<_> = (0..24u64)
+        .map(|i| {
+            let mut state = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            tokio::spawn(async move {
+                let (mut most_served, mut served, mut turned_away) = (0u64, 0u32, 0u32);
+                for _ in 0..6 {
+                    let roll = next_random(&mut state);
+                    let hold = Duration::from_millis(roll % 150);
+                    if roll % 3 == 0 {
+                        // Connects and says nothing, for a while.
+                        if let Ok(socket) = TcpStream::connect(addr).await {
+                            tokio::time::sleep(hold).await;
+                            drop(socket);
+                        }
+                        continue;
+                    }
+                    let connect = Client::connect(addr, None);
+                    match tokio::time::timeout(Duration::from_secs(5), connect).await {
+                        Err(_) => panic!("seed {seed}: a client that speaks was left hanging"),
+                        Ok(Ok(mut client)) => {
+                            served += 1;
+                            if let Ok(stats) = client.stat().await {
+                                most_served = most_served.max(stats.connections);
+                            }
+                            tokio::time::sleep(hold).await;
+                        }
+                        // Turned away at the limit, or closed as the oldest silent one before
+                        // its hello was read: both are answers.
+                        Ok(Err(_)) => turned_away += 1,
+                    }
+                }
+                (most_served, served, turned_away)
+            })
+        })
+        .collect();
+    let (mut served, mut turned_away) = (0, 0);
+    for racer in racers {
+        let (most, racer_served, racer_turned_away) = racer.await.unwrap();
+        assert!(
+            most <= SLOTS as u64,
+            "seed {seed}: {most} connections served at once"
+        );
+        served += racer_served;
+        turned_away += racer_turned_away;
+    }
+    println!("{served} speakers served, {turned_away} turned away");
+    // Every slot is back: four clients at once, each served.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut clients = Vec::new();
+        for _ in 0..SLOTS {
+            if let Ok(client) = Client::connect(addr, None).await {
+                clients.push(client);
+            }
+        }
+        if clients.len() == SLOTS {
+            for client in &mut clients {
+                assert_eq!(client.stat().await.unwrap().connections, SLOTS as u64);
+            }
+            break;
+        }
+        drop(clients);
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: slots did not come back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
