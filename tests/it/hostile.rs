@@ -1296,7 +1296,7 @@ async fn silent_sockets_and_speakers_racing_for_slots_leak_none() {
                 for _ in 0..6 {
                     let roll = next_random(&mut state);
                     let hold = Duration::from_millis(roll % 150);
-                    if roll % 3 == 0 {
+                    if roll.is_multiple_of(3) {
                         // Connects and says nothing, for a while.
                         if let Ok(socket) = TcpStream::connect(addr).await {
                             tokio::time::sleep(hold).await;
