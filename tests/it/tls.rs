@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use ferry::certs::{Role, Validity};
 use ferry::client::{ClientConfig, ErrorCode, copy_between};
 use ferry::io::connection::{Connection, ConnectionLimits};
-use ferry::io::{ClientTls, NodeTls, TlsFiles, handshake};
+use ferry::io::{ClientTls, Endpoint, NodeTls, TlsFiles, Transport, handshake};
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;
 use ferry::server::{
@@ -55,6 +55,11 @@ async fn every_dtype_crosses_mutual_tls_bit_exact_and_nodes_are_their_certificat
     let mut source = tls_client(&a, &me).await.unwrap();
     let mut target = tls_client(&b, &me).await.unwrap();
     assert_eq!(source.identify().await.unwrap(), "node-a");
+    // A TLS stream vouches for its bytes (so chunk checksums are skipped on it), and carries the
+    // node's certified identity.
+    let stream = Endpoint::from(a.addr).connect(Some(&me)).await.unwrap();
+    assert!(stream.authenticated());
+    assert_eq!(stream.peer_identity().map(|id| id.as_str()), Some("node-a"));
     assert_eq!(target.identify().await.unwrap(), "node-b");
     let matrix = samples::full_matrix();
     let tensors: Vec<_> = matrix

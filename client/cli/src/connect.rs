@@ -57,18 +57,14 @@ pub(crate) fn client_config(cli: &Cli) -> anyhow::Result<ClientConfig> {
         }
         None => cli.token.clone(),
     };
-    let tls = match (&cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
-        (Some(ca), Some(cert), Some(key)) => {
-            let files = ferry_io::TlsFiles {
-                cert: cert.clone(),
-                key: key.clone(),
-                ca: ca.clone(),
-            };
-            Some(ferry_io::ClientTls::load(&files).context("loading the TLS files")?)
-        }
-        (None, None, None) => None,
-        // Never a silent fall back to TCP in clear.
-        _ => anyhow::bail!("--tls-ca, --tls-cert and --tls-key go together"),
+    let files = ferry_io::TlsFiles::from_flags(
+        cli.tls_cert.as_deref(),
+        cli.tls_key.as_deref(),
+        cli.tls_ca.as_deref(),
+    )?;
+    let tls = match files {
+        Some(files) => Some(ferry_io::ClientTls::load(&files).context("loading the TLS files")?),
+        None => None,
     };
     Ok(ClientConfig {
         token,

@@ -27,6 +27,9 @@ pub const MAX_IDENTITY_LEN: usize = 256;
 /// Why TLS could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
+    /// A certificate, key and CA go together: some were given, not all.
+    #[error("a TLS certificate, its key and the CA go together: give all three or none")]
+    Incomplete,
     /// A PEM file could not be read or parsed.
     #[error("{what} {}: {source}", .path.display())]
     Pem {
@@ -169,6 +172,26 @@ pub struct TlsFiles {
     pub key: PathBuf,
     /// The cluster's CA certificate(s), PEM: the only roots trusted.
     pub ca: PathBuf,
+}
+
+impl TlsFiles {
+    /// The files a command line named, where it named all three; `None` where it named none
+    /// (TCP in clear). Some but not all is an error rather than a silent fall back to clear.
+    pub fn from_flags(
+        cert: Option<&Path>,
+        key: Option<&Path>,
+        ca: Option<&Path>,
+    ) -> Result<Option<Self>, TlsError> {
+        match (cert, key, ca) {
+            (Some(cert), Some(key), Some(ca)) => Ok(Some(Self {
+                cert: cert.to_path_buf(),
+                key: key.to_path_buf(),
+                ca: ca.to_path_buf(),
+            })),
+            (None, None, None) => Ok(None),
+            _ => Err(TlsError::Incomplete),
+        }
+    }
 }
 
 /// Loaded TLS material: the holder's chain and key, the CA roots, and the identity the
@@ -402,6 +425,19 @@ fn server_name(addr: &str) -> io::Result<ServerName<'static>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_flags_are_all_three_or_none() {
+        let p = Some(Path::new("x.pem"));
+        assert!(TlsFiles::from_flags(None, None, None).unwrap().is_none());
+        assert!(TlsFiles::from_flags(p, p, p).unwrap().is_some());
+        for partial in [(p, None, None), (p, p, None), (None, None, p)] {
+            assert!(matches!(
+                TlsFiles::from_flags(partial.0, partial.1, partial.2),
+                Err(TlsError::Incomplete)
+            ));
+        }
+    }
 
     #[test]
     fn server_names_are_the_host_of_the_address() {

@@ -268,18 +268,16 @@ async fn serve() -> anyhow::Result<()> {
         }
         credentials.extend(listed);
     }
-    let tls = match (&args.tls_cert, &args.tls_key, &args.tls_ca) {
-        (Some(cert), Some(key), Some(ca)) => {
-            let files = ferry_io::TlsFiles {
-                cert: cert.clone(),
-                key: key.clone(),
-                ca: ca.clone(),
-            };
+    let files = ferry_io::TlsFiles::from_flags(
+        args.tls_cert.as_deref(),
+        args.tls_key.as_deref(),
+        args.tls_ca.as_deref(),
+    )?;
+    let tls = match files {
+        Some(files) => {
             Some(ferry_io::NodeTls::load(&files).context("loading the node's TLS files")?)
         }
-        (None, None, None) => None,
-        // Never a silent fall back to TCP in clear.
-        _ => bail!("--tls-cert, --tls-key and --tls-ca go together"),
+        None => None,
     };
     if !args.listen.ip().is_loopback() {
         let missing = match (credentials.is_empty(), tls.is_none()) {
