@@ -450,6 +450,14 @@ pub struct NodeStats {
     /// Shared-memory regions the node keeps (a descriptor each) to pass tensors on without a
     /// copy. Added in minor 2.
     pub regions_kept: u64,
+    /// The node's receive pool (`--pool`), in bytes: reserved and resident from start; 0 without
+    /// one. Added in minor 4.
+    pub pool_bytes: u64,
+    /// Of the pool, bytes no tensor or receive holds now. Added in minor 4.
+    pub pool_free_bytes: u64,
+    /// Receives the pool could not hold (too large, or too full), which went to fresh memory.
+    /// Added in minor 4.
+    pub pool_misses: u64,
 }
 
 /// One hosted device.

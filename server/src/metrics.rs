@@ -35,6 +35,12 @@ pub const DEDUP_HITS: &str = "ferry_dedup_hits_total";
 pub const INTEGRITY_FAILURES: &str = "ferry_integrity_failures_total";
 /// The node process's resident memory, in bytes.
 pub const RESIDENT_BYTES: &str = "ferry_process_resident_bytes";
+/// The receive pool's size, in bytes (resident from start, counted in `RESIDENT_BYTES`).
+pub const POOL_BYTES: &str = "ferry_pool_bytes";
+/// Of the receive pool, bytes nothing holds now.
+pub const POOL_FREE_BYTES: &str = "ferry_pool_free_bytes";
+/// Receives the pool could not hold, which went to fresh memory.
+pub const POOL_MISSES: &str = "ferry_pool_misses_total";
 
 /// Describes every metric to the installed recorder (units and help text on the scrape page).
 pub fn describe() {
@@ -74,6 +80,20 @@ pub fn describe() {
         RESIDENT_BYTES,
         Unit::Bytes,
         "Resident memory of the node process"
+    );
+    describe_gauge!(
+        POOL_BYTES,
+        Unit::Bytes,
+        "Size of the receive pool (resident from start)"
+    );
+    describe_gauge!(
+        POOL_FREE_BYTES,
+        Unit::Bytes,
+        "Receive pool bytes no tensor or receive holds"
+    );
+    describe_counter!(
+        POOL_MISSES,
+        "Receives the pool could not hold, which went to fresh memory"
     );
 }
 
@@ -127,6 +147,13 @@ pub fn sample_resident_memory() -> Option<u64> {
     let resident = crate::node::process_memory().map(|m| m.resident)?;
     gauge!(RESIDENT_BYTES).set(resident as f64);
     Some(resident)
+}
+
+/// The receive pool's size, free bytes and misses now, for the gauges.
+pub fn sample_pool(pool: &ferry_io::Pool) {
+    gauge!(POOL_BYTES).set(pool.capacity() as f64);
+    gauge!(POOL_FREE_BYTES).set(pool.free_bytes() as f64);
+    counter!(POOL_MISSES).absolute(pool.misses());
 }
 
 /// Counts a transfer as under way until dropped.

@@ -19,8 +19,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// A raw connection that speaks frames by hand.
-struct Raw {
-    stream: TcpStream,
+pub(crate) struct Raw {
+    pub(crate) stream: TcpStream,
     buf: BytesMut,
 }
 
@@ -32,7 +32,7 @@ impl Raw {
         }
     }
 
-    async fn hello(node: &TestNode, token: Option<&str>) -> (Raw, Response) {
+    pub(crate) async fn hello(node: &TestNode, token: Option<&str>) -> (Raw, Response) {
         let mut raw = Raw::connect(node).await;
         raw.send(
             &control::encode_request(&Request::Hello(Hello {
@@ -49,12 +49,12 @@ impl Raw {
         (raw, welcome)
     }
 
-    async fn send(&mut self, bytes: &[u8]) {
+    pub(crate) async fn send(&mut self, bytes: &[u8]) {
         self.stream.write_all(bytes).await.unwrap();
     }
 
     /// The next response, or `None` once the node closed the connection.
-    async fn response(&mut self) -> Option<Response> {
+    pub(crate) async fn response(&mut self) -> Option<Response> {
         loop {
             if let Some(frame) = frame::parse(&mut self.buf, 1 << 24).unwrap() {
                 assert_eq!(frame.kind, FrameKind::Control);
@@ -92,7 +92,7 @@ impl Raw {
     }
 }
 
-fn put_request(device: u32, name: &str, meta: ferry::proto::WireMeta) -> Vec<u8> {
+pub(crate) fn put_request(device: u32, name: &str, meta: ferry::proto::WireMeta) -> Vec<u8> {
     control::encode_request(&Request::Put {
         device,
         name: Some(name.into()),
@@ -700,6 +700,9 @@ async fn a_stat_answer_of_another_minor_is_named_as_such() {
             hash_mismatches: 0,
             recycled_bytes: 0,
             regions_kept: 0,
+            pool_bytes: 0,
+            pool_free_bytes: 0,
+            pool_misses: 0,
         };
         let whole = control::encode_response(&Response::Stats(stats)).unwrap();
         let body = &whole[frame::HEADER_LEN..whole.len() - 32];

@@ -14,4 +14,5 @@ mod holds;
 mod hostile;
 mod node;
 mod peers;
+mod pool;
 mod tls;

@@ -1,6 +1,7 @@
 //! Batches: many uploads or downloads in one pipelined exchange, one answer per tensor.
 
-use ferry_proto::{Request, Response, TensorData, TensorInfo, TensorKey};
+use burn_std::Bytes;
+use ferry_proto::{Request, Response, TensorData, TensorInfo, TensorKey, TensorMeta};
 
 use super::{Client, ClientError, unexpected};
 
@@ -69,6 +70,20 @@ impl Client {
         &mut self,
         keys: &[TensorKey],
     ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
+        self.get_batch_into(keys, |_, _| None).await
+    }
+
+    /// [`get_batch`](Self::get_batch), receiving each tensor into memory the caller gives:
+    /// `buffer_for(i, meta)` is asked, once the node's description of the `i`-th tensor is
+    /// checked, for a buffer of exactly `meta.byte_len()` bytes (a range of the file being
+    /// written, so that the bytes land in it with no copy); `None`, or a buffer of another
+    /// length, and the tensor goes to new memory. Every byte of a given buffer is overwritten
+    /// before its tensor is returned; a tensor that fails leaves its buffer partly written.
+    pub async fn get_batch_into(
+        &mut self,
+        keys: &[TensorKey],
+        mut buffer_for: impl FnMut(usize, &TensorMeta) -> Option<Bytes>,
+    ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
         self.begin()?;
         let result = async {
             let mut results = Vec::with_capacity(keys.len());
@@ -81,7 +96,9 @@ impl Client {
                         .await?;
                 }
                 for _ in window {
-                    results.push(self.read_tensor().await?);
+                    let index = results.len();
+                    let answer = self.read_tensor(|meta| buffer_for(index, meta)).await?;
+                    results.push(answer);
                 }
             }
             Ok(results)
@@ -91,12 +108,15 @@ impl Client {
     }
 
     /// A node's answer to a download: the tensor, or an error.
-    async fn read_tensor(&mut self) -> Result<Result<TensorData, ClientError>, ClientError> {
+    async fn read_tensor(
+        &mut self,
+        buffer_for: impl FnOnce(&TensorMeta) -> Option<Bytes>,
+    ) -> Result<Result<TensorData, ClientError>, ClientError> {
         let wire = match self.conn.read_response().await? {
             Response::Tensor { meta, .. } => meta,
             Response::Error(reply) => return Ok(Err(reply.into())),
             other => return Err(unexpected(other)),
         };
-        Ok(Ok(self.read_tensor_payload(&wire).await?))
+        Ok(Ok(self.read_tensor_payload(&wire, buffer_for).await?))
     }
 }

@@ -10,6 +10,7 @@ mod node_copy;
 pub use error::ClientError;
 pub use node_copy::{Grant, NodeCopy, copy_between};
 
+use burn_std::Bytes;
 use error::unexpected;
 use ferry_io::connection::{Connection, ConnectionError, ConnectionLimits};
 use ferry_io::handshake;
@@ -170,10 +171,23 @@ impl Client {
     /// Reads the payload of a tensor the node announced as `wire`, checked against it. A node
     /// that announces a tensor and then sends a bad description or bytes has broken the stream:
     /// that fails the whole connection.
-    async fn read_tensor_payload(&mut self, wire: &WireMeta) -> Result<TensorData, ClientError> {
+    ///
+    /// `buffer_for` may give the memory to receive into once the description is checked (see
+    /// [`get_batch_into`](Self::get_batch_into)); new memory otherwise.
+    async fn read_tensor_payload(
+        &mut self,
+        wire: &WireMeta,
+        buffer_for: impl FnOnce(&TensorMeta) -> Option<Bytes>,
+    ) -> Result<TensorData, ClientError> {
         let meta = TensorMeta::try_from(wire).map_err(ProtoError::from)?;
-        let mut assembler =
-            TensorAssembler::new(meta, self.max_tensor_bytes).map_err(ProtoError::from)?;
+        let given = buffer_for(&meta).map(|buf| TensorAssembler::into_buffer(meta.clone(), buf));
+        let mut assembler = match given {
+            Some(Ok(assembler)) => assembler,
+            // A buffer of the wrong length is dropped: the payload goes to new memory.
+            Some(Err(_)) | None => {
+                TensorAssembler::new(meta, self.max_tensor_bytes).map_err(ProtoError::from)?
+            }
+        };
         self.conn.read_payload(&mut assembler).await?;
         Ok(assembler.finish()?)
     }
@@ -244,7 +258,7 @@ impl Client {
                 Response::Tensor { info, meta } => (info, meta),
                 other => return Err(unexpected(other)),
             };
-            Ok((info, self.read_tensor_payload(&wire).await?))
+            Ok((info, self.read_tensor_payload(&wire, |_| None).await?))
         }
         .await;
         self.end(result)

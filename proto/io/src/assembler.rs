@@ -6,6 +6,8 @@ use burn_std::{Bytes, DType, TensorData};
 use ferry_proto::tensor::{content_hash, content_hasher, from_parts};
 use ferry_proto::{MetaError, ProtoError, StreamError, TensorMeta};
 
+use crate::pool::Pool;
+
 /// A zeroed buffer of `len` bytes, allocated with the alignment of `dtype`'s elements so that
 /// backends can use it in place (NdArray panics on misaligned buffers; Flex would copy), and from
 /// the global allocator, so that a backend that wants a `Vec` takes it over without a copy.
@@ -73,17 +75,44 @@ impl std::fmt::Debug for TensorAssembler {
 impl TensorAssembler {
     /// Preallocates for `meta`, refusing a payload over `max_bytes` before allocating.
     pub fn new(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
-        Self::allocate(meta, max_bytes, false)
+        Self::allocate(meta, max_bytes, false, None)
     }
 
     /// [`new`](Self::new), in a recycled buffer where the process keeps one of about the size
     /// ([`crate::host::receive_buffer`]). For a receiver whose backend keeps the buffer as the
     /// tensor's memory as it is (Flex): one that wants a `Vec` would copy it.
     pub fn new_recycled(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
-        Self::allocate(meta, max_bytes, true)
+        Self::allocate(meta, max_bytes, true, None)
     }
 
-    fn allocate(meta: TensorMeta, max_bytes: u64, recycled: bool) -> Result<Self, MetaError> {
+    /// Receives into `buf`, which the caller provides (a range of a file being written, say):
+    /// `None`, giving the buffer back, unless it is exactly the payload's length. Its bytes are
+    /// overwritten whole before the tensor is handed out.
+    pub fn into_buffer(meta: TensorMeta, buf: Bytes) -> Result<Self, Bytes> {
+        if buf.len() != meta.byte_len() {
+            return Err(buf);
+        }
+        Ok(Self {
+            hash: HashState::None,
+            meta,
+            buf,
+            received: 0,
+        })
+    }
+
+    /// [`new_recycled`](Self::new_recycled), drawing the buffer from `pool` first: a payload the
+    /// pool cannot hold (too large, or the pool too full) goes to fresh memory, with a log line
+    /// that says so and the pool's miss counter raised.
+    pub fn new_pooled(meta: TensorMeta, max_bytes: u64, pool: &Pool) -> Result<Self, MetaError> {
+        Self::allocate(meta, max_bytes, true, Some(pool))
+    }
+
+    fn allocate(
+        meta: TensorMeta,
+        max_bytes: u64,
+        recycled: bool,
+        pool: Option<&Pool>,
+    ) -> Result<Self, MetaError> {
         let len = meta.byte_len();
         if len as u64 > max_bytes {
             return Err(MetaError::TooLarge {
@@ -91,10 +120,25 @@ impl TensorAssembler {
                 limit: max_bytes,
             });
         }
-        let buf = match recycled.then(|| crate::host::receive_buffer(len)).flatten() {
-            Some(buf) => buf,
-            None => alloc_for(meta.dtype(), len)?,
-        };
+        let pooled = pool.and_then(|pool| match pool.take(len) {
+            Ok(buf) => Some(buf),
+            Err(miss) => {
+                if miss.wanted >= pool.min_payload() {
+                    tracing::info!(
+                        bytes = miss.wanted,
+                        pool_free = miss.free,
+                        pool_largest_free = miss.largest_free,
+                        "the receive pool cannot hold this payload; it goes to fresh memory"
+                    );
+                }
+                None
+            }
+        });
+        let buf =
+            match pooled.or_else(|| recycled.then(|| crate::host::receive_buffer(len)).flatten()) {
+                Some(buf) => buf,
+                None => alloc_for(meta.dtype(), len)?,
+            };
         Ok(Self {
             hash: HashState::None,
             meta,

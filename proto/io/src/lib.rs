@@ -2,7 +2,7 @@
 //! passing), the [`Connection`] that moves frames and payloads over them, shared-memory regions,
 //! host memory for received tensors, and the handshake both sides run.
 //!
-//! Every `unsafe` block of ferry lives in this crate (`allocator`, `assembler`, `host`, `region`,
+//! Every `unsafe` block of ferry lives in this crate (`allocator`, `assembler`, `host`, `pool`, `region`,
 //! `trailing`, `transport`), each minimal and with its SAFETY reason; `ferry-proto` is the
 //! sans-IO wire underneath and forbids `unsafe`.
 // The one crate allowed `unsafe` (the workspace denies it); every block says why it is sound.
@@ -15,6 +15,7 @@ pub mod connection;
 pub mod credential;
 pub mod handshake;
 pub mod host;
+pub mod pool;
 mod refusal_log;
 #[cfg(target_os = "linux")]
 pub mod region;
@@ -24,5 +25,6 @@ pub mod transport;
 
 pub use assembler::{TRAILING_HASH_MIN, TensorAssembler};
 pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse};
+pub use pool::{Pool, PoolError};
 pub use tls::{ClientTls, Identity, NodeTls, TlsError, TlsFiles};
 pub use transport::{Endpoint, Stream, Transport};

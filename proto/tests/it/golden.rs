@@ -386,6 +386,9 @@ fn vectors() -> Vec<Vector> {
                 hash_mismatches: 0,
                 recycled_bytes: 256 << 20,
                 regions_kept: 3,
+                pool_bytes: 1 << 30,
+                pool_free_bytes: 768 << 20,
+                pool_misses: 1,
             }))],
         },
         Vector {

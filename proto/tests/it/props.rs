@@ -308,7 +308,7 @@ fn arb_response() -> BoxedStrategy<Response> {
     let stats = (
         arb_text(),
         vec(device, 0..3),
-        any::<[u64; 19]>(),
+        any::<[u64; 22]>(),
         arb_text(),
         arb_text(),
         proptest::option::of(arb_text()),
@@ -341,6 +341,9 @@ fn arb_response() -> BoxedStrategy<Response> {
                     hash_mismatches: n[16],
                     recycled_bytes: n[17],
                     regions_kept: n[18],
+                    pool_bytes: n[19],
+                    pool_free_bytes: n[20],
+                    pool_misses: n[21],
                 })
             },
         );

@@ -148,6 +148,13 @@ struct Args {
     /// sizes reuses them instead. Unused ones are freed after 2 seconds.
     #[arg(long, default_value = "512MiB")]
     recycle: bytesize::ByteSize,
+    /// Memory reserved and touched at start for large receives on Flex devices (suffixes work;
+    /// 0, the default, reserves none). The first pull of a model to a fresh worker then skips
+    /// the page faults and zeroing new memory costs; freed tensors give their buffers back. It is
+    /// resident from start (`stat`: pool_bytes). A payload it cannot hold goes to fresh memory,
+    /// with a log line.
+    #[arg(long, default_value = "0")]
+    pool: bytesize::ByteSize,
 }
 
 /// Upper bounds of the transfer latency histogram, in seconds.
@@ -202,8 +209,8 @@ fn raise_fd_limit(max_connections: usize) {
     }
 }
 
-/// Installs the Prometheus exporter on `addr` and keeps the memory gauge fresh.
-fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
+/// Installs the Prometheus exporter on `addr` and keeps the memory gauges fresh.
+fn serve_metrics(addr: SocketAddr, pool: Option<ferry_io::Pool>) -> anyhow::Result<()> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
     PrometheusBuilder::new()
         .with_http_listener(addr)
@@ -215,9 +222,12 @@ fn serve_metrics(addr: SocketAddr) -> anyhow::Result<()> {
         .install()
         .with_context(|| format!("serving metrics on {addr}"))?;
     ferry_server::metrics::describe();
-    tokio::spawn(async {
+    tokio::spawn(async move {
         loop {
             ferry_server::metrics::sample_resident_memory();
+            if let Some(pool) = &pool {
+                ferry_server::metrics::sample_pool(pool);
+            }
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     });
@@ -240,8 +250,9 @@ async fn serve() -> anyhow::Result<()> {
     init_logs(&args.log_format);
     raise_fd_limit(args.max_connections);
     ferry_io::host::set_recycle_limit(usize::try_from(args.recycle.as_u64()).unwrap_or(usize::MAX));
+    let pool = reserve_pool(args.pool)?;
     if let Some(addr) = args.metrics {
-        serve_metrics(addr)?;
+        serve_metrics(addr, pool.clone())?;
     }
     // An empty token would silently turn authentication off: refused, so that a variable that
     // expanded to nothing cannot open the node.
@@ -348,6 +359,7 @@ async fn serve() -> anyhow::Result<()> {
             .transfer
             .parse::<TransferPolicy>()
             .map_err(anyhow::Error::msg)?,
+        pool,
         ..NodeConfig::default()
     };
     if !args.devices.is_empty() {
@@ -389,6 +401,23 @@ async fn serve() -> anyhow::Result<()> {
     service.run(shutdown_signal()).await?;
     tracing::info!("ferry node stopped");
     Ok(())
+}
+
+/// Reserves and touches the receive pool `--pool` asks for, logging what it took.
+fn reserve_pool(size: bytesize::ByteSize) -> anyhow::Result<Option<ferry_io::Pool>> {
+    if size.as_u64() == 0 {
+        return Ok(None);
+    }
+    let bytes =
+        usize::try_from(size.as_u64()).context("--pool is larger than this machine's memory")?;
+    let started = std::time::Instant::now();
+    let pool = ferry_io::Pool::reserve(bytes).context("--pool")?;
+    tracing::info!(
+        bytes = pool.capacity(),
+        ms = started.elapsed().as_millis() as u64,
+        "receive pool reserved and touched"
+    );
+    Ok(Some(pool))
 }
 
 async fn shutdown_signal() {

@@ -85,13 +85,17 @@ impl Node {
     }
 
     /// A receiver for a payload of `meta` bound for `device`, its buffer preallocated (refused
-    /// over the node's largest tensor): a recycled buffer where the device's backend keeps the
-    /// buffer as the tensor's memory as it is (Flex), so that it comes back for reuse when the
-    /// tensor goes.
+    /// over the node's largest tensor): where the device's backend keeps the buffer as the
+    /// tensor's memory as it is (Flex), one from the node's receive pool, else a recycled one,
+    /// so that it comes back for reuse when the tensor goes. Other backends copy the buffer into
+    /// memory of their own, so a pooled one would save them nothing.
     pub fn receiver(&self, device: u32, meta: TensorMeta) -> Result<TensorAssembler, NodeError> {
         let max = self.config().max_tensor_bytes;
         let receiver = if self.device(device)?.kind() == BackendKind::Flex {
-            TensorAssembler::new_recycled(meta, max)
+            match &self.config().pool {
+                Some(pool) => TensorAssembler::new_pooled(meta, max, pool),
+                None => TensorAssembler::new_recycled(meta, max),
+            }
         } else {
             TensorAssembler::new(meta, max)
         };

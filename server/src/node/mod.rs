@@ -77,6 +77,9 @@ pub struct NodeConfig {
     /// Move payloads through shared memory on Unix-socket connections whose other side agrees
     /// (clients, and peers this node pulls from).
     pub shared_memory: bool,
+    /// The receive pool that large receives on Flex devices draw their buffers from (reserved
+    /// and touched by whoever starts the node, `--pool`); `None` for fresh or recycled memory.
+    pub pool: Option<ferry_io::Pool>,
 }
 
 impl std::fmt::Debug for NodeConfig {
@@ -100,6 +103,7 @@ impl std::fmt::Debug for NodeConfig {
             .field("peers", &self.peers)
             .field("peer_limits", &self.peer_limits)
             .field("shared_memory", &self.shared_memory)
+            .field("pool", &self.pool)
             .finish()
     }
 }
@@ -129,6 +133,7 @@ impl Default for NodeConfig {
             peers: PeerPolicy::Any,
             peer_limits: ConnectionLimits::default(),
             shared_memory: true,
+            pool: None,
         }
     }
 }

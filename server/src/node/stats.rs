@@ -36,6 +36,7 @@ impl Node {
         }
         let c = self.recorder().counts();
         let memory = process_memory();
+        let pool = &self.inner.config.pool;
         Ok(NodeStats {
             agent: AGENT.to_string(),
             devices,
@@ -68,6 +69,9 @@ impl Node {
             hash_mismatches,
             recycled_bytes: ferry_io::host::recycled_bytes() as u64,
             regions_kept: regions_kept(),
+            pool_bytes: pool.as_ref().map_or(0, |p| p.capacity() as u64),
+            pool_free_bytes: pool.as_ref().map_or(0, |p| p.free_bytes() as u64),
+            pool_misses: pool.as_ref().map_or(0, |p| p.misses()),
         })
     }
 }

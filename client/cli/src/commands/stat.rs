@@ -47,6 +47,15 @@ pub(crate) async fn stat(cli: &Cli, node: &str, json: bool) -> anyhow::Result<()
             stats.shm_bytes,
             stats.regions_in_flight
         );
+        println!(
+            "memory: {} resident ({} peak); receive pool {} bytes, {} free, {} misses; {} recycled bytes kept",
+            stats.resident_bytes,
+            stats.peak_resident_bytes,
+            stats.pool_bytes,
+            stats.pool_free_bytes,
+            stats.pool_misses,
+            stats.recycled_bytes
+        );
     }
     Ok(())
 }

@@ -157,9 +157,11 @@ fn describe_extension(extension: Option<&str>) -> String {
 /// Every tensor in the file, in file order, each validated with
 /// [`ferry_proto::tensor::meta_of`] (the byte-length rule) before it is returned.
 ///
-/// The returned tensors own their memory: nothing refers back to the file afterwards. Each byte
-/// of tensor data is read from disk once, and besides the result at most one tensor's worth of
-/// extra memory is held at a time.
+/// A burnpack file's tensors own their memory: each byte of tensor data is read from disk once,
+/// and besides the result at most one tensor's worth of extra memory is held at a time. A
+/// safetensors file's tensors are ranges of a private mapping of the file (no copy; see
+/// [`ferry_io::host::MappedFile`] for the contract: the file must not be truncated while they
+/// live); a tensor the file does not align for its element type is copied.
 pub fn read_tensors(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {
     let format = FileFormat::from_path(path)?;
     contained(path, || match format {
@@ -327,4 +329,5 @@ mod burnpack;
 mod safetensors;
 
 use self::burnpack::{read_burnpack, write_burnpack};
+pub use self::safetensors::SafetensorsOutput;
 use self::safetensors::{read_safetensors, write_safetensors};

@@ -12,7 +12,7 @@ use ferry_proto::{TensorData, TensorMeta};
 
 use super::{
     DTYPES_KEY, FileError, ORDER_KEY, SAFETENSORS_MAX_HEADER, apply_recorded_order, io_error,
-    order_record, zeroed_for,
+    zeroed_for,
 };
 
 /// The safetensors dtype a Burn dtype is written as, and the Burn dtype's tag for
@@ -101,53 +101,70 @@ fn from_safetensors(
     })
 }
 
-/// A tensor as safetensors' writer sees it, borrowing the caller's bytes.
-struct View<'a> {
-    dtype: ::safetensors::Dtype,
-    data: &'a TensorData,
+/// Where each tensor of a safetensors file ferry writes lies, and the header that says so,
+/// computed from the tensors' descriptions alone, so that their bytes can be written (or
+/// received) straight into place. The order and the header are the format's own writer's:
+/// tensors sorted by descending dtype alignment, then by name; the header built by the crate's
+/// own [`::safetensors::tensor::Metadata`] and padded with spaces to 8 bytes.
+struct Layout {
+    /// The length prefix and the header.
+    header: Vec<u8>,
+    /// Per tensor, in the order given: its range in the file.
+    ranges: Vec<std::ops::Range<usize>>,
+    /// The tensors in the order their data lies in the file (indices into the order given).
+    data_order: Vec<usize>,
+    /// The file's length.
+    len: usize,
 }
 
-impl ::safetensors::View for View<'_> {
-    fn dtype(&self) -> ::safetensors::Dtype {
-        self.dtype
-    }
-
-    fn shape(&self) -> &[usize] {
-        self.data.shape().as_slice()
-    }
-
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(self.data.as_bytes())
-    }
-
-    fn data_len(&self) -> usize {
-        self.data.bytes().len()
-    }
-}
-
-pub(super) fn write_safetensors(
-    path: &Path,
-    tensors: &[(String, TensorData)],
-) -> Result<(), FileError> {
-    if cfg!(target_endian = "big") {
-        return Err(FileError::BigEndian);
-    }
-    let mut views = Vec::with_capacity(tensors.len());
+fn layout(path: &Path, tensors: &[(String, DType, Vec<usize>)]) -> Result<Layout, FileError> {
+    let bad = |message: String| FileError::Safetensors(format!("{}: {message}", path.display()));
+    let mut seen = std::collections::HashSet::with_capacity(tensors.len());
+    let mut described = Vec::with_capacity(tensors.len());
     let mut tags = BTreeMap::new();
-    for (name, data) in tensors {
+    for (index, (name, dtype, shape)) in tensors.iter().enumerate() {
         if name == "__metadata__" {
-            return Err(FileError::Safetensors(format!(
-                "{}: a tensor cannot be named '__metadata__' in safetensors",
-                path.display()
-            )));
+            return Err(bad(
+                "a tensor cannot be named '__metadata__' in safetensors".into(),
+            ));
         }
-        let (dtype, tag) = to_safetensors(name, data.dtype())?;
+        if !seen.insert(name.as_str()) {
+            return Err(FileError::DuplicateName { name: name.clone() });
+        }
+        let (st, tag) = to_safetensors(name, *dtype)?;
         if let Some(tag) = tag {
             tags.insert(name.as_str(), tag);
         }
-        views.push((name.as_str(), View { dtype, data }));
+        let len = TensorMeta::new(shape.clone(), *dtype)
+            .map_err(|source| FileError::Invalid {
+                name: name.clone(),
+                source,
+            })?
+            .byte_len();
+        described.push((index, st, len));
     }
-    let mut metadata = HashMap::from([(ORDER_KEY.to_string(), order_record(tensors))]);
+    // The format's writer's order: descending dtype, then name.
+    described
+        .sort_by(|(l, ldt, _), (r, rdt, _)| rdt.cmp(ldt).then(tensors[*l].0.cmp(&tensors[*r].0)));
+    let mut offset = 0usize;
+    let mut infos = Vec::with_capacity(described.len());
+    let mut data_ranges = Vec::with_capacity(described.len());
+    for &(index, st, len) in &described {
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| bad("the tensors' total size overflows".into()))?;
+        infos.push((
+            tensors[index].0.clone(),
+            ::safetensors::tensor::TensorInfo {
+                dtype: st,
+                shape: tensors[index].2.clone(),
+                data_offsets: (offset, end),
+            },
+        ));
+        data_ranges.push((index, offset..end));
+        offset = end;
+    }
+    let mut metadata = HashMap::from([(ORDER_KEY.to_string(), order_of(tensors))]);
     if !tags.is_empty() {
         let tags: serde_json::Map<String, serde_json::Value> = tags
             .into_iter()
@@ -158,14 +175,128 @@ pub(super) fn write_safetensors(
             serde_json::Value::Object(tags).to_string(),
         );
     }
-    // Writes a temporary file beside `path` and renames it onto `path`.
-    ::safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| match e {
-        ::safetensors::SafeTensorError::IoError(source) => FileError::Io {
-            path: path.to_path_buf(),
-            source,
-        },
-        other => FileError::Safetensors(format!("{}: {other}", path.display())),
+    let header = ::safetensors::tensor::Metadata::new(Some(metadata), infos)
+        .map_err(|e| bad(e.to_string()))?;
+    let mut json = serde_json::to_vec(&header).map_err(|e| bad(e.to_string()))?;
+    json.resize(json.len().next_multiple_of(8), b' ');
+    if json.len() as u64 > SAFETENSORS_MAX_HEADER {
+        return Err(bad(format!(
+            "a header of {} bytes exceeds the limit of {SAFETENSORS_MAX_HEADER}",
+            json.len()
+        )));
+    }
+    let start = 8 + json.len();
+    let len = start
+        .checked_add(offset)
+        .ok_or_else(|| bad("the file's size overflows".into()))?;
+    let mut prefixed = (json.len() as u64).to_le_bytes().to_vec();
+    prefixed.extend_from_slice(&json);
+    let mut ranges = vec![0..0; tensors.len()];
+    let data_order = data_ranges.iter().map(|(i, _)| *i).collect();
+    for (index, range) in data_ranges {
+        ranges[index] = start + range.start..start + range.end;
+    }
+    Ok(Layout {
+        header: prefixed,
+        ranges,
+        data_order,
+        len,
     })
+}
+
+/// The JSON array of the names, for [`ORDER_KEY`].
+fn order_of(tensors: &[(String, DType, Vec<usize>)]) -> String {
+    serde_json::Value::from(
+        tensors
+            .iter()
+            .map(|(n, _, _)| n.clone())
+            .collect::<Vec<_>>(),
+    )
+    .to_string()
+}
+
+/// A safetensors file being written in place: created beside its path, sized and mapped, its
+/// header written; each tensor's bytes go straight into their range ([`buffer`](Self::buffer));
+/// [`commit`](Self::commit) renames it onto the path, so the path holds either its old contents
+/// or all of the new. Dropped without a commit, it is removed.
+pub struct SafetensorsOutput {
+    path: std::path::PathBuf,
+    file: tempfile::NamedTempFile,
+    mapped: ferry_io::host::MappedFile,
+    layout: Layout,
+}
+
+impl SafetensorsOutput {
+    /// Lays out `tensors` (name, dtype, shape; names unique), creates the file beside `path` and
+    /// writes its header.
+    pub fn create(
+        path: &Path,
+        tensors: &[(String, DType, Vec<usize>)],
+    ) -> Result<SafetensorsOutput, FileError> {
+        if cfg!(target_endian = "big") {
+            return Err(FileError::BigEndian);
+        }
+        let layout = layout(path, tensors)?;
+        let dir = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let file = tempfile::NamedTempFile::new_in(dir).map_err(io_error(path))?;
+        let mut mapped = ferry_io::host::MappedFile::create(file.as_file(), layout.len)
+            .map_err(io_error(path))?;
+        let mut header = mapped.take(0, layout.header.len()).ok_or_else(|| {
+            FileError::Safetensors(format!("{}: no room for the header", path.display()))
+        })?;
+        header.copy_from_slice(&layout.header);
+        Ok(SafetensorsOutput {
+            path: path.to_path_buf(),
+            file,
+            mapped,
+            layout,
+        })
+    }
+
+    /// The tensors in the order their bytes lie in the file (indices into the order given to
+    /// [`create`](Self::create)): the order to fill them in.
+    pub fn data_order(&self) -> &[usize] {
+        &self.layout.data_order
+    }
+
+    /// The range of the file that the `index`-th tensor's bytes go to, as a buffer to write or
+    /// receive into; `None` for an index out of range, or one asked for out of
+    /// [`data_order`](Self::data_order) or twice.
+    pub fn buffer(&mut self, index: usize) -> Option<burn_std::Bytes> {
+        let range = self.layout.ranges.get(index)?.clone();
+        self.mapped.take(range.start, range.len())
+    }
+
+    /// Renames the file onto its path.
+    pub fn commit(self) -> Result<(), FileError> {
+        let SafetensorsOutput {
+            path, file, mapped, ..
+        } = self;
+        drop(mapped);
+        file.persist(&path).map_err(|e| io_error(&path)(e.error))?;
+        Ok(())
+    }
+}
+
+pub(super) fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, TensorData)],
+) -> Result<(), FileError> {
+    let described: Vec<(String, DType, Vec<usize>)> = tensors
+        .iter()
+        .map(|(name, data)| (name.clone(), data.dtype(), data.shape().to_vec()))
+        .collect();
+    let mut output = SafetensorsOutput::create(path, &described)?;
+    for index in output.data_order().to_vec() {
+        let mut range = output.buffer(index).ok_or_else(|| {
+            FileError::Safetensors(format!("{}: a tensor's range was lost", path.display()))
+        })?;
+        range.copy_from_slice(tensors[index].1.as_bytes());
+    }
+    output.commit()
 }
 
 pub(super) fn read_safetensors(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {
@@ -219,7 +350,17 @@ pub(super) fn read_safetensors(path: &Path) -> Result<Vec<(String, TensorData)>,
         )));
     }
 
-    // `offset_keys` is data order, and the data is contiguous from the start: read straight on.
+    // The tensors are taken from a private mapping of the file: a put sends them to the socket
+    // straight from the page cache, with no copy on the heap. `offset_keys` is data order, and
+    // the data is contiguous from the start.
+    let mut mapped = ferry_io::host::MappedFile::map(&file).map_err(io_error(path))?;
+    if mapped.len() as u64 != file_len {
+        return Err(bad(format!(
+            "it changed while being read ({file_len} bytes, then {})",
+            mapped.len()
+        )));
+    }
+    let data_start = 8 + header_len as usize;
     let mut out = Vec::with_capacity(names.len());
     for name in names {
         let info = header
@@ -234,8 +375,18 @@ pub(super) fn read_safetensors(path: &Path) -> Result<Vec<(String, TensorData)>,
                     source,
                 }
             })?;
-        let mut bytes = zeroed_for(dtype, meta.byte_len());
-        file.read_exact(&mut bytes).map_err(io_error(path))?;
+        let in_file = mapped
+            .take(data_start + info.data_offsets.0, len)
+            .ok_or_else(|| bad(format!("tensor '{name}' lies outside the file")))?;
+        // An element type's alignment is what backends need to use the bytes in place; a tensor
+        // the file does not align (other writers need not) is copied into a buffer that is.
+        let bytes = if (in_file.as_ptr() as usize).is_multiple_of(dtype.size().max(1)) {
+            in_file
+        } else {
+            let mut aligned = zeroed_for(dtype, meta.byte_len());
+            aligned.copy_from_slice(&in_file);
+            aligned
+        };
         let data = TensorData::try_from_bytes(bytes, info.shape.clone(), dtype)
             .map_err(|e| bad(format!("tensor '{name}': {e}")))?;
         meta_of(&data).map_err(|source| FileError::Invalid {

@@ -296,6 +296,16 @@ fn plain_dtypes_round_trip_through_safetensors() {
         ],
         ".bpk",
     );
+    let mut left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        ["out.safetensors", "plain.safetensors", "q.bpk"],
+        "a refused get leaves no file behind"
+    );
 }
 
 #[test]

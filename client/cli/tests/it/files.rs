@@ -448,6 +448,91 @@ fn rewriting_a_file_replaces_it_and_leaves_earlier_reads_alone() {
     assert_same(&first, &cloned);
 }
 
+#[test]
+fn safetensors_written_in_place_are_byte_for_byte_what_the_format_crate_writes() {
+    // Dtypes that need no ferry record, so that the metadata is one entry (the crate writes a
+    // map's entries in hash order): the layout, header and padding must be the crate's own.
+    let tensors: Vec<(String, TensorData)> = vec![
+        ("w".to_string(), plain(DType::F32, &[3, 5], 1)),
+        ("bias".to_string(), plain(DType::I16, &[7], 2)),
+        ("mask".to_string(), plain(DType::U8, &[3], 3)),
+        ("z".to_string(), plain(DType::F64, &[2, 2], 4)),
+    ];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("ours.safetensors");
+    write_tensors(&path, &tensors).expect("writes");
+    let st = |d: DType| match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::I16 => safetensors::Dtype::I16,
+        DType::U8 => safetensors::Dtype::U8,
+        _ => safetensors::Dtype::F64,
+    };
+    let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d)| {
+            let view = safetensors::tensor::TensorView::new(
+                st(d.dtype()),
+                d.shape().to_vec(),
+                d.as_bytes(),
+            )
+            .expect("view");
+            (n.as_str(), view)
+        })
+        .collect();
+    let order = r#"["w","bias","mask","z"]"#.to_string();
+    let metadata = std::collections::HashMap::from([("ferry.order".to_string(), order)]);
+    let theirs = safetensors::serialize(views, Some(metadata)).expect("serializes");
+    assert_eq!(std::fs::read(&path).expect("reads"), theirs);
+    assert_same(&tensors, &read_tensors(&path).expect("reads back"));
+    assert_eq!(
+        dir_listing(dir.path()),
+        vec!["ours.safetensors"],
+        "no temporary file left"
+    );
+}
+
+#[test]
+fn safetensors_read_through_a_mapping_survive_the_file_being_replaced_or_removed() {
+    let first = plain_set();
+    let (_dir, path) = round_trip("model.safetensors", &first);
+    let read_before = read_tensors(&path).expect("reads");
+    let second = vec![("other".to_string(), plain(DType::U16, &[7], 9))];
+    // Written beside the file and renamed onto it: the mapping keeps the old file's pages.
+    write_tensors(&path, &second).expect("overwrites");
+    assert_same(&second, &read_tensors(&path).expect("reads the new file"));
+    assert_same(&first, &read_before);
+    std::fs::remove_file(&path).expect("removes");
+    assert_same(&first, &read_before);
+}
+
+#[test]
+fn a_tensor_a_foreign_file_leaves_unaligned_is_read_aligned_and_bit_exact() {
+    // Three u8, then an f32 pair at data offset 3: no writer of ferry's would, another may.
+    let header = br#"{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b":{"dtype":"F32","shape":[2],"data_offsets":[3,11]}}"#;
+    let mut header = header.to_vec();
+    // Padded so that the data starts 8-aligned within the file: `b` then starts at 8k + 3.
+    while !(8 + header.len()).is_multiple_of(8) {
+        header.push(b' ');
+    }
+    let a = [1u8, 2, 3];
+    let b = [1.5f32, -2.25];
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&header);
+    file.extend_from_slice(&a);
+    for x in b {
+        file.extend_from_slice(&x.to_le_bytes());
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("unaligned.safetensors");
+    std::fs::write(&path, &file).expect("writes");
+    let read = read_tensors(&path).expect("reads");
+    assert_eq!(read[0].0, "a");
+    assert_eq!(read[0].1.as_bytes(), &a);
+    assert_eq!(read[1].0, "b");
+    assert_eq!(read[1].1.dtype(), DType::F32);
+    assert_eq!(read[1].1.as_slice::<f32>().expect("aligned for f32"), &b);
+}
+
 // --- corrupt burnpack files -----------------------------------------------------------------
 
 /// `tensors` written as a `.bpk`, as bytes.

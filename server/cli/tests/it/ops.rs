@@ -189,3 +189,50 @@ async fn a_load_run_checks_every_transfer_and_leaves_nothing_behind() {
     let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
     assert!(client.list(None).await.unwrap().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_pool_is_reserved_at_start_and_shown_in_stat_and_metrics() {
+    const MIB: u64 = 1 << 20;
+    let port = free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let node = spawn_server(
+        ferry_server(),
+        &["--device", "flex", "--pool", "8MiB", "--metrics", &metrics],
+        None,
+    );
+    let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
+    let stats = client.stat().await.unwrap();
+    assert_eq!(
+        (stats.pool_bytes, stats.pool_free_bytes),
+        (8 * MIB, 8 * MIB)
+    );
+    assert!(
+        stats.resident_bytes >= 8 * MIB,
+        "the pool is touched at start"
+    );
+    // 2 MiB draws from it; 16 MiB cannot, and goes to fresh memory as a miss.
+    let data = samples::plain(DType::F32, &[512, 1024], 1);
+    client.put(0, "w", &data).await.unwrap();
+    let larger = samples::plain(DType::F32, &[4096, 1024], 2);
+    client.put(0, "larger", &larger).await.unwrap();
+    let back = client.get(&TensorKey::new(0, "larger")).await.unwrap();
+    assert_eq!(back.as_bytes(), larger.as_bytes());
+    let stats = client.stat().await.unwrap();
+    assert_eq!(stats.pool_free_bytes, 6 * MIB);
+    assert_eq!(stats.pool_misses, 1);
+    let text = tokio::task::spawn_blocking(move || {
+        let mut text = String::new();
+        eventually_blocking("the pool gauges sampled", WAIT, || {
+            text = scrape(port);
+            sample(&text, &["ferry_pool_free_bytes "]) == Some((6 * MIB) as f64)
+        });
+        text
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        sample(&text, &["ferry_pool_bytes "]),
+        Some((8 * MIB) as f64)
+    );
+    assert_eq!(sample(&text, &["ferry_pool_misses_total "]), Some(1.0));
+}

@@ -1,0 +1,212 @@
+//! The receive pool (`NodeConfig::pool`, `--pool`): every dtype and scheme lands in it bit-exact
+//! by put and by pull; every byte drawn comes back after a success, a source that dies, an
+//! integrity failure and a client that dies mid-put; a payload it cannot hold goes to fresh
+//! memory, counted as a miss.
+
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
+
+use ferry::client::{ErrorCode, copy_between};
+use ferry::io::Pool;
+use ferry::proto::{DType, Response, TensorData, TensorKey, frame, tensor};
+use ferry::samples;
+use ferry::server::{NodeConfig, ServiceConfig};
+use ferry::testing::{
+    Fault, TestNode, assert_same, devices, eventually, how, proxy, start, start_with,
+};
+
+use crate::hostile::{Raw, put_request};
+
+const MIB: usize = 1 << 20;
+
+/// A node with one flex device that receives into `pool`.
+async fn pooled_node(pool: &Pool, pull_retries: u32) -> TestNode {
+    let mut config = NodeConfig {
+        devices: devices(&["flex"]),
+        pool: Some(pool.clone()),
+        pull_retries,
+        retry_backoff: Duration::from_millis(20),
+        ..NodeConfig::default()
+    };
+    config.peer_limits.idle_timeout = Duration::from_secs(1);
+    start(config, ServiceConfig::default()).await
+}
+
+async fn pool_is_whole(pool: &Pool, what: &str) {
+    eventually(what, Duration::from_secs(10), || {
+        pool.free_bytes() == pool.capacity()
+    })
+    .await;
+}
+
+/// Deletes every tensor `client`'s node holds.
+async fn delete_all(client: &mut ferry::client::Client) {
+    for info in client.list(None).await.unwrap() {
+        client.delete(&info.key).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dtype_and_scheme_lands_in_the_pool_bit_exact_by_pull_and_by_put() {
+    // Every payload draws (the sample matrix is small): the route is what is tested here.
+    let pool = Pool::reserve_with(64 * MIB, 0).unwrap();
+    let a = start_with(&["flex"]).await;
+    let b = pooled_node(&pool, 3).await;
+    let (mut source, mut target) = (a.client().await, b.client().await);
+    let matrix = samples::full_matrix();
+    let tensors: Vec<(String, TensorData)> = matrix
+        .iter()
+        .map(|s| (s.name.clone(), s.data.clone()))
+        .collect();
+    let bytes: usize = tensors.iter().map(|(_, d)| d.as_bytes().len()).sum();
+    for answer in source.put_batch(0, &tensors, false).await.unwrap() {
+        answer.unwrap();
+    }
+    let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
+    let addr = a.addr.to_string();
+    for answer in copy_between(&mut source, &mut target, &keys, &how(&addr, 0))
+        .await
+        .unwrap()
+    {
+        assert_eq!(answer.unwrap().path, "pull");
+    }
+    for (name, data) in &tensors {
+        let back = target.get(&TensorKey::new(0, name)).await.unwrap();
+        assert_same(&back, data, &format!("{name} pulled into the pool"));
+    }
+    // Every tensor the device kept as it arrived lives in the pool (Flex keeps most dtypes'
+    // buffers as they are; the few it converts give theirs back at once).
+    let drawn = pool.capacity() - pool.free_bytes();
+    assert!(drawn >= bytes / 2, "{drawn} bytes drawn for {bytes}");
+    delete_all(&mut target).await;
+    pool_is_whole(&pool, "deleted pulled tensors give their buffers back").await;
+
+    for (name, data) in &tensors {
+        target.put(0, name, data).await.unwrap();
+    }
+    for (name, data) in &tensors {
+        let back = target.get(&TensorKey::new(0, name)).await.unwrap();
+        assert_same(&back, data, &format!("{name} put into the pool"));
+    }
+    let stats = target.stat().await.unwrap();
+    assert_eq!(stats.pool_bytes, pool.capacity() as u64);
+    assert_eq!(stats.pool_free_bytes, pool.free_bytes() as u64);
+    assert_eq!(stats.pool_misses, 0, "everything fit");
+    delete_all(&mut target).await;
+    pool_is_whole(&pool, "deleted put tensors give their buffers back").await;
+}
+
+/// The source of a 32 MiB f32 tensor, and the tensor.
+async fn source_of_32_mib() -> (TestNode, TensorData) {
+    let mut service = ServiceConfig::default();
+    service.limits.chunk_size = 256 * 1024;
+    let a = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            ..NodeConfig::default()
+        },
+        service,
+    )
+    .await;
+    let data = samples::plain(DType::F32, &[8 * 1024, 1024], 5);
+    a.client().await.put(0, "big", &data).await.unwrap();
+    (a, data)
+}
+
+async fn pull_via(b: &TestNode, a: &TestNode, via: &str) -> Result<(), Option<ErrorCode>> {
+    let (mut source, mut target) = (a.client().await, b.client().await);
+    let answer = copy_between(
+        &mut source,
+        &mut target,
+        &[TensorKey::new(0, "big")],
+        &how(via, 0),
+    )
+    .await
+    .unwrap()
+    .remove(0);
+    answer.map(drop).map_err(|e| e.code())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_byte_drawn_comes_back_after_success_and_after_each_failure() {
+    let pool = Pool::reserve(64 * MIB).unwrap();
+    let (a, data) = source_of_32_mib().await;
+    let b = pooled_node(&pool, 0).await;
+    let mut target = b.client().await;
+
+    // A source that dies mid-stream.
+    let via = proxy(a.addr, Fault::DieAfter(4 * MIB)).await.to_string();
+    assert_eq!(
+        pull_via(&b, &a, &via).await,
+        Err(Some(ErrorCode::PeerFailed))
+    );
+    pool_is_whole(&pool, "after a source died mid-pull").await;
+
+    // Bytes altered on the way, every chunk checksum recomputed: only the content hash tells.
+    let via = proxy(a.addr, Fault::FlipAndReframe).await.to_string();
+    assert_eq!(
+        pull_via(&b, &a, &via).await,
+        Err(Some(ErrorCode::Integrity))
+    );
+    pool_is_whole(&pool, "after an integrity failure").await;
+    assert!(
+        target.list(None).await.unwrap().is_empty(),
+        "nothing registered"
+    );
+
+    // A client that dies after a quarter of its put.
+    let (mut raw, _) = Raw::hello(&b, None).await;
+    let meta = tensor::meta_of(&data).unwrap().to_wire();
+    raw.send(&put_request(0, "cut", meta)).await;
+    assert_eq!(raw.response().await, Some(Response::Ready));
+    let bytes = data.as_bytes();
+    for offset in (0..bytes.len() / 4).step_by(MIB) {
+        let chunk = frame::encode_chunk(offset as u64, &bytes[offset..offset + MIB]);
+        raw.stream.write_all(&chunk).await.unwrap();
+    }
+    eventually(
+        "the cut put draws its buffer",
+        Duration::from_secs(10),
+        || pool.free_bytes() < pool.capacity(),
+    )
+    .await;
+    drop(raw);
+    pool_is_whole(&pool, "after a client died mid-put").await;
+    assert!(
+        target.list(None).await.unwrap().is_empty(),
+        "nothing registered"
+    );
+
+    // Success: the tensor holds its buffer until deleted, then gives it back.
+    pull_via(&b, &a, &a.addr.to_string()).await.unwrap();
+    assert!(pool.capacity() - pool.free_bytes() >= bytes.len());
+    let key = TensorKey::new(0, "big");
+    assert_same(&target.get(&key).await.unwrap(), &data, "pulled");
+    target.delete(&key).await.unwrap();
+    pool_is_whole(&pool, "after a delete").await;
+    assert_eq!(target.stat().await.unwrap().pool_misses, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_the_pool_cannot_hold_goes_to_fresh_memory_as_a_miss() {
+    let pool = Pool::reserve(4 * MIB).unwrap();
+    let b = pooled_node(&pool, 0).await;
+    let mut client = b.client().await;
+    let data = samples::plain(DType::F32, &[2 * 1024, 1024], 9);
+    assert!(data.as_bytes().len() > pool.capacity());
+    client.put(0, "larger", &data).await.unwrap();
+    let key = TensorKey::new(0, "larger");
+    assert_same(&client.get(&key).await.unwrap(), &data, "in fresh memory");
+    let stats = client.stat().await.unwrap();
+    assert_eq!(stats.pool_misses, 1);
+    assert_eq!(
+        stats.pool_free_bytes, stats.pool_bytes,
+        "the pool was not drawn"
+    );
+    // One that fits still draws from it.
+    let small = samples::plain(DType::F32, &[512, 1024], 10);
+    client.put(0, "fits", &small).await.unwrap();
+    assert!(pool.free_bytes() < pool.capacity());
+    assert_eq!(client.stat().await.unwrap().pool_misses, 1);
+}
