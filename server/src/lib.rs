@@ -22,8 +22,8 @@ mod source;
 
 pub use backend::{BackendKind, DeviceSpec, Primitive};
 pub use device::{
-    Arrived, Budget, DeviceHandle, Existing, HostBytes, KnownHash, TENSOR_OVERHEAD, TensorDesc,
-    Version,
+    Arrived, Budget, ContentHash, DeviceHandle, Existing, HostBytes, KnownHash, TENSOR_OVERHEAD,
+    TensorDesc, Version,
 };
 pub use engine::{TransferPath, TransferPolicy};
 pub use error::{NodeError, Refusal};

@@ -380,7 +380,7 @@ async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_i
     let on_source = a.node.describe(&key).await.unwrap();
     for name in ["w", "w.again"] {
         let held = b.node.describe(&TensorKey::new(0, name)).await.unwrap();
-        assert!(held.hash_verified, "{name}");
+        assert!(held.content_hash.is_verified(), "{name}");
         assert_eq!(held.content_hash, on_source.content_hash, "{name}");
         assert_same(&target.get(&held.key).await.unwrap(), &data, name);
     }
@@ -388,7 +388,7 @@ async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_dedup() {
-    use ferry::server::{Arrived, Existing, KnownHash};
+    use ferry::server::{Arrived, ContentHash, Existing, KnownHash};
     // Flex verifies after registering, NdArray (which cannot lend its bytes) before: the same
     // outcome on both.
     let node = start_with(&["flex", "ndarray"]).await;
@@ -416,11 +416,17 @@ async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_d
         };
         let desc = node.node.register(admission, arrived).await.unwrap();
         if device == 0 {
-            assert_eq!(desc.content_hash, lie, "registered under the stated hash");
-            assert!(!desc.hash_verified);
+            assert_eq!(
+                desc.content_hash,
+                ContentHash::Stated(lie.clone()),
+                "registered under the stated hash"
+            );
         } else {
-            assert_eq!(desc.content_hash, truth, "checked before registering");
-            assert!(desc.hash_verified);
+            assert_eq!(
+                desc.content_hash,
+                ContentHash::Verified(truth.clone()),
+                "checked before registering"
+            );
         }
         // Whether asked before or after the verifier answered, the lie finds nothing.
         assert!(node.node.find_by_hash(&lie).await.unwrap().is_none());
@@ -428,8 +434,7 @@ async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_d
         assert_eq!(stats.hash_mismatches, 1 + u64::from(device));
         let key = TensorKey::new(device, "w");
         let held = node.node.describe(&key).await.unwrap();
-        assert!(held.hash_verified);
-        assert_eq!(held.content_hash, truth);
+        assert_eq!(held.content_hash, ContentHash::Verified(truth.clone()));
         let found = node.node.find_by_hash(&truth).await.unwrap().unwrap();
         assert_eq!(found.key, key);
         assert_same(&client.get(&found.key).await.unwrap(), &data, "w");
@@ -438,7 +443,7 @@ async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_d
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dedup_check_waits_for_a_pending_verification() {
-    use ferry::server::{Arrived, Existing, KnownHash};
+    use ferry::server::{Arrived, ContentHash, Existing, KnownHash};
     let node = start_with(&["flex"]).await;
     // 64 MiB: hashing takes tens of milliseconds, so the check below comes while it runs.
     let data = samples::plain(DType::F32, &[4096, 4096], 5);
@@ -461,10 +466,10 @@ async fn a_dedup_check_waits_for_a_pending_verification() {
         region: None,
     };
     let desc = node.node.register(admission, arrived).await.unwrap();
-    assert!(!desc.hash_verified);
+    assert_eq!(desc.content_hash, ContentHash::Stated(truth.clone()));
     let found = node.node.find_by_hash(&truth).await.unwrap().unwrap();
     assert_eq!(found.key, TensorKey::new(0, "w"));
-    assert!(found.hash_verified, "answered once verified");
+    assert!(found.content_hash.is_verified(), "answered once verified");
     let stats = node.client().await.stat().await.unwrap();
     assert_eq!((stats.hashes_pending, stats.hash_mismatches), (0, 0));
 }
@@ -1096,4 +1101,38 @@ async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_cho
     assert_eq!(refused.code(), Some(ErrorCode::PeerFailed), "{refused}");
     assert!(refused.to_string().contains("AuthRefused"), "{refused}");
     assert!(target.list(None).await.unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_is_answered_before_its_hash_which_is_computed_after_and_then_answers() {
+    use ferry::server::ContentHash;
+    // Flex lends its registered bytes, so the hash is computed after the answer; NdArray cannot,
+    // so before it. Either way a grant right after the put waits for it and states the truth.
+    let a = start_with(&["flex", "ndarray"]).await;
+    let b = start_with(&["flex"]).await;
+    let mut client = a.client().await;
+    let b_id = b.client().await.identify().await.unwrap();
+    for device in [0u32, 1] {
+        let data = samples::plain(DType::F32, &[2048, 2048], 40 + u64::from(device));
+        let meta = ferry::proto::tensor::meta_of(&data).unwrap();
+        let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
+        client.put(device, "w", &data).await.unwrap();
+        let key = TensorKey::new(device, "w");
+        let at_answer = a.node.describe(&key).await.unwrap().content_hash;
+        match (device, &at_answer) {
+            (0, ContentHash::Computing) | (_, ContentHash::Verified(_)) => {}
+            other => panic!("unexpected hash state at the answer: {other:?}"),
+        }
+        let grant = client.grant(&key, &b_id).await.unwrap();
+        assert_eq!(
+            grant.content_hash, truth,
+            "device {device}: granted the computed hash"
+        );
+        let held = a.node.describe(&key).await.unwrap();
+        assert_eq!(held.content_hash, ContentHash::Verified(truth.clone()));
+        let found = a.node.find_by_hash(&truth).await.unwrap().unwrap();
+        assert_eq!(found.key, key);
+    }
+    let stats = hashes_verified(&mut client).await;
+    assert_eq!((stats.hashes_pending, stats.hash_mismatches), (0, 0));
 }

@@ -332,13 +332,18 @@ unsafe impl Send for FileMap {}
 unsafe impl Sync for FileMap {}
 
 impl MappedFile {
-    /// Maps `file` whole, private, its pages faulted in up front (cheap for pages in the page
-    /// cache: no copy, no zeroing).
+    /// Maps `file` whole, private, its pages faulted in up front for reading (cheap for pages in
+    /// the page cache: no copy, no zeroing; a page is copied only if written).
     pub fn map(file: &std::fs::File) -> std::io::Result<MappedFile> {
         // SAFETY: a private mapping of a file opened for reading; its soundness rests on the file
         // not being truncated while mapped, the contract stated on `MappedFile` (the same every
         // file mapping, safetensors' own included, asks of its caller).
-        let mut map = unsafe { memmap2::MmapOptions::new().populate().map_copy(file)? };
+        let mut map = unsafe { memmap2::MmapOptions::new().map_copy(file)? };
+        // Faulted in for reading (no `MAP_POPULATE`: on a writable private mapping it faults for
+        // writing, which copies every page). Advice only: without it the pages fault on first
+        // read, one by one.
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::PopulateRead);
         let base = NonNull::new(map.as_mut_ptr()).unwrap_or(NonNull::dangling());
         Ok(MappedFile {
             map: Arc::new(FileMap { map, base }),

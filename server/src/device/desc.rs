@@ -1,5 +1,5 @@
-//! A registered tensor as the node describes it ([`TensorDesc`]), and which registration under
-//! its key it is ([`Version`]).
+//! A registered tensor as the node describes it ([`TensorDesc`]), which registration under its
+//! key it is ([`Version`]), and what the node knows of its content hash ([`ContentHash`]).
 
 use burn_backend::DType;
 use ferry_proto::{TensorInfo, TensorKey, WireDType};
@@ -32,14 +32,48 @@ pub struct TensorDesc {
     pub bytes: u64,
     /// How it arrived.
     pub path: TransferPath,
-    /// BLAKE3 of its bytes (hex), computed once when it arrived (or stated by the node it came
-    /// from, until [`hash_verified`](Self::hash_verified)).
-    pub content_hash: String,
-    /// Whether this node computed `content_hash` from the bytes it holds. Only verified hashes
-    /// answer dedup, and are granted or matched by a conditional delete.
-    pub hash_verified: bool,
+    /// Its content hash, as far as this node knows it.
+    pub content_hash: ContentHash,
     /// Which registration under the key this is.
     pub version: Version,
+}
+
+/// What a node knows of a registered tensor's content hash (BLAKE3 of its bytes, hex; PROTOCOL
+/// §7.2). Only a [`Verified`](ContentHash::Verified) hash answers dedup, is granted, or is
+/// matched by a conditional delete; the others are settled by the device's verifier thread,
+/// which reads the registered bytes in place after the transfer was answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ContentHash {
+    /// Computed by this node from the bytes it holds.
+    Verified(String),
+    /// Stated by the node the bytes came from (a pull between nodes of one host), being
+    /// recomputed: a dedup candidate to wait for, used for nothing else until then.
+    Stated(String),
+    /// Being computed: a put is answered once its bytes are registered, its hash after.
+    Computing,
+}
+
+impl ContentHash {
+    /// The hash, where this node computed it.
+    pub fn verified(&self) -> Option<&str> {
+        match self {
+            ContentHash::Verified(hash) => Some(hash),
+            ContentHash::Stated(_) | ContentHash::Computing => None,
+        }
+    }
+
+    /// Whether this node computed it.
+    pub fn is_verified(&self) -> bool {
+        matches!(self, ContentHash::Verified(_))
+    }
+
+    /// The hash the tensor is indexed under as a dedup candidate: verified or stated.
+    pub fn indexed(&self) -> Option<&str> {
+        match self {
+            ContentHash::Verified(hash) | ContentHash::Stated(hash) => Some(hash),
+            ContentHash::Computing => None,
+        }
+    }
 }
 
 impl TensorDesc {

@@ -21,7 +21,7 @@ pub(crate) use budget::DeviceLimits;
 pub use budget::{Budget, Reservation, TENSOR_OVERHEAD};
 pub(crate) use command::{Command, Reply};
 pub use command::{DeviceSummary, Existing};
-pub use desc::{TensorDesc, Version};
+pub use desc::{ContentHash, TensorDesc, Version};
 pub use handle::DeviceHandle;
 pub use payload::{Arrived, HostBytes};
 pub(crate) use payload::{Exported, Payload};

@@ -10,7 +10,7 @@ use burn_backend::{DType, TensorData};
 use ferry_io::connection::{Known, SealedRegion};
 
 use crate::backend::SharedPayload;
-use crate::device::{KnownHash, Reservation};
+use crate::device::{ContentHash, KnownHash, Reservation};
 
 /// A backend primitive handed between two workers of the same backend (the native path).
 pub(crate) struct NativeTensor {
@@ -18,8 +18,7 @@ pub(crate) struct NativeTensor {
     pub(super) dtype: DType,
     pub(super) shape: Vec<usize>,
     pub(super) bytes: u64,
-    pub(super) content_hash: String,
-    pub(super) hash_verified: bool,
+    pub(super) content_hash: ContentHash,
 }
 
 impl std::fmt::Debug for NativeTensor {

@@ -18,7 +18,8 @@ use crate::device::{Command, Version};
 /// What a receiver knows of a tensor's content hash when it hands the tensor over.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KnownHash {
-    /// Nothing: the worker computes it before registering.
+    /// Nothing, and nothing waits for it (a put, whose answer needs no hash): computed after
+    /// registering where the worker can read the registered tensor in place, else before.
     Unknown,
     /// Computed by this node over the bytes it hands over.
     Computed(String),

@@ -17,8 +17,8 @@ use crate::device::budget::TensorSlot;
 use crate::device::payload::NativeTensor;
 use crate::device::verify::{VerifyJob, note_mismatch, spawn_verifier};
 use crate::device::{
-    Arrived, Budget, Command, DeviceHandle, DeviceLimits, DeviceSummary, Existing, Exported,
-    HostBytes, KnownHash, Payload, Reservation, TensorDesc, Version,
+    Arrived, Budget, Command, ContentHash, DeviceHandle, DeviceLimits, DeviceSummary, Existing,
+    Exported, HostBytes, KnownHash, Payload, Reservation, TensorDesc, Version,
 };
 use crate::engine::TransferPath;
 use crate::error::NodeError;
@@ -209,7 +209,6 @@ impl<B: Backend> Worker<B> {
                             shape: e.desc.shape.clone(),
                             bytes: e.desc.bytes,
                             content_hash: e.desc.content_hash.clone(),
-                            hash_verified: e.desc.hash_verified,
                         }))
                     } else {
                         let (data, held) = e.copy(&self.budget)?;
@@ -252,10 +251,9 @@ impl<B: Backend> Worker<B> {
                 let summary = DeviceSummary {
                     tensors: self.tensors.len() as u64,
                     bytes: self.held_bytes,
-                    hashes_pending: self
-                        .tensors
-                        .values()
-                        .fold(0, |pending, e| pending + u64::from(!e.desc.hash_verified)),
+                    hashes_pending: self.tensors.values().fold(0, |pending, e| {
+                        pending + u64::from(!e.desc.content_hash.is_verified())
+                    }),
                 };
                 let _ = reply.send(Ok(summary));
             }
@@ -264,14 +262,14 @@ impl<B: Backend> Worker<B> {
                 let descs = named.filter_map(|name| self.tensors.get(name).map(|e| &e.desc));
                 let found = descs
                     .clone()
-                    .find(|d| d.hash_verified)
+                    .find(|d| d.content_hash.is_verified())
                     .or_else(|| descs.clone().next())
                     .cloned();
                 let _ = reply.send(Ok(found));
             }
             Command::AwaitVerified { name, reply } => {
                 if let Some(entry) = self.tensors.get_mut(&name) {
-                    if entry.desc.hash_verified {
+                    if entry.desc.content_hash.is_verified() {
                         let _ = reply.send(entry.desc.clone());
                     } else {
                         entry.waiting.push(reply);
@@ -305,21 +303,26 @@ impl<B: Backend> Worker<B> {
         else {
             return;
         };
-        if entry.desc.content_hash != computed {
-            note_mismatch(
-                &self.hash_mismatches,
-                &key,
-                &entry.desc.content_hash,
-                &computed,
-            );
-            let stated = std::mem::replace(&mut entry.desc.content_hash, computed.clone());
-            Self::unindex(&mut self.by_hash, &stated, name);
+        let known = std::mem::replace(
+            &mut entry.desc.content_hash,
+            ContentHash::Verified(computed.clone()),
+        );
+        let indexed = match known {
+            ContentHash::Verified(_) => true,
+            ContentHash::Stated(stated) if stated == computed => true,
+            ContentHash::Stated(stated) => {
+                note_mismatch(&self.hash_mismatches, &key, &stated, &computed);
+                Self::unindex(&mut self.by_hash, &stated, name);
+                false
+            }
+            ContentHash::Computing => false,
+        };
+        if !indexed {
             self.by_hash
                 .entry(computed)
                 .or_default()
                 .insert(name.to_string());
         }
-        entry.desc.hash_verified = true;
         for waiter in entry.waiting.drain(..) {
             let _ = waiter.send(entry.desc.clone());
         }
@@ -341,7 +344,9 @@ impl<B: Backend> Worker<B> {
     /// Takes a tensor out of the map and the hash index.
     fn unregister(&mut self, name: &str) -> Option<Entry<B>> {
         let entry = self.tensors.remove(name)?;
-        Self::unindex(&mut self.by_hash, &entry.desc.content_hash, name);
+        if let Some(hash) = entry.desc.content_hash.indexed() {
+            Self::unindex(&mut self.by_hash, hash, name);
+        }
         self.held_bytes -= entry.desc.bytes;
         Some(entry)
     }
@@ -384,13 +389,12 @@ impl<B: Backend> Worker<B> {
             shape,
             bytes,
             mut content_hash,
-            mut hash_verified,
             region,
         } = self.place(&name, payload)?;
         // What the verifier will read, prepared before anything is replaced: nothing after the
         // replacement can fail.
         let mut pending = None;
-        if !hash_verified {
+        if !content_hash.is_verified() {
             let meta = TensorMeta::new(shape.clone(), dtype)?;
             let shared = primitive.shared_host_bytes().filter(|shared| {
                 shared.dtype == dtype && shared.shape == shape && shared.len() as u64 == bytes
@@ -404,8 +408,10 @@ impl<B: Backend> Worker<B> {
                 None => {
                     let data = primitive.to_data()?;
                     let computed = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
-                    content_hash = self.settle(&name, &content_hash, computed);
-                    hash_verified = true;
+                    content_hash = ContentHash::Verified(match &content_hash {
+                        ContentHash::Stated(stated) => self.settle(&name, stated, computed),
+                        ContentHash::Verified(_) | ContentHash::Computing => computed,
+                    });
                 }
             }
         }
@@ -418,7 +424,6 @@ impl<B: Backend> Worker<B> {
             bytes,
             path,
             content_hash,
-            hash_verified,
             version,
         };
         let abandoned = Arc::new(AtomicBool::new(false));
@@ -430,10 +435,12 @@ impl<B: Backend> Worker<B> {
             (None, Some(Entry { slot, .. })) => slot,
             (None, None) => self.budget.claim_slot()?,
         };
-        self.by_hash
-            .entry(desc.content_hash.clone())
-            .or_default()
-            .insert(name.clone());
+        if let Some(hash) = desc.content_hash.indexed() {
+            self.by_hash
+                .entry(hash.to_string())
+                .or_default()
+                .insert(name.clone());
+        }
         self.held_bytes += desc.bytes;
         self.tensors.insert(
             name.clone(),
@@ -472,15 +479,17 @@ impl<B: Backend> Worker<B> {
                 let bytes = data.bytes().len() as u64;
                 let meta = ferry_proto::tensor::meta_of(&data)?;
                 let compute = || ferry_proto::tensor::content_hash(&meta, data.as_bytes());
-                let (content_hash, hash_verified) = match hash {
-                    KnownHash::Computed(hash) => (hash, true),
-                    // Checked later only where the verifier can read the registered bytes
-                    // without a copy; elsewhere that would take a second host copy, so now.
-                    KnownHash::Stated(hash) if self.kind.shares_registered_bytes(&dtype) => {
-                        (hash, false)
+                // Checked or computed later only where the verifier can read the registered
+                // bytes without a copy; elsewhere that would take a second host copy, so now.
+                let later = self.kind.shares_registered_bytes(&dtype);
+                let content_hash = match hash {
+                    KnownHash::Computed(hash) => ContentHash::Verified(hash),
+                    KnownHash::Stated(hash) if later => ContentHash::Stated(hash),
+                    KnownHash::Stated(stated) => {
+                        ContentHash::Verified(self.settle(name, &stated, compute()))
                     }
-                    KnownHash::Stated(stated) => (self.settle(name, &stated, compute()), true),
-                    KnownHash::Unknown => (compute(), true),
+                    KnownHash::Unknown if later => ContentHash::Computing,
+                    KnownHash::Unknown => ContentHash::Verified(compute()),
                 };
                 let origin = data.as_bytes().as_ptr();
                 let primitive = Primitive::<B>::from_data(data, &self.device)?;
@@ -497,7 +506,6 @@ impl<B: Backend> Worker<B> {
                     shape,
                     bytes,
                     content_hash,
-                    hash_verified,
                     region: region.map(Arc::new),
                 }
             }
@@ -514,7 +522,6 @@ impl<B: Backend> Worker<B> {
                     shape: native.shape,
                     bytes: native.bytes,
                     content_hash: native.content_hash,
-                    hash_verified: native.hash_verified,
                     region: None,
                 }
             }
@@ -528,9 +535,8 @@ struct Placed<B: Backend> {
     dtype: DType,
     shape: Vec<usize>,
     bytes: u64,
-    /// As computed, or as stated until `hash_verified`.
-    content_hash: String,
-    hash_verified: bool,
+    /// As far as known when it arrived.
+    content_hash: ContentHash,
     /// The sealed region its bytes lie in, where the region's mapping is the tensor's storage.
     region: Option<Arc<SealedRegion>>,
 }

@@ -89,14 +89,14 @@ impl Node {
         key: &TensorKey,
         audience: &str,
         client: ClientId,
-    ) -> Result<(String, Duration, TensorDesc), NodeError> {
+    ) -> Result<Granted, NodeError> {
         if audience.is_empty() || audience.len() > MAX_NODE_ID_LEN {
             return Err(NodeError::InvalidNodeId {
                 len: audience.len(),
                 max: MAX_NODE_ID_LEN,
             });
         }
-        let desc = self.describe_verified(key).await?;
+        let (desc, content_hash) = self.describe_verified(key).await?;
         let ttl = self.inner.config.capability_ttl;
         let token = format!("{:032x}", rand::random::<u128>());
         let now = Instant::now();
@@ -130,7 +130,12 @@ impl Node {
                 orphaned: false,
             },
         );
-        Ok((token, ttl, desc))
+        Ok(Granted {
+            token,
+            ttl,
+            desc,
+            content_hash,
+        })
     }
 
     /// The capabilities issued and not ended.
@@ -212,6 +217,15 @@ impl Node {
         capabilities.remove(token);
         Ok(())
     }
+}
+
+/// A capability just issued: its token, how long it is valid, the tensor version it is for and
+/// that version's verified content hash.
+pub(crate) struct Granted {
+    pub(crate) token: String,
+    pub(crate) ttl: Duration,
+    pub(crate) desc: TensorDesc,
+    pub(crate) content_hash: String,
 }
 
 /// A fetch in progress under a capability; when it ends, the capability waits one idle timeout

@@ -109,8 +109,8 @@ impl Node {
         key: &TensorKey,
         content_hash: &str,
     ) -> Result<TensorDesc, NodeError> {
-        let desc = self.describe_verified(key).await?;
-        if desc.content_hash != content_hash {
+        let (desc, hash) = self.describe_verified(key).await?;
+        if hash != content_hash {
             return Err(NodeError::Changed(key.clone()));
         }
         self.remove_pinned(key, Some(desc.version)).await
@@ -141,25 +141,39 @@ impl Node {
             .await
     }
 
-    /// Describes the tensor under `key` once its content hash is verified: at once where it
-    /// is, else after the verifier's answer (bounded by [`VERIFY_WAIT`]).
-    pub(super) async fn describe_verified(&self, key: &TensorKey) -> Result<TensorDesc, NodeError> {
-        let desc = self.describe(key).await?;
-        if desc.hash_verified {
-            return Ok(desc);
-        }
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        self.device(key.device)?
-            .tell(Command::AwaitVerified {
-                name: key.name.clone(),
-                reply,
-            })
-            .await?;
-        match tokio::time::timeout(VERIFY_WAIT, answer).await {
-            Ok(Ok(verified)) if verified.version == desc.version => Ok(verified),
-            // Replaced or removed meanwhile.
-            Ok(_) => Err(NodeError::Changed(key.clone())),
-            Err(_) => Err(NodeError::StillVerifying(key.clone())),
+    /// Describes the tensor under `key`, with its content hash, once that hash is verified: at
+    /// once where it is, else after the verifier's answer. A version replaced while its hash was
+    /// computed is not an error: the question is about whatever the key holds, so the newer one
+    /// is waited for in turn, all within [`VERIFY_WAIT`].
+    pub(super) async fn describe_verified(
+        &self,
+        key: &TensorKey,
+    ) -> Result<(TensorDesc, String), NodeError> {
+        let deadline = tokio::time::Instant::now() + VERIFY_WAIT;
+        loop {
+            let desc = self.describe(key).await?;
+            if let Some(hash) = desc.content_hash.verified() {
+                let hash = hash.to_string();
+                return Ok((desc, hash));
+            }
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            self.device(key.device)?
+                .tell(Command::AwaitVerified {
+                    name: key.name.clone(),
+                    reply,
+                })
+                .await?;
+            match tokio::time::timeout_at(deadline, answer).await {
+                Ok(Ok(verified)) => {
+                    if let Some(hash) = verified.content_hash.verified() {
+                        let hash = hash.to_string();
+                        return Ok((verified, hash));
+                    }
+                }
+                // Replaced or removed while waiting: asked again.
+                Ok(Err(_)) => {}
+                Err(_) => return Err(NodeError::StillVerifying(key.clone())),
+            }
         }
     }
 
@@ -175,7 +189,7 @@ impl Node {
                 .call(|reply| Command::FindByHash { hash, reply })
                 .await?;
             match found {
-                Some(desc) if desc.hash_verified => return Ok(Some(desc)),
+                Some(desc) if desc.content_hash.is_verified() => return Ok(Some(desc)),
                 Some(desc) => pending.push(desc),
                 None => {}
             }
@@ -189,7 +203,9 @@ impl Node {
             // A tensor removed meanwhile drops the question unanswered: no candidate. A long
             // queue of verifications is not waited out: pulling the bytes is then cheaper.
             match tokio::time::timeout(VERIFY_WAIT, answer).await {
-                Ok(Ok(desc)) if desc.content_hash == content_hash => return Ok(Some(desc)),
+                Ok(Ok(desc)) if desc.content_hash.verified() == Some(content_hash) => {
+                    return Ok(Some(desc));
+                }
                 Ok(_) => {}
                 Err(_) => {
                     tracing::info!(key = %candidate.key, "dedup candidate still unverified; pulling");

@@ -12,7 +12,7 @@ use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::awaiting_hello::Place;
-use super::{HANDSHAKE_MAX_BODY, ServiceConfig, finish_hashed, idle_for};
+use super::{HANDSHAKE_MAX_BODY, ServiceConfig, idle_for};
 use crate::device::{Arrived, Existing, KnownHash};
 use crate::error::{NodeError, Refusal};
 use crate::node::{AGENT, ClientId, Direction, MAX_PAGE, Node, Refused, TransferMode};
@@ -248,11 +248,11 @@ impl Session<'_> {
             Request::Grant { key, audience } => {
                 node.grant(&key, &audience, self.id)
                     .await
-                    .map(|(token, ttl, desc)| Response::Capability {
-                        token,
-                        expires_in_ms: ttl.as_millis() as u64,
-                        info: desc.to_wire(),
-                        content_hash: desc.content_hash,
+                    .map(|granted| Response::Capability {
+                        token: granted.token,
+                        expires_in_ms: granted.ttl.as_millis() as u64,
+                        info: granted.desc.to_wire(),
+                        content_hash: granted.content_hash,
                     })
             }
             Request::Pull {
@@ -316,7 +316,10 @@ impl Session<'_> {
                 let bytes = meta.byte_len() as u64;
                 let admission =
                     node.admit(device, &name, &meta.dtype(), meta.shape(), bytes, existing)?;
-                let assembler = node.receiver(device, meta)?.hashing();
+                // Not hashed while it arrives: a put's answer needs no hash, and the device
+                // computes it after registering (the bytes are verified by their chunk
+                // checksums, or by the seals of their region).
+                let assembler = node.receiver(device, meta)?;
                 Ok((assembler, admission))
             });
         let (mut assembler, admission) = match admitted {
@@ -351,11 +354,11 @@ impl Session<'_> {
                 return Err(fail(conn, error).await);
             }
         };
-        let reply = match finish_hashed(assembler).await {
-            Ok((data, hash)) => {
+        let reply = match assembler.finish().map_err(NodeError::Received) {
+            Ok(data) => {
                 let arrived = Arrived {
                     data,
-                    hash: KnownHash::Computed(hash),
+                    hash: KnownHash::Unknown,
                     region,
                 };
                 node.register(admission, arrived)
