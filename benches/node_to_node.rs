@@ -23,7 +23,9 @@
 //!   copy's tensor freed (the node's default `--recycle`), as raw TCP reuses its buffer;
 //! - `ferry A->B, cold`: every first-time cost paid, on another pair of nodes with `--recycle
 //!   0`: each run puts the tensor on A under a new name (checksums computed while sending) and B
-//!   receives into new memory (the kernel faults in and zeroes every page): a first push;
+//!   receives into new memory (the kernel faults in and zeroes every page): a first push (A's
+//!   content hash of the put, which a node computes after answering the put, is waited for
+//!   before the timing starts: it belongs to the put);
 //! - `ferry A->B, cold, pool`: the same first pushes, with B started with a receive pool
 //!   (`--pool`, the tensor's size plus 64 MiB) reserved and touched at start: the goal is >= 0.9x
 //!   raw TCP at 256 MiB;
@@ -183,6 +185,9 @@ async fn cold_copies(binary: &Path, data: &TensorData, runs: usize, pool: Option
     for run in 0..=runs {
         let key = TensorKey::new(0, format!("cold{run}"));
         source.put(0, &key.name, data).await.expect("put on A");
+        // A computes a put's content hash after answering it, and a grant waits for it: that
+        // belongs to the put, not to the pull measured here.
+        verified_since(&mut source, Instant::now()).await;
         a.reset_peak();
         b.reset_peak();
         let (held_a, held_b) = (a.rss(), b.rss());
