@@ -277,9 +277,6 @@ pub enum Refusal {
         /// Who its certificate says it is.
         certified: String,
     },
-    /// Served to the end once: only a resume from a later offset is served.
-    #[error("capability already served in full; only a resume from a later offset is served")]
-    AlreadyServed,
     /// Fetched as often as one capability may be.
     #[error("capability fetched too often; ask for a new one")]
     FetchedTooOften,

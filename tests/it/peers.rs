@@ -719,7 +719,7 @@ async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_capability_serves_one_whole_fetch_and_only_its_fetcher_releases_it() {
+async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_releases_it() {
     let a = start_with(&["flex"]).await;
     let b = start_with(&["flex"]).await;
     let mut source = a.client().await;
@@ -729,26 +729,42 @@ async fn a_capability_serves_one_whole_fetch_and_only_its_fetcher_releases_it() 
     let b_id = b.client().await.identify().await.unwrap();
     let grant = source.grant(&key, &b_id).await.unwrap();
 
-    // Fetched whole once (as node B would), then refused a second whole fetch.
+    // Fetched whole once (as node B would); fetching it whole again is served too, until the
+    // fetcher releases it: its only chunk may have been lost in flight.
     let mut fetcher = source_connection(&a).await;
     let fetch = fetcher.fetch(&grant.token, &b_id, 0).await.unwrap();
     let mut assembler = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
     fetch.payload(&mut assembler, RegionUse::Map).await.unwrap();
     assert_same(&assembler.finish().unwrap(), &data, "fetched");
     let mut other = source_connection(&a).await;
-    let again = other.fetch(&grant.token, &b_id, 0).await.map(|f| f.meta);
-    assert_eq!(
-        source_code_of(again),
-        ErrorCode::CapabilityRefused,
-        "a second whole fetch"
-    );
+    let fetch = other.fetch(&grant.token, &b_id, 0).await.unwrap();
+    let mut again = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+    fetch.payload(&mut again, RegionUse::Map).await.unwrap();
+    assert_same(&again.finish().unwrap(), &data, "fetched whole again");
 
-    // A resume (a later offset) by the audience is still served.
+    // A resume (a later offset) by the audience is served.
     let fetch = other.fetch(&grant.token, &b_id, 1024).await.unwrap();
     let mut tail = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
     tail.accept(0, &data.as_bytes()[..1024]).unwrap();
     fetch.payload(&mut tail, RegionUse::Map).await.unwrap();
     assert_same(&tail.finish().unwrap(), &data, "resumed");
+
+    // But not again and again: 16 fetches in all (3 so far), then refused.
+    for _ in 3..16 {
+        let fetch = other.fetch(&grant.token, &b_id, 0).await.unwrap();
+        let mut whole = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+        fetch.payload(&mut whole, RegionUse::Map).await.unwrap();
+    }
+    let too_often = other.fetch(&grant.token, &b_id, 0).await.map(|f| f.meta);
+    assert_eq!(
+        source_code_of(too_often),
+        ErrorCode::CapabilityRefused,
+        "a 17th fetch"
+    );
+    let grant = source.grant(&key, &b_id).await.unwrap();
+    let fetch = other.fetch(&grant.token, &b_id, 0).await.unwrap();
+    let mut fresh = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+    fetch.payload(&mut fresh, RegionUse::Map).await.unwrap();
 
     // Released only by the connection of the latest fetch: not by a third party that knows the
     // token and the audience, nor by the client it was granted to once a fetch began.
@@ -1135,4 +1151,33 @@ async fn a_put_is_answered_before_its_hash_which_is_computed_after_and_then_answ
     }
     let stats = hashes_verified(&mut client).await;
     assert_eq!((stats.hashes_pending, stats.hash_mismatches), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_whose_only_chunk_is_lost_after_it_was_sent_resumes_from_the_start() {
+    // One chunk (the default 4 MiB chunk holds the whole 1 MiB): the source has sent every byte
+    // when the cut lands, so the target's resume asks for offset 0 of a capability served in
+    // full. It must be served again, not refused.
+    let a = start_with(&["flex"]).await;
+    let mut config = NodeConfig {
+        devices: devices(&["flex"]),
+        pull_retries: 2,
+        retry_backoff: Duration::from_millis(20),
+        ..NodeConfig::default()
+    };
+    config.peer_limits.idle_timeout = Duration::from_secs(1);
+    let b = start(config, ServiceConfig::default()).await;
+    let data = samples::plain(DType::F32, &[256, 1024], 8);
+    a.client().await.put(0, "big", &data).await.unwrap();
+    let via = proxy(a.addr, Fault::CutOnceAfter(256 * 1024))
+        .await
+        .to_string();
+    let info = pull_big(&b, &a, &via).await.unwrap();
+    let mut target = b.client().await;
+    assert_same(
+        &target.get(&info.key).await.unwrap(),
+        &data,
+        "resumed from 0",
+    );
+    assert_eq!(target.stat().await.unwrap().pull_retries, 1);
 }

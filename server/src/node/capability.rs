@@ -46,8 +46,6 @@ pub(super) struct Capability {
     /// Counts fetches; only the latest may touch the capability when it ends, so a resume can
     /// take over from a fetch whose connection has not noticed it is dead.
     generation: u64,
-    /// A fetch sent every byte once: from then on only a resume (from a later offset) is served.
-    served: bool,
     /// A fetch is under way now (its lease is alive).
     in_flight: bool,
     /// The connection it was granted to closed while a fetch was under way: it ends with that
@@ -125,7 +123,6 @@ impl Node {
                 granted_to: client,
                 fetcher: None,
                 generation: 0,
-                served: false,
                 in_flight: false,
                 orphaned: false,
             },
@@ -147,9 +144,11 @@ impl Node {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Starts serving a fetch from `offset` on: the capability must exist, be unexpired and be
-    /// bound to `node_id`; a capability already served to the end once serves only a resume
-    /// (a later offset). A new fetch takes over from an earlier one still under way.
+    /// Starts serving a fetch from `offset` on: the capability must exist, be unexpired, be
+    /// bound to `node_id` and have served fewer than [`MAX_FETCHES`]. A new fetch takes over
+    /// from an earlier one still under way. A fetch that sent every byte does not use the
+    /// capability up: only the target's release does, once it verified them, so that a target
+    /// whose only chunk was lost in flight may fetch it again from offset 0.
     pub(crate) fn begin_fetch(
         &self,
         token: &str,
@@ -169,9 +168,6 @@ impl Node {
         }
         if capability.audience != node_id {
             return Err(refused(Refusal::OtherNode));
-        }
-        if capability.served && offset == 0 {
-            return Err(refused(Refusal::AlreadyServed));
         }
         if capability.generation >= MAX_FETCHES {
             return Err(refused(Refusal::FetchedTooOften));
@@ -248,15 +244,6 @@ impl FetchLease {
     /// The version it grants.
     pub(crate) fn version(&self) -> Version {
         self.version
-    }
-
-    /// Every byte was sent: from now on the capability serves only a resume.
-    pub(crate) fn served(&self) {
-        if let Some(capability) = self.node.capabilities().get_mut(&self.token)
-            && capability.generation == self.generation
-        {
-            capability.served = true;
-        }
     }
 }
 

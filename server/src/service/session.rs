@@ -423,7 +423,6 @@ impl Session<'_> {
             .await?;
         self.count_sent(route, bytes.len());
         self.node.recorder().fetch_served();
-        lease.served();
         drop(lease);
         Ok(())
     }
