@@ -144,7 +144,7 @@ impl Node {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Starts serving a fetch from `offset` on: the capability must exist, be unexpired, be
+    /// Starts serving a fetch (from any offset): the capability must exist, be unexpired, be
     /// bound to `node_id` and have served fewer than [`MAX_FETCHES`]. A new fetch takes over
     /// from an earlier one still under way. A fetch that sent every byte does not use the
     /// capability up: only the target's release does, once it verified them, so that a target
@@ -154,7 +154,6 @@ impl Node {
         token: &str,
         node_id: &str,
         client: ClientId,
-        offset: u64,
     ) -> Result<FetchLease, NodeError> {
         let now = Instant::now();
         let mut capabilities = self.capabilities();

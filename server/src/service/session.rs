@@ -382,7 +382,7 @@ impl Session<'_> {
     ) -> Result<(), ConnectionError> {
         let lease = match self
             .speaks_for(node_id)
-            .and_then(|node_id| self.node.begin_fetch(capability, node_id, self.id, offset))
+            .and_then(|node_id| self.node.begin_fetch(capability, node_id, self.id))
         {
             Ok(lease) => lease,
             Err(error) => {
