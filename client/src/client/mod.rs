@@ -180,7 +180,11 @@ impl Client {
         buffer_for: impl FnOnce(&TensorMeta) -> Option<Bytes>,
     ) -> Result<TensorData, ClientError> {
         let meta = TensorMeta::try_from(wire).map_err(ProtoError::from)?;
-        let given = buffer_for(&meta).map(|buf| TensorAssembler::into_buffer(meta.clone(), buf));
+        // The limit holds whoever's buffer it is.
+        let given = (meta.byte_len() as u64 <= self.max_tensor_bytes)
+            .then(|| buffer_for(&meta))
+            .flatten()
+            .map(|buf| TensorAssembler::into_buffer(meta.clone(), buf));
         let mut assembler = match given {
             Some(Ok(assembler)) => assembler,
             // A buffer of the wrong length is dropped: the payload goes to new memory.

@@ -69,6 +69,11 @@ fn pull_request(
     }
 }
 
+/// How often a grant answered `Busy` (the source still computing the tensor's content hash) is
+/// asked again; the source waits up to 10 seconds each time, so this bounds the wait at about 5
+/// minutes of hashing (several hundred GB).
+const GRANT_BUSY_RETRIES: u32 = 30;
+
 /// Where and how [`copy_between`] puts the tensors.
 #[derive(Debug, Clone, Copy)]
 pub struct NodeCopy<'a> {
@@ -125,6 +130,23 @@ pub async fn copy_between(
         for _ in window {
             let answer = source.conn.read_response().await;
             grants.push(answer.map_err(ClientError::from).and_then(grant_from));
+        }
+        // A tensor whose content hash the source is still computing (a large put just before)
+        // is granted once it has: each ask waits for it up to the node's bound, then says Busy.
+        for (key, grant) in window.iter().zip(grants.iter_mut()) {
+            let mut asked = 0;
+            while asked < GRANT_BUSY_RETRIES
+                && matches!(
+                    grant,
+                    Err(ClientError::Node {
+                        code: ErrorCode::Busy,
+                        ..
+                    })
+                )
+            {
+                asked += 1;
+                *grant = source.grant(key, &audience).await;
+            }
         }
         for grant in grants.iter().flatten() {
             target

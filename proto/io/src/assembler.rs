@@ -45,6 +45,9 @@ pub struct TensorAssembler {
     meta: TensorMeta,
     buf: Bytes,
     received: usize,
+    /// Whether the caller gave `buf` ([`into_buffer`](Self::into_buffer)): the bytes must then
+    /// end up in it, whichever route they came by.
+    provided: bool,
 }
 
 /// Payloads at least this large are hashed on their own thread while they arrive; smaller ones
@@ -97,6 +100,7 @@ impl TensorAssembler {
             meta,
             buf,
             received: 0,
+            provided: true,
         })
     }
 
@@ -144,6 +148,7 @@ impl TensorAssembler {
             meta,
             buf,
             received: 0,
+            provided: false,
         })
     }
 
@@ -294,7 +299,13 @@ impl TensorAssembler {
         if let HashState::Inline(hasher) = &mut self.hash {
             hasher.update(&payload);
         }
-        self.buf = payload;
+        if self.provided {
+            // The caller's buffer is where the bytes must land (a file being written): copied
+            // out of the region, which is then let go.
+            self.buf.copy_from_slice(&payload);
+        } else {
+            self.buf = payload;
+        }
         self.received = total;
         Ok(())
     }

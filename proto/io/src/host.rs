@@ -311,7 +311,9 @@ pub fn bytes_from_mapping(map: MmapMut) -> Bytes {
 /// `Bytes` taken from it are gone.
 ///
 /// The contract of every file mapping: the file must not be truncated while mapped (reading a
-/// page past the new end raises SIGBUS). A write to the file by another process while it is
+/// page past the new end raises SIGBUS; so does writing a page of a created file that the file
+/// system has no room for, which [`create`](Self::create) prevents by reserving the blocks first
+/// where the file system can). A write to the file by another process while it is
 /// mapped may show in bytes not yet sent; ferry sends what it reads and the node hashes what it
 /// receives, so such a put stores a mix, as a `read` racing the same writer would.
 pub struct MappedFile {
@@ -361,7 +363,13 @@ impl MappedFile {
                 "an empty file has nothing to map",
             ));
         }
-        file.set_len(len as u64)?;
+        // Blocks reserved now, where the file system can: a full disk is then this error, not a
+        // SIGBUS on the first write to a page it has no block for.
+        match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len as u64) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::OPNOTSUPP) => file.set_len(len as u64)?,
+            Err(e) => return Err(e.into()),
+        }
         // SAFETY: a shared mapping of a file this process created and sized; sound as long as
         // nobody truncates it while mapped, the contract stated on `MappedFile`.
         let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(file)? };
@@ -428,7 +436,8 @@ impl AllocationController for FileRangeController {
     ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
         // SAFETY: the range is inside the mapping, which `self.map` keeps alive; this controller
         // is its only owner (`MappedFile::take` never hands out a range twice), borrowed mutably
-        // through `&mut self`; the mapping is private, so a write changes no file.
+        // through `&mut self`. (A write reaches the file only for a mapping made by `create`,
+        // which is meant for it.)
         Ok(unsafe {
             std::slice::from_raw_parts_mut(self.map.base.as_ptr().add(self.offset).cast(), self.len)
         })

@@ -179,8 +179,9 @@ impl Node {
 
     /// Finds a registered tensor with these bytes (BLAKE3, hex).
     /// Only hashes this node computed itself count: a tensor registered under a hash its source
-    /// stated is waited for until the node has recomputed it (a model pushed twice in a row
-    /// still costs one transfer), and answers only if the hash held.
+    /// stated is waited for until the node has recomputed it (a model pulled twice in a row
+    /// still costs one transfer), and answers only if the hash held. A tensor whose hash is
+    /// still being computed (a put just answered) is no candidate.
     pub async fn find_by_hash(&self, content_hash: &str) -> Result<Option<TensorDesc>, NodeError> {
         let mut pending = Vec::new();
         for device in &self.inner.devices {

@@ -241,7 +241,12 @@ impl SafetensorsOutput {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
         };
-        let file = tempfile::NamedTempFile::new_in(dir).map_err(io_error(path))?;
+        // Made as any new file (0666 less the umask), not 0600 as temporary files are: it becomes
+        // the file at `path`.
+        let file = tempfile::Builder::new()
+            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666))
+            .tempfile_in(dir)
+            .map_err(io_error(path))?;
         let mut mapped = ferry_io::host::MappedFile::create(file.as_file(), layout.len)
             .map_err(io_error(path))?;
         let mut header = mapped.take(0, layout.header.len()).ok_or_else(|| {

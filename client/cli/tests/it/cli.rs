@@ -255,6 +255,57 @@ fn unix_socket_addresses_work_everywhere_and_payloads_take_shared_memory() {
         serde_json::from_str(&ok(&["stat", &a_unix, "--json"])).unwrap();
     assert_eq!(a_stats["shm_payloads_sent"].as_u64(), Some(before));
 
+    // Into a .safetensors file the payloads that come as regions are copied into the file's
+    // place (the file is written in place): every plain dtype, bit for bit.
+    let plain: Vec<(String, TensorData)> = PLAIN_DTYPES
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            (
+                format!("s{i}"),
+                samples::plain(*d, &[64, 33], 50 + i as u64),
+            )
+        })
+        .collect();
+    let st_in = dir.path().join("plain.safetensors");
+    write_tensors(&st_in, &plain).unwrap();
+    ok(&[
+        "put",
+        "--shm-min",
+        "1",
+        st_in.to_str().unwrap(),
+        &format!("{a_unix}/1"),
+    ]);
+    let before = a_stats["shm_payloads_sent"].as_u64().unwrap();
+    let st_out = dir.path().join("plain-back.safetensors");
+    ok(&[
+        "get",
+        "--shm-min",
+        "1",
+        &format!("{a_unix}/1"),
+        "-o",
+        st_out.to_str().unwrap(),
+    ]);
+    let mut expected = plain.clone();
+    expected.push(("copied".to_string(), tensors[0].1.clone()));
+    let back: std::collections::HashMap<String, TensorData> =
+        read_tensors(&st_out).unwrap().into_iter().collect();
+    assert_eq!(back.len(), expected.len());
+    for (name, data) in &expected {
+        let got = &back[name];
+        assert_eq!(got.dtype(), data.dtype(), "{name}");
+        assert!(
+            got.as_bytes() == data.as_bytes(),
+            "{name}: the bytes (not zeros) in the file"
+        );
+    }
+    let a_stats: serde_json::Value =
+        serde_json::from_str(&ok(&["stat", &a_unix, "--json"])).unwrap();
+    assert!(
+        a_stats["shm_payloads_sent"].as_u64().unwrap() > before,
+        "the get went through shared memory"
+    );
+
     let missing = format!("unix:{}/0", dir.path().join("nope.sock").display());
     fails(&["ls", &missing], "no Unix socket");
 }
