@@ -322,7 +322,7 @@ pub struct MappedFile {
     taken_to: usize,
 }
 
-struct FileMap {
+pub(crate) struct FileMap {
     map: MmapMut,
     base: NonNull<u8>,
 }
@@ -399,8 +399,8 @@ impl MappedFile {
             return None;
         }
         self.taken_to = end;
-        let controller = FileRangeController {
-            map: self.map.clone(),
+        let controller = RangeController {
+            owner: self.map.clone(),
             offset,
             len,
         };
@@ -410,17 +410,41 @@ impl MappedFile {
     }
 }
 
-/// One range of a [`MappedFile`], owned by one `Bytes`.
-struct FileRangeController {
-    map: Arc<FileMap>,
-    offset: usize,
-    len: usize,
+/// Memory that hands out disjoint ranges of itself, each owned by one `Bytes` through a
+/// [`RangeController`] (a file mapping, a receive pool). It stays mapped while the owner value
+/// lives, and each owner value stands for exactly one range.
+pub(crate) trait RangeOwner {
+    /// The start of the whole memory the range lies in.
+    fn base(&self) -> NonNull<u8>;
 }
 
-impl AllocationController for FileRangeController {
+impl RangeOwner for Arc<FileMap> {
+    fn base(&self) -> NonNull<u8> {
+        self.base
+    }
+}
+
+/// One range `[offset, offset + len)` of an owner's memory, owned by one `Bytes`: the one
+/// `AllocationController` behind [`MappedFile::take`] and `Pool::take`.
+pub(crate) struct RangeController<O: RangeOwner> {
+    /// Keeps the memory alive (and, for a pool, gives the range back when dropped).
+    pub(crate) owner: O,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+impl<O: RangeOwner> RangeController<O> {
+    fn start(&self) -> *mut u8 {
+        // In bounds: the owner handed out this range inside its memory.
+        self.owner.base().as_ptr().wrapping_add(self.offset)
+    }
+}
+
+impl<O: RangeOwner> AllocationController for RangeController<O> {
     fn alloc_align(&self) -> usize {
-        // Where the range happens to start: a file's tensors sit at whatever offsets it gives.
-        let address = self.map.base.as_ptr() as usize + self.offset;
+        // Where the range happens to start (a file's tensors sit at whatever offsets it gives),
+        // capped at `u128`'s, the most Burn asks copies for.
+        let address = self.start() as usize;
         1 << address
             .trailing_zeros()
             .min(std::mem::align_of::<u128>().trailing_zeros())
@@ -434,20 +458,16 @@ impl AllocationController for FileRangeController {
         &mut self,
         _policy: AccessPolicy,
     ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
-        // SAFETY: the range is inside the mapping, which `self.map` keeps alive; this controller
-        // is its only owner (`MappedFile::take` never hands out a range twice), borrowed mutably
-        // through `&mut self`. (A write reaches the file only for a mapping made by `create`,
-        // which is meant for it.)
-        Ok(unsafe {
-            std::slice::from_raw_parts_mut(self.map.base.as_ptr().add(self.offset).cast(), self.len)
-        })
+        // SAFETY: the range lies inside the owner's memory, which `self.owner` keeps mapped;
+        // this controller is the range's only owner (owners never hand a range out twice), and
+        // it is borrowed mutably through `&mut self`. Every byte is initialized (mapped memory:
+        // zero pages or a file's contents).
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.start().cast(), self.len) })
     }
 
     fn memory(&self, _policy: AccessPolicy) -> Result<&[MaybeUninit<u8>], AccessError> {
         // SAFETY: as above, borrowed shared through `&self`.
-        Ok(unsafe {
-            std::slice::from_raw_parts(self.map.base.as_ptr().add(self.offset).cast(), self.len)
-        })
+        Ok(unsafe { std::slice::from_raw_parts(self.start().cast(), self.len) })
     }
 }
 

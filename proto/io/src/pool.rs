@@ -17,14 +17,14 @@
 //! nothing drawn from the pool is alive.
 
 use std::collections::BTreeMap;
-use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn_std::Bytes;
-use burn_std::bytes::{AccessError, AccessPolicy, AllocationController, AllocationProperty};
 use memmap2::MmapMut;
+
+use crate::host::{RangeController, RangeOwner};
 
 /// Buffers are carved in steps of this many bytes, so every buffer starts 64 KiB aligned (more
 /// than any element type needs) and the free list stays short.
@@ -229,10 +229,14 @@ impl Pool {
                 self.inner.misses.fetch_add(1, Ordering::Relaxed);
             }
         })?;
-        let controller = PoolController {
-            pool: self.inner.clone(),
+        let controller = RangeController {
+            owner: PoolLease {
+                pool: self.inner.clone(),
+                offset,
+                cap,
+            },
             offset,
-            cap,
+            len: cap,
         };
         // SAFETY: every byte of the pool was written when it was reserved (zeroed pages) and
         // stays initialized; the range `[offset, offset + cap)` lies inside it, and `len <= cap`.
@@ -267,14 +271,15 @@ fn prefault(map: &mut MmapMut) {
     }
 }
 
-/// One buffer drawn from the pool: `[offset, offset + cap)`, owned until dropped.
-struct PoolController {
+/// One buffer drawn from the pool, `[offset, offset + cap)`: gives it back to the free list when
+/// dropped (with the `Bytes` that owns it).
+struct PoolLease {
     pool: Arc<Inner>,
     offset: usize,
     cap: usize,
 }
 
-impl Drop for PoolController {
+impl Drop for PoolLease {
     fn drop(&mut self) {
         self.pool
             .free
@@ -284,37 +289,9 @@ impl Drop for PoolController {
     }
 }
 
-impl AllocationController for PoolController {
-    fn alloc_align(&self) -> usize {
-        // Buffers start on a granule boundary; Burn caps the alignment it asks copies for at
-        // that of `u128`, so that is what is reported.
-        std::mem::align_of::<u128>()
-    }
-
-    fn property(&self) -> AllocationProperty {
-        AllocationProperty::Other
-    }
-
-    unsafe fn memory_mut(
-        &mut self,
-        _policy: AccessPolicy,
-    ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
-        // SAFETY: the range is inside the pool's mapping, which `self.pool` keeps alive, and
-        // this controller is its only owner (the free list hands a range to one buffer at a
-        // time); borrowed mutably through `&mut self`.
-        Ok(unsafe {
-            std::slice::from_raw_parts_mut(
-                self.pool.base.as_ptr().add(self.offset).cast(),
-                self.cap,
-            )
-        })
-    }
-
-    fn memory(&self, _policy: AccessPolicy) -> Result<&[MaybeUninit<u8>], AccessError> {
-        // SAFETY: as above, borrowed shared through `&self`.
-        Ok(unsafe {
-            std::slice::from_raw_parts(self.pool.base.as_ptr().add(self.offset).cast(), self.cap)
-        })
+impl RangeOwner for PoolLease {
+    fn base(&self) -> NonNull<u8> {
+        self.pool.base
     }
 }
 
