@@ -1,7 +1,8 @@
 //! The receive pool (`NodeConfig::pool`, `--pool`): every dtype and scheme lands in it bit-exact
 //! by put and by pull; every byte drawn comes back after a success, a source that dies, an
 //! integrity failure and a client that dies mid-put; a payload it cannot hold goes to fresh
-//! memory, counted as a miss.
+//! memory, counted as a miss; racing clients on a pool too small for them read only what they
+//! wrote (seeded: `FERRY_POOL_SEED`).
 
 use std::time::Duration;
 
@@ -209,4 +210,75 @@ async fn a_payload_the_pool_cannot_hold_goes_to_fresh_memory_as_a_miss() {
     client.put(0, "fits", &small).await.unwrap();
     assert!(pool.free_bytes() < pool.capacity());
     assert_eq!(client.stat().await.unwrap().pool_misses, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_clients_on_a_pool_smaller_than_their_tensors_read_only_what_they_wrote() {
+    use rand::{Rng, SeedableRng};
+    // A pool that holds about three of the tensors in flight at once: draws, misses, gives back
+    // and reuse race each other. Every get must hold what its key's last put wrote, and every
+    // byte must come back once the tensors are gone.
+    // Seeded, and printed: FERRY_POOL_SEED=N replays a run.
+    let seed: u64 = std::env::var("FERRY_POOL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("pool race seed {seed} (FERRY_POOL_SEED={seed} replays it)");
+    let pool = Pool::reserve(8 * MIB).unwrap();
+    let node = pooled_node(&pool, 0).await;
+    let clients = (0..6u64).map(|c| {
+        let addr = node.addr;
+        tokio::spawn(async move {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ c);
+            let mut client = ferry::client::Client::connect(addr, None).await.unwrap();
+            // Each client has its own keys, so that what a get must hold is known exactly.
+            let mut held: Vec<Option<TensorData>> = vec![None; 3];
+            for step in 0..40u64 {
+                let k = rng.random_range(0..held.len());
+                let key = TensorKey::new(0, format!("c{c}-k{k}"));
+                match rng.random_range(0..3) {
+                    0 => {
+                        let rows = rng.random_range(256..1024);
+                        let data =
+                            samples::plain(DType::F32, &[rows, 1024], seed ^ (c << 32) ^ step);
+                        client
+                            .put_with(0, Some(&key.name), &data, true)
+                            .await
+                            .unwrap();
+                        held[k] = Some(data);
+                    }
+                    1 => match (&held[k], client.get(&key).await) {
+                        (Some(data), Ok(back)) => assert_same(&back, data, &key.to_string()),
+                        (None, Err(e)) => assert_eq!(e.code(), Some(ErrorCode::NotFound)),
+                        (expected, got) => panic!("{key}: expected {expected:?}, got {got:?}"),
+                    },
+                    _ => {
+                        let deleted = client.delete(&key).await;
+                        assert_eq!(deleted.is_ok(), held[k].take().is_some(), "{key}");
+                    }
+                }
+            }
+            for (k, data) in held.iter().enumerate() {
+                if data.is_some() {
+                    client
+                        .delete(&TensorKey::new(0, format!("c{c}-k{k}")))
+                        .await
+                        .unwrap();
+                }
+            }
+        })
+    });
+    for client in clients.collect::<Vec<_>>() {
+        client.await.unwrap();
+    }
+    let stats = node.client().await.stat().await.unwrap();
+    eprintln!(
+        "pool misses {} of 8 MiB; {} transfers",
+        stats.pool_misses, stats.transfers_done
+    );
+    assert!(
+        stats.pool_misses > 0,
+        "the pool was too small for some puts"
+    );
+    pool_is_whole(&pool, "every byte back after the race").await;
 }
