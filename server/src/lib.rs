@@ -29,7 +29,7 @@ pub use engine::{TransferPath, TransferPolicy};
 pub use error::{NodeError, Refusal};
 pub use node::{
     AGENT, Admission, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, MAX_PAGE, Node, NodeConfig, Peer,
-    PeerPolicy, TransferMode,
+    PeerPolicy, ReceiveBuffers, TransferMode,
 };
 pub use peer::{PeerLink, PullRequest};
 pub use service::{

@@ -190,7 +190,7 @@ impl Node {
             route,
             region,
         } = received;
-        let (data, hash) = match route {
+        let (data, hash, region) = match route {
             // Chunks: hashed while they arrived, and compared with the grant before anything is
             // registered. In clear the link vouches for nothing beyond each chunk's CRC (a proxy
             // can rewrite both). Over mutual TLS nobody on the path can change a byte, but the
@@ -199,7 +199,7 @@ impl Node {
             // hashing overlaps the receive on another thread, so the answer waits for its last
             // chunk only.
             PayloadRoute::Chunks => {
-                let (data, computed) = crate::service::finish_hashed(assembler).await?;
+                let (data, computed, sealed) = crate::service::finish_hashed(assembler).await?;
                 if computed != granted {
                     self.recorder().integrity_failure();
                     return Err(NodeError::Integrity {
@@ -208,7 +208,8 @@ impl Node {
                         computed,
                     });
                 }
-                (data, KnownHash::Computed(computed))
+                // The region it was received into, where the node shares its receives.
+                (data, KnownHash::Computed(computed), sealed)
             }
             // A sealed region from a peer of this host: its bytes cannot change, so the worker
             // registers it under the granted hash and verifies that off the critical path; until
@@ -216,6 +217,7 @@ impl Node {
             PayloadRoute::Region => (
                 assembler.finish().map_err(NodeError::Received)?,
                 KnownHash::Stated(granted.to_string()),
+                region,
             ),
         };
         let payload = Payload::Data(Arrived { data, hash, region });

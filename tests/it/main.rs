@@ -15,4 +15,5 @@ mod hostile;
 mod node;
 mod peers;
 mod pool;
+mod shareable;
 mod tls;

@@ -12,7 +12,7 @@ use ferry::client::{ErrorCode, copy_between};
 use ferry::io::Pool;
 use ferry::proto::{DType, Response, TensorData, TensorKey, frame, tensor};
 use ferry::samples;
-use ferry::server::{NodeConfig, ServiceConfig};
+use ferry::server::{NodeConfig, ReceiveBuffers, ServiceConfig};
 use ferry::testing::{
     Fault, TestNode, assert_same, devices, eventually, how, proxy, start, start_with,
 };
@@ -25,7 +25,7 @@ const MIB: usize = 1 << 20;
 async fn pooled_node(pool: &Pool, pull_retries: u32) -> TestNode {
     let mut config = NodeConfig {
         devices: devices(&["flex"]),
-        pool: Some(pool.clone()),
+        receive_buffers: ReceiveBuffers::Pool(pool.clone()),
         pull_retries,
         retry_backoff: Duration::from_millis(20),
         ..NodeConfig::default()

@@ -48,7 +48,15 @@ pub struct TensorAssembler {
     /// Whether the caller gave `buf` ([`into_buffer`](Self::into_buffer)): the bytes must then
     /// end up in it, whichever route they came by.
     provided: bool,
+    /// The region `buf` maps, where the receive is into one ([`new_in_region`](Self::new_in_region)):
+    /// sealed when the tensor is handed out.
+    #[cfg(target_os = "linux")]
+    region: Option<crate::region::RegionBuffer>,
 }
+
+/// Where a tensor was received into a region, that region sealed, to pass the tensor on to a
+/// same-host peer without a copy (never off Linux).
+pub type Sealed = Option<crate::connection::SealedRegion>;
 
 /// Payloads at least this large are hashed on their own thread while they arrive; smaller ones
 /// as each chunk is committed, on the receiving thread (a thread costs more than their hash).
@@ -101,7 +109,40 @@ impl TensorAssembler {
             buf,
             received: 0,
             provided: true,
+            #[cfg(target_os = "linux")]
+            region: None,
         })
+    }
+
+    /// [`new_recycled`](Self::new_recycled), received into a new shared-memory region that is
+    /// sealed when the tensor is handed out ([`finish_sealed`](Self::finish_sealed)), so that a
+    /// tensor that arrived by any link can go on to a same-host peer as is. Where no region can
+    /// be made (or off Linux), fresh or recycled memory, with a log line.
+    pub fn new_in_region(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
+        let len = meta.byte_len();
+        if len as u64 > max_bytes {
+            return Err(MetaError::TooLarge {
+                bytes: len as u64,
+                limit: max_bytes,
+            });
+        }
+        #[cfg(target_os = "linux")]
+        match crate::region::RegionBuffer::new(len) {
+            Ok((region, buf)) => {
+                return Ok(Self {
+                    hash: HashState::None,
+                    meta,
+                    buf,
+                    received: 0,
+                    provided: false,
+                    region: Some(region),
+                });
+            }
+            Err(error) => {
+                tracing::info!(bytes = len, %error, "no region for this receive; it goes to fresh memory");
+            }
+        }
+        Self::new_recycled(meta, max_bytes)
     }
 
     /// [`new_recycled`](Self::new_recycled), drawing the buffer from `pool` first: a payload the
@@ -149,6 +190,8 @@ impl TensorAssembler {
             buf,
             received: 0,
             provided: false,
+            #[cfg(target_os = "linux")]
+            region: None,
         })
     }
 
@@ -305,6 +348,11 @@ impl TensorAssembler {
             self.buf.copy_from_slice(&payload);
         } else {
             self.buf = payload;
+            // A region that came sealed replaces the one prepared for the chunks.
+            #[cfg(target_os = "linux")]
+            {
+                self.region = None;
+            }
         }
         self.received = total;
         Ok(())
@@ -329,24 +377,63 @@ impl TensorAssembler {
 
     /// The assembled tensor, once every declared byte has arrived (no content hash computed).
     pub fn finish(self) -> Result<TensorData, ProtoError> {
+        self.finish_sealed().map(|(data, _)| data)
+    }
+
+    /// [`finish`](Self::finish), with the region the tensor was received into, sealed (see
+    /// [`new_in_region`](Self::new_in_region)).
+    pub fn finish_sealed(mut self) -> Result<(TensorData, Sealed), ProtoError> {
         self.check_complete()?;
-        let Self {
-            hash, meta, buf, ..
-        } = self;
         // Joined (and its thread done with the buffer) before the buffer is handed out.
-        drop(hash);
-        Ok(from_parts(&meta, buf)?)
+        self.hash = HashState::None;
+        let sealed = self.seal()?;
+        Ok((from_parts(&self.meta, self.buf)?, sealed))
     }
 
     /// The assembled tensor and its content hash ([`content_hash`]), once every declared byte
     /// has arrived.
-    pub fn finish_hashed(mut self) -> Result<(TensorData, String), ProtoError> {
+    pub fn finish_hashed(self) -> Result<(TensorData, String), ProtoError> {
+        self.finish_hashed_sealed()
+            .map(|(data, hash, _)| (data, hash))
+    }
+
+    /// [`finish_hashed`](Self::finish_hashed), with the region the tensor was received into,
+    /// sealed.
+    pub fn finish_hashed_sealed(mut self) -> Result<(TensorData, String, Sealed), ProtoError> {
         self.check_complete()?;
         let hash = match self.take_hasher() {
             Some(hasher) => hasher.finalize().to_hex().to_string(),
             None => content_hash(&self.meta, &self.buf),
         };
-        Ok((from_parts(&self.meta, self.buf)?, hash))
+        let sealed = self.seal()?;
+        Ok((from_parts(&self.meta, self.buf)?, hash, sealed))
+    }
+
+    /// Seals the region the bytes were received into, if any, and makes its sealed mapping the
+    /// buffer. A region that cannot be sealed leaves the bytes as they are (not shareable).
+    fn seal(&mut self) -> Result<Sealed, ProtoError> {
+        #[cfg(target_os = "linux")]
+        if let Some(region) = self.region.take() {
+            let written = std::mem::replace(&mut self.buf, Bytes::from_bytes_vec(Vec::new()));
+            return match region.seal(written) {
+                Ok((bytes, kept)) => {
+                    self.buf = bytes;
+                    Ok(kept)
+                }
+                Err((error, bytes)) => {
+                    if bytes.len() != self.meta.byte_len() {
+                        return Err(StreamError::RegionRefused {
+                            reason: format!("sealing the received region failed: {error}"),
+                        }
+                        .into());
+                    }
+                    tracing::info!(%error, "a received region could not be sealed; kept unshared");
+                    self.buf = bytes;
+                    Ok(None)
+                }
+            };
+        }
+        Ok(None)
     }
 }
 

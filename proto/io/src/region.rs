@@ -168,6 +168,87 @@ impl Drop for OutgoingRegion {
     }
 }
 
+/// A receive buffer in a new region (a node's `--shareable-receives`): written through a shared
+/// mapping while a payload arrives by any link, then sealed ([`seal`](Self::seal)), so that the
+/// tensor it becomes can be passed to a same-host peer as is, like a region that arrived sealed.
+#[derive(Debug)]
+pub struct RegionBuffer {
+    fd: OwnedFd,
+    len: usize,
+}
+
+impl RegionBuffer {
+    /// A new region of `len` bytes (more than 0) and a writable mapping of it, as the buffer to
+    /// receive into.
+    pub fn new(len: usize) -> io::Result<(RegionBuffer, Bytes)> {
+        if len == 0 {
+            return Err(io::Error::other("an empty payload needs no region"));
+        }
+        let fd =
+            rustix::fs::memfd_create(REGION_NAME, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        rustix::fs::ftruncate(&fd, len as u64)?;
+        // SAFETY: a region this process just made and nobody else holds; it is never resized
+        // (it is sealed against that before anyone else sees it), so the mapping stays whole.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&fd)? };
+        Ok((
+            RegionBuffer { fd, len },
+            crate::host::bytes_from_mapping(map),
+        ))
+    }
+
+    /// Seals the region once `written`, the buffer [`new`](Self::new) gave with every byte
+    /// written, is let go (a write seal needs no writable mapping left), and maps it again,
+    /// private, as the tensor's storage: with the [`SealedRegion`] to pass it on, unless the
+    /// process keeps as many regions as it may. On failure the written buffer comes back, as
+    /// the tensor's storage all the same.
+    pub fn seal(self, written: Bytes) -> Result<(Bytes, Option<SealedRegion>), (io::Error, Bytes)> {
+        if written.len() != self.len {
+            return Err((
+                io::Error::other("a region sealed at another length"),
+                written,
+            ));
+        }
+        // What the region frame declares when the region is passed on (informational: receivers
+        // check the seals, not the checksum).
+        let crc32c = crc32c::crc32c(&written);
+        drop(written);
+        let map = rustix::fs::fcntl_add_seals(&self.fd, required_seals() | SealFlags::SEAL)
+            .map_err(io::Error::from)
+            .and_then(|()| {
+                // SAFETY: sealed against writes and resizing just now: the bytes can neither
+                // change nor vanish while mapped; the mapping is private.
+                unsafe { memmap2::MmapOptions::new().len(self.len).map_copy(&self.fd) }
+            });
+        let map = match map {
+            Ok(map) => map,
+            Err(e) => {
+                // The bytes are still in the region: mapped again, unsealed, for the caller.
+                // SAFETY: as in `new`; nobody else holds the region.
+                let again = unsafe { memmap2::MmapOptions::new().len(self.len).map_mut(&self.fd) };
+                return match again {
+                    Ok(map) => Err((e, crate::host::bytes_from_mapping(map))),
+                    Err(_) => Err((e, Bytes::from_bytes_vec(Vec::new()))),
+                };
+            }
+        };
+        let keep = REGIONS_KEPT
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < kept_limit()).then_some(n + 1)
+            })
+            .is_ok();
+        // `then`, not `then_some`: a region built and dropped unkept would count one less.
+        let fd = self.fd;
+        let kept = keep.then(|| SealedRegion {
+            fd,
+            descriptor: RegionDescriptor {
+                len: self.len as u64,
+                crc32c,
+            },
+        });
+        Ok((crate::host::bytes_from_mapping(map), kept))
+    }
+}
+
 /// A checked, sealed region kept beside the tensor it stores, so that the tensor can be passed on
 /// to another process without being copied again: each send hands over a duplicate descriptor.
 /// The seals make that sound: nobody, this process included, can change the region's bytes.
@@ -262,7 +343,10 @@ pub fn adopt(
                 (n < kept_limit()).then_some(n + 1)
             })
             .is_ok();
-    let kept = keep.then_some(SealedRegion {
+    // `then`, not `then_some`: a `SealedRegion` built eagerly and dropped unkept counted one
+    // less kept region than there were, so after any region that was only mapped (a small
+    // payload, a client's get) the count wrapped below zero and no region was kept again.
+    let kept = keep.then(|| SealedRegion {
         fd,
         descriptor: declared,
     });

@@ -9,7 +9,8 @@ use clap::Parser;
 use ferry_io::ConnectionLimits;
 use ferry_io::credential::{Credential, parse_token_file, token_from_file};
 use ferry_server::{
-    DeviceSpec, Node, NodeConfig, PeerPolicy, Service, ServiceConfig, TransferPolicy,
+    DeviceSpec, Node, NodeConfig, PeerPolicy, ReceiveBuffers, Service, ServiceConfig,
+    TransferPolicy,
 };
 
 /// A ferry node: hosts Burn devices and moves tensors of every dtype between them and over TCP.
@@ -155,6 +156,13 @@ struct Args {
     /// with a log line.
     #[arg(long, default_value = "0")]
     pool: bytesize::ByteSize,
+    /// Receive every payload of 4 MiB and more on Flex devices into a new shared-memory region,
+    /// sealed once complete, so that every such tensor this node holds can go on to a same-host
+    /// peer without a copy, whichever link it arrived by. New shared-memory pages cost more to
+    /// fault in than heap memory (no huge pages), so TCP receives get slower; not with --pool,
+    /// whose memory is reused and so cannot be sealed.
+    #[arg(long, conflicts_with = "pool")]
+    shareable_receives: bool,
 }
 
 /// Upper bounds of the transfer latency histogram, in seconds.
@@ -359,7 +367,13 @@ async fn serve() -> anyhow::Result<()> {
             .transfer
             .parse::<TransferPolicy>()
             .map_err(anyhow::Error::msg)?,
-        pool,
+        receive_buffers: match pool {
+            Some(pool) => ReceiveBuffers::Pool(pool),
+            None if args.shareable_receives => ReceiveBuffers::Shareable {
+                min_bytes: ferry_io::connection::KEEP_REGION_MIN,
+            },
+            None => ReceiveBuffers::Fresh,
+        },
         ..NodeConfig::default()
     };
     if !args.devices.is_empty() {

@@ -12,7 +12,7 @@ use crate::backend::BackendKind;
 use crate::device::{Arrived, Command, Existing, Payload, Reservation, TensorDesc};
 use crate::engine::TransferPath;
 use crate::error::NodeError;
-use crate::node::Node;
+use crate::node::{Node, ReceiveBuffers};
 
 /// A tensor admitted to a device: what [`Node::admit`] checked and claimed for it, carried to its
 /// registration, so that it is registered where, under the name and on the terms it was admitted
@@ -86,15 +86,20 @@ impl Node {
 
     /// A receiver for a payload of `meta` bound for `device`, its buffer preallocated (refused
     /// over the node's largest tensor): where the device's backend keeps the buffer as the
-    /// tensor's memory as it is (Flex), one from the node's receive pool, else a recycled one,
-    /// so that it comes back for reuse when the tensor goes. Other backends copy the buffer into
-    /// memory of their own, so a pooled one would save them nothing.
+    /// tensor's memory as it is (Flex), one as the node's [`ReceiveBuffers`] say: from its
+    /// receive pool, a new region to seal and share, or recycled memory. Other backends copy the
+    /// buffer into memory of their own, so none of these would save them anything.
     pub fn receiver(&self, device: u32, meta: TensorMeta) -> Result<TensorAssembler, NodeError> {
         let max = self.config().max_tensor_bytes;
         let receiver = if self.device(device)?.kind() == BackendKind::Flex {
-            match &self.config().pool {
-                Some(pool) => TensorAssembler::new_pooled(meta, max, pool),
-                None => TensorAssembler::new_recycled(meta, max),
+            match &self.config().receive_buffers {
+                ReceiveBuffers::Pool(pool) => TensorAssembler::new_pooled(meta, max, pool),
+                ReceiveBuffers::Shareable { min_bytes } if meta.byte_len() >= *min_bytes => {
+                    TensorAssembler::new_in_region(meta, max)
+                }
+                ReceiveBuffers::Shareable { .. } | ReceiveBuffers::Fresh => {
+                    TensorAssembler::new_recycled(meta, max)
+                }
             }
         } else {
             TensorAssembler::new(meta, max)

@@ -77,9 +77,41 @@ pub struct NodeConfig {
     /// Move payloads through shared memory on Unix-socket connections whose other side agrees
     /// (clients, and peers this node pulls from).
     pub shared_memory: bool,
-    /// The receive pool that large receives on Flex devices draw their buffers from (reserved
-    /// and touched by whoever starts the node, `--pool`); `None` for fresh or recycled memory.
-    pub pool: Option<ferry_io::Pool>,
+    /// Where large receives on Flex devices land.
+    pub receive_buffers: ReceiveBuffers,
+}
+
+/// Where a node's large receives on Flex devices (puts and pulls, by any link but a sealed
+/// region, which is adopted as it is) land. One choice per node: a pool's memory is reused, so
+/// it can never be sealed and shared; a shareable region is sealed for good, so it can never go
+/// back to a pool.
+#[derive(Debug, Clone, Default)]
+pub enum ReceiveBuffers {
+    /// New memory, or a freed buffer the process recycles (`--recycle`).
+    #[default]
+    Fresh,
+    /// The node's receive pool (`--pool`), reserved and touched by whoever starts the node:
+    /// payloads it cannot hold go to fresh memory.
+    Pool(ferry_io::Pool),
+    /// A new shared-memory region each for payloads of `min_bytes` and more (the command line
+    /// uses [`KEEP_REGION_MIN`](ferry_io::connection::KEEP_REGION_MIN), the size from which a
+    /// region that arrived sealed is kept), sealed once complete (`--shareable-receives`): every
+    /// such tensor the node holds can go on to a same-host peer without a copy, whichever link
+    /// it arrived by.
+    Shareable {
+        /// The smallest payload received into a region.
+        min_bytes: usize,
+    },
+}
+
+impl ReceiveBuffers {
+    /// The pool, where there is one.
+    pub fn pool(&self) -> Option<&ferry_io::Pool> {
+        match self {
+            ReceiveBuffers::Pool(pool) => Some(pool),
+            ReceiveBuffers::Fresh | ReceiveBuffers::Shareable { .. } => None,
+        }
+    }
 }
 
 impl std::fmt::Debug for NodeConfig {
@@ -103,7 +135,7 @@ impl std::fmt::Debug for NodeConfig {
             .field("peers", &self.peers)
             .field("peer_limits", &self.peer_limits)
             .field("shared_memory", &self.shared_memory)
-            .field("pool", &self.pool)
+            .field("receive_buffers", &self.receive_buffers)
             .finish()
     }
 }
@@ -133,7 +165,7 @@ impl Default for NodeConfig {
             peers: PeerPolicy::Any,
             peer_limits: ConnectionLimits::default(),
             shared_memory: true,
-            pool: None,
+            receive_buffers: ReceiveBuffers::Fresh,
         }
     }
 }

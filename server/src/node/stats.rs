@@ -36,7 +36,7 @@ impl Node {
         }
         let c = self.recorder().counts();
         let memory = process_memory();
-        let pool = &self.inner.config.pool;
+        let pool = self.inner.config.receive_buffers.pool();
         Ok(NodeStats {
             agent: AGENT.to_string(),
             devices,

@@ -453,12 +453,19 @@ async fn refuse(socket: Stream, node: Node, full: Full) {
     let _ = tokio::time::timeout(Duration::from_secs(1), conn.write_response(&reply)).await;
 }
 
-/// The assembled tensor and its content hash, off the runtime: the hashing thread may still
-/// be a chunk or two behind the receiver.
+/// The assembled tensor, its content hash and the region it was received into (sealed), off the
+/// runtime: the hashing thread may still be a chunk or two behind the receiver.
 pub(crate) async fn finish_hashed(
     assembler: ferry_io::TensorAssembler,
-) -> Result<(burn_backend::TensorData, String), NodeError> {
-    tokio::task::spawn_blocking(move || assembler.finish_hashed())
+) -> Result<
+    (
+        burn_backend::TensorData,
+        String,
+        ferry_io::assembler::Sealed,
+    ),
+    NodeError,
+> {
+    tokio::task::spawn_blocking(move || assembler.finish_hashed_sealed())
         .await
         .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))?
         .map_err(NodeError::Received)

@@ -354,12 +354,14 @@ impl Session<'_> {
                 return Err(fail(conn, error).await);
             }
         };
-        let reply = match assembler.finish().map_err(NodeError::Received) {
-            Ok(data) => {
+        let reply = match assembler.finish_sealed().map_err(NodeError::Received) {
+            Ok((data, sealed)) => {
                 let arrived = Arrived {
                     data,
                     hash: KnownHash::Unknown,
-                    region,
+                    // The region it came in, or the one it was received into
+                    // (`--shareable-receives`).
+                    region: region.or(sealed),
                 };
                 node.register(admission, arrived)
                     .await

@@ -522,6 +522,10 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
             samples::quantized(scheme("Q8S-block32-F16"), &[2048, 2560], 7),
         ),
     ];
+    // First a region that is only mapped, not kept (under KEEP_REGION_MIN): it must not upset
+    // the kept count (it once wrapped it below zero, and no region was kept after).
+    let small = samples::plain(ferry::proto::DType::F32, &[512, 512], 4);
+    on_a.put(0, "small", &small).await.unwrap();
     for (name, data) in &tensors {
         assert!(data.as_bytes().len() >= ferry::io::connection::KEEP_REGION_MIN);
         on_a.put(0, name, data).await.unwrap();
@@ -561,7 +565,7 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
     )
     .await;
     let a_stats = on_a.stat().await.unwrap();
-    assert_eq!(a_stats.shm_payloads_received, 4);
+    assert_eq!(a_stats.shm_payloads_received, 5);
     assert_eq!(
         a_stats.shm_payloads_sent, 7,
         "three pulls and four gets, all regions"

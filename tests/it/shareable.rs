@@ -1,0 +1,161 @@
+//! Shareable receives (`ReceiveBuffers::Shareable`, `--shareable-receives`): a tensor that
+//! arrives over TCP (a put or a pull) lands in a new shared-memory region, sealed once complete,
+//! and goes on to a same-host peer as that very region, with no copy; every dtype and scheme
+//! bit-exact; no region outlives its tensors.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use ferry::client::{Client, copy_between};
+use ferry::proto::{DType, TensorData, TensorKey};
+use ferry::samples;
+use ferry::server::{NodeConfig, ReceiveBuffers, ServiceConfig};
+use ferry::testing::{
+    REGIONS, TestNode, assert_same, devices, eventually, how, start_unix, start_with,
+};
+
+/// A node with one flex device on TCP and a Unix socket, receiving payloads of `min_bytes` and
+/// more into regions.
+async fn shareable_node(min_bytes: usize) -> TestNode {
+    let config = NodeConfig {
+        devices: devices(&["flex"]),
+        receive_buffers: ReceiveBuffers::Shareable { min_bytes },
+        ..NodeConfig::default()
+    };
+    start_unix(config, ServiceConfig::default()).await
+}
+
+async fn plain_unix_node() -> TestNode {
+    let config = NodeConfig {
+        devices: devices(&["flex"]),
+        ..NodeConfig::default()
+    };
+    start_unix(config, ServiceConfig::default()).await
+}
+
+/// The regions this process maps, by inode: one inode per region, however many mappings.
+fn region_inodes() -> BTreeSet<u64> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines()
+        .filter(|l| l.contains(&format!("memfd:{}", ferry::io::region::REGION_NAME)))
+        .filter_map(|l| l.split_whitespace().nth(4)?.parse().ok())
+        .collect()
+}
+
+async fn no_region_left(what: &str) {
+    let pid = std::process::id();
+    eventually(what, Duration::from_secs(10), || {
+        ferry::io::region::count_regions(pid).unwrap() == (0, 0)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_put_over_tcp_goes_on_to_a_same_host_node_as_the_same_region() {
+    let _serial = REGIONS.lock().await;
+    let a = shareable_node(ferry::io::connection::KEEP_REGION_MIN).await;
+    let b = plain_unix_node().await;
+    let before = region_inodes();
+    // 8 MiB over TCP, in chunks: received into a region, sealed, kept.
+    let data = samples::plain(DType::F32, &[2048, 1024], 11);
+    a.client().await.put(0, "w", &data).await.unwrap();
+    let mut a_stats = a.client().await.stat().await.unwrap();
+    assert_eq!(a_stats.regions_kept, 1, "the put's region is kept");
+    let after_put: BTreeSet<u64> = region_inodes().difference(&before).copied().collect();
+    assert_eq!(after_put.len(), 1, "one region holds the tensor");
+
+    // Node to node over the Unix sockets: B pulls A's region itself.
+    let (a_unix, b_unix) = (a.unix.clone().unwrap(), b.unix.clone().unwrap());
+    let mut source = Client::connect(a_unix.as_str(), None).await.unwrap();
+    let mut target = Client::connect(b_unix.as_str(), None).await.unwrap();
+    let key = TensorKey::new(0, "w");
+    let answers = copy_between(
+        &mut source,
+        &mut target,
+        std::slice::from_ref(&key),
+        &how(&a_unix, 0),
+    )
+    .await
+    .unwrap();
+    assert_eq!(answers[0].as_ref().unwrap().path, "pull");
+    let after_copy: BTreeSet<u64> = region_inodes().difference(&before).copied().collect();
+    assert_eq!(
+        after_copy, after_put,
+        "B maps A's region: no new region, no copy"
+    );
+    assert_same(&target.get(&key).await.unwrap(), &data, "on B");
+    assert_same(&source.get(&key).await.unwrap(), &data, "on A");
+    a_stats = a.client().await.stat().await.unwrap();
+    assert_eq!(a_stats.shm_payloads_sent, 2, "the fetch and the get");
+
+    target.delete(&key).await.unwrap();
+    source.delete(&key).await.unwrap();
+    drop((source, target));
+    no_region_left("the region goes with its last tensor").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dtype_received_into_a_region_by_put_or_pull_is_bit_exact_on_and_past_it() {
+    let _serial = REGIONS.lock().await;
+    // Every payload into a region (the sample matrix is small): the route is what is tested.
+    let a = shareable_node(1).await;
+    let b = plain_unix_node().await;
+    let c = start_with(&["flex"]).await;
+    let matrix = samples::full_matrix();
+    let tensors: Vec<(String, TensorData)> = matrix
+        .iter()
+        .map(|s| (s.name.clone(), s.data.clone()))
+        .collect();
+    let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
+    let (a_unix, b_unix) = (a.unix.clone().unwrap(), b.unix.clone().unwrap());
+    let mut on_a = a.client().await;
+    let mut on_b = Client::connect(b_unix.as_str(), None).await.unwrap();
+    let mut a_by_unix = Client::connect(a_unix.as_str(), None).await.unwrap();
+    for route in ["put", "pull"] {
+        if route == "put" {
+            for answer in on_a.put_batch(0, &tensors, false).await.unwrap() {
+                answer.unwrap();
+            }
+        } else {
+            // Pulled over TCP from a node that holds them in its heap.
+            let mut on_c = c.client().await;
+            on_c.put_batch(0, &tensors, false).await.unwrap();
+            let c_addr = c.addr.to_string();
+            for answer in copy_between(&mut on_c, &mut on_a, &keys, &how(&c_addr, 0))
+                .await
+                .unwrap()
+            {
+                assert_eq!(answer.unwrap().path, "pull");
+            }
+        }
+        let kept = on_a.stat().await.unwrap().regions_kept;
+        assert!(kept > 0, "{route}: tensors kept in their regions");
+        // On to B through shared memory, and back out of both.
+        for answer in copy_between(&mut a_by_unix, &mut on_b, &keys, &how(&a_unix, 0))
+            .await
+            .unwrap()
+        {
+            answer.unwrap();
+        }
+        for (name, data) in &tensors {
+            let key = TensorKey::new(0, name);
+            assert_same(
+                &on_a.get(&key).await.unwrap(),
+                data,
+                &format!("{route}: {name} on A"),
+            );
+            assert_same(
+                &on_b.get(&key).await.unwrap(),
+                data,
+                &format!("{route}: {name} on B"),
+            );
+        }
+        for key in &keys {
+            on_a.delete(key).await.unwrap();
+            on_b.delete(key).await.unwrap();
+        }
+        assert_eq!(on_a.stat().await.unwrap().regions_kept, 0, "{route}");
+    }
+    drop((on_a, on_b, a_by_unix));
+    no_region_left("no region outlives its tensors").await;
+}
