@@ -14,7 +14,10 @@
 //!   it lazily, in constant time). This is how a tensor moves on through a chain of same-host
 //!   nodes. Its goal is a time: at most 2 ms for 256 MiB, printed beside the memcpy time;
 //! - `ferry shm, new region`: the same, but the tensor was put on A over TCP, so it lies in A's
-//!   heap: A writes the payload once into a new sealed memfd region, passes it, and B maps it.
+//!   heap: A writes the payload once into a new sealed memfd region, passes it, and B maps it;
+//! - `ferry shm, TCP-received`: the tensor put on A over TCP as well, but A runs with
+//!   `--shareable-receives`: it received the payload into a region and sealed it, so it passes
+//!   that region on as it does one that came sealed (the goal of the kept region applies).
 //!
 //! The tensor is put on A, one untimed copy A -> B is checked bit-exact, then each timed run is
 //! `copy_between` A -> B (the target registered the tensor when it returns); then, untimed, the
@@ -57,6 +60,9 @@ enum Route {
     Unix,
     ShmKept,
     ShmNew,
+    /// A put over TCP into a node with `--shareable-receives`: kept in the region it was
+    /// received into, then passed on as that region.
+    ShmShareable,
 }
 
 impl Route {
@@ -66,11 +72,12 @@ impl Route {
             Route::Unix => "ferry Unix socket",
             Route::ShmKept => "ferry shm, kept region",
             Route::ShmNew => "ferry shm, new region",
+            Route::ShmShareable => "ferry shm, TCP-received",
         }
     }
 
     fn shared(self) -> bool {
-        matches!(self, Route::ShmKept | Route::ShmNew)
+        matches!(self, Route::ShmKept | Route::ShmNew | Route::ShmShareable)
     }
 }
 
@@ -87,6 +94,11 @@ async fn ferry_copy(binary: &Path, data: &TensorData, route: Route) -> Copies {
             Route::Tcp => vec![],
             Route::Unix => vec!["--unix".into(), sock.into(), "--no-shm".into()],
             Route::ShmKept | Route::ShmNew => vec!["--unix".into(), sock.into()],
+            Route::ShmShareable => vec![
+                "--unix".into(),
+                sock.into(),
+                "--shareable-receives".into(),
+            ],
         }
     };
     let (a_args, b_args) = (args(&a_sock), args(&b_sock));
@@ -103,7 +115,7 @@ async fn ferry_copy(binary: &Path, data: &TensorData, route: Route) -> Copies {
     let mut target = Client::connect(b_addr.as_str(), None)
         .await
         .expect("connect to B");
-    if route == Route::ShmNew {
+    if matches!(route, Route::ShmNew | Route::ShmShareable) {
         let mut over_tcp = Client::connect(a.addr.as_str(), None)
             .await
             .expect("connect to A over TCP");
@@ -207,7 +219,13 @@ fn main() {
             "raw TCP",
             tcp.median / memcpy.median
         );
-        for route in [Route::Tcp, Route::Unix, Route::ShmKept, Route::ShmNew] {
+        for route in [
+            Route::Tcp,
+            Route::Unix,
+            Route::ShmKept,
+            Route::ShmNew,
+            Route::ShmShareable,
+        ] {
             let measured = runtime.block_on(ferry_copy(&binary, &data, route));
             let vs_memcpy = measured.rate.median / memcpy.median;
             println!(
@@ -223,7 +241,7 @@ fn main() {
             match route {
                 // A kept region passes on in constant time: its goal is a time, printed as a
                 // multiple of the memcpy of the same bytes in this run.
-                Route::ShmKept => {
+                Route::ShmKept | Route::ShmShareable => {
                     let ms = measured.rate.median_time.as_secs_f64() * 1e3;
                     let of_memcpy =
                         measured.rate.median_time.as_secs_f64() / memcpy.median_time.as_secs_f64();

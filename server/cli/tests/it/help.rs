@@ -26,6 +26,8 @@ fn help_names_every_flag() {
         "--peer-token",
         "--capability-ttl",
         "--pull-retries",
+        "--pool",
+        "--shareable-receives",
     ] {
         assert!(help.contains(flag), "{flag} missing from --help:\n{help}");
     }
@@ -40,4 +42,24 @@ fn a_chunk_size_past_the_frame_limit_is_refused() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("--chunk-size"), "{stderr}");
+}
+
+#[test]
+fn a_pool_and_shareable_receives_are_one_choice() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ferry-server"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--pool",
+            "8MiB",
+            "--shareable-receives",
+        ])
+        .output()
+        .expect("ferry-server runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--shareable-receives") && stderr.contains("--pool"),
+        "{stderr}"
+    );
 }
