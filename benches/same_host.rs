@@ -94,11 +94,9 @@ async fn ferry_copy(binary: &Path, data: &TensorData, route: Route) -> Copies {
             Route::Tcp => vec![],
             Route::Unix => vec!["--unix".into(), sock.into(), "--no-shm".into()],
             Route::ShmKept | Route::ShmNew => vec!["--unix".into(), sock.into()],
-            Route::ShmShareable => vec![
-                "--unix".into(),
-                sock.into(),
-                "--shareable-receives".into(),
-            ],
+            Route::ShmShareable => {
+                vec!["--unix".into(), sock.into(), "--shareable-receives".into()]
+            }
         }
     };
     let (a_args, b_args) = (args(&a_sock), args(&b_sock));
