@@ -354,7 +354,7 @@ async fn a_flex_device_registers_the_received_buffer_itself() {
 }
 
 /// Dedup looks tensors up by content hash through each worker's index, which follows every
-/// registration, replacement and removal.
+/// registration (once its hash is computed), replacement and removal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_content_hash_index_follows_overwrites_and_removals() {
     let node = start_with(&["flex", "ndarray"]).await;
@@ -382,6 +382,9 @@ async fn the_content_hash_index_follows_overwrites_and_removals() {
         .insert(0, "w2", y.clone(), Existing::Refuse)
         .await
         .unwrap();
+    // A Flex device computes a new tensor's hash after registering it (NdArray, before): it is
+    // indexed once computed.
+    ferry::testing::hashes_verified(&mut node.client().await).await;
     node.node.remove(&TensorKey::new(1, "w")).await.unwrap();
     assert_eq!(found(&hash_of(&y)).await, Some(TensorKey::new(0, "w2")));
     node.node.remove(&TensorKey::new(0, "w2")).await.unwrap();

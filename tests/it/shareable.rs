@@ -1,7 +1,7 @@
 //! Shareable receives (`ReceiveBuffers::Shareable`, `--shareable-receives`): a tensor that
 //! arrives over TCP (a put or a pull) lands in a new shared-memory region, sealed once complete,
 //! and goes on to a same-host peer as that very region, with no copy; every dtype and scheme
-//! bit-exact; no region outlives its tensors.
+//! bit-exact; no region outlives its tensors, a put cut halfway included.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -42,6 +42,18 @@ fn region_inodes() -> BTreeSet<u64> {
         .collect()
 }
 
+/// Whether any mapping of the region `inode` is shared and writable (`rw-s`): none may be, once
+/// the region is sealed.
+fn writable_mappings_of(inode: u64) -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines()
+        .filter(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            fields.get(4) == Some(&inode.to_string().as_str()) && fields.get(1) == Some(&"rw-s")
+        })
+        .count()
+}
+
 async fn no_region_left(what: &str) {
     let pid = std::process::id();
     eventually(what, Duration::from_secs(10), || {
@@ -63,6 +75,12 @@ async fn a_tensor_put_over_tcp_goes_on_to_a_same_host_node_as_the_same_region() 
     assert_eq!(a_stats.regions_kept, 1, "the put's region is kept");
     let after_put: BTreeSet<u64> = region_inodes().difference(&before).copied().collect();
     assert_eq!(after_put.len(), 1, "one region holds the tensor");
+    let inode = *after_put.first().unwrap();
+    assert_eq!(
+        writable_mappings_of(inode),
+        0,
+        "sealed: no shared writable mapping left"
+    );
 
     // Node to node over the Unix sockets: B pulls A's region itself.
     let (a_unix, b_unix) = (a.unix.clone().unwrap(), b.unix.clone().unwrap());
@@ -158,4 +176,39 @@ async fn every_dtype_received_into_a_region_by_put_or_pull_is_bit_exact_on_and_p
     }
     drop((on_a, on_b, a_by_unix));
     no_region_left("no region outlives its tensors").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_cut_halfway_into_a_shareable_node_leaves_no_region() {
+    use crate::hostile::{Raw, put_request};
+    use ferry::proto::{Response, frame, tensor};
+    use tokio::io::AsyncWriteExt;
+    const MIB: usize = 1 << 20;
+    let _serial = REGIONS.lock().await;
+    let a = shareable_node(ferry::io::connection::KEEP_REGION_MIN).await;
+    let data = samples::plain(DType::F32, &[2048, 1024], 12);
+    let (mut raw, _) = Raw::hello(&a, None).await;
+    let meta = tensor::meta_of(&data).unwrap().to_wire();
+    raw.send(&put_request(0, "cut", meta)).await;
+    assert_eq!(raw.response().await, Some(Response::Ready));
+    let bytes = data.as_bytes();
+    for offset in (0..2 * MIB).step_by(MIB) {
+        let chunk = frame::encode_chunk(offset as u64, &bytes[offset..offset + MIB]);
+        raw.stream.write_all(&chunk).await.unwrap();
+    }
+    let pid = std::process::id();
+    eventually(
+        "the put receives into a region",
+        Duration::from_secs(10),
+        || ferry::io::region::count_regions(pid).unwrap().0 > 0,
+    )
+    .await;
+    drop(raw);
+    no_region_left("a cut put leaves no region").await;
+    let mut client = a.client().await;
+    assert!(
+        client.list(None).await.unwrap().is_empty(),
+        "nothing registered"
+    );
+    assert_eq!(client.stat().await.unwrap().regions_kept, 0);
 }

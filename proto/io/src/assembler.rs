@@ -412,6 +412,8 @@ impl TensorAssembler {
     /// Seals the region the bytes were received into, if any, and makes its sealed mapping the
     /// buffer. A region that cannot be sealed leaves the bytes as they are (not shareable).
     fn seal(&mut self) -> Result<Sealed, ProtoError> {
+        // The hashing thread, if any, is done with the buffer (both finishes end it first).
+        debug_assert!(!matches!(self.hash, HashState::Trailing(_)));
         #[cfg(target_os = "linux")]
         if let Some(region) = self.region.take() {
             let written = std::mem::replace(&mut self.buf, Bytes::from_bytes_vec(Vec::new()));

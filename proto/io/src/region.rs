@@ -38,10 +38,11 @@ fn required_seals() -> SealFlags {
     SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW
 }
 
-/// Regions this process created and has not yet handed to the kernel or dropped.
+/// Regions this process made to send ([`OutgoingRegion`]) and has not yet handed to the kernel or
+/// dropped (receive buffers in regions are not counted: they become kept regions or go).
 static REGIONS_IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
 
-/// Regions this process created and still holds a descriptor of.
+/// Regions this process made to send and still holds a descriptor of.
 pub fn regions_in_flight() -> u64 {
     REGIONS_IN_FLIGHT.load(Ordering::Relaxed)
 }
@@ -196,11 +197,11 @@ impl RegionBuffer {
         ))
     }
 
-    /// Seals the region once `written`, the buffer [`new`](Self::new) gave with every byte
-    /// written, is let go (a write seal needs no writable mapping left), and maps it again,
-    /// private, as the tensor's storage: with the [`SealedRegion`] to pass it on, unless the
-    /// process keeps as many regions as it may. On failure the written buffer comes back, as
-    /// the tensor's storage all the same.
+    /// Seals the region, `written` being the buffer [`new`](Self::new) gave with every byte
+    /// written, and hands back a private mapping of it as the tensor's storage, with the
+    /// [`SealedRegion`] to pass it on: none where the process keeps as many regions as it may,
+    /// or where the seal fails (the tensor then stays in its private mapping, unshared). Only
+    /// when no private mapping can be made does the written buffer itself come back.
     pub fn seal(self, written: Bytes) -> Result<(Bytes, Option<SealedRegion>), (io::Error, Bytes)> {
         if written.len() != self.len {
             return Err((
@@ -211,40 +212,31 @@ impl RegionBuffer {
         // What the region frame declares when the region is passed on (informational: receivers
         // check the seals, not the checksum).
         let crc32c = crc32c::crc32c(&written);
-        drop(written);
-        let map = rustix::fs::fcntl_add_seals(&self.fd, required_seals() | SealFlags::SEAL)
-            .map_err(io::Error::from)
-            .and_then(|()| {
-                // SAFETY: sealed against writes and resizing just now: the bytes can neither
-                // change nor vanish while mapped; the mapping is private.
-                unsafe { memmap2::MmapOptions::new().len(self.len).map_copy(&self.fd) }
-            });
-        let map = match map {
+        // The private mapping first: it does not stand in the way of a write seal, and once it
+        // exists no failure below can lose the bytes.
+        // SAFETY: nobody but this process holds the region, and it is never resized; the one
+        // writable mapping (`written`) is dropped right below, before anything reads this one,
+        // and no byte is written after that: then sealed, or else simply never written again.
+        let map = match unsafe { memmap2::MmapOptions::new().len(self.len).map_copy(&self.fd) } {
             Ok(map) => map,
+            Err(e) => return Err((e, written)),
+        };
+        // A write seal needs no writable shared mapping left.
+        drop(written);
+        let sealed = rustix::fs::fcntl_add_seals(&self.fd, required_seals() | SealFlags::SEAL);
+        let kept = match sealed {
+            Ok(()) => SealedRegion::try_keep(
+                self.fd,
+                RegionDescriptor {
+                    len: self.len as u64,
+                    crc32c,
+                },
+            ),
             Err(e) => {
-                // The bytes are still in the region: mapped again, unsealed, for the caller.
-                // SAFETY: as in `new`; nobody else holds the region.
-                let again = unsafe { memmap2::MmapOptions::new().len(self.len).map_mut(&self.fd) };
-                return match again {
-                    Ok(map) => Err((e, crate::host::bytes_from_mapping(map))),
-                    Err(_) => Err((e, Bytes::from_bytes_vec(Vec::new()))),
-                };
+                tracing::info!(error = %e, "a received region could not be sealed; kept unshared");
+                None
             }
         };
-        let keep = REGIONS_KEPT
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < kept_limit()).then_some(n + 1)
-            })
-            .is_ok();
-        // `then`, not `then_some`: a region built and dropped unkept would count one less.
-        let fd = self.fd;
-        let kept = keep.then(|| SealedRegion {
-            fd,
-            descriptor: RegionDescriptor {
-                len: self.len as u64,
-                crc32c,
-            },
-        });
         Ok((crate::host::bytes_from_mapping(map), kept))
     }
 }
@@ -265,6 +257,18 @@ impl Drop for SealedRegion {
 }
 
 impl SealedRegion {
+    /// Keeps the sealed region `fd` (counted in [`regions_kept`] until dropped), unless the
+    /// process keeps as many as it may: then `None`, and the descriptor is closed. The only way
+    /// a `SealedRegion` is made, so that the count and the drops always match.
+    fn try_keep(fd: OwnedFd, descriptor: RegionDescriptor) -> Option<SealedRegion> {
+        REGIONS_KEPT
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < kept_limit()).then_some(n + 1)
+            })
+            .ok()?;
+        Some(SealedRegion { fd, descriptor })
+    }
+
     /// What a region frame for it declares (its length and crc32c, checked when it arrived).
     pub fn descriptor(&self) -> RegionDescriptor {
         self.descriptor
@@ -337,19 +341,14 @@ pub fn adopt(
             .map_copy(&fd)
             .map_err(|e| refuse(format!("mmap: {e}")))?
     };
-    let keep = keep
-        && REGIONS_KEPT
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < kept_limit()).then_some(n + 1)
-            })
-            .is_ok();
-    // `then`, not `then_some`: a `SealedRegion` built eagerly and dropped unkept counted one
-    // less kept region than there were, so after any region that was only mapped (a small
+    // Through `try_keep` only: a `SealedRegion` once built eagerly and dropped unkept counted
+    // one less kept region than there were, so after any region that was only mapped (a small
     // payload, a client's get) the count wrapped below zero and no region was kept again.
-    let kept = keep.then(|| SealedRegion {
-        fd,
-        descriptor: declared,
-    });
+    let kept = if keep {
+        SealedRegion::try_keep(fd, declared)
+    } else {
+        None
+    };
     Ok((crate::host::bytes_from_mapping(map), kept))
 }
 

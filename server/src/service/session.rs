@@ -354,7 +354,13 @@ impl Session<'_> {
                 return Err(fail(conn, error).await);
             }
         };
-        let reply = match assembler.finish_sealed().map_err(NodeError::Received) {
+        // Off the runtime: sealing a region it was received into reads it once (its checksum)
+        // and asks the kernel to seal it.
+        let finished = tokio::task::spawn_blocking(move || assembler.finish_sealed())
+            .await
+            .map_err(|e| NodeError::Backend(format!("finishing a put: {e}")))
+            .and_then(|finished| finished.map_err(NodeError::Received));
+        let reply = match finished {
             Ok((data, sealed)) => {
                 let arrived = Arrived {
                     data,
