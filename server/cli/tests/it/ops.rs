@@ -195,10 +195,10 @@ async fn a_receive_pool_is_reserved_at_start_and_shown_in_stat_and_metrics() {
     const MIB: u64 = 1 << 20;
     let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
-    let node = spawn_server(
+    let node = LoggedServer::start(
         ferry_server(),
         &["--device", "flex", "--pool", "8MiB", "--metrics", &metrics],
-        None,
+        &[],
     );
     let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
     let stats = client.stat().await.unwrap();
@@ -235,4 +235,13 @@ async fn a_receive_pool_is_reserved_at_start_and_shown_in_stat_and_metrics() {
         Some((8 * MIB) as f64)
     );
     assert_eq!(sample(&text, &["ferry_pool_misses_total "]), Some(1.0));
+    let log = node.stop();
+    assert!(
+        log.contains("receive pool reserved and touched") && log.contains("bytes=8388608"),
+        "{log}"
+    );
+    assert!(
+        log.contains("the receive pool cannot hold this payload") && log.contains("bytes=16777216"),
+        "the miss is logged with its size: {log}"
+    );
 }
