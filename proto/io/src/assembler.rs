@@ -45,13 +45,32 @@ pub struct TensorAssembler {
     meta: TensorMeta,
     buf: Bytes,
     received: usize,
-    /// Whether the caller gave `buf` ([`into_buffer`](Self::into_buffer)): the bytes must then
-    /// end up in it, whichever route they came by.
-    provided: bool,
-    /// The region `buf` maps, where the receive is into one ([`new_in_region`](Self::new_in_region)):
-    /// sealed when the tensor is handed out.
+    /// What `buf` is, beyond plain memory of this receiver's.
+    backing: Backing,
+}
+
+/// What a receiver's buffer is.
+enum Backing {
+    /// Memory of the receiver's own (new, recycled or from a pool): a payload that comes as a
+    /// region replaces it.
+    Own,
+    /// The caller's ([`into_buffer`](TensorAssembler::into_buffer), a range of a file being
+    /// written): the bytes must end up in it, whichever route they came by.
+    Provided,
+    /// A mapping of this new region ([`new_in_region`](TensorAssembler::new_in_region)), sealed
+    /// when the tensor is handed out.
     #[cfg(target_os = "linux")]
-    region: Option<crate::region::RegionBuffer>,
+    Region(crate::region::RegionBuffer),
+}
+
+/// Where a new receiver's own buffer comes from.
+enum Source<'a> {
+    /// New memory, aligned for the dtype.
+    Fresh,
+    /// A recycled buffer where the process keeps one of about the size, else new memory.
+    Recycled,
+    /// The pool, else as [`Source::Recycled`].
+    Pool(&'a Pool),
 }
 
 /// Where a tensor was received into a region, that region sealed, to pass the tensor on to a
@@ -86,14 +105,14 @@ impl std::fmt::Debug for TensorAssembler {
 impl TensorAssembler {
     /// Preallocates for `meta`, refusing a payload over `max_bytes` before allocating.
     pub fn new(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
-        Self::allocate(meta, max_bytes, false, None)
+        Self::allocate(meta, max_bytes, Source::Fresh)
     }
 
     /// [`new`](Self::new), in a recycled buffer where the process keeps one of about the size
     /// ([`crate::host::receive_buffer`]). For a receiver whose backend keeps the buffer as the
     /// tensor's memory as it is (Flex): one that wants a `Vec` would copy it.
     pub fn new_recycled(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
-        Self::allocate(meta, max_bytes, true, None)
+        Self::allocate(meta, max_bytes, Source::Recycled)
     }
 
     /// Receives into `buf`, which the caller provides (a range of a file being written, say):
@@ -103,22 +122,21 @@ impl TensorAssembler {
         if buf.len() != meta.byte_len() {
             return Err(buf);
         }
-        Ok(Self {
+        Ok(Self::with_buffer(meta, buf, Backing::Provided))
+    }
+
+    fn with_buffer(meta: TensorMeta, buf: Bytes, backing: Backing) -> Self {
+        Self {
             hash: HashState::None,
             meta,
             buf,
             received: 0,
-            provided: true,
-            #[cfg(target_os = "linux")]
-            region: None,
-        })
+            backing,
+        }
     }
 
-    /// [`new_recycled`](Self::new_recycled), received into a new shared-memory region that is
-    /// sealed when the tensor is handed out ([`finish_sealed`](Self::finish_sealed)), so that a
-    /// tensor that arrived by any link can go on to a same-host peer as is. Where no region can
-    /// be made (or off Linux), fresh or recycled memory, with a log line.
-    pub fn new_in_region(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
+    /// Refuses a payload over `max_bytes` before anything is allocated for it.
+    fn check_size(meta: &TensorMeta, max_bytes: u64) -> Result<usize, MetaError> {
         let len = meta.byte_len();
         if len as u64 > max_bytes {
             return Err(MetaError::TooLarge {
@@ -126,18 +144,18 @@ impl TensorAssembler {
                 limit: max_bytes,
             });
         }
+        Ok(len)
+    }
+
+    /// [`new_recycled`](Self::new_recycled), received into a new shared-memory region that is
+    /// sealed when the tensor is handed out ([`finish_sealed`](Self::finish_sealed)), so that a
+    /// tensor that arrived by any link can go on to a same-host peer as is. Where no region can
+    /// be made (or off Linux), fresh or recycled memory, with a log line.
+    pub fn new_in_region(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
+        let len = Self::check_size(&meta, max_bytes)?;
         #[cfg(target_os = "linux")]
         match crate::region::RegionBuffer::new(len) {
-            Ok((region, buf)) => {
-                return Ok(Self {
-                    hash: HashState::None,
-                    meta,
-                    buf,
-                    received: 0,
-                    provided: false,
-                    region: Some(region),
-                });
-            }
+            Ok((region, buf)) => return Ok(Self::with_buffer(meta, buf, Backing::Region(region))),
             Err(error) => {
                 tracing::info!(bytes = len, %error, "no region for this receive; it goes to fresh memory");
             }
@@ -149,50 +167,32 @@ impl TensorAssembler {
     /// pool cannot hold (too large, or the pool too full) goes to fresh memory, with a log line
     /// that says so and the pool's miss counter raised.
     pub fn new_pooled(meta: TensorMeta, max_bytes: u64, pool: &Pool) -> Result<Self, MetaError> {
-        Self::allocate(meta, max_bytes, true, Some(pool))
+        Self::allocate(meta, max_bytes, Source::Pool(pool))
     }
 
-    fn allocate(
-        meta: TensorMeta,
-        max_bytes: u64,
-        recycled: bool,
-        pool: Option<&Pool>,
-    ) -> Result<Self, MetaError> {
-        let len = meta.byte_len();
-        if len as u64 > max_bytes {
-            return Err(MetaError::TooLarge {
-                bytes: len as u64,
-                limit: max_bytes,
-            });
-        }
-        let pooled = pool.and_then(|pool| match pool.take(len) {
-            Ok(buf) => Some(buf),
-            Err(miss) => {
-                if miss.wanted >= pool.min_payload() {
-                    tracing::info!(
-                        bytes = miss.wanted,
-                        pool_free = miss.free,
-                        pool_largest_free = miss.largest_free,
-                        "the receive pool cannot hold this payload; it goes to fresh memory"
-                    );
-                }
+    fn allocate(meta: TensorMeta, max_bytes: u64, source: Source<'_>) -> Result<Self, MetaError> {
+        let len = Self::check_size(&meta, max_bytes)?;
+        let pooled = match source {
+            Source::Pool(pool) => pool.take(len).unwrap_or_else(|miss| {
+                tracing::info!(
+                    bytes = miss.wanted,
+                    pool_free = miss.free,
+                    pool_largest_free = miss.largest_free,
+                    "the receive pool cannot hold this payload; it goes to fresh memory"
+                );
                 None
-            }
-        });
-        let buf =
-            match pooled.or_else(|| recycled.then(|| crate::host::receive_buffer(len)).flatten()) {
-                Some(buf) => buf,
-                None => alloc_for(meta.dtype(), len)?,
-            };
-        Ok(Self {
-            hash: HashState::None,
-            meta,
-            buf,
-            received: 0,
-            provided: false,
-            #[cfg(target_os = "linux")]
-            region: None,
-        })
+            }),
+            Source::Fresh | Source::Recycled => None,
+        };
+        let recycled = || match source {
+            Source::Fresh => None,
+            Source::Recycled | Source::Pool(_) => crate::host::receive_buffer(len),
+        };
+        let buf = match pooled.or_else(recycled) {
+            Some(buf) => buf,
+            None => alloc_for(meta.dtype(), len)?,
+        };
+        Ok(Self::with_buffer(meta, buf, Backing::Own))
     }
 
     /// Also computes the content hash while the payload arrives (see
@@ -342,16 +342,14 @@ impl TensorAssembler {
         if let HashState::Inline(hasher) = &mut self.hash {
             hasher.update(&payload);
         }
-        if self.provided {
+        match self.backing {
             // The caller's buffer is where the bytes must land (a file being written): copied
             // out of the region, which is then let go.
-            self.buf.copy_from_slice(&payload);
-        } else {
-            self.buf = payload;
-            // A region that came sealed replaces the one prepared for the chunks.
-            #[cfg(target_os = "linux")]
-            {
-                self.region = None;
+            Backing::Provided => self.buf.copy_from_slice(&payload),
+            // A region that came sealed replaces the buffer (and a region prepared for chunks).
+            _ => {
+                self.buf = payload;
+                self.backing = Backing::Own;
             }
         }
         self.received = total;
@@ -386,7 +384,7 @@ impl TensorAssembler {
         self.check_complete()?;
         // Joined (and its thread done with the buffer) before the buffer is handed out.
         self.hash = HashState::None;
-        let sealed = self.seal()?;
+        let sealed = self.seal();
         Ok((from_parts(&self.meta, self.buf)?, sealed))
     }
 
@@ -405,37 +403,26 @@ impl TensorAssembler {
             Some(hasher) => hasher.finalize().to_hex().to_string(),
             None => content_hash(&self.meta, &self.buf),
         };
-        let sealed = self.seal()?;
+        let sealed = self.seal();
         Ok((from_parts(&self.meta, self.buf)?, hash, sealed))
     }
 
     /// Seals the region the bytes were received into, if any, and makes its sealed mapping the
     /// buffer. A region that cannot be sealed leaves the bytes as they are (not shareable).
-    fn seal(&mut self) -> Result<Sealed, ProtoError> {
+    fn seal(&mut self) -> Sealed {
         // The hashing thread, if any, is done with the buffer (both finishes end it first).
         debug_assert!(!matches!(self.hash, HashState::Trailing(_)));
         #[cfg(target_os = "linux")]
-        if let Some(region) = self.region.take() {
+        if let Backing::Region(region) = std::mem::replace(&mut self.backing, Backing::Own) {
             let written = std::mem::replace(&mut self.buf, Bytes::from_bytes_vec(Vec::new()));
-            return match region.seal(written) {
-                Ok((bytes, kept)) => {
-                    self.buf = bytes;
-                    Ok(kept)
-                }
-                Err((error, bytes)) => {
-                    if bytes.len() != self.meta.byte_len() {
-                        return Err(StreamError::RegionRefused {
-                            reason: format!("sealing the received region failed: {error}"),
-                        }
-                        .into());
-                    }
-                    tracing::info!(%error, "a received region could not be sealed; kept unshared");
-                    self.buf = bytes;
-                    Ok(None)
-                }
-            };
+            let (bytes, kept) = region.seal(written).unwrap_or_else(|(error, written)| {
+                tracing::info!(%error, "a received region could not be sealed; kept unshared");
+                (written, None)
+            });
+            self.buf = bytes;
+            return kept;
         }
-        Ok(None)
+        None
     }
 }
 

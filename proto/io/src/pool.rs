@@ -182,11 +182,6 @@ impl Pool {
         self.free_list().free
     }
 
-    /// Payloads under this many bytes do not draw from the pool.
-    pub fn min_payload(&self) -> usize {
-        self.inner.min_payload
-    }
-
     /// Payloads that could not draw from the pool (too large, or the pool too full) and went to
     /// fresh memory.
     pub fn misses(&self) -> u64 {
@@ -207,28 +202,30 @@ impl Pool {
 
     /// A buffer of `len` bytes that the caller overwrites whole before reading any of it (it
     /// holds whatever the tensor before it left there), given back to the pool when its `Bytes`
-    /// is dropped. A miss where `len` is under the pool's minimum payload ([`POOL_MIN`] unless
-    /// reserved otherwise) or no free range holds it; the caller then allocates as usual. Only
-    /// the latter counts in [`misses`](Self::misses).
-    pub fn take(&self, len: usize) -> Result<Bytes, PoolMiss> {
-        let drawn = len >= self.inner.min_payload;
-        let need = len.max(1).checked_next_multiple_of(GRANULE);
-        let taken = {
+    /// is dropped. `None` for a payload under the pool's minimum ([`POOL_MIN`] unless reserved
+    /// otherwise), which is not the pool's to serve; a [`PoolMiss`], counted in
+    /// [`misses`](Self::misses), where no free range holds it. Either way the caller allocates
+    /// as usual.
+    pub fn take(&self, len: usize) -> Result<Option<Bytes>, PoolMiss> {
+        if len < self.inner.min_payload {
+            return Ok(None);
+        }
+        let (offset, cap) = {
             let mut free = self.free_list();
-            match need.filter(|_| drawn).and_then(|n| free.take(n)) {
-                Some(offset) => Ok((offset, need.unwrap_or(len))),
-                None => Err(PoolMiss {
+            let taken = len
+                .max(1)
+                .checked_next_multiple_of(GRANULE)
+                .and_then(|cap| Some((free.take(cap)?, cap)));
+            let Some(taken) = taken else {
+                self.inner.misses.fetch_add(1, Ordering::Relaxed);
+                return Err(PoolMiss {
                     wanted: len,
                     free: free.free,
                     largest_free: free.largest(),
-                }),
-            }
+                });
+            };
+            taken
         };
-        let (offset, cap) = taken.inspect_err(|_| {
-            if drawn {
-                self.inner.misses.fetch_add(1, Ordering::Relaxed);
-            }
-        })?;
         let controller = RangeController {
             owner: PoolLease {
                 pool: self.inner.clone(),
@@ -240,7 +237,9 @@ impl Pool {
         };
         // SAFETY: every byte of the pool was written when it was reserved (zeroed pages) and
         // stays initialized; the range `[offset, offset + cap)` lies inside it, and `len <= cap`.
-        Ok(unsafe { Bytes::from_controller(Box::new(controller), len) })
+        Ok(Some(unsafe {
+            Bytes::from_controller(Box::new(controller), len)
+        }))
     }
 }
 
@@ -304,8 +303,8 @@ mod tests {
         let pool = Pool::reserve(8 * POOL_MIN).unwrap();
         assert_eq!(pool.capacity(), 8 * POOL_MIN);
         assert_eq!(pool.free_bytes(), pool.capacity());
-        let mut a = pool.take(3 * POOL_MIN).unwrap();
-        let mut b = pool.take(2 * POOL_MIN + 1).unwrap();
+        let mut a = pool.take(3 * POOL_MIN).unwrap().unwrap();
+        let mut b = pool.take(2 * POOL_MIN + 1).unwrap().unwrap();
         assert_eq!(a.len(), 3 * POOL_MIN);
         assert_eq!(b.len(), 2 * POOL_MIN + 1);
         a.fill(1);
@@ -326,13 +325,13 @@ mod tests {
         assert_eq!(miss.largest_free, 3 * POOL_MIN - GRANULE);
         assert_eq!(pool.misses(), 1);
         // Small payloads never draw (and are not misses).
-        assert!(pool.take(POOL_MIN - 1).is_err());
+        assert!(matches!(pool.take(POOL_MIN - 1), Ok(None)));
         assert_eq!(pool.misses(), 1);
         drop(a);
         // The freed range and the tail merge with a middle hole only once b goes too.
         drop(b);
         assert_eq!(pool.free_bytes(), pool.capacity());
-        let whole = pool.take(8 * POOL_MIN).unwrap();
+        let whole = pool.take(8 * POOL_MIN).unwrap().unwrap();
         assert_eq!(
             pool.offset_of(&whole),
             Some(0),
@@ -344,7 +343,7 @@ mod tests {
     #[test]
     fn a_buffer_outlives_the_pool_handle() {
         let pool = Pool::reserve(POOL_MIN).unwrap();
-        let mut buf = pool.take(POOL_MIN).unwrap();
+        let mut buf = pool.take(POOL_MIN).unwrap().unwrap();
         drop(pool);
         buf[POOL_MIN - 1] = 7;
         assert_eq!(buf[POOL_MIN - 1], 7);
@@ -359,7 +358,7 @@ mod tests {
         for step in 0..2000u32 {
             if rng.random_bool(0.55) {
                 let len = rng.random_range(POOL_MIN..8 * POOL_MIN);
-                if let Ok(mut buf) = pool.take(len) {
+                if let Ok(Some(mut buf)) = pool.take(len) {
                     let mark = (step % 251) as u8;
                     buf.fill(mark);
                     live.push((mark, buf));
@@ -376,7 +375,10 @@ mod tests {
         }
         live.clear();
         assert_eq!(pool.free_bytes(), pool.capacity());
-        assert_eq!(pool.take(64 * POOL_MIN).map(|b| b.len()), Ok(64 * POOL_MIN));
+        assert_eq!(
+            pool.take(64 * POOL_MIN).map(|b| b.map(|b| b.len())),
+            Ok(Some(64 * POOL_MIN))
+        );
     }
 
     #[test]

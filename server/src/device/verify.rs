@@ -51,17 +51,125 @@ impl VerifyJob {
     }
 }
 
-/// Starts a device's verifier: one thread that hashes registered tensors whose hash was stated by
-/// their source, and reports to the worker. It ends when the worker does (its queue closes).
+/// The verifier's queue of jobs, oldest first, except that a job somebody waits for (a grant, a
+/// conditional delete, a dedup check) is moved to the front: a grant right after a put of many
+/// tensors waits for its own tensor's hash, not for every hash queued before it.
+pub(super) struct VerifyQueue<T> {
+    shared: Arc<(std::sync::Mutex<Queued<T>>, std::sync::Condvar)>,
+}
+
+struct Queued<T> {
+    jobs: std::collections::VecDeque<T>,
+    /// Set when the worker (the one pusher) is gone, or the verifier itself (then nothing
+    /// more is taken): the verifier finishes what is queued and stops.
+    closed: bool,
+}
+
+impl<T> VerifyQueue<T> {
+    fn new() -> (VerifyQueue<T>, VerifyQueue<T>) {
+        let shared = Arc::new((
+            std::sync::Mutex::new(Queued {
+                jobs: std::collections::VecDeque::new(),
+                closed: false,
+            }),
+            std::sync::Condvar::new(),
+        ));
+        (
+            VerifyQueue {
+                shared: shared.clone(),
+            },
+            VerifyQueue { shared },
+        )
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queued<T>> {
+        self.shared.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `job` last; gives it back where the verifier is gone.
+    pub(super) fn push(&self, job: T) -> Result<(), T> {
+        let mut queued = self.lock();
+        if queued.closed {
+            return Err(job);
+        }
+        queued.jobs.push_back(job);
+        drop(queued);
+        self.shared.1.notify_one();
+        Ok(())
+    }
+
+    /// Moves the first queued job that `wanted` picks to the front; none queued (done, or
+    /// being hashed now) leaves the queue as it is.
+    pub(super) fn prioritize(&self, wanted: impl Fn(&T) -> bool) {
+        let mut queued = self.lock();
+        if let Some(at) = queued.jobs.iter().position(wanted)
+            && let Some(job) = queued.jobs.remove(at)
+        {
+            queued.jobs.push_front(job);
+        }
+    }
+
+    /// The next job, waiting for one; `None` once the queue is closed and empty.
+    fn pop(&self) -> Option<T> {
+        let mut queued = self.lock();
+        loop {
+            if let Some(job) = queued.jobs.pop_front() {
+                return Some(job);
+            }
+            if queued.closed {
+                return None;
+            }
+            queued = self
+                .shared
+                .1
+                .wait(queued)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.shared.1.notify_all();
+    }
+}
+
+/// The worker's end of the queue: closes it when dropped, so that the verifier stops.
+pub(super) struct VerifierHandle(VerifyQueue<VerifyJob>);
+
+impl std::ops::Deref for VerifierHandle {
+    type Target = VerifyQueue<VerifyJob>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl Drop for VerifierHandle {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+/// Starts a device's verifier: one thread that hashes registered tensors whose hash is not yet
+/// verified (stated by their source, or still to compute), and reports to the worker. It ends
+/// when the worker does (its handle closes the queue).
 pub(super) fn spawn_verifier(
     index: u32,
     worker: mpsc::WeakSender<Command>,
-) -> std::io::Result<std::sync::mpsc::Sender<VerifyJob>> {
-    let (jobs, queue) = std::sync::mpsc::channel::<VerifyJob>();
+) -> std::io::Result<VerifierHandle> {
+    let (jobs, queue) = VerifyQueue::<VerifyJob>::new();
     std::thread::Builder::new()
         .name(format!("ferry-verify-{index}"))
         .spawn(move || {
-            while let Ok(job) = queue.recv() {
+            // However the thread ends (a panic included), nothing more is queued for it: the
+            // worker then verifies in line.
+            struct Closes(VerifyQueue<VerifyJob>);
+            impl Drop for Closes {
+                fn drop(&mut self) {
+                    self.0.close();
+                }
+            }
+            let queue = Closes(queue);
+            while let Some(job) = queue.0.pop() {
                 let Some(computed) = job.hash() else {
                     continue;
                 };
@@ -78,7 +186,7 @@ pub(super) fn spawn_verifier(
                 }
             }
         })?;
-    Ok(jobs)
+    Ok(VerifierHandle(jobs))
 }
 
 /// Counts and logs a stated content hash that the bytes do not have. The bytes are what the
@@ -92,4 +200,38 @@ pub(super) fn note_mismatch(count: &AtomicU64, key: &TensorKey, stated: &str, co
         %computed,
         "a stated content hash is not the bytes'; the tensor answers to the computed one"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_job_waited_for_goes_first_and_a_closed_queue_drains_then_ends() {
+        let (pusher, popper) = VerifyQueue::<u32>::new();
+        for job in 1..=4 {
+            pusher.push(job).unwrap();
+        }
+        pusher.prioritize(|&j| j == 3);
+        // One not queued (done, or being hashed) changes nothing.
+        pusher.prioritize(|&j| j == 9);
+        assert_eq!(popper.pop(), Some(3));
+        pusher.close();
+        assert_eq!(pusher.push(7), Err(7), "nothing is taken once closed");
+        assert_eq!(
+            std::iter::from_fn(|| popper.pop()).collect::<Vec<_>>(),
+            vec![1, 2, 4]
+        );
+    }
+
+    #[test]
+    fn a_waiting_verifier_wakes_for_a_job_and_for_the_close() {
+        let (pusher, popper) = VerifyQueue::<u32>::new();
+        let verifier = std::thread::spawn(move || std::iter::from_fn(|| popper.pop()).sum::<u32>());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        pusher.push(5).unwrap();
+        pusher.push(6).unwrap();
+        pusher.close();
+        assert_eq!(verifier.join().unwrap(), 11);
+    }
 }

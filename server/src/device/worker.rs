@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::backend::{BackendKind, DeviceSpec, Primitive};
 use crate::device::budget::TensorSlot;
 use crate::device::payload::NativeTensor;
-use crate::device::verify::{VerifyJob, note_mismatch, spawn_verifier};
+use crate::device::verify::{VerifierHandle, VerifyJob, note_mismatch, spawn_verifier};
 use crate::device::{
     Arrived, Budget, Command, ContentHash, DeviceHandle, DeviceLimits, DeviceSummary, Existing,
     Exported, HostBytes, KnownHash, Payload, Reservation, TensorDesc, Version,
@@ -119,7 +119,7 @@ struct Worker<B: Backend> {
     tensors: BTreeMap<String, Entry<B>>,
     /// The names registered under each content hash, so that dedup never scans every tensor.
     by_hash: HashMap<String, std::collections::BTreeSet<String>>,
-    verifier: std::sync::mpsc::Sender<VerifyJob>,
+    verifier: VerifierHandle,
     next_version: u64,
     hash_mismatches: Arc<AtomicU64>,
     budget: Arc<Budget>,
@@ -273,6 +273,10 @@ impl<B: Backend> Worker<B> {
                         let _ = reply.send(entry.desc.clone());
                     } else {
                         entry.waiting.push(reply);
+                        // Somebody waits for this hash: it goes before those nobody waits for.
+                        let version = entry.desc.version;
+                        self.verifier
+                            .prioritize(|job| job.name == name && job.version == version);
                     }
                 }
             }
@@ -351,14 +355,14 @@ impl<B: Backend> Worker<B> {
         Some(entry)
     }
 
-    /// Hands a just registered tensor with a stated hash to the verifier, or, where there is
+    /// Hands a just registered tensor whose hash is not verified to the verifier, or, where there is
     /// no verifier to take it, verifies it here and now (so that nobody waiting for the
     /// verification waits forever).
-    fn verify_later(&mut self, name: &str, job: VerifyJob) {
-        if let Err(std::sync::mpsc::SendError(job)) = self.verifier.send(job) {
-            tracing::warn!(key = %self.key(name), "no hash verifier; verifying in line");
+    fn verify_later(&mut self, job: VerifyJob) {
+        if let Err(job) = self.verifier.push(job) {
+            tracing::warn!(key = %self.key(&job.name), "no hash verifier; verifying in line");
             if let Some(computed) = job.hash() {
-                self.verified(name, job.version, computed);
+                self.verified(&job.name, job.version, computed);
             }
         }
     }
@@ -464,7 +468,7 @@ impl<B: Backend> Worker<B> {
                 tail,
                 abandoned,
             };
-            self.verify_later(&name, job);
+            self.verify_later(job);
         }
         Ok(desc)
     }

@@ -262,7 +262,10 @@ pub(super) fn write_burnpack(
         .collect();
     drop(receiver);
     let writer = burn_pack::Writer::new(entries)
-        .with_metadata(ORDER_KEY, &order_record(tensors))
+        .with_metadata(
+            ORDER_KEY,
+            &order_record(tensors.iter().map(|(n, _)| n.as_str())),
+        )
         .auto_extension(false);
 
     std::thread::scope(|scope| {

@@ -320,9 +320,9 @@ fn apply_recorded_order<T>(
     items
 }
 
-/// The JSON array of the tensors' names, for [`ORDER_KEY`].
-fn order_record(tensors: &[(String, TensorData)]) -> String {
-    serde_json::Value::from(tensors.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>()).to_string()
+/// The JSON array of the tensors' names, in order, for [`ORDER_KEY`].
+fn order_record<'a>(names: impl Iterator<Item = &'a str>) -> String {
+    serde_json::Value::from(names.collect::<Vec<_>>()).to_string()
 }
 
 mod burnpack;

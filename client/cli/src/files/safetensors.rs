@@ -12,7 +12,7 @@ use ferry_proto::{TensorData, TensorMeta};
 
 use super::{
     DTYPES_KEY, FileError, ORDER_KEY, SAFETENSORS_MAX_HEADER, apply_recorded_order, io_error,
-    zeroed_for,
+    order_record, zeroed_for,
 };
 
 /// The safetensors dtype a Burn dtype is written as, and the Burn dtype's tag for
@@ -164,7 +164,10 @@ fn layout(path: &Path, tensors: &[(String, DType, Vec<usize>)]) -> Result<Layout
         data_ranges.push((index, offset..end));
         offset = end;
     }
-    let mut metadata = HashMap::from([(ORDER_KEY.to_string(), order_of(tensors))]);
+    let mut metadata = HashMap::from([(
+        ORDER_KEY.to_string(),
+        order_record(tensors.iter().map(|(n, _, _)| n.as_str())),
+    )]);
     if !tags.is_empty() {
         let tags: serde_json::Map<String, serde_json::Value> = tags
             .into_iter()
@@ -202,17 +205,6 @@ fn layout(path: &Path, tensors: &[(String, DType, Vec<usize>)]) -> Result<Layout
         data_order,
         len,
     })
-}
-
-/// The JSON array of the names, for [`ORDER_KEY`].
-fn order_of(tensors: &[(String, DType, Vec<usize>)]) -> String {
-    serde_json::Value::from(
-        tensors
-            .iter()
-            .map(|(n, _, _)| n.clone())
-            .collect::<Vec<_>>(),
-    )
-    .to_string()
 }
 
 /// A safetensors file being written in place: created beside its path, sized and mapped, its
