@@ -89,6 +89,10 @@ enum HashState {
     None,
     /// Fed as bytes are committed, while they are still in cache.
     Inline(Box<blake3::Hasher>),
+    /// To trail the receiver on its own thread, started when the first chunk's place is asked
+    /// for: a payload that comes whole (a shared-memory region) never starts one, and a
+    /// thread's start and join stay off its handoff.
+    TrailingSoon(Box<blake3::Hasher>),
     /// On another thread, a chunk behind the receiver.
     Trailing(crate::trailing::TrailingHash),
 }
@@ -204,24 +208,36 @@ impl TensorAssembler {
         if self.received != 0 || !matches!(self.hash, HashState::None) {
             return self;
         }
-        let hasher = content_hasher(&self.meta);
-        let len = self.buf.len();
-        if len >= TRAILING_HASH_MIN {
-            let base = self.buf.as_mut_ptr();
-            // SAFETY: `buf` is `len` bytes that live as long as `self`; `hash` is declared before
-            // it (dropped, and its thread joined, first), is finished before `buf` is handed out
-            // or replaced (`finish*`, `take_hasher`, `adopt`), and while it lives every access to
-            // `buf` goes through it (`slot`).
-            let started =
-                unsafe { crate::trailing::TrailingHash::start(base, len, hasher.clone()) };
-            // Without a thread to be had (out of threads or memory), hashed in line instead.
-            if let Ok(trailing) = started {
-                self.hash = HashState::Trailing(trailing);
-                return self;
-            }
-        }
-        self.hash = HashState::Inline(Box::new(hasher));
+        let hasher = Box::new(content_hasher(&self.meta));
+        self.hash = if self.buf.len() >= TRAILING_HASH_MIN {
+            HashState::TrailingSoon(hasher)
+        } else {
+            HashState::Inline(hasher)
+        };
         self
+    }
+
+    /// Starts the trailing hash thread a [`HashState::TrailingSoon`] waits for (before any byte
+    /// is written: `slot` calls it first).
+    fn start_trailing(&mut self) {
+        let hasher = match std::mem::take(&mut self.hash) {
+            HashState::TrailingSoon(hasher) => hasher,
+            other => {
+                self.hash = other;
+                return;
+            }
+        };
+        let (base, len) = (self.buf.as_mut_ptr(), self.buf.len());
+        // SAFETY: `buf` is `len` bytes that live as long as `self`; `hash` is declared before
+        // it (dropped, and its thread joined, first), is finished before `buf` is handed out or
+        // replaced (`finish*`, `take_hasher`, `adopt`), and while it lives every access to `buf`
+        // goes through it (`slot`).
+        let started = unsafe { crate::trailing::TrailingHash::start(base, len, (*hasher).clone()) };
+        // Without a thread to be had (out of threads or memory), hashed in line instead.
+        self.hash = match started {
+            Ok(trailing) => HashState::Trailing(trailing),
+            Err(_) => HashState::Inline(hasher),
+        };
     }
 
     /// What is being received.
@@ -265,6 +281,7 @@ impl TensorAssembler {
     /// declared length, and not empty. Nothing counts as received until [`commit`](Self::commit).
     pub fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError> {
         let range = self.check_range(offset, len)?;
+        self.start_trailing();
         match &mut self.hash {
             HashState::Trailing(trailing) => trailing.slot(range).ok_or(StreamError::OutOfOrder {
                 offset,
@@ -279,7 +296,8 @@ impl TensorAssembler {
         let range = self.check_range(offset, len)?;
         match &mut self.hash {
             HashState::None => {}
-            HashState::Inline(hasher) => {
+            // `slot` started the thread; bytes committed without it are hashed here.
+            HashState::Inline(hasher) | HashState::TrailingSoon(hasher) => {
                 hasher.update(&self.buf[range.clone()]);
             }
             HashState::Trailing(trailing) => trailing.commit(range.end),
@@ -293,7 +311,7 @@ impl TensorAssembler {
     pub fn take_hasher(&mut self) -> Option<blake3::Hasher> {
         match std::mem::take(&mut self.hash) {
             HashState::None => None,
-            HashState::Inline(hasher) => Some(*hasher),
+            HashState::Inline(hasher) | HashState::TrailingSoon(hasher) => Some(*hasher),
             // Everything committed so far is fed to it; a thread that died leaves the bytes to
             // be hashed again from the start.
             HashState::Trailing(trailing) => trailing.finish().or_else(|| {
@@ -339,7 +357,7 @@ impl TensorAssembler {
                 .take_hasher()
                 .map_or(HashState::None, |h| HashState::Inline(Box::new(h)));
         }
-        if let HashState::Inline(hasher) = &mut self.hash {
+        if let HashState::Inline(hasher) | HashState::TrailingSoon(hasher) = &mut self.hash {
             hasher.update(&payload);
         }
         match self.backing {
@@ -467,10 +485,26 @@ mod tests {
         let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
             .unwrap()
             .hashing();
-        assert!(matches!(asm.hash, HashState::Trailing(_)));
+        assert!(matches!(asm.hash, HashState::TrailingSoon(_)));
         for (offset, piece) in chunks(&payload, 300_001) {
             asm.accept(offset, piece).unwrap();
+            assert!(matches!(asm.hash, HashState::Trailing(_)));
         }
+        let (back, hash) = asm.finish_hashed().unwrap();
+        assert_eq!(hash, content_hash(&meta, data.as_bytes()));
+        assert_eq!(back.as_bytes(), data.as_bytes());
+    }
+
+    #[test]
+    fn a_payload_that_comes_whole_starts_no_hashing_thread() {
+        let n = TRAILING_HASH_MIN;
+        let data = TensorData::new((0..n).map(|i| (i % 253) as u8).collect::<Vec<_>>(), [n]);
+        let (meta, payload) = into_parts(data.clone()).unwrap();
+        let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
+            .unwrap()
+            .hashing();
+        asm.adopt(payload).unwrap();
+        assert!(!matches!(asm.hash, HashState::Trailing(_)));
         let (back, hash) = asm.finish_hashed().unwrap();
         assert_eq!(hash, content_hash(&meta, data.as_bytes()));
         assert_eq!(back.as_bytes(), data.as_bytes());
