@@ -8,7 +8,7 @@ pub mod load;
 pub mod tensor;
 
 pub use blocking::BlockingClient;
-pub use client::{Client, ClientConfig, ClientError, Grant, NodeCopy, copy_between};
+pub use client::{Client, ClientConfig, ClientError, Grant, HeldProbe, NodeCopy, copy_between};
 pub use ferry_io::{
     Connection, ConnectionError, ConnectionLimits, Endpoint, PayloadRoute, RegionUse, Stream,
     Transport,

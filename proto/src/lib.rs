@@ -26,8 +26,8 @@ pub use frame::{
     Chunk, Frame, FrameHeader, FrameKind, PROTOCOL_MINOR, PROTOCOL_VERSION, RegionDescriptor,
 };
 pub use message::{
-    DeviceStats, ErrorCode, ErrorReply, Hello, NodeStats, Request, Response, TensorInfo, TensorKey,
-    Welcome,
+    DeviceStats, ErrorCode, ErrorReply, HeldDtype, Hello, NodeStats, Request, Response, TensorInfo,
+    TensorKey, Welcome,
 };
 pub use meta::{TensorMeta, WireMeta};
 pub use untrusted::Untrusted;

@@ -226,6 +226,12 @@ pub enum Request {
         /// The content hash of the version to delete (see `PROTOCOL.md` §7.2).
         content_hash: String,
     },
+    /// What a device measured at start that it stores bit-exact: answered by
+    /// [`Response::Holds`]. Added in minor 5.
+    Holds {
+        /// Which device.
+        device: u32,
+    },
 }
 
 impl Request {
@@ -250,6 +256,7 @@ impl Request {
             Request::Release { .. } => "release",
             Request::ListPage { .. } => "list",
             Request::DeleteIf { .. } => "delete",
+            Request::Holds { .. } => "holds",
         }
     }
 
@@ -318,6 +325,25 @@ pub enum Response {
         /// Where the next page starts (pass it as `after`); `None` once this page is the last.
         next: Option<TensorKey>,
     },
+    /// What a device stores bit-exact ([`Request::Holds`]), as its probe measured: every dtype it
+    /// probed on each class of shape, in probe order. Added in minor 5.
+    Holds {
+        /// Which device.
+        device: u32,
+        /// Each probed dtype and what came of it.
+        dtypes: Vec<HeldDtype>,
+    },
+}
+
+/// One probe a device ran at start ([`Response::Holds`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldDtype {
+    /// The dtype probed (a quantized one stands for its scheme with any block size).
+    pub dtype: WireDType,
+    /// The shape probed, standing for its class: rank 0, with an empty dimension, or any other.
+    pub shape: Vec<u64>,
+    /// Why the device does not store it bit-exact; `None` where it does.
+    pub refused: Option<String>,
 }
 
 /// A registered tensor.
@@ -475,4 +501,9 @@ pub struct DeviceStats {
     pub bytes_held: u64,
     /// The memory budget, if any.
     pub memory_limit: Option<u64>,
+    /// How many probes it ran at start (a plain dtype or quantization scheme family on one class
+    /// of shape each). Added in minor 5, as is every field after it.
+    pub holds_measured: u32,
+    /// How many of them it gave back bit-exact (see [`Request::Holds`]).
+    pub holds_exact: u32,
 }

@@ -1,18 +1,19 @@
 //! The Burn backends a node can host, what each can hold, and the calls into them.
 //!
-//! Burn's backends fail by panicking, and their own `dtype_usage` answers are not what they
-//! really store (Flex reports nothing for `Flex32`, which it holds exactly; NdArray reports
-//! `Flex32` as supported, and panics on it). [`BackendKind::holds`] is ferry's table, measured
-//! (`../shared/BURN-FACTS.md`) and pinned by the test suite; it is consulted before any byte moves.
+//! Burn's backends fail by panicking: every call into one is contained ([`contain`]). What a
+//! device stores bit-exact is measured by the device itself ([`HoldsTable`]) and consulted before
+//! any byte moves.
 
 use std::fmt;
 use std::str::FromStr;
 
-use burn_backend::quantization::{QuantMode, QuantStore, QuantValue, quantizable};
-use burn_backend::{Backend, BoolStore, DType, TensorData, read_sync};
+use burn_backend::quantization::QuantStore;
+use burn_backend::{Backend, DType, TensorData, read_sync};
 use ferry_proto::dtype_name;
 
 use crate::error::NodeError;
+use crate::gpu::GpuSpec;
+use crate::holds::HoldsTable;
 
 /// A backend a node can host a device of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -21,6 +22,8 @@ pub enum BackendKind {
     Flex,
     /// burn-ndarray, the second CPU backend.
     NdArray,
+    /// burn-cubecl on the wgpu runtime (burn-wgpu): GPUs through Vulkan or OpenGL.
+    Wgpu,
 }
 
 impl BackendKind {
@@ -43,61 +46,23 @@ impl BackendKind {
         match self {
             BackendKind::Flex => "flex",
             BackendKind::NdArray => "ndarray",
+            BackendKind::Wgpu => "wgpu",
         }
     }
 
-    /// Whether a device of this backend stores `dtype` on `shape` and gives the same bytes back.
-    /// `Err` says why not, for a person.
-    pub fn holds(self, dtype: &DType, shape: &[usize]) -> Result<(), String> {
-        let refuse = |why: &str| Err(format!("{} {why}", self.name()));
-        match (self, dtype) {
-            (BackendKind::Flex, DType::QFloat(scheme)) => {
-                if scheme.store != QuantStore::Native {
-                    return refuse(
-                        "re-packs quantized values into a native store, which would change the \
-                         tensor's bytes",
-                    );
-                }
-                if !quantizable(scheme) {
-                    return refuse("cannot hold this combination of scale levels");
-                }
-                if scheme.block_size().is_some() && shape.contains(&0) {
-                    return refuse("cannot hold an empty tensor with block scales");
-                }
-                Ok(())
+    /// What a device of this CPU backend stores bit-exact, as measured by a probe of its
+    /// default device (once per process; see [`HoldsTable`]); `None` for a GPU backend, whose
+    /// table depends on its adapter (measured as the device opens).
+    pub fn measured_holds(self) -> Option<std::sync::Arc<HoldsTable>> {
+        let measure = match self {
+            BackendKind::Flex => || HoldsTable::measure::<burn_flex::Flex>(&Default::default()),
+            #[allow(deprecated)]
+            BackendKind::NdArray => {
+                || HoldsTable::measure::<burn_ndarray::NdArray>(&Default::default())
             }
-            (BackendKind::Flex, _) => Ok(()),
-            (
-                BackendKind::NdArray,
-                DType::F64
-                | DType::F32
-                | DType::I64
-                | DType::I32
-                | DType::I16
-                | DType::I8
-                | DType::U64
-                | DType::U32
-                | DType::U16
-                | DType::U8
-                | DType::Bool(BoolStore::Native),
-            ) => Ok(()),
-            (BackendKind::NdArray, DType::QFloat(scheme)) => {
-                let q8 = matches!(scheme.value, QuantValue::Q8F | QuantValue::Q8S);
-                if q8
-                    && scheme.store == QuantStore::Native
-                    && scheme.mode == QuantMode::Symmetric
-                    && quantizable(scheme)
-                {
-                    if scheme.block_size().is_some() && shape.contains(&0) {
-                        return refuse("cannot hold an empty tensor with block scales");
-                    }
-                    Ok(())
-                } else {
-                    refuse("holds only 8-bit symmetric quantization in a native store")
-                }
-            }
-            (BackendKind::NdArray, _) => refuse("does not support this dtype"),
-        }
+            BackendKind::Wgpu => return None,
+        };
+        Some(HoldsTable::cached(self.name(), measure))
     }
 }
 
@@ -107,36 +72,58 @@ impl fmt::Display for BackendKind {
     }
 }
 
-/// A device to host, as given on the command line (`flex`, `ndarray`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeviceSpec {
+/// A device to host, as given on the command line: `flex` (or `cpu`), `ndarray`, or a GPU
+/// (`wgpu:0`, `vulkan:cpu`, `gl:default`...: see [`GpuSpec`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeviceSpec {
+    /// burn-flex's device.
+    Flex,
+    /// burn-ndarray's device.
+    NdArray,
+    /// A GPU on burn-cubecl's wgpu runtime.
+    Wgpu(GpuSpec),
+}
+
+impl DeviceSpec {
     /// Its backend.
-    pub kind: BackendKind,
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            DeviceSpec::Flex => BackendKind::Flex,
+            DeviceSpec::NdArray => BackendKind::NdArray,
+            DeviceSpec::Wgpu(_) => BackendKind::Wgpu,
+        }
+    }
 }
 
 impl FromStr for DeviceSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "flex" | "cpu" => Ok(DeviceSpec {
-                kind: BackendKind::Flex,
-            }),
-            "ndarray" => Ok(DeviceSpec {
-                kind: BackendKind::NdArray,
-            }),
-            other if other.starts_with("cuda:") || other.starts_with("wgpu:") => Err(format!(
-                "device {other:?}: this build hosts only CPU devices (flex, ndarray)"
+            "flex" | "cpu" => Ok(DeviceSpec::Flex),
+            "ndarray" => Ok(DeviceSpec::NdArray),
+            other if other.starts_with("cuda") => Err(format!(
+                "device {other:?}: this build has no CUDA runtime (burn-cuda's build downloads \
+                 LLVM, which these machines cannot reach); wgpu devices are hosted: wgpu:N, \
+                 vulkan:N, gl:N"
             )),
-            other => Err(format!(
-                "unknown device {other:?}: expected flex or ndarray"
-            )),
+            other => match GpuSpec::parse(other) {
+                Some(gpu) => gpu.map(DeviceSpec::Wgpu),
+                None => Err(format!(
+                    "unknown device {other:?}: expected flex, ndarray, or a GPU: wgpu:N (the N-th \
+                     discrete GPU), wgpu:cpu (a software adapter), wgpu:default, or the same \
+                     with vulkan or gl in place of wgpu"
+                )),
+            },
         }
     }
 }
 
 impl fmt::Display for DeviceSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.kind.name())
+        match self {
+            DeviceSpec::Wgpu(gpu) => gpu.fmt(f),
+            other => f.write_str(other.kind().name()),
+        }
     }
 }
 
@@ -318,7 +305,7 @@ pub fn contain<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, NodeError> {
 
 impl<B: Backend> Primitive<B> {
     /// Builds the tensor on `device`. The caller has validated `data` against the byte-length
-    /// rule and checked [`BackendKind::holds`].
+    /// rule and checked the device's [`HoldsTable`].
     pub fn from_data(data: TensorData, device: &B::Device) -> Result<Self, NodeError> {
         let dtype = data.dtype();
         if is_flex_quantized::<B>(&dtype) {

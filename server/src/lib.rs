@@ -14,6 +14,8 @@ mod backend;
 mod device;
 mod engine;
 mod error;
+pub mod gpu;
+pub mod holds;
 pub mod metrics;
 mod node;
 mod peer;
@@ -27,6 +29,7 @@ pub use device::{
 };
 pub use engine::{TransferPath, TransferPolicy};
 pub use error::{NodeError, Refusal};
+pub use holds::HoldsTable;
 pub use node::{
     AGENT, Admission, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, MAX_PAGE, Node, NodeConfig, Peer,
     PeerPolicy, ReceiveBuffers, TransferMode,

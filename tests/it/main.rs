@@ -10,6 +10,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod concurrency;
+mod gpu;
 mod holds;
 mod hostile;
 mod node;

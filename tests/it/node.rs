@@ -101,7 +101,12 @@ async fn flex_to_ndarray_round_trips_what_ndarray_holds_and_refuses_the_rest_cle
         let src = TensorKey::new(0, &sample.name);
         client.put(0, &sample.name, &sample.data).await.unwrap();
         let result = client.copy(&src, 1, None).await;
-        if BackendKind::NdArray.holds(&dtype, &shape).is_ok() {
+        if BackendKind::NdArray
+            .measured_holds()
+            .unwrap()
+            .check(&dtype, &shape)
+            .is_ok()
+        {
             let info = result.unwrap_or_else(|e| panic!("{}: {e}", sample.name));
             assert_eq!(info.path, "round-trip", "{}", sample.name);
             let back = client.get(&info.key).await.unwrap();

@@ -198,6 +198,10 @@ enum Command {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// Also print what each device measured at start that it stores bit-exact: every dtype
+        /// and quantization scheme family it probed, and why not where it does not.
+        #[arg(long)]
+        holds: bool,
     },
 }
 
@@ -222,7 +226,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
         } => commands::transfer::transfer(cli, source, target, true, *overwrite).await,
         Command::Ls { location, json } => commands::ls::ls(cli, location, *json).await,
         Command::Rm { tensor } => commands::rm::rm(cli, tensor).await,
-        Command::Stat { node, json } => commands::stat::stat(cli, node, *json).await,
+        Command::Stat { node, json, holds } => commands::stat::stat(cli, node, *json, *holds).await,
         Command::Certs {
             dir,
             nodes,

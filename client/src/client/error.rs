@@ -60,6 +60,16 @@ pub enum ClientError {
         /// What failed to decode.
         cause: String,
     },
+    /// The node speaks a protocol minor older than a request needs.
+    #[error("the node speaks protocol minor {node}; {what} needs minor {needs} or later")]
+    NodeTooOld {
+        /// What was asked.
+        what: &'static str,
+        /// The node's minor version.
+        node: u16,
+        /// The minor the request needs.
+        needs: u16,
+    },
 }
 
 impl ClientError {

@@ -17,9 +17,20 @@ use ferry_io::handshake;
 use ferry_io::transport::{Endpoint, Stream};
 use ferry_io::{ClientTls, TensorAssembler};
 use ferry_proto::{
-    NodeStats, PROTOCOL_MINOR, ProtoError, Request, Response, TensorData, TensorInfo, TensorKey,
-    TensorMeta, Welcome, WireMeta,
+    DType, NodeStats, PROTOCOL_MINOR, ProtoError, Request, Response, TensorData, TensorInfo,
+    TensorKey, TensorMeta, Welcome, WireMeta,
 };
+
+/// One probe a device ran at start ([`Client::holds`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldProbe {
+    /// The dtype (a quantized one stands for its scheme with any block size).
+    pub dtype: DType,
+    /// The shape, standing for its class: rank 0, with an empty dimension, or any other.
+    pub shape: Vec<usize>,
+    /// Why the device does not give it back bit-exact; `None` where it does.
+    pub refused: Option<String>,
+}
 
 /// How many tensors [`Client::list`] asks for per page.
 const LIST_PAGE: u32 = 4096;
@@ -366,6 +377,45 @@ impl Client {
             other => Err(unexpected(other)),
         })
         .await
+    }
+
+    /// What device `device` measured at start that it stores bit-exact: every dtype it probed
+    /// (a quantized one stands for its scheme with any block size) on each class of shape (rank
+    /// 0, with an empty dimension, any other), each with why not where it does not.
+    pub async fn holds(&mut self, device: u32) -> Result<Vec<HeldProbe>, ClientError> {
+        const NEEDS: u16 = 5;
+        if self.welcome.minor < NEEDS {
+            return Err(ClientError::NodeTooOld {
+                what: "a device's measured holds table",
+                node: self.welcome.minor,
+                needs: NEEDS,
+            });
+        }
+        let dtypes = self
+            .exchange(&Request::Holds { device }, |answer| match answer {
+                Response::Holds { device: d, dtypes } if d == device => Ok(dtypes),
+                other => Err(unexpected(other)),
+            })
+            .await?;
+        dtypes
+            .into_iter()
+            .map(|held| {
+                let dtype = DType::try_from(&held.dtype).map_err(|e| {
+                    ClientError::Unexpected(format!("the node named an unknown dtype: {e}"))
+                })?;
+                let shape = held
+                    .shape
+                    .iter()
+                    .map(|&d| usize::try_from(d))
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| ClientError::Unexpected("a probe shape past usize".into()))?;
+                Ok(HeldProbe {
+                    dtype,
+                    shape,
+                    refused: held.refused,
+                })
+            })
+            .collect()
     }
 
     /// The listing of a node older than minor 3, in one answer.

@@ -28,7 +28,7 @@ use ferry_proto::control::{decode_request, decode_response, encode_request, enco
 use ferry_proto::frame::{self, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BODY, FrameKind, HEADER_LEN};
 use ferry_proto::tensor::into_parts;
 use ferry_proto::{
-    DeviceStats, ErrorCode, ErrorReply, FEATURES, Hello, NodeStats, PROTOCOL_MINOR,
+    DeviceStats, ErrorCode, ErrorReply, FEATURES, HeldDtype, Hello, NodeStats, PROTOCOL_MINOR,
     PROTOCOL_VERSION, RegionDescriptor, Request, Response, TensorInfo, TensorKey, TensorMeta,
     Welcome, WireMeta, dtype_name,
 };
@@ -301,6 +301,7 @@ fn vectors() -> Vec<Vector> {
                     key: key(0, "a"),
                     content_hash: "ab".to_string(),
                 }),
+                Item::Request(Request::Holds { device: 1 }),
             ],
         },
         Vector {
@@ -353,6 +354,8 @@ fn vectors() -> Vec<Vector> {
                         tensors: 3,
                         bytes_held: 4096,
                         memory_limit: Some(1 << 30),
+                        holds_measured: 250,
+                        holds_exact: 250,
                     },
                     DeviceStats {
                         index: 1,
@@ -361,6 +364,8 @@ fn vectors() -> Vec<Vector> {
                         tensors: 0,
                         bytes_held: 0,
                         memory_limit: None,
+                        holds_measured: 250,
+                        holds_exact: 37,
                     },
                 ],
                 transfers_done: 7,
@@ -431,6 +436,21 @@ fn vectors() -> Vec<Vector> {
                 Item::Response(Response::Page {
                     tensors: Vec::new(),
                     next: None,
+                }),
+                Item::Response(Response::Holds {
+                    device: 1,
+                    dtypes: vec![
+                        HeldDtype {
+                            dtype: DType::F32.into(),
+                            shape: vec![3, 5],
+                            refused: None,
+                        },
+                        HeldDtype {
+                            dtype: DType::F16.into(),
+                            shape: Vec::new(),
+                            refused: Some("the backend fails on it".to_string()),
+                        },
+                    ],
                 }),
             ],
         },

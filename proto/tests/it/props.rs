@@ -14,7 +14,7 @@ use ferry_proto::dtype::{PLAIN_DTYPES as PLAIN, QUANT_VALUES as VALUES, SCALE_DT
 use ferry_proto::frame::{self, DEFAULT_MAX_BODY, FrameKind, HEADER_LEN, MAGIC};
 use ferry_proto::meta::{MAX_RANK, expected_byte_len};
 use ferry_proto::{
-    DeviceStats, ErrorCode, ErrorReply, FrameError, Hello, NodeStats, Request, Response,
+    DeviceStats, ErrorCode, ErrorReply, FrameError, HeldDtype, Hello, NodeStats, Request, Response,
     TensorInfo, TensorKey, TensorMeta, Welcome, WireDType, WireMeta, WireQuantScheme,
 };
 use proptest::collection::vec;
@@ -264,6 +264,7 @@ fn arb_request() -> BoxedStrategy<Request> {
             }),
         (arb_key(), arb_text())
             .prop_map(|(key, content_hash)| Request::DeleteIf { key, content_hash }),
+        any::<u32>().prop_map(|device| Request::Holds { device }),
     ]
     .boxed()
 }
@@ -294,15 +295,18 @@ fn arb_response() -> BoxedStrategy<Response> {
         any::<u64>(),
         any::<u64>(),
         option::of(any::<u64>()),
+        any::<[u32; 2]>(),
     )
         .prop_map(
-            |(index, backend, device, tensors, bytes_held, memory_limit)| DeviceStats {
+            |(index, backend, device, tensors, bytes_held, memory_limit, holds)| DeviceStats {
                 index,
                 backend,
                 device,
                 tensors,
                 bytes_held,
                 memory_limit,
+                holds_measured: holds[0],
+                holds_exact: holds[1],
             },
         );
     let stats = (
@@ -368,6 +372,28 @@ fn arb_response() -> BoxedStrategy<Response> {
         ),
         (vec(arb_info(), 0..4), option::of(arb_key()))
             .prop_map(|(tensors, next)| Response::Page { tensors, next }),
+        (
+            any::<u32>(),
+            vec(
+                (
+                    arb_wire_dtype(),
+                    vec(any::<u64>(), 0..4),
+                    option::of(arb_text())
+                ),
+                0..4
+            )
+        )
+            .prop_map(|(device, dtypes)| Response::Holds {
+                device,
+                dtypes: dtypes
+                    .into_iter()
+                    .map(|(dtype, shape, refused)| HeldDtype {
+                        dtype,
+                        shape,
+                        refused,
+                    })
+                    .collect(),
+            }),
     ]
     .boxed()
 }

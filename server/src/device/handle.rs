@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::backend::BackendKind;
 use crate::device::{Budget, Command, Reply};
 use crate::error::NodeError;
+use crate::holds::HoldsTable;
 
 /// The handle through which everything else reaches a device worker.
 #[derive(Debug, Clone)]
@@ -21,6 +22,8 @@ pub struct DeviceHandle {
     pub(super) tx: mpsc::Sender<Command>,
     pub(super) budget: Arc<Budget>,
     pub(super) hash_mismatches: Arc<AtomicU64>,
+    /// What it stores bit-exact, as it measured at start.
+    pub(super) holds: Arc<HoldsTable>,
 }
 
 impl DeviceHandle {
@@ -49,10 +52,15 @@ impl DeviceHandle {
         self.hash_mismatches.load(Ordering::Relaxed)
     }
 
-    /// Checks that this device's backend stores `dtype` on `shape` exactly.
+    /// What it stores bit-exact, as it measured at start.
+    pub fn holds(&self) -> &Arc<HoldsTable> {
+        &self.holds
+    }
+
+    /// Checks that this device stores `dtype` on `shape` exactly, as its probe measured.
     pub(crate) fn check_holds(&self, dtype: &DType, shape: &[usize]) -> Result<(), NodeError> {
-        self.kind
-            .holds(dtype, shape)
+        self.holds
+            .check(dtype, shape)
             .map_err(|reason| NodeError::UnsupportedDType {
                 device: format!("{} ({})", self.index, self.kind),
                 dtype: dtype_name(dtype),

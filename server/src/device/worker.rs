@@ -32,27 +32,108 @@ pub(crate) fn spawn(
     spec: DeviceSpec,
     limits: DeviceLimits,
 ) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
-    match spec.kind {
-        BackendKind::Flex => {
-            spawn_on::<burn_flex::Flex>(index, spec.kind, Default::default(), limits)
+    let cpu = |kind: BackendKind| {
+        let label = format!("{kind}:Cpu");
+        let holds = kind
+            .measured_holds()
+            .ok_or_else(|| std::io::Error::other(format!("{kind} is not a CPU backend")))?;
+        Ok::<_, std::io::Error>((label, holds))
+    };
+    match spec {
+        DeviceSpec::Flex => {
+            let (label, holds) = cpu(BackendKind::Flex)?;
+            let at = Opened::new(index, spec, label, holds);
+            spawn_on::<burn_flex::Flex>(at, Default::default(), limits)
         }
         // Deprecated upstream in favour of Flex, but still what many deployments run, and the
         // second CPU backend that keeps the cross-backend paths honest.
         #[allow(deprecated)]
-        BackendKind::NdArray => {
-            spawn_on::<burn_ndarray::NdArray>(index, spec.kind, Default::default(), limits)
+        DeviceSpec::NdArray => {
+            let (label, holds) = cpu(BackendKind::NdArray)?;
+            let at = Opened::new(index, spec, label, holds);
+            spawn_on::<burn_ndarray::NdArray>(at, Default::default(), limits)
+        }
+        DeviceSpec::Wgpu(gpu) => spawn_gpu(index, spec, gpu, limits),
+    }
+}
+
+/// Opens a GPU device, measures what it holds (once per adapter in a process) and starts its
+/// worker.
+#[cfg(feature = "wgpu")]
+fn spawn_gpu(
+    index: u32,
+    spec: DeviceSpec,
+    gpu: crate::gpu::GpuSpec,
+    limits: DeviceLimits,
+) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
+    let opened = crate::gpu::open(gpu).map_err(std::io::Error::other)?;
+    let device = opened.device.clone();
+    let holds = crate::holds::HoldsTable::cached(&format!("wgpu {}", opened.adapter), || {
+        crate::holds::HoldsTable::measure::<crate::gpu::Backend>(&device)
+    });
+    let label = format!("{gpu} on {}", opened.adapter);
+    let at = Opened::new(index, spec, label, holds);
+    spawn_on::<crate::gpu::Backend>(at, opened.device, limits)
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn spawn_gpu(
+    _index: u32,
+    _spec: DeviceSpec,
+    gpu: crate::gpu::GpuSpec,
+    _limits: DeviceLimits,
+) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
+    Err(std::io::Error::other(format!(
+        "device {gpu}: this build of ferry-server has no wgpu runtime (its `wgpu` feature is off)"
+    )))
+}
+
+/// A device about to get its worker: where it sits, what it is, and what it measured.
+struct Opened {
+    index: u32,
+    kind: BackendKind,
+    label: String,
+    holds: Arc<crate::holds::HoldsTable>,
+}
+
+impl Opened {
+    fn new(
+        index: u32,
+        spec: DeviceSpec,
+        label: String,
+        holds: Arc<crate::holds::HoldsTable>,
+    ) -> Opened {
+        let (probed, exact) = holds.counts();
+        tracing::info!(
+            device = index,
+            spec = %spec,
+            label,
+            probed,
+            exact,
+            probe_ms = holds.took().as_millis() as u64,
+            "device measured what it holds bit-exact"
+        );
+        Opened {
+            index,
+            kind: spec.kind(),
+            label,
+            holds,
         }
     }
 }
 
 fn spawn_on<B: Backend>(
-    index: u32,
-    kind: BackendKind,
+    at: Opened,
     device: B::Device,
     limits: DeviceLimits,
 ) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
+    let Opened {
+        index,
+        kind,
+        label,
+        holds,
+    } = at;
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
-    let label = format!("{kind}:{device:?}");
     let hash_mismatches = Arc::new(AtomicU64::new(0));
     let verifier = spawn_verifier(index, tx.downgrade())?;
     let budget = Arc::new(Budget::new(index, limits));
@@ -78,6 +159,7 @@ fn spawn_on<B: Backend>(
         tx,
         budget,
         hash_mismatches,
+        holds,
     };
     Ok((handle, thread))
 }

@@ -143,14 +143,7 @@ impl std::fmt::Debug for NodeConfig {
 impl Default for NodeConfig {
     fn default() -> Self {
         Self {
-            devices: vec![
-                DeviceSpec {
-                    kind: crate::BackendKind::Flex,
-                },
-                DeviceSpec {
-                    kind: crate::BackendKind::Flex,
-                },
-            ],
+            devices: vec![DeviceSpec::Flex, DeviceSpec::Flex],
             max_tensor_bytes: 16 << 30,
             memory_limit: None,
             max_tensors: Some(DEFAULT_MAX_TENSORS),

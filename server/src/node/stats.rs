@@ -17,6 +17,11 @@ impl Node {
             .unwrap_or_else(|e| e.into_inner()) = path;
     }
 
+    /// What device `device` measured at start that it stores bit-exact.
+    pub fn holds(&self, device: u32) -> Result<std::sync::Arc<crate::HoldsTable>, NodeError> {
+        Ok(self.device(device)?.holds().clone())
+    }
+
     /// Devices, tensors, bytes held, transfers done and failed, per-path counts.
     pub async fn stats(&self) -> Result<NodeStats, NodeError> {
         let mut devices = Vec::with_capacity(self.inner.devices.len());
@@ -25,6 +30,7 @@ impl Node {
             let summary = handle.call(|reply| Command::Summary { reply }).await?;
             hashes_pending += summary.hashes_pending;
             hash_mismatches += handle.hash_mismatches();
+            let (measured, exact) = handle.holds().counts();
             devices.push(DeviceStats {
                 index: handle.index(),
                 backend: handle.kind().name().to_string(),
@@ -32,6 +38,8 @@ impl Node {
                 tensors: summary.tensors,
                 bytes_held: summary.bytes,
                 memory_limit: handle.budget().limit(),
+                holds_measured: u32::try_from(measured).unwrap_or(u32::MAX),
+                holds_exact: u32::try_from(exact).unwrap_or(u32::MAX),
             });
         }
         let c = self.recorder().counts();

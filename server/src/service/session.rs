@@ -7,7 +7,9 @@ use ferry_io::{
     Connection, ConnectionError, ConnectionLimits, Identity, PayloadRoute, RegionUse, Transport,
     tls,
 };
-use ferry_proto::{ErrorCode, ErrorReply, Request, Response, TensorKey, TensorMeta, Untrusted};
+use ferry_proto::{
+    ErrorCode, ErrorReply, HeldDtype, Request, Response, TensorKey, TensorMeta, Untrusted,
+};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
@@ -15,6 +17,7 @@ use super::awaiting_hello::Place;
 use super::{HANDSHAKE_MAX_BODY, ServiceConfig, idle_for};
 use crate::device::{Arrived, Existing, KnownHash};
 use crate::error::{NodeError, Refusal};
+use crate::holds::Held;
 use crate::node::{AGENT, ClientId, Direction, MAX_PAGE, Node, Refused, TransferMode};
 use crate::peer::{PeerLink, PullRequest};
 
@@ -55,6 +58,7 @@ fn scopes_needed(request: &Request) -> &'static [Scope] {
         | Request::List { .. }
         | Request::ListPage { .. }
         | Request::Stat
+        | Request::Holds { .. }
         | Request::Identify
         | Request::Grant { .. } => &[Scope::Read],
     }
@@ -242,6 +246,20 @@ impl Session<'_> {
                 .await
                 .map(|desc| Response::Deleted(desc.to_wire())),
             Request::Stat => node.stats().await.map(Response::Stats),
+            Request::Holds { device } => node.holds(device).map(|table| Response::Holds {
+                device,
+                dtypes: table
+                    .entries()
+                    .map(|(dtype, shape, held)| HeldDtype {
+                        dtype: dtype.into(),
+                        shape: shape.iter().map(|&d| d as u64).collect(),
+                        refused: match held {
+                            Held::Exact => None,
+                            Held::Refused(why) => Some(why.clone()),
+                        },
+                    })
+                    .collect(),
+            }),
             Request::Identify => Ok(Response::Identity {
                 node_id: node.node_id().to_string(),
             }),

@@ -1,16 +1,43 @@
-//! `ferry stat NODE`: a node's devices, counters and shared-memory use, as text or JSON.
+//! `ferry stat NODE`: a node's devices, counters and shared-memory use, as text or JSON; with
+//! `--holds`, what each device measured that it stores bit-exact.
 
 use ferry_client::address::Address;
+use ferry_proto::dtype_name;
 
 use crate::Cli;
 use crate::connect::connect;
 
-pub(crate) async fn stat(cli: &Cli, node: &str, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn stat(cli: &Cli, node: &str, json: bool, holds: bool) -> anyhow::Result<()> {
     let address = Address::parse(node)?;
     let mut client = connect(&address.node, cli).await?;
     let stats = client.stat().await?;
+    let mut tables = Vec::new();
+    if holds {
+        for d in &stats.devices {
+            tables.push((d.index, client.holds(d.index).await?));
+        }
+    }
     if json {
-        let value = serde_json::to_value(&stats)?;
+        let mut value = serde_json::to_value(&stats)?;
+        if holds {
+            let by_device: serde_json::Map<String, serde_json::Value> = tables
+                .iter()
+                .map(|(index, table)| {
+                    let rows = table
+                        .iter()
+                        .map(|p| {
+                            serde_json::json!({
+                                "dtype": dtype_name(&p.dtype),
+                                "shape": p.shape,
+                                "refused": p.refused,
+                            })
+                        })
+                        .collect();
+                    (index.to_string(), serde_json::Value::Array(rows))
+                })
+                .collect();
+            value["holds"] = serde_json::Value::Object(by_device);
+        }
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         println!(
@@ -22,8 +49,14 @@ pub(crate) async fn stat(cli: &Cli, node: &str, json: bool) -> anyhow::Result<()
                 .memory_limit
                 .map_or_else(|| "no limit".to_string(), |l| format!("limit {l}"));
             println!(
-                "device {}: {} {}, {} tensors, {} bytes ({limit})",
-                d.index, d.backend, d.device, d.tensors, d.bytes_held
+                "device {}: {} {}, {} tensors, {} bytes ({limit}); holds {} of {} probes bit-exact",
+                d.index,
+                d.backend,
+                d.device,
+                d.tensors,
+                d.bytes_held,
+                d.holds_exact,
+                d.holds_measured
             );
         }
         println!(
@@ -56,6 +89,16 @@ pub(crate) async fn stat(cli: &Cli, node: &str, json: bool) -> anyhow::Result<()
             stats.pool_misses,
             stats.recycled_bytes
         );
+        for (index, table) in &tables {
+            println!("device {index} holds:");
+            for p in table {
+                let what = format!("{} {:?}", dtype_name(&p.dtype), p.shape);
+                match &p.refused {
+                    None => println!("  {what:<52} exact"),
+                    Some(why) => println!("  {what:<52} refused: {why}"),
+                }
+            }
+        }
     }
     Ok(())
 }

@@ -174,6 +174,26 @@ fn a_quantized_model_goes_in_moves_between_devices_and_comes_back_identical() {
         serde_json::from_str(&ok(&["stat", &node.addr, "--json"])).expect("stat --json parses");
     assert_eq!(stats["devices"].as_array().unwrap().len(), 2);
     assert!(stats["native_transfers"].as_u64().unwrap() >= tensors.len() as u64);
+    // Each device's measured table, as JSON and as text.
+    let with_holds: serde_json::Value =
+        serde_json::from_str(&ok(&["stat", &node.addr, "--json", "--holds"])).unwrap();
+    for device in ["0", "1"] {
+        let rows = with_holds["holds"][device].as_array().unwrap();
+        let exact = rows.iter().filter(|r| r["refused"].is_null()).count();
+        let said = &with_holds["devices"][device.parse::<usize>().unwrap()];
+        assert_eq!(rows.len() as u64, said["holds_measured"].as_u64().unwrap());
+        assert_eq!(exact as u64, said["holds_exact"].as_u64().unwrap());
+        assert!(
+            rows.iter()
+                .any(|r| r["dtype"] == "f32" && r["refused"].is_null())
+        );
+    }
+    let text = ok(&["stat", &node.addr, "--holds"]);
+    assert!(text.contains("probes bit-exact"), "{text}");
+    assert!(
+        text.contains("device 0 holds:") && text.contains("  f32 [3, 5] "),
+        "{text}"
+    );
 }
 
 #[test]

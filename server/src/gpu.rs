@@ -1,0 +1,225 @@
+//! GPU devices: which one a `--device` spec names (`wgpu:0`, `vulkan:cpu`, `gl:default`), and
+//! opening it on burn-cubecl's wgpu runtime without a panic, with the adapter it landed on.
+//!
+//! burn-wgpu and burn-cuda are one backend type (`burn_cubecl::CubeBackend`) over a device enum
+//! (`cubecl::Device`): a CUDA device would be one more [`GpuRuntime`] variant and one more arm in
+//! [`open`], behind a `cuda` feature. It is not compiled here because burn-cuda's build
+//! (`cubecl-cuda` -> `cubecl-llvm`) downloads LLVM, which these machines cannot reach.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The graphics API a wgpu device is reached through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GraphicsApi {
+    /// Whichever the runtime picks (Vulkan where it has an adapter).
+    Auto,
+    /// Vulkan.
+    Vulkan,
+    /// OpenGL (EGL).
+    Gl,
+}
+
+/// Which of the machine's adapters, by wgpu's own kinds (each counted from 0 among its kind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Adapter {
+    /// The best the API offers (a high-power GPU first).
+    Default,
+    /// The n-th discrete GPU (`wgpu:0`, as Burn's `DiscreteGpu(0)`).
+    Discrete(usize),
+    /// The n-th integrated GPU.
+    Integrated(usize),
+    /// The n-th virtual GPU.
+    Virtual(usize),
+    /// A software rasterizer (llvmpipe, lavapipe).
+    Software,
+    /// The n-th adapter the driver does not classify (some OpenGL drivers).
+    Other(usize),
+}
+
+/// A GPU device as a `--device` spec names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GpuSpec {
+    /// The graphics API.
+    pub api: GraphicsApi,
+    /// The adapter.
+    pub adapter: Adapter,
+}
+
+/// The runtimes a GPU device can be on (see the module's note on CUDA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GpuRuntime {
+    /// burn-wgpu: Vulkan, OpenGL (Metal and DirectX elsewhere).
+    Wgpu,
+}
+
+impl GpuSpec {
+    /// The spec's API prefix (`wgpu`, `vulkan`, `gl`).
+    fn prefix(&self) -> &'static str {
+        match self.api {
+            GraphicsApi::Auto => "wgpu",
+            GraphicsApi::Vulkan => "vulkan",
+            GraphicsApi::Gl => "gl",
+        }
+    }
+
+    /// Parses `API[:ADAPTER]` where API is `wgpu`, `vulkan` or `gl`; `None` for another prefix.
+    pub fn parse(s: &str) -> Option<Result<GpuSpec, String>> {
+        let (prefix, rest) = s.split_once(':').unwrap_or((s, "default"));
+        let api = match prefix {
+            "wgpu" => GraphicsApi::Auto,
+            "vulkan" => GraphicsApi::Vulkan,
+            "gl" => GraphicsApi::Gl,
+            _ => return None,
+        };
+        let index = |n: &str| {
+            n.parse::<usize>()
+                .ok()
+                .filter(|&n| n <= MAX_ADAPTER_INDEX)
+                .ok_or_else(|| format!("device {s:?}: {n:?} is not an adapter index"))
+        };
+        let adapter = match rest.split_once(':') {
+            None => match rest {
+                "default" => Ok(Adapter::Default),
+                "cpu" => Ok(Adapter::Software),
+                n => index(n).map(Adapter::Discrete),
+            },
+            Some(("igpu", n)) => index(n).map(Adapter::Integrated),
+            Some(("vgpu", n)) => index(n).map(Adapter::Virtual),
+            Some(("other", n)) => index(n).map(Adapter::Other),
+            Some(_) => Err(format!(
+                "device {s:?}: expected {prefix}:N (discrete GPU N), {prefix}:igpu:N, \
+                 {prefix}:vgpu:N, {prefix}:other:N, {prefix}:cpu or {prefix}:default"
+            )),
+        };
+        Some(adapter.map(|adapter| GpuSpec { api, adapter }))
+    }
+}
+
+/// The largest adapter index a spec may name (cubecl keeps 13 bits of it).
+const MAX_ADAPTER_INDEX: usize = (1 << 13) - 1;
+
+impl fmt::Display for GpuSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let prefix = self.prefix();
+        match self.adapter {
+            Adapter::Default => write!(f, "{prefix}:default"),
+            Adapter::Discrete(n) => write!(f, "{prefix}:{n}"),
+            Adapter::Integrated(n) => write!(f, "{prefix}:igpu:{n}"),
+            Adapter::Virtual(n) => write!(f, "{prefix}:vgpu:{n}"),
+            Adapter::Software => write!(f, "{prefix}:cpu"),
+            Adapter::Other(n) => write!(f, "{prefix}:other:{n}"),
+        }
+    }
+}
+
+impl FromStr for GpuSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        GpuSpec::parse(s).unwrap_or_else(|| Err(format!("{s:?} is not a GPU device")))
+    }
+}
+
+/// The Burn backend a GPU device is hosted on: burn-cubecl's, one type over every cubecl runtime
+/// (burn-wgpu's `Wgpu` without fusion).
+#[cfg(feature = "wgpu")]
+pub type Backend = burn_wgpu::Wgpu;
+
+#[cfg(feature = "wgpu")]
+/// An opened GPU device: the Burn device to use, and what it landed on.
+#[derive(Debug, Clone)]
+pub struct OpenedGpu {
+    /// The device, as burn-cubecl's backend takes it.
+    pub device: burn_cubecl::CubeDevice,
+    /// The adapter, for a person: its name, driver and graphics API.
+    pub adapter: String,
+}
+
+#[cfg(feature = "wgpu")]
+/// Opens the device `spec` names: finds the adapter, creates the device and registers it with
+/// the runtime, or says why not. A spec opened before in this process (the runtime keeps one
+/// registration per adapter selector) is the same device again.
+pub fn open(spec: GpuSpec) -> Result<OpenedGpu, String> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static OPENED: OnceLock<Mutex<HashMap<GpuSpec, Result<OpenedGpu, String>>>> = OnceLock::new();
+    let opened = OPENED.get_or_init(Default::default);
+    let mut opened = opened.lock().unwrap_or_else(|e| e.into_inner());
+    opened
+        .entry(spec)
+        .or_insert_with(|| open_once(spec))
+        .clone()
+}
+
+#[cfg(feature = "wgpu")]
+fn open_once(spec: GpuSpec) -> Result<OpenedGpu, String> {
+    use burn_cubecl::cubecl::device::WgpuDeviceKind;
+    use burn_wgpu::graphics::{AutoGraphicsApi, OpenGl, Vulkan};
+    use burn_wgpu::{RuntimeOptions, WgpuBackend, WgpuDevice, try_init_setup};
+    let kind = match spec.adapter {
+        Adapter::Default => WgpuDeviceKind::DefaultDevice,
+        Adapter::Discrete(n) => WgpuDeviceKind::DiscreteGpu(n),
+        Adapter::Integrated(n) => WgpuDeviceKind::IntegratedGpu(n),
+        Adapter::Virtual(n) => WgpuDeviceKind::VirtualGpu(n),
+        Adapter::Software => WgpuDeviceKind::Cpu,
+        Adapter::Other(n) => WgpuDeviceKind::Other(n),
+    };
+    let backend = match spec.api {
+        GraphicsApi::Auto => WgpuBackend::Auto,
+        GraphicsApi::Vulkan => WgpuBackend::Vulkan,
+        GraphicsApi::Gl => WgpuBackend::Gl,
+    };
+    let device = WgpuDevice::new(kind).on(backend);
+    let selector = device.clone();
+    // The driver may panic rather than fail (a loader that is missing pieces): contained too.
+    let setup = crate::backend::contain(&format!("opening {spec}"), move || {
+        let options = RuntimeOptions::try_default()?;
+        match spec.api {
+            GraphicsApi::Auto => try_init_setup::<AutoGraphicsApi>(&selector, options),
+            GraphicsApi::Vulkan => try_init_setup::<Vulkan>(&selector, options),
+            GraphicsApi::Gl => try_init_setup::<OpenGl>(&selector, options),
+        }
+    })
+    .map_err(|e| format!("cannot open GPU device {spec}: {e}"))?
+    .map_err(|e| format!("cannot open GPU device {spec}: {e}"))?;
+    let info = setup.adapter.get_info();
+    Ok(OpenedGpu {
+        device: device.into(),
+        adapter: format!(
+            "{} ({:?}, {:?}, driver {} {})",
+            info.name, info.backend, info.device_type, info.driver, info.driver_info
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_and_print_back() {
+        for s in [
+            "wgpu:default",
+            "wgpu:0",
+            "vulkan:cpu",
+            "gl:cpu",
+            "gl:other:1",
+            "vulkan:igpu:2",
+            "wgpu:vgpu:0",
+        ] {
+            let spec: GpuSpec = s.parse().unwrap();
+            assert_eq!(spec.to_string(), s);
+        }
+        assert_eq!(
+            "wgpu".parse::<GpuSpec>().unwrap(),
+            GpuSpec {
+                api: GraphicsApi::Auto,
+                adapter: Adapter::Default
+            }
+        );
+        for bad in ["wgpu:x", "gl:igpu", "vulkan:cpu:1", "wgpu:99999", "wgpu:-1"] {
+            assert!(bad.parse::<GpuSpec>().is_err(), "{bad}");
+        }
+        assert!(GpuSpec::parse("flex").is_none());
+    }
+}

@@ -1,0 +1,195 @@
+//! GPU devices on Mesa's software adapters (OpenGL on llvmpipe, Vulkan on lavapipe; `.ci/run`
+//! installs what is missing): every sample put to a GPU device and read back, bit-exact where
+//! its measured table says it holds the dtype and refused before any byte moves where not;
+//! copies between a CPU and a GPU device both ways; a node-to-node pull into a GPU device; and a
+//! GPU device that cannot open, refused at start with its name.
+
+use ferry::client::{ErrorCode, copy_between};
+use ferry::proto::TensorKey;
+use ferry::samples;
+use ferry::server::{DeviceSpec, Node, NodeConfig};
+use ferry::testing::{assert_same, code_of, how, start_with};
+
+/// The matrix through `spec` (device 1, beside a flex device 0): put, get, and flex <-> GPU
+/// copies both ways. Returns how many samples the device held.
+async fn the_matrix_through(spec: &str) -> usize {
+    let node = start_with(&["flex", spec]).await;
+    let mut client = node.client().await;
+    let table = client.holds(1).await.unwrap();
+    let stats = client.stat().await.unwrap();
+    assert!(
+        stats.devices[1].holds_exact > 0,
+        "{spec}: {:?}",
+        stats.devices[1]
+    );
+    let holder = node.node.device(1).unwrap().holds().clone();
+    let (mut held, mut refused) = (0, 0);
+    for sample in samples::full_matrix() {
+        let data = &sample.data;
+        let says = holder.check(&data.dtype(), data.shape().as_slice());
+        let name = &sample.name;
+        let put = client.put(1, name, data).await;
+        let key = TensorKey::new(1, name);
+        match says {
+            Ok(()) => {
+                put.unwrap_or_else(|e| panic!("{spec}: put {name}: {e}"));
+                let back = client.get(&key).await;
+                let back = back.unwrap_or_else(|e| panic!("{spec}: get {name}: {e}"));
+                assert_same(&back, data, name);
+                // GPU -> flex and back: the host round trip, both ways.
+                let on_cpu = client.copy(&key, 0, Some("back")).await.unwrap();
+                assert_eq!(on_cpu.path, "round-trip", "{name}");
+                assert_same(&client.get(&on_cpu.key).await.unwrap(), data, name);
+                let again = client
+                    .copy(&on_cpu.key, 1, Some("again"))
+                    .await
+                    .unwrap_or_else(|e| panic!("{spec}: flex -> gpu {name}: {e}"));
+                assert_same(&client.get(&again.key).await.unwrap(), data, name);
+                for key in [key, on_cpu.key, again.key] {
+                    client.delete(&key).await.unwrap();
+                }
+                held += 1;
+            }
+            Err(_) => {
+                assert_eq!(code_of(put), ErrorCode::UnsupportedDType, "{spec}: {name}");
+                // Refused from flex as well, and nothing registered.
+                client.put(0, name, data).await.unwrap();
+                let copied = client.copy(&TensorKey::new(0, name), 1, None).await;
+                assert_eq!(code_of(copied), ErrorCode::UnsupportedDType, "{name}");
+                client.delete(&TensorKey::new(0, name)).await.unwrap();
+                refused += 1;
+            }
+        }
+    }
+    assert!(client.list(None).await.unwrap().is_empty());
+    // The table the node tells is the one it checks by.
+    let exact = table.iter().filter(|p| p.refused.is_none()).count();
+    assert_eq!(exact, holder.counts().1);
+    assert!(held > 0 && held + refused == samples::full_matrix().len());
+    node.shutdown().await;
+    held
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sample_through_an_opengl_software_device_bit_exact_or_refused() {
+    let held = the_matrix_through("gl:cpu").await;
+    assert!(held >= 10, "{held} held");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sample_through_a_vulkan_software_device_bit_exact_or_refused() {
+    let held = the_matrix_through("vulkan:cpu").await;
+    assert!(held >= 10, "{held} held");
+}
+
+/// The same on the device `FERRY_GPU` names (a real GPU: `tests/gpu.sh` runs it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs FERRY_GPU=SPEC: run by tests/gpu.sh on a machine with a GPU"]
+async fn every_sample_through_the_gpu_ferry_gpu_names() {
+    let spec = std::env::var("FERRY_GPU").expect("FERRY_GPU names the GPU device to test");
+    let held = the_matrix_through(&spec).await;
+    println!(
+        "{spec}: {held} of {} samples held",
+        samples::full_matrix().len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_pulls_into_a_gpu_device_from_another_node() {
+    let source = start_with(&["flex"]).await;
+    let target = start_with(&["gl:cpu"]).await;
+    let mut src = source.client().await;
+    let mut dst = target.client().await;
+    let data = samples::plain(ferry::proto::DType::F32, &[256, 1024], 3);
+    src.put(0, "w", &data).await.unwrap();
+    let addr = source.addr.to_string();
+    let keys = [TensorKey::new(0, "w")];
+    let answers = copy_between(&mut src, &mut dst, &keys, &how(&addr, 0))
+        .await
+        .unwrap();
+    let stored = answers.into_iter().next().unwrap().unwrap();
+    assert_eq!(stored.path, "pull");
+    assert_same(
+        &dst.get(&stored.key).await.unwrap(),
+        &data,
+        "pulled to gl:cpu",
+    );
+    // And from the GPU device on to another node (which no longer holds the bytes: no dedup).
+    src.delete(&keys[0]).await.unwrap();
+    let target_addr = target.addr.to_string();
+    let mut back = how(&target_addr, 0);
+    back.dst_name = Some("returned");
+    let answers = copy_between(&mut dst, &mut src, std::slice::from_ref(&stored.key), &back)
+        .await
+        .unwrap();
+    let returned = answers.into_iter().next().unwrap().unwrap();
+    assert_eq!(returned.path, "pull");
+    assert_same(
+        &src.get(&returned.key).await.unwrap(),
+        &data,
+        "pulled from gl:cpu",
+    );
+    source.shutdown().await;
+    target.shutdown().await;
+}
+
+#[test]
+fn a_gpu_device_that_is_not_there_is_refused_at_start_with_its_name() {
+    let spec: DeviceSpec = "vulkan:57".parse().unwrap();
+    let refused = Node::start(NodeConfig {
+        devices: vec![DeviceSpec::Flex, spec],
+        ..NodeConfig::default()
+    });
+    let Err(refused) = refused else {
+        panic!("a node started with a 57th discrete GPU");
+    };
+    let message = refused.to_string();
+    assert!(
+        message.contains("device 1") && message.contains("vulkan:57"),
+        "{message}"
+    );
+    // A spec that names no device at all is refused when parsed.
+    let bad = "wgpu:nine".parse::<DeviceSpec>().unwrap_err();
+    assert!(bad.contains("wgpu:nine"), "{bad}");
+    let cuda = "cuda:0".parse::<DeviceSpec>().unwrap_err();
+    assert!(cuda.contains("CUDA"), "{cuda}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gpu_devices_move_tensors_natively() {
+    let node = start_with(&["vulkan:cpu", "gl:cpu"]).await;
+    let mut client = node.client().await;
+    let plain = samples::plain(ferry::proto::DType::F32, &[64, 33], 5);
+    let scheme = samples::schemes()
+        .into_iter()
+        .find(|(label, _)| label == "Q8S-tensor-F32")
+        .unwrap()
+        .1;
+    let quantized = samples::quantized(&scheme, &[8, 64], 6);
+    for (name, data) in [("plain", &plain), ("quantized", &quantized)] {
+        client.put(0, name, data).await.unwrap();
+        let copied = client
+            .copy(&TensorKey::new(0, name), 1, None)
+            .await
+            .unwrap();
+        assert_eq!(copied.path, "native", "{name}: Burn's own to_device");
+        assert_same(&client.get(&copied.key).await.unwrap(), data, name);
+        let back = format!("{name}.back");
+        let moved = client.move_to(&copied.key, 0, Some(&back)).await.unwrap();
+        assert_same(&client.get(&moved.key).await.unwrap(), data, name);
+    }
+    // What Burn's GPU backend does not store bit-exact is refused before any byte moves, with
+    // what the probe saw (a native bool is stored as another dtype there).
+    let bools = samples::plain(
+        ferry::proto::DType::Bool(ferry::proto::BoolStore::Native),
+        &[4, 4],
+        7,
+    );
+    let refused = client
+        .put(1, "bools", &bools)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("bool"), "{refused}");
+    node.shutdown().await;
+}
