@@ -16,49 +16,48 @@ pub struct Panicked {
 }
 
 thread_local! {
-    /// How many [`contained`] calls this thread is inside.
-    static CONTAINING: Cell<u32> = const { Cell::new(0) };
+    /// How many [`QuietPanics`] guards this thread holds.
+    static QUIET: Cell<u32> = const { Cell::new(0) };
 }
 
-/// Makes the process's panic hook quiet for a panic that [`contained`] turns into an error (its
-/// caller reports the message, as an error, where it matters): a device probing what it holds
-/// meets hundreds of them at start, and each would print a message and a backtrace to stderr.
-/// Every other panic goes to the hook that was installed before, as it did.
-fn quiet_contained_panics() {
-    static INSTALLED: Once = Once::new();
-    INSTALLED.call_once(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            if CONTAINING.with(Cell::get) == 0 {
-                previous(info);
-            }
-        }));
-    });
-}
+/// While it lives, a panic on this thread prints nothing: for code that expects many panics and
+/// turns each into an error with [`contained`] (a device probing what its backend holds meets
+/// hundreds at start; each would print a message and a backtrace). Any other panic, and every
+/// panic on other threads, goes to the hook installed before, as it did.
+pub struct QuietPanics(());
 
-/// Counts the calling thread as inside [`contained`] while it lives.
-struct Containing;
-
-impl Containing {
-    fn enter() -> Containing {
-        CONTAINING.with(|c| c.set(c.get() + 1));
-        Containing
+impl QuietPanics {
+    /// Quiets this thread's panics until the guard drops.
+    pub fn enter() -> QuietPanics {
+        static INSTALLED: Once = Once::new();
+        // Replacing the hook is refused on a thread that is panicking: then nothing is quieted.
+        if !std::thread::panicking() {
+            INSTALLED.call_once(|| {
+                let previous = std::panic::take_hook();
+                std::panic::set_hook(Box::new(move |info| {
+                    if QUIET.with(Cell::get) == 0 {
+                        previous(info);
+                    }
+                }));
+            });
+        }
+        QUIET.with(|c| c.set(c.get() + 1));
+        QuietPanics(())
     }
 }
 
-impl Drop for Containing {
+impl Drop for QuietPanics {
     fn drop(&mut self) {
-        CONTAINING.with(|c| c.set(c.get().saturating_sub(1)));
+        QUIET.with(|c| c.set(c.get().saturating_sub(1)));
     }
 }
 
-/// Runs `f`; a panic under it becomes [`Panicked`] with its message, and prints nothing.
+/// Runs `f`; a panic under it becomes [`Panicked`] with its message (the process's panic hook
+/// still reports it, with its location, unless a [`QuietPanics`] guard is held).
 ///
 /// Nothing `f` touched is used again when it panicked (the callers drop or rebuild it), which is
 /// why asserting unwind safety is sound here.
 pub fn contained<T>(f: impl FnOnce() -> T) -> Result<T, Panicked> {
-    quiet_contained_panics();
-    let _inside = Containing::enter();
     catch_unwind(AssertUnwindSafe(f)).map_err(|payload| Panicked {
         message: payload
             .downcast_ref::<&str>()

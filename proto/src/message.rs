@@ -340,7 +340,8 @@ pub enum Response {
 pub struct HeldDtype {
     /// The dtype probed (a quantized one stands for its scheme with any block size).
     pub dtype: WireDType,
-    /// The shape probed, standing for its class: rank 0, with an empty dimension, or any other.
+    /// The shape probed, standing for its class (PROTOCOL.md §5.5): rank 0, an empty dimension,
+    /// whole 32-bit words, or any other.
     pub shape: Vec<u64>,
     /// Why the device does not store it bit-exact; `None` where it does.
     pub refused: Option<String>,

@@ -135,27 +135,51 @@ pub struct OpenedGpu {
     pub adapter: String,
 }
 
-#[cfg(feature = "wgpu")]
-/// Opens the device `spec` names: finds the adapter, creates the device and registers it with
-/// the runtime, or says why not. A spec opened before in this process (the runtime keeps one
-/// registration per adapter selector) is the same device again.
-pub fn open(spec: GpuSpec) -> Result<OpenedGpu, String> {
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
-    static OPENED: OnceLock<Mutex<HashMap<GpuSpec, Result<OpenedGpu, String>>>> = OnceLock::new();
-    let opened = OPENED.get_or_init(Default::default);
-    let mut opened = opened.lock().unwrap_or_else(|e| e.into_inner());
-    opened
-        .entry(spec)
-        .or_insert_with(|| open_once(spec))
-        .clone()
+/// Why a GPU device did not open.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GpuError {
+    /// No adapter matches, the driver refused a device, or its setup failed.
+    #[error("cannot open GPU device {spec}: {reason}")]
+    Unavailable {
+        /// The device asked for.
+        spec: GpuSpec,
+        /// What the runtime or driver said.
+        reason: String,
+    },
+    /// The driver panicked while the device was being opened (contained).
+    #[error("cannot open GPU device {spec}: the driver panicked: {message}")]
+    Panicked {
+        /// The device asked for.
+        spec: GpuSpec,
+        /// The panic's message.
+        message: String,
+    },
 }
 
 #[cfg(feature = "wgpu")]
-fn open_once(spec: GpuSpec) -> Result<OpenedGpu, String> {
+/// Opens the device `spec` names: finds the adapter, creates the device and registers it with
+/// the runtime, or says why not. A spec opened before in this process is the same device again
+/// (the runtime keeps one registration per adapter selector); a failure is not remembered, so a
+/// device that was busy can be opened by a later try.
+pub fn open(spec: GpuSpec) -> Result<OpenedGpu, GpuError> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static OPENED: OnceLock<Mutex<HashMap<GpuSpec, OpenedGpu>>> = OnceLock::new();
+    let opened = OPENED.get_or_init(Default::default);
+    let mut opened = opened.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(gpu) = opened.get(&spec) {
+        return Ok(gpu.clone());
+    }
+    let gpu = open_once(spec)?;
+    opened.insert(spec, gpu.clone());
+    Ok(gpu)
+}
+
+#[cfg(feature = "wgpu")]
+fn open_once(spec: GpuSpec) -> Result<OpenedGpu, GpuError> {
     use burn_cubecl::cubecl::device::WgpuDeviceKind;
     use burn_wgpu::graphics::{AutoGraphicsApi, OpenGl, Vulkan};
-    use burn_wgpu::{RuntimeOptions, WgpuBackend, WgpuDevice, try_init_setup};
+    use burn_wgpu::{RuntimeOptions, WgpuBackend, WgpuDevice, WgpuInitError, try_init_setup};
     let kind = match spec.adapter {
         Adapter::Default => WgpuDeviceKind::DefaultDevice,
         Adapter::Discrete(n) => WgpuDeviceKind::DiscreteGpu(n),
@@ -172,7 +196,7 @@ fn open_once(spec: GpuSpec) -> Result<OpenedGpu, String> {
     let device = WgpuDevice::new(kind).on(backend);
     let selector = device.clone();
     // The driver may panic rather than fail (a loader that is missing pieces): contained too.
-    let setup = crate::backend::contain(&format!("opening {spec}"), move || {
+    let setup = ferry_proto::contained(move || {
         let options = RuntimeOptions::try_default()?;
         match spec.api {
             GraphicsApi::Auto => try_init_setup::<AutoGraphicsApi>(&selector, options),
@@ -180,15 +204,33 @@ fn open_once(spec: GpuSpec) -> Result<OpenedGpu, String> {
             GraphicsApi::Gl => try_init_setup::<OpenGl>(&selector, options),
         }
     })
-    .map_err(|e| format!("cannot open GPU device {spec}: {e}"))?
-    .map_err(|e| format!("cannot open GPU device {spec}: {e}"))?;
-    let info = setup.adapter.get_info();
+    .map_err(|panic| GpuError::Panicked {
+        spec,
+        message: panic.message,
+    })?;
+    let adapter = match setup {
+        Ok(setup) => {
+            let info = setup.adapter.get_info();
+            format!(
+                "{} ({:?}, {:?}, driver {} {})",
+                info.name, info.backend, info.device_type, info.driver, info.driver_info
+            )
+        }
+        // The application embedding this node opened the same device first (Burn registers a
+        // device on first use): it is there to use, on whatever adapter it landed.
+        Err(WgpuInitError::Registration { .. }) => {
+            "an adapter the embedding application opened first".to_string()
+        }
+        Err(e) => {
+            return Err(GpuError::Unavailable {
+                spec,
+                reason: e.to_string(),
+            });
+        }
+    };
     Ok(OpenedGpu {
         device: device.into(),
-        adapter: format!(
-            "{} ({:?}, {:?}, driver {} {})",
-            info.name, info.backend, info.device_type, info.driver, info.driver_info
-        ),
+        adapter,
     })
 }
 

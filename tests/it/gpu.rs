@@ -24,7 +24,7 @@ async fn the_matrix_through(spec: &str) -> usize {
     );
     let holder = node.node.device(1).unwrap().holds().clone();
     let (mut held, mut refused) = (0, 0);
-    for sample in samples::full_matrix() {
+    for sample in samples::full_matrix().into_iter().chain(ragged_scales()) {
         let data = &sample.data;
         let says = holder.check(&data.dtype(), data.shape().as_slice());
         let name = &sample.name;
@@ -65,9 +65,29 @@ async fn the_matrix_through(spec: &str) -> usize {
     // The table the node tells is the one it checks by.
     let exact = table.iter().filter(|p| p.refused.is_none()).count();
     assert_eq!(exact, holder.counts().1);
-    assert!(held > 0 && held + refused == samples::full_matrix().len());
+    assert!(held > 0 && held + refused == samples::full_matrix().len() + ragged_scales().len());
     node.shutdown().await;
     held
+}
+
+/// Block schemes whose values fill whole 32-bit words while their scales may not (a GPU keeps the
+/// scales in a buffer of their own): two UE8M0 scales, three F16 ones, three F32 ones.
+fn ragged_scales() -> Vec<samples::Sample> {
+    use burn_backend::quantization::{QuantScheme, QuantStore, QuantValue, ScaleDtype};
+    let q8 = QuantScheme::default()
+        .with_store(QuantStore::Native)
+        .with_value(QuantValue::Q8S);
+    [
+        (ScaleDtype::UE8M0, vec![1, 32]),
+        (ScaleDtype::F16, vec![1, 48]),
+        (ScaleDtype::F32, vec![1, 48]),
+    ]
+    .into_iter()
+    .map(|(scale, shape)| samples::Sample {
+        name: format!("q-Q8S-block16-{scale:?}-{}x{}", shape[0], shape[1]),
+        data: samples::quantized(&q8.per_block([16], scale), &shape, 11),
+    })
+    .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

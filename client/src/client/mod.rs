@@ -26,7 +26,8 @@ use ferry_proto::{
 pub struct HeldProbe {
     /// The dtype (a quantized one stands for its scheme with any block size).
     pub dtype: DType,
-    /// The shape, standing for its class: rank 0, with an empty dimension, or any other.
+    /// The shape, standing for its class: rank 0, an empty dimension, whole 32-bit words, or any
+    /// other (see `ferry_server::holds::ShapeClass`).
     pub shape: Vec<usize>,
     /// Why the device does not give it back bit-exact; `None` where it does.
     pub refused: Option<String>,
@@ -381,7 +382,8 @@ impl Client {
 
     /// What device `device` measured at start that it stores bit-exact: every dtype it probed
     /// (a quantized one stands for its scheme with any block size) on each class of shape (rank
-    /// 0, with an empty dimension, any other), each with why not where it does not.
+    /// 0, an empty dimension, whole 32-bit words, any other), each with why not where it does
+    /// not.
     pub async fn holds(&mut self, device: u32) -> Result<Vec<HeldProbe>, ClientError> {
         const NEEDS: u16 = 5;
         if self.welcome.minor < NEEDS {

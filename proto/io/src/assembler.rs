@@ -227,6 +227,12 @@ impl TensorAssembler {
                 return;
             }
         };
+        // Bytes committed before (without a slot) are in the hasher already; a thread would
+        // start at 0 and hash them again: such a receiver goes on hashing in line.
+        if self.received != 0 {
+            self.hash = HashState::Inline(hasher);
+            return;
+        }
         let (base, len) = (self.buf.as_mut_ptr(), self.buf.len());
         // SAFETY: `buf` is `len` bytes that live as long as `self`; `hash` is declared before
         // it (dropped, and its thread joined, first), is finished before `buf` is handed out or
@@ -503,6 +509,7 @@ mod tests {
         let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
             .unwrap()
             .hashing();
+        assert!(matches!(asm.hash, HashState::TrailingSoon(_)));
         asm.adopt(payload).unwrap();
         assert!(!matches!(asm.hash, HashState::Trailing(_)));
         let (back, hash) = asm.finish_hashed().unwrap();

@@ -250,8 +250,8 @@ fn vectors() -> Vec<Vector> {
         Vector {
             name: "other_requests",
             about: "Request::Copy, Delete, List (one device and all), Stat, Identify, Grant, \
-                    Pull, Fetch, Release, ListPage (first and next page) and DeleteIf, one \
-                    frame each.",
+                    Pull, Fetch, Release, ListPage (first and next page), DeleteIf and Holds, \
+                    one frame each.",
             items: vec![
                 Item::Request(Request::Copy {
                     src: key(0, "a"),
@@ -343,7 +343,8 @@ fn vectors() -> Vec<Vector> {
         },
         Vector {
             name: "stats_response",
-            about: "Response::Stats for a node with two devices, one with a memory limit.",
+            about: "Response::Stats for a node with two devices, one with a memory limit, each \
+                    with its holds counts.",
             items: vec![Item::Response(Response::Stats(NodeStats {
                 agent: "ferry-node 0.1.0".to_string(),
                 devices: vec![
@@ -399,8 +400,8 @@ fn vectors() -> Vec<Vector> {
         Vector {
             name: "other_responses",
             about: "Response::Stored, Tensor (its chunks would follow), Deleted, Ready (a Put \
-                    admitted: its chunks may follow), Identity, Capability, Released, and Page \
-                    (one that continues, one that ends).",
+                    admitted: its chunks may follow), Identity, Capability, Released, Page \
+                    (one that continues, one that ends) and Holds (one probe held, one refused).",
             items: vec![
                 Item::Response(Response::Stored(info(
                     key(0, "w"),

@@ -31,7 +31,9 @@ struct Args {
     /// chunks (suffixes work).
     #[arg(long, default_value = "256KiB")]
     shm_min: bytesize::ByteSize,
-    /// A device to host (`flex` or `ndarray`); repeat for more. Default: two flex devices.
+    /// A device to host: `flex`, `ndarray`, or a GPU (`wgpu:N` the N-th discrete GPU, `wgpu:cpu`
+    /// a software adapter, `wgpu:default`; `vulkan:...` or `gl:...` to pin the graphics API);
+    /// repeat for more. Default: two flex devices.
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
     /// Shared token clients must present (allowing everything). Prefer --token-file: a command
