@@ -598,3 +598,92 @@ pub async fn tls_client(node: &TestNode, tls: &ferry_io::ClientTls) -> Result<Cl
     )
     .await
 }
+
+/// A real etcd (Debian's `etcd-server`; `.ci/run` installs it) on free loopback ports, with its
+/// data in a temporary directory, for the cluster tests. Stopped (killed) when dropped.
+pub struct Etcd {
+    child: Option<std::process::Child>,
+    dir: tempfile::TempDir,
+    client_port: u16,
+    peer_port: u16,
+}
+
+impl Etcd {
+    /// Starts etcd and waits until it answers.
+    pub async fn start() -> Etcd {
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        };
+        let mut etcd = Etcd {
+            child: None,
+            dir: tempfile::tempdir().unwrap(),
+            client_port: free(),
+            peer_port: free(),
+        };
+        etcd.resume().await;
+        etcd
+    }
+
+    /// The cluster address nodes and clients are given: `etcd://127.0.0.1:PORT`.
+    pub fn cluster(&self) -> String {
+        format!("etcd://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Kills etcd (its data stays).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same ports and data, and waits until it answers.
+    pub async fn resume(&mut self) {
+        assert!(self.child.is_none(), "etcd is running");
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = std::process::Command::new("etcd")
+            .args(["--name", "ferry-test", "--data-dir"])
+            .arg(self.dir.path().join("data"))
+            .args([
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ])
+            .args(["--initial-cluster", &format!("ferry-test={peer}")])
+            .args(["--log-level", "error"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("etcd runs (Debian's etcd-server; .ci/run installs it)");
+        self.child = Some(child);
+        let cluster = self.cluster();
+        eventually_async("etcd answers", Duration::from_secs(20), || {
+            let cluster = cluster.clone();
+            async move {
+                match ferry_client::cluster::Directory::connect(&cluster).await {
+                    Ok(mut directory) => directory.members().await.is_ok(),
+                    Err(_) => false,
+                }
+            }
+        })
+        .await;
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -4,6 +4,7 @@
 pub mod address;
 pub mod blocking;
 pub mod client;
+pub mod cluster;
 pub mod load;
 pub mod tensor;
 

@@ -7,6 +7,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod cluster;
 pub mod contain;
 pub mod control;
 pub mod dtype;

@@ -11,6 +11,7 @@
 //! actor, the capability table, the service's sessions) is internal.
 
 mod backend;
+pub mod cluster;
 mod device;
 mod engine;
 mod error;

@@ -63,6 +63,14 @@ pub(crate) struct Cli {
         requires = "tls_ca"
     )]
     pub(crate) tls_key: Option<PathBuf>,
+    /// The cluster's etcd, `etcd://HOST:PORT[,HOST:PORT...]`, for `ls @` and `ls @NAME`.
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_CLUSTER",
+        value_name = "etcd://HOST:PORT[,...]"
+    )]
+    pub(crate) cluster: Option<String>,
     #[command(subcommand)]
     command: Command,
 }

@@ -130,6 +130,20 @@ struct Args {
     /// certificate's common name, and an id given here must be the same.
     #[arg(long)]
     node_id: Option<String>,
+    /// Join a cluster kept in etcd: `etcd://HOST:PORT[,HOST:PORT...]`. The node registers itself
+    /// and publishes the tensors it holds under a lease it renews; with --name and --advertise.
+    #[arg(long, value_name = "etcd://HOST:PORT[,...]", requires = "name")]
+    cluster: Option<String>,
+    /// This node's name in the cluster (`@NAME`): 1 to 63 letters, digits, `-`, `_`, `.`.
+    #[arg(long, requires = "cluster")]
+    name: Option<String>,
+    /// The TCP address other nodes and clients reach this node at. Default: the address it
+    /// listens on, where that is not a wildcard.
+    #[arg(long, value_name = "HOST:PORT", requires = "cluster")]
+    advertise: Option<String>,
+    /// Seconds a dead node stays registered at most (its lease's time to live).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    cluster_ttl: u64,
     /// Token presented to the nodes this node pulls from. Default: the node's own --token.
     #[arg(long, env = "FERRY_PEER_TOKEN", hide_env_values = true)]
     peer_token: Option<String>,
@@ -257,6 +271,12 @@ fn main() -> anyhow::Result<()> {
 
 async fn serve() -> anyhow::Result<()> {
     let args = Args::parse();
+    let joining = Joining {
+        cluster: args.cluster.clone(),
+        name: args.name.clone(),
+        advertise: args.advertise.clone(),
+        ttl: args.cluster_ttl,
+    };
     init_logs(&args.log_format);
     raise_fd_limit(args.max_connections);
     ferry_io::host::set_recycle_limit(usize::try_from(args.recycle.as_u64()).unwrap_or(usize::MAX));
@@ -383,6 +403,7 @@ async fn serve() -> anyhow::Result<()> {
     }
     let devices: Vec<String> = config.devices.iter().map(|d| d.to_string()).collect();
     let node = Node::start(config).context("starting the node")?;
+    let cluster_node = node.clone();
     let node_id = node.node_id().to_string();
     let tls_on = node.config().tls.is_some();
     let service_config = ServiceConfig {
@@ -414,9 +435,55 @@ async fn serve() -> anyhow::Result<()> {
     drop(stdout);
     let shm = !args.no_shm && ferry_io::connection::shared_memory_supported();
     tracing::info!(%addr, unix = ?args.unix, shared_memory = shm, tls = tls_on, %node_id, ?devices, "ferry node serving");
+    let membership = match &joining.cluster {
+        Some(cluster) => Some(ferry_server::cluster::Membership::join(
+            cluster_node,
+            cluster_config(&joining, cluster, addr, service.unix_path())?,
+        )),
+        None => None,
+    };
     service.run(shutdown_signal()).await?;
+    if let Some(membership) = membership {
+        membership.leave().await;
+    }
     tracing::info!("ferry node stopped");
     Ok(())
+}
+
+/// What the command line says of the cluster to join.
+struct Joining {
+    cluster: Option<String>,
+    name: Option<String>,
+    advertise: Option<String>,
+    ttl: u64,
+}
+
+/// The cluster to join, from `--cluster`, `--name`, `--advertise` and `--cluster-ttl`.
+fn cluster_config(
+    args: &Joining,
+    cluster: &str,
+    listening: std::net::SocketAddr,
+    unix: Option<&std::path::Path>,
+) -> anyhow::Result<ferry_server::cluster::ClusterConfig> {
+    let endpoints = ferry_proto::cluster::endpoints(cluster)
+        .map_err(|e| anyhow::anyhow!("--cluster {cluster:?}: {e}"))?;
+    let name = args.name.clone().context("--cluster needs --name")?;
+    anyhow::ensure!(
+        ferry_proto::cluster::valid_member_name(&name),
+        "--name {name:?}: 1 to 63 letters, digits, '-', '_' or '.', not starting with '.'"
+    );
+    let advertise = match &args.advertise {
+        Some(advertise) => advertise.clone(),
+        None if !listening.ip().is_unspecified() => listening.to_string(),
+        None => anyhow::bail!("--listen {listening} is a wildcard: say --advertise HOST:PORT"),
+    };
+    Ok(ferry_server::cluster::ClusterConfig {
+        endpoints,
+        name,
+        advertise,
+        unix: unix.map(|p| format!("unix:{}", p.display())),
+        ttl: Duration::from_secs(args.ttl),
+    })
 }
 
 /// Reserves and touches the receive pool `--pool` asks for, logging what it took.

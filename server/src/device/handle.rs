@@ -22,6 +22,8 @@ pub struct DeviceHandle {
     pub(super) tx: mpsc::Sender<Command>,
     pub(super) budget: Arc<Budget>,
     pub(super) hash_mismatches: Arc<AtomicU64>,
+    /// Raised on every registration, removal and verified hash.
+    pub(super) changes: Arc<AtomicU64>,
     /// What it stores bit-exact, as it measured at start.
     pub(super) holds: Arc<HoldsTable>,
 }
@@ -50,6 +52,12 @@ impl DeviceHandle {
     /// Stated content hashes that the registered bytes did not match.
     pub fn hash_mismatches(&self) -> u64 {
         self.hash_mismatches.load(Ordering::Relaxed)
+    }
+
+    /// A counter raised on every registration, removal and verified hash on this device: equal
+    /// readings mean nothing a listing shows has changed in between.
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
     }
 
     /// What it stores bit-exact, as it measured at start.

@@ -135,6 +135,7 @@ fn spawn_on<B: Backend>(
     } = at;
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let hash_mismatches = Arc::new(AtomicU64::new(0));
+    let changes = Arc::new(AtomicU64::new(0));
     let verifier = spawn_verifier(index, tx.downgrade())?;
     let budget = Arc::new(Budget::new(index, limits));
     let worker = Worker::<B> {
@@ -146,6 +147,7 @@ fn spawn_on<B: Backend>(
         verifier,
         next_version: 0,
         hash_mismatches: hash_mismatches.clone(),
+        changes: changes.clone(),
         budget: budget.clone(),
         held_bytes: 0,
     };
@@ -159,6 +161,7 @@ fn spawn_on<B: Backend>(
         tx,
         budget,
         hash_mismatches,
+        changes,
         holds,
     };
     Ok((handle, thread))
@@ -204,6 +207,9 @@ struct Worker<B: Backend> {
     verifier: VerifierHandle,
     next_version: u64,
     hash_mismatches: Arc<AtomicU64>,
+    /// Raised on every registration, removal and verified hash (what a cluster's directory
+    /// publishes), so that a watcher lists the tensors again only when something changed.
+    changes: Arc<AtomicU64>,
     budget: Arc<Budget>,
     /// The payload bytes of every registered tensor, kept as they change (summing them per
     /// insert made a device of many tensors quadratic).
@@ -393,6 +399,7 @@ impl<B: Backend> Worker<B> {
             &mut entry.desc.content_hash,
             ContentHash::Verified(computed.clone()),
         );
+        self.changes.fetch_add(1, Ordering::Release);
         let indexed = match known {
             ContentHash::Verified(_) => true,
             ContentHash::Stated(stated) if stated == computed => true,
@@ -430,6 +437,7 @@ impl<B: Backend> Worker<B> {
     /// Takes a tensor out of the map and the hash index.
     fn unregister(&mut self, name: &str) -> Option<Entry<B>> {
         let entry = self.tensors.remove(name)?;
+        self.changes.fetch_add(1, Ordering::Release);
         if let Some(hash) = entry.desc.content_hash.indexed() {
             Self::unindex(&mut self.by_hash, hash, name);
         }
@@ -528,6 +536,7 @@ impl<B: Backend> Worker<B> {
                 .insert(name.clone());
         }
         self.held_bytes += desc.bytes;
+        self.changes.fetch_add(1, Ordering::Release);
         self.tensors.insert(
             name.clone(),
             Entry {

@@ -17,6 +17,14 @@ impl Node {
             .unwrap_or_else(|e| e.into_inner()) = path;
     }
 
+    /// The sum of every device's change counter ([`crate::DeviceHandle::changes`]).
+    pub fn changes(&self) -> u64 {
+        self.inner
+            .devices
+            .iter()
+            .fold(0u64, |sum, d| sum.wrapping_add(d.changes()))
+    }
+
     /// What device `device` measured at start that it stores bit-exact.
     pub fn holds(&self, device: u32) -> Result<std::sync::Arc<crate::HoldsTable>, NodeError> {
         Ok(self.device(device)?.holds().clone())

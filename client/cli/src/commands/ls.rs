@@ -1,4 +1,5 @@
-//! `ferry ls NODE[/DEVICE]`: the tensors a node holds, as text or JSON.
+//! `ferry ls NODE[/DEVICE]`: the tensors a node holds, as text or JSON; `ferry ls @[NAME]`: a
+//! cluster's members and where each tensor lives, from its etcd (`--cluster`).
 
 use anyhow::bail;
 use ferry_client::address::Address;
@@ -8,6 +9,9 @@ use crate::connect::connect;
 use crate::report::dtype_text;
 
 pub(crate) async fn ls(cli: &Cli, location: &str, json: bool) -> anyhow::Result<()> {
+    if let Some(member) = location.strip_prefix('@') {
+        return ls_cluster(cli, member, json).await;
+    }
     let address = Address::parse(location)?;
     if address.name.is_some() {
         bail!("ls takes HOST:PORT or HOST:PORT/DEVICE");
@@ -39,6 +43,78 @@ pub(crate) async fn ls(cli: &Cli, location: &str, json: bool) -> anyhow::Result<
                 dtype_text(i),
                 shape.join(", "),
                 i.bytes
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `ferry ls @` (every member) or `ferry ls @NAME` (one).
+async fn ls_cluster(cli: &Cli, member: &str, json: bool) -> anyhow::Result<()> {
+    let Some(cluster) = &cli.cluster else {
+        bail!(
+            "ls @ reads the cluster's directory: say --cluster etcd://HOST:PORT (or FERRY_CLUSTER)"
+        );
+    };
+    let member = (!member.is_empty()).then_some(member);
+    let mut directory = ferry_client::cluster::Directory::connect(cluster).await?;
+    let mut members = directory.members().await?;
+    if let Some(name) = member {
+        members.retain(|m| m.name == name);
+        if members.is_empty() {
+            bail!("no member @{name} is registered in {cluster}");
+        }
+    }
+    let tensors = directory.tensors(member).await?;
+    if json {
+        let members: Vec<serde_json::Value> = members
+            .iter()
+            .map(|m| {
+                serde_json::json!({
+                    "name": m.name, "node_id": m.node_id, "tcp": m.tcp, "unix": m.unix,
+                    "devices": m.devices.iter().map(|d| serde_json::json!({
+                        "index": d.index, "backend": d.backend, "device": d.device,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        let tensors: Vec<serde_json::Value> = tensors
+            .iter()
+            .map(|t| {
+                serde_json::json!({
+                    "member": t.member, "device": t.device, "name": t.name,
+                    "dtype": t.record.dtype, "shape": t.record.shape, "bytes": t.record.bytes,
+                    "content_hash": t.record.content_hash,
+                })
+            })
+            .collect();
+        let value = serde_json::json!({"members": members, "tensors": tensors});
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        for m in &members {
+            let devices: Vec<String> = m
+                .devices
+                .iter()
+                .map(|d| format!("{}:{}", d.index, d.backend))
+                .collect();
+            println!(
+                "@{}\t{}\t{}\t[{}]",
+                m.name,
+                m.tcp,
+                m.unix.as_deref().unwrap_or("-"),
+                devices.join(", ")
+            );
+        }
+        for t in &tensors {
+            let shape: Vec<String> = t.record.shape.iter().map(|d| d.to_string()).collect();
+            println!(
+                "@{}/{}/{}\t{}\t[{}]\t{}",
+                t.member,
+                t.device,
+                t.name,
+                t.record.dtype,
+                shape.join(", "),
+                t.record.bytes
             );
         }
     }

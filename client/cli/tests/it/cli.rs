@@ -586,3 +586,66 @@ fn every_error_path_exits_non_zero_with_an_error_line() {
         "nothing reached device 1"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ls_at_lists_a_clusters_members_and_where_each_tensor_lives() {
+    use ferry::server::cluster::{ClusterConfig, Membership};
+    let etcd = ferry::testing::Etcd::start().await;
+    let cluster = etcd.cluster();
+    let node = ferry::testing::start_with(&["flex", "flex"]).await;
+    let membership = Membership::join(
+        node.node.clone(),
+        ClusterConfig {
+            endpoints: ferry::proto::cluster::endpoints(&cluster).unwrap(),
+            name: "cache".into(),
+            advertise: node.addr.to_string(),
+            unix: None,
+            ttl: std::time::Duration::from_secs(2),
+        },
+    );
+    let mut client = node.client().await;
+    let data = samples::plain(DType::F32, &[4, 8], 1);
+    client.put(1, "encoder.w", &data).await.unwrap();
+    let addr = node.addr.to_string();
+    let line = "@cache/1/encoder.w\tf32\t[4, 8]\t128";
+    let listed = tokio::task::spawn_blocking({
+        let cluster = cluster.clone();
+        move || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                let text = ok(&["--cluster", &cluster, "ls", "@"]);
+                if text.contains(line) || std::time::Instant::now() > deadline {
+                    return text;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert!(listed.contains(line), "{listed}");
+    assert!(listed.contains(&format!("@cache\t{addr}")), "{listed}");
+    let json: serde_json::Value = serde_json::from_str(
+        &tokio::task::spawn_blocking({
+            let cluster = cluster.clone();
+            move || ok(&["--cluster", &cluster, "ls", "@cache", "--json"])
+        })
+        .await
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(json["members"][0]["tcp"], addr.as_str());
+    assert_eq!(json["tensors"][0]["name"], "encoder.w");
+    // A member that is not there, and no cluster named, are errors that say so.
+    let cluster_for_missing = cluster.clone();
+    tokio::task::spawn_blocking(move || {
+        fails(
+            &["--cluster", &cluster_for_missing, "ls", "@nobody"],
+            "no member @nobody",
+        );
+        fails(&["ls", "@"], "--cluster");
+    })
+    .await
+    .unwrap();
+    membership.leave().await;
+}

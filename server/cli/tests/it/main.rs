@@ -4,6 +4,7 @@
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
+mod cluster;
 mod help;
 mod local;
 mod metrics;

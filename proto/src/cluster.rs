@@ -1,0 +1,189 @@
+//! The cluster's records in its coordination service (etcd): the key layout and what each key
+//! holds, shared by the nodes that write them and the clients that read them.
+//!
+//! Every key lives under [`PREFIX`]. A node writes, under one lease of its own:
+//! - `/ferry/members/NAME`: its [`MemberRecord`] (how to reach it, its devices);
+//! - `/ferry/tensors/NAME/DEVICE/TENSOR`: a [`TensorRecord`] per tensor it holds.
+//!
+//! A node that dies stops renewing its lease, and etcd deletes every key under it. Values are
+//! JSON, so that `etcdctl get --prefix /ferry/` is readable. Everything read back is untrusted
+//! (another writer may share the etcd): keys are parsed and values decoded with bounds, and
+//! what does not parse is skipped by readers.
+
+use serde::{Deserialize, Serialize};
+
+/// The prefix of every key ferry writes.
+pub const PREFIX: &str = "/ferry/";
+
+/// The prefix of the member records.
+pub const MEMBERS: &str = "/ferry/members/";
+
+/// The prefix of the tensor directory.
+pub const TENSORS: &str = "/ferry/tensors/";
+
+/// The longest member name: a DNS label's length.
+pub const MAX_NAME: usize = 63;
+
+/// The largest record a reader decodes.
+pub const MAX_RECORD: usize = 64 * 1024;
+
+/// Whether `name` can name a member: 1 to [`MAX_NAME`] ASCII letters, digits, `-`, `_` or `.`,
+/// not starting with `.` (so that it is one key segment and reads the same everywhere).
+pub fn valid_member_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_NAME
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// etcd's client endpoints from `etcd://HOST:PORT[,HOST:PORT...]`, as `http://HOST:PORT`.
+pub fn endpoints(cluster: &str) -> Result<Vec<String>, String> {
+    let hosts = cluster
+        .strip_prefix("etcd://")
+        .ok_or("expected etcd://HOST:PORT[,HOST:PORT...]")?;
+    let endpoints: Vec<String> = hosts
+        .split(',')
+        .map(|host| {
+            let ok = !host.is_empty()
+                && host.len() <= 255
+                && host
+                    .rsplit_once(':')
+                    .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0))
+                && !host.contains(['/', '@', '?', '#', ' ']);
+            ok.then(|| format!("http://{host}"))
+                .ok_or_else(|| format!("{host:?} is not HOST:PORT"))
+        })
+        .collect::<Result<_, _>>()?;
+    if endpoints.len() > 16 {
+        return Err("at most 16 etcd endpoints".into());
+    }
+    Ok(endpoints)
+}
+
+/// The key of member `name`'s record.
+pub fn member_key(name: &str) -> String {
+    format!("{MEMBERS}{name}")
+}
+
+/// The key of a tensor's directory entry.
+pub fn tensor_key(member: &str, device: u32, tensor: &str) -> String {
+    format!("{TENSORS}{member}/{device}/{tensor}")
+}
+
+/// The prefix of member `name`'s directory entries.
+pub fn member_tensors(name: &str) -> String {
+    format!("{TENSORS}{name}/")
+}
+
+/// How a member is reached, and what it hosts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberRecord {
+    /// Its cluster name (`@NAME`).
+    pub name: String,
+    /// Its node id (under TLS, its certificate's identity).
+    pub node_id: String,
+    /// The TCP address it advertises, `host:port`.
+    pub tcp: String,
+    /// Its Unix socket, `unix:PATH`, where it has one (for clients on its host).
+    pub unix: Option<String>,
+    /// Its devices.
+    pub devices: Vec<MemberDevice>,
+}
+
+/// One device of a member.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberDevice {
+    /// Its index on the node.
+    pub index: u32,
+    /// Its backend (`flex`, `ndarray`, `wgpu`).
+    pub backend: String,
+    /// Its Burn device, readable.
+    pub device: String,
+    /// Probes it ran at start, and how many came back bit-exact (PROTOCOL.md §5.5).
+    pub holds: (u32, u32),
+}
+
+/// A tensor a member holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorRecord {
+    /// Its dtype, as `dtype_name` writes it.
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<u64>,
+    /// Its payload length in bytes.
+    pub bytes: u64,
+    /// Its content hash, once the node has computed it from the bytes it holds (never one only
+    /// stated by another node).
+    pub content_hash: Option<String>,
+}
+
+/// A directory entry's place, parsed from its key: `(member, device, tensor)`.
+pub fn parse_tensor_key(key: &str) -> Option<(&str, u32, &str)> {
+    let rest = key.strip_prefix(TENSORS)?;
+    let (member, rest) = rest.split_once('/')?;
+    let (device, tensor) = rest.split_once('/')?;
+    let device = device.parse().ok()?;
+    (valid_member_name(member) && !tensor.is_empty()).then_some((member, device, tensor))
+}
+
+/// Decodes a record read back from etcd; `None` for one that is too large or does not parse.
+pub fn decode<T: for<'de> Deserialize<'de>>(value: &[u8]) -> Option<T> {
+    (value.len() <= MAX_RECORD)
+        .then(|| serde_json::from_slice(value).ok())
+        .flatten()
+}
+
+/// Encodes a record for etcd.
+pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
+    // Serializing these plain structs to JSON cannot fail (no maps with non-string keys).
+    serde_json::to_vec(record).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip_and_names_are_checked() {
+        let key = tensor_key("worker-3", 1, "encoder/layer.0.w");
+        assert_eq!(
+            parse_tensor_key(&key),
+            Some(("worker-3", 1, "encoder/layer.0.w"))
+        );
+        assert_eq!(parse_tensor_key("/ferry/tensors/a/x/t"), None);
+        assert_eq!(parse_tensor_key("/ferry/tensors/a/0/"), None);
+        assert_eq!(parse_tensor_key("/other/a/0/t"), None);
+        for good in ["a", "worker-3", "cache_1.eu"] {
+            assert!(valid_member_name(good), "{good}");
+        }
+        for bad in ["", ".hidden", "a/b", "a b", &"x".repeat(64)] {
+            assert!(!valid_member_name(bad), "{bad}");
+        }
+        let record = TensorRecord {
+            dtype: "f32".into(),
+            shape: vec![2, 3],
+            bytes: 24,
+            content_hash: None,
+        };
+        assert_eq!(decode::<TensorRecord>(&encode(&record)), Some(record));
+        assert_eq!(decode::<TensorRecord>(b"{"), None);
+        assert_eq!(
+            endpoints("etcd://127.0.0.1:2379,etcd-2:2379"),
+            Ok(vec![
+                "http://127.0.0.1:2379".to_string(),
+                "http://etcd-2:2379".to_string()
+            ])
+        );
+        for bad in [
+            "127.0.0.1:2379",
+            "etcd://",
+            "etcd://h",
+            "etcd://h:0",
+            "etcd://u@h:1",
+        ] {
+            assert!(endpoints(bad).is_err(), "{bad}");
+        }
+    }
+}

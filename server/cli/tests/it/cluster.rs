@@ -1,0 +1,76 @@
+//! `ferry-server --cluster`: a node process registers itself in a real etcd, and one killed with
+//! SIGKILL (no chance to leave) is gone from the member list and the directory within its TTL.
+
+use std::time::{Duration, Instant};
+
+use ferry::client::Client;
+use ferry::client::cluster::Directory;
+use ferry::proto::DType;
+use ferry::samples;
+use ferry::testing::{Etcd, eventually_async, spawn_server};
+
+use crate::ferry_server;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_with_sigkill_leaves_the_cluster_within_its_ttl() {
+    let etcd = Etcd::start().await;
+    let cluster = etcd.cluster();
+    let node = spawn_server(
+        ferry_server(),
+        &[
+            "--cluster",
+            &cluster,
+            "--name",
+            "doomed",
+            "--cluster-ttl",
+            "2",
+        ],
+        None,
+    );
+    let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
+    let data = samples::plain(DType::F32, &[32, 32], 2);
+    client.put(0, "w", &data).await.unwrap();
+    let registered = |want_member: bool, want_tensor: bool| {
+        let cluster = cluster.clone();
+        async move {
+            let Ok(mut d) = Directory::connect(&cluster).await else {
+                return false;
+            };
+            let member = d.member("doomed").await.ok().flatten();
+            let tensors = d.tensors(Some("doomed")).await.unwrap_or_default();
+            member.is_some() == want_member
+                && tensors
+                    .iter()
+                    .any(|t| t.name == "w" && t.record.content_hash.is_some())
+                    == want_tensor
+        }
+    };
+    eventually_async(
+        "registered, with its tensor",
+        Duration::from_secs(10),
+        || registered(true, true),
+    )
+    .await;
+    let mut d = Directory::connect(&cluster).await.unwrap();
+    let member = d.member("doomed").await.unwrap().unwrap();
+    assert_eq!(member.tcp, node.addr);
+    drop(client);
+    // SIGKILL: the node cannot revoke its lease; etcd expires it.
+    let status = std::process::Command::new("kill")
+        .args(["-KILL", &node.pid().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+    let killed = Instant::now();
+    eventually_async("gone with its lease", Duration::from_secs(5), || {
+        registered(false, false)
+    })
+    .await;
+    let gone_after = killed.elapsed();
+    println!("gone {gone_after:?} after SIGKILL (TTL 2 s)");
+    assert!(
+        gone_after <= Duration::from_secs(3),
+        "gone only after {gone_after:?}, past the 2 s TTL and etcd's 0.5 s expiry tick"
+    );
+    drop(node);
+}

@@ -1,0 +1,249 @@
+//! A node's place in a cluster: its membership record and its tensor directory in etcd, kept
+//! under one lease that the node renews, and written again whenever etcd comes back.
+//!
+//! Invariants:
+//! - Every key the node writes (`ferry_proto::cluster`) is attached to its current lease, so a
+//!   node that dies (or loses etcd for longer than the lease's TTL) disappears from the member
+//!   list and the directory when the lease expires, without anyone deleting anything.
+//! - The directory names what the node's devices hold, each tensor's content hash only once the
+//!   node computed it from the bytes it holds: the published set is compared with the node's
+//!   listing whenever a device's change counter moves (checked every [`DIRECTORY_TICK`]), so an
+//!   entry outlives its tensor by at most that tick plus etcd's answer.
+//! - etcd being away never stops the node serving: the session ends, the node logs it, and a new
+//!   session (a new lease, everything written again) starts after a backoff.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, PutOptions, Txn, TxnOp};
+use ferry_proto::cluster::{self as keys, MemberDevice, MemberRecord, TensorRecord};
+use ferry_proto::dtype_name;
+use tokio::sync::watch;
+
+use crate::node::{MAX_PAGE, Node};
+
+/// How often the directory is compared with the node's change counters.
+pub const DIRECTORY_TICK: Duration = Duration::from_millis(100);
+
+/// The most operations one etcd transaction carries (etcd's default `--max-txn-ops` is 128).
+const TXN_OPS: usize = 100;
+
+/// The longest wait between two tries to reach etcd.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// How a node joins a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// etcd's client endpoints, `http://host:port`.
+    pub endpoints: Vec<String>,
+    /// The node's name in the cluster (`@NAME`).
+    pub name: String,
+    /// The TCP address other nodes and clients reach it at.
+    pub advertise: String,
+    /// The node's Unix socket, `unix:PATH`, for clients on its host.
+    pub unix: Option<String>,
+    /// The lease's time to live: how long a dead node stays listed at most.
+    pub ttl: Duration,
+}
+
+/// Why a cluster session ended.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// etcd did not answer or refused.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// The lease expired before the node renewed it (etcd was away too long).
+    #[error("the node's lease expired")]
+    LeaseExpired,
+    /// etcd did not answer a lease renewal in time.
+    #[error("etcd did not answer a lease renewal within {0:?}")]
+    Silent(Duration),
+    /// The node failed to list its own tensors.
+    #[error("listing the node's tensors: {0}")]
+    Node(#[from] crate::NodeError),
+}
+
+/// The cluster task of a running node; stopping it revokes the lease, so that the node leaves the
+/// member list and the directory at once instead of after its TTL.
+pub struct Membership {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Membership {
+    /// Joins the cluster: registers `node` and keeps its records until [`leave`](Self::leave).
+    pub fn join(node: Node, config: ClusterConfig) -> Membership {
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(run(node, config, stopped));
+        Membership { stop, task }
+    }
+
+    /// Leaves the cluster: the lease is revoked (where etcd answers) and the task ends.
+    pub async fn leave(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
+
+/// Sessions, one after another, until told to stop.
+async fn run(node: Node, config: ClusterConfig, mut stopped: watch::Receiver<bool>) {
+    let mut backoff = Duration::from_millis(200);
+    while !*stopped.borrow() {
+        match session(&node, &config, &mut stopped).await {
+            Ok(()) => return,
+            Err(error) => {
+                tracing::warn!(%error, name = %config.name, "cluster session ended; the node keeps serving and registers again");
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = stopped.changed() => return,
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// One lease: register, publish the directory, keep both until etcd fails or the node stops.
+async fn session(
+    node: &Node,
+    config: &ClusterConfig,
+    stopped: &mut watch::Receiver<bool>,
+) -> Result<(), ClusterError> {
+    let timeout = (config.ttl / 2).max(Duration::from_millis(500));
+    let options = ConnectOptions::new()
+        .with_timeout(timeout)
+        .with_connect_timeout(timeout);
+    let mut client = Client::connect(&config.endpoints, Some(options)).await?;
+    let ttl = i64::try_from(config.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+    let lease = client.lease_grant(ttl, None).await?.id();
+    let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
+    let put = || Some(PutOptions::new().with_lease(lease));
+    client
+        .put(
+            keys::member_key(&config.name),
+            keys::encode(&member_record(node, config)),
+            put(),
+        )
+        .await?;
+    tracing::info!(name = %config.name, lease, "registered in the cluster");
+    let mut published: HashMap<String, Vec<u8>> = HashMap::new();
+    let mut seen = None;
+    let mut renew = tokio::time::interval(config.ttl / 3);
+    let mut directory = tokio::time::interval(DIRECTORY_TICK);
+    loop {
+        tokio::select! {
+            _ = stopped.changed() => {
+                // Leaving: the lease's keys go at once.
+                let _ = client.lease_revoke(lease).await;
+                tracing::info!(name = %config.name, "left the cluster");
+                return Ok(());
+            }
+            _ = renew.tick() => {
+                let renewed = async {
+                    keeper.keep_alive().await?;
+                    answers.message().await
+                };
+                let answer = tokio::time::timeout(timeout, renewed)
+                    .await
+                    .map_err(|_| ClusterError::Silent(timeout))??;
+                if answer.is_none_or(|a| a.ttl() <= 0) {
+                    return Err(ClusterError::LeaseExpired);
+                }
+            }
+            _ = directory.tick() => {
+                let changes = node.changes();
+                if seen != Some(changes) {
+                    sync_directory(node, config, &mut client, lease, &mut published).await?;
+                    seen = Some(changes);
+                }
+            }
+        }
+    }
+}
+
+fn member_record(node: &Node, config: &ClusterConfig) -> MemberRecord {
+    MemberRecord {
+        name: config.name.clone(),
+        node_id: node.node_id().to_string(),
+        tcp: config.advertise.clone(),
+        unix: config.unix.clone(),
+        devices: node
+            .devices()
+            .iter()
+            .map(|d| {
+                let (measured, exact) = d.holds().counts();
+                MemberDevice {
+                    index: d.index(),
+                    backend: d.kind().name().to_string(),
+                    device: d.label().to_string(),
+                    holds: (
+                        u32::try_from(measured).unwrap_or(u32::MAX),
+                        u32::try_from(exact).unwrap_or(u32::MAX),
+                    ),
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Makes the directory say what the node holds now: puts what is new or changed, deletes what
+/// went, in transactions of at most [`TXN_OPS`] operations.
+async fn sync_directory(
+    node: &Node,
+    config: &ClusterConfig,
+    client: &mut Client,
+    lease: i64,
+    published: &mut HashMap<String, Vec<u8>>,
+) -> Result<(), ClusterError> {
+    let mut now: HashMap<String, Vec<u8>> = HashMap::new();
+    let mut after = None;
+    loop {
+        let (page, next) = node.list_page(None, after.as_ref(), MAX_PAGE).await?;
+        for desc in page {
+            let record = TensorRecord {
+                dtype: dtype_name(&desc.dtype),
+                shape: desc.shape.iter().map(|&d| d as u64).collect(),
+                bytes: desc.bytes,
+                content_hash: desc.content_hash.verified().map(str::to_string),
+            };
+            let key = keys::tensor_key(&config.name, desc.key.device, &desc.key.name);
+            now.insert(key, keys::encode(&record));
+        }
+        match next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    let mut ops: Vec<(String, Option<Vec<u8>>)> = Vec::new();
+    for (key, value) in &now {
+        if published.get(key) != Some(value) {
+            ops.push((key.clone(), Some(value.clone())));
+        }
+    }
+    for key in published.keys() {
+        if !now.contains_key(key) {
+            ops.push((key.clone(), None));
+        }
+    }
+    for batch in ops.chunks(TXN_OPS) {
+        let txn_ops: Vec<TxnOp> = batch
+            .iter()
+            .map(|(key, value)| match value {
+                Some(value) => TxnOp::put(
+                    key.as_str(),
+                    value.as_slice(),
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                None => TxnOp::delete(key.as_str(), None),
+            })
+            .collect();
+        client.txn(Txn::new().and_then(txn_ops)).await?;
+        for (key, value) in batch {
+            match value {
+                Some(value) => published.insert(key.clone(), value.clone()),
+                None => published.remove(key),
+            };
+        }
+    }
+    Ok(())
+}
