@@ -128,7 +128,9 @@ async fn session(
     tracing::info!(name = %config.name, lease, "registered in the cluster");
     let mut published: HashMap<String, Vec<u8>> = HashMap::new();
     let mut seen = None;
-    let mut renew = tokio::time::interval(config.ttl / 3);
+    // Renewed three times per lease: a lease is at least a second (etcd counts whole seconds), so
+    // this is never zero, whatever TTL a caller configured.
+    let mut renew = tokio::time::interval(Duration::from_secs(ttl.unsigned_abs()) / 3);
     let mut directory = tokio::time::interval(DIRECTORY_TICK);
     loop {
         tokio::select! {
