@@ -348,10 +348,16 @@ pub fn f32_tensor(bytes: usize) -> TensorData {
     TensorData::new(values, [numel / 1024, 1024])
 }
 
-/// 256 MiB of Q8S values with one per-tensor f32 scale, built from i8 values directly rather
-/// than by quantizing through a backend (which would take longer than the measurement).
+/// 256 MiB of Q8S values with one per-tensor f32 scale (see [`q8s_tensor`]).
 pub fn q8s_256() -> TensorData {
-    let shape = [65_536, 4096];
+    q8s_tensor(256 * MIB)
+}
+
+/// `bytes` (a multiple of 4096) of Q8S values with one per-tensor f32 scale, built from i8
+/// values directly rather than by quantizing through a backend (which would take longer than
+/// the measurement).
+pub fn q8s_tensor(bytes: usize) -> TensorData {
+    let shape = [bytes / 4096, 4096];
     let values: Vec<i8> = (0..shape[0] * shape[1]).map(|i| (i % 255) as i8).collect();
     let scheme = QuantScheme::default()
         .with_value(QuantValue::Q8S)

@@ -507,4 +507,8 @@ pub struct DeviceStats {
     pub holds_measured: u32,
     /// How many of them it gave back bit-exact (see [`Request::Holds`]).
     pub holds_exact: u32,
+    /// The most bytes one tensor may take on it (values and scales together): a GPU adapter's
+    /// largest buffer. `None` where only the node's per-tensor limit and the budget bound a
+    /// tensor (host memory). Added in minor 6.
+    pub largest_tensor: Option<u64>,
 }

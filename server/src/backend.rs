@@ -364,6 +364,27 @@ impl<B: Backend> Primitive<B> {
         .map_err(|e| NodeError::Backend(format!("into_data failed: {e:?}")))
     }
 
+    /// Asks the device whether the tensor's memory was allocated and written: a GPU runtime
+    /// (cubecl) defers a failed allocation to the first read of the buffer, so a `from_data`
+    /// that returned is not yet a tensor the device holds. Host backends fail (or panic) at
+    /// the call itself: nothing to ask.
+    pub fn confirm_written(&self) -> Result<(), NodeError> {
+        let any: &dyn std::any::Any = match self {
+            Primitive::Float(t) => t,
+            Primitive::Int(t) => t,
+            Primitive::Bool(t) => t,
+            Primitive::Quantized(q) => q,
+        };
+        #[cfg(feature = "wgpu")]
+        if let Some(written) = contain("sync", || crate::gpu::confirm_written(any))? {
+            return written.map_err(|e| {
+                NodeError::Backend(format!("the device did not take the tensor's bytes: {e}"))
+            });
+        }
+        let _ = any;
+        Ok(())
+    }
+
     /// Moves the tensor to `device` with the backend's own `*_to_device` (the native path).
     pub fn to_device(self, device: &B::Device) -> Result<Self, NodeError> {
         contain("to_device", move || match self {

@@ -39,6 +39,20 @@ pub enum NodeError {
         /// The limit.
         limit: u64,
     },
+    /// Larger than one buffer of the device (a GPU adapter's limit, `max_buffer_size` and the
+    /// storage binding size): the device could never hold it.
+    #[error(
+        "device {device} takes at most {limit} bytes in one buffer (its adapter's limit); the \
+         tensor needs {bytes}"
+    )]
+    TooLargeForDevice {
+        /// The device, readable.
+        device: String,
+        /// The tensor's bytes, values and scales together.
+        bytes: u64,
+        /// The device's largest buffer.
+        limit: u64,
+    },
     /// The device's memory budget would be exceeded.
     #[error(
         "device {device} has {available} of its {limit} byte budget free; the tensor needs {bytes}"
@@ -147,8 +161,12 @@ pub enum NodeError {
     /// escaped).
     #[error("not a source address: \"{0}\" (empty, over 1024 bytes, or with control characters)")]
     InvalidSource(String),
-    /// A pull from a source outside the node's configured peers: refused without connecting.
-    #[error("{0} is not an allowed peer of this node (its --peer list); nothing was sent there")]
+    /// A pull from a source outside the node's configured peers (or its cluster's members), or
+    /// one whose certificate names another node than the one listed or registered there.
+    #[error(
+        "{0} is not an allowed peer of this node (its --peer list, or a member of its cluster \
+         showing the identity it registered); nothing was sent there"
+    )]
     NotAllowedPeer(String),
     /// A pull that does not name the content hash its capability was granted under.
     #[error(
@@ -226,6 +244,7 @@ impl NodeError {
             NodeError::AlreadyExists(_) => ErrorCode::AlreadyExists,
             NodeError::UnsupportedDType { .. } => ErrorCode::UnsupportedDType,
             NodeError::TensorTooLarge { .. }
+            | NodeError::TooLargeForDevice { .. }
             | NodeError::OverBudget { .. }
             | NodeError::TooManyTensors { .. }
             | NodeError::TooManyGrants { .. }

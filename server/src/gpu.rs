@@ -133,6 +133,10 @@ pub struct OpenedGpu {
     pub device: burn_cubecl::CubeDevice,
     /// The adapter, for a person: its name, driver and graphics API.
     pub adapter: String,
+    /// The most bytes the runtime allocates in one buffer on it (cubecl's page size: the
+    /// adapter's `max_buffer_size` and storage binding size, the smaller). A larger tensor
+    /// cannot live there: cubecl accepts it and fails at the first read.
+    pub largest_buffer: u64,
 }
 
 /// Why a GPU device did not open.
@@ -228,10 +232,41 @@ fn open_once(spec: GpuSpec) -> Result<OpenedGpu, GpuError> {
             });
         }
     };
+    let device: burn_cubecl::CubeDevice = device.into();
+    let client_of = device.clone();
+    let largest_buffer =
+        ferry_proto::contained(move || client_of.client().properties().memory.max_page_size)
+            .map_err(|panic| GpuError::Panicked {
+                spec,
+                message: panic.message,
+            })?;
     Ok(OpenedGpu {
-        device: device.into(),
+        device,
         adapter,
+        largest_buffer,
     })
+}
+
+#[cfg(feature = "wgpu")]
+/// Whether a tensor of this runtime (`None` for another backend's) was allocated and written:
+/// cubecl keeps a failed allocation or write on the buffer and reports it at the first read,
+/// so this is that read's check without the read.
+pub fn confirm_written(tensor: &dyn std::any::Any) -> Option<Result<(), String>> {
+    let tensor = tensor.downcast_ref::<burn_cubecl::tensor::CubeTensor>()?;
+    let checked = burn_backend::read_sync(tensor.client.sync_buffers([&tensor.handle]));
+    // cubecl's message is a chain over many lines ("Caused by:", then a backtrace after
+    // "Asked at:"): the causes alone, on one line, say what failed.
+    Some(checked.map_err(|e| {
+        let text = e.to_string();
+        let causes: Vec<&str> = text
+            .lines()
+            .map(str::trim)
+            .take_while(|l| !l.starts_with("Asked at"))
+            .filter(|l| !l.is_empty() && *l != "Caused by:" && !l.contains("backtrace"))
+            .take(8)
+            .collect();
+        causes.join(": ")
+    }))
 }
 
 #[cfg(test)]
@@ -263,5 +298,27 @@ mod tests {
             assert!(bad.parse::<GpuSpec>().is_err(), "{bad}");
         }
         assert!(GpuSpec::parse("flex").is_none());
+    }
+    /// cubecl accepts a tensor over the adapter's largest buffer and fails only when it is
+    /// read: `confirm_written` is that failure before anything is acknowledged.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn a_buffer_the_adapter_could_not_allocate_is_caught_before_any_read() {
+        use crate::backend::Primitive;
+        use burn_backend::TensorData;
+        let gpu = open("gl:cpu".parse().unwrap()).unwrap();
+        let fits = TensorData::new(vec![1.5f32; 1024], [1024]);
+        let fits = Primitive::<Backend>::from_data(fits, &gpu.device).unwrap();
+        fits.confirm_written().unwrap();
+        let elements = usize::try_from(gpu.largest_buffer / 4 + 1).unwrap();
+        let over = TensorData::new(vec![1.5f32; elements], [elements]);
+        let over = Primitive::<Backend>::from_data(over, &gpu.device).unwrap();
+        let caught = over.confirm_written().unwrap_err().to_string();
+        assert!(caught.contains("did not take"), "{caught}");
+        assert!(
+            caught.contains("can't allocate buffer"),
+            "says why: {caught}"
+        );
+        assert!(!caught.contains('\n'), "one line: {caught}");
     }
 }

@@ -153,6 +153,60 @@ async fn a_node_pulls_into_a_gpu_device_from_another_node() {
     target.shutdown().await;
 }
 
+/// A tensor one element larger than the adapter's largest buffer is refused before any byte
+/// moves, whichever way it comes (put, copy from a CPU device, pull from another node), and
+/// nothing is registered; one exactly that large round-trips bit-exact. (cubecl itself would
+/// accept the larger one and fail only at its first read: an acknowledged tensor no get returns.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_larger_than_the_adapters_largest_buffer_is_refused_before_bytes_move() {
+    let node = start_with(&["flex", "gl:cpu"]).await;
+    let source = start_with(&["flex"]).await;
+    let largest = node.node.device(1).unwrap().largest_tensor();
+    let largest = largest.expect("a GPU device states its largest buffer");
+    let mut client = node.client().await;
+    let stats = client.stat().await.unwrap();
+    assert_eq!(stats.devices[1].largest_tensor, Some(largest));
+    assert_eq!(stats.devices[0].largest_tensor, None, "host memory");
+    let elements = usize::try_from(largest / 4).unwrap();
+    let at_limit = samples::plain(ferry::proto::DType::F32, &[elements], 21);
+    let over = samples::plain(ferry::proto::DType::F32, &[elements + 1], 22);
+    assert_eq!(at_limit.as_bytes().len() as u64, largest);
+
+    let put = client.put(1, "over", &over).await;
+    let Err(ferry::client::ClientError::Node { code, message }) = put else {
+        panic!("a tensor over the adapter's largest buffer was put: {put:?}");
+    };
+    assert_eq!(code, ErrorCode::LimitExceeded);
+    assert!(message.contains(&largest.to_string()), "{message}");
+    client.put(0, "over", &over).await.unwrap();
+    let copied = client.copy(&TensorKey::new(0, "over"), 1, None).await;
+    assert_eq!(code_of(copied), ErrorCode::LimitExceeded, "copy from flex");
+    let mut src = source.client().await;
+    src.put(0, "over", &over).await.unwrap();
+    let addr = source.addr.to_string();
+    let keys = [TensorKey::new(0, "over")];
+    let pulled = copy_between(&mut src, &mut client, &keys, &how(&addr, 1)).await;
+    let pulled = pulled.unwrap().into_iter().next().unwrap();
+    let Err(ferry::client::ClientError::Node { code, .. }) = pulled else {
+        panic!("a pull over the adapter's largest buffer: {pulled:?}");
+    };
+    assert_eq!(code, ErrorCode::LimitExceeded, "pull from another node");
+    assert!(
+        client.list(Some(1)).await.unwrap().is_empty(),
+        "nothing registered"
+    );
+
+    client.put(1, "at-limit", &at_limit).await.unwrap();
+    let back = client.get(&TensorKey::new(1, "at-limit")).await.unwrap();
+    assert_same(
+        &back,
+        &at_limit,
+        "a tensor as large as the adapter's largest buffer",
+    );
+    node.shutdown().await;
+    source.shutdown().await;
+}
+
 #[test]
 fn a_gpu_device_that_is_not_there_is_refused_at_start_with_its_name() {
     let spec: DeviceSpec = "vulkan:57".parse().unwrap();

@@ -344,7 +344,7 @@ fn vectors() -> Vec<Vector> {
         Vector {
             name: "stats_response",
             about: "Response::Stats for a node with two devices, one with a memory limit, each \
-                    with its holds counts.",
+                    with its holds counts, the second a GPU with its largest tensor.",
             items: vec![Item::Response(Response::Stats(NodeStats {
                 agent: "ferry-node 0.1.0".to_string(),
                 devices: vec![
@@ -357,16 +357,18 @@ fn vectors() -> Vec<Vector> {
                         memory_limit: Some(1 << 30),
                         holds_measured: 250,
                         holds_exact: 250,
+                        largest_tensor: None,
                     },
                     DeviceStats {
                         index: 1,
-                        backend: "ndarray".to_string(),
-                        device: "Cpu".to_string(),
+                        backend: "wgpu".to_string(),
+                        device: "vulkan:cpu on llvmpipe".to_string(),
                         tensors: 0,
                         bytes_held: 0,
                         memory_limit: None,
-                        holds_measured: 250,
-                        holds_exact: 37,
+                        holds_measured: 1000,
+                        holds_exact: 118,
+                        largest_tensor: Some(1 << 27),
                     },
                 ],
                 transfers_done: 7,

@@ -296,17 +296,21 @@ fn arb_response() -> BoxedStrategy<Response> {
         any::<u64>(),
         option::of(any::<u64>()),
         any::<[u32; 2]>(),
+        option::of(any::<u64>()),
     )
         .prop_map(
-            |(index, backend, device, tensors, bytes_held, memory_limit, holds)| DeviceStats {
-                index,
-                backend,
-                device,
-                tensors,
-                bytes_held,
-                memory_limit,
-                holds_measured: holds[0],
-                holds_exact: holds[1],
+            |(index, backend, device, tensors, bytes_held, memory_limit, holds, largest)| {
+                DeviceStats {
+                    index,
+                    backend,
+                    device,
+                    tensors,
+                    bytes_held,
+                    memory_limit,
+                    holds_measured: holds[0],
+                    holds_exact: holds[1],
+                    largest_tensor: largest,
+                }
             },
         );
     let stats = (

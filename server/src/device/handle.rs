@@ -26,6 +26,9 @@ pub struct DeviceHandle {
     pub(super) changes: Arc<AtomicU64>,
     /// What it stores bit-exact, as it measured at start.
     pub(super) holds: Arc<HoldsTable>,
+    /// The most bytes one tensor may take on it: a GPU adapter's largest buffer. `None` for
+    /// host memory, where only the node's per-tensor limit and the budget bound a tensor.
+    pub(super) largest_tensor: Option<u64>,
 }
 
 impl DeviceHandle {
@@ -63,6 +66,25 @@ impl DeviceHandle {
     /// What it stores bit-exact, as it measured at start.
     pub fn holds(&self) -> &Arc<HoldsTable> {
         &self.holds
+    }
+
+    /// The most bytes one tensor may take on it (a GPU adapter's largest buffer), if the device
+    /// has such a limit.
+    pub fn largest_tensor(&self) -> Option<u64> {
+        self.largest_tensor
+    }
+
+    /// Checks that a tensor of `bytes` (values and scales together) fits in one of this
+    /// device's buffers.
+    pub(crate) fn check_fits(&self, bytes: u64) -> Result<(), NodeError> {
+        match self.largest_tensor {
+            Some(limit) if bytes > limit => Err(NodeError::TooLargeForDevice {
+                device: format!("{} ({})", self.index, self.kind),
+                bytes,
+                limit,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Checks that this device stores `dtype` on `shape` exactly, as its probe measured.

@@ -42,7 +42,7 @@ pub(crate) fn spawn(
     match spec {
         DeviceSpec::Flex => {
             let (label, holds) = cpu(BackendKind::Flex)?;
-            let at = Opened::new(index, spec, label, holds);
+            let at = Opened::new(index, spec, label, holds, None);
             spawn_on::<burn_flex::Flex>(at, Default::default(), limits)
         }
         // Deprecated upstream in favour of Flex, but still what many deployments run, and the
@@ -50,7 +50,7 @@ pub(crate) fn spawn(
         #[allow(deprecated)]
         DeviceSpec::NdArray => {
             let (label, holds) = cpu(BackendKind::NdArray)?;
-            let at = Opened::new(index, spec, label, holds);
+            let at = Opened::new(index, spec, label, holds, None);
             spawn_on::<burn_ndarray::NdArray>(at, Default::default(), limits)
         }
         DeviceSpec::Wgpu(gpu) => spawn_gpu(index, spec, gpu, limits),
@@ -72,7 +72,7 @@ fn spawn_gpu(
         crate::holds::HoldsTable::measure::<crate::gpu::Backend>(&device)
     });
     let label = format!("{gpu} on {}", opened.adapter);
-    let at = Opened::new(index, spec, label, holds);
+    let at = Opened::new(index, spec, label, holds, Some(opened.largest_buffer));
     spawn_on::<crate::gpu::Backend>(at, opened.device, limits)
 }
 
@@ -94,6 +94,9 @@ struct Opened {
     kind: BackendKind,
     label: String,
     holds: Arc<crate::holds::HoldsTable>,
+    /// The most bytes one tensor may take on it (a GPU adapter's largest buffer); none for host
+    /// memory, which the budget bounds.
+    largest_tensor: Option<u64>,
 }
 
 impl Opened {
@@ -102,6 +105,7 @@ impl Opened {
         spec: DeviceSpec,
         label: String,
         holds: Arc<crate::holds::HoldsTable>,
+        largest_tensor: Option<u64>,
     ) -> Opened {
         let (probed, exact) = holds.counts();
         tracing::info!(
@@ -111,6 +115,7 @@ impl Opened {
             probed,
             exact,
             probe_ms = holds.took().as_millis() as u64,
+            largest_tensor,
             "device measured what it holds bit-exact"
         );
         Opened {
@@ -118,6 +123,7 @@ impl Opened {
             kind: spec.kind(),
             label,
             holds,
+            largest_tensor,
         }
     }
 }
@@ -132,6 +138,7 @@ fn spawn_on<B: Backend>(
         kind,
         label,
         holds,
+        largest_tensor,
     } = at;
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let hash_mismatches = Arc::new(AtomicU64::new(0));
@@ -163,6 +170,7 @@ fn spawn_on<B: Backend>(
         hash_mismatches,
         changes,
         holds,
+        largest_tensor,
     };
     Ok((handle, thread))
 }
@@ -588,6 +596,9 @@ impl<B: Backend> Worker<B> {
                 };
                 let origin = data.as_bytes().as_ptr();
                 let primitive = Primitive::<B>::from_data(data, &self.device)?;
+                // A device may defer a failure to the first read of the buffer (a GPU that
+                // could not allocate it): asked now, so that it is never registered.
+                primitive.confirm_written()?;
                 // Kept only while the region's mapping is the tensor's own storage: a backend that
                 // copied the bytes out freed the mapping, and the region would double the memory.
                 let region = region.filter(|_| {
@@ -611,8 +622,10 @@ impl<B: Backend> Worker<B> {
                         self.index, self.kind
                     ))
                 })?;
+                let primitive = primitive.to_device(&self.device)?;
+                primitive.confirm_written()?;
                 Placed {
-                    primitive: primitive.to_device(&self.device)?,
+                    primitive,
                     dtype: native.dtype,
                     shape: native.shape,
                     bytes: native.bytes,

@@ -36,7 +36,8 @@ impl Node {
     }
 
     /// Everything checked before a tensor of `dtype`, `shape` and `bytes` may go to `device`:
-    /// the name, the per-tensor limit, what the backend holds, the device's budget, and (for a
+    /// the name, the per-tensor limit, what the backend holds, what one of the device's buffers
+    /// takes (a GPU's), the device's budget, and (for a
     /// tensor that may not replace another) its tensor cap. The returned admission's reservation
     /// is held while the bytes arrive and then by the registered tensor.
     pub fn admit(
@@ -55,6 +56,7 @@ impl Node {
         }
         let handle = self.device(device)?;
         handle.check_holds(dtype, shape)?;
+        handle.check_fits(bytes)?;
         let reservation = handle.budget().reserve_tensor(bytes, existing)?;
         Ok(Admission {
             key: TensorKey::new(device, name),

@@ -48,6 +48,7 @@ impl Node {
                 memory_limit: handle.budget().limit(),
                 holds_measured: u32::try_from(measured).unwrap_or(u32::MAX),
                 holds_exact: u32::try_from(exact).unwrap_or(u32::MAX),
+                largest_tensor: handle.largest_tensor(),
             });
         }
         let c = self.recorder().counts();

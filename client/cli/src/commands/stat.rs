@@ -45,9 +45,12 @@ pub(crate) async fn stat(cli: &Cli, node: &str, json: bool, holds: bool) -> anyh
             stats.agent, stats.node_id, stats.transfer_policy
         );
         for d in &stats.devices {
-            let limit = d
+            let mut limit = d
                 .memory_limit
                 .map_or_else(|| "no limit".to_string(), |l| format!("limit {l}"));
+            if let Some(largest) = d.largest_tensor {
+                limit.push_str(&format!(", at most {largest} bytes a tensor"));
+            }
             println!(
                 "device {}: {} {}, {} tensors, {} bytes ({limit}); holds {} of {} probes bit-exact",
                 d.index,
