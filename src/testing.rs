@@ -609,7 +609,9 @@ pub struct Etcd {
 }
 
 impl Etcd {
-    /// Starts etcd and waits until it answers.
+    /// Starts etcd and waits until it answers. Its ports are found free by binding port 0 and
+    /// letting go, so another process may take one first: an etcd that exits at start is
+    /// started again on other ports.
     pub async fn start() -> Etcd {
         let free = || {
             std::net::TcpListener::bind("127.0.0.1:0")
@@ -624,13 +626,39 @@ impl Etcd {
             client_port: free(),
             peer_port: free(),
         };
-        etcd.resume().await;
-        etcd
+        for _ in 0..5 {
+            if etcd.run().await {
+                return etcd;
+            }
+            etcd.child = None;
+            etcd.client_port = free();
+            etcd.peer_port = free();
+        }
+        panic!("etcd exited at start five times (ports taken?)");
     }
 
     /// The cluster address nodes and clients are given: `etcd://127.0.0.1:PORT`.
     pub fn cluster(&self) -> String {
         format!("etcd://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Writes `value` under `key` as any client of this etcd could (no lease: it stays until
+    /// deleted), for tests of what nodes make of records they did not write.
+    pub async fn put(&self, key: &str, value: &[u8]) {
+        let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
+        let mut client = etcd_client::Client::connect(&endpoints, None)
+            .await
+            .expect("connect to etcd");
+        client.put(key, value, None).await.expect("put");
+    }
+
+    /// Deletes `key`.
+    pub async fn delete(&self, key: &str) {
+        let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
+        let mut client = etcd_client::Client::connect(&endpoints, None)
+            .await
+            .expect("connect to etcd");
+        client.delete(key, None).await.expect("delete");
     }
 
     /// Kills etcd (its data stays).
@@ -643,6 +671,12 @@ impl Etcd {
 
     /// Starts it again on the same ports and data, and waits until it answers.
     pub async fn resume(&mut self) {
+        assert!(self.run().await, "etcd exited at restart");
+    }
+
+    /// Starts etcd on this helper's ports and data: `true` once it answers, `false` if it
+    /// exited first (a port taken).
+    async fn run(&mut self) -> bool {
         assert!(self.child.is_none(), "etcd is running");
         let client = format!("http://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
@@ -669,16 +703,24 @@ impl Etcd {
             .expect("etcd runs (Debian's etcd-server; .ci/run installs it)");
         self.child = Some(child);
         let cluster = self.cluster();
-        eventually_async("etcd answers", Duration::from_secs(20), || {
-            let cluster = cluster.clone();
-            async move {
-                match ferry_client::cluster::Directory::connect(&cluster).await {
-                    Ok(mut directory) => directory.members().await.is_ok(),
-                    Err(_) => false,
-                }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut directory) = ferry_client::cluster::Directory::connect(&cluster).await
+                && directory.members().await.is_ok()
+            {
+                return true;
             }
-        })
-        .await;
+            let exited = self
+                .child
+                .as_mut()
+                .is_some_and(|c| !matches!(c.try_wait(), Ok(None)));
+            if exited {
+                self.child = None;
+                return false;
+            }
+            assert!(Instant::now() < deadline, "etcd did not answer within 30 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
 

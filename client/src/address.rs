@@ -1,5 +1,5 @@
 //! The addresses the command line and scripts use: `NODE[/DEVICE[/NAME]]`, where NODE is
-//! `HOST:PORT` or `unix:PATH`.
+//! `HOST:PORT`, `unix:PATH` or `@MEMBER` (a member of a cluster, resolved by its directory).
 
 use std::path::Path;
 
@@ -8,9 +8,12 @@ use ferry_io::transport::UNIX_PREFIX;
 /// Why an address does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AddressError {
-    /// It does not start with `HOST:PORT` or `unix:PATH`.
-    #[error("{0:?} does not start with a node address HOST:PORT or unix:PATH")]
+    /// It does not start with `HOST:PORT`, `unix:PATH` or `@MEMBER`.
+    #[error("{0:?} does not start with a node address HOST:PORT, unix:PATH or @MEMBER")]
     NoNode(String),
+    /// `@MEMBER` with a name no member can have.
+    #[error("{0:?}: not a member name (1 to 63 letters, digits, '-', '_', '.')")]
+    BadMember(String),
     /// `unix:PATH` where no prefix of PATH is a Unix socket.
     #[error("{0:?}: no Unix socket found at unix:PATH")]
     NoSocket(String),
@@ -30,10 +33,10 @@ pub enum AddressError {
     },
 }
 
-/// A parsed `NODE[/DEVICE[/NAME]]`, where NODE is `HOST:PORT` or `unix:PATH`.
+/// A parsed `NODE[/DEVICE[/NAME]]`, where NODE is `HOST:PORT`, `unix:PATH` or `@MEMBER`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Address {
-    /// `HOST:PORT` or `unix:PATH`.
+    /// `HOST:PORT`, `unix:PATH` or `@MEMBER`.
     pub node: String,
     /// The device index, where given.
     pub device: Option<u32>,
@@ -76,8 +79,15 @@ impl Address {
                 None => (text, None),
             },
         };
-        if node.is_empty() || !node.contains(':') {
-            return Err(AddressError::NoNode(text.to_string()));
+        match node.strip_prefix('@') {
+            Some(member) if !ferry_proto::cluster::valid_member_name(member) => {
+                return Err(AddressError::BadMember(text.to_string()));
+            }
+            Some(_) => {}
+            None if node.is_empty() || !node.contains(':') => {
+                return Err(AddressError::NoNode(text.to_string()));
+            }
+            None => {}
         }
         let (device, name) = match rest {
             None | Some("") => (None, None),
@@ -157,5 +167,20 @@ mod tests {
         );
         assert!(Address::parse_with("unix:/nowhere/0/x", &sockets).is_err());
         assert!(Address::parse("h:1/gpu/x").is_err());
+        assert_eq!(
+            Address::parse("@cache/0/encoder.w").unwrap(),
+            Address {
+                node: "@cache".into(),
+                device: Some(0),
+                name: Some("encoder.w".into())
+            }
+        );
+        assert_eq!(Address::parse("@worker-3").unwrap().device, None);
+        for bad in ["@", "@/0", "@a b/0", "@.x/1"] {
+            assert!(
+                matches!(Address::parse(bad), Err(AddressError::BadMember(_))),
+                "{bad}"
+            );
+        }
     }
 }

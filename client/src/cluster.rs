@@ -1,11 +1,15 @@
-//! A cluster's member list and tensor directory, read from etcd: what `ferry ls @` shows.
+//! A cluster's member list and tensor directory, read from etcd: what `ferry ls @` shows, and
+//! how `@NAME` and a tensor named alone resolve to a node and a source.
 //!
 //! What etcd holds was written by nodes (and possibly by anyone else with access to that etcd):
 //! keys are parsed and values decoded with bounds, and an entry that does not parse is skipped.
 
 use etcd_client::{Client as Etcd, ConnectOptions, GetOptions};
+use ferry_io::Endpoint;
 use ferry_proto::cluster::{self as keys, MemberRecord, TensorRecord};
 use std::time::Duration;
+
+use crate::{Client, ClientConfig, ClientError};
 
 /// How long etcd may take to connect or answer.
 const ETCD_TIMEOUT: Duration = Duration::from_secs(3);
@@ -16,8 +20,11 @@ pub enum DirectoryError {
     /// `--cluster` is not `etcd://HOST:PORT[,...]`.
     #[error("cluster address: {0}")]
     Address(String),
+    /// No member is registered under the name.
+    #[error("no member @{0} is registered in the cluster")]
+    UnknownMember(String),
     /// etcd did not answer or refused.
-    #[error("etcd at {endpoints}: {cause}")]
+    #[error("etcd at {endpoints} (none of them answered): {cause}")]
     Etcd {
         /// The endpoints tried.
         endpoints: String,
@@ -82,13 +89,7 @@ impl Directory {
         let mut members: Vec<MemberRecord> = answer
             .kvs()
             .iter()
-            .filter_map(|kv| {
-                let name = std::str::from_utf8(kv.key())
-                    .ok()?
-                    .strip_prefix(keys::MEMBERS)?;
-                let record: MemberRecord = keys::decode(kv.value())?;
-                (record.name == name && keys::valid_member_name(name)).then_some(record)
-            })
+            .filter_map(|kv| keys::member_of(kv.key(), kv.value()))
             .collect();
         members.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(members)
@@ -96,7 +97,34 @@ impl Directory {
 
     /// The member registered as `name`, if any.
     pub async fn member(&mut self, name: &str) -> Result<Option<MemberRecord>, DirectoryError> {
-        Ok(self.members().await?.into_iter().find(|m| m.name == name))
+        if !keys::valid_member_name(name) {
+            return Ok(None);
+        }
+        let answer = self
+            .etcd
+            .get(keys::member_key(name), None)
+            .await
+            .map_err(|e| self.failed(e))?;
+        Ok(answer
+            .kvs()
+            .iter()
+            .find_map(|kv| keys::member_of(kv.key(), kv.value())))
+    }
+
+    /// The member registered as `name`, or [`DirectoryError::UnknownMember`].
+    pub async fn resolve(&mut self, name: &str) -> Result<MemberRecord, DirectoryError> {
+        self.member(name)
+            .await?
+            .ok_or_else(|| DirectoryError::UnknownMember(name.to_string()))
+    }
+
+    /// Every place the directory lists a tensor named `tensor`, on any member and device.
+    pub async fn holders(&mut self, tensor: &str) -> Result<Vec<Located>, DirectoryError> {
+        // The directory is keyed by member, then device, then name: finding a name means reading
+        // it all (see ARCHITECTURE.md on scale).
+        let mut all = self.tensors(None).await?;
+        all.retain(|t| t.name == tensor);
+        Ok(all)
     }
 
     /// The tensors the directory places on `member`, or on every member; sorted by member,
@@ -127,5 +155,258 @@ impl Directory {
             .collect();
         found.sort_by(|a, b| (&a.member, a.device, &a.name).cmp(&(&b.member, b.device, &b.name)));
         Ok(found)
+    }
+}
+
+/// The address a client on the machine `here` uses for `member`: its Unix socket where the
+/// member runs on this machine and has one (the transport then checks that this user serves
+/// it), else its TCP address.
+pub fn address_for(member: &MemberRecord, here: &str) -> String {
+    match &member.unix {
+        Some(unix) if !member.host.is_empty() && member.host == here => unix.clone(),
+        _ => member.tcp.clone(),
+    }
+}
+
+/// Connects to `member` at `addr` (one of its registered addresses, as [`address_for`] picks)
+/// and makes sure it is the node the member registered: over TCP under TLS, its certificate
+/// must name the member's node id before anything (the token included) is sent; otherwise the
+/// node's own answer to `identify` must, so that a stale or wrong entry is an error rather than
+/// a silent use of another node. A token never goes in clear to a TCP address the directory
+/// gave: whoever can write the directory would choose where it goes
+/// ([`ClientError::UncheckedMember`]). Over a Unix socket the transport's check (served by this
+/// user or root) stands in for a certificate.
+pub async fn connect_member(
+    member: &MemberRecord,
+    addr: &str,
+    mut config: ClientConfig,
+) -> Result<Client, ClientError> {
+    if matches!(Endpoint::parse(addr), Endpoint::Tcp(_)) {
+        if config.tls.is_some() {
+            config.identity = Some(member.node_id.clone());
+        } else if config.token.is_some() {
+            return Err(ClientError::UncheckedMember {
+                member: member.name.clone(),
+                addr: addr.to_string(),
+            });
+        }
+    }
+    let mut client = Client::connect_with(addr, config).await?;
+    let answered = client.identify().await?;
+    if answered != member.node_id {
+        return Err(ClientError::NotTheMember {
+            member: member.name.clone(),
+            registered: member.node_id.clone(),
+            answered,
+        });
+    }
+    Ok(client)
+}
+
+/// Where a copy of a tensor named alone is read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    /// The holder chosen.
+    pub holder: Located,
+    /// Its member's record.
+    pub member: MemberRecord,
+    /// The address the target pulls from: the holder's Unix socket where both share a
+    /// machine, else its TCP address.
+    pub addr: String,
+    /// The holder is the target node itself: a copy between its own devices.
+    pub same_node: bool,
+}
+
+/// Why no holder was chosen.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ChooseError {
+    /// No registered member holds a tensor of that name.
+    #[error("no member of the cluster holds a tensor named {0:?}")]
+    NotHeld(String),
+    /// Members hold different versions (content hashes) under that name, or more than one
+    /// holds it before any version is verified: which one is meant is for the user to say.
+    #[error(
+        "members hold different (or not yet verified) tensors named {name:?}: {holders}; name \
+         one as @MEMBER/DEVICE/NAME"
+    )]
+    Ambiguous {
+        /// The tensor's name.
+        name: String,
+        /// Where it is, for a person.
+        holders: String,
+    },
+}
+
+/// Picks the holder a copy of `name` to `target` reads from, among `holders` (the directory's
+/// entries for that name) whose member is registered in `members`:
+/// - only one version: holders whose verified content hashes differ make the name ambiguous,
+///   and unverified holders count only where no holder is verified and there is one;
+/// - nearest first: the target node itself (a copy between its devices), then a member on the
+///   target's machine (its Unix socket, shared memory), then any; ties go to the first by
+///   member name and device, so the choice is repeatable.
+pub fn choose_source(
+    name: &str,
+    holders: &[Located],
+    members: &[MemberRecord],
+    target: Option<&MemberRecord>,
+) -> Result<Source, ChooseError> {
+    let registered = |h: &&Located| members.iter().any(|m| m.name == h.member);
+    let live: Vec<&Located> = holders.iter().filter(registered).collect();
+    let verified: Vec<&Located> = live
+        .iter()
+        .copied()
+        .filter(|h| h.record.content_hash.is_some())
+        .collect();
+    let ambiguous = || ChooseError::Ambiguous {
+        name: name.to_string(),
+        holders: live
+            .iter()
+            .map(|h| {
+                let hash = h.record.content_hash.as_deref().unwrap_or("unverified");
+                format!(
+                    "@{}/{} ({})",
+                    h.member,
+                    h.device,
+                    hash.chars().take(16).collect::<String>()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+    };
+    let candidates = match (verified.first(), live.len()) {
+        (_, 0) => return Err(ChooseError::NotHeld(name.to_string())),
+        (Some(first), _) => {
+            if verified
+                .iter()
+                .any(|h| h.record.content_hash != first.record.content_hash)
+            {
+                return Err(ambiguous());
+            }
+            verified
+        }
+        (None, 1) => live,
+        (None, _) => return Err(ambiguous()),
+    };
+    let member_of = |h: &Located| members.iter().find(|m| m.name == h.member);
+    let nearness = |h: &Located| {
+        let member = member_of(h);
+        match (target, member) {
+            (Some(t), _) if t.name == h.member => 0,
+            (Some(t), Some(m)) if !t.host.is_empty() && t.host == m.host => 1,
+            _ => 2,
+        }
+    };
+    let holder = candidates
+        .into_iter()
+        .min_by_key(|h| (nearness(h), h.member.clone(), h.device))
+        .ok_or_else(|| ChooseError::NotHeld(name.to_string()))?;
+    let member = member_of(holder)
+        .cloned()
+        .ok_or_else(|| ChooseError::NotHeld(name.to_string()))?;
+    let near = nearness(holder);
+    let addr = match target {
+        Some(t) if near == 1 => address_for(&member, &t.host),
+        _ => member.tcp.clone(),
+    };
+    Ok(Source {
+        holder: holder.clone(),
+        member,
+        addr,
+        same_node: near == 0,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(name: &str, host: &str) -> MemberRecord {
+        MemberRecord {
+            name: name.into(),
+            node_id: format!("id-{name}"),
+            tcp: format!("{name}.example:7070"),
+            unix: Some(format!("unix:/run/{name}.sock")),
+            host: host.into(),
+            devices: Vec::new(),
+        }
+    }
+
+    fn held(member: &str, device: u32, hash: Option<&str>) -> Located {
+        Located {
+            member: member.into(),
+            device,
+            name: "w".into(),
+            record: TensorRecord {
+                dtype: "f32".into(),
+                shape: vec![2],
+                bytes: 8,
+                content_hash: hash.map(str::to_string),
+            },
+        }
+    }
+
+    #[test]
+    fn the_nearest_holder_of_the_one_version_is_chosen() {
+        let members = [member("a", "h1"), member("b", "h2"), member("c", "h2")];
+        let holders = [
+            held("a", 0, Some("x")),
+            held("c", 1, Some("x")),
+            held("gone", 0, Some("x")),
+        ];
+        // A holder on the target's machine first, through its Unix socket.
+        let chosen = choose_source("w", &holders, &members, Some(&members[1])).unwrap();
+        assert_eq!(
+            (chosen.holder.member.as_str(), chosen.addr.as_str()),
+            ("c", "unix:/run/c.sock")
+        );
+        assert!(!chosen.same_node);
+        // The target itself before anyone.
+        let chosen = choose_source("w", &holders, &members, Some(&members[0])).unwrap();
+        assert!(chosen.same_node);
+        // Nobody near: the first by name, over TCP.
+        let far = member("d", "h3");
+        let chosen = choose_source("w", &holders, &members, Some(&far)).unwrap();
+        assert_eq!(
+            (chosen.holder.member.as_str(), chosen.addr.as_str()),
+            ("a", "a.example:7070")
+        );
+        // A holder whose member is not registered is never chosen.
+        let only_gone = [held("gone", 0, Some("x"))];
+        assert!(matches!(
+            choose_source("w", &only_gone, &members, None),
+            Err(ChooseError::NotHeld(_))
+        ));
+    }
+
+    #[test]
+    fn two_versions_or_two_unverified_holders_are_ambiguous() {
+        let members = [member("a", "h1"), member("b", "h2")];
+        let differ = [held("a", 0, Some("x")), held("b", 0, Some("y"))];
+        assert!(matches!(
+            choose_source("w", &differ, &members, None),
+            Err(ChooseError::Ambiguous { .. })
+        ));
+        let unverified = [held("a", 0, None), held("b", 0, None)];
+        assert!(matches!(
+            choose_source("w", &unverified, &members, None),
+            Err(ChooseError::Ambiguous { .. })
+        ));
+        // One unverified holder alone, or unverified ones beside verified ones, are not.
+        let one = [held("b", 0, None)];
+        assert_eq!(
+            choose_source("w", &one, &members, None)
+                .unwrap()
+                .holder
+                .member,
+            "b"
+        );
+        let mixed = [held("a", 0, None), held("b", 0, Some("x"))];
+        assert_eq!(
+            choose_source("w", &mixed, &members, None)
+                .unwrap()
+                .holder
+                .member,
+            "b"
+        );
     }
 }

@@ -88,6 +88,10 @@ pub struct MemberRecord {
     pub tcp: String,
     /// Its Unix socket, `unix:PATH`, where it has one (for clients on its host).
     pub unix: Option<String>,
+    /// The name of the machine it runs on (`uname -n`): members that share it share a host, and
+    /// a copy prefers a source there. Empty where unknown.
+    #[serde(default)]
+    pub host: String,
     /// Its devices.
     pub devices: Vec<MemberDevice>,
 }
@@ -126,6 +130,14 @@ pub fn parse_tensor_key(key: &str) -> Option<(&str, u32, &str)> {
     let (device, tensor) = rest.split_once('/')?;
     let device = device.parse().ok()?;
     (valid_member_name(member) && !tensor.is_empty()).then_some((member, device, tensor))
+}
+
+/// A member record read back from etcd under `key`: `None` unless the key is a member's, the
+/// value decodes, and the record names the member its key does.
+pub fn member_of(key: &[u8], value: &[u8]) -> Option<MemberRecord> {
+    let name = std::str::from_utf8(key).ok()?.strip_prefix(MEMBERS)?;
+    let record: MemberRecord = decode(value)?;
+    (record.name == name && valid_member_name(name)).then_some(record)
 }
 
 /// Decodes a record read back from etcd; `None` for one that is too large or does not parse.

@@ -11,16 +11,26 @@
 //!   entry outlives its tensor by at most that tick plus etcd's answer.
 //! - etcd being away never stops the node serving: the session ends, the node logs it, and a new
 //!   session (a new lease, everything written again) starts after a backoff.
+//! - Where the node's peer policy follows the cluster ([`crate::PeerPolicy::Members`]), its member list
+//!   is what etcd holds under `/ferry/members/`: read whole at the start of each session, then
+//!   followed by a watch from the revision of that read, so that no change falls between the
+//!   two. It is empty until the first read, so nothing unseen is allowed. Between sessions
+//!   the last list read counts for one lease's TTL more (a member that left meanwhile would
+//!   have been listed that long at most), then as empty. A member's Unix socket counts only
+//!   where the member says it runs on this machine.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+    WatchStream,
+};
 use ferry_proto::cluster::{self as keys, MemberDevice, MemberRecord, TensorRecord};
 use ferry_proto::dtype_name;
 use tokio::sync::watch;
 
-use crate::node::{MAX_PAGE, Node};
+use crate::node::{ClusterMembers, MAX_PAGE, Node};
 
 /// How often the directory is compared with the node's change counters.
 pub const DIRECTORY_TICK: Duration = Duration::from_millis(100);
@@ -58,6 +68,9 @@ pub enum ClusterError {
     /// etcd did not answer a lease renewal in time.
     #[error("etcd did not answer a lease renewal within {0:?}")]
     Silent(Duration),
+    /// etcd ended the watch on the member list.
+    #[error("etcd ended the watch on the member list{0}")]
+    WatchEnded(String),
     /// The node failed to list its own tensors.
     #[error("listing the node's tensors: {0}")]
     Node(#[from] crate::NodeError),
@@ -92,6 +105,9 @@ async fn run(node: Node, config: ClusterConfig, mut stopped: watch::Receiver<boo
         match session(&node, &config, &mut stopped).await {
             Ok(()) => return,
             Err(error) => {
+                if let Some(members) = node.config().peers.members() {
+                    members.hold_for(config.ttl);
+                }
                 tracing::warn!(%error, name = %config.name, "cluster session ended; the node keeps serving and registers again");
             }
         }
@@ -126,6 +142,10 @@ async fn session(
         )
         .await?;
     tracing::info!(name = %config.name, lease, "registered in the cluster");
+    let mut members = match node.config().peers.members() {
+        Some(list) => Some(MemberWatch::start(&mut client, list.clone()).await?),
+        None => None,
+    };
     let mut published: HashMap<String, Vec<u8>> = HashMap::new();
     let mut seen = None;
     // Renewed three times per lease: a lease is at least a second (etcd counts whole seconds), so
@@ -152,6 +172,16 @@ async fn session(
                     return Err(ClusterError::LeaseExpired);
                 }
             }
+            changed = async {
+                match members.as_mut() {
+                    Some(watch) => watch.stream.message().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if let Some(watch) = members.as_mut() {
+                    watch.apply(changed?)?;
+                }
+            }
             _ = directory.tick() => {
                 let changes = node.changes();
                 if seen != Some(changes) {
@@ -163,12 +193,87 @@ async fn session(
     }
 }
 
+/// The member list a node's peer policy follows, and the watch that keeps it current.
+struct MemberWatch {
+    /// Every member's record, by its key.
+    records: HashMap<Vec<u8>, MemberRecord>,
+    list: ClusterMembers,
+    stream: WatchStream,
+}
+
+impl MemberWatch {
+    /// Reads every member record, publishes the list, and watches from the revision read.
+    async fn start(client: &mut Client, list: ClusterMembers) -> Result<MemberWatch, ClusterError> {
+        let answer = client
+            .get(keys::MEMBERS, Some(GetOptions::new().with_prefix()))
+            .await?;
+        let revision = answer.header().map_or(0, |h| h.revision());
+        let records = answer
+            .kvs()
+            .iter()
+            .filter_map(|kv| Some((kv.key().to_vec(), keys::member_of(kv.key(), kv.value())?)))
+            .collect();
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let stream = client.watch(keys::MEMBERS, Some(options)).await?;
+        let watch = MemberWatch {
+            records,
+            list,
+            stream,
+        };
+        watch.publish();
+        Ok(watch)
+    }
+
+    /// Applies one watch answer; the end of the stream (or its cancellation) ends the session.
+    fn apply(&mut self, answer: Option<etcd_client::WatchResponse>) -> Result<(), ClusterError> {
+        let answer = answer.ok_or_else(|| ClusterError::WatchEnded(String::new()))?;
+        if answer.canceled() {
+            return Err(ClusterError::WatchEnded(format!(
+                ": {}",
+                answer.cancel_reason()
+            )));
+        }
+        for event in answer.events() {
+            let Some(kv) = event.kv() else { continue };
+            let record = match event.event_type() {
+                EventType::Put => keys::member_of(kv.key(), kv.value()),
+                EventType::Delete => None,
+            };
+            match record {
+                Some(record) => self.records.insert(kv.key().to_vec(), record),
+                None => self.records.remove(kv.key()),
+            };
+        }
+        self.publish();
+        Ok(())
+    }
+
+    /// Hands the peer policy every registered address with its member's node id: TCP addresses
+    /// of all, Unix sockets only of members on this machine (a socket path names something on
+    /// the machine that dials it, whatever the record's writer meant).
+    fn publish(&self) {
+        let here = ferry_io::machine::name();
+        self.list.replace(self.records.values().flat_map(|m| {
+            let tcp = (m.tcp.clone(), m.node_id.clone());
+            let unix = m
+                .unix
+                .clone()
+                .filter(|_| !m.host.is_empty() && m.host == here)
+                .map(|unix| (unix, m.node_id.clone()));
+            std::iter::once(tcp).chain(unix)
+        }));
+    }
+}
+
 fn member_record(node: &Node, config: &ClusterConfig) -> MemberRecord {
     MemberRecord {
         name: config.name.clone(),
         node_id: node.node_id().to_string(),
         tcp: config.advertise.clone(),
         unix: config.unix.clone(),
+        host: ferry_io::machine::name(),
         devices: node
             .devices()
             .iter()

@@ -32,8 +32,8 @@ pub use engine::{TransferPath, TransferPolicy};
 pub use error::{NodeError, Refusal};
 pub use holds::HoldsTable;
 pub use node::{
-    AGENT, Admission, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, MAX_PAGE, Node, NodeConfig, Peer,
-    PeerPolicy, ReceiveBuffers, TransferMode,
+    AGENT, Admission, ClusterMembers, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, MAX_PAGE, Node,
+    NodeConfig, Peer, PeerPolicy, PeerTerms, ReceiveBuffers, TransferMode,
 };
 pub use peer::{PeerLink, PullRequest};
 pub use service::{

@@ -38,7 +38,18 @@ pub struct PullRequest {
 /// one connection).
 #[derive(Debug, Default)]
 pub struct PeerLink {
-    source: Option<(String, SourceConnection)>,
+    source: Option<OpenLink>,
+}
+
+/// A connection to a source, with the terms it was opened on.
+#[derive(Debug)]
+struct OpenLink {
+    addr: String,
+    /// The identity its certificate was checked against, if any.
+    identity: Option<std::sync::Arc<str>>,
+    /// Whether the peer token was sent on it.
+    token: bool,
+    conn: SourceConnection,
 }
 
 /// The longest wait between two reconnections.
@@ -346,35 +357,47 @@ impl Node {
         link: &'a mut PeerLink,
         source: &str,
     ) -> Result<&'a mut SourceConnection, AttemptError> {
-        // A connection left out of step (a fetch abandoned before its payload) is never reused.
-        let kept = link
-            .source
-            .take()
-            .filter(|(addr, conn)| addr == source && conn.in_step());
+        let config = self.config();
+        // Decided on every pull, a reused link included: the cluster's member list may have
+        // changed since the link was opened (or since this pull was admitted).
+        let terms = config
+            .peers
+            .terms(source, config.tls.is_some(), config.peer_token.as_deref())
+            .ok_or_else(|| AttemptError::Fatal(NodeError::NotAllowedPeer(source.to_string())))?;
+        // A connection left out of step (a fetch abandoned before its payload) is never reused,
+        // nor one opened on other terms (another identity checked, another token sent).
+        let kept = link.source.take().filter(|kept| {
+            kept.addr == source
+                && kept.identity == terms.identity
+                && kept.token == terms.token.is_some()
+                && kept.conn.in_step()
+        });
         let current = match kept {
             Some(current) => current,
             None => {
-                let config = SourceConfig {
-                    token: self
-                        .config()
-                        .peers
-                        .token_for(self.config().peer_token.as_deref()),
-                    limits: self.config().peer_limits,
-                    shared_memory: self.config().shared_memory,
-                    tls: self.config().tls.as_ref().map(|tls| tls.client()),
-                    identity: self.config().peers.identity_of(source),
+                let source_config = SourceConfig {
+                    token: terms.token,
+                    limits: config.peer_limits,
+                    shared_memory: config.shared_memory,
+                    tls: config.tls.as_ref().map(|tls| tls.client()),
+                    identity: terms.identity.as_deref(),
                 };
-                let connect = SourceConnection::open(source, config);
-                let conn = tokio::time::timeout(self.config().peer_limits.idle_timeout, connect)
+                let connect = SourceConnection::open(source, source_config);
+                let conn = tokio::time::timeout(config.peer_limits.idle_timeout, connect)
                     .await
                     .map_err(|_| {
                         AttemptError::Transient(format!("connecting to {source} timed out"))
                     })?
                     .map_err(|e| opening_failed(source, e))?;
-                (source.to_string(), conn)
+                OpenLink {
+                    addr: source.to_string(),
+                    identity: terms.identity.clone(),
+                    token: terms.token.is_some(),
+                    conn,
+                }
             }
         };
-        Ok(&mut link.source.insert(current).1)
+        Ok(&mut link.source.insert(current).conn)
     }
 
     /// Registers a copy of a tensor this node already holds (the verified version `held`

@@ -1,16 +1,23 @@
 //! Nodes in a cluster kept in a real etcd: registration and discovery, a directory equal to what
-//! the nodes hold after a randomized history of puts, copies, moves and deletes, and etcd stopped
-//! and restarted mid-run (the nodes keep serving; the directory converges).
+//! the nodes hold after a randomized history of puts, copies, moves and deletes, etcd stopped
+//! and restarted mid-run (the nodes keep serving; the directory converges), and membership as
+//! the peer allowlist (a non-member refused; under TLS, a member that is not who it registered
+//! as refused).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ferry::client::Client;
-use ferry::client::cluster::Directory;
+use ferry::client::cluster::{Directory, connect_member};
+use ferry::client::{Client, ClientConfig, ClientError, ErrorCode};
+use ferry::proto::cluster::MemberRecord;
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;
 use ferry::server::cluster::{ClusterConfig, Membership};
-use ferry::testing::{Etcd, TestNode, eventually_async, start_with};
+use ferry::server::{ClusterMembers, NodeConfig, PeerPolicy, ServiceConfig};
+use ferry::testing::{
+    Etcd, TestNode, TestPki, assert_same, copy_one, devices, eventually, eventually_async, how,
+    start, start_with, tls_client,
+};
 use rand::{Rng, SeedableRng};
 
 /// The lease's time to live in these tests.
@@ -174,7 +181,7 @@ async fn random_op(rng: &mut rand::rngs::StdRng, clients: &mut [(&str, Client)])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_thousand_random_operations_leave_a_directory_equal_to_what_the_nodes_list() {
+async fn a_thousand_racing_random_operations_leave_a_directory_equal_to_what_the_nodes_list() {
     let seed: u64 = std::env::var("FERRY_CLUSTER_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -182,9 +189,24 @@ async fn a_thousand_random_operations_leave_a_directory_equal_to_what_the_nodes_
     println!("FERRY_CLUSTER_SEED={seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let etcd = Etcd::start().await;
-    let (_nodes, joined, mut clients) = join_all(&etcd, &["a", "b", "c"]).await;
-    for _ in 0..1000 {
-        random_op(&mut rng, &mut clients).await;
+    let (nodes, joined, mut clients) = join_all(&etcd, &["a", "b", "c"]).await;
+    // Four clients of every node race each other, 250 operations each, every one on its own
+    // seeded stream (the interleaving is the scheduler's).
+    let mut racers = Vec::new();
+    for _ in 0..4 {
+        let mut own = Vec::new();
+        for (name, node) in ["a", "b", "c"].into_iter().zip(&nodes) {
+            own.push((name, node.client().await));
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(rng.random());
+        racers.push(tokio::spawn(async move {
+            for _ in 0..250 {
+                random_op(&mut rng, &mut own).await;
+            }
+        }));
+    }
+    for racer in racers {
+        racer.await.unwrap();
     }
     converges(&etcd, &mut clients, Duration::from_secs(15)).await;
     for membership in joined {
@@ -222,4 +244,238 @@ async fn etcd_stopped_and_restarted_mid_run_loses_nothing_and_the_directory_conv
     for membership in joined {
         membership.leave().await;
     }
+}
+
+/// A node whose peers are its cluster's members, with `tls` where given.
+async fn member_node(tls: Option<ferry::io::NodeTls>) -> TestNode {
+    start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            tls,
+            peers: PeerPolicy::Members {
+                members: ClusterMembers::new(),
+                listed: Vec::new(),
+            },
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await
+}
+
+/// A pull the target refused as not from an allowed peer, nothing sent to the source.
+fn refused_as_stranger(
+    result: Result<ferry::proto::TensorInfo, ferry::client::ClientError>,
+    what: &str,
+) {
+    match result {
+        Err(ferry::client::ClientError::Node { code, message }) => {
+            assert_eq!(code, ErrorCode::BadRequest, "{what}: {message}");
+            assert!(message.contains("not an allowed peer"), "{what}: {message}");
+        }
+        other => panic!("{what}: expected a refusal, got {other:?}"),
+    }
+}
+
+/// Member `a` as the directory has it.
+async fn member_a(d: &mut Directory) -> MemberRecord {
+    d.resolve("a").await.unwrap()
+}
+
+/// Waits until `node`'s member list says `addr` is (or is not) a member.
+async fn sees(node: &TestNode, addr: &str, member: bool) {
+    let what = format!("{addr} a member: {member}");
+    eventually(&what, Duration::from_secs(10), || {
+        node.node.config().peers.allows(addr) == member
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_node_pulls_only_from_registered_members() {
+    let etcd = Etcd::start().await;
+    let (a, b) = (member_node(None).await, member_node(None).await);
+    let outsider = start_with(&["flex"]).await;
+    let joined_a = Membership::join(a.node.clone(), config(&etcd, "a", &a));
+    let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
+    let (mut ca, mut cb, mut cx) = (a.client().await, b.client().await, outsider.client().await);
+    let data = samples::plain(DType::F32, &[64, 33], 7);
+    let key = TensorKey::new(0, "w");
+    ca.put(0, "w", &data).await.unwrap();
+    cx.put(0, "w", &data).await.unwrap();
+    let (a_addr, x_addr) = (a.addr.to_string(), outsider.addr.to_string());
+    sees(&b, &a_addr, true).await;
+
+    let pulled = copy_one(&mut ca, &mut cb, &key, &how(&a_addr, 0))
+        .await
+        .unwrap();
+    assert_same(
+        &cb.get(&pulled.key).await.unwrap(),
+        &data,
+        "pulled from a member",
+    );
+    cb.delete(&pulled.key).await.unwrap();
+
+    let refused = copy_one(&mut cx, &mut cb, &key, &how(&x_addr, 0)).await;
+    refused_as_stranger(refused, "a pull from a non-member");
+    assert_eq!(
+        cx.stat().await.unwrap().fetches_served,
+        0,
+        "nothing fetched from it"
+    );
+    assert!(
+        cb.list(None).await.unwrap().is_empty(),
+        "nothing registered"
+    );
+
+    // A client reaching a member checks it is the node registered there.
+    let mut d = Directory::connect(&etcd.cluster()).await.unwrap();
+    let record = d.resolve("a").await.unwrap();
+    let mut reached = connect_member(&record, &a_addr, ClientConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(reached.identify().await.unwrap(), a.node.node_id());
+    let stale = MemberRecord {
+        node_id: "some-other-node".into(),
+        ..record
+    };
+    let wrong = connect_member(&stale, &a_addr, ClientConfig::default()).await;
+    assert!(
+        matches!(wrong, Err(ClientError::NotTheMember { .. })),
+        "{:?}",
+        wrong.err()
+    );
+
+    // A token never goes in clear to an address only the directory vouches for.
+    let tokened = ClientConfig {
+        token: Some("secret".into()),
+        ..ClientConfig::default()
+    };
+    let unchecked = connect_member(&member_a(&mut d).await, &a_addr, tokened).await;
+    assert!(
+        matches!(unchecked, Err(ClientError::UncheckedMember { .. })),
+        "{:?}",
+        unchecked.err()
+    );
+
+    // A member's Unix socket counts only where the member runs on this machine.
+    for (name, host) in [
+        ("here", ferry::io::machine::name()),
+        ("elsewhere", "another-machine".to_string()),
+    ] {
+        let record = MemberRecord {
+            name: name.into(),
+            node_id: format!("id-{name}"),
+            tcp: format!("192.0.2.1:{}", if name == "here" { 1 } else { 2 }),
+            unix: Some(format!("unix:/run/ferry-{name}.sock")),
+            host,
+            devices: Vec::new(),
+        };
+        let key = ferry::proto::cluster::member_key(name);
+        etcd.put(&key, &ferry::proto::cluster::encode(&record))
+            .await;
+    }
+    sees(&b, "unix:/run/ferry-here.sock", true).await;
+    sees(&b, "192.0.2.1:2", true).await;
+    assert!(
+        !b.node
+            .config()
+            .peers
+            .allows("unix:/run/ferry-elsewhere.sock")
+    );
+
+    // A member that left is a stranger again.
+    joined_a.leave().await;
+    sees(&b, &a_addr, false).await;
+    let refused = copy_one(&mut ca, &mut cb, &key, &how(&a_addr, 0)).await;
+    refused_as_stranger(refused, "a pull from a member that left");
+    assert!(cb.list(None).await.unwrap().is_empty());
+    joined_b.leave().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_tls_a_member_must_show_the_identity_it_registered() {
+    let etcd = Etcd::start().await;
+    let pki = TestPki::new();
+    let a = member_node(Some(pki.node("node-a"))).await;
+    let b = member_node(Some(pki.node("node-b"))).await;
+    // A node the CA signed, but not a member: an impostor's record names its address with a's
+    // identity, as anyone who can write to this etcd could.
+    let c = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            tls: Some(pki.node("node-c")),
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let joined_a = Membership::join(a.node.clone(), config(&etcd, "a", &a));
+    let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
+    let impostor = MemberRecord {
+        name: "impostor".into(),
+        node_id: a.node.node_id().to_string(),
+        tcp: c.addr.to_string(),
+        unix: None,
+        host: String::new(),
+        devices: Vec::new(),
+    };
+    let impostor_key = ferry::proto::cluster::member_key("impostor");
+    etcd.put(&impostor_key, &ferry::proto::cluster::encode(&impostor))
+        .await;
+
+    let user = pki.client("user");
+    let mut ca = tls_client(&a, &user).await.unwrap();
+    let mut cb = tls_client(&b, &user).await.unwrap();
+    let mut cc = tls_client(&c, &user).await.unwrap();
+    let data = samples::plain(DType::F32, &[64, 33], 8);
+    let key = TensorKey::new(0, "w");
+    ca.put(0, "w", &data).await.unwrap();
+    cc.put(0, "w", &data).await.unwrap();
+    let (a_addr, c_addr) = (a.addr.to_string(), c.addr.to_string());
+    sees(&b, &a_addr, true).await;
+    sees(&b, &c_addr, true).await;
+
+    let pulled = copy_one(&mut ca, &mut cb, &key, &how(&a_addr, 0))
+        .await
+        .unwrap();
+    assert_same(
+        &cb.get(&pulled.key).await.unwrap(),
+        &data,
+        "from a, who is node-a",
+    );
+    cb.delete(&pulled.key).await.unwrap();
+
+    let refused = copy_one(&mut cc, &mut cb, &key, &how(&c_addr, 0)).await;
+    refused_as_stranger(refused, "c is not the node-a registered at its address");
+    assert_eq!(
+        cc.stat().await.unwrap().fetches_served,
+        0,
+        "nothing fetched from c"
+    );
+    assert!(
+        cb.list(None).await.unwrap().is_empty(),
+        "nothing registered"
+    );
+
+    // A client is held to the same: c's certificate does not name node-a.
+    let config = ClientConfig {
+        tls: Some(user.clone()),
+        ..ClientConfig::default()
+    };
+    let wrong = connect_member(&impostor, &c_addr, config.clone()).await;
+    assert!(
+        matches!(&wrong, Err(ClientError::NotTheNode { certified: Some(c), .. }) if c == "node-c"),
+        "{:?}",
+        wrong.err()
+    );
+    let mut d = Directory::connect(&etcd.cluster()).await.unwrap();
+    let record = d.resolve("a").await.unwrap();
+    connect_member(&record, &a_addr, config).await.unwrap();
+
+    // The record gone, c's address is no member's.
+    etcd.delete(&impostor_key).await;
+    sees(&b, &c_addr, false).await;
+    joined_a.leave().await;
+    joined_b.leave().await;
 }

@@ -1,16 +1,84 @@
-//! Connecting to a node with the command line's token, TLS and shared-memory settings.
+//! Connecting to a node, named by address or as `@NAME` (a member of the cluster `--cluster`
+//! names), with the command line's token, TLS and shared-memory settings.
 
-use anyhow::Context;
-use ferry_client::{Client, ClientConfig, Endpoint};
+use anyhow::{Context, bail};
+use ferry_client::cluster::{Directory, address_for, connect_member};
+use ferry_client::{Client, ClientConfig, ClientError, Endpoint};
+use ferry_proto::cluster::MemberRecord;
 
 use crate::Cli;
 
+/// A node the command line named, found: the address to dial, and the member it is where it was
+/// named `@NAME`.
+pub(crate) struct Reached {
+    pub(crate) addr: String,
+    pub(crate) member: Option<MemberRecord>,
+}
+
+impl Reached {
+    /// How the node reads in messages: `@NAME (ADDR)` or `ADDR`.
+    pub(crate) fn label(&self) -> String {
+        match &self.member {
+            Some(m) => format!("@{} ({})", m.name, self.addr),
+            None => self.addr.clone(),
+        }
+    }
+}
+
+/// The cluster's directory, from `--cluster`.
+pub(crate) async fn directory(cli: &Cli, what: &str) -> anyhow::Result<Directory> {
+    let Some(cluster) = &cli.cluster else {
+        bail!(
+            "{what} reads the cluster's directory: say --cluster etcd://HOST:PORT (or FERRY_CLUSTER)"
+        );
+    };
+    Ok(Directory::connect(cluster).await?)
+}
+
+/// Finds the node `node` names: an address as it is, `@NAME` through the directory (its Unix
+/// socket where it runs on this machine, else its TCP address).
+pub(crate) async fn reach(node: &str, cli: &Cli) -> anyhow::Result<Reached> {
+    let Some(name) = node.strip_prefix('@') else {
+        return Ok(Reached {
+            addr: node.to_string(),
+            member: None,
+        });
+    };
+    let member = directory(cli, &format!("@{name}"))
+        .await?
+        .resolve(name)
+        .await?;
+    Ok(Reached {
+        addr: address_for(&member, &ferry_io::machine::name()),
+        member: Some(member),
+    })
+}
+
 pub(crate) async fn connect(node: &str, cli: &Cli) -> anyhow::Result<Client> {
+    connect_to(&reach(node, cli).await?, cli).await
+}
+
+/// Connects to a node found by [`reach`]; a member must be the node it registered as
+/// ([`connect_member`]).
+pub(crate) async fn connect_to(reached: &Reached, cli: &Cli) -> anyhow::Result<Client> {
     let config = client_config(cli)?;
-    check_token_stays_private(node, &config, cli)?;
-    Client::connect_with(node, config)
-        .await
-        .with_context(|| format!("connecting to {node}"))
+    check_token_stays_private(&reached.addr, &config, cli)?;
+    let connected = match &reached.member {
+        // A member on this machine is tried on its Unix socket first; a socket that is not
+        // there (or is another user's) leaves its TCP address.
+        Some(member) if reached.addr != member.tcp => {
+            match connect_member(member, &reached.addr, config.clone()).await {
+                Err(ClientError::Connection(_)) => {
+                    check_token_stays_private(&member.tcp, &config, cli)?;
+                    connect_member(member, &member.tcp, config).await
+                }
+                other => other,
+            }
+        }
+        Some(member) => connect_member(member, &reached.addr, config).await,
+        None => Client::connect_with(reached.addr.as_str(), config).await,
+    };
+    connected.with_context(|| format!("connecting to {}", reached.label()))
 }
 
 /// A token sent over TCP in clear to a host beyond loopback can be read by anyone on the path:

@@ -46,6 +46,47 @@ pub enum ClientError {
         /// What the target registered.
         stored: Box<TensorInfo>,
     },
+    /// The node at the address is not the one expected there: its certificate names another
+    /// identity, or (TCP in clear) none at all. Nothing was sent to it.
+    #[error(
+        "the node is not {expected}: its certificate {}; nothing was sent",
+        match certified {
+            Some(other) => format!("names {other:?}"),
+            None => "is missing (TCP in clear shows no identity: use TLS)".to_string(),
+        }
+    )]
+    NotTheNode {
+        /// The identity expected.
+        expected: String,
+        /// The identity the certificate showed, if any.
+        certified: Option<String>,
+    },
+    /// A token would go in clear to a TCP address that only the cluster's directory vouches for.
+    #[error(
+        "refusing to send the token to @{member} at {addr} in clear: the address came from the \
+         cluster's directory, and nothing there proves the node is @{member}; use TLS (its \
+         certificate is checked against the node id @{member} registered), or name the node by \
+         its address"
+    )]
+    UncheckedMember {
+        /// The member's name.
+        member: String,
+        /// The address the directory gave.
+        addr: String,
+    },
+    /// The node at a member's address answers as another node than the member registered.
+    #[error(
+        "the node at @{member}'s address answers as node {answered:?}, not {registered:?} as \
+         @{member} registered: the directory is stale or wrong"
+    )]
+    NotTheMember {
+        /// The member's name.
+        member: String,
+        /// The node id it registered.
+        registered: String,
+        /// The node id the node gave.
+        answered: String,
+    },
     /// The node's `stat` answer is of another protocol minor version, whose fields differ
     /// (PROTOCOL.md §8): the one answer that does not carry across minors.
     #[error(

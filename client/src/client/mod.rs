@@ -53,6 +53,12 @@ pub struct ClientConfig {
     /// Mutual TLS to nodes over TCP: the CA the node's certificate must chain to, and the
     /// client's own certificate; `None` for TCP in clear. Unix sockets never take it.
     pub tls: Option<ClientTls>,
+    /// The identity the node's certificate must carry (its node id, as a cluster member
+    /// registered it), checked before anything is sent, the token included; `None` for any
+    /// certificate the CA signed for the address. Over TCP it needs `tls`; over a Unix socket
+    /// there is no certificate, and the transport's check that the socket is served by this
+    /// user (or root) stands in.
+    pub identity: Option<String>,
 }
 
 /// One connection to a node. Requests on it run one at a time.
@@ -106,6 +112,17 @@ impl Client {
             .connect(config.tls.as_ref())
             .await
             .map_err(ConnectionError::from)?;
+        if let Some(expected) = &config.identity
+            && !matches!(socket, ferry_io::transport::Stream::Unix(_))
+        {
+            let certified = socket.peer_identity().map(|id| id.as_str().to_string());
+            if certified.as_deref() != Some(expected.as_str()) {
+                return Err(ClientError::NotTheNode {
+                    expected: expected.clone(),
+                    certified,
+                });
+            }
+        }
         let mut conn = Connection::new(socket, config.limits);
         let offer = handshake::Offer {
             token: config.token.as_deref(),

@@ -15,6 +15,7 @@ pub mod connection;
 pub mod credential;
 pub mod handshake;
 pub mod host;
+pub mod machine;
 pub mod pool;
 mod refusal_log;
 #[cfg(target_os = "linux")]

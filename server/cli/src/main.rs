@@ -132,6 +132,9 @@ struct Args {
     node_id: Option<String>,
     /// Join a cluster kept in etcd: `etcd://HOST:PORT[,HOST:PORT...]`. The node registers itself
     /// and publishes the tensors it holds under a lease it renews; with --name and --advertise.
+    /// It then pulls only from registered members (and --peer entries): under TLS, only from a
+    /// member whose certificate shows the node id it registered; its peer token goes to a
+    /// member only over such a link or the member's own-user Unix socket.
     #[arg(long, value_name = "etcd://HOST:PORT[,...]", requires = "name")]
     cluster: Option<String>,
     /// This node's name in the cluster (`@NAME`): 1 to 63 letters, digits, `-`, `_`, `.`.
@@ -362,19 +365,27 @@ async fn serve() -> anyhow::Result<()> {
     let mut config = NodeConfig {
         node_id: args.node_id,
         tls,
-        peers: if !args.peers.is_empty() || peer_token.is_some() {
-            PeerPolicy::Listed(
-                args.peers
-                    .iter()
-                    .map(|p| ferry_server::Peer {
-                        // As a client would name it (a `unix:` path written the one way).
-                        addr: ferry_io::Endpoint::parse(&p.addr).to_string(),
-                        identity: p.identity.clone(),
-                    })
-                    .collect(),
-            )
-        } else {
-            PeerPolicy::Any
+        peers: {
+            let listed: Vec<ferry_server::Peer> = args
+                .peers
+                .iter()
+                .map(|p| ferry_server::Peer {
+                    // As a client would name it (a `unix:` path written the one way).
+                    addr: ferry_io::Endpoint::parse(&p.addr).to_string(),
+                    identity: p.identity.clone(),
+                })
+                .collect();
+            if args.cluster.is_some() {
+                // A cluster node pulls from the members etcd lists (and the listed peers).
+                PeerPolicy::Members {
+                    members: ferry_server::ClusterMembers::new(),
+                    listed,
+                }
+            } else if !listed.is_empty() || peer_token.is_some() {
+                PeerPolicy::Listed(listed)
+            } else {
+                PeerPolicy::Any
+            }
         },
         peer_token,
         capability_ttl: Duration::from_secs(args.capability_ttl),

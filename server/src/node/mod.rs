@@ -28,7 +28,7 @@ pub use admission::Admission;
 use capability::Capability;
 pub(crate) use capability::ClientId;
 pub use capability::DEFAULT_MAX_GRANTS;
-pub use peer_policy::{Peer, PeerPolicy};
+pub use peer_policy::{ClusterMembers, Peer, PeerPolicy, PeerTerms};
 pub(crate) use recorder::{Direction, Recorder, Refused};
 pub(crate) use stats::process_memory;
 pub use tensors::MAX_PAGE;

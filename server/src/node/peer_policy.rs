@@ -1,8 +1,13 @@
 //! Which nodes a node pulls from (and so sends its peer token to): any address a client names,
-//! or only the peers its operator listed, each by address and, under TLS, by the identity its
-//! certificate must carry.
+//! only the peers its operator listed (each by address and, under TLS, by the identity its
+//! certificate must carry), or the members of its cluster as etcd lists them.
 
+use std::collections::HashMap;
 use std::str::FromStr;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use ferry_io::Endpoint;
 
 /// A node this node may pull from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,51 +64,265 @@ pub enum PeerPolicy {
     Any,
     /// Only these peers.
     Listed(Vec<Peer>),
+    /// The members of the node's cluster, as its membership task reads them from etcd, and
+    /// these listed peers (on the terms of [`PeerPolicy::Listed`]). A member's address came from
+    /// etcd, which others may write: see [`PeerPolicy::terms`] for what it is sent.
+    Members {
+        /// The registered members, kept current by the node's cluster task.
+        members: ClusterMembers,
+        /// Peers the operator listed besides.
+        listed: Vec<Peer>,
+    },
+}
+
+/// What a pull from an allowed source may send and must check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerTerms<'a> {
+    /// The identity the source's certificate must carry, checked before anything is sent.
+    pub identity: Option<Arc<str>>,
+    /// The token to present.
+    pub token: Option<&'a str>,
 }
 
 impl PeerPolicy {
-    /// Whether a pull may connect to `source`.
+    /// Whether a pull may connect to `source`, and on what terms (`None`: refused, nothing
+    /// sent). `tls` says whether this node's TCP links are TLS; `peer_token` is its token.
+    ///
+    /// - A listed peer gets the peer token (the operator's choice), and its listed identity
+    ///   is checked.
+    /// - A member reached over TCP under TLS must show the identity it registered (its node
+    ///   id, which under TLS is its certificate's), and then gets the token.
+    /// - A member over TCP in clear gets no token: etcd's word for an address is not enough
+    ///   to send a credential there.
+    /// - A member's Unix socket gets the token: the transport sends nothing to a socket
+    ///   another user serves.
+    /// - Under [`PeerPolicy::Any`] nothing gets the token.
+    pub fn terms<'a>(
+        &'a self,
+        source: &str,
+        tls: bool,
+        peer_token: Option<&'a str>,
+    ) -> Option<PeerTerms<'a>> {
+        let listed = |peers: &'a [Peer]| {
+            peers.iter().find(|p| p.addr == source).map(|p| PeerTerms {
+                identity: p.identity.as_deref().map(Arc::from),
+                token: peer_token,
+            })
+        };
+        match self {
+            PeerPolicy::Any => Some(PeerTerms {
+                identity: None,
+                token: None,
+            }),
+            PeerPolicy::Listed(peers) => listed(peers),
+            PeerPolicy::Members {
+                members,
+                listed: peers,
+            } => {
+                if let Some(terms) = listed(peers) {
+                    return Some(terms);
+                }
+                let registered = members.identity_at(source)?;
+                Some(match Endpoint::parse(source) {
+                    Endpoint::Unix(_) => PeerTerms {
+                        identity: None,
+                        token: peer_token,
+                    },
+                    Endpoint::Tcp(_) if tls => PeerTerms {
+                        identity: Some(registered),
+                        token: peer_token,
+                    },
+                    Endpoint::Tcp(_) => PeerTerms {
+                        identity: None,
+                        token: None,
+                    },
+                })
+            }
+        }
+    }
+
+    /// Whether a pull may connect to `source` at all.
     pub fn allows(&self, source: &str) -> bool {
-        match self {
-            PeerPolicy::Any => true,
-            PeerPolicy::Listed(peers) => peers.iter().any(|p| p.addr == source),
-        }
-    }
-
-    /// The identity the certificate of the source at `source` must carry, where its listing
-    /// names one.
-    pub fn identity_of(&self, source: &str) -> Option<&str> {
-        match self {
-            PeerPolicy::Any => None,
-            PeerPolicy::Listed(peers) => peers
-                .iter()
-                .find(|p| p.addr == source)
-                .and_then(|p| p.identity.as_deref()),
-        }
-    }
-
-    /// The token to present to a source this policy allowed: the peer token only to a listed
-    /// peer (an operator's choice), never to an address a client named.
-    pub fn token_for<'a>(&self, peer_token: Option<&'a str>) -> Option<&'a str> {
-        match self {
-            PeerPolicy::Any => None,
-            PeerPolicy::Listed(_) => peer_token,
-        }
+        self.terms(source, false, None).is_some()
     }
 
     /// The listed peers that name an identity, which only a TLS link can check.
     pub(crate) fn named(&self) -> impl Iterator<Item = &Peer> {
         let peers = match self {
             PeerPolicy::Any => &[][..],
-            PeerPolicy::Listed(peers) => &peers[..],
+            PeerPolicy::Listed(peers) | PeerPolicy::Members { listed: peers, .. } => &peers[..],
         };
         peers.iter().filter(|p| p.identity.is_some())
+    }
+
+    /// The member list this policy follows, where it follows one.
+    pub fn members(&self) -> Option<&ClusterMembers> {
+        match self {
+            PeerPolicy::Members { members, .. } => Some(members),
+            _ => None,
+        }
+    }
+}
+
+/// The members of a cluster by address: each registered TCP and Unix address with the node id
+/// its member registered. Shared between the node's peer policy (reading, per pull) and its
+/// cluster task (replacing the whole set on every change). Empty until the task has read etcd,
+/// so that a node pulls from no member it has not seen registered; and empty again once the
+/// task has been away from etcd longer than a lease (see [`ClusterMembers::hold_for`]), so that
+/// a member that left meanwhile is not trusted for ever.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterMembers {
+    now: Arc<RwLock<Snapshot>>,
+}
+
+/// The member list as last read, and until when it counts.
+#[derive(Debug, Default)]
+struct Snapshot {
+    by_addr: Arc<HashMap<String, Arc<str>>>,
+    /// `None` while the cluster task follows etcd.
+    valid_until: Option<Instant>,
+}
+
+impl PartialEq for ClusterMembers {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.now, &other.now)
+    }
+}
+
+impl Eq for ClusterMembers {}
+
+impl ClusterMembers {
+    /// An empty list.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Replaces the list: `(address, node id)` for every address of every member. An address
+    /// two members claim under different node ids is left out (pulls from it are refused): which
+    /// one is there, only a certificate could tell, and not over every link.
+    pub fn replace(&self, members: impl IntoIterator<Item = (String, String)>) {
+        let mut claims: HashMap<String, Option<Arc<str>>> = HashMap::new();
+        for (addr, id) in members {
+            let addr = Endpoint::parse(&addr).to_string();
+            match claims.get(&addr) {
+                Some(Some(earlier)) if **earlier != *id => {
+                    tracing::warn!(addr = %addr, "two cluster members claim one address under different node ids: pulls from it are refused");
+                    claims.insert(addr, None);
+                }
+                Some(_) => {}
+                None => {
+                    claims.insert(addr, Some(Arc::from(id)));
+                }
+            }
+        }
+        let by_addr = claims
+            .into_iter()
+            .filter_map(|(addr, id)| Some((addr, id?)))
+            .collect();
+        *self.now.write().unwrap_or_else(|e| e.into_inner()) = Snapshot {
+            by_addr: Arc::new(by_addr),
+            valid_until: None,
+        };
+    }
+
+    /// The cluster task lost etcd: the list it read stays good for `grace` (a lease's time to
+    /// live, the longest a member that left meanwhile would have stayed listed), then counts as
+    /// empty until the task reads it again.
+    pub fn hold_for(&self, grace: Duration) {
+        let mut now = self.now.write().unwrap_or_else(|e| e.into_inner());
+        if now.valid_until.is_none() {
+            now.valid_until = Some(Instant::now() + grace);
+        }
+    }
+
+    /// The node id registered at `addr`, if a member registered it.
+    pub fn identity_at(&self, addr: &str) -> Option<Arc<str>> {
+        let now = self.now.read().unwrap_or_else(|e| e.into_inner());
+        if now.valid_until.is_some_and(|until| Instant::now() > until) {
+            return None;
+        }
+        now.by_addr.get(addr).cloned()
+    }
+
+    /// How many addresses are registered.
+    pub fn len(&self) -> usize {
+        self.now
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_addr
+            .len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn members_get_the_token_only_where_their_identity_can_be_checked() {
+        let members = ClusterMembers::new();
+        members.replace([
+            ("10.0.0.1:7070".to_string(), "node-a".to_string()),
+            ("unix:/run/a.sock".to_string(), "node-a".to_string()),
+            ("10.0.0.9:7070".to_string(), "node-x".to_string()),
+            ("10.0.0.9:7070".to_string(), "node-y".to_string()),
+        ]);
+        let policy = PeerPolicy::Members {
+            members,
+            listed: vec![Peer::named("gpu-b", "10.0.0.2:7070")],
+        };
+        let token = Some("secret");
+        let tls = policy.terms("10.0.0.1:7070", true, token).unwrap();
+        assert_eq!(
+            (tls.identity.as_deref(), tls.token),
+            (Some("node-a"), token)
+        );
+        let clear = policy.terms("10.0.0.1:7070", false, token).unwrap();
+        assert_eq!((clear.identity, clear.token), (None, None));
+        let unix = policy.terms("unix:/run/a.sock", false, token).unwrap();
+        assert_eq!((unix.identity, unix.token), (None, token));
+        let listed = policy.terms("10.0.0.2:7070", true, token).unwrap();
+        assert_eq!(
+            (listed.identity.as_deref(), listed.token),
+            (Some("gpu-b"), token)
+        );
+        assert!(
+            policy.terms("10.0.0.3:7070", true, token).is_none(),
+            "not a member"
+        );
+        assert!(
+            policy.terms("10.0.0.9:7070", true, token).is_none(),
+            "claimed twice"
+        );
+        // Away from etcd longer than the grace, the list counts as empty.
+        let PeerPolicy::Members { members, .. } = &policy else {
+            unreachable!()
+        };
+        members.hold_for(Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(
+            policy.terms("10.0.0.1:7070", true, token).is_none(),
+            "stale"
+        );
+        assert!(
+            policy.terms("10.0.0.2:7070", true, token).is_some(),
+            "listed stays"
+        );
+        members.replace([("10.0.0.1:7070".to_string(), "node-a".to_string())]);
+        assert!(policy.allows("10.0.0.1:7070"), "read again");
+        assert!(
+            !PeerPolicy::Members {
+                members: ClusterMembers::new(),
+                listed: vec![]
+            }
+            .allows("10.0.0.1:7070")
+        );
+    }
 
     #[test]
     fn peers_parse_with_and_without_a_name() {

@@ -1,5 +1,6 @@
-//! `ferry ls NODE[/DEVICE]`: the tensors a node holds, as text or JSON; `ferry ls @[NAME]`: a
-//! cluster's members and where each tensor lives, from its etcd (`--cluster`).
+//! `ferry ls NODE[/DEVICE]`: the tensors a node holds, as text or JSON (NODE may be `@NAME`);
+//! `ferry ls @[NAME]`: a cluster's members and where each tensor lives, from its etcd
+//! (`--cluster`).
 
 use anyhow::bail;
 use ferry_client::address::Address;
@@ -9,7 +10,9 @@ use crate::connect::connect;
 use crate::report::dtype_text;
 
 pub(crate) async fn ls(cli: &Cli, location: &str, json: bool) -> anyhow::Result<()> {
-    if let Some(member) = location.strip_prefix('@') {
+    if let Some(member) = location.strip_prefix('@')
+        && !member.contains('/')
+    {
         return ls_cluster(cli, member, json).await;
     }
     let address = Address::parse(location)?;
@@ -51,18 +54,13 @@ pub(crate) async fn ls(cli: &Cli, location: &str, json: bool) -> anyhow::Result<
 
 /// `ferry ls @` (every member) or `ferry ls @NAME` (one).
 async fn ls_cluster(cli: &Cli, member: &str, json: bool) -> anyhow::Result<()> {
-    let Some(cluster) = &cli.cluster else {
-        bail!(
-            "ls @ reads the cluster's directory: say --cluster etcd://HOST:PORT (or FERRY_CLUSTER)"
-        );
-    };
     let member = (!member.is_empty()).then_some(member);
-    let mut directory = ferry_client::cluster::Directory::connect(cluster).await?;
+    let mut directory = crate::connect::directory(cli, "ls @").await?;
     let mut members = directory.members().await?;
     if let Some(name) = member {
         members.retain(|m| m.name == name);
         if members.is_empty() {
-            bail!("no member @{name} is registered in {cluster}");
+            bail!("no member @{name} is registered in the cluster");
         }
     }
     let tensors = directory.tensors(member).await?;
@@ -72,6 +70,7 @@ async fn ls_cluster(cli: &Cli, member: &str, json: bool) -> anyhow::Result<()> {
             .map(|m| {
                 serde_json::json!({
                     "name": m.name, "node_id": m.node_id, "tcp": m.tcp, "unix": m.unix,
+                    "host": m.host,
                     "devices": m.devices.iter().map(|d| serde_json::json!({
                         "index": d.index, "backend": d.backend, "device": d.device,
                     })).collect::<Vec<_>>(),

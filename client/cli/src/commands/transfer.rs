@@ -1,12 +1,15 @@
 //! `ferry cp` and `ferry mv`: within one node (its devices), or node to node (the target pulls
-//! from the source; no tensor byte passes through this process).
+//! from the source; no tensor byte passes through this process). Either side may be a cluster
+//! member, `@NAME`; with `--cluster`, a copy's source may be a tensor's name alone, and the
+//! directory picks a holder (the target itself, then a member on its machine, then any).
 
 use anyhow::bail;
-use ferry_client::address::Address;
-use ferry_client::{NodeCopy, TensorKey, copy_between};
+use ferry_client::address::{Address, AddressError};
+use ferry_client::cluster::{address_for, choose_source};
+use ferry_client::{Client, NodeCopy, TensorKey, copy_between};
 
 use crate::Cli;
-use crate::connect::connect;
+use crate::connect::{Reached, connect_to, directory, reach};
 use crate::report::check_all;
 
 pub(crate) async fn transfer(
@@ -16,11 +19,25 @@ pub(crate) async fn transfer(
     remove: bool,
     overwrite: bool,
 ) -> anyhow::Result<()> {
-    let src = Address::parse(source)?;
     let dst = Address::parse(target)?;
-    let src_device = src.device("the source")?;
     let dst_device = dst.device("the target")?;
-    let mut client = connect(&src.node, cli).await?;
+    let dst_node = reach(&dst.node, cli).await?;
+    let src = match Address::parse(source) {
+        Ok(src) => src,
+        Err(AddressError::NoNode(_)) if cli.cluster.is_some() && !source.starts_with('@') => {
+            if remove {
+                bail!(
+                    "mv needs the tensor's place, @MEMBER/DEVICE/{source}: a name alone may name \
+                     copies on several members"
+                );
+            }
+            return copy_by_name(cli, source, &dst, dst_device, &dst_node, overwrite).await;
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let src_device = src.device("the source")?;
+    let src_node = reach(&src.node, cli).await?;
+    let mut client = connect_to(&src_node, cli).await?;
     let names: Vec<String> = match &src.name {
         Some(name) => vec![name.clone()],
         None => {
@@ -39,33 +56,122 @@ pub(crate) async fn transfer(
         .iter()
         .map(|n| TensorKey::new(src_device, n.clone()))
         .collect();
-    let mut results = Vec::with_capacity(keys.len());
-    // Two addresses (TCP and a Unix socket, say) may reach one node: its id tells.
-    let mut target = connect(&dst.node, cli).await?;
-    if client.identify().await? == target.identify().await? {
-        for key in &keys {
-            let answer = client
-                .transfer(key, dst_device, dst.name.as_deref(), remove, overwrite)
-                .await;
-            results.push((key.to_string(), answer));
-        }
-    } else {
-        // Node to node: the target pulls from the source; no tensor byte passes through here.
-        let how = NodeCopy {
-            source_addr: &src.node,
-            dst_device,
-            dst_name: dst.name.as_deref(),
-            remove_source: remove,
-            overwrite,
-        };
-        let answers = copy_between(&mut client, &mut target, &keys, &how).await?;
-        for (key, answer) in keys.iter().zip(answers) {
-            results.push((key.to_string(), answer));
-        }
-    }
-    let count = results.len();
-    check_all(results)?;
+    let mut target = connect_to(&dst_node, cli).await?;
+    let pull_from = pull_address(&src_node, &dst_node);
+    let how = Transfer {
+        dst: &dst,
+        dst_device,
+        remove,
+        overwrite,
+    };
+    let count = keys.len();
+    how.run(&mut client, &mut target, &keys, &pull_from).await?;
     let verb = if remove { "moved" } else { "copied" };
-    eprintln!("{verb} {count} tensors to {}/{dst_device}", dst.node);
+    eprintln!(
+        "{verb} {count} tensors to {}/{dst_device}",
+        dst_node.label()
+    );
     Ok(())
+}
+
+/// The address the target node pulls from: the one the user gave, or for a member the one
+/// nearest the target (its Unix socket where both run on one machine, else its TCP address).
+fn pull_address(src: &Reached, dst: &Reached) -> String {
+    match (&src.member, &dst.member) {
+        (Some(s), Some(d)) => address_for(s, &d.host),
+        (Some(s), None) => s.tcp.clone(),
+        (None, _) => src.addr.clone(),
+    }
+}
+
+/// `ferry cp NAME @TARGET/DEVICE[/NAME]`: the directory's holders of NAME, one chosen.
+async fn copy_by_name(
+    cli: &Cli,
+    name: &str,
+    dst: &Address,
+    dst_device: u32,
+    dst_node: &Reached,
+    overwrite: bool,
+) -> anyhow::Result<()> {
+    let mut directory = directory(cli, "a copy by tensor name").await?;
+    let holders = directory.holders(name).await?;
+    let members = directory.members().await?;
+    // A target named by address may still be a member: its record says which machine it is on.
+    let target = dst_node.member.clone().or_else(|| {
+        members
+            .iter()
+            .find(|m| m.tcp == dst_node.addr || m.unix.as_deref() == Some(&dst_node.addr))
+            .cloned()
+    });
+    let chosen = choose_source(name, &holders, &members, target.as_ref())?;
+    eprintln!(
+        "source: @{}/{}/{name} ({})",
+        chosen.holder.member, chosen.holder.device, chosen.addr
+    );
+    let src_node = Reached {
+        addr: address_for(&chosen.member, &ferry_io::machine::name()),
+        member: Some(chosen.member.clone()),
+    };
+    let mut client = connect_to(&src_node, cli).await?;
+    let mut target_client = connect_to(dst_node, cli).await?;
+    let keys = [TensorKey::new(chosen.holder.device, name)];
+    let how = Transfer {
+        dst,
+        dst_device,
+        remove: false,
+        overwrite,
+    };
+    how.run(&mut client, &mut target_client, &keys, &chosen.addr)
+        .await?;
+    eprintln!("copied 1 tensors to {}/{dst_device}", dst_node.label());
+    Ok(())
+}
+
+/// A copy or move of some of the source node's tensors to the target's device.
+struct Transfer<'a> {
+    dst: &'a Address,
+    dst_device: u32,
+    remove: bool,
+    overwrite: bool,
+}
+
+impl Transfer<'_> {
+    /// Between the devices of one node where source and target are one (two addresses may
+    /// reach one node: its id tells), else node to node: the target pulls from `pull_from`.
+    async fn run(
+        &self,
+        source: &mut Client,
+        target: &mut Client,
+        keys: &[TensorKey],
+        pull_from: &str,
+    ) -> anyhow::Result<()> {
+        let mut results = Vec::with_capacity(keys.len());
+        if source.identify().await? == target.identify().await? {
+            for key in keys {
+                let answer = source
+                    .transfer(
+                        key,
+                        self.dst_device,
+                        self.dst.name.as_deref(),
+                        self.remove,
+                        self.overwrite,
+                    )
+                    .await;
+                results.push((key.to_string(), answer));
+            }
+        } else {
+            let how = NodeCopy {
+                source_addr: pull_from,
+                dst_device: self.dst_device,
+                dst_name: self.dst.name.as_deref(),
+                remove_source: self.remove,
+                overwrite: self.overwrite,
+            };
+            let answers = copy_between(source, target, keys, &how).await?;
+            for (key, answer) in keys.iter().zip(answers) {
+                results.push((key.to_string(), answer));
+            }
+        }
+        check_all(results)
+    }
 }

@@ -649,3 +649,110 @@ async fn ls_at_lists_a_clusters_members_and_where_each_tensor_lives() {
     .unwrap();
     membership.leave().await;
 }
+
+/// `@NAME` wherever a node goes, and a copy whose source is a tensor's name alone: the
+/// directory picks the holder (the target itself first), refuses a name two members hold in
+/// different versions, and a `mv` by name; an etcd that does not answer is named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_by_name_and_tensors_by_name_alone() {
+    use ferry::server::cluster::{ClusterConfig, Membership};
+    let etcd = ferry::testing::Etcd::start().await;
+    let cluster = etcd.cluster();
+    let mut nodes = Vec::new();
+    let mut joined = Vec::new();
+    for name in ["cache", "worker"] {
+        let node = ferry::testing::start_with(&["flex", "flex"]).await;
+        joined.push(Membership::join(
+            node.node.clone(),
+            ClusterConfig {
+                endpoints: ferry::proto::cluster::endpoints(&cluster).unwrap(),
+                name: name.into(),
+                advertise: node.addr.to_string(),
+                unix: None,
+                ttl: std::time::Duration::from_secs(2),
+            },
+        ));
+        nodes.push(node);
+    }
+    let (mut cache, mut worker) = (nodes[0].client().await, nodes[1].client().await);
+    let data = samples::plain(DType::F32, &[16, 8], 3);
+    cache.put(0, "encoder.w", &data).await.unwrap();
+    cache
+        .put(0, "other.w", &samples::plain(DType::F32, &[4], 4))
+        .await
+        .unwrap();
+    worker
+        .put(1, "other.w", &samples::plain(DType::F32, &[6], 5))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.safetensors");
+    let out_arg = out.to_str().unwrap().to_string();
+    tokio::task::spawn_blocking(move || {
+        let c = cluster.as_str();
+        // Every tensor listed with its hash before anything is resolved by name.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while ok(&["--cluster", c, "ls", "@", "--json"])
+            .matches("\"content_hash\": \"")
+            .count()
+            < 3
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the directory never listed 3 hashed tensors"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        ok(&["--cluster", c, "cp", "@cache/0/encoder.w", "@worker/1"]);
+        // Held by cache and by worker now (one version): worker copies it between its devices.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while ok(&["--cluster", c, "ls", "@worker", "--json"])
+            .matches("encoder.w")
+            .count()
+            < 1
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "worker's copy never listed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let copied = ferry(&["--cluster", c, "cp", "encoder.w", "@worker/0/by-name"]);
+        assert!(
+            copied.status.success(),
+            "{}",
+            String::from_utf8_lossy(&copied.stderr)
+        );
+        let said = String::from_utf8_lossy(&copied.stderr);
+        assert!(
+            said.contains("source: @worker/1/encoder.w"),
+            "the target itself first: {said}"
+        );
+        ok(&["--cluster", c, "get", "@worker/0/by-name", "-o", &out_arg]);
+        let listed = ok(&["--cluster", c, "ls", "@worker/0"]);
+        assert!(listed.contains("by-name"), "{listed}");
+        fails(&["--cluster", c, "cp", "other.w", "@worker/0"], "different");
+        fails(
+            &["--cluster", c, "mv", "encoder.w", "@worker/0"],
+            "mv needs",
+        );
+        fails(
+            &["--cluster", c, "cp", "nothing.w", "@worker/0"],
+            "no member of the cluster holds",
+        );
+        fails(&["--cluster", c, "ls", "@nobody/0"], "no member @nobody");
+        fails(&["cp", "@cache/0/encoder.w", "@worker/0"], "--cluster");
+        fails(
+            &["--cluster", "etcd://127.0.0.1:1", "ls", "@"],
+            "etcd at http://127.0.0.1:1",
+        );
+    })
+    .await
+    .unwrap();
+    let back = read_tensors(&out).unwrap();
+    assert_eq!(back.len(), 1);
+    ferry::testing::assert_same(&back[0].1, &data, "copied by name, read back by @NAME");
+    for membership in joined {
+        membership.leave().await;
+    }
+}
