@@ -251,6 +251,10 @@ fn open_once(spec: GpuSpec) -> Result<OpenedGpu, GpuError> {
 /// Whether a tensor of this runtime (`None` for another backend's) was allocated and written:
 /// cubecl keeps a failed allocation or write on the buffer and reports it at the first read,
 /// so this is that read's check without the read.
+///
+/// `None` for any other type: [`Backend`] must stay burn-cubecl's own tensor (no `fusion`
+/// feature, which would wrap it), or this check would silently pass; the test
+/// `a_buffer_the_adapter_could_not_allocate_is_caught_before_any_read` fails if it does.
 pub fn confirm_written(tensor: &dyn std::any::Any) -> Option<Result<(), String>> {
     let tensor = tensor.downcast_ref::<burn_cubecl::tensor::CubeTensor>()?;
     let checked = burn_backend::read_sync(tensor.client.sync_buffers([&tensor.handle]));

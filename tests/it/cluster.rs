@@ -277,6 +277,34 @@ fn refused_as_stranger(
     }
 }
 
+/// `target` pulls `w` (device 0) from `member` bit-exact, and refuses to pull it from
+/// `stranger` (`who`): nothing fetched there, nothing registered.
+async fn member_yes_stranger_no(
+    target: &mut Client,
+    member: (&mut Client, &str),
+    stranger: (&mut Client, &str),
+    data: &ferry::proto::TensorData,
+    who: &str,
+) {
+    let key = TensorKey::new(0, "w");
+    let pulled = copy_one(member.0, target, &key, &how(member.1, 0)).await;
+    let pulled = pulled.unwrap_or_else(|e| panic!("a pull from a member: {e}"));
+    assert_same(
+        &target.get(&pulled.key).await.unwrap(),
+        data,
+        "pulled from a member",
+    );
+    target.delete(&pulled.key).await.unwrap();
+    let refused = copy_one(stranger.0, target, &key, &how(stranger.1, 0)).await;
+    refused_as_stranger(refused, who);
+    let served = stranger.0.stat().await.unwrap().fetches_served;
+    assert_eq!(served, 0, "{who}: nothing fetched from it");
+    assert!(
+        target.list(None).await.unwrap().is_empty(),
+        "{who}: nothing registered"
+    );
+}
+
 /// Member `a` as the directory has it.
 async fn member_a(d: &mut Directory) -> MemberRecord {
     d.resolve("a").await.unwrap()
@@ -306,27 +334,14 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
     let (a_addr, x_addr) = (a.addr.to_string(), outsider.addr.to_string());
     sees(&b, &a_addr, true).await;
 
-    let pulled = copy_one(&mut ca, &mut cb, &key, &how(&a_addr, 0))
-        .await
-        .unwrap();
-    assert_same(
-        &cb.get(&pulled.key).await.unwrap(),
+    member_yes_stranger_no(
+        &mut cb,
+        (&mut ca, &a_addr),
+        (&mut cx, &x_addr),
         &data,
-        "pulled from a member",
-    );
-    cb.delete(&pulled.key).await.unwrap();
-
-    let refused = copy_one(&mut cx, &mut cb, &key, &how(&x_addr, 0)).await;
-    refused_as_stranger(refused, "a pull from a non-member");
-    assert_eq!(
-        cx.stat().await.unwrap().fetches_served,
-        0,
-        "nothing fetched from it"
-    );
-    assert!(
-        cb.list(None).await.unwrap().is_empty(),
-        "nothing registered"
-    );
+        "a non-member",
+    )
+    .await;
 
     // A client reaching a member checks it is the node registered there.
     let mut d = Directory::connect(&etcd.cluster()).await.unwrap();
@@ -429,34 +444,20 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
     let mut cb = tls_client(&b, &user).await.unwrap();
     let mut cc = tls_client(&c, &user).await.unwrap();
     let data = samples::plain(DType::F32, &[64, 33], 8);
-    let key = TensorKey::new(0, "w");
     ca.put(0, "w", &data).await.unwrap();
     cc.put(0, "w", &data).await.unwrap();
     let (a_addr, c_addr) = (a.addr.to_string(), c.addr.to_string());
     sees(&b, &a_addr, true).await;
     sees(&b, &c_addr, true).await;
 
-    let pulled = copy_one(&mut ca, &mut cb, &key, &how(&a_addr, 0))
-        .await
-        .unwrap();
-    assert_same(
-        &cb.get(&pulled.key).await.unwrap(),
+    member_yes_stranger_no(
+        &mut cb,
+        (&mut ca, &a_addr),
+        (&mut cc, &c_addr),
         &data,
-        "from a, who is node-a",
-    );
-    cb.delete(&pulled.key).await.unwrap();
-
-    let refused = copy_one(&mut cc, &mut cb, &key, &how(&c_addr, 0)).await;
-    refused_as_stranger(refused, "c is not the node-a registered at its address");
-    assert_eq!(
-        cc.stat().await.unwrap().fetches_served,
-        0,
-        "nothing fetched from c"
-    );
-    assert!(
-        cb.list(None).await.unwrap().is_empty(),
-        "nothing registered"
-    );
+        "c, not the node-a registered at its address",
+    )
+    .await;
 
     // A client is held to the same: c's certificate does not name node-a.
     let config = ClientConfig {

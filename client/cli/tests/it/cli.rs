@@ -650,6 +650,19 @@ async fn ls_at_lists_a_clusters_members_and_where_each_tensor_lives() {
     membership.leave().await;
 }
 
+/// Runs `args` until its output holds `needle` `count` times (a directory catching up), for
+/// 10 s at most.
+fn listed_within(args: &[&str], needle: &str, count: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while ok(args).matches(needle).count() < count {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{args:?} never listed {count} of {needle:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// `@NAME` wherever a node goes, and a copy whose source is a tensor's name alone: the
 /// directory picks the holder (the target itself first), refuses a name two members hold in
 /// different versions, and a `mv` by name; an etcd that does not answer is named.
@@ -691,32 +704,14 @@ async fn members_by_name_and_tensors_by_name_alone() {
     tokio::task::spawn_blocking(move || {
         let c = cluster.as_str();
         // Every tensor listed with its hash before anything is resolved by name.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while ok(&["--cluster", c, "ls", "@", "--json"])
-            .matches("\"content_hash\": \"")
-            .count()
-            < 3
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the directory never listed 3 hashed tensors"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
+        listed_within(
+            &["--cluster", c, "ls", "@", "--json"],
+            "\"content_hash\": \"",
+            3,
+        );
         ok(&["--cluster", c, "cp", "@cache/0/encoder.w", "@worker/1"]);
         // Held by cache and by worker now (one version): worker copies it between its devices.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while ok(&["--cluster", c, "ls", "@worker", "--json"])
-            .matches("encoder.w")
-            .count()
-            < 1
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "worker's copy never listed"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
+        listed_within(&["--cluster", c, "ls", "@worker", "--json"], "encoder.w", 1);
         let copied = ferry(&["--cluster", c, "cp", "encoder.w", "@worker/0/by-name"]);
         assert!(
             copied.status.success(),
