@@ -11,6 +11,8 @@ use ferry_client::{Client, NodeCopy, TensorKey, copy_between};
 use crate::Cli;
 use crate::connect::{Reached, connect_to, directory, reach};
 use crate::report::check_all;
+use ferry_client::{ClientError, ErrorCode, TensorInfo};
+use ferry_proto::cluster::MemberRecord;
 
 pub(crate) async fn transfer(
     cli: &Cli,
@@ -74,13 +76,31 @@ pub(crate) async fn transfer(
     Ok(())
 }
 
+/// Where the target node pulls from: an address, and for a member's Unix socket its TCP
+/// address to fall back on (a socket that is not there, or another user's, from the target's
+/// side: the machine's name that made them look alike can be shared by clones).
+struct PullFrom {
+    addr: String,
+    tcp: Option<String>,
+}
+
+impl PullFrom {
+    fn member(member: &MemberRecord, addr: String) -> PullFrom {
+        let tcp = (addr != member.tcp).then(|| member.tcp.clone());
+        PullFrom { addr, tcp }
+    }
+}
+
 /// The address the target node pulls from: the one the user gave, or for a member the one
 /// nearest the target (its Unix socket where both run on one machine, else its TCP address).
-fn pull_address(src: &Reached, dst: &Reached) -> String {
+fn pull_address(src: &Reached, dst: &Reached) -> PullFrom {
     match (&src.member, &dst.member) {
-        (Some(s), Some(d)) => address_for(s, &d.host),
-        (Some(s), None) => s.tcp.clone(),
-        (None, _) => src.addr.clone(),
+        (Some(s), Some(d)) => PullFrom::member(s, address_for(s, &d.host)),
+        (Some(s), None) => PullFrom::member(s, s.tcp.clone()),
+        (None, _) => PullFrom {
+            addr: src.addr.clone(),
+            tcp: None,
+        },
     }
 }
 
@@ -121,7 +141,8 @@ async fn copy_by_name(
         remove: false,
         overwrite,
     };
-    how.run(&mut client, &mut target_client, &keys, &chosen.addr)
+    let pull_from = PullFrom::member(&chosen.member, chosen.addr.clone());
+    how.run(&mut client, &mut target_client, &keys, &pull_from)
         .await?;
     eprintln!("copied 1 tensors to {}/{dst_device}", dst_node.label());
     Ok(())
@@ -143,7 +164,7 @@ impl Transfer<'_> {
         source: &mut Client,
         target: &mut Client,
         keys: &[TensorKey],
-        pull_from: &str,
+        pull_from: &PullFrom,
     ) -> anyhow::Result<()> {
         let mut results = Vec::with_capacity(keys.len());
         if source.identify().await? == target.identify().await? {
@@ -160,18 +181,49 @@ impl Transfer<'_> {
                 results.push((key.to_string(), answer));
             }
         } else {
-            let how = NodeCopy {
-                source_addr: pull_from,
+            let mut how = NodeCopy {
+                source_addr: &pull_from.addr,
                 dst_device: self.dst_device,
                 dst_name: self.dst.name.as_deref(),
                 remove_source: self.remove,
                 overwrite: self.overwrite,
             };
-            let answers = copy_between(source, target, keys, &how).await?;
+            let mut answers = copy_between(source, target, keys, &how).await?;
+            // Pulls the Unix socket did not serve go again over TCP (nothing was registered or
+            // removed for them: a failed pull leaves both sides as they were).
+            if let Some(tcp) = &pull_from.tcp {
+                let again: Vec<usize> =
+                    (0..keys.len()).filter(|&i| unserved(&answers[i])).collect();
+                if !again.is_empty() {
+                    eprintln!(
+                        "{} did not serve {} pulls; pulling those over {tcp}",
+                        pull_from.addr,
+                        again.len()
+                    );
+                    how.source_addr = tcp;
+                    let retry: Vec<TensorKey> = again.iter().map(|&i| keys[i].clone()).collect();
+                    let retried = copy_between(source, target, &retry, &how).await?;
+                    for (i, answer) in again.into_iter().zip(retried) {
+                        answers[i] = answer;
+                    }
+                }
+            }
             for (key, answer) in keys.iter().zip(answers) {
                 results.push((key.to_string(), answer));
             }
         }
         check_all(results)
+    }
+}
+
+/// Whether a pull failed at its source address (unreachable, refused, or not an allowed peer
+/// of the target) rather than at the tensor or the target.
+fn unserved(answer: &Result<TensorInfo, ClientError>) -> bool {
+    match answer {
+        Err(ClientError::Node { code, message }) => {
+            *code == ErrorCode::PeerFailed
+                || (*code == ErrorCode::BadRequest && message.contains("not an allowed peer"))
+        }
+        _ => false,
     }
 }

@@ -681,7 +681,9 @@ async fn members_by_name_and_tensors_by_name_alone() {
                 endpoints: ferry::proto::cluster::endpoints(&cluster).unwrap(),
                 name: name.into(),
                 advertise: node.addr.to_string(),
-                unix: None,
+                // cache registers a Unix socket that is not there: same-machine clients and
+                // pulls must fall back to its TCP address.
+                unix: (name == "cache").then(|| "unix:/nonexistent-ferry/cache.sock".to_string()),
                 ttl: std::time::Duration::from_secs(2),
             },
         ));
@@ -709,7 +711,13 @@ async fn members_by_name_and_tensors_by_name_alone() {
             "\"content_hash\": \"",
             3,
         );
-        ok(&["--cluster", c, "cp", "@cache/0/encoder.w", "@worker/1"]);
+        let copied = ferry(&["--cluster", c, "cp", "@cache/0/encoder.w", "@worker/1"]);
+        let said = String::from_utf8_lossy(&copied.stderr);
+        assert!(copied.status.success(), "{said}");
+        assert!(
+            said.contains("pulling those over"),
+            "the Unix socket fell back: {said}"
+        );
         // Held by cache and by worker now (one version): worker copies it between its devices.
         listed_within(&["--cluster", c, "ls", "@worker", "--json"], "encoder.w", 1);
         let copied = ferry(&["--cluster", c, "cp", "encoder.w", "@worker/0/by-name"]);
