@@ -121,6 +121,7 @@ async fn main() -> Result<(), ClientError> {
         dst_name: None,
         remove_source: false,
         overwrite: false,
+        expect_hash: None,
     };
     for answer in copy_between(&mut client, &mut target, std::slice::from_ref(&key), &how).await? {
         let info = answer?;

@@ -496,6 +496,7 @@ pub fn how(source_addr: &str, dst_device: u32) -> NodeCopy<'_> {
         dst_name: None,
         remove_source: false,
         overwrite: false,
+        expect_hash: None,
     }
 }
 
@@ -702,21 +703,29 @@ impl Etcd {
             .spawn()
             .expect("etcd runs (Debian's etcd-server; .ci/run installs it)");
         self.child = Some(child);
-        let cluster = self.cluster();
+        let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
+        let ours = format!("127.0.0.1:{}", self.peer_port);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(mut directory) = ferry_client::cluster::Directory::connect(&cluster).await
-                && directory.members().await.is_ok()
+            // Exited first (its port taken), before anything answering on the client port is
+            // believed: that could be another test's etcd.
+            if let Some(child) = self.child.as_mut()
+                && !matches!(child.try_wait(), Ok(None))
             {
-                return true;
-            }
-            let exited = self
-                .child
-                .as_mut()
-                .is_some_and(|c| !matches!(c.try_wait(), Ok(None)));
-            if exited {
+                let _ = child.kill();
+                let _ = child.wait();
                 self.child = None;
                 return false;
+            }
+            // Ours: the etcd answering lists this helper's peer address.
+            if let Ok(mut client) = etcd_client::Client::connect(&endpoints, None).await
+                && let Ok(members) = client.member_list().await
+                && members
+                    .members()
+                    .iter()
+                    .any(|m| m.peer_urls().iter().any(|u| u.ends_with(&ours)))
+            {
+                return true;
             }
             assert!(Instant::now() < deadline, "etcd did not answer within 30 s");
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -384,6 +384,7 @@ pub async fn pull_once(
         dst_name: None,
         remove_source: false,
         overwrite: false,
+        expect_hash: None,
     };
     let answers = tokio::time::timeout(
         COPY_TIMEOUT,

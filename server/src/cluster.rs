@@ -101,12 +101,21 @@ impl Membership {
 /// Sessions, one after another, until told to stop.
 async fn run(node: Node, config: ClusterConfig, mut stopped: watch::Receiver<bool>) {
     let mut backoff = Duration::from_millis(200);
+    // When etcd last renewed the lease: the member list read before then is as good as etcd's
+    // own word until one TTL after it.
+    let mut last_contact = tokio::time::Instant::now();
     while !*stopped.borrow() {
-        match session(&node, &config, &mut stopped).await {
-            Ok(()) => return,
+        match session(&node, &config, &mut stopped, &mut last_contact).await {
+            Ok(()) => {
+                // Left: a node out of the cluster pulls from no member.
+                if let Some(members) = node.config().peers.members() {
+                    members.replace([]);
+                }
+                return;
+            }
             Err(error) => {
                 if let Some(members) = node.config().peers.members() {
-                    members.hold_for(config.ttl);
+                    members.hold_until((last_contact + config.ttl).into_std());
                 }
                 tracing::warn!(%error, name = %config.name, "cluster session ended; the node keeps serving and registers again");
             }
@@ -124,6 +133,7 @@ async fn session(
     node: &Node,
     config: &ClusterConfig,
     stopped: &mut watch::Receiver<bool>,
+    last_contact: &mut tokio::time::Instant,
 ) -> Result<(), ClusterError> {
     let timeout = (config.ttl / 2).max(Duration::from_millis(500));
     let options = ConnectOptions::new()
@@ -142,6 +152,7 @@ async fn session(
         )
         .await?;
     tracing::info!(name = %config.name, lease, "registered in the cluster");
+    *last_contact = tokio::time::Instant::now();
     let mut members = match node.config().peers.members() {
         Some(list) => Some(MemberWatch::start(&mut client, list.clone()).await?),
         None => None,
@@ -171,6 +182,7 @@ async fn session(
                 if answer.is_none_or(|a| a.ttl() <= 0) {
                     return Err(ClusterError::LeaseExpired);
                 }
+                *last_contact = tokio::time::Instant::now();
             }
             changed = async {
                 match members.as_mut() {

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use ferry::client::cluster::{Directory, connect_member};
-use ferry::client::{Client, ClientConfig, ClientError, ErrorCode};
+use ferry::client::{Client, ClientConfig, ClientError, ErrorCode, NodeCopy};
 use ferry::proto::cluster::MemberRecord;
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;
@@ -342,6 +342,24 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
         "a non-member",
     )
     .await;
+
+    // More refused pulls than a client may hold grants: each refused pull gives its grant
+    // back, so none is left outstanding to block the next.
+    for _ in 0..70 {
+        let refused = copy_one(&mut cx, &mut cb, &key, &how(&x_addr, 0)).await;
+        refused_as_stranger(refused, "a non-member, again");
+    }
+    // A copy of the version a directory listed refuses another one, and copies nothing.
+    let listed = NodeCopy {
+        expect_hash: Some("0000"),
+        ..how(&a_addr, 0)
+    };
+    let other = copy_one(&mut ca, &mut cb, &key, &listed).await;
+    assert!(
+        matches!(other, Err(ClientError::NotTheListedVersion { .. })),
+        "{other:?}"
+    );
+    assert!(cb.list(None).await.unwrap().is_empty());
 
     // A client reaching a member checks it is the node registered there.
     let mut d = Directory::connect(&etcd.cluster()).await.unwrap();

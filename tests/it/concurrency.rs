@@ -211,6 +211,7 @@ impl Racer {
                 dst_name: Some(&name),
                 remove_source,
                 overwrite: true,
+                expect_hash: None,
             };
             let answers = copy_between(source, target, &[src.tensor_key()], &how).await;
             return match answers.map(|answers| answers.into_iter().next()) {

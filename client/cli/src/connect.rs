@@ -65,10 +65,11 @@ pub(crate) async fn connect_to(reached: &Reached, cli: &Cli) -> anyhow::Result<C
     check_token_stays_private(&reached.addr, &config, cli)?;
     let connected = match &reached.member {
         // A member on this machine is tried on its Unix socket first; a socket that is not
-        // there (or is another user's) leaves its TCP address.
+        // there, is another user's, or is another node's (two machines may share a name)
+        // leaves its TCP address.
         Some(member) if reached.addr != member.tcp => {
             match connect_member(member, &reached.addr, config.clone()).await {
-                Err(ClientError::Connection(_)) => {
+                Err(ClientError::Connection(_) | ClientError::NotTheMember { .. }) => {
                     check_token_stays_private(&member.tcp, &config, cli)?;
                     connect_member(member, &member.tcp, config).await
                 }

@@ -61,6 +61,19 @@ pub enum ClientError {
         /// The identity the certificate showed, if any.
         certified: Option<String>,
     },
+    /// The source holds another version of the tensor than the one a directory listed.
+    #[error(
+        "{key}: the source now holds another version (content hash {granted}) than the one \
+         listed ({listed}); nothing was copied"
+    )]
+    NotTheListedVersion {
+        /// The source key.
+        key: TensorKey,
+        /// The hash listed.
+        listed: String,
+        /// The hash the source granted.
+        granted: String,
+    },
     /// A token would go in clear to a TCP address that only the cluster's directory vouches for.
     #[error(
         "refusing to send the token to @{member} at {addr} in clear: the address came from the \

@@ -87,6 +87,10 @@ pub struct NodeCopy<'a> {
     pub remove_source: bool,
     /// Replace tensors already registered under the target keys.
     pub overwrite: bool,
+    /// The content hash the granted tensor must have (for a single tensor): a copy of the
+    /// version a directory listed, refused ([`ClientError::NotTheListedVersion`]) if the source
+    /// holds another by now.
+    pub expect_hash: Option<&'a str>,
 }
 
 /// Copies (or, with `remove_source`, moves) tensors from one node to another, node to node:
@@ -106,10 +110,13 @@ pub async fn copy_between(
         dst_name,
         remove_source,
         overwrite,
+        expect_hash,
     } = *how;
-    if dst_name.is_some() && keys.len() > 1 {
+    if (dst_name.is_some() || expect_hash.is_some()) && keys.len() > 1 {
         return Err(ClientError::Unexpected(
-            "a target name names one tensor; copy several under their own names".into(),
+            "a target name (or an expected hash) is for one tensor; copy several under their \
+             own names"
+                .into(),
         ));
     }
     let audience = target.identify().await?;
@@ -147,6 +154,16 @@ pub async fn copy_between(
                 asked += 1;
                 *grant = source.grant(key, &audience).await;
             }
+            if let (Some(listed), Ok(granted)) = (expect_hash, &*grant)
+                && granted.content_hash != listed
+            {
+                let _ = source.release(&granted.token, &audience).await;
+                *grant = Err(ClientError::NotTheListedVersion {
+                    key: key.clone(),
+                    listed: listed.to_string(),
+                    granted: granted.content_hash.clone(),
+                });
+            }
         }
         for grant in grants.iter().flatten() {
             target
@@ -169,6 +186,12 @@ pub async fn copy_between(
                 }
             };
             let stored = target.read_stored().await?;
+            // A pull that failed leaves its capability unused (or used: then the source says
+            // so, and that is fine): given back, so that it does not count against this
+            // client's outstanding grants until it lapses.
+            if stored.is_err() {
+                let _ = source.release(&grant.token, &audience).await;
+            }
             // A target that already held the bytes never fetched: use the capability up here
             // rather than leave it to lapse.
             if matches!(&stored, Ok(info) if was_dedup(info))

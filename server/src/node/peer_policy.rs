@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ferry_io::Endpoint;
 
@@ -168,7 +168,7 @@ impl PeerPolicy {
 /// its member registered. Shared between the node's peer policy (reading, per pull) and its
 /// cluster task (replacing the whole set on every change). Empty until the task has read etcd,
 /// so that a node pulls from no member it has not seen registered; and empty again once the
-/// task has been away from etcd longer than a lease (see [`ClusterMembers::hold_for`]), so that
+/// task has been away from etcd longer than a lease (see [`ClusterMembers::hold_until`]), so that
 /// a member that left meanwhile is not trusted for ever.
 #[derive(Debug, Clone, Default)]
 pub struct ClusterMembers {
@@ -225,13 +225,14 @@ impl ClusterMembers {
         };
     }
 
-    /// The cluster task lost etcd: the list it read stays good for `grace` (a lease's time to
-    /// live, the longest a member that left meanwhile would have stayed listed), then counts as
-    /// empty until the task reads it again.
-    pub fn hold_for(&self, grace: Duration) {
+    /// The cluster task lost etcd: the list it read stays good until `until` (one lease's time
+    /// to live after etcd last answered: the longest a member that left meanwhile would have
+    /// stayed listed), then counts as empty until the task reads it again. A first deadline
+    /// stands through later failures.
+    pub fn hold_until(&self, until: Instant) {
         let mut now = self.now.write().unwrap_or_else(|e| e.into_inner());
         if now.valid_until.is_none() {
-            now.valid_until = Some(Instant::now() + grace);
+            now.valid_until = Some(until);
         }
     }
 
@@ -303,8 +304,8 @@ mod tests {
         let PeerPolicy::Members { members, .. } = &policy else {
             unreachable!()
         };
-        members.hold_for(Duration::ZERO);
-        std::thread::sleep(Duration::from_millis(2));
+        members.hold_until(Instant::now());
+        std::thread::sleep(std::time::Duration::from_millis(2));
         assert!(
             policy.terms("10.0.0.1:7070", true, token).is_none(),
             "stale"

@@ -65,6 +65,7 @@ pub(crate) async fn transfer(
         dst_device,
         remove,
         overwrite,
+        expect_hash: None,
     };
     let count = keys.len();
     how.run(&mut client, &mut target, &keys, &pull_from).await?;
@@ -123,6 +124,19 @@ async fn copy_by_name(
             .find(|m| m.tcp == dst_node.addr || m.unix.as_deref() == Some(&dst_node.addr))
             .cloned()
     });
+    // The destination itself is no source: a copy onto itself is no copy.
+    let dst_name = dst.name.as_deref().unwrap_or(name);
+    let is_destination = |h: &ferry_client::cluster::Located| {
+        target.as_ref().is_some_and(|t| t.name == h.member)
+            && h.device == dst_device
+            && h.name == dst_name
+    };
+    let held_there = holders.iter().any(is_destination);
+    let holders: Vec<_> = holders.into_iter().filter(|h| !is_destination(h)).collect();
+    if held_there && holders.is_empty() {
+        eprintln!("{}/{dst_device} already holds {name}", dst_node.label());
+        return Ok(());
+    }
     let chosen = choose_source(name, &holders, &members, target.as_ref())?;
     eprintln!(
         "source: @{}/{}/{name} ({})",
@@ -140,6 +154,7 @@ async fn copy_by_name(
         dst_device,
         remove: false,
         overwrite,
+        expect_hash: chosen.holder.record.content_hash.clone(),
     };
     let pull_from = PullFrom::member(&chosen.member, chosen.addr.clone());
     how.run(&mut client, &mut target_client, &keys, &pull_from)
@@ -154,6 +169,8 @@ struct Transfer<'a> {
     dst_device: u32,
     remove: bool,
     overwrite: bool,
+    /// The version a copy by name must copy (the directory's hash), where it listed one.
+    expect_hash: Option<String>,
 }
 
 impl Transfer<'_> {
@@ -181,47 +198,98 @@ impl Transfer<'_> {
                 results.push((key.to_string(), answer));
             }
         } else {
-            let mut how = NodeCopy {
-                source_addr: &pull_from.addr,
-                dst_device: self.dst_device,
-                dst_name: self.dst.name.as_deref(),
-                remove_source: self.remove,
-                overwrite: self.overwrite,
-            };
-            let mut answers = copy_between(source, target, keys, &how).await?;
-            // Pulls the Unix socket did not serve go again over TCP (nothing was registered or
-            // removed for them: a failed pull leaves both sides as they were).
-            if let Some(tcp) = &pull_from.tcp {
-                let again: Vec<usize> =
-                    (0..keys.len()).filter(|&i| unserved(&answers[i])).collect();
-                if !again.is_empty() {
-                    eprintln!(
-                        "{} did not serve {} pulls; pulling those over {tcp}",
-                        pull_from.addr,
-                        again.len()
-                    );
-                    how.source_addr = tcp;
-                    let retry: Vec<TensorKey> = again.iter().map(|&i| keys[i].clone()).collect();
-                    let retried = copy_between(source, target, &retry, &how).await?;
-                    for (i, answer) in again.into_iter().zip(retried) {
-                        answers[i] = answer;
-                    }
-                }
-            }
+            let answers = self.pull_all(source, target, keys, pull_from).await;
             for (key, answer) in keys.iter().zip(answers) {
                 results.push((key.to_string(), answer));
             }
         }
         check_all(results)
     }
+
+    /// Node to node: the target pulls every key from `pull_from`, one answer per key. Over a
+    /// member's Unix socket one tensor goes first, so that a socket that does not serve (not
+    /// there, another user's, another node's: two machines may share a name) is found on one
+    /// pull rather than on all; the pulls it did not serve go again over the member's TCP
+    /// address (a failed pull registered and removed nothing).
+    async fn pull_all(
+        &self,
+        source: &mut Client,
+        target: &mut Client,
+        keys: &[TensorKey],
+        pull_from: &PullFrom,
+    ) -> Vec<Result<TensorInfo, ClientError>> {
+        let mut how = NodeCopy {
+            source_addr: &pull_from.addr,
+            dst_device: self.dst_device,
+            dst_name: self.dst.name.as_deref(),
+            remove_source: self.remove,
+            overwrite: self.overwrite,
+            expect_hash: self.expect_hash.as_deref(),
+        };
+        let Some(tcp) = pull_from.tcp.as_deref().filter(|_| !keys.is_empty()) else {
+            return copy_each(source, target, keys, &how).await;
+        };
+        let mut answers = copy_each(source, target, &keys[..1], &how).await;
+        if unserved(&answers[0]) {
+            eprintln!(
+                "{} did not serve a pull; pulling over {tcp}",
+                pull_from.addr
+            );
+            how.source_addr = tcp;
+            return copy_each(source, target, keys, &how).await;
+        }
+        answers.extend(copy_each(source, target, &keys[1..], &how).await);
+        let again: Vec<usize> = (0..keys.len()).filter(|&i| unserved(&answers[i])).collect();
+        if !again.is_empty() {
+            eprintln!(
+                "{} did not serve {} pulls; pulling those over {tcp}",
+                pull_from.addr,
+                again.len()
+            );
+            how.source_addr = tcp;
+            let retry: Vec<TensorKey> = again.iter().map(|&i| keys[i].clone()).collect();
+            let retried = copy_each(source, target, &retry, &how).await;
+            for (i, answer) in again.into_iter().zip(retried) {
+                answers[i] = answer;
+            }
+        }
+        answers
+    }
 }
 
-/// Whether a pull failed at its source address (unreachable, refused, or not an allowed peer
-/// of the target) rather than at the tensor or the target.
+/// [`copy_between`], a batch that failed as a whole (a connection lost) answering each of its
+/// keys with that failure, so that what went before it is still reported.
+async fn copy_each(
+    source: &mut Client,
+    target: &mut Client,
+    keys: &[TensorKey],
+    how: &NodeCopy<'_>,
+) -> Vec<Result<TensorInfo, ClientError>> {
+    if keys.is_empty() {
+        return Vec::new();
+    }
+    match copy_between(source, target, keys, how).await {
+        Ok(answers) => answers,
+        Err(e) => {
+            let failed = e.to_string();
+            keys.iter()
+                .map(|_| {
+                    Err(ClientError::Unexpected(format!(
+                        "the batch failed: {failed}"
+                    )))
+                })
+                .collect()
+        }
+    }
+}
+
+/// Whether a pull over a member's Unix socket failed at that socket (unreachable, refused, not
+/// an allowed peer of the target, or another node there refusing the capability) rather than
+/// at the tensor or the target.
 fn unserved(answer: &Result<TensorInfo, ClientError>) -> bool {
     match answer {
         Err(ClientError::Node { code, message }) => {
-            *code == ErrorCode::PeerFailed
+            matches!(code, ErrorCode::PeerFailed | ErrorCode::CapabilityRefused)
                 || (*code == ErrorCode::BadRequest && message.contains("not an allowed peer"))
         }
         _ => false,

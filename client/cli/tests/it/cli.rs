@@ -715,7 +715,7 @@ async fn members_by_name_and_tensors_by_name_alone() {
         let said = String::from_utf8_lossy(&copied.stderr);
         assert!(copied.status.success(), "{said}");
         assert!(
-            said.contains("pulling those over"),
+            said.contains("did not serve a pull; pulling over"),
             "the Unix socket fell back: {said}"
         );
         // Held by cache and by worker now (one version): worker copies it between its devices.

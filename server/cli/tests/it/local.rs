@@ -232,6 +232,7 @@ async fn two_node_processes_copy_a_batch_through_shared_memory() {
         dst_name: None,
         remove_source: false,
         overwrite: false,
+        expect_hash: None,
     };
     let answers = copy_between(&mut source, &mut target, &keys, &how)
         .await
