@@ -15,9 +15,9 @@
 //!   is what etcd holds under `/ferry/members/`: read whole at the start of each session, then
 //!   followed by a watch from the revision of that read, so that no change falls between the
 //!   two. It is empty until the first read, so nothing unseen is allowed. Between sessions
-//!   the last list read counts for one lease's TTL more (a member that left meanwhile would
-//!   have been listed that long at most), then as empty. A member's Unix socket counts only
-//!   where the member says it runs on this machine.
+//!   the last list read counts until one lease TTL after etcd last answered (a member that
+//!   left meanwhile would have been listed that long at most), then as empty; leaving empties
+//!   it. A member's Unix socket counts only where the member says it runs on this machine.
 
 use std::collections::HashMap;
 use std::time::Duration;
