@@ -118,6 +118,17 @@ impl Directory {
             .ok_or_else(|| DirectoryError::UnknownMember(name.to_string()))
     }
 
+    /// Connects to member `name` ([`connect_nearest`]): the one-call form of `@NAME`.
+    pub async fn reach(
+        &mut self,
+        name: &str,
+        config: ClientConfig,
+    ) -> Result<(Client, MemberRecord), ReachError> {
+        let member = self.resolve(name).await?;
+        let client = connect_nearest(&member, config).await?;
+        Ok((client, member))
+    }
+
     /// Every place the directory lists a tensor named `tensor`, on any member and device.
     pub async fn holders(&mut self, tensor: &str) -> Result<Vec<Located>, DirectoryError> {
         // The directory is keyed by member, then device, then name: finding a name means reading
@@ -201,6 +212,37 @@ pub async fn connect_member(
         });
     }
     Ok(client)
+}
+
+/// Connects to `member` the nearest way: its Unix socket where it runs on this machine
+/// ([`address_for`]), and its TCP address where that socket does not serve (not there, another
+/// user's, or another node's: two machines may share a name); with [`connect_member`]'s checks
+/// either way.
+pub async fn connect_nearest(
+    member: &MemberRecord,
+    config: ClientConfig,
+) -> Result<Client, ClientError> {
+    let addr = address_for(member, &ferry_io::machine::name());
+    if addr == member.tcp {
+        return connect_member(member, &addr, config).await;
+    }
+    match connect_member(member, &addr, config.clone()).await {
+        Err(ClientError::Connection(_) | ClientError::NotTheMember { .. }) => {
+            connect_member(member, &member.tcp, config).await
+        }
+        other => other,
+    }
+}
+
+/// Why [`Directory::reach`] did not connect.
+#[derive(Debug, thiserror::Error)]
+pub enum ReachError {
+    /// The directory could not say where the member is.
+    #[error(transparent)]
+    Directory(#[from] DirectoryError),
+    /// The member did not connect, or is not who it registered as.
+    #[error(transparent)]
+    Client(#[from] ClientError),
 }
 
 /// Where a copy of a tensor named alone is read from.

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ferry::client::cluster::{Directory, connect_member};
+use ferry::client::cluster::{Directory, DirectoryError, ReachError, connect_member};
 use ferry::client::{Client, ClientConfig, ClientError, ErrorCode, NodeCopy};
 use ferry::proto::cluster::MemberRecord;
 use ferry::proto::{DType, TensorKey};
@@ -378,6 +378,14 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
         "{:?}",
         wrong.err()
     );
+
+    // The one-call form: resolved, connected, checked.
+    let (mut reached, record) = d.reach("a", ClientConfig::default()).await.unwrap();
+    assert_eq!(reached.identify().await.unwrap(), record.node_id);
+    assert!(matches!(
+        d.reach("nobody", ClientConfig::default()).await,
+        Err(ReachError::Directory(DirectoryError::UnknownMember(_)))
+    ));
 
     // A token never goes in clear to an address only the directory vouches for.
     let tokened = ClientConfig {

@@ -2,8 +2,8 @@
 //! names), with the command line's token, TLS and shared-memory settings.
 
 use anyhow::{Context, bail};
-use ferry_client::cluster::{Directory, address_for, connect_member};
-use ferry_client::{Client, ClientConfig, ClientError, Endpoint};
+use ferry_client::cluster::{Directory, address_for, connect_nearest};
+use ferry_client::{Client, ClientConfig, Endpoint};
 use ferry_proto::cluster::MemberRecord;
 
 use crate::Cli;
@@ -59,24 +59,13 @@ pub(crate) async fn connect(node: &str, cli: &Cli) -> anyhow::Result<Client> {
 }
 
 /// Connects to a node found by [`reach`]; a member must be the node it registered as
-/// ([`connect_member`]).
+/// ([`connect_nearest`]).
 pub(crate) async fn connect_to(reached: &Reached, cli: &Cli) -> anyhow::Result<Client> {
     let config = client_config(cli)?;
     check_token_stays_private(&reached.addr, &config, cli)?;
     let connected = match &reached.member {
-        // A member on this machine is tried on its Unix socket first; a socket that is not
-        // there, is another user's, or is another node's (two machines may share a name)
-        // leaves its TCP address.
-        Some(member) if reached.addr != member.tcp => {
-            match connect_member(member, &reached.addr, config.clone()).await {
-                Err(ClientError::Connection(_) | ClientError::NotTheMember { .. }) => {
-                    check_token_stays_private(&member.tcp, &config, cli)?;
-                    connect_member(member, &member.tcp, config).await
-                }
-                other => other,
-            }
-        }
-        Some(member) => connect_member(member, &reached.addr, config).await,
+        // A token in clear over TCP to a member is refused there (`UncheckedMember`).
+        Some(member) => connect_nearest(member, config).await,
         None => Client::connect_with(reached.addr.as_str(), config).await,
     };
     connected.with_context(|| format!("connecting to {}", reached.label()))
