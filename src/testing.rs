@@ -140,6 +140,7 @@ pub async fn source_connection(node: &TestNode) -> SourceConnection {
         shared_memory: false,
         tls: None,
         identity: None,
+        own_user_socket: false,
     };
     SourceConnection::open(node.addr, config)
         .await

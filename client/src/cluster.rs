@@ -185,22 +185,24 @@ pub fn address_for(member: &MemberRecord, here: &str) -> String {
 /// node's own answer to `identify` must, so that a stale or wrong entry is an error rather than
 /// a silent use of another node. A token never goes in clear to a TCP address the directory
 /// gave: whoever can write the directory would choose where it goes
-/// ([`ClientError::UncheckedMember`]). Over a Unix socket the transport's check (served by this
-/// user or root) stands in for a certificate.
+/// ([`ClientError::UncheckedMember`]). Over a Unix socket, the socket must be served by this
+/// very user (a root daemon listening at a path the directory named is not the member).
 pub async fn connect_member(
     member: &MemberRecord,
     addr: &str,
     mut config: ClientConfig,
 ) -> Result<Client, ClientError> {
-    if matches!(Endpoint::parse(addr), Endpoint::Tcp(_)) {
-        if config.tls.is_some() {
-            config.identity = Some(member.node_id.clone());
-        } else if config.token.is_some() {
+    match Endpoint::parse(addr) {
+        Endpoint::Tcp(_) if config.tls.is_none() && config.token.is_some() => {
             return Err(ClientError::UncheckedMember {
                 member: member.name.clone(),
                 addr: addr.to_string(),
             });
         }
+        // In clear and without a token there is nothing to check before sending.
+        Endpoint::Tcp(_) if config.tls.is_none() => {}
+        // Under TLS the certificate; over a Unix socket, that this very user serves it.
+        _ => config.identity = Some(member.node_id.clone()),
     }
     let mut client = Client::connect_with(addr, config).await?;
     let answered = client.identify().await?;

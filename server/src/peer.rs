@@ -49,6 +49,8 @@ struct OpenLink {
     identity: Option<std::sync::Arc<str>>,
     /// Whether the peer token was sent on it.
     token: bool,
+    /// Whether its Unix socket was checked to be this user's own.
+    own_user_socket: bool,
     conn: SourceConnection,
 }
 
@@ -370,6 +372,7 @@ impl Node {
             kept.addr == source
                 && kept.identity == terms.identity
                 && kept.token == terms.token.is_some()
+                && kept.own_user_socket == terms.own_user_socket
                 && kept.conn.in_step()
         });
         let current = match kept {
@@ -381,6 +384,7 @@ impl Node {
                     shared_memory: config.shared_memory,
                     tls: config.tls.as_ref().map(|tls| tls.client()),
                     identity: terms.identity.as_deref(),
+                    own_user_socket: terms.own_user_socket,
                 };
                 let connect = SourceConnection::open(source, source_config);
                 let conn = tokio::time::timeout(config.peer_limits.idle_timeout, connect)
@@ -393,6 +397,7 @@ impl Node {
                     addr: source.to_string(),
                     identity: terms.identity.clone(),
                     token: terms.token.is_some(),
+                    own_user_socket: terms.own_user_socket,
                     conn,
                 }
             }

@@ -102,6 +102,9 @@ pub struct SourceConfig<'a> {
     /// The identity the source's certificate must carry, checked before anything is sent to it
     /// (the token included); `None` for any certificate the CA signed for the address.
     pub identity: Option<&'a str>,
+    /// Over a Unix socket, require that this very user serves it (root not counted), before
+    /// anything is sent: for a socket whose path came from a cluster's directory.
+    pub own_user_socket: bool,
 }
 
 /// One connection to a source node. Exchanges on it run one at a time.
@@ -136,6 +139,9 @@ impl SourceConnection {
             .connect(config.tls)
             .await
             .map_err(ConnectionError::from)?;
+        if config.own_user_socket {
+            socket.require_own_user().map_err(ConnectionError::from)?;
+        }
         if let Some(expected) = config.identity {
             let certified = socket.peer_identity().map(|id| id.as_str());
             if certified != Some(expected) {

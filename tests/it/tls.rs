@@ -283,6 +283,7 @@ async fn a_capability_serves_only_the_node_its_certificate_names() {
         shared_memory: false,
         tls: Some(tls),
         identity: None,
+        own_user_socket: false,
     };
     let mut as_b = SourceConnection::open(a.addr, config(b_tls.client()))
         .await

@@ -56,8 +56,8 @@ pub struct ClientConfig {
     /// The identity the node's certificate must carry (its node id, as a cluster member
     /// registered it), checked before anything is sent, the token included; `None` for any
     /// certificate the CA signed for the address. Over TCP it needs `tls`; over a Unix socket
-    /// there is no certificate, and the transport's check that the socket is served by this
-    /// user (or root) stands in.
+    /// there is no certificate, and the socket must then be served by this very user (root not
+    /// counted), before anything is sent.
     pub identity: Option<String>,
 }
 
@@ -112,11 +112,11 @@ impl Client {
             .connect(config.tls.as_ref())
             .await
             .map_err(ConnectionError::from)?;
-        if let Some(expected) = &config.identity
-            && !matches!(socket, ferry_io::transport::Stream::Unix(_))
-        {
+        if let Some(expected) = &config.identity {
+            socket.require_own_user().map_err(ConnectionError::from)?;
+            let unix = matches!(socket, ferry_io::transport::Stream::Unix(_));
             let certified = socket.peer_identity().map(|id| id.as_str().to_string());
-            if certified.as_deref() != Some(expected.as_str()) {
+            if !unix && certified.as_deref() != Some(expected.as_str()) {
                 return Err(ClientError::NotTheNode {
                     expected: expected.clone(),
                     certified,

@@ -377,6 +377,26 @@ pub enum Stream {
 }
 
 impl Stream {
+    /// On a Unix socket, that this very user serves it, root not counted: for a socket whose
+    /// path came from someone else (a cluster's directory), where a root daemon that happens to
+    /// listen there is not the node meant and must get no token. Other streams pass.
+    pub fn require_own_user(&self) -> io::Result<()> {
+        let Stream::Unix(unix) = self else {
+            return Ok(());
+        };
+        let peer = unix.get_ref().peer_cred()?.uid();
+        let own = rustix::process::geteuid().as_raw();
+        if peer == own {
+            return Ok(());
+        }
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "the Unix socket is served by user {peer}, not this user ({own}): nothing sent"
+            ),
+        ))
+    }
+
     /// Who the peer is by its certificate, on a TLS link; `None` on any other.
     pub fn peer_identity(&self) -> Option<&Identity> {
         match self {
@@ -535,5 +555,41 @@ mod tests {
         let mut sent = Vec::new();
         accepted.read_to_end(&mut sent).unwrap();
         assert!(sent.is_empty(), "nothing reaches another user's socket");
+    }
+
+    /// A socket root serves passes the transport's own check but is not this user's own: for a
+    /// path that came from someone else, `require_own_user` refuses it (here the connecting
+    /// thread takes another user's id, which needs root: as the tests run in CI).
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_socket_root_serves_is_not_this_users_own() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let path = dir.path().join("root.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let runtime = tokio::runtime::Handle::current();
+        let as_nobody = std::thread::spawn(move || {
+            let _entered = runtime.enter();
+            let nobody = rustix::process::Uid::from_raw(65534);
+            rustix::thread::set_thread_res_uid(nobody, nobody, nobody)
+                .expect("these tests run as root, which may take another user's id");
+            let socket = std::os::unix::net::UnixStream::connect(&path).unwrap();
+            socket.set_nonblocking(true).unwrap();
+            let socket = UnixStream::from_std(socket).unwrap();
+            check_unix_peer(&socket, &path).expect("root's socket passes the transport's check");
+            Stream::Unix(UnixTransport::new(socket)).require_own_user()
+        })
+        .join()
+        .unwrap();
+        let refused = as_nobody.unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::PermissionDenied);
+        assert!(refused.to_string().contains("user 0"), "{refused}");
+        // A socket this user serves is its own.
+        let (a, _b) = UnixStream::pair().unwrap();
+        Stream::Unix(UnixTransport::new(a))
+            .require_own_user()
+            .unwrap();
     }
 }

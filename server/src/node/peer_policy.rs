@@ -82,6 +82,9 @@ pub struct PeerTerms<'a> {
     pub identity: Option<Arc<str>>,
     /// The token to present.
     pub token: Option<&'a str>,
+    /// Over a Unix socket, that this very user must serve it (root not counted): a member's
+    /// socket path came from etcd.
+    pub own_user_socket: bool,
 }
 
 impl PeerPolicy {
@@ -94,8 +97,8 @@ impl PeerPolicy {
     ///   id, which under TLS is its certificate's), and then gets the token.
     /// - A member over TCP in clear gets no token: etcd's word for an address is not enough
     ///   to send a credential there.
-    /// - A member's Unix socket gets the token: the transport sends nothing to a socket
-    ///   another user serves.
+    /// - A member's Unix socket gets the token, once this very user is seen to serve it (root
+    ///   not counted: a root daemon at a path etcd named is not the member).
     /// - Under [`PeerPolicy::Any`] nothing gets the token.
     pub fn terms<'a>(
         &'a self,
@@ -107,12 +110,14 @@ impl PeerPolicy {
             peers.iter().find(|p| p.addr == source).map(|p| PeerTerms {
                 identity: p.identity.as_deref().map(Arc::from),
                 token: peer_token,
+                own_user_socket: false,
             })
         };
         match self {
             PeerPolicy::Any => Some(PeerTerms {
                 identity: None,
                 token: None,
+                own_user_socket: false,
             }),
             PeerPolicy::Listed(peers) => listed(peers),
             PeerPolicy::Members {
@@ -127,14 +132,17 @@ impl PeerPolicy {
                     Endpoint::Unix(_) => PeerTerms {
                         identity: None,
                         token: peer_token,
+                        own_user_socket: true,
                     },
                     Endpoint::Tcp(_) if tls => PeerTerms {
                         identity: Some(registered),
                         token: peer_token,
+                        own_user_socket: false,
                     },
                     Endpoint::Tcp(_) => PeerTerms {
                         identity: None,
                         token: None,
+                        own_user_socket: false,
                     },
                 })
             }
@@ -178,7 +186,7 @@ pub struct ClusterMembers {
 /// The member list as last read, and until when it counts.
 #[derive(Debug, Default)]
 struct Snapshot {
-    by_addr: Arc<HashMap<String, Arc<str>>>,
+    by_addr: HashMap<String, Arc<str>>,
     /// `None` while the cluster task follows etcd.
     valid_until: Option<Instant>,
 }
@@ -220,7 +228,7 @@ impl ClusterMembers {
             .filter_map(|(addr, id)| Some((addr, id?)))
             .collect();
         *self.now.write().unwrap_or_else(|e| e.into_inner()) = Snapshot {
-            by_addr: Arc::new(by_addr),
+            by_addr,
             valid_until: None,
         };
     }
@@ -243,20 +251,6 @@ impl ClusterMembers {
             return None;
         }
         now.by_addr.get(addr).cloned()
-    }
-
-    /// How many addresses are registered.
-    pub fn len(&self) -> usize {
-        self.now
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_addr
-            .len()
-    }
-
-    /// Whether none is.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -287,6 +281,8 @@ mod tests {
         assert_eq!((clear.identity, clear.token), (None, None));
         let unix = policy.terms("unix:/run/a.sock", false, token).unwrap();
         assert_eq!((unix.identity, unix.token), (None, token));
+        assert!(unix.own_user_socket, "a member's socket: this user's own");
+        assert!(!tls.own_user_socket);
         let listed = policy.terms("10.0.0.2:7070", true, token).unwrap();
         assert_eq!(
             (listed.identity.as_deref(), listed.token),
