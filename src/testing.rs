@@ -648,19 +648,19 @@ impl Etcd {
     /// deleted), for tests of what nodes make of records they did not write.
     pub async fn put(&self, key: &str, value: &[u8]) {
         let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
-        let mut client = etcd_client::Client::connect(&endpoints, None)
+        let mut client = ferry_etcd::Etcd::connect(&endpoints, Duration::from_secs(5))
             .await
             .expect("connect to etcd");
-        client.put(key, value, None).await.expect("put");
+        client.put(key.as_bytes(), value, None).await.expect("put");
     }
 
     /// Deletes `key`.
     pub async fn delete(&self, key: &str) {
         let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
-        let mut client = etcd_client::Client::connect(&endpoints, None)
+        let mut client = ferry_etcd::Etcd::connect(&endpoints, Duration::from_secs(5))
             .await
             .expect("connect to etcd");
-        client.delete(key, None).await.expect("delete");
+        client.delete(key.as_bytes()).await.expect("delete");
     }
 
     /// Kills etcd (its data stays).
@@ -719,12 +719,12 @@ impl Etcd {
                 return false;
             }
             // Ours: the etcd answering lists this helper's peer address.
-            if let Ok(mut client) = etcd_client::Client::connect(&endpoints, None).await
+            if let Ok(mut client) =
+                ferry_etcd::Etcd::connect(&endpoints, Duration::from_secs(1)).await
                 && let Ok(members) = client.member_list().await
                 && members
-                    .members()
                     .iter()
-                    .any(|m| m.peer_urls().iter().any(|u| u.ends_with(&ours)))
+                    .any(|m| m.peer_urls.iter().any(|u| u.ends_with(&ours)))
             {
                 return true;
             }

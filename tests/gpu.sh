@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export FERRY_GPU=${FERRY_GPU:-wgpu:0}
 echo "== GPU device $FERRY_GPU"
-cargo build --release --workspace --bins
+# GPU devices are the node's `wgpu` feature (off in a plain build; the tests turn it on).
+cargo build --release --workspace --bins --features ferry-server-cli/wgpu
 echo "== the sample matrix on $FERRY_GPU"
 cargo test --workspace --test it -- gpu:: --include-ignored --nocapture
 echo "== what $FERRY_GPU holds"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# History: runs the long randomized history test of tests/concurrency.rs (clients racing on
+# History: runs the long randomized history test of tests/it/concurrency.rs (clients racing on
 # shared keys of two nodes, checked for phantom and stale reads and lost acknowledged writes) in
 # release mode for SECONDS with CLIENTS clients (default 8) from SEED (default 1).
 #

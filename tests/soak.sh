@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 minutes="${1:-30}"
 clients="${2:-256}"
-cargo build --release -p ferry-server-cli -p ferry-cli
+cargo build --release --bins
 dir="$(mktemp -d)"
 trap 'kill "$node" 2>/dev/null || true; rm -rf "$dir"' EXIT
 target/release/ferry-server --listen 127.0.0.1:0 --device flex --device flex \

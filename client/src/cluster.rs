@@ -4,7 +4,7 @@
 //! What etcd holds was written by nodes (and possibly by anyone else with access to that etcd):
 //! keys are parsed and values decoded with bounds, and an entry that does not parse is skipped.
 
-use etcd_client::{Client as Etcd, ConnectOptions, GetOptions};
+use ferry_etcd::{Etcd, EtcdError};
 use ferry_io::Endpoint;
 use ferry_proto::cluster::{self as keys, MemberRecord, TensorRecord};
 use std::time::Duration;
@@ -56,23 +56,21 @@ impl Directory {
     /// Connects to the etcd `cluster` names (`etcd://HOST:PORT[,HOST:PORT...]`).
     pub async fn connect(cluster: &str) -> Result<Directory, DirectoryError> {
         let endpoints = keys::endpoints(cluster).map_err(DirectoryError::Address)?;
-        let options = ConnectOptions::new()
-            .with_timeout(ETCD_TIMEOUT)
-            .with_connect_timeout(ETCD_TIMEOUT);
         let joined = endpoints.join(",");
-        let etcd = Etcd::connect(&endpoints, Some(options))
-            .await
-            .map_err(|e| DirectoryError::Etcd {
-                endpoints: joined.clone(),
-                cause: e.to_string(),
-            })?;
+        let etcd =
+            Etcd::connect(&endpoints, ETCD_TIMEOUT)
+                .await
+                .map_err(|e| DirectoryError::Etcd {
+                    endpoints: joined.clone(),
+                    cause: e.to_string(),
+                })?;
         Ok(Directory {
             etcd,
             endpoints: joined,
         })
     }
 
-    fn failed(&self, e: etcd_client::Error) -> DirectoryError {
+    fn failed(&self, e: EtcdError) -> DirectoryError {
         DirectoryError::Etcd {
             endpoints: self.endpoints.clone(),
             cause: e.to_string(),
@@ -83,13 +81,13 @@ impl Directory {
     pub async fn members(&mut self) -> Result<Vec<MemberRecord>, DirectoryError> {
         let answer = self
             .etcd
-            .get(keys::MEMBERS, Some(GetOptions::new().with_prefix()))
+            .get_prefix(keys::MEMBERS.as_bytes())
             .await
             .map_err(|e| self.failed(e))?;
         let mut members: Vec<MemberRecord> = answer
-            .kvs()
+            .kvs
             .iter()
-            .filter_map(|kv| keys::member_of(kv.key(), kv.value()))
+            .filter_map(|kv| keys::member_of(&kv.key, &kv.value))
             .collect();
         members.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(members)
@@ -102,13 +100,13 @@ impl Directory {
         }
         let answer = self
             .etcd
-            .get(keys::member_key(name), None)
+            .get(keys::member_key(name).as_bytes())
             .await
             .map_err(|e| self.failed(e))?;
         Ok(answer
-            .kvs()
+            .kvs
             .iter()
-            .find_map(|kv| keys::member_of(kv.key(), kv.value())))
+            .find_map(|kv| keys::member_of(&kv.key, &kv.value)))
     }
 
     /// The member registered as `name`, or [`DirectoryError::UnknownMember`].
@@ -147,20 +145,20 @@ impl Directory {
         };
         let answer = self
             .etcd
-            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .get_prefix(prefix.as_bytes())
             .await
             .map_err(|e| self.failed(e))?;
         let mut found: Vec<Located> = answer
-            .kvs()
+            .kvs
             .iter()
             .filter_map(|kv| {
-                let key = std::str::from_utf8(kv.key()).ok()?;
+                let key = std::str::from_utf8(&kv.key).ok()?;
                 let (member, device, name) = keys::parse_tensor_key(key)?;
                 Some(Located {
                     member: member.to_string(),
                     device,
                     name: name.to_string(),
-                    record: keys::decode(kv.value())?,
+                    record: keys::decode(&kv.value)?,
                 })
             })
             .collect();

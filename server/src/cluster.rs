@@ -22,10 +22,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
-    WatchStream,
-};
+use ferry_etcd::{Etcd, EtcdError, EventKind, LeaseId, TxnOp, Watch, WatchBatch};
 use ferry_proto::cluster::{self as keys, MemberDevice, MemberRecord, TensorRecord};
 use ferry_proto::dtype_name;
 use tokio::sync::watch;
@@ -61,7 +58,7 @@ pub struct ClusterConfig {
 pub enum ClusterError {
     /// etcd did not answer or refused.
     #[error("etcd: {0}")]
-    Etcd(#[from] etcd_client::Error),
+    Etcd(#[from] EtcdError),
     /// The lease expired before the node renewed it (etcd was away too long).
     #[error("the node's lease expired")]
     LeaseExpired,
@@ -136,22 +133,17 @@ async fn session(
     last_contact: &mut tokio::time::Instant,
 ) -> Result<(), ClusterError> {
     let timeout = (config.ttl / 2).max(Duration::from_millis(500));
-    let options = ConnectOptions::new()
-        .with_timeout(timeout)
-        .with_connect_timeout(timeout);
-    let mut client = Client::connect(&config.endpoints, Some(options)).await?;
-    let ttl = i64::try_from(config.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
-    let lease = client.lease_grant(ttl, None).await?.id();
-    let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
-    let put = || Some(PutOptions::new().with_lease(lease));
+    let mut client = Etcd::connect(&config.endpoints, timeout).await?;
+    let granted = client.lease_grant(config.ttl).await?;
+    let lease = granted.id;
     client
         .put(
-            keys::member_key(&config.name),
-            keys::encode(&member_record(node, config)),
-            put(),
+            keys::member_key(&config.name).as_bytes(),
+            &keys::encode(&member_record(node, config)),
+            Some(lease),
         )
         .await?;
-    tracing::info!(name = %config.name, lease, "registered in the cluster");
+    tracing::info!(name = %config.name, %lease, "registered in the cluster");
     *last_contact = tokio::time::Instant::now();
     let mut members = match node.config().peers.members() {
         Some(list) => Some(MemberWatch::start(&mut client, list.clone()).await?),
@@ -161,7 +153,7 @@ async fn session(
     let mut seen = None;
     // Renewed three times per lease: a lease is at least a second (etcd counts whole seconds), so
     // this is never zero, whatever TTL a caller configured.
-    let mut renew = tokio::time::interval(Duration::from_secs(ttl.unsigned_abs()) / 3);
+    let mut renew = tokio::time::interval(granted.ttl / 3);
     let mut directory = tokio::time::interval(DIRECTORY_TICK);
     loop {
         tokio::select! {
@@ -172,21 +164,18 @@ async fn session(
                 return Ok(());
             }
             _ = renew.tick() => {
-                let renewed = async {
-                    keeper.keep_alive().await?;
-                    answers.message().await
+                let left = match client.lease_keep_alive(lease).await {
+                    Err(EtcdError::Timeout { .. }) => return Err(ClusterError::Silent(timeout)),
+                    answer => answer?,
                 };
-                let answer = tokio::time::timeout(timeout, renewed)
-                    .await
-                    .map_err(|_| ClusterError::Silent(timeout))??;
-                if answer.is_none_or(|a| a.ttl() <= 0) {
+                if left.is_none() {
                     return Err(ClusterError::LeaseExpired);
                 }
                 *last_contact = tokio::time::Instant::now();
             }
             changed = async {
                 match members.as_mut() {
-                    Some(watch) => watch.stream.message().await,
+                    Some(watch) => watch.stream.next().await,
                     None => std::future::pending().await,
                 }
             } => {
@@ -210,25 +199,21 @@ struct MemberWatch {
     /// Every member's record, by its key.
     records: HashMap<Vec<u8>, MemberRecord>,
     list: ClusterMembers,
-    stream: WatchStream,
+    stream: Watch,
 }
 
 impl MemberWatch {
     /// Reads every member record, publishes the list, and watches from the revision read.
-    async fn start(client: &mut Client, list: ClusterMembers) -> Result<MemberWatch, ClusterError> {
-        let answer = client
-            .get(keys::MEMBERS, Some(GetOptions::new().with_prefix()))
-            .await?;
-        let revision = answer.header().map_or(0, |h| h.revision());
+    async fn start(client: &mut Etcd, list: ClusterMembers) -> Result<MemberWatch, ClusterError> {
+        let answer = client.get_prefix(keys::MEMBERS.as_bytes()).await?;
         let records = answer
-            .kvs()
+            .kvs
             .iter()
-            .filter_map(|kv| Some((kv.key().to_vec(), keys::member_of(kv.key(), kv.value())?)))
+            .filter_map(|kv| Some((kv.key.clone(), keys::member_of(&kv.key, &kv.value)?)))
             .collect();
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(revision + 1);
-        let stream = client.watch(keys::MEMBERS, Some(options)).await?;
+        let stream = client
+            .watch_prefix(keys::MEMBERS.as_bytes(), answer.revision + 1)
+            .await?;
         let watch = MemberWatch {
             records,
             list,
@@ -239,23 +224,23 @@ impl MemberWatch {
     }
 
     /// Applies one watch answer; the end of the stream (or its cancellation) ends the session.
-    fn apply(&mut self, answer: Option<etcd_client::WatchResponse>) -> Result<(), ClusterError> {
-        let answer = answer.ok_or_else(|| ClusterError::WatchEnded(String::new()))?;
-        if answer.canceled() {
-            return Err(ClusterError::WatchEnded(format!(
-                ": {}",
-                answer.cancel_reason()
-            )));
-        }
-        for event in answer.events() {
-            let Some(kv) = event.kv() else { continue };
-            let record = match event.event_type() {
-                EventType::Put => keys::member_of(kv.key(), kv.value()),
-                EventType::Delete => None,
+    fn apply(&mut self, answer: Option<WatchBatch>) -> Result<(), ClusterError> {
+        let events = match answer {
+            None => return Err(ClusterError::WatchEnded(String::new())),
+            Some(WatchBatch::Canceled { reason, .. }) => {
+                return Err(ClusterError::WatchEnded(format!(": {reason}")));
+            }
+            Some(WatchBatch::Events(events)) => events,
+        };
+        for event in events {
+            let kv = event.kv;
+            let record = match event.kind {
+                EventKind::Put => keys::member_of(&kv.key, &kv.value),
+                EventKind::Delete => None,
             };
             match record {
-                Some(record) => self.records.insert(kv.key().to_vec(), record),
-                None => self.records.remove(kv.key()),
+                Some(record) => self.records.insert(kv.key, record),
+                None => self.records.remove(&kv.key),
             };
         }
         self.publish();
@@ -310,8 +295,8 @@ fn member_record(node: &Node, config: &ClusterConfig) -> MemberRecord {
 async fn sync_directory(
     node: &Node,
     config: &ClusterConfig,
-    client: &mut Client,
-    lease: i64,
+    client: &mut Etcd,
+    lease: LeaseId,
     published: &mut HashMap<String, Vec<u8>>,
 ) -> Result<(), ClusterError> {
     let mut now: HashMap<String, Vec<u8>> = HashMap::new();
@@ -348,15 +333,17 @@ async fn sync_directory(
         let txn_ops: Vec<TxnOp> = batch
             .iter()
             .map(|(key, value)| match value {
-                Some(value) => TxnOp::put(
-                    key.as_str(),
-                    value.as_slice(),
-                    Some(PutOptions::new().with_lease(lease)),
-                ),
-                None => TxnOp::delete(key.as_str(), None),
+                Some(value) => TxnOp::Put {
+                    key: key.as_bytes(),
+                    value,
+                    lease: Some(lease),
+                },
+                None => TxnOp::Delete {
+                    key: key.as_bytes(),
+                },
             })
             .collect();
-        client.txn(Txn::new().and_then(txn_ops)).await?;
+        client.txn(&txn_ops).await?;
         for (key, value) in batch {
             match value {
                 Some(value) => published.insert(key.clone(), value.clone()),

@@ -3,8 +3,9 @@
 //!
 //! burn-wgpu and burn-cuda are one backend type (`burn_cubecl::CubeBackend`) over a device enum
 //! (`cubecl::Device`): a CUDA device would be one more [`GpuRuntime`] variant and one more arm in
-//! [`open`], behind a `cuda` feature. It is not compiled here because burn-cuda's build
-//! (`cubecl-cuda` -> `cubecl-llvm`) downloads LLVM, which these machines cannot reach.
+//! `open` (built with the `wgpu` feature), behind a `cuda` feature. It is not compiled here
+//! because burn-cuda's build (`cubecl-cuda` -> `cubecl-llvm`) downloads LLVM, which these
+//! machines cannot reach.
 
 use std::fmt;
 use std::str::FromStr;

@@ -11,6 +11,7 @@
 
 mod cluster;
 mod concurrency;
+mod etcd;
 mod gpu;
 mod holds;
 mod hostile;

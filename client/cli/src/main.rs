@@ -283,6 +283,14 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // What the client library logs (retries, TLS, shared memory), on stderr, only when asked:
+    // `RUST_LOG=debug ferry cp ...`.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -84,7 +84,8 @@ fn spawn_gpu(
     _limits: DeviceLimits,
 ) -> std::io::Result<(DeviceHandle, std::thread::JoinHandle<()>)> {
     Err(std::io::Error::other(format!(
-        "device {gpu}: this build of ferry-server has no wgpu runtime (its `wgpu` feature is off)"
+        "device {gpu}: this build of ferry-server has no GPU runtime: build it with its `wgpu` \
+         feature (`cargo build --release --bin ferry-server --features ferry-server-cli/wgpu`)"
     )))
 }
 

@@ -1,5 +1,6 @@
 //! The `ferry` command line's integration tests, one binary: the commands against real nodes,
-//! tensor files, and (ignored by default) a model pulled across network namespaces.
+//! tensor files, the README's quickstart, and (ignored by default) a model pulled across network
+//! namespaces.
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
@@ -7,6 +8,7 @@ mod cli;
 mod files;
 mod health;
 mod netns;
+mod quickstart;
 
 /// The binary under test, built by cargo for this package's tests.
 fn ferry_cli() -> &'static std::path::Path {

@@ -1,0 +1,273 @@
+//! [`Etcd`]: the calls themselves, on a connection to the first endpoint that answers.
+
+use std::time::Duration;
+
+use crate::error::EtcdError;
+use crate::link::{Endpoint, Link};
+use crate::watch::Watch;
+use crate::wire::{
+    self, DeleteRangeRequest, KeyValue, LeaseGrantRequest, LeaseGrantResponse,
+    LeaseKeepAliveResponse, LeaseRequest, Member, MemberListResponse, PutRequest, RangeRequest,
+    RangeResponse, RequestOp, TxnRequest, WatchCreateRequest, WatchRequest,
+};
+
+/// A lease's id, as etcd chose it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseId(i64);
+
+impl LeaseId {
+    /// The id as etcd writes it.
+    pub fn get(self) -> i64 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:x}", self.0)
+    }
+}
+
+/// A lease etcd granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// Its id.
+    pub id: LeaseId,
+    /// The time to live etcd granted (whole seconds; it may differ from the one asked for).
+    pub ttl: Duration,
+}
+
+/// What a range read found.
+#[derive(Debug, Clone, Default)]
+pub struct Range {
+    /// The store's revision the read saw: a watch from `revision + 1` misses no later change.
+    pub revision: i64,
+    /// The keys found, in key order.
+    pub kvs: Vec<KeyValue>,
+}
+
+/// One operation of a transaction.
+#[derive(Debug, Clone, Copy)]
+pub enum TxnOp<'a> {
+    /// Writes `value` under `key`, attached to `lease` where given.
+    Put {
+        /// The key.
+        key: &'a [u8],
+        /// The value.
+        value: &'a [u8],
+        /// The lease the key lives under, if any.
+        lease: Option<LeaseId>,
+    },
+    /// Deletes `key`.
+    Delete {
+        /// The key.
+        key: &'a [u8],
+    },
+}
+
+/// A client of one etcd cluster, connected to one of its endpoints at a time. A call on a
+/// connection that closed connects again, to the endpoints in their order; a call that fails
+/// is not retried (the caller decides: a node starts a new session).
+pub struct Etcd {
+    endpoints: Vec<Endpoint>,
+    link: Link,
+    timeout: Duration,
+}
+
+impl Etcd {
+    /// Connects to the first of `endpoints` (`http://HOST:PORT`) that accepts, each given
+    /// `timeout`; every later call must answer within `timeout` too.
+    pub async fn connect(endpoints: &[String], timeout: Duration) -> Result<Etcd, EtcdError> {
+        let endpoints = endpoints
+            .iter()
+            .map(|e| Endpoint::parse(e))
+            .collect::<Result<Vec<_>, _>>()?;
+        let link = open_first(&endpoints, timeout).await?;
+        Ok(Etcd {
+            endpoints,
+            link,
+            timeout,
+        })
+    }
+
+    /// The endpoint this client is connected to.
+    pub fn endpoint(&self) -> &str {
+        self.link.endpoint().url()
+    }
+
+    /// The link, connected again if it closed.
+    async fn link(&mut self) -> Result<&mut Link, EtcdError> {
+        if self.link.is_closed() {
+            self.link = open_first(&self.endpoints, self.timeout).await?;
+        }
+        Ok(&mut self.link)
+    }
+
+    /// The value of `key`, if any (as a range of at most one key).
+    pub async fn get(&mut self, key: &[u8]) -> Result<Range, EtcdError> {
+        self.range(key, None).await
+    }
+
+    /// Every key that starts with `prefix`.
+    pub async fn get_prefix(&mut self, prefix: &[u8]) -> Result<Range, EtcdError> {
+        self.range(prefix, Some(wire::prefix_end(prefix))).await
+    }
+
+    async fn range(&mut self, key: &[u8], end: Option<Vec<u8>>) -> Result<Range, EtcdError> {
+        let request = RangeRequest {
+            key: wire::base64(key),
+            range_end: end.as_deref().map(wire::base64),
+        };
+        let answer: RangeResponse = self.link().await?.call("/v3/kv/range", &request).await?;
+        Ok(Range {
+            revision: answer.header.revision,
+            kvs: answer.kvs,
+        })
+    }
+
+    /// Writes `value` under `key`, attached to `lease` where given.
+    pub async fn put(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        lease: Option<LeaseId>,
+    ) -> Result<(), EtcdError> {
+        let request = put_request(key, value, lease);
+        let _: serde_json::Value = self.link().await?.call("/v3/kv/put", &request).await?;
+        Ok(())
+    }
+
+    /// Deletes `key` (nothing happens where there is none).
+    pub async fn delete(&mut self, key: &[u8]) -> Result<(), EtcdError> {
+        let request = DeleteRangeRequest {
+            key: wire::base64(key),
+        };
+        let _: serde_json::Value = self
+            .link()
+            .await?
+            .call("/v3/kv/deleterange", &request)
+            .await?;
+        Ok(())
+    }
+
+    /// Applies `ops` as one transaction: all of them, or (on an error) none.
+    pub async fn txn(&mut self, ops: &[TxnOp<'_>]) -> Result<(), EtcdError> {
+        let request = TxnRequest {
+            success: ops
+                .iter()
+                .map(|op| match *op {
+                    TxnOp::Put { key, value, lease } => {
+                        RequestOp::Put(put_request(key, value, lease))
+                    }
+                    TxnOp::Delete { key } => RequestOp::Delete(DeleteRangeRequest {
+                        key: wire::base64(key),
+                    }),
+                })
+                .collect(),
+        };
+        let _: serde_json::Value = self.link().await?.call("/v3/kv/txn", &request).await?;
+        Ok(())
+    }
+
+    /// Asks for a lease of `ttl` (rounded up to whole seconds, at least one).
+    pub async fn lease_grant(&mut self, ttl: Duration) -> Result<Lease, EtcdError> {
+        let seconds = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+        let request = LeaseGrantRequest {
+            ttl: i64::try_from(seconds.max(1)).unwrap_or(i64::MAX),
+        };
+        let link = self.link().await?;
+        let answer: LeaseGrantResponse = link.call("/v3/lease/grant", &request).await?;
+        if !answer.error.is_empty() || answer.id == 0 || answer.ttl <= 0 {
+            return Err(EtcdError::Refused {
+                endpoint: link.endpoint().url().to_string(),
+                code: 0,
+                message: format!("lease not granted: {:?}", answer.error),
+            });
+        }
+        Ok(Lease {
+            id: LeaseId(answer.id),
+            ttl: Duration::from_secs(answer.ttl.unsigned_abs()),
+        })
+    }
+
+    /// Renews `lease`: the time it has left from now, or `None` where it already expired.
+    pub async fn lease_keep_alive(
+        &mut self,
+        lease: LeaseId,
+    ) -> Result<Option<Duration>, EtcdError> {
+        let request = LeaseRequest { id: lease.0 };
+        let answer: LeaseKeepAliveResponse = self
+            .link()
+            .await?
+            .call_once("/v3/lease/keepalive", &request)
+            .await?;
+        Ok((answer.ttl > 0).then(|| Duration::from_secs(answer.ttl.unsigned_abs())))
+    }
+
+    /// Revokes `lease`: every key attached to it is deleted at once.
+    pub async fn lease_revoke(&mut self, lease: LeaseId) -> Result<(), EtcdError> {
+        let request = LeaseRequest { id: lease.0 };
+        let _: serde_json::Value = self
+            .link()
+            .await?
+            .call("/v3/lease/revoke", &request)
+            .await?;
+        Ok(())
+    }
+
+    /// Watches every key starting with `prefix`, from `start_revision` on, on a connection of
+    /// its own (a watch holds its connection for as long as it lasts).
+    pub async fn watch_prefix(
+        &self,
+        prefix: &[u8],
+        start_revision: i64,
+    ) -> Result<Watch, EtcdError> {
+        let link = Link::open(self.link.endpoint(), self.timeout).await?;
+        let request = WatchRequest {
+            create_request: WatchCreateRequest {
+                key: wire::base64(prefix),
+                range_end: wire::base64(&wire::prefix_end(prefix)),
+                start_revision,
+            },
+        };
+        let (endpoint, body) = link.stream("/v3/watch", &request).await?;
+        Watch::start(endpoint, body, self.timeout).await
+    }
+
+    /// The etcd cluster's members.
+    pub async fn member_list(&mut self) -> Result<Vec<Member>, EtcdError> {
+        let answer: MemberListResponse = self
+            .link()
+            .await?
+            .call("/v3/cluster/member/list", &serde_json::json!({}))
+            .await?;
+        Ok(answer.members)
+    }
+}
+
+fn put_request(key: &[u8], value: &[u8], lease: Option<LeaseId>) -> PutRequest {
+    PutRequest {
+        key: wire::base64(key),
+        value: wire::base64(value),
+        lease: lease.map_or(0, |l| l.0),
+    }
+}
+
+/// A link to the first endpoint that accepts one; the error names every endpoint tried.
+async fn open_first(endpoints: &[Endpoint], timeout: Duration) -> Result<Link, EtcdError> {
+    let mut last = None;
+    for endpoint in endpoints {
+        match Link::open(endpoint, timeout).await {
+            Ok(link) => return Ok(link),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(EtcdError::Unreachable {
+        tried: endpoints
+            .iter()
+            .map(Endpoint::url)
+            .collect::<Vec<_>>()
+            .join(", "),
+        last: last.map_or_else(|| "no endpoint given".to_string(), |e| e.to_string()),
+    })
+}

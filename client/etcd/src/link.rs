@@ -1,0 +1,274 @@
+//! One HTTP/1.1 connection to one etcd endpoint: a JSON request out, a bounded JSON answer (or
+//! the body of a streamed one) back. It knows nothing of etcd's calls.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Body, Incoming};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::net::TcpStream;
+
+use crate::error::EtcdError;
+use crate::wire::{GatewayError, StreamItem};
+
+/// The most bytes read of one answer: a whole directory's range stays far below it (a record is
+/// at most 64 KiB and etcd's own requests 1.5 MiB), and a peer that sends more is not etcd.
+pub const MAX_ANSWER: usize = 64 << 20;
+
+/// The most bytes one message of a watch may take.
+pub const MAX_WATCH_MESSAGE: usize = 64 << 20;
+
+/// An etcd client URL, `http://HOST:PORT`, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Endpoint {
+    url: String,
+    authority: String,
+}
+
+impl Endpoint {
+    pub(crate) fn parse(url: &str) -> Result<Endpoint, EtcdError> {
+        let bad = || EtcdError::Endpoint(url.to_string());
+        let authority = url.strip_prefix("http://").ok_or_else(bad)?;
+        let authority = authority.strip_suffix('/').unwrap_or(authority);
+        let (host, port) = authority.rsplit_once(':').ok_or_else(bad)?;
+        let port_ok = port.parse::<u16>().is_ok_and(|p| p != 0);
+        if host.is_empty() || !port_ok || authority.contains(['/', '@', '?', '#', ' ']) {
+            return Err(bad());
+        }
+        Ok(Endpoint {
+            url: url.to_string(),
+            authority: authority.to_string(),
+        })
+    }
+
+    /// The URL as given.
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+/// An open connection to one endpoint. Requests go one at a time (`&mut self`); a request that
+/// fails or times out leaves the connection closed ([`Link::is_closed`]), since HTTP/1.1 cannot
+/// tell which bytes on it belong to which answer after that.
+pub(crate) struct Link {
+    endpoint: Endpoint,
+    sender: SendRequest<Full<Bytes>>,
+    timeout: Duration,
+}
+
+impl Link {
+    /// Connects (TCP, then HTTP/1.1) within `timeout`.
+    pub(crate) async fn open(endpoint: &Endpoint, timeout: Duration) -> Result<Link, EtcdError> {
+        let connect = async {
+            let stream = TcpStream::connect(&endpoint.authority).await?;
+            stream.set_nodelay(true)?;
+            hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                .await
+                .map_err(std::io::Error::other)
+        };
+        let (sender, connection) = tokio::time::timeout(timeout, connect)
+            .await
+            .map_err(|_| EtcdError::Timeout {
+                endpoint: endpoint.url.clone(),
+                timeout,
+            })?
+            .map_err(|e| EtcdError::Http {
+                endpoint: endpoint.url.clone(),
+                cause: e.to_string(),
+            })?;
+        // The connection's I/O runs on its own task; it ends when the sender and every answer's
+        // body are dropped, or when the peer closes.
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        Ok(Link {
+            endpoint: endpoint.clone(),
+            sender,
+            timeout,
+        })
+    }
+
+    pub(crate) fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// Whether the connection can carry no more requests.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.sender.is_closed()
+    }
+
+    /// Posts `request` to `path` and reads the whole answer (at most [`MAX_ANSWER`] bytes), all
+    /// within the timeout.
+    pub(crate) async fn call<T: DeserializeOwned>(
+        &mut self,
+        path: &str,
+        request: &impl Serialize,
+    ) -> Result<T, EtcdError> {
+        let timeout = self.timeout;
+        let exchange = async {
+            let answer = self.post(path, request).await?;
+            // A declared length over the bound is refused before a byte of it is read.
+            if answer.body().size_hint().lower() > MAX_ANSWER as u64 {
+                return Err(self.too_large());
+            }
+            let body = Limited::new(answer.into_body(), MAX_ANSWER)
+                .collect()
+                .await
+                .map_err(|e| self.body_error(e))?
+                .to_bytes();
+            self.parse(&body)
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| self.timed_out())?
+    }
+
+    /// Posts `request` to a streaming call and reads its first message: for etcd's
+    /// bidirectional streams, which answer one request and end when the request's body does.
+    pub(crate) async fn call_once<T: DeserializeOwned>(
+        &mut self,
+        path: &str,
+        request: &impl Serialize,
+    ) -> Result<T, EtcdError> {
+        let item: StreamItem<T> = self.call(path, request).await?;
+        self.unwrap_item(item)?.ok_or_else(|| EtcdError::Malformed {
+            endpoint: self.endpoint.url.clone(),
+            detail: "a stream answered with no result".into(),
+        })
+    }
+
+    /// Posts `request` to a streaming call, waits (within the timeout) for the answer's head, and
+    /// gives its body: the link is the stream's from then on.
+    pub(crate) async fn stream(
+        mut self,
+        path: &str,
+        request: &impl Serialize,
+    ) -> Result<(Endpoint, Incoming), EtcdError> {
+        let answer = tokio::time::timeout(self.timeout, self.post(path, request))
+            .await
+            .map_err(|_| self.timed_out())??;
+        Ok((self.endpoint, answer.into_body()))
+    }
+
+    /// A result, or the error that a streamed message carries.
+    pub(crate) fn unwrap_item<T>(&self, item: StreamItem<T>) -> Result<Option<T>, EtcdError> {
+        match item.error {
+            Some(error) => Err(refused(&self.endpoint, &error)),
+            None => Ok(item.result),
+        }
+    }
+
+    /// Sends the request; an answer whose status is not 200 becomes the error etcd gave.
+    async fn post(
+        &mut self,
+        path: &str,
+        request: &impl Serialize,
+    ) -> Result<hyper::Response<Incoming>, EtcdError> {
+        let body = serde_json::to_vec(request).map_err(|e| EtcdError::Malformed {
+            endpoint: self.endpoint.url.clone(),
+            detail: format!("encoding the request: {e}"),
+        })?;
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(path)
+            .header(header::HOST, &self.endpoint.authority)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| self.http_error(e))?;
+        self.sender.ready().await.map_err(|e| self.http_error(e))?;
+        let answer = self
+            .sender
+            .send_request(request)
+            .await
+            .map_err(|e| self.http_error(e))?;
+        if answer.status() == StatusCode::OK {
+            return Ok(answer);
+        }
+        let status = answer.status();
+        let body = Limited::new(answer.into_body(), MAX_ANSWER)
+            .collect()
+            .await
+            .map_err(|e| self.body_error(e))?
+            .to_bytes();
+        Err(match serde_json::from_slice::<GatewayError>(&body) {
+            Ok(error) if error.code != 0 || !error.text().is_empty() => {
+                refused(&self.endpoint, &error)
+            }
+            _ => EtcdError::Malformed {
+                endpoint: self.endpoint.url.clone(),
+                detail: format!("HTTP status {status}"),
+            },
+        })
+    }
+
+    fn parse<T: DeserializeOwned>(&self, body: &[u8]) -> Result<T, EtcdError> {
+        serde_json::from_slice(body).map_err(|e| EtcdError::Malformed {
+            endpoint: self.endpoint.url.clone(),
+            detail: e.to_string(),
+        })
+    }
+
+    fn http_error(&self, e: impl std::fmt::Display) -> EtcdError {
+        EtcdError::Http {
+            endpoint: self.endpoint.url.clone(),
+            cause: e.to_string(),
+        }
+    }
+
+    fn body_error(&self, e: Box<dyn std::error::Error + Send + Sync>) -> EtcdError {
+        if e.is::<http_body_util::LengthLimitError>() {
+            self.too_large()
+        } else {
+            self.http_error(e)
+        }
+    }
+
+    fn too_large(&self) -> EtcdError {
+        EtcdError::TooLarge {
+            endpoint: self.endpoint.url.clone(),
+            limit: MAX_ANSWER,
+        }
+    }
+
+    fn timed_out(&self) -> EtcdError {
+        EtcdError::Timeout {
+            endpoint: self.endpoint.url.clone(),
+            timeout: self.timeout,
+        }
+    }
+}
+
+pub(crate) fn refused(endpoint: &Endpoint, error: &GatewayError) -> EtcdError {
+    EtcdError::Refused {
+        endpoint: endpoint.url.clone(),
+        code: error.code,
+        message: error.text().to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_are_http_host_port() {
+        assert!(Endpoint::parse("http://127.0.0.1:2379").is_ok());
+        assert!(Endpoint::parse("http://etcd-1:2379/").is_ok());
+        for bad in [
+            "127.0.0.1:2379",
+            "https://h:1",
+            "http://h",
+            "http://h:0",
+            "http://:1",
+            "http://h:1/v3",
+            "http://u@h:1",
+        ] {
+            assert!(Endpoint::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

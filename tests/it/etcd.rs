@@ -1,0 +1,360 @@
+//! ferry's etcd client (`ferry-etcd`, over etcd's JSON gateway) against a real etcd: every call
+//! the cluster makes, leases that expire and are revoked, a watch that sees each change once and
+//! in order, failing over to a later endpoint, and peers that are not etcd.
+
+use std::time::Duration;
+
+use ferry::etcd::{Etcd, EtcdError, Event, EventKind, TxnOp, WatchBatch};
+use ferry::testing::Etcd as TestEtcd;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+async fn client(etcd: &TestEtcd) -> Etcd {
+    let endpoints = ferry::proto::cluster::endpoints(&etcd.cluster()).unwrap();
+    Etcd::connect(&endpoints, TIMEOUT).await.unwrap()
+}
+
+fn pairs(range: &ferry::etcd::Range) -> Vec<(&[u8], &[u8])> {
+    range
+        .kvs
+        .iter()
+        .map(|kv| (kv.key.as_slice(), kv.value.as_slice()))
+        .collect()
+}
+
+/// The next batch of events, within a few seconds.
+async fn events(watch: &mut ferry::etcd::Watch) -> Vec<Event> {
+    match tokio::time::timeout(TIMEOUT, watch.next()).await {
+        Ok(Ok(Some(WatchBatch::Events(events)))) => events,
+        other => panic!("expected events, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_call_the_cluster_makes_against_a_real_etcd() {
+    let etcd = TestEtcd::start().await;
+    let mut c = client(&etcd).await;
+
+    // Puts, a prefix read in key order (binary keys and values intact), a single get, a delete.
+    c.put(b"/t/b", b"2", None).await.unwrap();
+    c.put(b"/t/a", &[0, 255, 10], None).await.unwrap();
+    c.put(b"/u", b"outside", None).await.unwrap();
+    let range = c.get_prefix(b"/t/").await.unwrap();
+    assert_eq!(
+        pairs(&range),
+        [(&b"/t/a"[..], &[0u8, 255, 10][..]), (b"/t/b", b"2")]
+    );
+    assert!(range.revision >= 3);
+    assert_eq!(
+        pairs(&c.get(b"/t/b").await.unwrap()),
+        [(&b"/t/b"[..], &b"2"[..])]
+    );
+    assert!(c.get(b"/t/").await.unwrap().kvs.is_empty());
+    c.delete(b"/t/b").await.unwrap();
+    c.delete(b"/t/never").await.unwrap();
+    assert_eq!(c.get_prefix(b"/t/").await.unwrap().kvs.len(), 1);
+
+    // A watch from the revision after a read sees every later change once, in order.
+    let read = c.get_prefix(b"/t/").await.unwrap();
+    let mut watch = c.watch_prefix(b"/t/", read.revision + 1).await.unwrap();
+    // A transaction applies all of its operations, under a lease where asked.
+    let lease = c.lease_grant(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(lease.ttl, Duration::from_secs(30));
+    c.txn(&[
+        TxnOp::Put {
+            key: b"/t/c",
+            value: b"3",
+            lease: Some(lease.id),
+        },
+        TxnOp::Delete { key: b"/t/a" },
+        TxnOp::Put {
+            key: b"/u2",
+            value: b"not watched",
+            lease: None,
+        },
+    ])
+    .await
+    .unwrap();
+    let seen = events(&mut watch).await;
+    let seen: Vec<(EventKind, &[u8], &[u8])> = seen
+        .iter()
+        .map(|e| (e.kind, e.kv.key.as_slice(), e.kv.value.as_slice()))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (EventKind::Put, &b"/t/c"[..], &b"3"[..]),
+            (EventKind::Delete, b"/t/a", b""),
+        ]
+    );
+    let c_kv = c.get(b"/t/c").await.unwrap();
+    assert_eq!(c_kv.kvs[0].lease, lease.id.get());
+
+    // Keep-alive renews; revoking deletes the lease's keys at once (and the watch says so).
+    let left = c.lease_keep_alive(lease.id).await.unwrap();
+    assert_eq!(left, Some(Duration::from_secs(30)));
+    c.lease_revoke(lease.id).await.unwrap();
+    assert!(c.get(b"/t/c").await.unwrap().kvs.is_empty());
+    let gone = events(&mut watch).await;
+    assert_eq!(gone.len(), 1);
+    assert_eq!(
+        (gone[0].kind, gone[0].kv.key.as_slice()),
+        (EventKind::Delete, &b"/t/c"[..])
+    );
+
+    // A revoked lease: keep-alive says it expired, a second revoke is etcd's refusal, typed.
+    assert_eq!(c.lease_keep_alive(lease.id).await.unwrap(), None);
+    match c.lease_revoke(lease.id).await {
+        Err(EtcdError::Refused { message, code, .. }) => {
+            assert!(message.contains("lease not found"), "{message}");
+            assert_eq!(code, 5);
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+
+    // A lease that is not renewed expires on its own, and takes its keys with it. (A millisecond
+    // is asked for: rounded up to a whole second, then raised to etcd's own minimum.)
+    let short = c.lease_grant(Duration::from_millis(1)).await.unwrap();
+    assert!(short.ttl >= Duration::from_secs(1), "{:?}", short.ttl);
+    c.put(b"/t/short", b"x", Some(short.id)).await.unwrap();
+    let put = events(&mut watch).await;
+    assert_eq!(
+        (put[0].kind, put[0].kv.key.as_slice()),
+        (EventKind::Put, &b"/t/short"[..])
+    );
+    // etcd checks for expired leases every half second or so: the delete comes within the TTL
+    // plus a few seconds.
+    let expired = tokio::time::timeout(short.ttl + TIMEOUT, watch.next())
+        .await
+        .expect("the lease expired")
+        .unwrap();
+    match expired {
+        Some(WatchBatch::Events(e)) => {
+            assert_eq!(
+                (e[0].kind, e[0].kv.key.as_slice()),
+                (EventKind::Delete, &b"/t/short"[..])
+            )
+        }
+        other => panic!("expected the expiry's delete, got {other:?}"),
+    }
+    assert_eq!(c.lease_keep_alive(short.id).await.unwrap(), None);
+
+    // The etcd cluster's own member list names its peer URL.
+    let members = c.member_list().await.unwrap();
+    assert_eq!(members.len(), 1);
+    assert_eq!(members[0].name, "ferry-test");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_etcd_ends_a_watch_and_the_client_connects_again_once_it_is_back() {
+    let mut etcd = TestEtcd::start().await;
+    let mut c = client(&etcd).await;
+    c.put(b"/w/a", b"1", None).await.unwrap();
+    let mut watch = c.watch_prefix(b"/w/", 1).await.unwrap();
+    assert_eq!(events(&mut watch).await.len(), 1);
+    // etcd going away ends the stream, with an error or its end, never a hang.
+    etcd.stop();
+    let ended = tokio::time::timeout(TIMEOUT, watch.next()).await.unwrap();
+    assert!(!matches!(ended, Ok(Some(_))), "{ended:?}");
+    // The client's next call says who did not answer.
+    match c.get(b"/w/a").await {
+        Err(EtcdError::Unreachable { tried, .. }) => assert!(tried.contains("127.0.0.1")),
+        Err(EtcdError::Http { .. }) => {}
+        other => panic!("expected etcd unreachable, got {other:?}"),
+    }
+    // Back again: the same client connects anew on its next call.
+    etcd.resume().await;
+    assert_eq!(
+        pairs(&c.get(b"/w/a").await.unwrap()),
+        [(&b"/w/a"[..], &b"1"[..])]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_first_endpoint_fails_over_and_none_answering_names_them_all() {
+    let etcd = TestEtcd::start().await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let mut endpoints = vec![format!("http://{dead}")];
+    endpoints.extend(ferry::proto::cluster::endpoints(&etcd.cluster()).unwrap());
+    let mut c = Etcd::connect(&endpoints, TIMEOUT).await.unwrap();
+    assert_eq!(c.endpoint(), endpoints[1]);
+    c.put(b"k", b"v", None).await.unwrap();
+
+    match Etcd::connect(&endpoints[..1], TIMEOUT).await {
+        Err(e @ EtcdError::Unreachable { .. }) => {
+            assert!(e.to_string().contains(&dead.to_string()), "{e}")
+        }
+        other => panic!("expected unreachable, got {:?}", other.err()),
+    }
+    for bad in [
+        "https://127.0.0.1:2379",
+        "127.0.0.1:2379",
+        "http://h:1/path",
+    ] {
+        assert!(matches!(
+            Etcd::connect(&[bad.to_string()], TIMEOUT).await,
+            Err(EtcdError::Endpoint(_))
+        ));
+    }
+}
+
+fn answer_200(body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// A peer that answers every request on a connection with `answer`, for tests of what the
+/// client makes of a server that is not etcd.
+async fn fake_etcd(answer: Vec<u8>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let mut request = vec![0u8; 64 * 1024];
+                let _ = stream.read(&mut request).await;
+                let _ = stream.write_all(&answer).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_is_not_etcd_gets_a_typed_error_never_a_panic_or_a_hang() {
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "not json",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello".to_vec(),
+        ),
+        ("bad base64", answer_200(r#"{"kvs":[{"key":"***"}]}"#)),
+        ("a number for a key", answer_200(r#"{"kvs":[{"key":1}]}"#)),
+        (
+            "a revision that is no integer",
+            answer_200(r#"{"header":{"revision":"x"}}"#),
+        ),
+        (
+            "too large",
+            format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                ferry::etcd::MAX_ANSWER + 1
+            )
+            .into_bytes(),
+        ),
+        (
+            "a status with no etcd error",
+            b"HTTP/1.1 500 Oops\r\nContent-Length: 2\r\n\r\nno".to_vec(),
+        ),
+        ("silence", Vec::new()),
+    ];
+    for (what, answer) in cases {
+        let endpoint = fake_etcd(answer).await;
+        let mut c = Etcd::connect(&[endpoint], Duration::from_millis(500))
+            .await
+            .unwrap();
+        let got = c.get_prefix(b"/ferry/").await;
+        match (what, &got) {
+            ("too large", Err(EtcdError::TooLarge { .. }))
+            | ("silence", Err(EtcdError::Timeout { .. } | EtcdError::Http { .. }))
+            | (_, Err(EtcdError::Malformed { .. })) => {}
+            _ => panic!("{what}: {got:?}"),
+        }
+    }
+}
+
+/// A peer that streams `chunks` (HTTP/1.1 chunked) as the answer to a watch, then ends it.
+async fn fake_watch(chunks: Vec<&'static str>) -> Etcd {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let chunks = chunks.clone();
+            tokio::spawn(async move {
+                let mut request = vec![0u8; 64 * 1024];
+                let _ = stream.read(&mut request).await;
+                let head = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+                stream.write_all(head.as_bytes()).await.unwrap();
+                for chunk in chunks {
+                    let framed = format!("{:x}\r\n{chunk}\r\n", chunk.len());
+                    stream.write_all(framed.as_bytes()).await.unwrap();
+                    stream.flush().await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let _ = stream.write_all(b"0\r\n\r\n").await;
+            });
+        }
+    });
+    Etcd::connect(&[format!("http://{addr}")], TIMEOUT)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_messages_are_read_whole_however_the_stream_cuts_them() {
+    let created = r#"{"result":{"created":true}}"#;
+    // Two messages in one chunk, then one cut in three, then etcd's end of the stream.
+    let c = fake_watch(vec![
+        created,
+        "\n{\"result\":{\"events\":[{\"kv\":{\"key\":\"YQ==\",\"value\":\"MQ==\"}}]}}\n{\"result\":{\"events\":[{\"type\":\"DELETE\",\"kv\":{\"key\":\"YQ==\"}}]}}\n",
+        "{\"result\":{\"eve",
+        "nts\":[{\"kv\":{\"key\":\"Yg==\",\"val",
+        "ue\":\"Mg==\"}}]}}\n",
+        "{\"result\":{\"canceled\":true,\"cancel_reason\":\"compacted\",\"compact_revision\":\"9\"}}\n",
+    ])
+    .await;
+    let mut watch = c.watch_prefix(b"", 1).await.unwrap();
+    let keys = |b: Option<WatchBatch>| match b {
+        Some(WatchBatch::Events(e)) => e
+            .into_iter()
+            .map(|e| (e.kind, e.kv.key, e.kv.value))
+            .collect::<Vec<_>>(),
+        other => panic!("expected events, got {other:?}"),
+    };
+    assert_eq!(
+        keys(watch.next().await.unwrap()),
+        [(EventKind::Put, b"a".to_vec(), b"1".to_vec())]
+    );
+    assert_eq!(
+        keys(watch.next().await.unwrap()),
+        [(EventKind::Delete, b"a".to_vec(), Vec::new())]
+    );
+    assert_eq!(
+        keys(watch.next().await.unwrap()),
+        [(EventKind::Put, b"b".to_vec(), b"2".to_vec())]
+    );
+    assert_eq!(
+        watch.next().await.unwrap(),
+        Some(WatchBatch::Canceled {
+            reason: "compacted".into(),
+            compact_revision: 9
+        })
+    );
+    assert_eq!(watch.next().await.unwrap(), None);
+
+    // A watch etcd does not confirm, and a message that is not etcd's JSON, are errors.
+    let c = fake_watch(vec![r#"{"result":{"canceled":true}}"#]).await;
+    assert!(matches!(
+        c.watch_prefix(b"", 1).await,
+        Err(EtcdError::Refused { .. })
+    ));
+    let c = fake_watch(vec![created, "{\"result\":[1,2]}\n"]).await;
+    let mut watch = c.watch_prefix(b"", 1).await.unwrap();
+    assert!(matches!(
+        watch.next().await,
+        Err(EtcdError::Malformed { .. })
+    ));
+    let c = fake_watch(vec![created, r#"{"error":{"code":14,"message":"gone"}}"#]).await;
+    let mut watch = c.watch_prefix(b"", 1).await.unwrap();
+    assert!(matches!(
+        watch.next().await,
+        Err(EtcdError::Refused { code: 14, .. })
+    ));
+}
