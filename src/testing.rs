@@ -601,7 +601,7 @@ pub async fn tls_client(node: &TestNode, tls: &ferry_io::ClientTls) -> Result<Cl
     .await
 }
 
-/// A real etcd (Debian's `etcd-server`; `.ci/run` installs it) on free loopback ports, with its
+/// A real etcd (Debian's `etcd-server`; `tests/run.sh` installs it) on free loopback ports, with its
 /// data in a temporary directory, for the cluster tests. Stopped (killed) when dropped.
 pub struct Etcd {
     child: Option<std::process::Child>,
@@ -702,7 +702,7 @@ impl Etcd {
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
-            .expect("etcd runs (Debian's etcd-server; .ci/run installs it)");
+            .expect("etcd runs (Debian's etcd-server; tests/run.sh installs it)");
         self.child = Some(child);
         let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
         let ours = format!("127.0.0.1:{}", self.peer_port);

@@ -164,9 +164,14 @@ async fn session(
                 return Ok(());
             }
             _ = renew.tick() => {
-                let left = match client.lease_keep_alive(lease).await {
-                    Err(EtcdError::Timeout { .. }) => return Err(ClusterError::Silent(timeout)),
-                    answer => answer?,
+                // The whole renewal, a reconnection included, within the timeout: etcd's
+                // silence must end the session well before the lease can expire unnoticed.
+                let renewed = tokio::time::timeout(timeout, client.lease_keep_alive(lease)).await;
+                let left = match renewed {
+                    Err(_) | Ok(Err(EtcdError::Timeout { .. })) => {
+                        return Err(ClusterError::Silent(timeout));
+                    }
+                    Ok(answer) => answer?,
                 };
                 if left.is_none() {
                     return Err(ClusterError::LeaseExpired);

@@ -212,7 +212,8 @@ fn answer_200(body: &str) -> Vec<u8> {
 
 /// A peer that answers every request on a connection with `answer`, for tests of what the
 /// client makes of a server that is not etcd.
-async fn fake_etcd(answer: Vec<u8>) -> String {
+/// Each connection stays open `hold` after the answer.
+async fn fake_etcd(answer: Vec<u8>, hold: Duration) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -222,6 +223,7 @@ async fn fake_etcd(answer: Vec<u8>) -> String {
                 let mut request = vec![0u8; 64 * 1024];
                 let _ = stream.read(&mut request).await;
                 let _ = stream.write_all(&answer).await;
+                tokio::time::sleep(hold).await;
             });
         }
     });
@@ -256,15 +258,17 @@ async fn a_peer_that_is_not_etcd_gets_a_typed_error_never_a_panic_or_a_hang() {
         ("silence", Vec::new()),
     ];
     for (what, answer) in cases {
-        let endpoint = fake_etcd(answer).await;
+        // The silent peer keeps its connection open: only the client's timeout ends the wait.
+        let endpoint = fake_etcd(answer, Duration::from_secs(30)).await;
         let mut c = Etcd::connect(&[endpoint], Duration::from_millis(500))
             .await
             .unwrap();
         let got = c.get_prefix(b"/ferry/").await;
         match (what, &got) {
             ("too large", Err(EtcdError::TooLarge { .. }))
-            | ("silence", Err(EtcdError::Timeout { .. } | EtcdError::Http { .. }))
-            | (_, Err(EtcdError::Malformed { .. })) => {}
+            | ("silence", Err(EtcdError::Timeout { .. })) => {}
+            ("too large" | "silence", _) => panic!("{what}: {got:?}"),
+            (_, Err(EtcdError::Malformed { .. })) => {}
             _ => panic!("{what}: {got:?}"),
         }
     }
@@ -299,11 +303,11 @@ async fn fake_watch(chunks: Vec<&'static str>) -> Etcd {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_messages_are_read_whole_however_the_stream_cuts_them() {
-    let created = r#"{"result":{"created":true}}"#;
+    let created = "{\"result\":{\"created\":true}}\n";
     // Two messages in one chunk, then one cut in three, then etcd's end of the stream.
     let c = fake_watch(vec![
         created,
-        "\n{\"result\":{\"events\":[{\"kv\":{\"key\":\"YQ==\",\"value\":\"MQ==\"}}]}}\n{\"result\":{\"events\":[{\"type\":\"DELETE\",\"kv\":{\"key\":\"YQ==\"}}]}}\n",
+        "{\"result\":{\"events\":[{\"kv\":{\"key\":\"YQ==\",\"value\":\"MQ==\"}}]}}\n{\"result\":{\"events\":[{\"type\":\"DELETE\",\"kv\":{\"key\":\"YQ==\"}}]}}\n",
         "{\"result\":{\"eve",
         "nts\":[{\"kv\":{\"key\":\"Yg==\",\"val",
         "ue\":\"Mg==\"}}]}}\n",
@@ -340,21 +344,71 @@ async fn watch_messages_are_read_whole_however_the_stream_cuts_them() {
     assert_eq!(watch.next().await.unwrap(), None);
 
     // A watch etcd does not confirm, and a message that is not etcd's JSON, are errors.
-    let c = fake_watch(vec![r#"{"result":{"canceled":true}}"#]).await;
+    let c = fake_watch(vec!["{\"result\":{\"canceled\":true}}\n"]).await;
     assert!(matches!(
         c.watch_prefix(b"", 1).await,
         Err(EtcdError::Refused { .. })
     ));
-    let c = fake_watch(vec![created, "{\"result\":[1,2]}\n"]).await;
-    let mut watch = c.watch_prefix(b"", 1).await.unwrap();
     assert!(matches!(
-        watch.next().await,
+        first_after_created(vec!["{\"result\":[1,2]}\n"]).await,
         Err(EtcdError::Malformed { .. })
     ));
-    let c = fake_watch(vec![created, r#"{"error":{"code":14,"message":"gone"}}"#]).await;
-    let mut watch = c.watch_prefix(b"", 1).await.unwrap();
     assert!(matches!(
-        watch.next().await,
+        first_after_created(vec![
+            "{\"error\":{\"grpc_code\":14,\"message\":\"gone\"}}\n"
+        ])
+        .await,
         Err(EtcdError::Refused { code: 14, .. })
     ));
+    // A stream that ends within a message: an error, not a quiet end.
+    assert!(matches!(
+        first_after_created(vec!["{\"result\":{\"events\":["]).await,
+        Err(EtcdError::Malformed { .. })
+    ));
+    // Blank lines between messages are nothing; a byte at a time is as good as whole.
+    assert_eq!(
+        first_after_created(vec!["\n", " \n", "{", "\"result\"", ":{}", "}", "\n"])
+            .await
+            .unwrap(),
+        Some(WatchBatch::Events(Vec::new()))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_dropped_halfway_leaves_a_client_that_still_works() {
+    let etcd = TestEtcd::start().await;
+    let mut c = client(&etcd).await;
+    c.put(b"k", b"v", None).await.unwrap();
+    // Calls cancelled at every stage (before sending, waiting for the answer, reading it): the
+    // next call on the same client connects again where it must, and answers right.
+    for micros in [0u64, 1, 10, 50, 100, 200, 500, 1000, 2000, 5000] {
+        let _ = tokio::time::timeout(Duration::from_micros(micros), c.get(b"k")).await;
+        assert_eq!(pairs(&c.get(b"k").await.unwrap()), [(&b"k"[..], &b"v"[..])]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_that_accepts_but_never_answers_is_left_for_the_next() {
+    let etcd = TestEtcd::start().await;
+    // The first endpoint takes connections and reads requests, and never answers.
+    let mute = fake_etcd(Vec::new(), Duration::from_secs(30)).await;
+    let mut endpoints = vec![mute.clone()];
+    endpoints.extend(ferry::proto::cluster::endpoints(&etcd.cluster()).unwrap());
+    let mut c = Etcd::connect(&endpoints, Duration::from_millis(500))
+        .await
+        .unwrap();
+    assert_eq!(c.endpoint(), mute);
+    assert!(matches!(c.get(b"k").await, Err(EtcdError::Timeout { .. })));
+    // The next call starts from the endpoint after the one that failed.
+    c.put(b"k", b"v", None).await.unwrap();
+    assert_eq!(c.endpoint(), endpoints[1]);
+}
+
+/// What a watch gives first when the peer confirms it and then streams `chunks`.
+async fn first_after_created(chunks: Vec<&'static str>) -> Result<Option<WatchBatch>, EtcdError> {
+    let mut all = vec!["{\"result\":{\"created\":true}}\n"];
+    all.extend(chunks);
+    let c = fake_watch(all).await;
+    let mut watch = c.watch_prefix(b"", 1).await.unwrap();
+    watch.next().await
 }

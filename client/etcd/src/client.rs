@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use serde::de::IgnoredAny;
+
 use crate::error::EtcdError;
 use crate::link::{Endpoint, Link};
 use crate::watch::Watch;
@@ -66,11 +68,15 @@ pub enum TxnOp<'a> {
 }
 
 /// A client of one etcd cluster, connected to one of its endpoints at a time. A call on a
-/// connection that closed connects again, to the endpoints in their order; a call that fails
-/// is not retried (the caller decides: a node starts a new session).
+/// connection that closed (or that a failed, timed-out or dropped call left unusable) connects
+/// again, trying the endpoints in turn from the one after the endpoint that failed, so that an
+/// endpoint that accepts connections but does not answer is not chosen again and again; a call
+/// that fails is not retried (the caller decides: a node starts a new session).
 pub struct Etcd {
     endpoints: Vec<Endpoint>,
     link: Link,
+    /// The index of the link's endpoint in `endpoints`.
+    current: usize,
     timeout: Duration,
 }
 
@@ -82,10 +88,17 @@ impl Etcd {
             .iter()
             .map(|e| Endpoint::parse(e))
             .collect::<Result<Vec<_>, _>>()?;
-        let link = open_first(&endpoints, timeout).await?;
+        if endpoints.is_empty() {
+            return Err(EtcdError::Unreachable {
+                tried: String::new(),
+                last: "no endpoint given".into(),
+            });
+        }
+        let (current, link) = open_first(&endpoints, 0, timeout).await?;
         Ok(Etcd {
             endpoints,
             link,
+            current,
             timeout,
         })
     }
@@ -98,7 +111,8 @@ impl Etcd {
     /// The link, connected again if it closed.
     async fn link(&mut self) -> Result<&mut Link, EtcdError> {
         if self.link.is_closed() {
-            self.link = open_first(&self.endpoints, self.timeout).await?;
+            let next = (self.current + 1) % self.endpoints.len();
+            (self.current, self.link) = open_first(&self.endpoints, next, self.timeout).await?;
         }
         Ok(&mut self.link)
     }
@@ -108,9 +122,11 @@ impl Etcd {
         self.range(key, None).await
     }
 
-    /// Every key that starts with `prefix`.
+    /// Every key that starts with `prefix` (every key, for an empty one).
     pub async fn get_prefix(&mut self, prefix: &[u8]) -> Result<Range, EtcdError> {
-        self.range(prefix, Some(wire::prefix_end(prefix))).await
+        // etcd reads an empty key as no key; `\0` is the first key there is.
+        let start: &[u8] = if prefix.is_empty() { b"\0" } else { prefix };
+        self.range(start, Some(wire::prefix_end(prefix))).await
     }
 
     async fn range(&mut self, key: &[u8], end: Option<Vec<u8>>) -> Result<Range, EtcdError> {
@@ -133,7 +149,7 @@ impl Etcd {
         lease: Option<LeaseId>,
     ) -> Result<(), EtcdError> {
         let request = put_request(key, value, lease);
-        let _: serde_json::Value = self.link().await?.call("/v3/kv/put", &request).await?;
+        let _: IgnoredAny = self.link().await?.call("/v3/kv/put", &request).await?;
         Ok(())
     }
 
@@ -142,7 +158,7 @@ impl Etcd {
         let request = DeleteRangeRequest {
             key: wire::base64(key),
         };
-        let _: serde_json::Value = self
+        let _: IgnoredAny = self
             .link()
             .await?
             .call("/v3/kv/deleterange", &request)
@@ -165,13 +181,15 @@ impl Etcd {
                 })
                 .collect(),
         };
-        let _: serde_json::Value = self.link().await?.call("/v3/kv/txn", &request).await?;
+        let _: IgnoredAny = self.link().await?.call("/v3/kv/txn", &request).await?;
         Ok(())
     }
 
     /// Asks for a lease of `ttl` (rounded up to whole seconds, at least one).
     pub async fn lease_grant(&mut self, ttl: Duration) -> Result<Lease, EtcdError> {
-        let seconds = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+        let seconds = ttl
+            .as_secs()
+            .saturating_add(u64::from(ttl.subsec_nanos() > 0));
         let request = LeaseGrantRequest {
             ttl: i64::try_from(seconds.max(1)).unwrap_or(i64::MAX),
         };
@@ -207,7 +225,7 @@ impl Etcd {
     /// Revokes `lease`: every key attached to it is deleted at once.
     pub async fn lease_revoke(&mut self, lease: LeaseId) -> Result<(), EtcdError> {
         let request = LeaseRequest { id: lease.0 };
-        let _: serde_json::Value = self
+        let _: IgnoredAny = self
             .link()
             .await?
             .call("/v3/lease/revoke", &request)
@@ -225,7 +243,7 @@ impl Etcd {
         let link = Link::open(self.link.endpoint(), self.timeout).await?;
         let request = WatchRequest {
             create_request: WatchCreateRequest {
-                key: wire::base64(prefix),
+                key: wire::base64(if prefix.is_empty() { b"\0" } else { prefix }),
                 range_end: wire::base64(&wire::prefix_end(prefix)),
                 start_revision,
             },
@@ -253,12 +271,18 @@ fn put_request(key: &[u8], value: &[u8], lease: Option<LeaseId>) -> PutRequest {
     }
 }
 
-/// A link to the first endpoint that accepts one; the error names every endpoint tried.
-async fn open_first(endpoints: &[Endpoint], timeout: Duration) -> Result<Link, EtcdError> {
+/// A link to the first endpoint that accepts one, trying them in turn from `start`, with that
+/// endpoint's index; the error names every endpoint tried.
+async fn open_first(
+    endpoints: &[Endpoint],
+    start: usize,
+    timeout: Duration,
+) -> Result<(usize, Link), EtcdError> {
     let mut last = None;
-    for endpoint in endpoints {
-        match Link::open(endpoint, timeout).await {
-            Ok(link) => return Ok(link),
+    for offset in 0..endpoints.len() {
+        let index = (start + offset) % endpoints.len();
+        match Link::open(&endpoints[index], timeout).await {
+            Ok(link) => return Ok((index, link)),
             Err(e) => last = Some(e),
         }
     }

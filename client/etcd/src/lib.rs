@@ -4,7 +4,7 @@
 //! Why not gRPC: the Rust gRPC clients of etcd generate their code from .proto files when they
 //! build, which needs protoc and the protobuf headers on every machine that builds ferry, and
 //! bring a whole RPC stack (tonic, prost, h2, tower, axum) for a dozen calls. etcd serves the
-//! same API as JSON over HTTP/1.1 (the grpc-gateway, on by default since etcd 3.3), so ferry
+//! same API as JSON over HTTP/1.1 (the grpc-gateway, under `/v3/` since etcd 3.4), so ferry
 //! builds with nothing but a Rust toolchain. The cluster tests run this client against a real
 //! etcd.
 //!

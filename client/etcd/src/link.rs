@@ -53,12 +53,17 @@ impl Endpoint {
 }
 
 /// An open connection to one endpoint. Requests go one at a time (`&mut self`); a request that
-/// fails or times out leaves the connection closed ([`Link::is_closed`]), since HTTP/1.1 cannot
-/// tell which bytes on it belong to which answer after that.
+/// fails, times out or is dropped before its answer was read whole leaves the connection
+/// unusable ([`Link::is_closed`]), since HTTP/1.1 cannot tell which bytes on it belong to which
+/// answer after that.
 pub(crate) struct Link {
     endpoint: Endpoint,
     sender: SendRequest<Full<Bytes>>,
     timeout: Duration,
+    /// Whether the last exchange ended with its answer read to the end. False from the moment a
+    /// request goes out: hyper closes a connection whose request was dropped, but on its own task
+    /// and later, so the sender alone would still look usable right after.
+    settled: bool,
 }
 
 impl Link {
@@ -90,6 +95,7 @@ impl Link {
             endpoint: endpoint.clone(),
             sender,
             timeout,
+            settled: true,
         })
     }
 
@@ -99,7 +105,7 @@ impl Link {
 
     /// Whether the connection can carry no more requests.
     pub(crate) fn is_closed(&self) -> bool {
-        self.sender.is_closed()
+        !self.settled || self.sender.is_closed()
     }
 
     /// Posts `request` to `path` and reads the whole answer (at most [`MAX_ANSWER`] bytes), all
@@ -121,6 +127,7 @@ impl Link {
                 .await
                 .map_err(|e| self.body_error(e))?
                 .to_bytes();
+            self.settled = true;
             self.parse(&body)
         };
         tokio::time::timeout(timeout, exchange)
@@ -180,6 +187,7 @@ impl Link {
             .header(header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| self.http_error(e))?;
+        self.settled = false;
         self.sender.ready().await.map_err(|e| self.http_error(e))?;
         let answer = self
             .sender
@@ -195,8 +203,15 @@ impl Link {
             .await
             .map_err(|e| self.body_error(e))?
             .to_bytes();
-        Err(match serde_json::from_slice::<GatewayError>(&body) {
-            Ok(error) if error.code != 0 || !error.text().is_empty() => {
+        self.settled = true;
+        // A call's error is etcd's status itself; a stream that fails before its first message
+        // wraps it as `{"error": {...}}`.
+        let error = serde_json::from_slice::<StreamItem<serde::de::IgnoredAny>>(&body)
+            .ok()
+            .and_then(|item| item.error)
+            .or_else(|| serde_json::from_slice::<GatewayError>(&body).ok());
+        Err(match error {
+            Some(error) if error.code != 0 || !error.text().is_empty() => {
                 refused(&self.endpoint, &error)
             }
             _ => EtcdError::Malformed {

@@ -12,11 +12,17 @@ use crate::wire::{Event, StreamItem, WatchResponse};
 
 /// A watch etcd created. Its messages come in etcd's order, each change exactly once, from the
 /// revision asked for on.
+///
+/// The gateway ends each message with a newline (protobuf's JSON never holds a raw one), so a
+/// message is parsed once, when its newline arrives, and each received byte is scanned once:
+/// a peer that sends a message a byte at a time costs no more than one that sends it whole.
 pub struct Watch {
     endpoint: Endpoint,
     body: Incoming,
     /// Bytes received and not yet parsed: at most [`MAX_WATCH_MESSAGE`].
     pending: Vec<u8>,
+    /// How much of `pending` is known to hold no newline.
+    scanned: usize,
 }
 
 /// One message of a watch.
@@ -45,6 +51,7 @@ impl Watch {
             endpoint,
             body,
             pending: Vec::new(),
+            scanned: 0,
         };
         let first = tokio::time::timeout(timeout, watch.message())
             .await
@@ -78,17 +85,28 @@ impl Watch {
         }))
     }
 
-    /// Reads until one whole message is buffered and parses it.
+    /// Reads until one whole message is buffered and parses it. Cancel-safe: bytes are kept in
+    /// `pending` before any other await.
     async fn message(&mut self) -> Result<Option<WatchResponse>, EtcdError> {
         loop {
-            if let Some(item) = self.parse_one()? {
+            if let Some(item) = self.take_line()? {
                 return match item.error {
                     Some(error) => Err(refused(&self.endpoint, &error)),
                     None => Ok(Some(item.result.unwrap_or_default())),
                 };
             }
             match self.body.frame().await {
-                None => return Ok(None),
+                // The stream's end: a message cut short by it is an error, not silence.
+                None if self.pending.iter().all(u8::is_ascii_whitespace) => return Ok(None),
+                None => {
+                    return Err(EtcdError::Malformed {
+                        endpoint: self.endpoint.url().to_string(),
+                        detail: format!(
+                            "the watch ended within a message ({} bytes)",
+                            self.pending.len()
+                        ),
+                    });
+                }
                 Some(Err(e)) => {
                     return Err(EtcdError::Http {
                         endpoint: self.endpoint.url().to_string(),
@@ -111,23 +129,33 @@ impl Watch {
         }
     }
 
-    /// The first whole message in `pending`, removed from it; `None` while it is incomplete.
-    fn parse_one(&mut self) -> Result<Option<StreamItem<WatchResponse>>, EtcdError> {
-        let mut values = serde_json::Deserializer::from_slice(&self.pending)
-            .into_iter::<StreamItem<WatchResponse>>();
-        match values.next() {
-            Some(Ok(item)) => {
-                let used = values.byte_offset();
-                self.pending.drain(..used);
-                Ok(Some(item))
+    /// The first whole message in `pending` (a line that is not blank), removed from it with
+    /// the blank lines before it; `None` while no whole message is there.
+    fn take_line(&mut self) -> Result<Option<StreamItem<WatchResponse>>, EtcdError> {
+        while let Some(at) = self.pending[self.scanned..]
+            .iter()
+            .position(|&b| b == b'\n')
+        {
+            let end = self.scanned + at;
+            let line = &self.pending[..end];
+            let item = if line.iter().all(u8::is_ascii_whitespace) {
+                None
+            } else {
+                Some(
+                    serde_json::from_slice(line).map_err(|e| EtcdError::Malformed {
+                        endpoint: self.endpoint.url().to_string(),
+                        detail: e.to_string(),
+                    })?,
+                )
+            };
+            self.pending.drain(..=end);
+            self.scanned = 0;
+            if item.is_some() {
+                return Ok(item);
             }
-            Some(Err(e)) if e.is_eof() => Ok(None),
-            None => Ok(None),
-            Some(Err(e)) => Err(EtcdError::Malformed {
-                endpoint: self.endpoint.url().to_string(),
-                detail: e.to_string(),
-            }),
         }
+        self.scanned = self.pending.len();
+        Ok(None)
     }
 
     fn ended_early(&self) -> EtcdError {
