@@ -62,20 +62,4 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 \
   fail "the GPU tests need Mesa's Vulkan driver (lavapipe) and the Vulkan loader (libvulkan.so.1)"
 fi
 
-# Under CI (CI=true) lints come with the build, as errors: clippy's driver compiles ferry's own
-# crates (cargo's workspace wrapper), so the lints cost no second, check-only compile of every
-# dependency (a third of a cold CI). The benches, which `cargo test` does not build, are built too,
-# and so is the workspace as a user builds it (no dev-dependencies, so without the GPU runtime the
-# tests turn on). Not locally: cargo builds the dependencies apart for a wrapped build, and a
-# plain `cargo test` or `cargo build` afterwards would build them all again (`cargo clippy` lints
-# locally).
-if [ "${CI:-}" = true ]; then
-  clippy-driver --version >/dev/null 2>&1 || fail "CI lints with clippy: rustup component add clippy"
-  export RUSTC_WORKSPACE_WRAPPER=clippy-driver
-  # How cargo-clippy hands clippy-driver its arguments: `-D warnings`.
-  export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
-  cargo build --workspace --locked
-  cargo test --workspace --locked --benches --no-run
-fi
-
 exec cargo test --workspace --locked "$@"

@@ -118,16 +118,7 @@ impl Link {
         let timeout = self.timeout;
         let exchange = async {
             let answer = self.post(path, request).await?;
-            // A declared length over the bound is refused before a byte of it is read.
-            if answer.body().size_hint().lower() > MAX_ANSWER as u64 {
-                return Err(self.too_large());
-            }
-            let body = Limited::new(answer.into_body(), MAX_ANSWER)
-                .collect()
-                .await
-                .map_err(|e| self.body_error(e))?
-                .to_bytes();
-            self.settled = true;
+            let body = self.read_whole(answer).await?;
             self.parse(&body)
         };
         tokio::time::timeout(timeout, exchange)
@@ -198,12 +189,7 @@ impl Link {
             return Ok(answer);
         }
         let status = answer.status();
-        let body = Limited::new(answer.into_body(), MAX_ANSWER)
-            .collect()
-            .await
-            .map_err(|e| self.body_error(e))?
-            .to_bytes();
-        self.settled = true;
+        let body = self.read_whole(answer).await?;
         // A call's error is etcd's status itself; a stream that fails before its first message
         // wraps it as `{"error": {...}}`.
         let error = serde_json::from_slice::<StreamItem<serde::de::IgnoredAny>>(&body)
@@ -219,6 +205,22 @@ impl Link {
                 detail: format!("HTTP status {status}"),
             },
         })
+    }
+
+    /// Reads an answer's body to its end (at most [`MAX_ANSWER`] bytes), which settles the
+    /// exchange: the connection may carry the next request.
+    async fn read_whole(&mut self, answer: hyper::Response<Incoming>) -> Result<Bytes, EtcdError> {
+        // A declared length over the bound is refused before a byte of it is read.
+        if answer.body().size_hint().lower() > MAX_ANSWER as u64 {
+            return Err(self.too_large());
+        }
+        let body = Limited::new(answer.into_body(), MAX_ANSWER)
+            .collect()
+            .await
+            .map_err(|e| self.body_error(e))?
+            .to_bytes();
+        self.settled = true;
+        Ok(body)
     }
 
     fn parse<T: DeserializeOwned>(&self, body: &[u8]) -> Result<T, EtcdError> {
