@@ -83,9 +83,11 @@ fn main() {
         .build()
         .unwrap();
     let mut client = runtime
-        .block_on(Client::connect(node.addr.as_str(), None))
+        .block_on(Client::connect(node.addr.as_str()).open())
         .unwrap();
-    runtime.block_on(client.put(0, "w", &data)).unwrap();
+    runtime
+        .block_on(client.put(&TensorKey::new(0, "w"), &data))
+        .unwrap();
     // The file, written by `ferry get` itself and read back once: in the page cache.
     let seed = format!("{}/0/w", node.addr);
     timed(&cli, &["get", &seed, "-o", &file_arg]);
@@ -110,7 +112,9 @@ fn main() {
             puts.push(elapsed);
         }
     }
-    runtime.block_on(client.put(0, "w", &data)).unwrap();
+    runtime
+        .block_on(client.put(&TensorKey::new(0, "w"), &data))
+        .unwrap();
     let mut gets = Vec::with_capacity(RUNS);
     for run in 0..=RUNS {
         let out = dir.path().join(format!("out{run}.safetensors"));

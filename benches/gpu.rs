@@ -53,7 +53,7 @@ fn main() {
         .build()
         .unwrap();
     let mut client = runtime
-        .block_on(Client::connect(node.addr.as_str(), None))
+        .block_on(Client::connect(node.addr.as_str()).open())
         .expect("connect");
     // 256 MiB where the adapter takes a buffer that large; else the most whole MiB below its
     // largest buffer that leaves room for the Q8S scale (Mesa's software adapters: 128 MiB, so
@@ -115,7 +115,7 @@ fn main() {
             let held = node.rss();
             let started = Instant::now();
             runtime
-                .block_on(client.put(1, "bench.w", &data))
+                .block_on(client.put(&TensorKey::new(1, "bench.w"), &data))
                 .expect("put to the GPU device");
             let put_took = started.elapsed();
             let started = Instant::now();

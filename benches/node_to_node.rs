@@ -184,7 +184,10 @@ async fn cold_copies(binary: &Path, data: &TensorData, runs: usize, pool: Option
     // One more than measured: the first opens B's link to A.
     for run in 0..=runs {
         let key = TensorKey::new(0, format!("cold{run}"));
-        source.put(0, &key.name, data).await.expect("put on A");
+        source
+            .put(&TensorKey::new(0, &key.name), data)
+            .await
+            .expect("put on A");
         // A computes a put's content hash after answering it, and a grant waits for it: that
         // belongs to the put, not to the pull measured here.
         verified_since(&mut source, Instant::now()).await;
@@ -230,17 +233,18 @@ async fn tls_copies(binary: &Path, data: &TensorData, runs: usize) -> Rate {
         )
     };
     let (a, b) = (start("bench-tls-a"), start("bench-tls-b"));
-    let config = ferry_client::ClientConfig {
-        tls: Some(pki.client("bench")),
-        ..Default::default()
-    };
+    let tls = pki.client("bench");
     let connect = async |node: &NodeProcess| {
-        Client::connect_with(node.addr.as_str(), config.clone())
+        Client::connect(node.addr.as_str())
+            .tls(tls.clone())
             .await
             .expect("connect to a node over TLS")
     };
     let (mut source, mut target) = (connect(&a).await, connect(&b).await);
-    source.put(0, NAME, data).await.expect("put on A");
+    source
+        .put(&TensorKey::new(0, NAME), data)
+        .await
+        .expect("put on A");
     let key = TensorKey::new(0, NAME);
     pull_once(&mut source, &mut target, &key, &a.addr, bytes).await;
     let back = target.get(&key).await.expect("get from B");
@@ -352,7 +356,10 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
     let b = NodeProcess::start(binary, "bench-b", &[]);
     let (mut mem_a, mut mem_b) = (Memory::of(&a), Memory::of(&b));
     let (mut source, mut target) = clients(&a, &b).await;
-    source.put(0, NAME, &data).await.expect("put on A");
+    source
+        .put(&TensorKey::new(0, NAME), &data)
+        .await
+        .expect("put on A");
     let key = TensorKey::new(0, NAME);
     let copy = async |source: &mut Client, target: &mut Client| {
         pull_once(source, target, &key, &a.addr, bytes).await;

@@ -107,19 +107,25 @@ async fn ferry_copy(binary: &Path, data: &TensorData, route: Route) -> Copies {
     let b = NodeProcess::start(binary, "bench-b", &as_strs(&b_args));
     let reach = |node: &NodeProcess| node.unix.clone().unwrap_or_else(|| node.addr.clone());
     let (a_addr, b_addr) = (reach(&a), reach(&b));
-    let mut source = Client::connect(a_addr.as_str(), None)
+    let mut source = Client::connect(a_addr.as_str())
         .await
         .expect("connect to A");
-    let mut target = Client::connect(b_addr.as_str(), None)
+    let mut target = Client::connect(b_addr.as_str())
         .await
         .expect("connect to B");
     if matches!(route, Route::ShmNew | Route::ShmShareable) {
-        let mut over_tcp = Client::connect(a.addr.as_str(), None)
+        let mut over_tcp = Client::connect(a.addr.as_str())
             .await
             .expect("connect to A over TCP");
-        over_tcp.put(0, NAME, data).await.expect("put on A");
+        over_tcp
+            .put(&TensorKey::new(0, NAME), data)
+            .await
+            .expect("put on A");
     } else {
-        source.put(0, NAME, data).await.expect("put on A");
+        source
+            .put(&TensorKey::new(0, NAME), data)
+            .await
+            .expect("put on A");
     }
     let key = TensorKey::new(0, NAME);
     let copy = async |source: &mut Client, target: &mut Client| {

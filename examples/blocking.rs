@@ -25,10 +25,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     let addr = rx.recv()?;
 
-    let mut client = BlockingClient::connect(addr, None)?;
+    let mut client = BlockingClient::connect(addr).blocking()?;
     let data = TensorData::new(vec![1u8, 2, 3, 4], [2, 2]);
-    client.put(0, "mask", &data)?;
-    client.copy(&TensorKey::new(0, "mask"), 1, None)?;
+    client.put(&TensorKey::new(0, "mask"), &data)?;
+    client.copy(&TensorKey::new(0, "mask"), &TensorKey::new(0, "mask").on(1))?;
     let back = client.get(&TensorKey::new(1, "mask"))?;
     assert_eq!(back.as_bytes(), data.as_bytes());
     for info in client.list(None)? {

@@ -7,7 +7,7 @@
 
 use burn_tensor::quantization::{QuantScheme, QuantStore, QuantValue};
 use burn_tensor::{Device, Tensor};
-use ferry::client::{Client, ClientError, NodeCopy, TensorKey, copy_between};
+use ferry::client::{Client, ClientError, IfExists, NodeCopy, TensorKey, Transfer};
 use ferry::proto::{DType, TensorData};
 use ferry::server::{Node, NodeConfig, Service, ServiceConfig};
 
@@ -31,17 +31,19 @@ async fn main() -> Result<(), ClientError> {
     let (a, b) = (start_node().await, start_node().await);
 
     // connect: a token is needed only when the node was started with one.
-    let mut client = Client::connect(a, None).await?;
+    let mut client = Client::connect(a).await?;
 
     // put: upload under a name; answered once the node registered it.
     let weights = TensorData::new((0..12).map(|i| i as f32 / 7.0).collect::<Vec<_>>(), [3, 4]);
-    let info = client.put(0, "encoder.w", &weights).await?;
+    let info = client
+        .put(&TensorKey::new(0, "encoder.w"), &weights)
+        .await?;
     println!("put {} ({} bytes, {:?})", info.key, info.bytes, info.shape);
 
-    // put_with: a node-chosen name, or overwrite an existing tensor.
-    let named = client.put_with(0, None, &weights, false).await?;
+    // put_unnamed / put_with: a node-chosen name, or replace an existing tensor.
+    let named = client.put_unnamed(0, &weights).await?;
     client
-        .put_with(0, Some("encoder.w"), &weights, true)
+        .put_with(&TensorKey::new(0, "encoder.w"), &weights, IfExists::Replace)
         .await?;
     println!("the node named the second upload {}", named.key);
 
@@ -53,20 +55,20 @@ async fn main() -> Result<(), ClientError> {
     println!("get {} path={}", info.key, info.path);
 
     // put_batch / get_batch: a whole model in one pipelined exchange, one answer per tensor.
-    let model: Vec<(String, TensorData)> = (0..4)
+    let model: Vec<(TensorKey, TensorData)> = (0..4)
         .map(|i| {
             (
-                format!("layer{i}.b"),
+                TensorKey::new(1, format!("layer{i}.b")),
                 TensorData::new(vec![i as i64; 8], [8]),
             )
         })
         .collect();
-    for answer in client.put_batch(1, &model, false).await? {
+    for answer in client.put_batch(&model, IfExists::Refuse).await? {
         answer?;
     }
-    let keys: Vec<TensorKey> = model.iter().map(|(n, _)| TensorKey::new(1, n)).collect();
-    for (answer, (name, data)) in client.get_batch(&keys).await?.into_iter().zip(&model) {
-        assert_eq!(answer?.as_bytes(), data.as_bytes(), "{name}");
+    let keys: Vec<TensorKey> = model.iter().map(|(key, _)| key.clone()).collect();
+    for (answer, (key, data)) in client.get_batch(&keys).await?.into_iter().zip(&model) {
+        assert_eq!(answer?.as_bytes(), data.as_bytes(), "{key}");
     }
 
     // put_tensor / get_tensor: Burn tensors, quantized ones included, on a device you name.
@@ -75,7 +77,9 @@ async fn main() -> Result<(), ClientError> {
         .with_value(QuantValue::Q8S)
         .with_store(QuantStore::Native);
     let quantized = Tensor::<2>::from_data(weights.clone(), &device).quantize_dynamic(&scheme);
-    client.put_tensor(0, "encoder.q", quantized.clone()).await?;
+    client
+        .put_tensor(&TensorKey::new(0, "encoder.q"), quantized.clone())
+        .await?;
     let fetched: Tensor<2> = client
         .get_tensor(&TensorKey::new(0, "encoder.q"), &device)
         .await?;
@@ -86,17 +90,19 @@ async fn main() -> Result<(), ClientError> {
     );
 
     // copy / move_to / transfer: between devices of one node, answered once the target holds it.
-    client.copy(&key, 1, None).await?;
+    client.copy(&key, &key.on(1)).await?;
     client
-        .move_to(&TensorKey::new(0, "encoder.q"), 1, Some("encoder.q8"))
+        .move_to(
+            &TensorKey::new(0, "encoder.q"),
+            &TensorKey::new(1, "encoder.q8"),
+        )
         .await?;
     client
         .transfer(
             &TensorKey::new(1, "encoder.w"),
-            0,
-            Some("encoder.w2"),
-            true,
-            false,
+            &TensorKey::new(0, "encoder.w2"),
+            Transfer::Move,
+            IfExists::Refuse,
         )
         .await?;
 
@@ -111,19 +117,11 @@ async fn main() -> Result<(), ClientError> {
         stats.node_id, stats.native_transfers, stats.round_trip_transfers
     );
 
-    // identify / copy_between: node to node, the bytes never pass through this client.
-    let mut target = Client::connect(b, None).await?;
+    // identify / NodeCopy: node to node, the bytes never pass through this client.
+    let mut target = Client::connect(b).await?;
     println!("node b is {}", target.identify().await?);
-    let source_addr = a.to_string();
-    let how = NodeCopy {
-        source_addr: &source_addr,
-        dst_device: 0,
-        dst_name: None,
-        remove_source: false,
-        overwrite: false,
-        expect_hash: None,
-    };
-    for answer in copy_between(&mut client, &mut target, std::slice::from_ref(&key), &how).await? {
+    let copy = NodeCopy::new(a.to_string()).tensor(key.clone(), key.clone());
+    for answer in copy.run(&mut client, &mut target).await? {
         let info = answer?;
         println!("pulled {} to node b ({})", info.key, info.path);
     }

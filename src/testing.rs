@@ -8,9 +8,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use ferry_client::{Client, ClientError, ErrorCode, NodeCopy};
+use ferry_io::{Dial, Exchange, ExchangeError, PeerCheck, SharedMemory};
+use ferry_proto::{ContentHash, IfExists, Transfer};
 use ferry_proto::{NodeStats, TensorData, TensorInfo, TensorKey};
 use ferry_server::{DeviceSpec, Node, NodeConfig, Service, ServiceConfig};
-use ferry_server::{SourceConfig, SourceConnection, SourceError};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -43,7 +44,7 @@ impl TestNode {
     }
 
     pub async fn client(&self) -> Client {
-        Client::connect(self.addr, None).await.expect("connect")
+        Client::connect(self.addr).await.expect("connect")
     }
 }
 
@@ -124,25 +125,25 @@ pub fn code_of<T: std::fmt::Debug>(result: Result<T, ClientError>) -> ErrorCode 
 }
 
 /// [`code_of`] for an exchange a node makes with its source.
-pub fn source_code_of<T: std::fmt::Debug>(result: Result<T, SourceError>) -> ErrorCode {
+pub fn source_code_of<T: std::fmt::Debug>(result: Result<T, ExchangeError>) -> ErrorCode {
     match result {
-        Err(SourceError::Node { code, .. }) => code,
+        Err(ExchangeError::Refused(reply)) => reply.code,
         other => panic!("expected an error reply from the source, got {other:?}"),
     }
 }
 
 /// A connection to `node` as a pulling node opens one (no token, no shared memory): for tests
 /// that fetch and release capabilities as a node would, or as a hostile one might.
-pub async fn source_connection(node: &TestNode) -> SourceConnection {
-    let config = SourceConfig {
+pub async fn source_connection(node: &TestNode) -> Exchange {
+    let dial = Dial {
         token: None,
-        limits: Default::default(),
-        shared_memory: false,
+        agent: "ferry-tests",
         tls: None,
-        identity: None,
-        own_user_socket: false,
+        check: &PeerCheck::Any,
+        shared_memory: SharedMemory::Decline,
+        limits: Default::default(),
     };
-    SourceConnection::open(node.addr, config)
+    dial.open(&node.addr.into())
         .await
         .expect("connect to the source")
 }
@@ -377,12 +378,22 @@ pub async fn copy_one(
     source: &mut Client,
     target: &mut Client,
     key: &TensorKey,
-    how: &NodeCopy<'_>,
+    how: &How,
 ) -> Result<TensorInfo, ClientError> {
-    ferry_client::copy_between(source, target, std::slice::from_ref(key), how)
+    copy_between(source, target, std::slice::from_ref(key), how)
         .await
         .expect("the batch goes through")
         .remove(0)
+}
+
+/// Runs the [`NodeCopy`] of `keys` that `how` describes.
+pub async fn copy_between(
+    source: &mut Client,
+    target: &mut Client,
+    keys: &[TensorKey],
+    how: &How,
+) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
+    how.node_copy(keys).run(source, target).await
 }
 
 /// How often the polling helpers look again.
@@ -488,16 +499,50 @@ impl Drop for BackgroundNode {
     }
 }
 
+/// Node-to-node copy settings as the tests vary them, for [`copy_between`] and [`copy_one`].
+#[derive(Debug, Clone)]
+pub struct How {
+    /// The source's address, as the target reaches it.
+    pub source_addr: String,
+    /// The target device.
+    pub dst_device: u32,
+    /// The target name (one tensor); the source's name when absent.
+    pub dst_name: Option<String>,
+    /// Copy or move.
+    pub transfer: Transfer,
+    /// What becomes of a tensor already under the target key.
+    pub if_exists: IfExists,
+    /// The version the tensor must be.
+    pub version: Option<ContentHash>,
+}
+
+impl How {
+    /// The copy of `keys` these settings describe.
+    pub fn node_copy(&self, keys: &[TensorKey]) -> NodeCopy {
+        let copy = NodeCopy::new(self.source_addr.clone())
+            .transfer(self.transfer)
+            .if_exists(self.if_exists);
+        keys.iter().fold(copy, |copy, src| {
+            let name = self.dst_name.clone().unwrap_or_else(|| src.name.clone());
+            let dst = TensorKey::new(self.dst_device, name);
+            match self.version {
+                Some(version) => copy.tensor_at(src.clone(), dst, version),
+                None => copy.tensor(src.clone(), dst),
+            }
+        })
+    }
+}
+
 /// Node-to-node copy settings: to `dst_device` under the source's names, keeping the source, not
 /// replacing anything.
-pub fn how(source_addr: &str, dst_device: u32) -> NodeCopy<'_> {
-    NodeCopy {
-        source_addr,
+pub fn how(source_addr: &str, dst_device: u32) -> How {
+    How {
+        source_addr: source_addr.to_string(),
         dst_device,
         dst_name: None,
-        remove_source: false,
-        overwrite: false,
-        expect_hash: None,
+        transfer: Transfer::Copy,
+        if_exists: IfExists::Refuse,
+        version: None,
     }
 }
 
@@ -591,14 +636,7 @@ impl TestPki {
 
 /// A client of `node` over mutual TLS.
 pub async fn tls_client(node: &TestNode, tls: &ferry_io::ClientTls) -> Result<Client, ClientError> {
-    Client::connect_with(
-        node.addr,
-        ferry_client::ClientConfig {
-            tls: Some(tls.clone()),
-            ..Default::default()
-        },
-    )
-    .await
+    Client::connect(node.addr).tls(tls.clone()).await
 }
 
 /// A real etcd (Debian's `etcd-server`; `tests/run.sh` installs it) on free loopback ports, with its
@@ -738,4 +776,12 @@ impl Drop for Etcd {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Named tensors as a batch for `device` ([`Client::put_batch`]).
+pub fn on_device(device: u32, tensors: &[(String, TensorData)]) -> Vec<(TensorKey, TensorData)> {
+    tensors
+        .iter()
+        .map(|(name, data)| (TensorKey::new(device, name.clone()), data.clone()))
+        .collect()
 }

@@ -369,7 +369,7 @@ pub fn q8s_tensor(bytes: usize) -> TensorData {
 pub const COPY_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// One node-to-node copy of the tensor under `key` from `source`'s node to `target`'s, as
-/// `ferry_client::copy_between` does it (the target registered it when this returns), checked
+/// `ferry_client::NodeCopy` does it (the target registered it when this returns), checked
 /// to have been a real pull of `bytes` payload bytes rather than a dedup.
 pub async fn pull_once(
     source: &mut ferry_client::Client,
@@ -378,27 +378,21 @@ pub async fn pull_once(
     source_addr: &str,
     bytes: usize,
 ) {
-    let how = ferry_client::NodeCopy {
-        source_addr,
-        dst_device: 0,
-        dst_name: None,
-        remove_source: false,
-        overwrite: false,
-        expect_hash: None,
-    };
-    let answers = tokio::time::timeout(
-        COPY_TIMEOUT,
-        ferry_client::copy_between(source, target, std::slice::from_ref(key), &how),
-    )
-    .await
-    .expect("the copy finished in time")
-    .expect("the copy's connections held");
+    let copy = ferry_client::NodeCopy::new(source_addr).tensor(key.clone(), key.on(0));
+    let answers = tokio::time::timeout(COPY_TIMEOUT, copy.run(source, target))
+        .await
+        .expect("the copy finished in time")
+        .expect("the copy's connections held");
     let info = answers
         .into_iter()
         .next()
         .expect("one answer")
         .expect("the copy succeeded");
-    assert_eq!(info.path, "pull", "the copy was a real pull, not dedup");
+    assert_eq!(
+        info.path,
+        ferry_client::TransferPath::Pull,
+        "the copy was a real pull, not dedup"
+    );
     assert_eq!(info.bytes, bytes as u64);
 }
 
@@ -437,7 +431,7 @@ pub async fn clients(
     b: &NodeProcess,
 ) -> (ferry_client::Client, ferry_client::Client) {
     let connect = async |node: &NodeProcess| {
-        ferry_client::Client::connect(node.addr.as_str(), None)
+        ferry_client::Client::connect(node.addr.as_str())
             .await
             .expect("connect to a node")
     };

@@ -7,6 +7,7 @@ use ferry_io::transport::UNIX_PREFIX;
 
 /// Why an address does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum AddressError {
     /// It does not start with `HOST:PORT`, `unix:PATH` or `@MEMBER`.
     #[error("{0:?} does not start with a node address HOST:PORT, unix:PATH or @MEMBER")]

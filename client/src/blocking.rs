@@ -1,79 +1,124 @@
-//! `BlockingClient`: the same API as [`Client`] for code without a runtime.
+//! `BlockingClient`: every call of [`Client`] for code without a runtime, and
+//! [`NodeCopy::run_blocking`].
 
-use ferry_proto::{NodeStats, TensorData, TensorInfo, TensorKey};
+use std::sync::OnceLock;
+
+use burn_std::Bytes;
+use ferry_proto::{
+    ContentHash, IfExists, NodeId, NodeStats, TensorData, TensorInfo, TensorKey, TensorMeta,
+    Transfer, Welcome,
+};
 use tokio::runtime::{Builder, Runtime};
 
-use crate::client::{Client, ClientConfig, ClientError};
+use crate::client::{Client, ClientError, Connect, Grant, HeldProbe, NodeCopy};
 use ferry_io::connection::ConnectionError;
 use ferry_io::transport::Endpoint;
 
-/// A [`Client`] driven by its own single-threaded runtime. Each call blocks until the node
-/// answered. Do not use it from inside an async runtime; use [`Client`] there.
+/// The runtime every blocking client's calls run on: one worker thread that drives their
+/// sockets, shared so that a copy between two blocking clients can drive both connections.
+fn runtime() -> Result<&'static Runtime, ClientError> {
+    static RUNTIME: OnceLock<Result<Runtime, String>> = OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name("ferry-blocking")
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| ClientError::Connection(ConnectionError::Io(std::io::Error::other(e.clone()))))
+}
+
+/// A [`Client`] whose calls block until the node answered. Do not use it from inside an async
+/// runtime; use [`Client`] there.
 #[derive(Debug)]
 pub struct BlockingClient {
-    runtime: Runtime,
+    runtime: &'static Runtime,
     client: Client,
 }
 
 impl BlockingClient {
-    /// Connects to the node at `addr`, with `token` if given.
-    pub fn connect(addr: impl Into<Endpoint>, token: Option<&str>) -> Result<Self, ClientError> {
-        let config = ClientConfig {
-            token: token.map(str::to_string),
-            ..ClientConfig::default()
-        };
-        Self::connect_with(addr, config)
+    /// Starts opening a connection to the node at `addr`: set what differs from the defaults,
+    /// then [`blocking`](Connect::blocking).
+    pub fn connect(addr: impl Into<Endpoint>) -> Connect {
+        Client::connect(addr)
     }
 
-    /// Connects with a full configuration.
-    pub fn connect_with(
-        addr: impl Into<Endpoint>,
-        config: ClientConfig,
-    ) -> Result<Self, ClientError> {
-        let runtime = Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(ConnectionError::from)?;
-        let client = runtime.block_on(Client::connect_with(addr, config))?;
+    /// Opens what `connect` describes.
+    pub(crate) fn open(connect: Connect) -> Result<Self, ClientError> {
+        let runtime = runtime()?;
+        let client = runtime.block_on(connect.open())?;
         Ok(Self { runtime, client })
     }
 
+    /// The async client underneath.
+    pub fn into_async(self) -> Client {
+        self.client
+    }
+
+    /// See [`Client::welcome`].
+    pub fn welcome(&self) -> &Welcome {
+        self.client.welcome()
+    }
+
+    /// See [`Client::shared_memory`].
+    pub fn shared_memory(&self) -> bool {
+        self.client.shared_memory()
+    }
+
+    /// See [`Client::in_step`].
+    pub fn in_step(&self) -> bool {
+        self.client.in_step()
+    }
+
     /// See [`Client::put`].
-    pub fn put(
-        &mut self,
-        device: u32,
-        name: &str,
-        data: &TensorData,
-    ) -> Result<TensorInfo, ClientError> {
-        self.runtime.block_on(self.client.put(device, name, data))
+    pub fn put(&mut self, key: &TensorKey, data: &TensorData) -> Result<TensorInfo, ClientError> {
+        self.runtime.block_on(self.client.put(key, data))
     }
 
     /// See [`Client::put_with`].
     pub fn put_with(
         &mut self,
-        device: u32,
-        name: Option<&str>,
+        key: &TensorKey,
         data: &TensorData,
-        overwrite: bool,
+        if_exists: IfExists,
     ) -> Result<TensorInfo, ClientError> {
         self.runtime
-            .block_on(self.client.put_with(device, name, data, overwrite))
+            .block_on(self.client.put_with(key, data, if_exists))
+    }
+
+    /// See [`Client::put_unnamed`].
+    pub fn put_unnamed(
+        &mut self,
+        device: u32,
+        data: &TensorData,
+    ) -> Result<TensorInfo, ClientError> {
+        self.runtime.block_on(self.client.put_unnamed(device, data))
     }
 
     /// See [`Client::put_batch`].
     pub fn put_batch(
         &mut self,
-        device: u32,
-        tensors: &[(String, TensorData)],
-        overwrite: bool,
+        tensors: &[(TensorKey, TensorData)],
+        if_exists: IfExists,
     ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
         self.runtime
-            .block_on(self.client.put_batch(device, tensors, overwrite))
+            .block_on(self.client.put_batch(tensors, if_exists))
     }
 
     /// See [`Client::get`].
     pub fn get(&mut self, key: &TensorKey) -> Result<TensorData, ClientError> {
         self.runtime.block_on(self.client.get(key))
+    }
+
+    /// See [`Client::get_with_info`].
+    pub fn get_with_info(
+        &mut self,
+        key: &TensorKey,
+    ) -> Result<(TensorInfo, TensorData), ClientError> {
+        self.runtime.block_on(self.client.get_with_info(key))
     }
 
     /// See [`Client::get_batch`].
@@ -84,15 +129,23 @@ impl BlockingClient {
         self.runtime.block_on(self.client.get_batch(keys))
     }
 
+    /// See [`Client::get_batch_into`].
+    pub fn get_batch_into(
+        &mut self,
+        keys: &[TensorKey],
+        buffer_for: impl FnMut(usize, &TensorMeta) -> Option<Bytes>,
+    ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
+        self.runtime
+            .block_on(self.client.get_batch_into(keys, buffer_for))
+    }
+
     /// See [`Client::put_tensor`].
     pub fn put_tensor<const D: usize, K: burn_tensor::kind::Basic>(
         &mut self,
-        device: u32,
-        name: &str,
+        key: &TensorKey,
         tensor: burn_tensor::Tensor<D, K>,
     ) -> Result<TensorInfo, ClientError> {
-        self.runtime
-            .block_on(self.client.put_tensor(device, name, tensor))
+        self.runtime.block_on(self.client.put_tensor(key, tensor))
     }
 
     /// See [`Client::get_tensor`].
@@ -105,64 +158,25 @@ impl BlockingClient {
     }
 
     /// See [`Client::copy`].
-    pub fn copy(
-        &mut self,
-        src: &TensorKey,
-        dst_device: u32,
-        dst_name: Option<&str>,
-    ) -> Result<TensorInfo, ClientError> {
-        self.runtime
-            .block_on(self.client.copy(src, dst_device, dst_name))
+    pub fn copy(&mut self, src: &TensorKey, dst: &TensorKey) -> Result<TensorInfo, ClientError> {
+        self.runtime.block_on(self.client.copy(src, dst))
     }
 
     /// See [`Client::move_to`].
-    pub fn move_to(
-        &mut self,
-        src: &TensorKey,
-        dst_device: u32,
-        dst_name: Option<&str>,
-    ) -> Result<TensorInfo, ClientError> {
-        self.runtime
-            .block_on(self.client.move_to(src, dst_device, dst_name))
+    pub fn move_to(&mut self, src: &TensorKey, dst: &TensorKey) -> Result<TensorInfo, ClientError> {
+        self.runtime.block_on(self.client.move_to(src, dst))
     }
 
     /// See [`Client::transfer`].
     pub fn transfer(
         &mut self,
         src: &TensorKey,
-        dst_device: u32,
-        dst_name: Option<&str>,
-        remove_source: bool,
-        overwrite: bool,
+        dst: &TensorKey,
+        transfer: Transfer,
+        if_exists: IfExists,
     ) -> Result<TensorInfo, ClientError> {
-        self.runtime.block_on(self.client.transfer(
-            src,
-            dst_device,
-            dst_name,
-            remove_source,
-            overwrite,
-        ))
-    }
-
-    /// See [`Client::identify`].
-    pub fn identify(&mut self) -> Result<String, ClientError> {
-        self.runtime.block_on(self.client.identify())
-    }
-
-    /// See [`copy_between`](crate::copy_between): node to node, from `source` to this client's
-    /// node.
-    pub fn pull_from(
-        &mut self,
-        source: &mut BlockingClient,
-        keys: &[TensorKey],
-        how: &crate::NodeCopy<'_>,
-    ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
-        self.runtime.block_on(crate::copy_between(
-            &mut source.client,
-            &mut self.client,
-            keys,
-            how,
-        ))
+        self.runtime
+            .block_on(self.client.transfer(src, dst, transfer, if_exists))
     }
 
     /// See [`Client::delete`].
@@ -170,13 +184,78 @@ impl BlockingClient {
         self.runtime.block_on(self.client.delete(key))
     }
 
+    /// See [`Client::delete_if`].
+    pub fn delete_if(
+        &mut self,
+        key: &TensorKey,
+        version: &ContentHash,
+    ) -> Result<TensorInfo, ClientError> {
+        self.runtime.block_on(self.client.delete_if(key, version))
+    }
+
     /// See [`Client::list`].
     pub fn list(&mut self, device: Option<u32>) -> Result<Vec<TensorInfo>, ClientError> {
         self.runtime.block_on(self.client.list(device))
     }
 
+    /// See [`Client::list_page`].
+    pub fn list_page(
+        &mut self,
+        device: Option<u32>,
+        after: Option<TensorKey>,
+        limit: u32,
+    ) -> Result<(Vec<TensorInfo>, Option<TensorKey>), ClientError> {
+        self.runtime
+            .block_on(self.client.list_page(device, after, limit))
+    }
+
+    /// See [`Client::holds`].
+    pub fn holds(&mut self, device: u32) -> Result<Vec<HeldProbe>, ClientError> {
+        self.runtime.block_on(self.client.holds(device))
+    }
+
     /// See [`Client::stat`].
     pub fn stat(&mut self) -> Result<NodeStats, ClientError> {
         self.runtime.block_on(self.client.stat())
+    }
+
+    /// See [`Client::identify`].
+    pub fn identify(&mut self) -> Result<NodeId, ClientError> {
+        self.runtime.block_on(self.client.identify())
+    }
+
+    /// See [`Client::grant`].
+    pub fn grant(&mut self, key: &TensorKey, audience: &NodeId) -> Result<Grant, ClientError> {
+        self.runtime.block_on(self.client.grant(key, audience))
+    }
+
+    /// See [`Client::pull`].
+    pub fn pull(
+        &mut self,
+        source: &str,
+        grant: &Grant,
+        dst: &TensorKey,
+        if_exists: IfExists,
+    ) -> Result<TensorInfo, ClientError> {
+        self.runtime
+            .block_on(self.client.pull(source, grant, dst, if_exists))
+    }
+
+    /// See [`Client::release`].
+    pub fn release(&mut self, grant: &Grant) -> Result<(), ClientError> {
+        self.runtime.block_on(self.client.release(grant))
+    }
+}
+
+impl NodeCopy {
+    /// [`run`](Self::run) for blocking clients.
+    pub fn run_blocking(
+        &self,
+        source: &mut BlockingClient,
+        target: &mut BlockingClient,
+    ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
+        target
+            .runtime
+            .block_on(self.run(&mut source.client, &mut target.client))
     }
 }

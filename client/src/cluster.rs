@@ -9,13 +9,15 @@ use ferry_io::Endpoint;
 use ferry_proto::cluster::{self as keys, MemberRecord, TensorRecord};
 use std::time::Duration;
 
-use crate::{Client, ClientConfig, ClientError};
+use crate::{Client, ClientError, ConnectOptions};
+use ferry_io::PeerCheck;
 
 /// How long etcd may take to connect or answer.
 const ETCD_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Why the directory could not be read.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DirectoryError {
     /// `--cluster` is not `etcd://HOST:PORT[,...]`.
     #[error("cluster address: {0}")]
@@ -120,10 +122,10 @@ impl Directory {
     pub async fn reach(
         &mut self,
         name: &str,
-        config: ClientConfig,
+        options: ConnectOptions,
     ) -> Result<(Client, MemberRecord), ReachError> {
         let member = self.resolve(name).await?;
-        let client = connect_nearest(&member, config).await?;
+        let client = connect_nearest(&member, options).await?;
         Ok((client, member))
     }
 
@@ -188,21 +190,22 @@ pub fn address_for(member: &MemberRecord, here: &str) -> String {
 pub async fn connect_member(
     member: &MemberRecord,
     addr: &str,
-    mut config: ClientConfig,
+    options: ConnectOptions,
 ) -> Result<Client, ClientError> {
-    match Endpoint::parse(addr) {
-        Endpoint::Tcp(_) if config.tls.is_none() && config.token.is_some() => {
+    let endpoint = Endpoint::parse(addr);
+    let check = match &endpoint {
+        Endpoint::Tcp(_) if !options.has_tls() && options.has_token() => {
             return Err(ClientError::UncheckedMember {
                 member: member.name.clone(),
                 addr: addr.to_string(),
             });
         }
         // In clear and without a token there is nothing to check before sending.
-        Endpoint::Tcp(_) if config.tls.is_none() => {}
+        Endpoint::Tcp(_) if !options.has_tls() => PeerCheck::Any,
         // Under TLS the certificate; over a Unix socket, that this very user serves it.
-        _ => config.identity = Some(member.node_id.clone()),
-    }
-    let mut client = Client::connect_with(addr, config).await?;
+        _ => PeerCheck::Node(member.node_id.clone()),
+    };
+    let mut client = options.check(check).to(endpoint).await?;
     let answered = client.identify().await?;
     if answered != member.node_id {
         return Err(ClientError::NotTheMember {
@@ -220,15 +223,15 @@ pub async fn connect_member(
 /// either way.
 pub async fn connect_nearest(
     member: &MemberRecord,
-    config: ClientConfig,
+    options: ConnectOptions,
 ) -> Result<Client, ClientError> {
     let addr = address_for(member, &ferry_io::machine::name());
     if addr == member.tcp {
-        return connect_member(member, &addr, config).await;
+        return connect_member(member, &addr, options).await;
     }
-    match connect_member(member, &addr, config.clone()).await {
+    match connect_member(member, &addr, options.clone()).await {
         Err(ClientError::Connection(_) | ClientError::NotTheMember { .. }) => {
-            connect_member(member, &member.tcp, config).await
+            connect_member(member, &member.tcp, options).await
         }
         other => other,
     }
@@ -236,6 +239,7 @@ pub async fn connect_nearest(
 
 /// Why [`Directory::reach`] did not connect.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ReachError {
     /// The directory could not say where the member is.
     #[error(transparent)]
@@ -261,6 +265,7 @@ pub struct Source {
 
 /// Why no holder was chosen.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ChooseError {
     /// No registered member holds a tensor of that name.
     #[error("no member of the cluster holds a tensor named {0:?}")]
@@ -304,7 +309,10 @@ pub fn choose_source(
         holders: live
             .iter()
             .map(|h| {
-                let hash = h.record.content_hash.as_deref().unwrap_or("unverified");
+                let hash = h
+                    .record
+                    .content_hash
+                    .map_or_else(|| "unverified".to_string(), |hash| hash.to_string());
                 format!(
                     "@{}/{} ({})",
                     h.member,
@@ -361,11 +369,12 @@ pub fn choose_source(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferry_proto::ContentHash;
 
     fn member(name: &str, host: &str) -> MemberRecord {
         MemberRecord {
             name: name.into(),
-            node_id: format!("id-{name}"),
+            node_id: format!("id-{name}").into(),
             tcp: format!("{name}.example:7070"),
             unix: Some(format!("unix:/run/{name}.sock")),
             host: host.into(),
@@ -382,7 +391,8 @@ mod tests {
                 dtype: "f32".into(),
                 shape: vec![2],
                 bytes: 8,
-                content_hash: hash.map(str::to_string),
+                // A version per letter.
+                content_hash: hash.map(|h| ContentHash::from_digest([h.as_bytes()[0]; 32])),
             },
         }
     }

@@ -5,13 +5,14 @@ pub mod address;
 pub mod blocking;
 pub mod client;
 pub mod cluster;
-pub mod load;
 pub mod tensor;
 
 pub use blocking::BlockingClient;
-pub use client::{Client, ClientConfig, ClientError, Grant, HeldProbe, NodeCopy, copy_between};
+pub use client::{Client, ClientError, Connect, ConnectOptions, Grant, HeldProbe, NodeCopy};
 pub use ferry_io::{
-    Connection, ConnectionError, ConnectionLimits, Endpoint, PayloadRoute, RegionUse, Stream,
-    Transport,
+    ClientTls, ConnectionError, ConnectionLimits, Endpoint, PeerCheck, SharedMemory,
 };
-pub use ferry_proto::{ErrorCode, TensorData, TensorInfo, TensorKey};
+pub use ferry_proto::{
+    ContentHash, ErrorCode, IfExists, NodeId, TensorData, TensorInfo, TensorKey, Token, Transfer,
+    TransferPath,
+};

@@ -83,7 +83,7 @@ pub struct MemberRecord {
     /// Its cluster name (`@NAME`).
     pub name: String,
     /// Its node id (under TLS, its certificate's identity).
-    pub node_id: String,
+    pub node_id: crate::NodeId,
     /// The TCP address it advertises, `host:port`.
     pub tcp: String,
     /// Its Unix socket, `unix:PATH`, where it has one (for clients on its host).
@@ -120,7 +120,7 @@ pub struct TensorRecord {
     pub bytes: u64,
     /// Its content hash, once the node has computed it from the bytes it holds (never one only
     /// stated by another node).
-    pub content_hash: Option<String>,
+    pub content_hash: Option<crate::ContentHash>,
 }
 
 /// A directory entry's place, parsed from its key: `(member, device, tensor)`.

@@ -4,6 +4,7 @@ use thiserror::Error;
 
 /// A dtype or quantization scheme that cannot be decoded from its wire codes.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum DTypeError {
     /// A code that names nothing in this protocol version.
     #[error("unknown {field} code {code}")]
@@ -59,6 +60,7 @@ pub enum DTypeError {
 
 /// A tensor description whose shape, dtype and byte length do not describe a valid tensor.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum MetaError {
     /// A stored scale in an encoding Burn would not give back (it would come back as other
     /// bytes, so the tensor could not be returned bit-exact).
@@ -159,6 +161,7 @@ pub enum MetaError {
 
 /// A frame that cannot be accepted.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum FrameError {
     /// The first bytes are not ferry's magic.
     #[error("not a ferry frame (bad magic {found:02x?})")]
@@ -208,6 +211,17 @@ pub enum FrameError {
     /// A control message this side could not encode (it is never sent).
     #[error("control message could not be encoded: {0}")]
     Unencodable(String),
+    /// A message the peer's protocol minor does not have (a request, response or error code
+    /// added in a later minor): never sent to that peer, and refused from it.
+    #[error("{what} needs protocol minor {since}; the peer speaks minor {peer}")]
+    NewerThanPeer {
+        /// The message, by name.
+        what: &'static str,
+        /// The minor that added it.
+        since: u16,
+        /// The peer's minor.
+        peer: u16,
+    },
     /// A chunk body too short to hold its offset.
     #[error("chunk frame of {len} bytes is too short for its offset field")]
     ShortChunk {
@@ -227,6 +241,7 @@ pub enum FrameError {
 
 /// A chunked tensor payload that does not add up.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum StreamError {
     /// A chunk that does not start where the previous one ended.
     #[error("chunk at offset {offset} arrived, expected offset {expected}")]
@@ -279,6 +294,7 @@ pub enum StreamError {
 
 /// Any wire-level failure.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum ProtoError {
     /// See [`DTypeError`].
     #[error(transparent)]

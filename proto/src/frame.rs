@@ -12,8 +12,9 @@ use crate::error::FrameError;
 pub const MAGIC: [u8; 4] = *b"FRRY";
 /// The protocol major version this build speaks; peers of another major are refused.
 pub const PROTOCOL_VERSION: u8 = 1;
-/// The protocol minor version: additions a peer of the same major can ignore.
-pub const PROTOCOL_MINOR: u16 = 6;
+/// The protocol minor version: what this build adds within the major. Two peers of different
+/// minors talk as of the lower one (`control`, PROTOCOL.md §4).
+pub const PROTOCOL_MINOR: u16 = 7;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes before the payload in a chunk body: the payload's offset in the tensor.

@@ -7,20 +7,27 @@
 
 #![forbid(unsafe_code)]
 
+pub mod choices;
 pub mod cluster;
 pub mod contain;
+pub mod content_hash;
 pub mod control;
 pub mod dtype;
 pub mod error;
 pub mod frame;
+mod growable;
 pub mod message;
 pub mod meta;
 pub mod scales;
+pub mod secret;
 pub mod tensor;
+pub mod transfer_path;
 pub mod untrusted;
 
 pub use burn_std::{BoolStore, DType, TensorData};
+pub use choices::{IfExists, Transfer};
 pub use contain::{Panicked, contained};
+pub use content_hash::{ContentHash, ContentHashError};
 pub use dtype::{WireDType, WireQuantScheme, dtype_name};
 pub use error::{DTypeError, FrameError, MetaError, ProtoError, StreamError};
 pub use frame::{
@@ -31,6 +38,8 @@ pub use message::{
     TensorKey, Welcome,
 };
 pub use meta::{TensorMeta, WireMeta};
+pub use secret::{CapabilityToken, NodeId, Token};
+pub use transfer_path::{TransferPath, UnknownPath};
 pub use untrusted::Untrusted;
 
 /// Features this build speaks, announced in [`Hello`] and [`Welcome`].

@@ -6,8 +6,12 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::content_hash::ContentHash;
 use crate::dtype::WireDType;
+use crate::growable::growable;
 use crate::meta::WireMeta;
+use crate::secret::{CapabilityToken, NodeId, Token};
+use crate::transfer_path::TransferPath;
 
 /// The longest tensor name accepted, in bytes.
 pub const MAX_NAME_LEN: usize = 1024;
@@ -29,6 +33,11 @@ impl TensorKey {
             name: name.into(),
         }
     }
+
+    /// The same name on `device`.
+    pub fn on(&self, device: u32) -> Self {
+        Self::new(device, self.name.clone())
+    }
 }
 
 impl std::fmt::Display for TensorKey {
@@ -39,6 +48,7 @@ impl std::fmt::Display for TensorKey {
 
 /// Why a name is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum NameError {
     /// Empty.
     #[error("a tensor name cannot be empty")]
@@ -83,7 +93,7 @@ pub struct Hello {
     /// Optional features the peer speaks (see `PROTOCOL.md`).
     pub features: Vec<String>,
     /// The shared token, where the node requires one.
-    pub token: Option<String>,
+    pub token: Option<Token>,
     /// Free text naming the peer's software, for logs.
     pub agent: String,
 }
@@ -106,6 +116,8 @@ pub struct Welcome {
 }
 
 /// What a client asks of a node.
+// Exhaustive on purpose: a node must answer every request it can decode (PROTOCOL.md §4.1 says
+// how a request a peer's minor lacks is kept from it).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
     /// Opens a connection; answered by [`Response::Welcome`] or an error, then a close.
@@ -163,7 +175,7 @@ pub enum Request {
         /// The tensor.
         key: TensorKey,
         /// The node id of the only node that may use it.
-        audience: String,
+        audience: NodeId,
     },
     /// Asks a target node to pull a tensor from `source` with a capability the source issued,
     /// and register it on `dst_device`. The bytes go from node to node; answered by
@@ -172,7 +184,7 @@ pub enum Request {
         /// The source node's address, as the target can reach it.
         source: String,
         /// The capability from the source's [`Response::Capability`].
-        capability: String,
+        capability: CapabilityToken,
         /// The tensor on the source.
         src: TensorKey,
         /// The target device.
@@ -183,16 +195,16 @@ pub enum Request {
         overwrite: bool,
         /// The source's content hash, so a target that already holds the same bytes skips the
         /// transfer.
-        content_hash: Option<String>,
+        content_hash: Option<ContentHash>,
     },
     /// From one node to another: send the tensor a capability names, from `offset` on (a
     /// resumed transfer starts where the verified bytes end). Answered by [`Response::Tensor`]
     /// and chunk frames from `offset`.
     Fetch {
         /// The capability.
-        capability: String,
+        capability: CapabilityToken,
         /// The node id of the node fetching.
-        node_id: String,
+        node_id: NodeId,
         /// The first payload byte wanted.
         offset: u64,
     },
@@ -201,9 +213,9 @@ pub enum Request {
     /// transfer cut after the source sent its last byte can still resume.
     Release {
         /// The capability.
-        capability: String,
+        capability: CapabilityToken,
         /// The node id of the node that fetched.
-        node_id: String,
+        node_id: NodeId,
     },
     /// Lists tensors a page at a time, sorted by device and name: at most `limit` of them (the
     /// node may answer fewer), starting after the key `after`. Answered by [`Response::Page`].
@@ -224,7 +236,7 @@ pub enum Request {
         /// Which tensor.
         key: TensorKey,
         /// The content hash of the version to delete (see `PROTOCOL.md` §7.2).
-        content_hash: String,
+        content_hash: ContentHash,
     },
     /// What a device measured at start that it stores bit-exact: answered by
     /// [`Response::Holds`]. Added in minor 5.
@@ -260,6 +272,29 @@ impl Request {
         }
     }
 
+    /// The protocol minor that added it. A peer of an older minor does not know it:
+    /// `control::encode_request_for` refuses to encode it for one, and a client asks such a node
+    /// something else or says the node is too old.
+    pub fn since_minor(&self) -> u16 {
+        // Every variant by name, so that a variant added later cannot default to minor 0.
+        match self {
+            Request::Hello(_)
+            | Request::Put { .. }
+            | Request::Get { .. }
+            | Request::Copy { .. }
+            | Request::Delete { .. }
+            | Request::List { .. }
+            | Request::Stat
+            | Request::Identify
+            | Request::Grant { .. }
+            | Request::Pull { .. }
+            | Request::Fetch { .. }
+            | Request::Release { .. } => 0,
+            Request::ListPage { .. } | Request::DeleteIf { .. } => 3,
+            Request::Holds { .. } => 5,
+        }
+    }
+
     /// Whether it moves a tensor's bytes (counted as a transfer in flight).
     pub fn moves_a_tensor(&self) -> bool {
         matches!(
@@ -274,6 +309,7 @@ impl Request {
 }
 
 /// A node's answer.
+// Exhaustive on purpose, as `Request` is: a client must handle every answer it can decode.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Response {
     /// The connection is open.
@@ -302,19 +338,19 @@ pub enum Response {
     /// The node's identity.
     Identity {
         /// The node's id, stable for its lifetime.
-        node_id: String,
+        node_id: NodeId,
     },
     /// A single-use capability to pull one tensor.
     Capability {
         /// The secret to hand to the target.
-        token: String,
+        token: CapabilityToken,
         /// Milliseconds until it expires.
         expires_in_ms: u64,
         /// What it grants.
         info: TensorInfo,
         /// The tensor's content hash (see `PROTOCOL.md`: BLAKE3 over its dtype, shape and
         /// bytes, hex).
-        content_hash: String,
+        content_hash: ContentHash,
     },
     /// The capability is used up.
     Released,
@@ -333,6 +369,27 @@ pub enum Response {
         /// Each probed dtype and what came of it.
         dtypes: Vec<HeldDtype>,
     },
+}
+
+impl Response {
+    /// The answer's name, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Response::Welcome(_) => "welcome",
+            Response::Stored(_) => "stored",
+            Response::Tensor { .. } => "tensor",
+            Response::Deleted(_) => "deleted",
+            Response::Listing(_) => "listing",
+            Response::Stats(_) => "stats",
+            Response::Error(_) => "error",
+            Response::Ready => "ready",
+            Response::Identity { .. } => "identity",
+            Response::Capability { .. } => "capability",
+            Response::Released => "released",
+            Response::Page { .. } => "page",
+            Response::Holds { .. } => "holds",
+        }
+    }
 }
 
 /// One probe a device ran at start ([`Response::Holds`]).
@@ -358,8 +415,8 @@ pub struct TensorInfo {
     pub shape: Vec<u64>,
     /// Its payload length in bytes.
     pub bytes: u64,
-    /// How it got there: `put`, `native`, `round-trip`, `pull`, `dedup`.
-    pub path: String,
+    /// How it got there.
+    pub path: TransferPath,
 }
 
 /// An error, as a node reports it.
@@ -373,6 +430,7 @@ pub struct ErrorReply {
 
 /// What kind of failure a node reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum ErrorCode {
     /// The bytes did not follow the protocol; the node closes the connection.
     Protocol,
@@ -418,97 +476,174 @@ impl ErrorCode {
             ErrorCode::Protocol | ErrorCode::AuthRefused | ErrorCode::VersionMismatch
         )
     }
+
+    /// The protocol minor that added it.
+    pub fn since_minor(self) -> u16 {
+        // Every code by name, so that a code added later cannot default to minor 0.
+        match self {
+            ErrorCode::Protocol
+            | ErrorCode::BadRequest
+            | ErrorCode::NotFound
+            | ErrorCode::AlreadyExists
+            | ErrorCode::UnsupportedDType
+            | ErrorCode::LimitExceeded
+            | ErrorCode::AuthRefused
+            | ErrorCode::Backend
+            | ErrorCode::ShuttingDown
+            | ErrorCode::VersionMismatch
+            | ErrorCode::CapabilityRefused
+            | ErrorCode::PeerFailed => 0,
+            ErrorCode::Changed | ErrorCode::Integrity | ErrorCode::Busy => 3,
+        }
+    }
+
+    /// The code to send a peer of protocol minor `minor`: this one if the peer knows it, else
+    /// the closest code it does know (the message still says what happened). Whether the
+    /// connection closes never changes with the mapping.
+    pub fn as_of(self, minor: u16) -> ErrorCode {
+        if self.since_minor() <= minor {
+            return self;
+        }
+        match self {
+            // The version the operation was for is gone; nothing was changed.
+            ErrorCode::Changed => ErrorCode::NotFound,
+            // What older nodes answered for bytes corrupted on the way: the pull failed and
+            // nothing was registered.
+            ErrorCode::Integrity => ErrorCode::PeerFailed,
+            // Not possible now for a reason that passes, as a full budget is: try again later.
+            ErrorCode::Busy => ErrorCode::LimitExceeded,
+            // Known to every minor (not reached): listed so that a code added later needs a
+            // mapping here.
+            ErrorCode::Protocol
+            | ErrorCode::BadRequest
+            | ErrorCode::NotFound
+            | ErrorCode::AlreadyExists
+            | ErrorCode::UnsupportedDType
+            | ErrorCode::LimitExceeded
+            | ErrorCode::AuthRefused
+            | ErrorCode::Backend
+            | ErrorCode::ShuttingDown
+            | ErrorCode::VersionMismatch
+            | ErrorCode::CapabilityRefused
+            | ErrorCode::PeerFailed => self,
+        }
+    }
 }
 
-/// Node statistics.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct NodeStats {
-    /// The node's software, for people.
-    pub agent: String,
-    /// Each hosted device.
-    pub devices: Vec<DeviceStats>,
-    /// Transfers (put, get, copy, move) that completed.
-    pub transfers_done: u64,
-    /// Transfers that failed.
-    pub transfers_failed: u64,
-    /// In-node copies and moves that took the native path.
-    pub native_transfers: u64,
-    /// In-node copies and moves that took the host round trip.
-    pub round_trip_transfers: u64,
-    /// Connections open now.
-    pub connections: u64,
-    /// The path policy: `auto` or `round-trip`.
-    pub transfer_policy: String,
-    /// The node's id (what a capability is bound to).
-    pub node_id: String,
-    /// Tensors pulled from other nodes.
-    pub pulls: u64,
-    /// Reconnections of pulls after a transient drop.
-    pub pull_retries: u64,
-    /// Pulls skipped because this node already held the same bytes.
-    pub dedup_hits: u64,
-    /// Tensors sent to other nodes.
-    pub fetches_served: u64,
-    /// The Unix socket the node also listens on, if any.
-    pub unix_socket: Option<String>,
-    /// Whether payloads go through shared memory on Unix-socket connections that agree to it.
-    pub shared_memory: bool,
-    /// Payloads sent as a shared-memory region (gets and fetches).
-    pub shm_payloads_sent: u64,
-    /// Payloads received as a shared-memory region (puts and pulls).
-    pub shm_payloads_received: u64,
-    /// Payload bytes moved through shared memory, both ways.
-    pub shm_bytes: u64,
-    /// Shared-memory regions this node created that are not yet handed over or dropped.
-    pub regions_in_flight: u64,
-    /// The node process's resident memory now, in bytes (0 where the platform does not say).
-    pub resident_bytes: u64,
-    /// The node process's highest resident memory so far, in bytes (0 where unknown).
-    pub peak_resident_bytes: u64,
-    /// Registered tensors whose content hash, stated by the node they came from, this node has
-    /// not yet recomputed (they answer no dedup until it has). Added in minor 2.
-    pub hashes_pending: u64,
-    /// Stated content hashes that the bytes turned out not to have (the tensor then answers to
-    /// the computed one). Added in minor 2.
-    pub hash_mismatches: u64,
-    /// Freed receive buffers the node keeps for reuse, in bytes (resident, held by no tensor).
-    /// Added in minor 2.
-    pub recycled_bytes: u64,
-    /// Shared-memory regions the node keeps (a descriptor each) to pass tensors on without a
-    /// copy. Added in minor 2.
-    pub regions_kept: u64,
-    /// The node's receive pool (`--pool`), in bytes: reserved and resident from start; 0 without
-    /// one. Added in minor 4.
-    pub pool_bytes: u64,
-    /// Of the pool, bytes no tensor or receive holds now. Added in minor 4.
-    pub pool_free_bytes: u64,
-    /// Receives the pool could not hold (too large, or too full), which went to fresh memory.
-    /// Added in minor 4.
-    pub pool_misses: u64,
+growable! {
+    /// Node statistics. Its fields are grouped by the protocol minor they arrived in: a peer of
+    /// an older minor sends and receives only the fields it knows (PROTOCOL.md §4).
+    #[derive(Debug, Clone, PartialEq, Default)]
+    pub struct NodeStats {
+        since 0 {
+            /// The node's software, for people.
+            pub agent: String,
+            /// Each hosted device.
+            pub devices: Vec<DeviceStats>,
+            /// Transfers (put, get, copy, move) that completed.
+            pub transfers_done: u64,
+            /// Transfers that failed.
+            pub transfers_failed: u64,
+            /// In-node copies and moves that took the native path.
+            pub native_transfers: u64,
+            /// In-node copies and moves that took the host round trip.
+            pub round_trip_transfers: u64,
+            /// Connections open now.
+            pub connections: u64,
+            /// The path policy: `auto` or `round-trip`.
+            pub transfer_policy: String,
+            /// The node's id (what a capability is bound to).
+            pub node_id: String,
+            /// Tensors pulled from other nodes.
+            pub pulls: u64,
+            /// Reconnections of pulls after a transient drop.
+            pub pull_retries: u64,
+            /// Pulls skipped because this node already held the same bytes.
+            pub dedup_hits: u64,
+            /// Tensors sent to other nodes.
+            pub fetches_served: u64,
+        }
+        since 1 {
+            /// The Unix socket the node also listens on, if any.
+            pub unix_socket: Option<String>,
+            /// Whether payloads go through shared memory on Unix-socket connections that agree
+            /// to it.
+            pub shared_memory: bool,
+            /// Payloads sent as a shared-memory region (gets and fetches).
+            pub shm_payloads_sent: u64,
+            /// Payloads received as a shared-memory region (puts and pulls).
+            pub shm_payloads_received: u64,
+            /// Payload bytes moved through shared memory, both ways.
+            pub shm_bytes: u64,
+            /// Shared-memory regions this node created that are not yet handed over or dropped.
+            pub regions_in_flight: u64,
+            /// The node process's resident memory now, in bytes (0 where the platform does not
+            /// say).
+            pub resident_bytes: u64,
+            /// The node process's highest resident memory so far, in bytes (0 where unknown).
+            pub peak_resident_bytes: u64,
+        }
+        since 2 {
+            /// Registered tensors whose content hash, stated by the node they came from, this
+            /// node has not yet recomputed (they answer no dedup until it has).
+            pub hashes_pending: u64,
+            /// Stated content hashes that the bytes turned out not to have (the tensor then
+            /// answers to the computed one).
+            pub hash_mismatches: u64,
+            /// Freed receive buffers the node keeps for reuse, in bytes (resident, held by no
+            /// tensor).
+            pub recycled_bytes: u64,
+            /// Shared-memory regions the node keeps (a descriptor each) to pass tensors on
+            /// without a copy.
+            pub regions_kept: u64,
+        }
+        since 4 {
+            /// The node's receive pool (`--pool`), in bytes: reserved and resident from start; 0
+            /// without one.
+            pub pool_bytes: u64,
+            /// Of the pool, bytes no tensor or receive holds now.
+            pub pool_free_bytes: u64,
+            /// Receives the pool could not hold (too large, or too full), which went to fresh
+            /// memory.
+            pub pool_misses: u64,
+        }
+        since 7 {
+            /// Milliseconds since the node started (0 from a node older than minor 7).
+            pub uptime_ms: u64,
+        }
+    }
 }
 
-/// One hosted device.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceStats {
-    /// Its index on the node.
-    pub index: u32,
-    /// Its backend, e.g. `flex`.
-    pub backend: String,
-    /// Its Burn device, readable.
-    pub device: String,
-    /// Tensors registered.
-    pub tensors: u64,
-    /// Bytes registered.
-    pub bytes_held: u64,
-    /// The memory budget, if any.
-    pub memory_limit: Option<u64>,
-    /// How many probes it ran at start (a plain dtype or quantization scheme family on one class
-    /// of shape each). Added in minor 5, as is every field after it.
-    pub holds_measured: u32,
-    /// How many of them it gave back bit-exact (see [`Request::Holds`]).
-    pub holds_exact: u32,
-    /// The most bytes one tensor may take on it (values and scales together): a GPU adapter's
-    /// largest buffer. `None` where only the node's per-tensor limit and the budget bound a
-    /// tensor (host memory). Added in minor 6.
-    pub largest_tensor: Option<u64>,
+growable! {
+    /// One hosted device, in a [`NodeStats`]; its fields grow as that struct's do.
+    #[derive(Debug, Clone, PartialEq, Eq, Default)]
+    pub struct DeviceStats {
+        since 0 {
+            /// Its index on the node.
+            pub index: u32,
+            /// Its backend, e.g. `flex`.
+            pub backend: String,
+            /// Its Burn device, readable.
+            pub device: String,
+            /// Tensors registered.
+            pub tensors: u64,
+            /// Bytes registered.
+            pub bytes_held: u64,
+            /// The memory budget, if any.
+            pub memory_limit: Option<u64>,
+        }
+        since 5 {
+            /// How many probes it ran at start (a plain dtype or quantization scheme family on
+            /// one class of shape each).
+            pub holds_measured: u32,
+            /// How many of them it gave back bit-exact (see [`Request::Holds`]).
+            pub holds_exact: u32,
+        }
+        since 6 {
+            /// The most bytes one tensor may take on it (values and scales together): a GPU
+            /// adapter's largest buffer. `None` where only the node's per-tensor limit and the
+            /// budget bound a tensor (host memory).
+            pub largest_tensor: Option<u64>,
+        }
+    }
 }

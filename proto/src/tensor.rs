@@ -2,6 +2,7 @@
 
 use burn_std::{Bytes, TensorData};
 
+use crate::content_hash::ContentHash;
 use crate::dtype::dtype_name;
 use crate::error::MetaError;
 use crate::meta::TensorMeta;
@@ -49,10 +50,10 @@ pub fn from_parts(meta: &TensorMeta, payload: Bytes) -> Result<TensorData, MetaE
 /// The content hash of a tensor: BLAKE3 (hex) over its dtype codes, its shape and its bytes, so
 /// that two tensors hash alike only when `into_data` would give the same dtype, shape and bytes
 /// (two empty tensors of different dtypes do not).
-pub fn content_hash(meta: &TensorMeta, payload: &[u8]) -> String {
+pub fn content_hash(meta: &TensorMeta, payload: &[u8]) -> ContentHash {
     let mut hasher = content_hasher(meta);
     hasher.update(payload);
-    hasher.finalize().to_hex().to_string()
+    hasher.finalize().into()
 }
 
 /// [`content_hash`] of a payload that lies in several slices laid end to end, hashed a few MiB at
@@ -62,7 +63,7 @@ pub fn content_hash_parts(
     meta: &TensorMeta,
     parts: &[&[u8]],
     stop: impl Fn() -> bool,
-) -> Option<String> {
+) -> Option<ContentHash> {
     const PIECE: usize = 4 << 20;
     let mut hasher = content_hasher(meta);
     for part in parts {
@@ -73,7 +74,7 @@ pub fn content_hash_parts(
             hasher.update(piece);
         }
     }
-    Some(hasher.finalize().to_hex().to_string())
+    Some(hasher.finalize().into())
 }
 
 /// A BLAKE3 hasher primed with `meta`'s part of the content hash; feed it the payload in order.
@@ -115,7 +116,7 @@ mod tests {
         let whole = content_hash(&meta, &payload);
         assert_eq!(
             content_hash_parts(&meta, &[head, tail], || false),
-            Some(whole.clone())
+            Some(whole)
         );
         assert_eq!(
             content_hash_parts(&meta, &[&payload[..]], || false),

@@ -16,6 +16,11 @@ use crate::gpu::GpuSpec;
 use crate::holds::HoldsTable;
 
 /// A backend a node can host a device of.
+///
+/// Not `#[non_exhaustive]`, on purpose: what a device holds bit-exact, which transfers go native
+/// and whether its registered bytes are lent without a copy all depend on the backend, so code
+/// that matches on it (tables per backend, as `tests/it/holds.rs` keeps) must be looked at
+/// again, not pass a wildcard, when a backend is added.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BackendKind {
     /// burn-flex, the pure-Rust CPU backend (the default).
@@ -30,7 +35,7 @@ impl BackendKind {
     /// Whether a registered tensor of `dtype` on this backend can be read without a copy (what
     /// [`Primitive::shared_host_bytes`] gives): Flex, for plain dtypes and for quantized ones of
     /// one scale level stored one value per byte.
-    pub fn shares_registered_bytes(self, dtype: &DType) -> bool {
+    pub(crate) fn shares_registered_bytes(self, dtype: &DType) -> bool {
         use burn_backend::quantization::global_scale_dtype;
         self == BackendKind::Flex
             && match dtype {
@@ -75,6 +80,7 @@ impl fmt::Display for BackendKind {
 /// A device to host, as given on the command line: `flex` (or `cpu`), `ndarray`, or a GPU
 /// (`wgpu:0`, `vulkan:cpu`, `gl:default`...: see [`GpuSpec`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum DeviceSpec {
     /// burn-flex's device.
     Flex,
@@ -129,31 +135,26 @@ impl fmt::Display for DeviceSpec {
 
 /// A registered tensor's payload as its backend keeps it: a shared buffer, then (for a quantized
 /// tensor) the scale bytes that follow it on the wire.
-pub struct SharedPayload {
+pub(crate) struct SharedPayload {
     /// The buffer, shared with the tensor (nothing writes to a buffer that is shared).
-    pub values: std::sync::Arc<burn_backend::Bytes>,
+    pub(crate) values: std::sync::Arc<burn_backend::Bytes>,
     /// What follows it: a quantized tensor's scales as `into_data` lays them out; else empty.
-    pub tail: Vec<u8>,
+    pub(crate) tail: Vec<u8>,
     /// The dtype the payload is of.
-    pub dtype: DType,
+    pub(crate) dtype: DType,
     /// The shape.
-    pub shape: Vec<usize>,
+    pub(crate) shape: Vec<usize>,
     /// The sealed shared-memory region holding the same payload, where the tensor arrived in one
     /// and it was kept (set by the worker, which knows).
-    pub region: Option<std::sync::Arc<ferry_io::connection::SealedRegion>>,
+    pub(crate) region: Option<std::sync::Arc<ferry_io::connection::SealedRegion>>,
     /// The payload's chunk checksums once a send computed them (set by the worker).
-    pub checksums: Option<std::sync::Arc<ferry_io::connection::ChunkChecksums>>,
+    pub(crate) checksums: Option<std::sync::Arc<ferry_io::connection::ChunkChecksums>>,
 }
 
 impl SharedPayload {
     /// The payload's length in bytes.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.values.len() + self.tail.len()
-    }
-
-    /// Whether it is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -274,6 +275,9 @@ fn flex_quantized_from_data(data: TensorData) -> Result<burn_flex::FlexQTensor, 
 }
 
 /// A tensor on a backend, of whichever kind its dtype calls for.
+///
+/// Exhaustive on purpose: one variant per tensor primitive of Burn's `Backend` trait, which
+/// every function of a primitive must handle; another would come only with another Burn.
 pub enum Primitive<B: Backend> {
     /// F64, F32, Flex32, F16, BF16.
     Float(B::FloatTensorPrimitive),
@@ -333,7 +337,7 @@ impl<B: Backend> Primitive<B> {
     /// then the few scale bytes `into_data` would append). A source serving a download or a pull
     /// then sends straight from the registered tensor: no host copy of the tensor at all. `None`
     /// means: take [`to_data`](Self::to_data).
-    pub fn shared_host_bytes(&self) -> Option<SharedPayload> {
+    pub(crate) fn shared_host_bytes(&self) -> Option<SharedPayload> {
         let any: &dyn std::any::Any = match self {
             Primitive::Float(t) => t,
             Primitive::Int(t) => t,

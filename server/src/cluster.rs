@@ -55,6 +55,7 @@ pub struct ClusterConfig {
 
 /// Why a cluster session ended.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ClusterError {
     /// etcd did not answer or refused.
     #[error("etcd: {0}")]
@@ -258,12 +259,12 @@ impl MemberWatch {
     fn publish(&self) {
         let here = ferry_io::machine::name();
         self.list.replace(self.records.values().flat_map(|m| {
-            let tcp = (m.tcp.clone(), m.node_id.clone());
+            let tcp = (m.tcp.clone(), m.node_id.to_string());
             let unix = m
                 .unix
                 .clone()
                 .filter(|_| !m.host.is_empty() && m.host == here)
-                .map(|unix| (unix, m.node_id.clone()));
+                .map(|unix| (unix, m.node_id.to_string()));
             std::iter::once(tcp).chain(unix)
         }));
     }
@@ -272,7 +273,7 @@ impl MemberWatch {
 fn member_record(node: &Node, config: &ClusterConfig) -> MemberRecord {
     MemberRecord {
         name: config.name.clone(),
-        node_id: node.node_id().to_string(),
+        node_id: node.node_id().clone(),
         tcp: config.advertise.clone(),
         unix: config.unix.clone(),
         host: ferry_io::machine::name(),
@@ -313,7 +314,7 @@ async fn sync_directory(
                 dtype: dtype_name(&desc.dtype),
                 shape: desc.shape.iter().map(|&d| d as u64).collect(),
                 bytes: desc.bytes,
-                content_hash: desc.content_hash.verified().map(str::to_string),
+                content_hash: desc.content_hash.verified(),
             };
             let key = keys::tensor_key(&config.name, desc.key.device, &desc.key.name);
             now.insert(key, keys::encode(&record));

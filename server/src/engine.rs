@@ -9,6 +9,7 @@ use crate::backend::BackendKind;
 
 /// Which paths a node may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum TransferPolicy {
     /// The native path where the table allows it, the round trip elsewhere.
     #[default]
@@ -40,33 +41,7 @@ impl TransferPolicy {
     }
 }
 
-/// How a tensor reached the device that holds it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TransferPath {
-    /// Uploaded from outside the node (a put or an in-process insert).
-    Put,
-    /// Handed over as a backend primitive and moved with `*_to_device` / `q_to_device`.
-    Native,
-    /// `into_data` on the source, validated bytes over a channel, `from_data` on the target.
-    RoundTrip,
-    /// Streamed from another node over TCP with a capability.
-    Pull,
-    /// A pull skipped: this node already held the same bytes, so it copied its own.
-    Dedup,
-}
-
-impl TransferPath {
-    /// The name used in logs and listings.
-    pub fn name(self) -> &'static str {
-        match self {
-            TransferPath::Put => "put",
-            TransferPath::Native => "native",
-            TransferPath::RoundTrip => "round-trip",
-            TransferPath::Pull => "pull",
-            TransferPath::Dedup => "dedup",
-        }
-    }
-}
+pub use ferry_proto::TransferPath;
 
 /// The path a tensor of `dtype` takes from a device of `src` to one of `dst`.
 ///

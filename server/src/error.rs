@@ -6,6 +6,7 @@ use thiserror::Error;
 
 /// Why a node operation failed.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum NodeError {
     /// No device at that index.
     #[error("no device {index}: this node hosts {count} device(s)")]
@@ -115,9 +116,9 @@ pub enum NodeError {
         /// The source node.
         source_addr: String,
         /// The hash granted.
-        expected: String,
+        expected: ferry_proto::ContentHash,
         /// The hash of what arrived.
-        computed: String,
+        computed: ferry_proto::ContentHash,
     },
     /// A node configured without devices.
     #[error("a node needs at least one device")]
@@ -271,6 +272,7 @@ impl NodeError {
 
 /// Why a capability was refused.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum Refusal {
     /// Never issued here, already used up, or released.
     #[error("unknown or already used capability")]

@@ -12,6 +12,7 @@ use std::str::FromStr;
 
 /// The graphics API a wgpu device is reached through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum GraphicsApi {
     /// Whichever the runtime picks (Vulkan where it has an adapter).
     Auto,
@@ -23,6 +24,7 @@ pub enum GraphicsApi {
 
 /// Which of the machine's adapters, by wgpu's own kinds (each counted from 0 among its kind).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Adapter {
     /// The best the API offers (a high-power GPU first).
     Default,
@@ -49,6 +51,7 @@ pub struct GpuSpec {
 
 /// The runtimes a GPU device can be on (see the module's note on CUDA).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum GpuRuntime {
     /// burn-wgpu: Vulkan, OpenGL (Metal and DirectX elsewhere).
     Wgpu,
@@ -142,6 +145,7 @@ pub struct OpenedGpu {
 
 /// Why a GPU device did not open.
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum GpuError {
     /// No adapter matches, the driver refused a device, or its setup failed.
     #[error("cannot open GPU device {spec}: {reason}")]

@@ -32,6 +32,7 @@ use crate::backend::{Primitive, contain};
 /// What the probe keys a dtype by: a plain dtype as it is, a quantized one by its scheme with the
 /// block's size left out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum HoldsKey {
     /// A plain dtype.
     Plain(DType),
@@ -65,6 +66,7 @@ enum Levels {
 /// (A GPU backend packs 8-bit quantized values four to a 32-bit word and fails to read back a
 /// count that does not fill its last word, while it holds the same dtype on whole words.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ShapeClass {
     /// Rank 0.
     Scalar,
@@ -263,6 +265,13 @@ fn probes() -> &'static [Probe] {
     })
 }
 
+/// Every probe tensor that could be made (every plain dtype and every scheme family in a native
+/// store, on one shape of each class): a dtype matrix for the crate's own tests.
+#[cfg(test)]
+pub(crate) fn probe_tensors() -> impl Iterator<Item = &'static TensorData> {
+    probes().iter().filter_map(|probe| probe.data.as_ref().ok())
+}
+
 /// Deterministic bytes (xorshift), so that every run probes the same tensors.
 fn pattern(len: usize, mut state: u64) -> Vec<u8> {
     (0..len)
@@ -301,7 +310,10 @@ fn probe_tensor(dtype: &DType, shape: &[usize]) -> Result<TensorData, String> {
 }
 
 /// A tensor quantized by Flex with `scheme`, as Flex's `q_into_data` gives it.
-fn quantized_probe(scheme: &QuantScheme, shape: Vec<usize>) -> Result<TensorData, String> {
+pub(crate) fn quantized_probe(
+    scheme: &QuantScheme,
+    shape: Vec<usize>,
+) -> Result<TensorData, String> {
     use burn_backend::ops::{FloatTensorOps, QTensorOps};
     use burn_flex::{Flex, FlexDevice};
     let n: usize = shape.iter().product();
@@ -320,6 +332,9 @@ fn quantized_probe(scheme: &QuantScheme, shape: Vec<usize>) -> Result<TensorData
 }
 
 /// Whether a key came back exactly.
+///
+/// Exhaustive on purpose: a probe came back exactly or it did not, and whoever reads the table
+/// handles both.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Held {
     /// Same dtype, shape and bytes.

@@ -4,11 +4,20 @@
 //! Embed a [`Node`] to share tensors in process; wrap it in a [`Service`] to serve it on TCP and
 //! on a Unix socket. What a node does for a client it does through the same `Node` methods.
 //!
-//! The public surface is what an embedding application needs: the node and its configuration,
-//! the service, the typed errors, what a device holds ([`TensorDesc`]) and how bytes arrive
-//! ([`Arrived`]), the node-to-node pull ([`PullRequest`]) and a source connection
-//! ([`SourceConnection`], what a pulling node speaks to its source). Everything else (the device
-//! actor, the capability table, the service's sessions) is internal.
+//! The public surface is what an embedding application needs: the node and its configuration
+//! ([`NodeConfig`], the devices it hosts as [`DeviceSpec`]s, its [`TransferPolicy`],
+//! [`PeerPolicy`] and [`ReceiveBuffers`]), the service, the typed errors, what a device holds
+//! ([`TensorDesc`], [`HoldsTable`]) and what can be read of a device ([`DeviceHandle`]), and the
+//! cluster, metrics and GPU modules. Everything else (the device actor, admission and
+//! registration, the budget's reservations, capabilities, node-to-node pulls, the service's
+//! sessions) is internal.
+//!
+//! Invariant kept by that boundary: nothing outside this crate can hand a node a content hash
+//! that it registers as verified. The node hashes what it stores itself (a put, an in-process
+//! [`Node::insert`], a pull's bytes as they arrive); a hash a pull's source stated (through
+//! shared memory, where the bytes are not hashed on the way) is only a candidate until the node
+//! has recomputed it from the registered bytes. Only a hash the node computed answers dedup, is
+//! granted, or matches a conditional delete.
 
 mod backend;
 pub mod cluster;
@@ -21,22 +30,19 @@ pub mod metrics;
 mod node;
 mod peer;
 mod service;
-mod source;
 
 pub use backend::{BackendKind, DeviceSpec, Primitive};
 pub use device::{
-    Arrived, Budget, ContentHash, DeviceHandle, Existing, HostBytes, KnownHash, TENSOR_OVERHEAD,
-    TensorDesc, Version,
+    DeviceHandle, DeviceSummary, HashState, IfExists, TENSOR_OVERHEAD, TensorDesc, Version,
 };
 pub use engine::{TransferPath, TransferPolicy};
+pub use ferry_proto::Transfer;
 pub use error::{NodeError, Refusal};
 pub use holds::HoldsTable;
 pub use node::{
-    AGENT, Admission, ClusterMembers, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, MAX_PAGE, Node,
-    NodeConfig, Peer, PeerPolicy, PeerTerms, ReceiveBuffers, TransferMode,
+    ClusterMembers, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, Node, NodeConfig, Peer, PeerPolicy,
+    ReceiveBuffers,
 };
-pub use peer::{PeerLink, PullRequest};
 pub use service::{
     DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, Service, ServiceConfig,
 };
-pub use source::{Fetch, SourceConfig, SourceConnection, SourceError};

@@ -4,40 +4,42 @@
 use std::time::Instant;
 
 use ferry_io::TensorAssembler;
-use ferry_io::{ConnectionError, PayloadRoute, RegionUse};
-use ferry_proto::ErrorCode;
+use ferry_io::{
+    ConnectionError, Dial, Exchange, ExchangeError, PayloadRoute, RegionUse, SharedMemory,
+};
+use ferry_proto::{CapabilityToken, ContentHash, ErrorCode};
 use ferry_proto::{TensorKey, Untrusted, dtype_name};
 
-use crate::device::{Arrived, Existing, KnownHash, Payload, TensorDesc};
+use crate::device::{Arrived, IfExists, KnownHash, Payload, TensorDesc};
 use crate::engine::TransferPath;
 use crate::error::{NodeError, Refusal};
+use crate::node::PeerTerms;
 use crate::node::{Admission, Direction, Node};
-use crate::source::{SourceConfig, SourceConnection, SourceError};
 
 /// What a client asks a target node to pull.
 #[derive(Debug, Clone)]
-pub struct PullRequest {
+pub(crate) struct PullRequest {
     /// The source node's address, as this node reaches it.
-    pub source: String,
+    pub(crate) source: String,
     /// The capability the source issued for this node.
-    pub capability: String,
+    pub(crate) capability: CapabilityToken,
     /// The tensor on the source.
-    pub src: TensorKey,
+    pub(crate) src: TensorKey,
     /// The target device.
-    pub dst_device: u32,
+    pub(crate) dst_device: u32,
     /// The target name; the source's name when absent.
-    pub dst_name: Option<String>,
+    pub(crate) dst_name: Option<String>,
     /// What becomes of a tensor already registered under the target name.
-    pub existing: Existing,
+    pub(crate) existing: IfExists,
     /// The content hash the source granted the tensor under: what the bytes that arrive must
     /// hash to, and what a tensor this node already holds may stand in for. Required.
-    pub content_hash: Option<String>,
+    pub(crate) content_hash: Option<ContentHash>,
 }
 
 /// A pull's connection to its source, kept across the pulls of one session (a batch goes over
 /// one connection).
 #[derive(Debug, Default)]
-pub struct PeerLink {
+pub(crate) struct PeerLink {
     source: Option<OpenLink>,
 }
 
@@ -45,13 +47,9 @@ pub struct PeerLink {
 #[derive(Debug)]
 struct OpenLink {
     addr: String,
-    /// The identity its certificate was checked against, if any.
-    identity: Option<std::sync::Arc<str>>,
-    /// Whether the peer token was sent on it.
-    token: bool,
-    /// Whether its Unix socket was checked to be this user's own.
-    own_user_socket: bool,
-    conn: SourceConnection,
+    /// What was checked of it before anything was sent, and whether the peer token was sent.
+    terms: PeerTerms,
+    conn: Exchange,
 }
 
 /// The longest wait between two reconnections.
@@ -94,7 +92,7 @@ struct Receiving {
 impl Node {
     /// Pulls a tensor from another node and registers it; answered only once it is registered.
     /// Nothing is registered unless every byte arrived and matched its checksum.
-    pub async fn pull(
+    pub(crate) async fn pull(
         &self,
         link: &mut PeerLink,
         req: &PullRequest,
@@ -140,7 +138,7 @@ impl Node {
             return Err(NodeError::NotAllowedPeer(req.source.clone()));
         }
         self.device(req.dst_device)?;
-        let Some(granted) = req.content_hash.as_deref() else {
+        let Some(granted) = req.content_hash else {
             return Err(NodeError::PullWithoutHash);
         };
         if let Some(held) = self.find_by_hash(granted).await? {
@@ -217,7 +215,7 @@ impl Node {
                     self.recorder().integrity_failure();
                     return Err(NodeError::Integrity {
                         source_addr: req.source.clone(),
-                        expected: granted.to_string(),
+                        expected: granted,
                         computed,
                     });
                 }
@@ -229,7 +227,7 @@ impl Node {
             // it has, the tensor is granted, matched and deduped on by nothing.
             PayloadRoute::Region => (
                 assembler.finish().map_err(NodeError::Received)?,
-                KnownHash::Stated(granted.to_string()),
+                KnownHash::Stated(granted),
                 region,
             ),
         };
@@ -358,35 +356,37 @@ impl Node {
         &self,
         link: &'a mut PeerLink,
         source: &str,
-    ) -> Result<&'a mut SourceConnection, AttemptError> {
+    ) -> Result<&'a mut Exchange, AttemptError> {
         let config = self.config();
         // Decided on every pull, a reused link included: the cluster's member list may have
         // changed since the link was opened (or since this pull was admitted).
         let terms = config
             .peers
-            .terms(source, config.tls.is_some(), config.peer_token.as_deref())
+            .terms(source, config.tls.is_some(), config.peer_token.as_ref())
             .ok_or_else(|| AttemptError::Fatal(NodeError::NotAllowedPeer(source.to_string())))?;
         // A connection left out of step (a fetch abandoned before its payload) is never reused,
         // nor one opened on other terms (another identity checked, another token sent).
-        let kept = link.source.take().filter(|kept| {
-            kept.addr == source
-                && kept.identity == terms.identity
-                && kept.token == terms.token.is_some()
-                && kept.own_user_socket == terms.own_user_socket
-                && kept.conn.in_step()
-        });
+        let kept = link
+            .source
+            .take()
+            .filter(|kept| kept.addr == source && kept.terms == terms && kept.conn.in_step());
         let current = match kept {
             Some(current) => current,
             None => {
-                let source_config = SourceConfig {
-                    token: terms.token,
-                    limits: config.peer_limits,
-                    shared_memory: config.shared_memory,
+                let dial = Dial {
+                    token: terms.token.as_ref(),
+                    agent: crate::node::AGENT,
                     tls: config.tls.as_ref().map(|tls| tls.client()),
-                    identity: terms.identity.as_deref(),
-                    own_user_socket: terms.own_user_socket,
+                    check: &terms.check,
+                    shared_memory: if config.shared_memory {
+                        SharedMemory::Offer
+                    } else {
+                        SharedMemory::Decline
+                    },
+                    limits: config.peer_limits,
                 };
-                let connect = SourceConnection::open(source, source_config);
+                let endpoint = ferry_io::Endpoint::parse(source);
+                let connect = dial.open(&endpoint);
                 let conn = tokio::time::timeout(config.peer_limits.idle_timeout, connect)
                     .await
                     .map_err(|_| {
@@ -395,9 +395,7 @@ impl Node {
                     .map_err(|e| opening_failed(source, e))?;
                 OpenLink {
                     addr: source.to_string(),
-                    identity: terms.identity.clone(),
-                    token: terms.token.is_some(),
-                    own_user_socket: terms.own_user_socket,
+                    terms,
                     conn,
                 }
             }
@@ -413,7 +411,7 @@ impl Node {
         held: TensorDesc,
         dst_device: u32,
         name: &str,
-        existing: Existing,
+        existing: IfExists,
     ) -> Result<TensorDesc, NodeError> {
         let dst = TensorKey::new(dst_device, name);
         let desc = if held.key == dst {
@@ -450,9 +448,9 @@ fn check_source(source: &str) -> Result<(), NodeError> {
 /// own refusal as it said it, anything else (which could be the banner of whatever service
 /// listens there, or its certificate) only as "not a ferry node", the details in this node's
 /// log.
-fn opening_failed(source: &str, error: SourceError) -> AttemptError {
+fn opening_failed(source: &str, error: ExchangeError) -> AttemptError {
     match error {
-        SourceError::Connection(ConnectionError::Proto(_)) | SourceError::Unexpected(_) => {
+        ExchangeError::Connection(ConnectionError::Proto(_)) | ExchangeError::Unexpected(_) => {
             tracing::warn!(
                 source = %Untrusted(source),
                 error = %Untrusted(&error.to_string()),
@@ -464,7 +462,7 @@ fn opening_failed(source: &str, error: SourceError) -> AttemptError {
             })
         }
         // A source whose certificate names another node than the one listed there.
-        SourceError::NotThePeer { .. } => {
+        ExchangeError::NotTheNode { .. } => {
             tracing::warn!(
                 source = %Untrusted(source),
                 error = %Untrusted(&error.to_string()),
@@ -474,7 +472,7 @@ fn opening_failed(source: &str, error: SourceError) -> AttemptError {
         }
         // A certificate that fails (the source's, or ours as it judged it) or a Unix socket
         // served by another user: no retry changes that, so none is made.
-        SourceError::Connection(ConnectionError::Io(e))
+        ExchangeError::Connection(ConnectionError::Io(e))
             if e.kind() == std::io::ErrorKind::PermissionDenied =>
         {
             tracing::warn!(
@@ -493,26 +491,26 @@ fn opening_failed(source: &str, error: SourceError) -> AttemptError {
 
 /// Which failures are worth a reconnection: a connection that dropped, closed, failed or went
 /// silent. A refused capability, a corrupt chunk or a bad description are not.
-fn classify(source: &str, error: SourceError) -> AttemptError {
+fn classify(source: &str, error: ExchangeError) -> AttemptError {
     match error {
-        SourceError::Connection(
+        ExchangeError::Connection(
             ConnectionError::Io(_)
             | ConnectionError::Closed
             | ConnectionError::IdleTimeout(_)
             | ConnectionError::PayloadDeadline { .. },
         )
-        | SourceError::OutOfStep => AttemptError::Transient(error.to_string()),
-        SourceError::Node {
+        | ExchangeError::OutOfStep => AttemptError::Transient(error.to_string()),
+        ExchangeError::Refused(ferry_proto::ErrorReply {
             code: ErrorCode::CapabilityRefused,
             message,
-        } => AttemptError::Fatal(NodeError::CapabilityRefused(Refusal::BySource {
+        }) => AttemptError::Fatal(NodeError::CapabilityRefused(Refusal::BySource {
             source_addr: source.to_string(),
             message,
         })),
-        SourceError::Node {
+        ExchangeError::Refused(ferry_proto::ErrorReply {
             code: ErrorCode::ShuttingDown,
             message,
-        } => AttemptError::Transient(message),
+        }) => AttemptError::Transient(message),
         other => AttemptError::Fatal(NodeError::Peer {
             source_addr: source.to_string(),
             message: other.to_string(),

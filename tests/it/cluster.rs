@@ -4,11 +4,11 @@
 //! the peer allowlist (a non-member refused; under TLS, a member that is not who it registered
 //! as refused).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use ferry::client::cluster::{Directory, DirectoryError, ReachError, connect_member};
-use ferry::client::{Client, ClientConfig, ClientError, ErrorCode, NodeCopy};
+use ferry::client::{Client, ClientError, ConnectOptions, ErrorCode};
 use ferry::proto::cluster::MemberRecord;
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;
@@ -126,12 +126,15 @@ async fn three_nodes_register_are_discovered_and_publish_what_they_hold() {
     let members = d.members().await.unwrap();
     for (member, node) in members.iter().zip(&nodes) {
         assert_eq!(member.tcp, node.addr.to_string());
-        assert_eq!(member.node_id, node.node.node_id());
+        assert_eq!(&member.node_id, node.node.node_id());
         assert_eq!(member.devices.len(), 2);
     }
     for (_, client) in clients.iter_mut() {
         let data = samples::plain(DType::F32, &[64, 33], 1);
-        client.put(1, "encoder.w", &data).await.unwrap();
+        client
+            .put(&TensorKey::new(1, "encoder.w"), &data)
+            .await
+            .unwrap();
     }
     converges(&etcd, &mut clients, Duration::from_secs(10)).await;
     let placed = directory(&etcd).await.unwrap();
@@ -154,28 +157,62 @@ async fn three_nodes_register_are_discovered_and_publish_what_they_hold() {
     }
 }
 
-/// One random operation on one of the nodes; refusals (a name taken or gone) are part of the
-/// history.
-async fn random_op(rng: &mut rand::rngs::StdRng, clients: &mut [(&str, Client)]) {
+/// What [`random_op`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Op {
+    Put,
+    Copy,
+    Move,
+    Delete,
+}
+
+/// One random operation on one of the nodes, and whether it was applied. Every answer is
+/// checked: a success describes the tensor asked for; a refusal is one the race explains (the
+/// name taken, or gone, meanwhile); anything else fails the test.
+async fn random_op(rng: &mut rand::rngs::StdRng, clients: &mut [(&str, Client)]) -> (Op, bool) {
     let n = rng.random_range(0..clients.len());
     let client = &mut clients[n].1;
     let name = format!("t{}", rng.random_range(0..12));
     let device = rng.random_range(0..2u32);
     let key = TensorKey::new(device, &name);
-    match rng.random_range(0..4) {
+    let other = key.on(1 - device);
+    let (op, answer, expected, refusals): (_, _, _, &[ErrorCode]) = match rng.random_range(0..4) {
         0 => {
             let dtype = [DType::F32, DType::I8, DType::U16][rng.random_range(0..3)];
             let data = samples::plain(dtype, &[rng.random_range(1..9), 3], rng.random());
-            let _ = client.put(device, &name, &data).await;
+            let answer = client.put(&key, &data).await;
+            let answer = answer.inspect(|info| {
+                assert_eq!(info.bytes, data.as_bytes().len() as u64, "{key}");
+            });
+            (Op::Put, answer, &key, &[ErrorCode::AlreadyExists])
         }
         1 => {
-            let _ = client.copy(&key, 1 - device, None).await;
+            let answer = client.copy(&key, &other).await;
+            let refusals = &[ErrorCode::NotFound, ErrorCode::AlreadyExists];
+            (Op::Copy, answer, &other, refusals)
         }
         2 => {
-            let _ = client.move_to(&key, 1 - device, None).await;
+            let answer = client.move_to(&key, &other).await;
+            let refusals = &[ErrorCode::NotFound, ErrorCode::AlreadyExists];
+            (Op::Move, answer, &other, refusals)
         }
         _ => {
-            let _ = client.delete(&key).await;
+            let answer = client.delete(&key).await;
+            (Op::Delete, answer, &key, &[ErrorCode::NotFound])
+        }
+    };
+    match answer {
+        Ok(info) => {
+            assert_eq!(&info.key, expected, "{op:?}");
+            (op, true)
+        }
+        Err(refused) => {
+            let code = refused.code();
+            assert!(
+                code.is_some_and(|code| refusals.contains(&code)),
+                "{op:?} {key}: {refused}"
+            );
+            (op, false)
         }
     }
 }
@@ -200,13 +237,23 @@ async fn a_thousand_racing_random_operations_leave_a_directory_equal_to_what_the
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(rng.random());
         racers.push(tokio::spawn(async move {
+            let mut applied = Vec::new();
             for _ in 0..250 {
-                random_op(&mut rng, &mut own).await;
+                applied.push(random_op(&mut rng, &mut own).await);
             }
+            applied
         }));
     }
+    let mut applied: HashMap<Op, usize> = HashMap::new();
     for racer in racers {
-        racer.await.unwrap();
+        for (op, done) in racer.await.unwrap() {
+            *applied.entry(op).or_default() += usize::from(done);
+        }
+    }
+    // Every kind of operation was applied many times: the race is not one of refusals only.
+    for op in [Op::Put, Op::Copy, Op::Move, Op::Delete] {
+        let done = applied.get(&op).copied().unwrap_or(0);
+        assert!(done >= 20, "{op:?} applied only {done} times: {applied:?}");
     }
     converges(&etcd, &mut clients, Duration::from_secs(15)).await;
     for membership in joined {
@@ -220,19 +267,22 @@ async fn etcd_stopped_and_restarted_mid_run_loses_nothing_and_the_directory_conv
     let mut etcd = Etcd::start().await;
     let (_nodes, joined, mut clients) = join_all(&etcd, &["a", "b"]).await;
     for _ in 0..100 {
-        random_op(&mut rng, &mut clients).await;
+        let _applied_or_refused = random_op(&mut rng, &mut clients).await;
     }
     converges(&etcd, &mut clients, Duration::from_secs(10)).await;
     etcd.stop();
     // The nodes keep serving while etcd is away: puts and gets succeed, bit-exact.
     let data = samples::plain(DType::F32, &[16, 16], 3);
     for (_, client) in clients.iter_mut() {
-        client.put(0, "while-away", &data).await.unwrap();
+        client
+            .put(&TensorKey::new(0, "while-away"), &data)
+            .await
+            .unwrap();
         let back = client.get(&TensorKey::new(0, "while-away")).await.unwrap();
         assert_eq!(back.as_bytes(), data.as_bytes());
     }
     for _ in 0..100 {
-        random_op(&mut rng, &mut clients).await;
+        let _applied_or_refused = random_op(&mut rng, &mut clients).await;
     }
     tokio::time::sleep(2 * TTL).await;
     etcd.resume().await;
@@ -329,8 +379,8 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
     let (mut ca, mut cb, mut cx) = (a.client().await, b.client().await, outsider.client().await);
     let data = samples::plain(DType::F32, &[64, 33], 7);
     let key = TensorKey::new(0, "w");
-    ca.put(0, "w", &data).await.unwrap();
-    cx.put(0, "w", &data).await.unwrap();
+    ca.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+    cx.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let (a_addr, x_addr) = (a.addr.to_string(), outsider.addr.to_string());
     sees(&b, &a_addr, true).await;
 
@@ -350,8 +400,8 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
         refused_as_stranger(refused, "a non-member, again");
     }
     // A copy of the version a directory listed refuses another one, and copies nothing.
-    let listed = NodeCopy {
-        expect_hash: Some("0000"),
+    let listed = ferry::testing::How {
+        version: Some(ferry::proto::ContentHash::from_digest([0; 32])),
         ..how(&a_addr, 0)
     };
     let other = copy_one(&mut ca, &mut cb, &key, &listed).await;
@@ -364,15 +414,15 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
     // A client reaching a member checks it is the node registered there.
     let mut d = Directory::connect(&etcd.cluster()).await.unwrap();
     let record = d.resolve("a").await.unwrap();
-    let mut reached = connect_member(&record, &a_addr, ClientConfig::default())
+    let mut reached = connect_member(&record, &a_addr, ConnectOptions::default())
         .await
         .unwrap();
-    assert_eq!(reached.identify().await.unwrap(), a.node.node_id());
+    assert_eq!(&reached.identify().await.unwrap(), a.node.node_id());
     let stale = MemberRecord {
         node_id: "some-other-node".into(),
         ..record
     };
-    let wrong = connect_member(&stale, &a_addr, ClientConfig::default()).await;
+    let wrong = connect_member(&stale, &a_addr, ConnectOptions::default()).await;
     assert!(
         matches!(wrong, Err(ClientError::NotTheMember { .. })),
         "{:?}",
@@ -380,18 +430,15 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
     );
 
     // The one-call form: resolved, connected, checked.
-    let (mut reached, record) = d.reach("a", ClientConfig::default()).await.unwrap();
+    let (mut reached, record) = d.reach("a", ConnectOptions::default()).await.unwrap();
     assert_eq!(reached.identify().await.unwrap(), record.node_id);
     assert!(matches!(
-        d.reach("nobody", ClientConfig::default()).await,
+        d.reach("nobody", ConnectOptions::default()).await,
         Err(ReachError::Directory(DirectoryError::UnknownMember(_)))
     ));
 
     // A token never goes in clear to an address only the directory vouches for.
-    let tokened = ClientConfig {
-        token: Some("secret".into()),
-        ..ClientConfig::default()
-    };
+    let tokened = ConnectOptions::default().token("secret");
     let unchecked = connect_member(&member_a(&mut d).await, &a_addr, tokened).await;
     assert!(
         matches!(unchecked, Err(ClientError::UncheckedMember { .. })),
@@ -406,7 +453,7 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
     ] {
         let record = MemberRecord {
             name: name.into(),
-            node_id: format!("id-{name}"),
+            node_id: format!("id-{name}").into(),
             tcp: format!("192.0.2.1:{}", if name == "here" { 1 } else { 2 }),
             unix: Some(format!("unix:/run/ferry-{name}.sock")),
             host,
@@ -455,7 +502,7 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
     let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
     let impostor = MemberRecord {
         name: "impostor".into(),
-        node_id: a.node.node_id().to_string(),
+        node_id: a.node.node_id().clone(),
         tcp: c.addr.to_string(),
         unix: None,
         host: String::new(),
@@ -470,8 +517,8 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
     let mut cb = tls_client(&b, &user).await.unwrap();
     let mut cc = tls_client(&c, &user).await.unwrap();
     let data = samples::plain(DType::F32, &[64, 33], 8);
-    ca.put(0, "w", &data).await.unwrap();
-    cc.put(0, "w", &data).await.unwrap();
+    ca.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+    cc.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let (a_addr, c_addr) = (a.addr.to_string(), c.addr.to_string());
     sees(&b, &a_addr, true).await;
     sees(&b, &c_addr, true).await;
@@ -486,10 +533,7 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
     .await;
 
     // A client is held to the same: c's certificate does not name node-a.
-    let config = ClientConfig {
-        tls: Some(user.clone()),
-        ..ClientConfig::default()
-    };
+    let config = ConnectOptions::default().tls(user.clone());
     let wrong = connect_member(&impostor, &c_addr, config.clone()).await;
     assert!(
         matches!(&wrong, Err(ClientError::NotTheNode { certified: Some(c), .. }) if c == "node-c"),

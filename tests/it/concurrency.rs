@@ -16,11 +16,12 @@ mod checker;
 #[path = "concurrency/history.rs"]
 mod history;
 
+use ferry::proto::{IfExists, Transfer};
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use ferry::client::{Client, ClientError, ErrorCode, NodeCopy, copy_between};
+use ferry::client::{Client, ClientError, ErrorCode, NodeCopy};
 use ferry::testing::{TestNode, start_with};
 use history::{Clock, Counts, Key, Op, OpKind, Outcome, count_into};
 
@@ -150,7 +151,7 @@ impl Racer {
         };
         for &node in nodes {
             if self.connections[node].is_none() {
-                match Client::connect(self.addrs[node], None).await {
+                match Client::connect(self.addrs[node]).await {
                     Ok(client) => self.connections[node] = Some(client),
                     Err(_) => {
                         self.connect_failures += 1;
@@ -203,25 +204,18 @@ impl Racer {
             } else {
                 (to_b, to_a)
             };
-            let addr = self.addrs[src.node].to_string();
-            let name = dst.name();
-            let how = NodeCopy {
-                source_addr: &addr,
-                dst_device: dst.device,
-                dst_name: Some(&name),
-                remove_source,
-                overwrite: true,
-                expect_hash: None,
-            };
-            let answers = copy_between(source, target, &[src.tensor_key()], &how).await;
+            let copy = NodeCopy::new(self.addrs[src.node].to_string())
+                .tensor(src.tensor_key(), dst.tensor_key())
+                .transfer(Transfer::from_remove_source(remove_source))
+                .if_exists(IfExists::Replace);
+            let answers = copy.run(source, target).await;
             return match answers.map(|answers| answers.into_iter().next()) {
                 Ok(Some(Ok(_))) => (Outcome::Ok, Vec::new()),
                 Ok(Some(Err(
                     error @ (ClientError::Node { .. } | ClientError::SourceChanged { .. }),
                 ))) => (Outcome::of_error(error), Vec::new()),
                 Ok(Some(Err(error))) | Err(error) => {
-                    // `copy_between` pipelines on both connections: either may be out of step
-                    // now.
+                    // A node copy pipelines on both connections: either may be out of step now.
                     (Outcome::of_error(error), vec![0, 1])
                 }
                 Ok(None) => (Outcome::Unknown("no answer for the key".into()), vec![0, 1]),
@@ -250,7 +244,7 @@ async fn one_node(client: &mut Client, kind: &OpKind, node: usize) -> (Outcome, 
             let data = history::encode(value);
             Outcome::of(
                 client
-                    .put_with(key.device, Some(&key.name()), &data, true)
+                    .put_with(&key.tensor_key(), &data, IfExists::Replace)
                     .await,
             )
         }
@@ -270,10 +264,9 @@ async fn one_node(client: &mut Client, kind: &OpKind, node: usize) -> (Outcome, 
             client
                 .transfer(
                     &src.tensor_key(),
-                    dst.device,
-                    Some(&dst.name()),
-                    remove_source,
-                    true,
+                    &dst.tensor_key(),
+                    Transfer::from_remove_source(remove_source),
+                    IfExists::Replace,
                 )
                 .await,
         ),

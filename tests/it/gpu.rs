@@ -4,10 +4,12 @@
 //! copies between a CPU and a GPU device both ways; a node-to-node pull into a GPU device; and a
 //! GPU device that cannot open, refused at start with its name.
 
-use ferry::client::{ErrorCode, copy_between};
+use ferry::client::ErrorCode;
 use ferry::proto::TensorKey;
+use ferry::proto::TransferPath;
 use ferry::samples;
 use ferry::server::{DeviceSpec, Node, NodeConfig};
+use ferry::testing::copy_between;
 use ferry::testing::{assert_same, code_of, how, start_with};
 
 /// The matrix through `spec` (device 1, beside a flex device 0): put, get, and flex <-> GPU
@@ -28,7 +30,7 @@ async fn the_matrix_through(spec: &str) -> usize {
         let data = &sample.data;
         let says = holder.check(&data.dtype(), data.shape().as_slice());
         let name = &sample.name;
-        let put = client.put(1, name, data).await;
+        let put = client.put(&TensorKey::new(1, name), data).await;
         let key = TensorKey::new(1, name);
         match says {
             Ok(()) => {
@@ -37,11 +39,11 @@ async fn the_matrix_through(spec: &str) -> usize {
                 let back = back.unwrap_or_else(|e| panic!("{spec}: get {name}: {e}"));
                 assert_same(&back, data, name);
                 // GPU -> flex and back: the host round trip, both ways.
-                let on_cpu = client.copy(&key, 0, Some("back")).await.unwrap();
-                assert_eq!(on_cpu.path, "round-trip", "{name}");
+                let on_cpu = client.copy(&key, &TensorKey::new(0, "back")).await.unwrap();
+                assert_eq!(on_cpu.path, TransferPath::RoundTrip, "{name}");
                 assert_same(&client.get(&on_cpu.key).await.unwrap(), data, name);
                 let again = client
-                    .copy(&on_cpu.key, 1, Some("again"))
+                    .copy(&on_cpu.key, &TensorKey::new(1, "again"))
                     .await
                     .unwrap_or_else(|e| panic!("{spec}: flex -> gpu {name}: {e}"));
                 assert_same(&client.get(&again.key).await.unwrap(), data, name);
@@ -53,8 +55,10 @@ async fn the_matrix_through(spec: &str) -> usize {
             Err(_) => {
                 assert_eq!(code_of(put), ErrorCode::UnsupportedDType, "{spec}: {name}");
                 // Refused from flex as well, and nothing registered.
-                client.put(0, name, data).await.unwrap();
-                let copied = client.copy(&TensorKey::new(0, name), 1, None).await;
+                client.put(&TensorKey::new(0, name), data).await.unwrap();
+                let copied = client
+                    .copy(&TensorKey::new(0, name), &TensorKey::new(0, name).on(1))
+                    .await;
                 assert_eq!(code_of(copied), ErrorCode::UnsupportedDType, "{name}");
                 client.delete(&TensorKey::new(0, name)).await.unwrap();
                 refused += 1;
@@ -121,14 +125,14 @@ async fn a_node_pulls_into_a_gpu_device_from_another_node() {
     let mut src = source.client().await;
     let mut dst = target.client().await;
     let data = samples::plain(ferry::proto::DType::F32, &[256, 1024], 3);
-    src.put(0, "w", &data).await.unwrap();
+    src.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let addr = source.addr.to_string();
     let keys = [TensorKey::new(0, "w")];
     let answers = copy_between(&mut src, &mut dst, &keys, &how(&addr, 0))
         .await
         .unwrap();
     let stored = answers.into_iter().next().unwrap().unwrap();
-    assert_eq!(stored.path, "pull");
+    assert_eq!(stored.path, TransferPath::Pull);
     assert_same(
         &dst.get(&stored.key).await.unwrap(),
         &data,
@@ -138,12 +142,12 @@ async fn a_node_pulls_into_a_gpu_device_from_another_node() {
     src.delete(&keys[0]).await.unwrap();
     let target_addr = target.addr.to_string();
     let mut back = how(&target_addr, 0);
-    back.dst_name = Some("returned");
+    back.dst_name = Some("returned".to_string());
     let answers = copy_between(&mut dst, &mut src, std::slice::from_ref(&stored.key), &back)
         .await
         .unwrap();
     let returned = answers.into_iter().next().unwrap().unwrap();
-    assert_eq!(returned.path, "pull");
+    assert_eq!(returned.path, TransferPath::Pull);
     assert_same(
         &src.get(&returned.key).await.unwrap(),
         &data,
@@ -172,17 +176,19 @@ async fn a_tensor_larger_than_the_adapters_largest_buffer_is_refused_before_byte
     let over = samples::plain(ferry::proto::DType::F32, &[elements + 1], 22);
     assert_eq!(at_limit.as_bytes().len() as u64, largest);
 
-    let put = client.put(1, "over", &over).await;
+    let put = client.put(&TensorKey::new(1, "over"), &over).await;
     let Err(ferry::client::ClientError::Node { code, message }) = put else {
         panic!("a tensor over the adapter's largest buffer was put: {put:?}");
     };
     assert_eq!(code, ErrorCode::LimitExceeded);
     assert!(message.contains(&largest.to_string()), "{message}");
-    client.put(0, "over", &over).await.unwrap();
-    let copied = client.copy(&TensorKey::new(0, "over"), 1, None).await;
+    client.put(&TensorKey::new(0, "over"), &over).await.unwrap();
+    let copied = client
+        .copy(&TensorKey::new(0, "over"), &TensorKey::new(0, "over").on(1))
+        .await;
     assert_eq!(code_of(copied), ErrorCode::LimitExceeded, "copy from flex");
     let mut src = source.client().await;
-    src.put(0, "over", &over).await.unwrap();
+    src.put(&TensorKey::new(0, "over"), &over).await.unwrap();
     let addr = source.addr.to_string();
     let keys = [TensorKey::new(0, "over")];
     let pulled = copy_between(&mut src, &mut client, &keys, &how(&addr, 1)).await;
@@ -196,7 +202,10 @@ async fn a_tensor_larger_than_the_adapters_largest_buffer_is_refused_before_byte
         "nothing registered"
     );
 
-    client.put(1, "at-limit", &at_limit).await.unwrap();
+    client
+        .put(&TensorKey::new(1, "at-limit"), &at_limit)
+        .await
+        .unwrap();
     let back = client.get(&TensorKey::new(1, "at-limit")).await.unwrap();
     assert_same(
         &back,
@@ -241,15 +250,22 @@ async fn two_gpu_devices_move_tensors_natively() {
         .1;
     let quantized = samples::quantized(&scheme, &[8, 64], 6);
     for (name, data) in [("plain", &plain), ("quantized", &quantized)] {
-        client.put(0, name, data).await.unwrap();
+        client.put(&TensorKey::new(0, name), data).await.unwrap();
         let copied = client
-            .copy(&TensorKey::new(0, name), 1, None)
+            .copy(&TensorKey::new(0, name), &TensorKey::new(0, name).on(1))
             .await
             .unwrap();
-        assert_eq!(copied.path, "native", "{name}: Burn's own to_device");
+        assert_eq!(
+            copied.path,
+            TransferPath::Native,
+            "{name}: Burn's own to_device"
+        );
         assert_same(&client.get(&copied.key).await.unwrap(), data, name);
         let back = format!("{name}.back");
-        let moved = client.move_to(&copied.key, 0, Some(&back)).await.unwrap();
+        let moved = client
+            .move_to(&copied.key, &TensorKey::new(0, &back))
+            .await
+            .unwrap();
         assert_same(&client.get(&moved.key).await.unwrap(), data, name);
     }
     // What Burn's GPU backend does not store bit-exact is refused before any byte moves, with
@@ -260,7 +276,7 @@ async fn two_gpu_devices_move_tensors_natively() {
         7,
     );
     let refused = client
-        .put(1, "bools", &bools)
+        .put(&TensorKey::new(1, "bools"), &bools)
         .await
         .unwrap_err()
         .to_string();

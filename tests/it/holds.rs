@@ -11,6 +11,7 @@ use burn_backend::{Backend, BoolStore, DType};
 use burn_flex::{Flex, FlexDevice};
 use burn_ndarray::{NdArray, NdArrayDevice};
 use ferry::client::HeldProbe;
+use ferry::proto::TensorKey;
 use ferry::proto::{TensorData, dtype_name};
 use ferry::samples;
 use ferry::server::BackendKind;
@@ -188,7 +189,11 @@ async fn a_node_tells_what_each_device_measured_and_refuses_by_it() {
     }
     // What NdArray's probe refused is refused before any byte moves, with the probe's reason.
     let half = samples::plain(DType::F16, &[4, 4], 1);
-    let refused = client.put(1, "half", &half).await.unwrap_err().to_string();
+    let refused = client
+        .put(&TensorKey::new(1, "half"), &half)
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(
         refused.contains("f16") && refused.contains("Unsupported dtype F16"),
         "{refused}"

@@ -8,12 +8,12 @@ use bytes::BytesMut;
 use ferry::client::{Client, ErrorCode};
 use ferry::proto::frame::{self, FrameKind};
 use ferry::proto::{
-    DType, ErrorReply, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
-    TensorData, TensorKey, WireDType, control, tensor,
+    ContentHash, DType, ErrorReply, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request,
+    Response, TensorData, TensorKey, Token, Transfer, WireDType, control, tensor,
 };
 use ferry::samples;
 use ferry::server::TENSOR_OVERHEAD;
-use ferry::server::{Existing, NodeConfig, ServiceConfig};
+use ferry::server::{IfExists, NodeConfig, ServiceConfig};
 use ferry::testing::{TestNode, assert_same, eventually, start, start_with};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -39,7 +39,7 @@ impl Raw {
                 major: PROTOCOL_VERSION,
                 minor: PROTOCOL_MINOR,
                 features: FEATURES.iter().map(|f| f.to_string()).collect(),
-                token: token.map(str::to_string),
+                token: token.map(Token::from),
                 agent: "hostile-test".into(),
             }))
             .unwrap(),
@@ -122,7 +122,10 @@ async fn node_still_serves(node: &TestNode) {
 /// `client`'s node still takes a put, gives it back bit-exact and leaves nothing behind.
 async fn serves(mut client: Client) {
     let data = samples::quantized(&samples::schemes()[6].1, &[3, 5, 7], 11);
-    client.put(0, "after", &data).await.unwrap();
+    client
+        .put(&TensorKey::new(0, "after"), &data)
+        .await
+        .unwrap();
     let key = TensorKey::new(0, "after");
     assert_same(&client.get(&key).await.unwrap(), &data, "after the attack");
     client.delete(&key).await.unwrap();
@@ -252,7 +255,7 @@ async fn a_pull_source_with_control_characters_is_refused_before_any_connection(
             dst_device: 0,
             dst_name: None,
             overwrite: false,
-            content_hash: Some("0".repeat(64)),
+            content_hash: Some(ContentHash::from_digest([0; 32])),
         };
         raw.send(&control::encode_request(&pull).unwrap()).await;
         let message = raw.expect_error(ErrorCode::BadRequest).await;
@@ -315,12 +318,14 @@ async fn a_wrong_token_is_refused_before_any_command_runs() {
         raw.send(&control::encode_request(&Request::List { device: None }).unwrap())
             .await;
         assert!(raw.response().await.is_none());
-        let refused = Client::connect(node.addr, token).await;
+        let refused = Client::connect(node.addr)
+            .token_if_any(token.map(Token::from))
+            .await;
         assert_eq!(ferry::testing::code_of(refused), ErrorCode::AuthRefused);
     }
-    let mut client = Client::connect(node.addr, Some("s3cret")).await.unwrap();
+    let mut client = Client::connect(node.addr).token("s3cret").await.unwrap();
     let data = samples::plain(DType::U16, &[3, 5, 7], 4);
-    client.put(0, "ok", &data).await.unwrap();
+    client.put(&TensorKey::new(0, "ok"), &data).await.unwrap();
     let back = client.get(&TensorKey::new(0, "ok")).await.unwrap();
     assert_same(&back, &data, "with the right token");
     node.shutdown().await;
@@ -345,19 +350,19 @@ async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told
     let mut client = node.client().await;
     let big = samples::plain(DType::F32, &[300], 1);
     assert_eq!(
-        ferry::testing::code_of(client.put(0, "big", &big).await),
+        ferry::testing::code_of(client.put(&TensorKey::new(0, "big"), &big).await),
         ErrorCode::LimitExceeded
     );
     let fits = samples::plain(DType::F32, &[200], 1);
-    client.put(0, "a", &fits).await.unwrap();
+    client.put(&TensorKey::new(0, "a"), &fits).await.unwrap();
     // 800 bytes held: another 800 (and its bookkeeping) would pass the budget.
-    let over = client.put(0, "b", &fits).await;
+    let over = client.put(&TensorKey::new(0, "b"), &fits).await;
     assert_eq!(ferry::testing::code_of(over), ErrorCode::LimitExceeded);
     client.delete(&TensorKey::new(0, "a")).await.unwrap();
-    client.put(0, "b", &fits).await.unwrap();
+    client.put(&TensorKey::new(0, "b"), &fits).await.unwrap();
 
     let _second = node.client().await;
-    let third = Client::connect(node.addr, None).await;
+    let third = Client::connect(node.addr).await;
     assert_eq!(ferry::testing::code_of(third), ErrorCode::LimitExceeded);
     // The accepted clients are not starved.
     let back = client.get(&TensorKey::new(0, "b")).await.unwrap();
@@ -551,12 +556,12 @@ async fn idle_connections_are_closed_so_they_cannot_hold_every_slot() {
     .await;
     let _idle_a = node.client().await;
     let _idle_b = node.client().await;
-    let refused = Client::connect(node.addr, None).await;
+    let refused = Client::connect(node.addr).await;
     assert_eq!(ferry::testing::code_of(refused), ErrorCode::LimitExceeded);
     // The two idle ones are closed after the keepalive; their slots are free again.
     let deadline = Instant::now() + Duration::from_secs(5);
     let client = loop {
-        match Client::connect(node.addr, None).await {
+        match Client::connect(node.addr).await {
             Ok(client) => break client,
             Err(e) => assert!(Instant::now() < deadline, "still refused: {e}"),
         }
@@ -579,7 +584,7 @@ async fn a_connection_flood_is_refused_while_accepted_clients_carry_on() {
         let mut refused = 0;
         let mut held = Vec::new();
         for _ in 0..300 {
-            match Client::connect(addr, None).await {
+            match Client::connect(addr).await {
                 Ok(client) => held.push(client),
                 Err(e) => {
                     assert_eq!(e.code(), Some(ErrorCode::LimitExceeded), "{e}");
@@ -592,7 +597,10 @@ async fn a_connection_flood_is_refused_while_accepted_clients_carry_on() {
     for i in 0..20 {
         let data = samples::plain(DType::F32, &[64, 64], i);
         let key = TensorKey::new(0, format!("t{i}"));
-        worker.put(0, &key.name, &data).await.unwrap();
+        worker
+            .put(&TensorKey::new(0, &key.name), &data)
+            .await
+            .unwrap();
         assert_same(&worker.get(&key).await.unwrap(), &data, "during the flood");
         worker.delete(&key).await.unwrap();
     }
@@ -619,9 +627,9 @@ async fn many_clients_together_cannot_push_a_device_past_its_budget() {
     for i in 0..24u64 {
         let addr = node.addr;
         tasks.push(tokio::spawn(async move {
-            let mut client = Client::connect(addr, None).await.unwrap();
+            let mut client = Client::connect(addr).await.unwrap();
             let data = samples::plain(DType::F32, &[96, 256], i);
-            match client.put(0, &format!("t{i}"), &data).await {
+            match client.put(&TensorKey::new(0, format!("t{i}")), &data).await {
                 Ok(info) => Some(info.bytes),
                 Err(e) => {
                     assert_eq!(e.code(), Some(ErrorCode::LimitExceeded), "{e}");
@@ -649,80 +657,115 @@ async fn many_clients_together_cannot_push_a_device_past_its_budget() {
     node.shutdown().await;
 }
 
-/// A node of an older protocol minor answers `stat` with fewer fields: the client says so in
-/// words instead of reporting trailing or missing bytes.
+/// Every field of a `Stats` answer set, so that one missing after a trip shows.
+fn full_stats(agent: &str) -> ferry::proto::NodeStats {
+    ferry::proto::NodeStats {
+        agent: agent.into(),
+        devices: vec![ferry::proto::DeviceStats {
+            index: 3,
+            backend: "flex".into(),
+            device: "Cpu".into(),
+            tensors: 4,
+            bytes_held: 5,
+            memory_limit: Some(6),
+            holds_measured: 7,
+            holds_exact: 8,
+            largest_tensor: Some(9),
+        }],
+        transfers_done: 10,
+        connections: 1,
+        transfer_policy: "auto".into(),
+        node_id: "older".into(),
+        unix_socket: Some("/run/ferry.sock".into()),
+        shared_memory: true,
+        resident_bytes: 11,
+        hashes_pending: 12,
+        pool_bytes: 13,
+        uptime_ms: 14,
+        ..Default::default()
+    }
+}
+
+/// Peers of two minors, both ways: a node of every older minor answers `stat` in its own
+/// encoding, and this client reads it whole (what that minor lacks at its default); a client of
+/// an older minor gets this node's answer in its encoding, which it reads to the last byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stat_answer_of_another_minor_is_named_as_such() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let older = PROTOCOL_MINOR - 1;
-    let node = tokio::spawn(async move {
-        let (socket, _) = listener.accept().await.unwrap();
-        let mut conn = ferry::client::Connection::new(socket, Default::default());
-        assert!(matches!(
-            conn.read_request().await.unwrap(),
-            Some(Request::Hello(_))
-        ));
-        let welcome = Response::Welcome(ferry::proto::Welcome {
-            major: PROTOCOL_VERSION,
-            minor: older,
-            features: FEATURES.iter().map(|f| f.to_string()).collect(),
-            agent: "ferry-server/older".into(),
-            max_body: frame::DEFAULT_MAX_BODY as u64,
-            chunk_size: 4 << 20,
+async fn a_stat_answer_crosses_minors_both_ways() {
+    for older in 0..PROTOCOL_MINOR {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let sent = full_stats("ferry-server/older");
+        let answer = sent.clone();
+        let node = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            let mut conn = ferry::io::Connection::new(socket, Default::default());
+            assert!(matches!(
+                conn.read_request().await.unwrap(),
+                Some(Request::Hello(_))
+            ));
+            let welcome = Response::Welcome(ferry::proto::Welcome {
+                major: PROTOCOL_VERSION,
+                minor: older,
+                features: FEATURES.iter().map(|f| f.to_string()).collect(),
+                agent: "ferry-server/older".into(),
+                max_body: frame::DEFAULT_MAX_BODY as u64,
+                chunk_size: 4 << 20,
+            });
+            conn.write_response(&welcome).await.unwrap();
+            // From here on, what a node of that minor writes.
+            conn.set_peer_minor(older);
+            assert_eq!(conn.read_request().await.unwrap(), Some(Request::Stat));
+            conn.write_response(&Response::Stats(answer)).await.unwrap();
+            conn
         });
-        conn.write_response(&welcome).await.unwrap();
-        assert_eq!(conn.read_request().await.unwrap(), Some(Request::Stat));
-        // This minor's answer without the fields this minor added (four u64 at the end).
-        let stats = ferry::proto::NodeStats {
-            agent: "ferry-server/older".into(),
-            devices: vec![],
-            transfers_done: 0,
-            transfers_failed: 0,
-            native_transfers: 0,
-            round_trip_transfers: 0,
-            connections: 1,
-            transfer_policy: "auto".into(),
-            node_id: "older".into(),
-            pulls: 0,
-            pull_retries: 0,
-            dedup_hits: 0,
-            fetches_served: 0,
-            unix_socket: None,
-            shared_memory: false,
-            shm_payloads_sent: 0,
-            shm_payloads_received: 0,
-            shm_bytes: 0,
-            regions_in_flight: 0,
-            resident_bytes: 0,
-            peak_resident_bytes: 0,
-            hashes_pending: 0,
-            hash_mismatches: 0,
-            recycled_bytes: 0,
-            regions_kept: 0,
-            pool_bytes: 0,
-            pool_free_bytes: 0,
-            pool_misses: 0,
+        let mut client = Client::connect(addr).await.unwrap();
+        let got = client.stat().await.unwrap();
+        // What that minor carries of the answer, and nothing newer.
+        let body = control::encode_response_for(&Response::Stats(sent.clone()), older).unwrap();
+        let Response::Stats(expected) =
+            control::decode_response_from(&body[frame::HEADER_LEN..], older).unwrap()
+        else {
+            panic!("not stats");
         };
-        let whole = control::encode_response(&Response::Stats(stats)).unwrap();
-        let body = &whole[frame::HEADER_LEN..whole.len() - 32];
-        conn.write_frame(&frame::encode(FrameKind::Control, body))
-            .await
-            .unwrap();
-        conn
-    });
-    let mut client = Client::connect(addr, None).await.unwrap();
-    let error = client.stat().await.unwrap_err();
-    assert!(
-        matches!(
-            error,
-            ferry::client::ClientError::StatsOfAnotherMinor { node, client, .. }
-                if node == older && client == PROTOCOL_MINOR
-        ),
-        "{error}"
-    );
-    assert!(error.to_string().contains("protocol minor"), "{error}");
-    drop(node.await.unwrap());
+        assert_eq!(got, expected, "minor {older}");
+        assert_eq!(got.agent, sent.agent, "minor {older}");
+        assert_eq!(got.uptime_ms, 0, "minor {older} has no uptime");
+        assert_eq!(
+            got.devices[0].largest_tensor,
+            (older >= 6).then_some(9),
+            "minor {older}"
+        );
+        drop(node.await.unwrap());
+    }
+
+    // The other way: a client of the previous minor, against a node of this one.
+    let real = start_with(&["flex"]).await;
+    let older = PROTOCOL_MINOR - 1;
+    let socket = TcpStream::connect(real.addr).await.unwrap();
+    let mut conn = ferry::io::Connection::new(socket, Default::default());
+    conn.write_request(&Request::Hello(Hello {
+        major: PROTOCOL_VERSION,
+        minor: older,
+        features: FEATURES.iter().map(|f| f.to_string()).collect(),
+        token: None,
+        agent: "ferry-client/older".into(),
+    }))
+    .await
+    .unwrap();
+    let Response::Welcome(welcome) = conn.read_response().await.unwrap() else {
+        panic!("not welcomed");
+    };
+    assert_eq!(welcome.minor, PROTOCOL_MINOR);
+    // An older client reads every answer as of its own minor: to the last byte, or it fails.
+    conn.set_peer_minor(older);
+    conn.write_request(&Request::Stat).await.unwrap();
+    let Response::Stats(stats) = conn.read_response().await.unwrap() else {
+        panic!("no stats");
+    };
+    assert_eq!(stats.devices.len(), 1);
+    assert_eq!(stats.node_id, real.node.node_id().as_str());
+    assert_eq!(stats.uptime_ms, 0, "minor {older} has no uptime");
+    real.shutdown().await;
 }
 
 // Memory budgets and limits under concurrency and against peers that hold on to them.
@@ -758,7 +801,10 @@ async fn concurrent_in_node_copies_never_push_a_device_past_its_budget() {
     let large = Arc::new(f32_mib(40, 2));
     let src = TensorKey::new(0, "src");
     let mut writer = node.client().await;
-    writer.put_with(0, Some("src"), &small, true).await.unwrap();
+    writer
+        .put_with(&TensorKey::new(0, "src"), &small, IfExists::Replace)
+        .await
+        .unwrap();
 
     let end = Instant::now() + Duration::from_secs(3);
     let writes = tokio::spawn({
@@ -774,7 +820,10 @@ async fn concurrent_in_node_copies_never_push_a_device_past_its_budget() {
                 // Never refused: an overwrite holds the old tensor until the new one replaces
                 // it, and one large with one small fits device 0 (an in-node copy between two
                 // flex devices is native and reads no host copy out of the source).
-                writer.put_with(0, Some("src"), data, true).await.unwrap();
+                writer
+                    .put_with(&TensorKey::new(0, "src"), data, IfExists::Replace)
+                    .await
+                    .unwrap();
                 writes += 1;
             }
             writes
@@ -785,14 +834,22 @@ async fn concurrent_in_node_copies_never_push_a_device_past_its_budget() {
     for i in 0..4 {
         let (addr, src) = (node.addr, src.clone());
         copiers.push(tokio::spawn(async move {
-            let mut client = Client::connect(addr, None).await.unwrap();
+            let mut client = Client::connect(addr).await.unwrap();
             let dst = format!("dst-{i}");
             // Copies of the large and of the small version, refused copies, and copies whose
             // source was overwritten between the node's look at it and its read (refused as
             // `Changed` rather than mixing two versions).
             let (mut large, mut small, mut refused, mut changed) = (0u32, 0u32, 0u32, 0u32);
             while Instant::now() < end {
-                match client.transfer(&src, 1, Some(&dst), false, true).await {
+                match client
+                    .transfer(
+                        &src,
+                        &TensorKey::new(1, &dst),
+                        Transfer::Copy,
+                        IfExists::Replace,
+                    )
+                    .await
+                {
                     Ok(info) if info.bytes == large_len => large += 1,
                     Ok(_) => small += 1,
                     Err(e) => match e.code() {
@@ -807,12 +864,12 @@ async fn concurrent_in_node_copies_never_push_a_device_past_its_budget() {
     }
 
     // Every sample, on both devices: what is claimed and what is registered stay in the budget.
-    let budgets = [0, 1].map(|d| node.node.device(d).unwrap().budget().clone());
+    let budgets = [0, 1].map(|d| node.node.device(d).unwrap());
     let mut peak = [0u64; 2];
     let mut sampled = 0u32;
     while Instant::now() < end {
         for (d, budget) in budgets.iter().enumerate() {
-            let used = budget.used();
+            let used = budget.memory_used();
             assert!(
                 used <= LIMIT,
                 "device {d} claims {used} of a {LIMIT}-byte budget"
@@ -879,7 +936,7 @@ async fn concurrent_in_node_copies_never_push_a_device_past_its_budget() {
         eventually(
             &format!("device {d} claims only its tensors"),
             Duration::from_secs(5),
-            || budget.used() == registered,
+            || budget.memory_used() == registered,
         )
         .await;
     }
@@ -895,7 +952,10 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     let empty = samples::plain(DType::F32, &[0], 0);
     let mut stored = 0u64;
     let refusal = loop {
-        match client.put(0, &format!("e{stored}"), &empty).await {
+        match client
+            .put(&TensorKey::new(0, format!("e{stored}")), &empty)
+            .await
+        {
             Ok(info) => assert_eq!(info.bytes, 0),
             Err(e) => break e,
         }
@@ -909,7 +969,7 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     assert!(refusal.to_string().contains("budget"), "{refusal}");
     // Exactly as many as the overhead divides the budget into.
     assert_eq!(stored, BUDGET / TENSOR_OVERHEAD);
-    assert_eq!(node.node.device(0).unwrap().budget().used(), BUDGET);
+    assert_eq!(node.node.device(0).unwrap().memory_used(), BUDGET);
     let device = &client.stat().await.unwrap().devices[0];
     assert_eq!((device.tensors, device.bytes_held), (stored, 0));
     node.shutdown().await;
@@ -927,27 +987,43 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     let mut client = node.client().await;
     let data = samples::plain(DType::F32, &[16], 3);
     for i in 0..10 {
-        client.put(0, &format!("t{i}"), &data).await.unwrap();
+        client
+            .put(&TensorKey::new(0, format!("t{i}")), &data)
+            .await
+            .unwrap();
     }
-    let over = client.put(0, "t10", &data).await.unwrap_err();
+    let over = client
+        .put(&TensorKey::new(0, "t10"), &data)
+        .await
+        .unwrap_err();
     assert_eq!(over.code(), Some(ErrorCode::LimitExceeded), "{over}");
     assert!(over.to_string().contains("--max-tensors"), "{over}");
     // A copy within the device makes a tensor too.
-    let copy = client.copy(&TensorKey::new(0, "t0"), 0, Some("c")).await;
+    let copy = client
+        .copy(&TensorKey::new(0, "t0"), &TensorKey::new(0, "c"))
+        .await;
     assert_eq!(ferry::testing::code_of(copy), ErrorCode::LimitExceeded);
     // Refusals hold no slot: one delete lets exactly one put through.
     client.delete(&TensorKey::new(0, "t3")).await.unwrap();
-    client.put(0, "t10", &data).await.unwrap();
-    let again = client.put(0, "t11", &data).await;
+    client.put(&TensorKey::new(0, "t10"), &data).await.unwrap();
+    let again = client.put(&TensorKey::new(0, "t11"), &data).await;
     assert_eq!(ferry::testing::code_of(again), ErrorCode::LimitExceeded);
     let back = client.get(&TensorKey::new(0, "t10")).await.unwrap();
     assert_same(&back, &data, "the put after a delete");
     // At the cap, a tensor that replaces another takes its slot: overwrites and copies onto an
     // existing name still go through.
     let newer = samples::plain(DType::F32, &[16], 4);
-    client.put_with(0, Some("t0"), &newer, true).await.unwrap();
     client
-        .transfer(&TensorKey::new(0, "t0"), 0, Some("t1"), false, true)
+        .put_with(&TensorKey::new(0, "t0"), &newer, IfExists::Replace)
+        .await
+        .unwrap();
+    client
+        .transfer(
+            &TensorKey::new(0, "t0"),
+            &TensorKey::new(0, "t1"),
+            Transfer::Copy,
+            IfExists::Replace,
+        )
         .await
         .unwrap();
     assert_same(
@@ -969,7 +1045,7 @@ async fn a_trickling_upload_gives_its_reservation_back() {
     let deadline = Duration::from_secs(3);
     assert_eq!(service.limits.payload_deadline(SIZE), Some(deadline));
     let node = budget_node(&["flex"], 48 * MIB, service).await;
-    let budget = node.node.device(0).unwrap().budget().clone();
+    let budget = node.node.device(0).unwrap();
     let data = f32_mib(32, 7);
     assert_eq!(data.as_bytes().len() as u64, SIZE);
 
@@ -979,13 +1055,13 @@ async fn a_trickling_upload_gives_its_reservation_back() {
     assert_eq!(raw.response().await, Some(Response::Ready));
     let ready = Instant::now();
     assert_eq!(
-        budget.used(),
+        budget.memory_used(),
         SIZE + TENSOR_OVERHEAD,
         "claimed before a byte arrived"
     );
     // Two such tensors do not fit: while the trickler holds its claim, an honest put is refused.
     let mut client = node.client().await;
-    let refused = client.put(0, "fast", &data).await;
+    let refused = client.put(&TensorKey::new(0, "fast"), &data).await;
     assert_eq!(ferry::testing::code_of(refused), ErrorCode::LimitExceeded);
 
     // 64 bytes every half second: within the idle timeout each time, far below the rate.
@@ -1033,10 +1109,10 @@ async fn a_trickling_upload_gives_its_reservation_back() {
     eventually(
         "the trickler's claim is given back",
         Duration::from_secs(5),
-        || budget.used() == 0,
+        || budget.memory_used() == 0,
     )
     .await;
-    client.put(0, "fast", &data).await.unwrap();
+    client.put(&TensorKey::new(0, "fast"), &data).await.unwrap();
     let back = client.get(&TensorKey::new(0, "fast")).await.unwrap();
     assert_same(&back, &data, "the put after the trickler");
     let names: Vec<String> = client
@@ -1061,13 +1137,13 @@ async fn a_stalled_get_holds_its_bytes_in_the_budget_until_its_deadline() {
     service.limits.idle_timeout = Duration::from_secs(1);
     service.limits.min_rate = 64 * MIB;
     let node = budget_node(&["flex"], 64 * MIB, service).await;
-    let budget = node.node.device(0).unwrap().budget().clone();
+    let budget = node.node.device(0).unwrap();
     let data = f32_mib(40, 5);
     // Made before the stall begins: the refusal below must come while the stall lasts.
     let other = f32_mib(40, 6);
     let key = TensorKey::new(0, "t");
     let mut client = node.client().await;
-    client.put(0, "t", &data).await.unwrap();
+    client.put(&TensorKey::new(0, "t"), &data).await.unwrap();
 
     // The description arrives; then the reader reads nothing more. 40 MiB is far more than
     // loopback socket buffers take, so the node's send blocks.
@@ -1081,15 +1157,15 @@ async fn a_stalled_get_holds_its_bytes_in_the_budget_until_its_deadline() {
     let stalled = Instant::now();
     client.delete(&key).await.unwrap();
     // Unregistered, but its bytes are still being sent: still counted.
-    assert_eq!(budget.used(), SIZE + TENSOR_OVERHEAD);
+    assert_eq!(budget.memory_used(), SIZE + TENSOR_OVERHEAD);
     assert_eq!(client.stat().await.unwrap().devices[0].bytes_held, 0);
-    let refused = client.put(0, "u", &other).await;
+    let refused = client.put(&TensorKey::new(0, "u"), &other).await;
     assert_eq!(ferry::testing::code_of(refused), ErrorCode::LimitExceeded);
 
     eventually(
         "the stalled send is dropped and gives its bytes back",
         Duration::from_secs(8),
-        || budget.used() == 0,
+        || budget.memory_used() == 0,
     )
     .await;
     let held_for = stalled.elapsed();
@@ -1097,7 +1173,7 @@ async fn a_stalled_get_holds_its_bytes_in_the_budget_until_its_deadline() {
         held_for >= Duration::from_millis(800),
         "given back after {held_for:?}, before the 1 s idle timeout"
     );
-    client.put(0, "u", &other).await.unwrap();
+    client.put(&TensorKey::new(0, "u"), &other).await.unwrap();
     let back = client.get(&TensorKey::new(0, "u")).await.unwrap();
     assert_same(&back, &other, "the put after the stall");
 
@@ -1123,12 +1199,15 @@ async fn an_ndarray_read_copy_is_counted() {
     const LARGE: u64 = 40 * MIB;
     const SMALL: u64 = 16 * MIB;
     let node = budget_node(&["ndarray"], 64 * MIB, ServiceConfig::default()).await;
-    let budget = node.node.device(0).unwrap().budget().clone();
+    let budget = node.node.device(0).unwrap();
     let mut client = node.client().await;
     let large = f32_mib(40, 8);
     let large_key = TensorKey::new(0, "large");
-    client.put(0, "large", &large).await.unwrap();
-    assert_eq!(budget.used(), LARGE + TENSOR_OVERHEAD);
+    client
+        .put(&TensorKey::new(0, "large"), &large)
+        .await
+        .unwrap();
+    assert_eq!(budget.memory_used(), LARGE + TENSOR_OVERHEAD);
 
     // NdArray cannot lend its storage: a get reads a host copy out, which would not fit.
     let refused = client.get(&large_key).await.unwrap_err();
@@ -1136,12 +1215,19 @@ async fn an_ndarray_read_copy_is_counted() {
     let message = refused.to_string();
     assert!(message.contains("budget"), "{message}");
     assert!(message.contains(&LARGE.to_string()), "{message}");
-    assert_eq!(budget.used(), LARGE + TENSOR_OVERHEAD, "no copy is left");
+    assert_eq!(
+        budget.memory_used(),
+        LARGE + TENSOR_OVERHEAD,
+        "no copy is left"
+    );
 
     // A 16 MiB tensor fits next to it, but its copy does not (40 + 16 + 16 MiB).
     let small = f32_mib(16, 9);
     let small_key = TensorKey::new(0, "small");
-    client.put(0, "small", &small).await.unwrap();
+    client
+        .put(&TensorKey::new(0, "small"), &small)
+        .await
+        .unwrap();
     assert_eq!(
         ferry::testing::code_of(client.get(&small_key).await),
         ErrorCode::LimitExceeded
@@ -1153,7 +1239,7 @@ async fn an_ndarray_read_copy_is_counted() {
     eventually(
         "the copy is given back once sent",
         Duration::from_secs(5),
-        || budget.used() == SMALL + TENSOR_OVERHEAD,
+        || budget.memory_used() == SMALL + TENSOR_OVERHEAD,
     )
     .await;
     node.shutdown().await;
@@ -1179,7 +1265,9 @@ async fn a_hundred_thousand_tensors_list_and_copy_as_a_device() {
         inserts.push(tokio::spawn(async move {
             for i in (part..COUNT).step_by(4) {
                 let (name, data) = tiny(i);
-                node.insert(0, &name, data, Existing::Refuse).await.unwrap();
+                node.insert(&TensorKey::new(0, &name), data, IfExists::Refuse)
+                    .await
+                    .unwrap();
             }
         }));
     }
@@ -1218,9 +1306,12 @@ async fn a_hundred_thousand_tensors_list_and_copy_as_a_device() {
     for part in 0..COPY_CLIENTS {
         let (addr, keys) = (node.addr, keys.clone());
         copies.push(tokio::spawn(async move {
-            let mut client = Client::connect(addr, None).await.unwrap();
+            let mut client = Client::connect(addr).await.unwrap();
             for key in keys.iter().skip(part).step_by(COPY_CLIENTS) {
-                let info = client.transfer(key, 1, None, false, false).await.unwrap();
+                let info = client
+                    .transfer(key, &key.on(1), Transfer::Copy, IfExists::Refuse)
+                    .await
+                    .unwrap();
                 assert_eq!(info.key, TensorKey::new(1, key.name.clone()));
             }
         }));
@@ -1307,7 +1398,7 @@ async fn silent_sockets_and_speakers_racing_for_slots_leak_none() {
                         }
                         continue;
                     }
-                    let connect = Client::connect(addr, None);
+                    let connect = Client::connect(addr);
                     match tokio::time::timeout(Duration::from_secs(5), connect).await {
                         Err(_) => panic!("seed {seed}: a client that speaks was left hanging"),
                         Ok(Ok(mut client)) => {
@@ -1342,7 +1433,7 @@ async fn silent_sockets_and_speakers_racing_for_slots_leak_none() {
     loop {
         let mut clients = Vec::new();
         for _ in 0..SLOTS {
-            if let Ok(client) = Client::connect(addr, None).await {
+            if let Ok(client) = Client::connect(addr).await {
                 clients.push(client);
             }
         }

@@ -9,6 +9,7 @@
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
+mod cancel;
 mod cluster;
 mod concurrency;
 mod etcd;

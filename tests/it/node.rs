@@ -3,11 +3,12 @@
 
 use ferry::client::ErrorCode;
 use ferry::proto::{DType, TensorKey, dtype_name};
+use ferry::proto::{Transfer, TransferPath};
 use ferry::samples;
-use ferry::server::{BackendKind, Existing, NodeConfig, ServiceConfig, TransferPolicy};
+use ferry::server::{BackendKind, IfExists, NodeConfig, ServiceConfig, TransferPolicy};
 use ferry::testing::{assert_same, code_of, devices, start, start_with};
 
-async fn copy_matrix(policy: TransferPolicy, expected_path: &str) {
+async fn copy_matrix(policy: TransferPolicy, expected_path: TransferPath) {
     let node = start(
         NodeConfig {
             devices: devices(&["flex", "flex"]),
@@ -21,7 +22,9 @@ async fn copy_matrix(policy: TransferPolicy, expected_path: &str) {
     let matrix = samples::full_matrix();
     for sample in &matrix {
         let src = TensorKey::new(0, &sample.name);
-        let put = client.put(0, &sample.name, &sample.data).await;
+        let put = client
+            .put(&TensorKey::new(0, &sample.name), &sample.data)
+            .await;
         let put = put.unwrap_or_else(|e| panic!("{}: put: {e}", sample.name));
         assert_eq!(
             put.bytes as usize,
@@ -30,7 +33,7 @@ async fn copy_matrix(policy: TransferPolicy, expected_path: &str) {
             sample.name
         );
         let copied = client
-            .copy(&src, 1, None)
+            .copy(&src, &src.on(1))
             .await
             .unwrap_or_else(|e| panic!("{}: copy: {e}", sample.name));
         assert_eq!(copied.path, expected_path, "{}", sample.name);
@@ -46,6 +49,7 @@ async fn copy_matrix(policy: TransferPolicy, expected_path: &str) {
     match policy {
         TransferPolicy::Auto => assert_eq!(stats.native_transfers, count),
         TransferPolicy::RoundTrip => assert_eq!(stats.round_trip_transfers, count),
+        other => panic!("no expectation for the policy {other:?}"),
     }
     assert_eq!(stats.transfers_failed, 0);
     assert_eq!(stats.devices[1].tensors, count);
@@ -54,12 +58,12 @@ async fn copy_matrix(policy: TransferPolicy, expected_path: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dtype_copies_bit_exact_on_the_native_path() {
-    copy_matrix(TransferPolicy::Auto, "native").await;
+    copy_matrix(TransferPolicy::Auto, TransferPath::Native).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dtype_copies_bit_exact_on_the_forced_round_trip() {
-    copy_matrix(TransferPolicy::RoundTrip, "round-trip").await;
+    copy_matrix(TransferPolicy::RoundTrip, TransferPath::RoundTrip).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -68,8 +72,11 @@ async fn a_move_deletes_the_source_only_once_the_target_holds_it() {
     let mut client = node.client().await;
     let data = samples::quantized(&samples::schemes()[1].1, &[8, 64], 7);
     let src = TensorKey::new(0, "w");
-    client.put(0, "w", &data).await.unwrap();
-    let moved = client.move_to(&src, 1, Some("w2")).await.unwrap();
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+    let moved = client
+        .move_to(&src, &TensorKey::new(1, "w2"))
+        .await
+        .unwrap();
     assert_eq!(moved.key, TensorKey::new(1, "w2"));
     assert_same(&client.get(&moved.key).await.unwrap(), &data, "moved");
     assert_eq!(code_of(client.get(&src).await), ErrorCode::NotFound);
@@ -77,8 +84,8 @@ async fn a_move_deletes_the_source_only_once_the_target_holds_it() {
     // A move the target refuses (NdArray cannot hold F16) leaves the source where it was.
     let half = samples::plain(DType::F16, &[4, 4], 1);
     let src = TensorKey::new(0, "half");
-    client.put(0, "half", &half).await.unwrap();
-    let refused = client.move_to(&src, 2, None).await;
+    client.put(&TensorKey::new(0, "half"), &half).await.unwrap();
+    let refused = client.move_to(&src, &src.on(2)).await;
     assert_eq!(code_of(refused), ErrorCode::UnsupportedDType);
     assert_same(&client.get(&src).await.unwrap(), &half, "source kept");
     let listing = client.list(Some(2)).await.unwrap();
@@ -99,8 +106,11 @@ async fn flex_to_ndarray_round_trips_what_ndarray_holds_and_refuses_the_rest_cle
         let dtype = sample.data.dtype();
         let shape = sample.data.shape().as_slice().to_vec();
         let src = TensorKey::new(0, &sample.name);
-        client.put(0, &sample.name, &sample.data).await.unwrap();
-        let result = client.copy(&src, 1, None).await;
+        client
+            .put(&TensorKey::new(0, &sample.name), &sample.data)
+            .await
+            .unwrap();
+        let result = client.copy(&src, &src.on(1)).await;
         if BackendKind::NdArray
             .measured_holds()
             .unwrap()
@@ -108,11 +118,14 @@ async fn flex_to_ndarray_round_trips_what_ndarray_holds_and_refuses_the_rest_cle
             .is_ok()
         {
             let info = result.unwrap_or_else(|e| panic!("{}: {e}", sample.name));
-            assert_eq!(info.path, "round-trip", "{}", sample.name);
+            assert_eq!(info.path, TransferPath::RoundTrip, "{}", sample.name);
             let back = client.get(&info.key).await.unwrap();
             assert_same(&back, &sample.data, &sample.name);
             // And back again, NdArray to Flex.
-            let home = client.copy(&info.key, 0, Some("returned")).await.unwrap();
+            let home = client
+                .copy(&info.key, &TensorKey::new(0, "returned"))
+                .await
+                .unwrap();
             let returned = client.get(&home.key).await.unwrap();
             assert_same(&returned, &sample.data, &format!("{} back", sample.name));
             client.delete(&home.key).await.unwrap();
@@ -143,13 +156,20 @@ async fn the_in_process_api_shares_the_workers_the_service_uses() {
     let node = start_with(&["flex", "flex"]).await;
     let data = samples::plain(DType::BF16, &[3, 5], 3);
     node.node
-        .insert(0, "embedded", data.clone(), Existing::Refuse)
+        .insert(
+            &TensorKey::new(0, "embedded"),
+            data.clone(),
+            IfExists::Refuse,
+        )
         .await
         .unwrap();
     let mut client = node.client().await;
     let fetched = client.get(&TensorKey::new(0, "embedded")).await.unwrap();
     assert_same(&fetched, &data, "inserted in process, read over TCP");
-    client.put(1, "remote", &data).await.unwrap();
+    client
+        .put(&TensorKey::new(1, "remote"), &data)
+        .await
+        .unwrap();
     let key = TensorKey::new(1, "remote");
     let taken = node.node.take(&key).await.unwrap();
     assert_same(&taken, &data, "put over TCP, taken in process");
@@ -158,47 +178,38 @@ async fn the_in_process_api_shares_the_workers_the_service_uses() {
 }
 
 /// A source sends a Flex tensor straight from the registered tensor: the plain buffer, or a
-/// quantized tensor's values followed by its scale bytes. Whichever way, the parts laid end to
-/// end are exactly `into_data`'s bytes, for every sample Flex holds.
+/// quantized tensor's values followed by its scale bytes. Whichever way, what arrives is exactly
+/// `into_data`'s bytes, for every sample: inserted in process (so the registered buffer is the
+/// very one handed in) and read back over TCP. (That the single-level ones go without a host
+/// copy, and that the parts are laid end to end, is checked inside the node:
+/// `server/src/node/registered_tests.rs`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_a_source_sends_from_the_registered_tensor_is_exactly_into_data() {
-    use ferry::server::HostBytes;
     let node = start_with(&["flex"]).await;
-    let mut shared = 0;
+    let mut client = node.client().await;
     for (i, sample) in samples::full_matrix().iter().enumerate() {
         let name = format!("s{i}");
-        node.node
-            .insert(0, &name, sample.data.clone(), Existing::Refuse)
+        let desc = node
+            .node
+            .insert(
+                &TensorKey::new(0, &name),
+                sample.data.clone(),
+                IfExists::Refuse,
+            )
             .await
             .unwrap();
-        let key = TensorKey::new(0, &name);
-        let (_, meta, bytes) = node.node.read_host(&key).await.unwrap();
         assert_eq!(
-            meta.byte_len(),
-            sample.data.as_bytes().len(),
+            desc.bytes,
+            sample.data.as_bytes().len() as u64,
             "{}",
             sample.name
         );
-        assert_eq!(
-            bytes.parts().concat(),
-            sample.data.as_bytes(),
-            "{}: the parts are into_data's bytes",
-            sample.name
-        );
-        if matches!(bytes, HostBytes::Shared(..)) {
-            shared += 1;
-        }
+        let key = TensorKey::new(0, &name);
+        let (info, sent) = client.get_with_info(&key).await.unwrap();
+        assert_eq!(info.bytes, desc.bytes, "{}", sample.name);
+        assert_same(&sent, &sample.data, &sample.name);
         node.node.remove(&key).await.unwrap();
     }
-    // Every plain sample, and the quantized ones of one scale level, go without a host copy.
-    let single_level = samples::full_matrix()
-        .iter()
-        .filter(|s| match s.data.dtype() {
-            DType::QFloat(scheme) => burn_std::quantization::global_scale_dtype(&scheme).is_none(),
-            _ => true,
-        })
-        .count();
-    assert_eq!(shared, single_level);
     node.shutdown().await;
 }
 
@@ -211,7 +222,7 @@ async fn sixteen_clients_fifty_mixed_operations_each() {
     let mut tasks = Vec::new();
     for c in 0..16u64 {
         tasks.push(tokio::spawn(async move {
-            let mut client = ferry::client::Client::connect(addr, None).await.unwrap();
+            let mut client = ferry::client::Client::connect(addr).await.unwrap();
             let mut model = std::collections::BTreeMap::new();
             let dtypes = [DType::F32, DType::I64, DType::U8, DType::BF16];
             for op in 0..50u64 {
@@ -221,13 +232,18 @@ async fn sixteen_clients_fifty_mixed_operations_each() {
                     0 | 1 => {
                         let dtype = dtypes[((op + c) % 4) as usize];
                         let data = samples::plain(dtype, &[16, (op % 5 + 1) as usize], op + c);
-                        client.put_with(0, Some(&name), &data, true).await.unwrap();
+                        client
+                            .put_with(&TensorKey::new(0, &name), &data, IfExists::Replace)
+                            .await
+                            .unwrap();
                         model.insert(TensorKey::new(0, &name), data);
                     }
                     2 => {
                         let src = TensorKey::new(0, &name);
                         let dst = TensorKey::new(1, &name);
-                        let result = client.transfer(&src, 1, None, false, true).await;
+                        let result = client
+                            .transfer(&src, &src.on(1), Transfer::Copy, IfExists::Replace)
+                            .await;
                         match model.get(&src).cloned() {
                             Some(data) => {
                                 result.unwrap();
@@ -293,13 +309,16 @@ async fn burn_tensors_go_in_and_come_back_with_their_dtype_quantized_included() 
         let float = Tensor::<2>::from_data(samples::plain(DType::F32, &[8, 64], 1), &device);
         let quantized = float.quantize_dynamic(&scheme);
         let expected = quantized.to_data();
-        client.put_tensor(0, &label, quantized).await.unwrap();
+        client
+            .put_tensor(&TensorKey::new(0, &label), quantized)
+            .await
+            .unwrap();
         let key = TensorKey::new(0, &label);
         let back: Tensor<2> = client.get_tensor(&key, &device).await.unwrap();
         assert_same(&back.into_data(), &expected, &label);
     }
     let ids = samples::plain(DType::U16, &[3, 5], 2);
-    client.put(0, "ids", &ids).await.unwrap();
+    client.put(&TensorKey::new(0, "ids"), &ids).await.unwrap();
     let key = TensorKey::new(0, "ids");
     let back: Tensor<2, Int> = client.get_tensor(&key, &device).await.unwrap();
     assert_same(&back.into_data(), &ids, "u16 as Int");
@@ -310,89 +329,5 @@ async fn burn_tensors_go_in_and_come_back_with_their_dtype_quantized_included() 
         .get_tensor::<2, burn_tensor::Float>(&key, &device)
         .await;
     assert!(wrong_kind.unwrap_err().to_string().contains("Int tensor"));
-    node.shutdown().await;
-}
-
-/// Flex takes a received buffer over as the tensor's memory, quantized tensors of one scale
-/// level included (built in place rather than by Flex's `q_from_data`, which copies any buffer
-/// it cannot take over as a `Vec`): the registered tensor's bytes are the very bytes handed in.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_flex_device_registers_the_received_buffer_itself() {
-    use ferry::server::HostBytes;
-    let node = start_with(&["flex"]).await;
-    let schemes = samples::schemes();
-    let scheme = |name: &str| schemes.iter().find(|(n, _)| n == name).unwrap().1;
-    let cases = [
-        ("f32", samples::plain(DType::F32, &[64, 64], 1)),
-        (
-            "q8s",
-            samples::quantized(&scheme("Q8S-tensor-F32"), &[64, 64], 2),
-        ),
-        (
-            "q8s-block",
-            samples::quantized(&scheme("Q8S-block32-F16"), &[64, 64], 3),
-        ),
-        (
-            "q4s-block",
-            samples::quantized(&scheme("Q4S-block32-UE8M0"), &[64, 64], 4),
-        ),
-    ];
-    for (name, data) in cases {
-        let expected = data.as_bytes().to_vec();
-        let handed_in = data.as_bytes().as_ptr();
-        node.node
-            .insert(0, name, data, Existing::Refuse)
-            .await
-            .unwrap();
-        let key = TensorKey::new(0, name);
-        let (_, _, bytes) = node.node.read_host(&key).await.unwrap();
-        assert_eq!(bytes.parts().concat(), expected, "{name}");
-        let HostBytes::Shared(shared, _) = &bytes else {
-            panic!("{name}: not shared");
-        };
-        assert!(
-            std::ptr::eq(shared.values.as_ptr(), handed_in),
-            "{name}: the registered values are a copy"
-        );
-    }
-    node.shutdown().await;
-}
-
-/// Dedup looks tensors up by content hash through each worker's index, which follows every
-/// registration (once its hash is computed), replacement and removal.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_content_hash_index_follows_overwrites_and_removals() {
-    let node = start_with(&["flex", "ndarray"]).await;
-    let hash_of = |data: &ferry::proto::TensorData| {
-        let meta = ferry::proto::tensor::meta_of(data).unwrap();
-        ferry::proto::tensor::content_hash(&meta, data.as_bytes())
-    };
-    let (x, y) = (
-        samples::plain(DType::F32, &[8, 8], 1),
-        samples::plain(DType::F32, &[8, 8], 2),
-    );
-    let found = async |hash: &str| node.node.find_by_hash(hash).await.unwrap().map(|d| d.key);
-    node.node
-        .insert(1, "w", x.clone(), Existing::Refuse)
-        .await
-        .unwrap();
-    assert_eq!(found(&hash_of(&x)).await, Some(TensorKey::new(1, "w")));
-    node.node
-        .insert(1, "w", y.clone(), Existing::Replace)
-        .await
-        .unwrap();
-    assert_eq!(found(&hash_of(&x)).await, None, "replaced");
-    assert_eq!(found(&hash_of(&y)).await, Some(TensorKey::new(1, "w")));
-    node.node
-        .insert(0, "w2", y.clone(), Existing::Refuse)
-        .await
-        .unwrap();
-    // A Flex device computes a new tensor's hash after registering it (NdArray, before): it is
-    // indexed once computed.
-    ferry::testing::hashes_verified(&mut node.client().await).await;
-    node.node.remove(&TensorKey::new(1, "w")).await.unwrap();
-    assert_eq!(found(&hash_of(&y)).await, Some(TensorKey::new(0, "w2")));
-    node.node.remove(&TensorKey::new(0, "w2")).await.unwrap();
-    assert_eq!(found(&hash_of(&y)).await, None, "removed");
     node.shutdown().await;
 }

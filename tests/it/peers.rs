@@ -2,19 +2,22 @@
 //! dedup, moves, capability misuse, and faults injected by a proxy (a source that dies or
 //! drops, a flipped byte, a target that goes away).
 
+use ferry::proto::{ContentHash, IfExists, NodeId, Transfer, TransferPath};
+use ferry::testing::copy_between;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 
-use ferry::client::{Client, ErrorCode, RegionUse, copy_between};
+use ferry::client::{Client, ErrorCode};
+use ferry::io::RegionUse;
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
 use ferry::server::{NodeConfig, Peer, PeerPolicy, ServiceConfig};
 use ferry::testing::{
-    Fault, TestNode, assert_same, code_of, copy_one, devices, hashes_verified, how, proxy,
-    source_code_of, source_connection, start, start_with,
+    Fault, TestNode, assert_same, code_of, copy_one, devices, hashes_verified, how, on_device,
+    proxy, source_code_of, source_connection, start, start_with,
 };
 
 async fn pair() -> (TestNode, TestNode) {
@@ -34,7 +37,11 @@ async fn every_dtype_goes_node_to_node_bit_exact_in_one_batch() {
         .iter()
         .map(|s| (s.name.clone(), s.data.clone()))
         .collect();
-    for answer in source.put_batch(0, &tensors, false).await.unwrap() {
+    for answer in source
+        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
+        .await
+        .unwrap()
+    {
         answer.unwrap();
     }
     let keys: Vec<TensorKey> = matrix.iter().map(|s| TensorKey::new(0, &s.name)).collect();
@@ -44,7 +51,7 @@ async fn every_dtype_goes_node_to_node_bit_exact_in_one_batch() {
         .unwrap();
     for (sample, answer) in matrix.iter().zip(answers) {
         let info = answer.unwrap_or_else(|e| panic!("{}: {e}", sample.name));
-        assert_eq!(info.path, "pull", "{}", sample.name);
+        assert_eq!(info.path, TransferPath::Pull, "{}", sample.name);
         let back = target.get(&info.key).await.unwrap();
         assert_same(&back, &sample.data, &sample.name);
     }
@@ -66,7 +73,10 @@ async fn a_64_tensor_batch_then_the_same_again_costs_no_transfer() {
             (format!("layer{i}.w"), data)
         })
         .collect();
-    source.put_batch(0, &tensors, false).await.unwrap();
+    source
+        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
+        .await
+        .unwrap();
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
     let addr = a.addr.to_string();
     for answer in copy_between(&mut source, &mut target, &keys, &how(&addr, 1))
@@ -86,7 +96,7 @@ async fn a_64_tensor_batch_then_the_same_again_costs_no_transfer() {
     let mut dedup = 0;
     for ((name, data), answer) in tensors.iter().zip(answers) {
         let info = answer.unwrap();
-        if info.path == "dedup" {
+        if info.path == TransferPath::Dedup {
             dedup += 1;
         }
         assert_same(&target.get(&info.key).await.unwrap(), data, name);
@@ -108,11 +118,11 @@ async fn a_node_to_node_move_deletes_the_source_after_the_target_registered() {
     let mut source = a.client().await;
     let mut target = b.client().await;
     let data = samples::plain(DType::U32, &[3, 5, 7], 2);
-    source.put(0, "ids", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "ids"), &data).await.unwrap();
     let addr = a.addr.to_string();
     let mut moving = how(&addr, 0);
-    moving.remove_source = true;
-    moving.dst_name = Some("ids.moved");
+    moving.transfer = Transfer::Move;
+    moving.dst_name = Some("ids.moved".to_string());
     let answers = copy_between(
         &mut source,
         &mut target,
@@ -129,9 +139,9 @@ async fn a_node_to_node_move_deletes_the_source_after_the_target_registered() {
     );
     // A move the target refuses (NdArray and F16) keeps the source.
     let half = samples::plain(DType::F16, &[4], 1);
-    source.put(0, "half", &half).await.unwrap();
+    source.put(&TensorKey::new(0, "half"), &half).await.unwrap();
     let mut refused = how(&addr, 1);
-    refused.remove_source = true;
+    refused.transfer = Transfer::Move;
     let answers = copy_between(
         &mut source,
         &mut target,
@@ -167,7 +177,7 @@ async fn capabilities_are_single_use_bound_expiring_and_unforgeable() {
     let mut source = a.client().await;
     let mut target = b.client().await;
     let data = samples::plain(DType::F32, &[64, 33], 1);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let key = TensorKey::new(0, "w");
     let addr = a.addr.to_string();
     let b_id = target.identify().await.unwrap();
@@ -176,37 +186,50 @@ async fn capabilities_are_single_use_bound_expiring_and_unforgeable() {
     // (which needs no capability) cannot answer instead.
     let grant = source.grant(&key, &b_id).await.unwrap();
     let pulled = target
-        .pull(&addr, &grant, 0, Some("w1"), false)
+        .pull(&addr, &grant, &TensorKey::new(0, "w1"), IfExists::Refuse)
         .await
         .unwrap();
     assert_same(&target.get(&pulled.key).await.unwrap(), &data, "pulled");
     target.delete(&pulled.key).await.unwrap();
-    let reused = target.pull(&addr, &grant, 0, Some("w2"), false).await;
+    let reused = target
+        .pull(&addr, &grant, &TensorKey::new(0, "w2"), IfExists::Refuse)
+        .await;
     assert_eq!(code_of(reused), ErrorCode::CapabilityRefused);
 
     // Forged.
     let mut forged = grant.clone();
-    forged.token = "f".repeat(32);
-    let refused = target.pull(&addr, &forged, 0, Some("w3"), false).await;
+    forged.token = "f".repeat(32).into();
+    let refused = target
+        .pull(&addr, &forged, &TensorKey::new(0, "w3"), IfExists::Refuse)
+        .await;
     assert_eq!(code_of(refused), ErrorCode::CapabilityRefused);
 
     // Bound to node C, presented by node B.
     let c_id = c.client().await.identify().await.unwrap();
     let for_c = source.grant(&key, &c_id).await.unwrap();
-    let refused = target.pull(&addr, &for_c, 0, Some("w4"), false).await;
+    let refused = target
+        .pull(&addr, &for_c, &TensorKey::new(0, "w4"), IfExists::Refuse)
+        .await;
     assert_eq!(code_of(refused), ErrorCode::CapabilityRefused);
 
     // Expired.
     let late = source.grant(&key, &b_id).await.unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let refused = target.pull(&addr, &late, 0, Some("w5"), false).await;
+    let refused = target
+        .pull(&addr, &late, &TensorKey::new(0, "w5"), IfExists::Refuse)
+        .await;
     assert_eq!(code_of(refused), ErrorCode::CapabilityRefused);
 
     // Granted for one version; the tensor is replaced before the pull: refused, never mixed.
     let early = source.grant(&key, &b_id).await.unwrap();
     let newer = samples::plain(DType::F32, &[64, 33], 2);
-    source.put_with(0, Some("w"), &newer, true).await.unwrap();
-    let refused = target.pull(&addr, &early, 0, Some("w6"), false).await;
+    source
+        .put_with(&TensorKey::new(0, "w"), &newer, IfExists::Replace)
+        .await
+        .unwrap();
+    let refused = target
+        .pull(&addr, &early, &TensorKey::new(0, "w6"), IfExists::Refuse)
+        .await;
     assert_eq!(code_of(refused), ErrorCode::CapabilityRefused);
 
     let names: Vec<String> = target
@@ -249,7 +272,11 @@ async fn faulty_pair(fault: Fault) -> (TestNode, TestNode, String, TensorData) {
     let b = start(target_config, ServiceConfig::default()).await;
     // 4 MiB in 64 KiB chunks: the fault lands mid-stream.
     let data = samples::plain(DType::F32, &[1024, 1024], 3);
-    a.client().await.put(0, "big", &data).await.unwrap();
+    a.client()
+        .await
+        .put(&TensorKey::new(0, "big"), &data)
+        .await
+        .unwrap();
     let via = proxy(a.addr, fault).await.to_string();
     (a, b, via, data)
 }
@@ -330,14 +357,19 @@ async fn a_target_that_goes_away_mid_stream_costs_the_source_nothing() {
         .await
         .unwrap();
     let mut target = b.client().await;
-    assert!(target.pull(&via, &grant, 0, None, false).await.is_err());
+    assert!(
+        target
+            .pull(&via, &grant, &grant.info.key.on(0), IfExists::Refuse)
+            .await
+            .is_err()
+    );
     nothing_registered_and_source_intact(&a, &b, &data).await;
     // Past the resume window the capability is gone, and the source serves others as before.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let mut direct = source_connection(&a).await;
     let lapsed = direct.fetch(&grant.token, &b_id, 0).await.map(|f| f.meta);
     assert_eq!(source_code_of(lapsed), ErrorCode::CapabilityRefused);
-    let mut other = Client::connect(a.addr, None).await.unwrap();
+    let mut other = Client::connect(a.addr).await.unwrap();
     assert_same(
         &other.get(&TensorKey::new(0, "big")).await.unwrap(),
         &data,
@@ -353,7 +385,7 @@ async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_i
     let mut target = b.client().await;
     // Large enough that the target's verifier is still hashing when the second copy asks.
     let data = samples::plain(DType::F32, &[2048, 2048], 9);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let addr = a.addr.to_string();
     let key = TensorKey::new(0, "w");
     let first = copy_between(
@@ -364,14 +396,14 @@ async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_i
     )
     .await
     .unwrap();
-    assert_eq!(first[0].as_ref().unwrap().path, "pull");
+    assert_eq!(first[0].as_ref().unwrap().path, TransferPath::Pull);
     // At once, under another name: dedup waits for the verification instead of pulling again.
     let mut again = how(&addr, 0);
-    again.dst_name = Some("w.again");
+    again.dst_name = Some("w.again".to_string());
     let second = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &again)
         .await
         .unwrap();
-    assert_eq!(second[0].as_ref().unwrap().path, "dedup");
+    assert_eq!(second[0].as_ref().unwrap().path, TransferPath::Dedup);
     let stats = hashes_verified(&mut target).await;
     assert_eq!(
         (stats.pulls, stats.dedup_hits, stats.hash_mismatches),
@@ -386,96 +418,119 @@ async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_i
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_false_stated_hash_is_replaced_by_the_computed_one_and_never_answers_dedup() {
-    use ferry::server::{Arrived, ContentHash, Existing, KnownHash};
-    // Flex verifies after registering, NdArray (which cannot lend its bytes) before: the same
-    // outcome on both.
-    let node = start_with(&["flex", "ndarray"]).await;
-    let mut client = node.client().await;
-    let lie = "0".repeat(64);
-    for device in [0u32, 1] {
-        let data = samples::plain(DType::F32, &[64, 64], 3 + u64::from(device));
-        let meta = ferry::proto::tensor::meta_of(&data).unwrap();
-        let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
-        let admission = node
-            .node
-            .admit(
-                device,
-                "w",
-                &meta.dtype(),
-                meta.shape(),
-                meta.byte_len() as u64,
-                Existing::Refuse,
-            )
-            .unwrap();
-        let arrived = Arrived {
-            data: data.clone(),
-            hash: KnownHash::Stated(lie.clone()),
-            region: None,
-        };
-        let desc = node.node.register(admission, arrived).await.unwrap();
-        if device == 0 {
-            assert_eq!(
-                desc.content_hash,
-                ContentHash::Stated(lie.clone()),
-                "registered under the stated hash"
-            );
-        } else {
-            assert_eq!(
-                desc.content_hash,
-                ContentHash::Verified(truth.clone()),
-                "checked before registering"
-            );
-        }
-        // Whether asked before or after the verifier answered, the lie finds nothing.
-        assert!(node.node.find_by_hash(&lie).await.unwrap().is_none());
-        let stats = hashes_verified(&mut client).await;
-        assert_eq!(stats.hash_mismatches, 1 + u64::from(device));
-        let key = TensorKey::new(device, "w");
-        let held = node.node.describe(&key).await.unwrap();
-        assert_eq!(held.content_hash, ContentHash::Verified(truth.clone()));
-        let found = node.node.find_by_hash(&truth).await.unwrap().unwrap();
-        assert_eq!(found.key, key);
-        assert_same(&client.get(&found.key).await.unwrap(), &data, "w");
-    }
+/// Asks `target` to pull `key` from `source` (at `source_addr`, as the target reaches it) and
+/// register it under `dst`, relaying `hash` as the content hash granted, as a client that lies
+/// about it would.
+async fn pull_claiming(
+    source: &mut Client,
+    source_addr: &str,
+    target: &mut Client,
+    key: &TensorKey,
+    dst: &TensorKey,
+    hash: ContentHash,
+) -> Result<ferry::proto::TensorInfo, ferry::client::ClientError> {
+    let audience = target.identify().await.unwrap();
+    let mut grant = source.grant(key, &audience).await.unwrap();
+    grant.content_hash = hash;
+    target
+        .pull(source_addr, &grant, dst, IfExists::Refuse)
+        .await
 }
 
+/// A pull from a node of the same host through shared memory is the one route on which a node
+/// registers a tensor under a hash it did not compute: the one the client relayed from the
+/// grant, recomputed from the registered bytes afterwards. A client that relays a false one
+/// gets the tensor registered, but the node counts the lie, replaces it with the computed hash,
+/// and never dedups on it, whether asked before or after it recomputed; the computed hash
+/// answers. Flex verifies after registering, NdArray (which cannot lend its bytes) before: the
+/// same outcome on both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dedup_check_waits_for_a_pending_verification() {
-    use ferry::server::{Arrived, ContentHash, Existing, KnownHash};
-    let node = start_with(&["flex"]).await;
-    // 64 MiB: hashing takes tens of milliseconds, so the check below comes while it runs.
-    let data = samples::plain(DType::F32, &[4096, 4096], 5);
-    let meta = ferry::proto::tensor::meta_of(&data).unwrap();
-    let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
-    let admission = node
-        .node
-        .admit(
-            0,
-            "w",
-            &meta.dtype(),
-            meta.shape(),
-            meta.byte_len() as u64,
-            Existing::Refuse,
-        )
-        .unwrap();
-    let arrived = Arrived {
-        data,
-        hash: KnownHash::Stated(truth.clone()),
-        region: None,
+async fn a_false_hash_relayed_through_shared_memory_is_replaced_by_the_computed_one_and_never_answers_dedup()
+ {
+    use ferry::server::HashState;
+    let _serial = ferry::testing::REGIONS.lock().await;
+    let unix_node = async |specs: &[&str]| {
+        let config = NodeConfig {
+            devices: devices(specs),
+            ..NodeConfig::default()
+        };
+        ferry::testing::start_unix(config, ServiceConfig::default()).await
     };
-    let desc = node.node.register(admission, arrived).await.unwrap();
-    assert_eq!(desc.content_hash, ContentHash::Stated(truth.clone()));
-    let found = node.node.find_by_hash(&truth).await.unwrap().unwrap();
-    assert_eq!(found.key, TensorKey::new(0, "w"));
-    assert!(found.content_hash.is_verified(), "answered once verified");
-    let stats = node.client().await.stat().await.unwrap();
-    assert_eq!((stats.hashes_pending, stats.hash_mismatches), (0, 0));
+    let a = unix_node(&["flex"]).await;
+    let b = unix_node(&["flex", "ndarray"]).await;
+    // A source over TCP, whose payloads the target hashes as they arrive: a pull from it under a
+    // hash its bytes do not have fails `Integrity`, unless the target dedups on that hash.
+    let c = start_with(&["flex"]).await;
+    let (a_unix, c_addr) = (a.unix.clone().unwrap(), c.addr.to_string());
+    let mut on_a = Client::connect(a_unix.as_str()).await.unwrap();
+    let mut on_b = Client::connect(b.unix.clone().unwrap().as_str())
+        .await
+        .unwrap();
+    let mut on_c = c.client().await;
+    let decoy = TensorKey::new(0, "decoy");
+    on_c.put(&decoy, &samples::plain(DType::F32, &[4, 4], 70))
+        .await
+        .unwrap();
+    let lie = ContentHash::from_digest([0; 32]);
+    for device in [0u32, 1] {
+        // 512 KiB: past the size from which payloads go through shared memory.
+        let data = samples::plain(DType::F32, &[512, 256], 3 + u64::from(device));
+        let truth = hash_of(&data);
+        let src = TensorKey::new(0, format!("w{device}"));
+        on_a.put(&src, &data).await.unwrap();
+        let dst = TensorKey::new(device, "w");
+        let pulled = pull_claiming(&mut on_a, &a_unix, &mut on_b, &src, &dst, lie)
+            .await
+            .unwrap();
+        assert_eq!(pulled.path, TransferPath::Pull);
+        let stats = on_b.stat().await.unwrap();
+        assert_eq!(
+            stats.shm_payloads_received,
+            1 + u64::from(device),
+            "the pull came through shared memory"
+        );
+        // The lie answers no dedup, asked at once and again once the node recomputed.
+        for when in ["at once", "once recomputed"] {
+            if when != "at once" {
+                let stats = hashes_verified(&mut on_b).await;
+                assert_eq!(
+                    stats.hash_mismatches,
+                    1 + u64::from(device),
+                    "the lie counted"
+                );
+            }
+            let decoy_dst = TensorKey::new(device, format!("decoy-{device}-{when}"));
+            let refused =
+                pull_claiming(&mut on_c, &c_addr, &mut on_b, &decoy, &decoy_dst, lie).await;
+            assert_eq!(code_of(refused), ErrorCode::Integrity, "{when}");
+            assert_eq!(
+                code_of(on_b.get(&decoy_dst).await),
+                ErrorCode::NotFound,
+                "{when}: nothing registered"
+            );
+        }
+        let held = b.node.describe(&dst).await.unwrap();
+        assert_eq!(held.content_hash, HashState::Verified(truth));
+        assert_same(&on_b.get(&dst).await.unwrap(), &data, "pulled");
+        // The computed hash answers: the same bytes pulled from C are copied from B's own.
+        let same = TensorKey::new(0, format!("same{device}"));
+        on_c.put(&same, &data).await.unwrap();
+        let again = TensorKey::new(device, "w.again");
+        let deduped = pull_claiming(&mut on_c, &c_addr, &mut on_b, &same, &again, truth)
+            .await
+            .unwrap();
+        assert_eq!(deduped.path, TransferPath::Dedup);
+        assert_same(&on_b.get(&again).await.unwrap(), &data, "deduped");
+    }
+    let stats = hashes_verified(&mut on_b).await;
+    assert_eq!(
+        (stats.pulls, stats.dedup_hits, stats.hash_mismatches),
+        (2, 2, 2)
+    );
 }
 
 /// The content hash of `data` as nodes state it.
-fn hash_of(data: &TensorData) -> String {
+fn hash_of(data: &TensorData) -> ContentHash {
     let meta = ferry::proto::tensor::meta_of(data).unwrap();
     ferry::proto::tensor::content_hash(&meta, data.as_bytes())
 }
@@ -488,7 +543,11 @@ async fn a_writer_racing_dedup_pulls_never_gets_the_other_value() {
     let b = start_with(&["flex"]).await;
     let wanted = samples::plain(DType::F32, &[4, 4], 1);
     let other = samples::plain(DType::F32, &[4, 4], 2);
-    a.client().await.put(0, "w", &wanted).await.unwrap();
+    a.client()
+        .await
+        .put(&TensorKey::new(0, "w"), &wanted)
+        .await
+        .unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = {
         let (stop, mut client) = (stop.clone(), b.client().await);
@@ -501,7 +560,10 @@ async fn a_writer_racing_dedup_pulls_never_gets_the_other_value() {
                 } else {
                     &other
                 };
-                client.put_with(0, Some("cand"), value, true).await.unwrap();
+                client
+                    .put_with(&TensorKey::new(0, "cand"), value, IfExists::Replace)
+                    .await
+                    .unwrap();
                 writes += 1;
             }
             writes
@@ -511,8 +573,8 @@ async fn a_writer_racing_dedup_pulls_never_gets_the_other_value() {
     let mut target = b.client().await;
     let addr = a.addr.to_string();
     let mut again = how(&addr, 0);
-    again.dst_name = Some("out");
-    again.overwrite = true;
+    again.dst_name = Some("out".to_string());
+    again.if_exists = IfExists::Replace;
     let key = TensorKey::new(0, "w");
     let started = std::time::Instant::now();
     let (mut pulls, mut dedups) = (0u64, 0u64);
@@ -522,8 +584,8 @@ async fn a_writer_racing_dedup_pulls_never_gets_the_other_value() {
             .unwrap()
             .remove(0)
             .unwrap();
-        match answer.path.as_str() {
-            "dedup" => dedups += 1,
+        match answer.path {
+            TransferPath::Dedup => dedups += 1,
             _ => pulls += 1,
         }
         let got = target.get(&TensorKey::new(0, "out")).await.unwrap();
@@ -544,16 +606,25 @@ async fn a_false_stated_hash_over_tcp_fails_the_pull_and_registers_nothing() {
     let mut target = b.client().await;
     let data = samples::plain(DType::F32, &[64, 64], 3);
     let unrelated = samples::plain(DType::F32, &[4], 4);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     // The third node holds unrelated bytes under their true hash: a lie that reached it would
     // make it dedup them.
-    c.client().await.put(0, "u", &unrelated).await.unwrap();
+    c.client()
+        .await
+        .put(&TensorKey::new(0, "u"), &unrelated)
+        .await
+        .unwrap();
     let b_id = target.identify().await.unwrap();
     for device in [0u32, 1] {
         let mut grant = source.grant(&TensorKey::new(0, "w"), &b_id).await.unwrap();
         grant.content_hash = hash_of(&unrelated);
         let refused = target
-            .pull(&a.addr.to_string(), &grant, device, Some("w"), false)
+            .pull(
+                &a.addr.to_string(),
+                &grant,
+                &TensorKey::new(device, "w"),
+                IfExists::Refuse,
+            )
             .await;
         assert_eq!(code_of(refused), ErrorCode::Integrity, "device {device}");
     }
@@ -573,7 +644,7 @@ async fn a_false_stated_hash_over_tcp_fails_the_pull_and_registers_nothing() {
     )
     .await
     .unwrap();
-    assert_eq!(answers[0].as_ref().unwrap().path, "pull");
+    assert_eq!(answers[0].as_ref().unwrap().path, TransferPath::Pull);
     assert_same(
         &third.get(&TensorKey::new(0, "w")).await.unwrap(),
         &data,
@@ -594,23 +665,27 @@ async fn a_grant_states_only_a_verified_hash_after_a_false_statement_through_sha
     let b = ferry::testing::start_unix(config(), ServiceConfig::default()).await;
     let c = start_with(&["flex"]).await;
     let a_unix = a.unix.clone().unwrap();
-    let mut source = Client::connect(a_unix.as_str(), None).await.unwrap();
-    let mut target = Client::connect(b.unix.clone().unwrap().as_str(), None)
+    let mut source = Client::connect(a_unix.as_str()).await.unwrap();
+    let mut target = Client::connect(b.unix.clone().unwrap().as_str())
         .await
         .unwrap();
     // 8 MiB: large enough to travel as a kept region.
     let data = samples::plain(DType::F32, &[2048, 1024], 6);
     let unrelated = samples::plain(DType::F32, &[8], 7);
-    source.put(0, "w", &data).await.unwrap();
-    c.client().await.put(0, "u", &unrelated).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+    c.client()
+        .await
+        .put(&TensorKey::new(0, "u"), &unrelated)
+        .await
+        .unwrap();
     let b_id = target.identify().await.unwrap();
     let mut grant = source.grant(&TensorKey::new(0, "w"), &b_id).await.unwrap();
     grant.content_hash = hash_of(&unrelated);
     let stored = target
-        .pull(&a_unix, &grant, 0, Some("w"), false)
+        .pull(&a_unix, &grant, &TensorKey::new(0, "w"), IfExists::Refuse)
         .await
         .unwrap();
-    assert_eq!(stored.path, "pull");
+    assert_eq!(stored.path, TransferPath::Pull);
     // Granted onwards at once: the grant waits for the verification and states the truth.
     let mut from_b = b.client().await;
     let mut third = c.client().await;
@@ -618,10 +693,19 @@ async fn a_grant_states_only_a_verified_hash_after_a_false_statement_through_sha
     let onwards = from_b.grant(&TensorKey::new(0, "w"), &c_id).await.unwrap();
     assert_eq!(onwards.content_hash, hash_of(&data));
     let stored = third
-        .pull(&b.addr.to_string(), &onwards, 0, Some("w"), false)
+        .pull(
+            &b.addr.to_string(),
+            &onwards,
+            &TensorKey::new(0, "w"),
+            IfExists::Refuse,
+        )
         .await
         .unwrap();
-    assert_eq!(stored.path, "pull", "no dedup on the unrelated tensor");
+    assert_eq!(
+        stored.path,
+        TransferPath::Pull,
+        "no dedup on the unrelated tensor"
+    );
     assert_same(&third.get(&stored.key).await.unwrap(), &data, "third node");
     assert_eq!(from_b.stat().await.unwrap().hash_mismatches, 1);
 }
@@ -649,12 +733,18 @@ async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
     // The steps of a move, one at a time: copied, then overwritten, then the conditional delete.
     let mut source = a.client().await;
     let mut target = b.client().await;
-    source.put(0, "k", &value(1)).await.unwrap();
+    source
+        .put(&TensorKey::new(0, "k"), &value(1))
+        .await
+        .unwrap();
     let b_id = target.identify().await.unwrap();
     let grant = source.grant(&key, &b_id).await.unwrap();
-    target.pull(&addr, &grant, 0, None, true).await.unwrap();
+    target
+        .pull(&addr, &grant, &grant.info.key.on(0), IfExists::Replace)
+        .await
+        .unwrap();
     source
-        .put_with(0, Some("k"), &value(2), true)
+        .put_with(&TensorKey::new(0, "k"), &value(2), IfExists::Replace)
         .await
         .unwrap();
     let refused = source.delete_if(&key, &grant.content_hash).await;
@@ -668,8 +758,8 @@ async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
     // Racing: a writer overwrites the source while moves run; after each round the last
     // acknowledged write is at the source, or it was moved (and is then at the target).
     let mut move_how = how(&addr, 0);
-    move_how.remove_source = true;
-    move_how.overwrite = true;
+    move_how.transfer = Transfer::Move;
+    move_how.if_exists = IfExists::Replace;
     let (mut changed, mut moved) = (0u32, 0u32);
     let mut next = 10u64;
     let started = std::time::Instant::now();
@@ -680,7 +770,7 @@ async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
             let mut last = None;
             for i in first..first + 4 {
                 writer
-                    .put_with(0, Some("k"), &value(i), true)
+                    .put_with(&TensorKey::new(0, "k"), &value(i), IfExists::Replace)
                     .await
                     .unwrap();
                 last = Some(i);
@@ -724,7 +814,7 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_re
     let b = start_with(&["flex"]).await;
     let mut source = a.client().await;
     let data = samples::plain(DType::F32, &[256, 256], 8);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let key = TensorKey::new(0, "w");
     let b_id = b.client().await.identify().await.unwrap();
     let grant = source.grant(&key, &b_id).await.unwrap();
@@ -774,7 +864,7 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_re
         ErrorCode::CapabilityRefused
     );
     assert_eq!(
-        code_of(source.release(&grant.token, &b_id).await),
+        code_of(source.release(&grant).await),
         ErrorCode::CapabilityRefused
     );
     other.release(&grant.token, &b_id).await.unwrap();
@@ -791,7 +881,7 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_re
         source_code_of(third.release(&unused.token, &b_id).await),
         ErrorCode::CapabilityRefused
     );
-    source.release(&unused.token, &b_id).await.unwrap();
+    source.release(&unused).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -808,7 +898,7 @@ async fn outstanding_grants_are_capped_per_client_and_revoked_with_its_connectio
     let b = start_with(&["flex"]).await;
     let data = samples::plain(DType::F32, &[4], 1);
     let mut greedy = a.client().await;
-    greedy.put(0, "w", &data).await.unwrap();
+    greedy.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let key = TensorKey::new(0, "w");
     let b_id = b.client().await.identify().await.unwrap();
     for _ in 0..8 {
@@ -860,8 +950,8 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_ends_with_its_clien
     let data = samples::plain(DType::F32, &[64, 64], 9);
     let key = TensorKey::new(0, "w");
     let mut granter = a.client().await;
-    granter.put(0, "w", &data).await.unwrap();
-    let audience = "node-b";
+    granter.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+    let audience = &NodeId::new("node-b");
 
     // Resumes of a served capability are bounded: 16 fetches in all, then refused.
     let grant = granter.grant(&key, audience).await.unwrap();
@@ -942,7 +1032,7 @@ async fn a_node_pulls_only_from_its_listed_peers() {
     let data = samples::plain(DType::F32, &[32, 32], 4);
     let key = TensorKey::new(0, "w");
     let (mut source, mut target) = (a.client().await, b.client().await);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     // Named by a client as the source: refused before any connection, so the peer token never
     // leaves for it.
     let elsewhere = elsewhere.to_string();
@@ -973,7 +1063,7 @@ async fn a_failed_pull_tells_the_client_nothing_about_what_answered_there() {
     let data = samples::plain(DType::F32, &[8, 8], 5);
     let key = TensorKey::new(0, "w");
     let (mut source, mut target) = (a.client().await, b.client().await);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     // Another service's banner: the client learns nothing of what it said.
     let (service, _) = decoy(b"SSH-2.0-OpenSSH_9.6 secret-build\r\n").await;
     let service = service.to_string();
@@ -1007,7 +1097,6 @@ async fn a_failed_pull_tells_the_client_nothing_about_what_answered_there() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
-    use ferry::client::ClientConfig;
     use ferry::io::credential::parse_token_file;
     let service = || ServiceConfig {
         credentials: parse_token_file("read,write client-token\npeer node-token\n").unwrap(),
@@ -1032,34 +1121,31 @@ async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
     )
     .await;
     let connect = async |node: &TestNode| {
-        let config = ClientConfig {
-            token: Some("client-token".into()),
-            ..ClientConfig::default()
-        };
-        Client::connect_with(node.addr.to_string().as_str(), config)
+        Client::connect(node.addr.to_string().as_str())
+            .token("client-token")
             .await
             .unwrap()
     };
     let (mut source, mut target) = (connect(&a).await, connect(&b).await);
     let data = samples::plain(DType::F32, &[64, 64], 6);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let a_addr = a.addr.to_string();
     // A pull: the target fetches and releases with its peer credential.
     let key = TensorKey::new(0, "w");
     let pulled = copy_one(&mut source, &mut target, &key, &how(&a_addr, 0))
         .await
         .unwrap();
-    assert_eq!(pulled.path, "pull");
+    assert_eq!(pulled.path, TransferPath::Pull);
     // A dedup: the client hands the unneeded capability back itself, with its read scope; and a
     // move then deletes the source.
     let mut moving = how(&a_addr, 0);
-    moving.dst_name = Some("again");
-    moving.remove_source = true;
+    moving.dst_name = Some("again".to_string());
+    moving.transfer = Transfer::Move;
     hashes_verified(&mut target).await;
     let deduped = copy_one(&mut source, &mut target, &key, &moving)
         .await
         .unwrap();
-    assert_eq!(deduped.path, "dedup");
+    assert_eq!(deduped.path, TransferPath::Dedup);
     assert_same(
         &target.get(&TensorKey::new(0, "again")).await.unwrap(),
         &data,
@@ -1098,17 +1184,14 @@ async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_cho
     )
     .await;
     let connect = async |node: &TestNode| {
-        let config = ferry::client::ClientConfig {
-            token: Some("shared".into()),
-            ..Default::default()
-        };
-        Client::connect_with(node.addr.to_string().as_str(), config)
+        Client::connect(node.addr.to_string().as_str())
+            .token("shared")
             .await
             .unwrap()
     };
     let (mut source, mut target) = (connect(&a).await, connect(&open).await);
     let data = samples::plain(DType::F32, &[16, 16], 8);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let key = TensorKey::new(0, "w");
     let a_addr = a.addr.to_string();
     let refused = copy_one(&mut source, &mut target, &key, &how(&a_addr, 0))
@@ -1121,7 +1204,7 @@ async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_cho
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_is_answered_before_its_hash_which_is_computed_after_and_then_answers() {
-    use ferry::server::ContentHash;
+    use ferry::server::HashState;
     // Flex lends its registered bytes, so the hash is computed after the answer; NdArray cannot,
     // so before it. Either way a grant right after the put waits for it and states the truth.
     let a = start_with(&["flex", "ndarray"]).await;
@@ -1132,11 +1215,14 @@ async fn a_put_is_answered_before_its_hash_which_is_computed_after_and_then_answ
         let data = samples::plain(DType::F32, &[2048, 2048], 40 + u64::from(device));
         let meta = ferry::proto::tensor::meta_of(&data).unwrap();
         let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
-        client.put(device, "w", &data).await.unwrap();
+        client
+            .put(&TensorKey::new(device, "w"), &data)
+            .await
+            .unwrap();
         let key = TensorKey::new(device, "w");
         let at_answer = a.node.describe(&key).await.unwrap().content_hash;
         match (device, &at_answer) {
-            (0, ContentHash::Computing) | (_, ContentHash::Verified(_)) => {}
+            (0, HashState::Computing) | (_, HashState::Verified(_)) => {}
             other => panic!("unexpected hash state at the answer: {other:?}"),
         }
         let grant = client.grant(&key, &b_id).await.unwrap();
@@ -1145,9 +1231,18 @@ async fn a_put_is_answered_before_its_hash_which_is_computed_after_and_then_answ
             "device {device}: granted the computed hash"
         );
         let held = a.node.describe(&key).await.unwrap();
-        assert_eq!(held.content_hash, ContentHash::Verified(truth.clone()));
-        let found = a.node.find_by_hash(&truth).await.unwrap().unwrap();
-        assert_eq!(found.key, key);
+        assert_eq!(held.content_hash, HashState::Verified(truth));
+        // And it answers dedup: the same bytes pulled from B are copied from A's own tensor.
+        let mut on_b = b.client().await;
+        let same = TensorKey::new(0, format!("same{device}"));
+        on_b.put(&same, &data).await.unwrap();
+        let mut again = how(&b.addr.to_string(), device);
+        again.dst_name = Some("w.again".to_string());
+        let deduped = copy_one(&mut on_b, &mut client, &same, &again)
+            .await
+            .unwrap();
+        assert_eq!(deduped.path, TransferPath::Dedup, "device {device}");
+        assert_same(&client.get(&deduped.key).await.unwrap(), &data, "deduped");
     }
     let stats = hashes_verified(&mut client).await;
     assert_eq!((stats.hashes_pending, stats.hash_mismatches), (0, 0));
@@ -1168,7 +1263,11 @@ async fn a_pull_whose_only_chunk_is_lost_after_it_was_sent_resumes_from_the_star
     config.peer_limits.idle_timeout = Duration::from_secs(1);
     let b = start(config, ServiceConfig::default()).await;
     let data = samples::plain(DType::F32, &[256, 1024], 8);
-    a.client().await.put(0, "big", &data).await.unwrap();
+    a.client()
+        .await
+        .put(&TensorKey::new(0, "big"), &data)
+        .await
+        .unwrap();
     let via = proxy(a.addr, Fault::CutOnceAfter(256 * 1024))
         .await
         .to_string();

@@ -4,17 +4,19 @@
 //! memory, counted as a miss; racing clients on a pool too small for them read only what they
 //! wrote (seeded: `FERRY_POOL_SEED`).
 
+use ferry::proto::{IfExists, TransferPath};
+use ferry::testing::copy_between;
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 
-use ferry::client::{ErrorCode, copy_between};
+use ferry::client::ErrorCode;
 use ferry::io::Pool;
 use ferry::proto::{DType, Response, TensorData, TensorKey, frame, tensor};
 use ferry::samples;
 use ferry::server::{NodeConfig, ReceiveBuffers, ServiceConfig};
 use ferry::testing::{
-    Fault, TestNode, assert_same, devices, eventually, how, proxy, start, start_with,
+    Fault, TestNode, assert_same, devices, eventually, how, on_device, proxy, start, start_with,
 };
 
 use crate::hostile::{Raw, put_request};
@@ -61,7 +63,11 @@ async fn every_dtype_and_scheme_lands_in_the_pool_bit_exact_by_pull_and_by_put()
         .map(|s| (s.name.clone(), s.data.clone()))
         .collect();
     let bytes: usize = tensors.iter().map(|(_, d)| d.as_bytes().len()).sum();
-    for answer in source.put_batch(0, &tensors, false).await.unwrap() {
+    for answer in source
+        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
+        .await
+        .unwrap()
+    {
         answer.unwrap();
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
@@ -70,7 +76,7 @@ async fn every_dtype_and_scheme_lands_in_the_pool_bit_exact_by_pull_and_by_put()
         .await
         .unwrap()
     {
-        assert_eq!(answer.unwrap().path, "pull");
+        assert_eq!(answer.unwrap().path, TransferPath::Pull);
     }
     for (name, data) in &tensors {
         let back = target.get(&TensorKey::new(0, name)).await.unwrap();
@@ -84,7 +90,7 @@ async fn every_dtype_and_scheme_lands_in_the_pool_bit_exact_by_pull_and_by_put()
     pool_is_whole(&pool, "deleted pulled tensors give their buffers back").await;
 
     for (name, data) in &tensors {
-        target.put(0, name, data).await.unwrap();
+        target.put(&TensorKey::new(0, name), data).await.unwrap();
     }
     for (name, data) in &tensors {
         let back = target.get(&TensorKey::new(0, name)).await.unwrap();
@@ -111,7 +117,11 @@ async fn source_of_32_mib() -> (TestNode, TensorData) {
     )
     .await;
     let data = samples::plain(DType::F32, &[8 * 1024, 1024], 5);
-    a.client().await.put(0, "big", &data).await.unwrap();
+    a.client()
+        .await
+        .put(&TensorKey::new(0, "big"), &data)
+        .await
+        .unwrap();
     (a, data)
 }
 
@@ -196,7 +206,10 @@ async fn a_payload_the_pool_cannot_hold_goes_to_fresh_memory_as_a_miss() {
     let mut client = b.client().await;
     let data = samples::plain(DType::F32, &[2 * 1024, 1024], 9);
     assert!(data.as_bytes().len() > pool.capacity());
-    client.put(0, "larger", &data).await.unwrap();
+    client
+        .put(&TensorKey::new(0, "larger"), &data)
+        .await
+        .unwrap();
     let key = TensorKey::new(0, "larger");
     assert_same(&client.get(&key).await.unwrap(), &data, "in fresh memory");
     let stats = client.stat().await.unwrap();
@@ -207,7 +220,10 @@ async fn a_payload_the_pool_cannot_hold_goes_to_fresh_memory_as_a_miss() {
     );
     // One that fits still draws from it.
     let small = samples::plain(DType::F32, &[512, 1024], 10);
-    client.put(0, "fits", &small).await.unwrap();
+    client
+        .put(&TensorKey::new(0, "fits"), &small)
+        .await
+        .unwrap();
     assert!(pool.free_bytes() < pool.capacity());
     assert_eq!(client.stat().await.unwrap().pool_misses, 1);
 }
@@ -230,7 +246,7 @@ async fn racing_clients_on_a_pool_smaller_than_their_tensors_read_only_what_they
         let addr = node.addr;
         tokio::spawn(async move {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ c);
-            let mut client = ferry::client::Client::connect(addr, None).await.unwrap();
+            let mut client = ferry::client::Client::connect(addr).await.unwrap();
             // Each client has its own keys, so that what a get must hold is known exactly.
             let mut held: Vec<Option<TensorData>> = vec![None; 3];
             for step in 0..40u64 {
@@ -242,7 +258,7 @@ async fn racing_clients_on_a_pool_smaller_than_their_tensors_read_only_what_they
                         let data =
                             samples::plain(DType::F32, &[rows, 1024], seed ^ (c << 32) ^ step);
                         client
-                            .put_with(0, Some(&key.name), &data, true)
+                            .put_with(&TensorKey::new(0, &key.name), &data, IfExists::Replace)
                             .await
                             .unwrap();
                         held[k] = Some(data);

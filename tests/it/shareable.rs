@@ -3,15 +3,17 @@
 //! and goes on to a same-host peer as that very region, with no copy; every dtype and scheme
 //! bit-exact; no region outlives its tensors, a put cut halfway included.
 
+use ferry::proto::{IfExists, TransferPath};
+use ferry::testing::copy_between;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use ferry::client::{Client, copy_between};
+use ferry::client::Client;
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
 use ferry::server::{NodeConfig, ReceiveBuffers, ServiceConfig};
 use ferry::testing::{
-    REGIONS, TestNode, assert_same, devices, eventually, how, start_unix, start_with,
+    REGIONS, TestNode, assert_same, devices, eventually, how, on_device, start_unix, start_with,
 };
 
 /// A node with one flex device on TCP and a Unix socket, receiving payloads of `min_bytes` and
@@ -70,7 +72,11 @@ async fn a_tensor_put_over_tcp_goes_on_to_a_same_host_node_as_the_same_region() 
     let before = region_inodes();
     // 8 MiB over TCP, in chunks: received into a region, sealed, kept.
     let data = samples::plain(DType::F32, &[2048, 1024], 11);
-    a.client().await.put(0, "w", &data).await.unwrap();
+    a.client()
+        .await
+        .put(&TensorKey::new(0, "w"), &data)
+        .await
+        .unwrap();
     let mut a_stats = a.client().await.stat().await.unwrap();
     assert_eq!(a_stats.regions_kept, 1, "the put's region is kept");
     let after_put: BTreeSet<u64> = region_inodes().difference(&before).copied().collect();
@@ -84,8 +90,8 @@ async fn a_tensor_put_over_tcp_goes_on_to_a_same_host_node_as_the_same_region() 
 
     // Node to node over the Unix sockets: B pulls A's region itself.
     let (a_unix, b_unix) = (a.unix.clone().unwrap(), b.unix.clone().unwrap());
-    let mut source = Client::connect(a_unix.as_str(), None).await.unwrap();
-    let mut target = Client::connect(b_unix.as_str(), None).await.unwrap();
+    let mut source = Client::connect(a_unix.as_str()).await.unwrap();
+    let mut target = Client::connect(b_unix.as_str()).await.unwrap();
     let key = TensorKey::new(0, "w");
     let answers = copy_between(
         &mut source,
@@ -95,7 +101,7 @@ async fn a_tensor_put_over_tcp_goes_on_to_a_same_host_node_as_the_same_region() 
     )
     .await
     .unwrap();
-    assert_eq!(answers[0].as_ref().unwrap().path, "pull");
+    assert_eq!(answers[0].as_ref().unwrap().path, TransferPath::Pull);
     let after_copy: BTreeSet<u64> = region_inodes().difference(&before).copied().collect();
     assert_eq!(
         after_copy, after_put,
@@ -127,23 +133,29 @@ async fn every_dtype_received_into_a_region_by_put_or_pull_is_bit_exact_on_and_p
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
     let (a_unix, b_unix) = (a.unix.clone().unwrap(), b.unix.clone().unwrap());
     let mut on_a = a.client().await;
-    let mut on_b = Client::connect(b_unix.as_str(), None).await.unwrap();
-    let mut a_by_unix = Client::connect(a_unix.as_str(), None).await.unwrap();
+    let mut on_b = Client::connect(b_unix.as_str()).await.unwrap();
+    let mut a_by_unix = Client::connect(a_unix.as_str()).await.unwrap();
     for route in ["put", "pull"] {
         if route == "put" {
-            for answer in on_a.put_batch(0, &tensors, false).await.unwrap() {
+            for answer in on_a
+                .put_batch(&on_device(0, &tensors), IfExists::Refuse)
+                .await
+                .unwrap()
+            {
                 answer.unwrap();
             }
         } else {
             // Pulled over TCP from a node that holds them in its heap.
             let mut on_c = c.client().await;
-            on_c.put_batch(0, &tensors, false).await.unwrap();
+            on_c.put_batch(&on_device(0, &tensors), IfExists::Refuse)
+                .await
+                .unwrap();
             let c_addr = c.addr.to_string();
             for answer in copy_between(&mut on_c, &mut on_a, &keys, &how(&c_addr, 0))
                 .await
                 .unwrap()
             {
-                assert_eq!(answer.unwrap().path, "pull");
+                assert_eq!(answer.unwrap().path, TransferPath::Pull);
             }
         }
         let kept = on_a.stat().await.unwrap().regions_kept;

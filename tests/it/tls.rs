@@ -3,21 +3,23 @@
 //! certificate can be wrong refused: another CA, expired, issued for another host, no
 //! certificate at all; and bytes altered on the path fail the connection, registering nothing.
 
+use ferry::proto::{IfExists, TransferPath};
+use ferry::testing::copy_between;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use ferry::certs::{Role, Validity};
-use ferry::client::{ClientConfig, ErrorCode, copy_between};
+use ferry::client::ErrorCode;
 use ferry::io::connection::{Connection, ConnectionLimits};
 use ferry::io::{ClientTls, Endpoint, NodeTls, TlsFiles, Transport, handshake};
-use ferry::proto::{DType, TensorKey};
+use ferry::io::{Dial, ExchangeError, PeerCheck, SharedMemory};
+use ferry::proto::{DType, NodeId, TensorKey};
 use ferry::samples;
-use ferry::server::{
-    NodeConfig, Peer, PeerPolicy, ServiceConfig, SourceConfig, SourceConnection, SourceError,
-};
+use ferry::server::{NodeConfig, Peer, PeerPolicy, ServiceConfig};
 use ferry::testing::{
-    Fault, TestNode, TestPki, assert_same, copy_one, devices, how, proxy, start, tls_client,
+    Fault, TestNode, TestPki, assert_same, copy_one, devices, how, on_device, proxy, start,
+    tls_client,
 };
 use rustls::RootCertStore;
 use rustls_pki_types::pem::PemObject;
@@ -66,7 +68,11 @@ async fn every_dtype_crosses_mutual_tls_bit_exact_and_nodes_are_their_certificat
         .iter()
         .map(|s| (s.name.clone(), s.data.clone()))
         .collect();
-    for answer in source.put_batch(0, &tensors, false).await.unwrap() {
+    for answer in source
+        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
+        .await
+        .unwrap()
+    {
         answer.unwrap();
     }
     for sample in &matrix {
@@ -80,7 +86,7 @@ async fn every_dtype_crosses_mutual_tls_bit_exact_and_nodes_are_their_certificat
         .unwrap();
     for (sample, answer) in matrix.iter().zip(answers) {
         let info = answer.unwrap_or_else(|e| panic!("{}: {e}", sample.name));
-        assert_eq!(info.path, "pull", "{}", sample.name);
+        assert_eq!(info.path, TransferPath::Pull, "{}", sample.name);
         let back = target.get(&info.key).await.unwrap();
         assert_same(&back, &sample.data, &sample.name);
     }
@@ -103,11 +109,8 @@ async fn a_node_id_that_is_not_the_certificates_is_refused_at_start() {
 /// What connecting with ferry's client under `tls` gives: the error's text, or `None` when it
 /// got through.
 async fn client_error(node: &TestNode, tls: Option<ClientTls>) -> Option<String> {
-    let config = ClientConfig {
-        tls,
-        ..ClientConfig::default()
-    };
-    ferry::client::Client::connect_with(node.addr, config)
+    ferry::client::Client::connect(node.addr)
+        .tls_if_any(tls)
         .await
         .err()
         .map(|e| e.to_string())
@@ -247,7 +250,7 @@ async fn wrong_certificates_are_refused_both_ways_and_the_node_stays_up() {
     // Through all of it the node served on.
     let data = samples::plain(DType::F32, &[64, 64], 1);
     let mut client = tls_client(&a, &me).await.unwrap();
-    client.put(0, "w", &data).await.unwrap();
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     assert_same(
         &client.get(&TensorKey::new(0, "w")).await.unwrap(),
         &data,
@@ -258,7 +261,7 @@ async fn wrong_certificates_are_refused_both_ways_and_the_node_stays_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capability_serves_only_the_node_its_certificate_names() {
     /// A source's refusal: its message, after checking its code.
-    fn refusal<T: std::fmt::Debug>(result: Result<T, SourceError>) -> Option<String> {
+    fn refusal<T: std::fmt::Debug>(result: Result<T, ExchangeError>) -> Option<String> {
         let error = result.expect_err("refused");
         assert_eq!(error.code(), Some(ErrorCode::CapabilityRefused), "{error}");
         Some(error.to_string())
@@ -268,29 +271,31 @@ async fn a_capability_serves_only_the_node_its_certificate_names() {
     let me = pki.client("me");
     let mut source = tls_client(&a, &me).await.unwrap();
     let data = samples::plain(DType::F32, &[32, 32], 2);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let grant = source
-        .grant(&TensorKey::new(0, "w"), "node-c")
+        .grant(&TensorKey::new(0, "w"), &NodeId::new("node-c"))
         .await
         .unwrap();
 
     // node-b, holding its own certificate, claims to be node-c: refused, the claim is not
     // what counts. Claiming to be itself gets it no further: the capability is node-c's.
     let b_tls = pki.node("node-b");
-    let config = |tls| SourceConfig {
-        token: None,
-        limits: Default::default(),
-        shared_memory: false,
-        tls: Some(tls),
-        identity: None,
-        own_user_socket: false,
+    let open = async |tls| {
+        let dial = Dial {
+            token: None,
+            agent: "tls-test",
+            tls: Some(tls),
+            check: &PeerCheck::Any,
+            shared_memory: SharedMemory::Decline,
+            limits: Default::default(),
+        };
+        dial.open(&a.addr.into()).await.unwrap()
     };
-    let mut as_b = SourceConnection::open(a.addr, config(b_tls.client()))
-        .await
-        .unwrap();
-    let claim = as_b.fetch(&grant.token, "node-c", 0).await.map(|f| f.meta);
+    let (node_b, node_c) = (NodeId::new("node-b"), NodeId::new("node-c"));
+    let mut as_b = open(b_tls.client()).await;
+    let claim = as_b.fetch(&grant.token, &node_c, 0).await.map(|f| f.meta);
     assert_refused(refusal(claim), "certificate names node-b", "a claim");
-    let own = as_b.fetch(&grant.token, "node-b", 0).await.map(|f| f.meta);
+    let own = as_b.fetch(&grant.token, &node_b, 0).await.map(|f| f.meta);
     assert_refused(refusal(own), "issued to another node", "its own name");
 
     // A client's certificate that bears node-c's name (the CA signed it for a client) speaks
@@ -308,11 +313,9 @@ async fn a_capability_serves_only_the_node_its_certificate_names() {
     std::fs::write(&files.cert, &impostor.cert_pem).unwrap();
     std::fs::write(&files.key, &impostor.key_pem).unwrap();
     let impostor = ClientTls::load(&files).unwrap();
-    let mut as_impostor = SourceConnection::open(a.addr, config(&impostor))
-        .await
-        .unwrap();
+    let mut as_impostor = open(&impostor).await;
     let fetch = as_impostor
-        .fetch(&grant.token, "node-c", 0)
+        .fetch(&grant.token, &node_c, 0)
         .await
         .map(|f| f.meta);
     assert_refused(
@@ -323,10 +326,8 @@ async fn a_capability_serves_only_the_node_its_certificate_names() {
 
     // node-c, certified, is served, and the bytes are the source's.
     let c_tls = pki.node("node-c");
-    let mut as_c = SourceConnection::open(a.addr, config(c_tls.client()))
-        .await
-        .unwrap();
-    let fetch = as_c.fetch(&grant.token, "node-c", 0).await.unwrap();
+    let mut as_c = open(c_tls.client()).await;
+    let fetch = as_c.fetch(&grant.token, &node_c, 0).await.unwrap();
     assert_eq!(fetch.info.bytes, data.as_bytes().len() as u64);
 }
 
@@ -341,7 +342,7 @@ async fn bytes_altered_on_a_tls_link_fail_the_connection_and_register_nothing() 
     tls_client(&a, &me)
         .await
         .unwrap()
-        .put(0, "big", &data)
+        .put(&TensorKey::new(0, "big"), &data)
         .await
         .unwrap();
     let via = proxy(a.addr, Fault::FlipAt(3 << 19)).await;
@@ -395,23 +396,23 @@ async fn a_second_copy_over_tls_dedups_and_hands_its_capability_back() {
     let mut source = tls_client(&a, &me).await.unwrap();
     let mut target = tls_client(&b, &me).await.unwrap();
     let data = samples::plain(DType::F32, &[128, 128], 4);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let addr = a.addr.to_string();
     let key = TensorKey::new(0, "w");
     let first = copy_one(&mut source, &mut target, &key, &how(&addr, 0))
         .await
         .unwrap();
-    assert_eq!(first.path, "pull");
+    assert_eq!(first.path, TransferPath::Pull);
     // The same bytes under another name on B: B already holds them, so the client hands the
     // capability it got back to A itself (over its own certificate, not a node's).
-    let again = ferry::client::NodeCopy {
-        dst_name: Some("w2"),
+    let again = ferry::testing::How {
+        dst_name: Some("w2".into()),
         ..how(&addr, 0)
     };
     let second = copy_one(&mut source, &mut target, &key, &again)
         .await
         .unwrap();
-    assert_eq!(second.path, "dedup");
+    assert_eq!(second.path, TransferPath::Dedup);
     assert_same(&target.get(&second.key).await.unwrap(), &data, "dedup copy");
 }
 
@@ -422,7 +423,7 @@ async fn a_peer_listed_by_name_is_pulled_from_only_if_its_certificate_carries_th
     let me = pki.client("me");
     let mut source = tls_client(&a, &me).await.unwrap();
     let data = samples::plain(DType::F32, &[64, 64], 5);
-    source.put(0, "w", &data).await.unwrap();
+    source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let key = TensorKey::new(0, "w");
     let addr = a.addr.to_string();
 

@@ -27,6 +27,7 @@ pub const CA_KEY: &str = "ca.key";
 
 /// Why a certificate could not be made or stored.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CertsError {
     /// rcgen refused (an unusable host name, say).
     #[error("certificate: {0}")]
@@ -77,6 +78,7 @@ impl Validity {
 
 /// What a certificate is for.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Role {
     /// A node: it serves (and must be reachable at one of `hosts`, DNS names or IP addresses)
     /// and connects to its peers as a client.

@@ -8,7 +8,7 @@
 
 use ferry::proto::{DType, TensorData};
 use ferry::samples;
-use ferry_cli::files::{FileFormat, write_tensors};
+use ferry_files::{FileFormat, write_tensors};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::path::PathBuf::from(

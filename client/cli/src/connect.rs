@@ -3,7 +3,7 @@
 
 use anyhow::{Context, bail};
 use ferry_client::cluster::{Directory, address_for, connect_nearest};
-use ferry_client::{Client, ClientConfig, Endpoint};
+use ferry_client::{Client, ConnectOptions, Endpoint, SharedMemory, Token};
 use ferry_proto::cluster::MemberRecord;
 
 use crate::Cli;
@@ -61,12 +61,12 @@ pub(crate) async fn connect(node: &str, cli: &Cli) -> anyhow::Result<Client> {
 /// Connects to a node found by [`reach`]; a member must be the node it registered as
 /// ([`connect_nearest`]).
 pub(crate) async fn connect_to(reached: &Reached, cli: &Cli) -> anyhow::Result<Client> {
-    let config = client_config(cli)?;
-    check_token_stays_private(&reached.addr, &config, cli)?;
+    let options = connect_options(cli)?;
+    check_token_stays_private(&reached.addr, &options, cli)?;
     let connected = match &reached.member {
         // A token in clear over TCP to a member is refused there (`UncheckedMember`).
-        Some(member) => connect_nearest(member, config).await,
-        None => Client::connect_with(reached.addr.as_str(), config).await,
+        Some(member) => connect_nearest(member, options).await,
+        None => options.to(reached.addr.as_str()).await,
     };
     connected.with_context(|| format!("connecting to {}", reached.label()))
 }
@@ -75,13 +75,13 @@ pub(crate) async fn connect_to(reached: &Reached, cli: &Cli) -> anyhow::Result<C
 /// refused unless TLS is on or the user said `--insecure`.
 pub(crate) fn check_token_stays_private(
     node: &str,
-    config: &ClientConfig,
+    options: &ConnectOptions,
     cli: &Cli,
 ) -> anyhow::Result<()> {
     let Endpoint::Tcp(addr) = Endpoint::parse(node) else {
         return Ok(());
     };
-    if config.token.is_none() || config.tls.is_some() || cli.insecure || is_loopback(&addr) {
+    if !options.has_token() || options.has_tls() || cli.insecure || is_loopback(&addr) {
         return Ok(());
     }
     anyhow::bail!(
@@ -103,7 +103,8 @@ fn is_loopback(addr: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
-pub(crate) fn client_config(cli: &Cli) -> anyhow::Result<ClientConfig> {
+/// How every connection of this command connects: the token, TLS and shared-memory flags.
+pub(crate) fn connect_options(cli: &Cli) -> anyhow::Result<ConnectOptions> {
     let token = match &cli.token_file {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -114,7 +115,8 @@ pub(crate) fn client_config(cli: &Cli) -> anyhow::Result<ClientConfig> {
             )
         }
         None => cli.token.clone(),
-    };
+    }
+    .map(Token::from);
     let files = ferry_io::TlsFiles::from_flags(
         cli.tls_cert.as_deref(),
         cli.tls_key.as_deref(),
@@ -124,14 +126,17 @@ pub(crate) fn client_config(cli: &Cli) -> anyhow::Result<ClientConfig> {
         Some(files) => Some(ferry_io::ClientTls::load(&files).context("loading the TLS files")?),
         None => None,
     };
-    Ok(ClientConfig {
-        token,
-        tls,
-        disable_shared_memory: cli.no_shm,
-        limits: ferry_client::ConnectionLimits {
+    let shared_memory = if cli.no_shm {
+        SharedMemory::Decline
+    } else {
+        SharedMemory::Offer
+    };
+    Ok(ConnectOptions::default()
+        .token_if_any(token)
+        .tls_if_any(tls)
+        .shared_memory(shared_memory)
+        .limits(ferry_client::ConnectionLimits {
             region_min: usize::try_from(cli.shm_min.as_u64()).unwrap_or(usize::MAX),
             ..Default::default()
-        },
-        ..ClientConfig::default()
-    })
+        }))
 }

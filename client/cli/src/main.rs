@@ -1,18 +1,20 @@
 //! `ferry`: the command line for putting, getting, copying and listing tensors on ferry nodes.
-//! One file per command under `commands/`; tensor files are the `ferry_cli::files` library.
+//! One file per command under `commands/`; tensor files are the `ferry_files` library
+//! (`client/files/`).
 
 mod commands;
 mod connect;
+mod load;
 mod progress;
 mod report;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::load::LoadConfig;
 use clap::{Parser, Subcommand};
 use ferry_client::Endpoint;
 use ferry_client::address::Address;
-use ferry_client::load::LoadConfig;
 
 /// Move Burn tensors between ferry nodes, devices and files.
 ///
@@ -259,11 +261,10 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             let to_usize =
                 |b: &bytesize::ByteSize| usize::try_from(b.as_u64()).unwrap_or(usize::MAX);
             let config = LoadConfig {
-                endpoint: Endpoint::parse(&Address::parse(node)?.node),
-                client: {
-                    let config = connect::client_config(cli)?;
-                    connect::check_token_stays_private(node, &config, cli)?;
-                    config
+                connect: {
+                    let options = connect::connect_options(cli)?;
+                    connect::check_token_stays_private(node, &options, cli)?;
+                    options.to(Endpoint::parse(&Address::parse(node)?.node))
                 },
                 clients: *clients,
                 rounds: *rounds,

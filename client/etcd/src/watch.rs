@@ -26,6 +26,7 @@ pub struct Watch {
 }
 
 /// One message of a watch.
+// Exhaustive on purpose: a watcher must handle a cancelled watch as well as its events.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WatchBatch {
     /// Changes, in revision order.

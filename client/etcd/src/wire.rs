@@ -171,6 +171,7 @@ pub(crate) struct LeaseKeepAliveResponse {
 }
 
 /// What a change to a watched key was.
+// Exhaustive on purpose: etcd's two event types, and a watcher must handle each.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum EventKind {
     /// The key was written.

@@ -1,71 +1,78 @@
 //! Batches: many uploads or downloads in one pipelined exchange, one answer per tensor.
 
 use burn_std::Bytes;
-use ferry_proto::{Request, Response, TensorData, TensorInfo, TensorKey, TensorMeta};
+use ferry_io::{ExchangeError, Step};
+use ferry_proto::{IfExists, Request, TensorData, TensorInfo, TensorKey, TensorMeta};
 
-use super::{Client, ClientError, unexpected};
+use super::{Client, ClientError, read_tensor_payload, ready, stored, tensor_follows};
 
 /// How many downloads a batch keeps outstanding at once.
 const PIPELINE_WINDOW: usize = 64;
 
+/// One tensor's answer in a batch: the node's refusal is that tensor's result; anything else
+/// breaks the exchange.
+pub(super) fn per_tensor<T>(
+    answer: Result<T, ExchangeError>,
+) -> Result<Result<T, ClientError>, ClientError> {
+    match answer {
+        Ok(value) => Ok(Ok(value)),
+        Err(ExchangeError::Refused(reply)) => Ok(Err(reply.into())),
+        Err(broken) => Err(broken.into()),
+    }
+}
+
 impl Client {
-    /// Uploads many tensors to `device` in one pipelined exchange (a whole model's weights): the
-    /// next upload starts while the node registers the previous one. One answer per tensor, in
-    /// order; a refused tensor does not stop the others. `Err` only when the connection fails.
+    /// Uploads many tensors in one pipelined exchange (a whole model's weights): the next upload
+    /// starts while the node registers the previous one. One answer per tensor, in order; a
+    /// refused tensor does not stop the others. `Err` only when the connection fails.
     pub async fn put_batch(
         &mut self,
-        device: u32,
-        tensors: &[(String, TensorData)],
-        overwrite: bool,
+        tensors: &[(TensorKey, TensorData)],
+        if_exists: IfExists,
     ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
-        self.begin()?;
-        let result = async {
-            let mut results: Vec<Option<Result<TensorInfo, ClientError>>> =
-                (0..tensors.len()).map(|_| None).collect();
-            // The upload whose `Stored` (or error) the node still owes.
-            let mut owed: Option<usize> = None;
-            for (i, (name, data)) in tensors.iter().enumerate() {
-                let meta = match ferry_proto::tensor::meta_of(data) {
-                    Ok(meta) => meta,
-                    Err(e) => {
-                        results[i] = Some(Err(e.into()));
-                        continue;
-                    }
-                };
-                self.conn
-                    .write_request(&Request::Put {
-                        device,
-                        name: Some(name.clone()),
-                        meta: meta.to_wire(),
-                        overwrite,
-                    })
-                    .await?;
-                if let Some(prev) = owed.take() {
-                    results[prev] = Some(self.read_stored().await?);
+        let mut step = self.exchange.begin()?;
+        let mut results: Vec<Option<Result<TensorInfo, ClientError>>> =
+            (0..tensors.len()).map(|_| None).collect();
+        // The upload whose `Stored` (or refusal) the node still owes.
+        let mut owed: Option<usize> = None;
+        for (i, (key, data)) in tensors.iter().enumerate() {
+            let meta = match ferry_proto::tensor::meta_of(data) {
+                Ok(meta) => meta,
+                Err(e) => {
+                    results[i] = Some(Err(e.into()));
+                    continue;
                 }
-                match self.conn.read_response().await? {
-                    Response::Ready => {
-                        self.conn.write_payload(data.as_bytes()).await?;
-                        owed = Some(i);
-                    }
-                    Response::Error(reply) => results[i] = Some(Err(reply.into())),
-                    other => return Err(unexpected(other)),
+            };
+            let request = Request::Put {
+                device: key.device,
+                name: Some(key.name.clone()),
+                meta: meta.to_wire(),
+                overwrite: if_exists.overwrite(),
+            };
+            step.send(&request).await?;
+            if let Some(prev) = owed.take() {
+                results[prev] = Some(per_tensor(step.answer(stored).await)?);
+            }
+            match per_tensor(step.answer(ready).await)? {
+                Ok(()) => {
+                    step.send_payload(data.as_bytes()).await?;
+                    owed = Some(i);
                 }
+                Err(refused) => results[i] = Some(Err(refused)),
             }
-            if let Some(prev) = owed {
-                results[prev] = Some(self.read_stored().await?);
-            }
-            Ok(results
-                .into_iter()
-                .map(|r| r.unwrap_or_else(|| Err(ClientError::Unexpected("no answer".into()))))
-                .collect())
         }
-        .await;
-        self.end(result)
+        if let Some(prev) = owed {
+            results[prev] = Some(per_tensor(step.answer(stored).await)?);
+        }
+        step.finish();
+        Ok(results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(ClientError::Unexpected("no answer".into()))))
+            .collect())
     }
 
-    /// Downloads many tensors in one pipelined exchange: every request is sent before the first
-    /// answer is read. One answer per key, in order.
+    /// Downloads many tensors in one pipelined exchange: requests go out a window ahead of the
+    /// answers. One answer per key, in order.
     pub async fn get_batch(
         &mut self,
         keys: &[TensorKey],
@@ -84,39 +91,34 @@ impl Client {
         keys: &[TensorKey],
         mut buffer_for: impl FnMut(usize, &TensorMeta) -> Option<Bytes>,
     ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
-        self.begin()?;
-        let result = async {
-            let mut results = Vec::with_capacity(keys.len());
-            // Requests go out in windows so that a huge batch never has more than this many
-            // answers outstanding.
-            for window in keys.chunks(PIPELINE_WINDOW) {
-                for key in window {
-                    self.conn
-                        .write_request(&Request::Get { key: key.clone() })
-                        .await?;
-                }
-                for _ in window {
-                    let index = results.len();
-                    let answer = self.read_tensor(|meta| buffer_for(index, meta)).await?;
-                    results.push(answer);
-                }
+        let max = self.max_tensor_bytes;
+        let mut step = self.exchange.begin()?;
+        let mut results = Vec::with_capacity(keys.len());
+        // Requests go out in windows so that a huge batch never has more than this many answers
+        // outstanding.
+        for window in keys.chunks(PIPELINE_WINDOW) {
+            for key in window {
+                step.send(&Request::Get { key: key.clone() }).await?;
             }
-            Ok(results)
+            for _ in window {
+                let index = results.len();
+                let answer = read_tensor(&mut step, max, |meta| buffer_for(index, meta)).await?;
+                results.push(answer);
+            }
         }
-        .await;
-        self.end(result)
+        step.finish();
+        Ok(results)
     }
+}
 
-    /// A node's answer to a download: the tensor, or an error.
-    async fn read_tensor(
-        &mut self,
-        buffer_for: impl FnOnce(&TensorMeta) -> Option<Bytes>,
-    ) -> Result<Result<TensorData, ClientError>, ClientError> {
-        let wire = match self.conn.read_response().await? {
-            Response::Tensor { meta, .. } => meta,
-            Response::Error(reply) => return Ok(Err(reply.into())),
-            other => return Err(unexpected(other)),
-        };
-        Ok(Ok(self.read_tensor_payload(&wire, buffer_for).await?))
+/// A node's answer to one download of a batch: the tensor, or its refusal.
+async fn read_tensor(
+    step: &mut Step<'_>,
+    max: u64,
+    buffer_for: impl FnOnce(&TensorMeta) -> Option<Bytes>,
+) -> Result<Result<TensorData, ClientError>, ClientError> {
+    match per_tensor(step.answer(tensor_follows).await)? {
+        Ok((_, wire)) => Ok(Ok(read_tensor_payload(step, max, &wire, buffer_for).await?)),
+        Err(refused) => Ok(Err(refused)),
     }
 }

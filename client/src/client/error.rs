@@ -1,11 +1,14 @@
 //! `ClientError`: why a client call failed, and how the failures of the layers below become one.
 
+use ferry_io::ExchangeError;
 use ferry_io::connection::ConnectionError;
-use ferry_io::handshake::HelloError;
-use ferry_proto::{ErrorCode, ErrorReply, MetaError, ProtoError, TensorInfo, TensorKey};
+use ferry_proto::{
+    ContentHash, ErrorCode, ErrorReply, MetaError, NodeId, ProtoError, TensorInfo, TensorKey,
+};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ClientError {
     /// The connection failed or the node broke the protocol.
     #[error(transparent)]
@@ -57,7 +60,7 @@ pub enum ClientError {
     )]
     NotTheNode {
         /// The identity expected.
-        expected: String,
+        expected: NodeId,
         /// The identity the certificate showed, if any.
         certified: Option<String>,
     },
@@ -70,9 +73,9 @@ pub enum ClientError {
         /// The source key.
         key: TensorKey,
         /// The hash listed.
-        listed: String,
+        listed: ContentHash,
         /// The hash the source granted.
-        granted: String,
+        granted: ContentHash,
     },
     /// A token would go in clear to a TCP address that only the cluster's directory vouches for.
     #[error(
@@ -96,23 +99,9 @@ pub enum ClientError {
         /// The member's name.
         member: String,
         /// The node id it registered.
-        registered: String,
+        registered: NodeId,
         /// The node id the node gave.
-        answered: String,
-    },
-    /// The node's `stat` answer is of another protocol minor version, whose fields differ
-    /// (PROTOCOL.md §8): the one answer that does not carry across minors.
-    #[error(
-        "the node speaks protocol minor {node}, this client minor {client}: its stat answer has \
-         other fields ({cause}); use a client of the node's version"
-    )]
-    StatsOfAnotherMinor {
-        /// The node's minor version.
-        node: u16,
-        /// This client's.
-        client: u16,
-        /// What failed to decode.
-        cause: String,
+        answered: NodeId,
     },
     /// The node speaks a protocol minor older than a request needs.
     #[error("the node speaks protocol minor {node}; {what} needs minor {needs} or later")]
@@ -145,12 +134,25 @@ impl From<ErrorReply> for ClientError {
     }
 }
 
-impl From<HelloError> for ClientError {
-    fn from(error: HelloError) -> Self {
+impl From<ExchangeError> for ClientError {
+    fn from(error: ExchangeError) -> Self {
         match error {
-            HelloError::Connection(e) => ClientError::Connection(e),
-            HelloError::Refused(reply) => reply.into(),
-            HelloError::Unexpected(what) => ClientError::Unexpected(what),
+            ExchangeError::Connection(e) => ClientError::Connection(e),
+            ExchangeError::Refused(reply) => reply.into(),
+            ExchangeError::Unexpected(what) => ClientError::Unexpected(what),
+            ExchangeError::OutOfStep => ClientError::OutOfStep,
+            ExchangeError::NotTheNode {
+                expected,
+                certified,
+            } => ClientError::NotTheNode {
+                expected,
+                certified,
+            },
+            ExchangeError::NodeTooOld { what, node, needs } => {
+                ClientError::NodeTooOld { what, node, needs }
+            }
+            // A variant a later ferry-io adds: its message says what it is.
+            other => ClientError::Unexpected(other.to_string()),
         }
     }
 }
@@ -158,13 +160,5 @@ impl From<HelloError> for ClientError {
 impl From<ProtoError> for ClientError {
     fn from(e: ProtoError) -> Self {
         ClientError::Connection(ConnectionError::Proto(e))
-    }
-}
-
-/// The error for an answer that does not fit the request: the node's own, where it sent one.
-pub(super) fn unexpected(response: ferry_proto::Response) -> ClientError {
-    match response {
-        ferry_proto::Response::Error(reply) => reply.into(),
-        other => ClientError::Unexpected(format!("{other:?}")),
     }
 }

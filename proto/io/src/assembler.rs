@@ -4,7 +4,7 @@
 use burn_std::{Bytes, DType, TensorData};
 
 use ferry_proto::tensor::{content_hash, content_hasher, from_parts};
-use ferry_proto::{MetaError, ProtoError, StreamError, TensorMeta};
+use ferry_proto::{ContentHash, MetaError, ProtoError, StreamError, TensorMeta};
 
 use crate::pool::Pool;
 
@@ -414,17 +414,17 @@ impl TensorAssembler {
 
     /// The assembled tensor and its content hash ([`content_hash`]), once every declared byte
     /// has arrived.
-    pub fn finish_hashed(self) -> Result<(TensorData, String), ProtoError> {
+    pub fn finish_hashed(self) -> Result<(TensorData, ContentHash), ProtoError> {
         self.finish_hashed_sealed()
             .map(|(data, hash, _)| (data, hash))
     }
 
     /// [`finish_hashed`](Self::finish_hashed), with the region the tensor was received into,
     /// sealed.
-    pub fn finish_hashed_sealed(mut self) -> Result<(TensorData, String, Sealed), ProtoError> {
+    pub fn finish_hashed_sealed(mut self) -> Result<(TensorData, ContentHash, Sealed), ProtoError> {
         self.check_complete()?;
         let hash = match self.take_hasher() {
-            Some(hasher) => hasher.finalize().to_hex().to_string(),
+            Some(hasher) => hasher.finalize().into(),
             None => content_hash(&self.meta, &self.buf),
         };
         let sealed = self.seal();
@@ -541,7 +541,7 @@ mod tests {
         let mut hasher = asm.take_hasher().unwrap();
         hasher.update(&payload[n / 3..]);
         assert_eq!(
-            hasher.finalize().to_hex().to_string(),
+            ContentHash::from(hasher.finalize()),
             content_hash(&meta, data.as_bytes())
         );
     }

@@ -6,6 +6,7 @@ use std::fmt;
 
 /// One thing a credential may allow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Scope {
     /// Read tensors and the node's state: get, list, stat, identify, grant a capability.
     Read,
@@ -80,6 +81,7 @@ impl fmt::Display for Scopes {
 
 /// Why a credential could not be made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum CredentialError {
     /// An empty token, which would be no authentication at all.
     #[error("a token may not be empty")]

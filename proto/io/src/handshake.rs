@@ -16,6 +16,7 @@ use crate::transport::Transport;
 
 /// Why the opening exchange failed, as the connecting side sees it.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum HelloError {
     /// The connection failed or the node broke the protocol.
     #[error(transparent)]
@@ -40,7 +41,8 @@ pub struct Offer<'a> {
 }
 
 /// Says hello over a fresh connection and returns the node's `Welcome`; shared memory is then in
-/// force on `conn` exactly where this side offered it and the node agreed.
+/// force on `conn` exactly where this side offered it and the node agreed, and `conn` talks as
+/// of the lower of the two minors.
 pub async fn hello<S: Transport>(
     conn: &mut Connection<S>,
     offer: Offer<'_>,
@@ -54,7 +56,7 @@ pub async fn hello<S: Transport>(
         major: PROTOCOL_VERSION,
         minor: PROTOCOL_MINOR,
         features,
-        token: offer.token.map(str::to_string),
+        token: offer.token.map(ferry_proto::Token::from),
         agent: offer.agent.to_string(),
     }))
     .await?;
@@ -63,6 +65,7 @@ pub async fn hello<S: Transport>(
         Response::Error(reply) => return Err(HelloError::Refused(reply)),
         other => return Err(HelloError::Unexpected(format!("{other:?}"))),
     };
+    conn.set_peer_minor(welcome.minor);
     conn.set_shared_memory(offered && welcome.features.iter().any(|f| f == FEATURE_SHM));
     Ok(welcome)
 }
@@ -94,7 +97,8 @@ pub enum Greeting {
 }
 
 /// Reads the peer's `Hello` (the first frame, within `policy.deadline`), checks its major version
-/// and token, and answers `Welcome` with the features both sides speak.
+/// and token, and answers `Welcome` with the features both sides speak. From the `Hello` on,
+/// `conn` talks as of the lower of the two minors.
 pub async fn accept<S: Transport>(
     conn: &mut Connection<S>,
     policy: Policy<'_>,
@@ -120,9 +124,13 @@ pub async fn accept<S: Transport>(
         conn.write_response(&Response::Error(reply)).await?;
         return Ok(Greeting::Refused(ErrorCode::VersionMismatch));
     }
+    conn.set_peer_minor(hello.minor);
     // Compared as fixed-length digests, in constant time: neither how much of a guess matched
     // nor how long the token is shows in the timing.
-    let Some(scopes) = scopes_for(policy.credentials, hello.token.as_deref()) else {
+    let Some(scopes) = scopes_for(
+        policy.credentials,
+        hello.token.as_ref().map(ferry_proto::Token::as_str),
+    ) else {
         AUTH_REFUSALS.note(policy.peer, &hello.agent);
         let reply = ErrorReply {
             code: ErrorCode::AuthRefused,
@@ -181,7 +189,7 @@ pub async fn refuse<S: Transport>(
     });
     // Written as a raw frame: the peer may be mid-way through sending, and only needs the reason.
     // (A reply that cannot be encoded is not sent: the connection closes all the same.)
-    if let Ok(frame) = control::encode_response(&reply) {
+    if let Ok(frame) = control::encode_response_for(&reply, conn.peer_minor()) {
         let _ = tokio::time::timeout(Duration::from_secs(1), conn.write_frame(&frame)).await;
     }
     error
@@ -190,3 +198,140 @@ pub async fn refuse<S: Transport>(
 /// Refused logins, logged at most once per [`crate::refusal_log::INTERVAL`] with the count of
 /// those not logged since: a peer guessing tokens gets each guess refused, but cannot fill the log.
 static AUTH_REFUSALS: RefusalLog = RefusalLog::new("hello");
+
+#[cfg(test)]
+mod tests {
+    use ferry_proto::{NodeStats, ProtoError};
+    use tokio::io::DuplexStream;
+
+    use super::*;
+    use crate::connection::ConnectionLimits;
+
+    fn pair() -> (Connection<DuplexStream>, Connection<DuplexStream>) {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let limits = ConnectionLimits::default();
+        (Connection::new(a, limits), Connection::new(b, limits))
+    }
+
+    fn policy() -> Policy<'static> {
+        Policy {
+            credentials: &[],
+            agent: "test node",
+            shared_memory: false,
+            peer: "test",
+            deadline: Duration::from_secs(5),
+        }
+    }
+
+    fn hello_of(minor: u16) -> Request {
+        Request::Hello(Hello {
+            major: PROTOCOL_VERSION,
+            minor,
+            features: Vec::new(),
+            token: None,
+            agent: "a client".to_string(),
+        })
+    }
+
+    fn newer_than_peer(result: Result<(), ConnectionError>) -> bool {
+        matches!(
+            result,
+            Err(ConnectionError::Proto(ProtoError::Frame(
+                FrameError::NewerThanPeer { .. }
+            )))
+        )
+    }
+
+    #[tokio::test]
+    async fn a_node_answers_an_older_client_as_of_its_minor() {
+        let (mut client, mut node) = pair();
+        client.write_request(&hello_of(6)).await.unwrap();
+        let greeting = accept(&mut node, policy()).await.unwrap();
+        assert!(matches!(greeting, Greeting::Welcomed(..)));
+        assert_eq!(node.peer_minor(), 6);
+        assert!(matches!(
+            client.read_response().await.unwrap(),
+            Response::Welcome(Welcome {
+                minor: PROTOCOL_MINOR,
+                ..
+            })
+        ));
+        // The answer goes as a node of minor 6 sends it: without the fields of minor 7.
+        let stats = Response::Stats(NodeStats {
+            agent: "test node".to_string(),
+            uptime_ms: 1234,
+            ..NodeStats::default()
+        });
+        node.write_response(&stats).await.unwrap();
+        let frame = client.read_frame().await.unwrap().unwrap();
+        let as_of_6 = control::encode_response_for(&stats, 6).unwrap();
+        assert_eq!(&frame.body[..], &as_of_6[ferry_proto::frame::HEADER_LEN..]);
+        let Response::Stats(got) = control::decode_response_from(&frame.body, 6).unwrap() else {
+            panic!("not stats");
+        };
+        assert_eq!((got.agent.as_str(), got.uptime_ms), ("test node", 0));
+    }
+
+    #[tokio::test]
+    async fn a_node_never_sends_a_client_what_its_minor_lacks() {
+        let (mut client, mut node) = pair();
+        client.write_request(&hello_of(2)).await.unwrap();
+        accept(&mut node, policy()).await.unwrap();
+        client.read_response().await.unwrap();
+        let page = Response::Page {
+            tensors: Vec::new(),
+            next: None,
+        };
+        assert!(newer_than_peer(node.write_response(&page).await));
+        let busy = Response::Error(ErrorReply {
+            code: ErrorCode::Busy,
+            message: "try again".to_string(),
+        });
+        node.write_response(&busy).await.unwrap();
+        client.set_peer_minor(2);
+        let Response::Error(reply) = client.read_response().await.unwrap() else {
+            panic!("not an error");
+        };
+        assert_eq!(reply.code, ErrorCode::LimitExceeded);
+    }
+
+    #[tokio::test]
+    async fn a_client_talks_to_an_older_node_as_of_its_minor() {
+        for (node_minor, expected) in [
+            (5, 5),
+            (PROTOCOL_MINOR, PROTOCOL_MINOR),
+            (9, PROTOCOL_MINOR),
+        ] {
+            let (mut client, mut node) = pair();
+            let older_node = async {
+                assert!(matches!(
+                    node.read_request().await.unwrap(),
+                    Some(Request::Hello(_))
+                ));
+                let welcome = Response::Welcome(Welcome {
+                    major: PROTOCOL_VERSION,
+                    minor: node_minor,
+                    features: Vec::new(),
+                    agent: "a node".to_string(),
+                    max_body: 1 << 20,
+                    chunk_size: 1 << 16,
+                });
+                node.write_response(&welcome).await.unwrap();
+            };
+            let offer = Offer {
+                token: None,
+                agent: "a client",
+                shared_memory: false,
+            };
+            let (welcome, ()) = tokio::join!(hello(&mut client, offer), older_node);
+            assert_eq!(welcome.unwrap().minor, node_minor);
+            assert_eq!(client.peer_minor(), expected);
+            let holds = client.write_request(&Request::Holds { device: 0 }).await;
+            assert_eq!(
+                newer_than_peer(holds),
+                expected < 5,
+                "node minor {node_minor}"
+            );
+        }
+    }
+}

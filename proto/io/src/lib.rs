@@ -13,6 +13,7 @@ pub mod allocator;
 pub mod assembler;
 pub mod connection;
 pub mod credential;
+pub mod exchange;
 pub mod handshake;
 pub mod host;
 pub mod machine;
@@ -26,6 +27,7 @@ pub mod transport;
 
 pub use assembler::{TRAILING_HASH_MIN, TensorAssembler};
 pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse};
+pub use exchange::{Dial, Exchange, ExchangeError, PeerCheck, SharedMemory, Step};
 pub use pool::{Pool, PoolError};
 pub use tls::{ClientTls, Identity, NodeTls, TlsError, TlsFiles};
 pub use transport::{Endpoint, Stream, Transport};

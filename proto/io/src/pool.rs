@@ -36,6 +36,7 @@ pub const POOL_MIN: usize = 1 << 20;
 
 /// Why a pool could not be reserved.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PoolError {
     /// A pool of 0 bytes, or one whose size overflows when rounded to the granule.
     #[error("a receive pool of {0} bytes cannot be reserved: give at least 1 MiB")]

@@ -26,6 +26,7 @@ pub const MAX_IDENTITY_LEN: usize = 256;
 
 /// Why TLS could not be set up.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TlsError {
     /// A certificate, key and CA go together: some were given, not all.
     #[error("a TLS certificate, its key and the CA go together: give all three or none")]
@@ -75,6 +76,7 @@ pub enum TlsError {
 
 /// Why a certificate names no usable identity.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum IdentityError {
     /// Not a readable X.509 certificate.
     #[error("unreadable certificate: {0}")]
@@ -98,6 +100,7 @@ pub enum IdentityError {
 /// What a certificate's holder may act as: a node's certificate carries the server usage
 /// (`serverAuth`, as a node serves), a client's does not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Role {
     /// A node: it serves, and it may fetch from other nodes under capabilities granted to it.
     Node,

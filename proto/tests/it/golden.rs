@@ -1,21 +1,26 @@
-//! Golden byte vectors of ferry's wire format, checked in under `proto/tests/golden/`.
+//! Golden byte vectors of ferry's wire format, checked in under `proto/tests/golden/`, one
+//! directory per protocol minor kept.
 //!
-//! Every vector is re-encoded from the values below and compared byte for byte with its `.hex`
-//! file, and the file's bytes are decoded back and compared with the values, so a change of any
-//! frame header field, dtype code, message layout or chunk layout fails here. Such a change is a
-//! change of the protocol: bump `PROTOCOL_VERSION` (`proto/src/frame.rs`), update `PROTOCOL.md`,
-//! and only then regenerate the files with
+//! `minor6/` holds every vector as a peer of minor 6 sends it; each later `minorN/` holds only
+//! the vectors whose bytes changed in minor N (the others read as in the directory before). For
+//! every minor kept, every vector is encoded from the values below for a peer of that minor and
+//! compared byte for byte with its file, and the file is decoded as from a peer of that minor
+//! and compared with the values: this build talks to each minor kept exactly as a peer of it
+//! does, both ways. A change of any frame header field, dtype code, message layout or chunk
+//! layout fails here. The files of older minors are frozen (peers of them are running); the
+//! current minor's are regenerated, once `PROTOCOL.md` says what changed, with
 //!
 //! ```text
 //! FERRY_BLESS=1 cargo test -p ferry-proto --test it golden::
 //! ```
 //!
-//! which rewrites every file from the values here instead of comparing (the test still decodes
-//! what it wrote). The file format: `#` starts a comment, every other non-blank character is a
-//! hex digit, and whitespace is ignored.
+//! which writes the current minor's directory from the values here instead of comparing (a file
+//! only where the bytes differ from the older minors'; the test still decodes what it wrote).
+//! The file format: `#` starts a comment, every other non-blank character is a hex digit, and
+//! whitespace is ignored.
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use burn_backend::ops::QTensorOps;
 use burn_backend::read_sync;
@@ -24,14 +29,21 @@ use burn_std::quantization::{QuantMode, QuantScheme, QuantStore, QuantValue, Sca
 use burn_std::{BoolStore, DType, TensorData};
 use bytes::BytesMut;
 use ferry_io::TensorAssembler;
-use ferry_proto::control::{decode_request, decode_response, encode_request, encode_response};
+use ferry_proto::control::{
+    decode_request_from, decode_response_from, encode_request_for, encode_response_for,
+};
 use ferry_proto::frame::{self, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BODY, FrameKind, HEADER_LEN};
 use ferry_proto::tensor::into_parts;
 use ferry_proto::{
-    DeviceStats, ErrorCode, ErrorReply, FEATURES, HeldDtype, Hello, NodeStats, PROTOCOL_MINOR,
-    PROTOCOL_VERSION, RegionDescriptor, Request, Response, TensorInfo, TensorKey, TensorMeta,
-    Welcome, WireMeta, dtype_name,
+    ContentHash, DeviceStats, ErrorCode, ErrorReply, FEATURES, HeldDtype, Hello, NodeStats,
+    PROTOCOL_MINOR, PROTOCOL_VERSION, RegionDescriptor, Request, Response, TensorInfo, TensorKey,
+    TensorMeta, TransferPath, Welcome, WireMeta, dtype_name,
 };
+
+/// The minors whose frames are kept, oldest first, the current one last: minor 6 holds every
+/// vector, each later one what it changed. A peer of each may still be running while a cluster
+/// is upgraded one node at a time.
+const GOLDEN_MINORS: [u16; 2] = [6, 7];
 
 /// One frame of a vector.
 enum Item {
@@ -42,10 +54,11 @@ enum Item {
 }
 
 impl Item {
-    fn encode(&self) -> Vec<u8> {
+    /// The frame as this build sends it to a peer of minor `minor`.
+    fn encode(&self, minor: u16) -> Vec<u8> {
         match self {
-            Item::Request(r) => encode_request(r).unwrap(),
-            Item::Response(r) => encode_response(r).unwrap(),
+            Item::Request(r) => encode_request_for(r, minor).unwrap(),
+            Item::Response(r) => encode_response_for(r, minor).unwrap(),
             Item::Chunk { offset, data } => frame::encode_chunk(*offset, data),
             Item::Region(region) => region.frame(),
         }
@@ -140,14 +153,79 @@ fn key(device: u32, name: &str) -> TensorKey {
     TensorKey::new(device, name)
 }
 
-fn info(key: TensorKey, shape: &[usize], dtype: DType, path: &str) -> TensorInfo {
+fn info(key: TensorKey, shape: &[usize], dtype: DType, path: TransferPath) -> TensorInfo {
     let wire = meta(shape, dtype);
     TensorInfo {
         key,
         dtype: wire.dtype,
         shape: wire.shape,
         bytes: wire.byte_len,
-        path: path.to_string(),
+        path,
+    }
+}
+
+/// The content hash the vectors carry: 64 hex digits, `abab...`.
+fn hash_ab() -> ContentHash {
+    "ab".repeat(32).parse().unwrap()
+}
+
+/// The `Stats` answer of the vectors, as a peer of minor `minor` has it: the fields of later
+/// minors at their defaults, which is also what this build reads from a peer of that minor.
+fn stats(minor: u16) -> NodeStats {
+    NodeStats {
+        agent: "ferry-node 0.1.0".to_string(),
+        devices: vec![
+            DeviceStats {
+                index: 0,
+                backend: "flex".to_string(),
+                device: "FlexDevice".to_string(),
+                tensors: 3,
+                bytes_held: 4096,
+                memory_limit: Some(1 << 30),
+                holds_measured: 250,
+                holds_exact: 250,
+                largest_tensor: None,
+            },
+            DeviceStats {
+                index: 1,
+                backend: "wgpu".to_string(),
+                device: "vulkan:cpu on llvmpipe".to_string(),
+                tensors: 0,
+                bytes_held: 0,
+                memory_limit: None,
+                holds_measured: 1000,
+                holds_exact: 118,
+                largest_tensor: Some(1 << 27),
+            },
+        ],
+        transfers_done: 7,
+        transfers_failed: 1,
+        native_transfers: 2,
+        round_trip_transfers: 3,
+        connections: 1,
+        transfer_policy: "auto".to_string(),
+        node_id: "node-a".to_string(),
+        pulls: 4,
+        pull_retries: 5,
+        dedup_hits: 6,
+        fetches_served: 8,
+        unix_socket: Some("unix:/run/ferry/node-a.sock".to_string()),
+        shared_memory: true,
+        shm_payloads_sent: 9,
+        shm_payloads_received: 10,
+        shm_bytes: 1 << 33,
+        regions_in_flight: 1,
+        resident_bytes: 3 << 30,
+        peak_resident_bytes: 5 << 30,
+        hashes_pending: 2,
+        hash_mismatches: 0,
+        recycled_bytes: 256 << 20,
+        regions_kept: 3,
+        pool_bytes: 1 << 30,
+        pool_free_bytes: 768 << 20,
+        pool_misses: 1,
+        // Added in minor 7: an hour and a half.
+        uptime_ms: if minor >= 7 { 5_400_000 } else { 0 },
     }
 }
 
@@ -171,7 +249,8 @@ fn q8s_block4() -> TensorData {
 /// Chunk size of the tensor vector: small, so the payload takes several chunks.
 const TENSOR_CHUNK: usize = 7;
 
-fn vectors() -> Vec<Vector> {
+/// Every vector, as a peer of minor `minor` sends it.
+fn vectors(minor: u16) -> Vec<Vector> {
     let tensor = q8s_block4();
     let (tensor_meta, payload) = into_parts(tensor).unwrap();
     let mut tensor_items = vec![Item::Request(Request::Put {
@@ -199,9 +278,9 @@ fn vectors() -> Vec<Vector> {
             about: "Request::Hello opening a connection, with a token.",
             items: vec![Item::Request(Request::Hello(Hello {
                 major: PROTOCOL_VERSION,
-                minor: PROTOCOL_MINOR,
+                minor,
                 features: FEATURES.iter().map(|f| f.to_string()).collect(),
-                token: Some("s3cret".to_string()),
+                token: Some("s3cret".into()),
                 agent: "ferry-golden".to_string(),
             }))],
         },
@@ -210,7 +289,7 @@ fn vectors() -> Vec<Vector> {
             about: "Response::Welcome answering a Hello, with the default limits.",
             items: vec![Item::Response(Response::Welcome(Welcome {
                 major: PROTOCOL_VERSION,
-                minor: PROTOCOL_MINOR,
+                minor,
                 features: FEATURES.iter().map(|f| f.to_string()).collect(),
                 agent: "ferry-node".to_string(),
                 max_body: DEFAULT_MAX_BODY as u64,
@@ -267,25 +346,25 @@ fn vectors() -> Vec<Vector> {
                 Item::Request(Request::Identify),
                 Item::Request(Request::Grant {
                     key: key(0, "a"),
-                    audience: "node-b".to_string(),
+                    audience: "node-b".into(),
                 }),
                 Item::Request(Request::Pull {
                     source: "10.0.0.1:7070".to_string(),
-                    capability: "cap".to_string(),
+                    capability: "cap".into(),
                     src: key(0, "a"),
                     dst_device: 1,
                     dst_name: None,
                     overwrite: true,
-                    content_hash: Some("ab".to_string()),
+                    content_hash: Some(hash_ab()),
                 }),
                 Item::Request(Request::Fetch {
-                    capability: "cap".to_string(),
-                    node_id: "node-b".to_string(),
+                    capability: "cap".into(),
+                    node_id: "node-b".into(),
                     offset: 4096,
                 }),
                 Item::Request(Request::Release {
-                    capability: "cap".to_string(),
-                    node_id: "node-b".to_string(),
+                    capability: "cap".into(),
+                    node_id: "node-b".into(),
                 }),
                 Item::Request(Request::ListPage {
                     device: None,
@@ -299,7 +378,7 @@ fn vectors() -> Vec<Vector> {
                 }),
                 Item::Request(Request::DeleteIf {
                     key: key(0, "a"),
-                    content_hash: "ab".to_string(),
+                    content_hash: hash_ab(),
                 }),
                 Item::Request(Request::Holds { device: 1 }),
             ],
@@ -344,60 +423,9 @@ fn vectors() -> Vec<Vector> {
         Vector {
             name: "stats_response",
             about: "Response::Stats for a node with two devices, one with a memory limit, each \
-                    with its holds counts, the second a GPU with its largest tensor.",
-            items: vec![Item::Response(Response::Stats(NodeStats {
-                agent: "ferry-node 0.1.0".to_string(),
-                devices: vec![
-                    DeviceStats {
-                        index: 0,
-                        backend: "flex".to_string(),
-                        device: "FlexDevice".to_string(),
-                        tensors: 3,
-                        bytes_held: 4096,
-                        memory_limit: Some(1 << 30),
-                        holds_measured: 250,
-                        holds_exact: 250,
-                        largest_tensor: None,
-                    },
-                    DeviceStats {
-                        index: 1,
-                        backend: "wgpu".to_string(),
-                        device: "vulkan:cpu on llvmpipe".to_string(),
-                        tensors: 0,
-                        bytes_held: 0,
-                        memory_limit: None,
-                        holds_measured: 1000,
-                        holds_exact: 118,
-                        largest_tensor: Some(1 << 27),
-                    },
-                ],
-                transfers_done: 7,
-                transfers_failed: 1,
-                native_transfers: 2,
-                round_trip_transfers: 3,
-                connections: 1,
-                transfer_policy: "auto".to_string(),
-                node_id: "node-a".to_string(),
-                pulls: 4,
-                pull_retries: 5,
-                dedup_hits: 6,
-                fetches_served: 8,
-                unix_socket: Some("unix:/run/ferry/node-a.sock".to_string()),
-                shared_memory: true,
-                shm_payloads_sent: 9,
-                shm_payloads_received: 10,
-                shm_bytes: 1 << 33,
-                regions_in_flight: 1,
-                resident_bytes: 3 << 30,
-                peak_resident_bytes: 5 << 30,
-                hashes_pending: 2,
-                hash_mismatches: 0,
-                recycled_bytes: 256 << 20,
-                regions_kept: 3,
-                pool_bytes: 1 << 30,
-                pool_free_bytes: 768 << 20,
-                pool_misses: 1,
-            }))],
+                    with its holds counts, the second a GPU with its largest tensor; from minor \
+                    7 on, the node's uptime (an hour and a half).",
+            items: vec![Item::Response(Response::Stats(stats(minor)))],
         },
         Vector {
             name: "other_responses",
@@ -409,31 +437,31 @@ fn vectors() -> Vec<Vector> {
                     key(0, "w"),
                     &[2, 3],
                     DType::F32,
-                    "put",
+                    TransferPath::Put,
                 ))),
                 Item::Response(Response::Tensor {
-                    info: info(key(0, "w"), &[2, 3], DType::F32, "put"),
+                    info: info(key(0, "w"), &[2, 3], DType::F32, TransferPath::Put),
                     meta: meta(&[2, 3], DType::F32),
                 }),
                 Item::Response(Response::Deleted(info(
                     key(1, "b"),
                     &[],
                     DType::Bool(BoolStore::Native),
-                    "round-trip",
+                    TransferPath::RoundTrip,
                 ))),
                 Item::Response(Response::Ready),
                 Item::Response(Response::Identity {
-                    node_id: "node-a".to_string(),
+                    node_id: "node-a".into(),
                 }),
                 Item::Response(Response::Capability {
-                    token: "cap".to_string(),
+                    token: "cap".into(),
                     expires_in_ms: 60_000,
-                    info: info(key(0, "a"), &[4], DType::U8, "put"),
-                    content_hash: "ab".to_string(),
+                    info: info(key(0, "a"), &[4], DType::U8, TransferPath::Put),
+                    content_hash: hash_ab(),
                 }),
                 Item::Response(Response::Released),
                 Item::Response(Response::Page {
-                    tensors: vec![info(key(0, "a"), &[4], DType::U8, "put")],
+                    tensors: vec![info(key(0, "a"), &[4], DType::U8, TransferPath::Put)],
                     next: Some(key(0, "a")),
                 }),
                 Item::Response(Response::Page {
@@ -466,7 +494,9 @@ fn vectors() -> Vec<Vector> {
                 every_dtype()
                     .into_iter()
                     .enumerate()
-                    .map(|(i, dtype)| info(key(0, &format!("t{i}")), &[2, 32], dtype, "put"))
+                    .map(|(i, dtype)| {
+                        info(key(0, &format!("t{i}")), &[2, 32], dtype, TransferPath::Put)
+                    })
                     .collect(),
             ))],
         },
@@ -499,8 +529,51 @@ fn golden_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
 }
 
+/// The directory of the frames of minor `minor`.
+fn minor_dir(minor: u16) -> PathBuf {
+    golden_dir().join(format!("minor{minor}"))
+}
+
+/// The file that holds vector `name` as of minor `minor`: in the newest directory kept, up to
+/// that minor, that has it (a later minor keeps only the vectors it changed).
+fn golden_file(name: &str, minor: u16) -> Option<PathBuf> {
+    GOLDEN_MINORS
+        .iter()
+        .rev()
+        .filter(|&&kept| kept <= minor)
+        .map(|&kept| minor_dir(kept).join(format!("{name}.hex")))
+        .find(|path| path.exists())
+}
+
+/// The bytes of a golden file.
+fn read_golden(path: &Path) -> Vec<u8> {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e} (bless with FERRY_BLESS=1)", path.display()));
+    parse_hex(&text)
+}
+
 fn blessing() -> bool {
     std::env::var("FERRY_BLESS").is_ok_and(|v| v == "1")
+}
+
+/// Writes `vector`'s file in the current minor's directory where its bytes differ from the
+/// minors before, and removes it where they do not.
+fn bless(vector: &Vector, encoded: &[u8]) {
+    let dir = minor_dir(PROTOCOL_MINOR);
+    let path = dir.join(format!("{}.hex", vector.name));
+    let before = GOLDEN_MINORS
+        .iter()
+        .rev()
+        .find(|&&kept| kept < PROTOCOL_MINOR)
+        .and_then(|&kept| golden_file(vector.name, kept));
+    if before.is_some_and(|older| read_golden(&older) == encoded) {
+        if path.exists() {
+            std::fs::remove_file(&path).unwrap();
+        }
+    } else {
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(&path, render(vector, PROTOCOL_MINOR)).unwrap();
+    }
 }
 
 fn hex_line(bytes: &[u8]) -> String {
@@ -511,10 +584,11 @@ fn hex_line(bytes: &[u8]) -> String {
         .join(" ")
 }
 
-/// The file text for a vector: comments saying what it is, then each frame's header and body.
-fn render(vector: &Vector) -> String {
+/// The file text for a vector at `minor`: comments saying what it is, then each frame's header
+/// and body.
+fn render(vector: &Vector, minor: u16) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "# ferry golden vector: {}", vector.name);
+    let _ = writeln!(out, "# ferry golden vector: {}, minor {minor}", vector.name);
     let mut line = String::from("#");
     for word in vector.about.split_whitespace() {
         if line.len() + word.len() + 1 > 96 {
@@ -527,14 +601,13 @@ fn render(vector: &Vector) -> String {
     let _ = writeln!(out, "{line}");
     let _ = writeln!(
         out,
-        "#\n# These bytes are ferry's wire format, protocol version {PROTOCOL_VERSION}. Changing \
-         them changes the\n# protocol: bump PROTOCOL_VERSION (proto/src/frame.rs) and update \
-         PROTOCOL.md first, then\n# regenerate with `FERRY_BLESS=1 cargo test -p ferry-proto \
-         --test it golden::`.\n# Format: '#' starts a comment; everything else is hex, whitespace \
-         ignored."
+        "#\n# These bytes are ferry's wire format, protocol version {PROTOCOL_VERSION}, minor \
+         {minor}: what a peer of that minor\n# sends and reads. Once the minor is released they \
+         never change; see proto/tests/golden/README.md.\n# Format: '#' starts a comment; \
+         everything else is hex, whitespace ignored."
     );
     for (i, item) in vector.items.iter().enumerate() {
-        let bytes = item.encode();
+        let bytes = item.encode(minor);
         let (header, body) = bytes.split_at(HEADER_LEN);
         let _ = writeln!(
             out,
@@ -578,8 +651,9 @@ fn parse_hex(text: &str) -> Vec<u8> {
         .collect()
 }
 
-/// Decodes the frames in `bytes` and checks they are exactly `items`.
-fn decode_and_compare(name: &str, bytes: &[u8], items: &[Item]) {
+/// Decodes the frames in `bytes` as from a peer of minor `minor` and checks they are exactly
+/// `items`.
+fn decode_and_compare(name: &str, bytes: &[u8], items: &[Item], minor: u16) {
     let mut buf = BytesMut::from(bytes);
     for (i, item) in items.iter().enumerate() {
         let frame = frame::parse(&mut buf, DEFAULT_MAX_BODY)
@@ -588,11 +662,13 @@ fn decode_and_compare(name: &str, bytes: &[u8], items: &[Item]) {
         match item {
             Item::Request(want) => {
                 assert_eq!(frame.kind, FrameKind::Control);
-                assert_eq!(&decode_request(&frame.body).unwrap(), want, "{name}");
+                let got = decode_request_from(&frame.body, minor).unwrap();
+                assert_eq!(&got, want, "{name}");
             }
             Item::Response(want) => {
                 assert_eq!(frame.kind, FrameKind::Control);
-                assert_eq!(&decode_response(&frame.body).unwrap(), want, "{name}");
+                let got = decode_response_from(&frame.body, minor).unwrap();
+                assert_eq!(&got, want, "{name}");
             }
             Item::Chunk { offset, data } => {
                 assert_eq!(frame.kind, FrameKind::Chunk);
@@ -616,63 +692,125 @@ fn decode_and_compare(name: &str, bytes: &[u8], items: &[Item]) {
     assert!(buf.is_empty(), "{name}: bytes after the last frame");
 }
 
+/// For every minor kept: this build sends each vector to a peer of that minor as exactly the
+/// bytes of its file, and reads the file as from such a peer back to the values.
 #[test]
 fn golden_vectors_match_byte_for_byte() {
-    let dir = golden_dir();
+    assert_eq!(
+        GOLDEN_MINORS.last(),
+        Some(&PROTOCOL_MINOR),
+        "a new minor gets its own golden directory: add it to GOLDEN_MINORS"
+    );
     let mut failures = Vec::new();
-    for vector in vectors() {
-        let path = dir.join(format!("{}.hex", vector.name));
-        let encoded: Vec<u8> = vector.items.iter().flat_map(Item::encode).collect();
-        if blessing() {
-            std::fs::write(&path, render(&vector)).unwrap();
+    for minor in GOLDEN_MINORS {
+        for vector in vectors(minor) {
+            let encoded: Vec<u8> = vector.items.iter().flat_map(|i| i.encode(minor)).collect();
+            if blessing() && minor == PROTOCOL_MINOR {
+                bless(&vector, &encoded);
+            }
+            let Some(path) = golden_file(vector.name, minor) else {
+                failures.push(format!("minor {minor}: no file for {}", vector.name));
+                continue;
+            };
+            let golden = read_golden(&path);
+            if golden != encoded {
+                let at = golden
+                    .iter()
+                    .zip(&encoded)
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(golden.len().min(encoded.len()));
+                failures.push(format!(
+                    "minor {minor}: {} differs from byte {at} (golden {} bytes, encoded {} bytes)",
+                    path.display(),
+                    golden.len(),
+                    encoded.len()
+                ));
+                continue;
+            }
+            let name = format!("{} at minor {minor}", vector.name);
+            decode_and_compare(&name, &golden, &vector.items, minor);
         }
-        let text = std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("{}: {e} (bless with FERRY_BLESS=1)", path.display()));
-        let golden = parse_hex(&text);
-        if golden != encoded {
-            let at = golden
-                .iter()
-                .zip(&encoded)
-                .position(|(a, b)| a != b)
-                .unwrap_or(golden.len().min(encoded.len()));
-            failures.push(format!(
-                "{}: differs from byte {at} (golden {} bytes, encoded {} bytes)",
-                vector.name,
-                golden.len(),
-                encoded.len()
-            ));
-            continue;
-        }
-        decode_and_compare(vector.name, &golden, &vector.items);
     }
     assert!(
         failures.is_empty(),
-        "the wire format changed; bump PROTOCOL_VERSION and update PROTOCOL.md before \
-         re-blessing:\n{}",
+        "the wire format changed. A released minor's bytes never change (its peers are \
+         running); for an addition, bump PROTOCOL_MINOR and update PROTOCOL.md before \
+         re-blessing the current minor:\n{}",
         failures.join("\n")
     );
-    // Every file in the directory is a vector this test knows (no stale ones left behind).
-    let mut known: Vec<String> = vectors()
+}
+
+/// Every file is a vector this test knows (no stale ones left behind), and a later minor holds
+/// only the vectors whose bytes it changed.
+#[test]
+fn the_golden_directories_hold_only_what_each_minor_changed() {
+    let known: Vec<String> = vectors(PROTOCOL_MINOR)
         .iter()
         .map(|v| format!("{}.hex", v.name))
         .collect();
-    known.push("README.md".to_string());
-    for entry in std::fs::read_dir(&dir).unwrap() {
+    for entry in std::fs::read_dir(golden_dir()).unwrap() {
         let name = entry.unwrap().file_name().into_string().unwrap();
+        let dirs: Vec<String> = GOLDEN_MINORS.iter().map(|m| format!("minor{m}")).collect();
         assert!(
-            known.contains(&name),
+            name == "README.md" || dirs.contains(&name),
             "unknown file {name} in {}",
-            dir.display()
+            golden_dir().display()
         );
     }
+    for (i, &minor) in GOLDEN_MINORS.iter().enumerate() {
+        for entry in std::fs::read_dir(minor_dir(minor)).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_str().unwrap().to_string();
+            assert!(known.contains(&name), "unknown file {}", path.display());
+            let Some(&before) = i.checked_sub(1).and_then(|j| GOLDEN_MINORS.get(j)) else {
+                continue;
+            };
+            let stem = name.trim_end_matches(".hex");
+            let older = golden_file(stem, before)
+                .unwrap_or_else(|| panic!("{} has no file before minor {minor}", stem));
+            assert_ne!(
+                read_golden(&older),
+                read_golden(&path),
+                "{} repeats the bytes of {}: a minor keeps only what it changed",
+                path.display(),
+                older.display()
+            );
+        }
+    }
+}
+
+/// What the minor-7 field changes: a node of minor 7 sends its `Stats` answer to a peer of minor
+/// 6 as exactly that minor's golden frame (its uptime left out), and each minor's frame reads only
+/// as of its own minor.
+#[test]
+fn a_stats_answer_travels_as_of_the_lower_minor() {
+    let current = Response::Stats(stats(PROTOCOL_MINOR));
+    let file = |minor| read_golden(&golden_file("stats_response", minor).unwrap());
+    let (old, new) = (file(6), file(PROTOCOL_MINOR));
+    assert_ne!(old, new);
+    assert_eq!(encode_response_for(&current, 6).unwrap(), old);
+    assert_eq!(encode_response_for(&current, PROTOCOL_MINOR).unwrap(), new);
+    let body = |bytes: &[u8]| bytes[HEADER_LEN..].to_vec();
+    assert_eq!(
+        decode_response_from(&body(&old), 6).unwrap(),
+        Response::Stats(stats(6))
+    );
+    assert_eq!(
+        decode_response_from(&body(&new), PROTOCOL_MINOR).unwrap(),
+        current
+    );
+    // The minor matters: read as of another minor, the same bytes are refused.
+    assert!(decode_response_from(&body(&old), PROTOCOL_MINOR).is_err());
+    assert!(decode_response_from(&body(&new), 6).is_err());
 }
 
 #[test]
 fn the_golden_tensor_arrives_exactly() {
-    let text = std::fs::read_to_string(golden_dir().join("q8s_block4_tensor.hex")).unwrap();
-    let mut buf = BytesMut::from(&parse_hex(&text)[..]);
+    let path = golden_file("q8s_block4_tensor", PROTOCOL_MINOR).unwrap();
+    let mut buf = BytesMut::from(&read_golden(&path)[..]);
     let put = frame::parse(&mut buf, DEFAULT_MAX_BODY).unwrap().unwrap();
-    let Request::Put { meta: wire, .. } = decode_request(&put.body).unwrap() else {
+    let Request::Put { meta: wire, .. } = decode_request_from(&put.body, PROTOCOL_MINOR).unwrap()
+    else {
         panic!("not a put")
     };
     let meta = TensorMeta::try_from(&wire).unwrap();

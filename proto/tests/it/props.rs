@@ -4,18 +4,24 @@
 //! contents survive encode -> `frame::parse` -> decode; (b) the frame parser, fed arbitrary bytes,
 //! truncated frames, lying length fields and flipped bits, answers `Ok(None)` or `Err` and refuses
 //! an oversized body from its 16 header bytes alone; (c) `TensorMeta::try_from` on arbitrary wire
-//! metas and (d) the control decoders on arbitrary bytes never panic.
+//! metas and (d) the control decoders on arbitrary bytes never panic, at any minor; (e) node and
+//! device statistics travel between peers of any two minors as of the lower one.
 
 use burn_std::DType;
 use burn_std::quantization::{QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype};
 use bytes::BytesMut;
-use ferry_proto::control::{decode_request, decode_response, encode_request, encode_response};
+use ferry_proto::control::{
+    decode_request, decode_request_from, decode_response, decode_response_from, encode_request,
+    encode_request_for, encode_response, encode_response_for,
+};
 use ferry_proto::dtype::{PLAIN_DTYPES as PLAIN, QUANT_VALUES as VALUES, SCALE_DTYPES as SCALES};
+use ferry_proto::frame::PROTOCOL_MINOR;
 use ferry_proto::frame::{self, DEFAULT_MAX_BODY, FrameKind, HEADER_LEN, MAGIC};
 use ferry_proto::meta::{MAX_RANK, expected_byte_len};
 use ferry_proto::{
-    DeviceStats, ErrorCode, ErrorReply, FrameError, HeldDtype, Hello, NodeStats, Request, Response,
-    TensorInfo, TensorKey, TensorMeta, Welcome, WireDType, WireMeta, WireQuantScheme,
+    ContentHash, DeviceStats, ErrorCode, ErrorReply, FrameError, HeldDtype, Hello, NodeStats,
+    Request, Response, TensorInfo, TensorKey, TensorMeta, TransferPath, Welcome, WireDType,
+    WireMeta, WireQuantScheme,
 };
 use proptest::collection::vec;
 use proptest::option;
@@ -100,6 +106,22 @@ fn arb_text() -> impl Strategy<Value = String> {
     prop_oneof!["[a-z0-9._/-]{0,24}", ".{0,12}"]
 }
 
+fn arb_hash() -> impl Strategy<Value = ContentHash> {
+    any::<[u8; 32]>().prop_map(ContentHash::from_digest)
+}
+
+fn arb_path() -> impl Strategy<Value = TransferPath> {
+    select(
+        &[
+            TransferPath::Put,
+            TransferPath::Native,
+            TransferPath::RoundTrip,
+            TransferPath::Pull,
+            TransferPath::Dedup,
+        ][..],
+    )
+}
+
 fn arb_key() -> impl Strategy<Value = TensorKey> {
     (any::<u32>(), arb_text()).prop_map(|(device, name)| TensorKey { device, name })
 }
@@ -155,7 +177,7 @@ fn arb_info() -> BoxedStrategy<TensorInfo> {
         arb_wire_dtype(),
         vec(any::<u64>(), 0..6),
         any::<u64>(),
-        arb_text(),
+        arb_path(),
     )
         .prop_map(|(key, dtype, shape, bytes, path)| TensorInfo {
             key,
@@ -180,7 +202,7 @@ fn arb_request() -> BoxedStrategy<Request> {
                 major,
                 minor,
                 features,
-                token,
+                token: token.map(Into::into),
                 agent,
             })
         });
@@ -218,14 +240,14 @@ fn arb_request() -> BoxedStrategy<Request> {
             any::<u32>(),
             option::of(arb_text()),
             any::<bool>(),
-            option::of(arb_text()),
+            option::of(arb_hash()),
         ),
     )
         .prop_map(
             |((source, capability, src), (dst_device, dst_name, overwrite, content_hash))| {
                 Request::Pull {
                     source,
-                    capability,
+                    capability: capability.into(),
                     src,
                     dst_device,
                     dst_name,
@@ -243,12 +265,15 @@ fn arb_request() -> BoxedStrategy<Request> {
         option::of(any::<u32>()).prop_map(|device| Request::List { device }),
         Just(Request::Stat),
         Just(Request::Identify),
-        (arb_key(), arb_text()).prop_map(|(key, audience)| Request::Grant { key, audience }),
+        (arb_key(), arb_text()).prop_map(|(key, audience)| Request::Grant {
+            key,
+            audience: audience.into()
+        }),
         pull,
         (arb_text(), arb_text(), any::<u64>()).prop_map(|(capability, node_id, offset)| {
             Request::Fetch {
-                capability,
-                node_id,
+                capability: capability.into(),
+                node_id: node_id.into(),
                 offset,
             }
         }),
@@ -262,33 +287,16 @@ fn arb_request() -> BoxedStrategy<Request> {
                 after,
                 limit
             }),
-        (arb_key(), arb_text())
+        (arb_key(), arb_hash())
             .prop_map(|(key, content_hash)| Request::DeleteIf { key, content_hash }),
         any::<u32>().prop_map(|device| Request::Holds { device }),
     ]
     .boxed()
 }
 
-fn arb_response() -> BoxedStrategy<Response> {
-    let welcome = (
-        any::<u8>(),
-        any::<u16>(),
-        vec(arb_text(), 0..4),
-        arb_text(),
-        any::<u64>(),
-        any::<u64>(),
-    )
-        .prop_map(|(major, minor, features, agent, max_body, chunk_size)| {
-            Response::Welcome(Welcome {
-                major,
-                minor,
-                features,
-                agent,
-                max_body,
-                chunk_size,
-            })
-        });
-    let device = (
+/// Any device's statistics, every field random (those of every minor).
+pub(crate) fn arb_device_stats() -> BoxedStrategy<DeviceStats> {
+    (
         any::<u32>(),
         arb_text(),
         arb_text(),
@@ -312,63 +320,91 @@ fn arb_response() -> BoxedStrategy<Response> {
                     largest_tensor: largest,
                 }
             },
-        );
-    let stats = (
+        )
+        .boxed()
+}
+
+/// Any node's statistics, every field random (those of every minor).
+pub(crate) fn arb_node_stats() -> BoxedStrategy<NodeStats> {
+    (
         arb_text(),
-        vec(device, 0..3),
-        any::<[u64; 22]>(),
+        vec(arb_device_stats(), 0..3),
+        any::<[u64; 23]>(),
         arb_text(),
         arb_text(),
-        proptest::option::of(arb_text()),
+        option::of(arb_text()),
     )
         .prop_map(
-            |(agent, devices, n, transfer_policy, node_id, unix_socket)| {
-                Response::Stats(NodeStats {
-                    agent,
-                    devices,
-                    transfers_done: n[0],
-                    transfers_failed: n[1],
-                    native_transfers: n[2],
-                    round_trip_transfers: n[3],
-                    connections: n[4],
-                    transfer_policy,
-                    node_id,
-                    pulls: n[5],
-                    pull_retries: n[6],
-                    dedup_hits: n[7],
-                    fetches_served: n[8],
-                    unix_socket,
-                    shared_memory: n[9] % 2 == 0,
-                    shm_payloads_sent: n[10],
-                    shm_payloads_received: n[11],
-                    shm_bytes: n[12],
-                    regions_in_flight: n[9] / 2,
-                    resident_bytes: n[13],
-                    peak_resident_bytes: n[14],
-                    hashes_pending: n[15],
-                    hash_mismatches: n[16],
-                    recycled_bytes: n[17],
-                    regions_kept: n[18],
-                    pool_bytes: n[19],
-                    pool_free_bytes: n[20],
-                    pool_misses: n[21],
-                })
+            |(agent, devices, n, transfer_policy, node_id, unix_socket)| NodeStats {
+                agent,
+                devices,
+                transfers_done: n[0],
+                transfers_failed: n[1],
+                native_transfers: n[2],
+                round_trip_transfers: n[3],
+                connections: n[4],
+                transfer_policy,
+                node_id,
+                pulls: n[5],
+                pull_retries: n[6],
+                dedup_hits: n[7],
+                fetches_served: n[8],
+                unix_socket,
+                shared_memory: n[9] % 2 == 0,
+                shm_payloads_sent: n[10],
+                shm_payloads_received: n[11],
+                shm_bytes: n[12],
+                regions_in_flight: n[9] / 2,
+                resident_bytes: n[13],
+                peak_resident_bytes: n[14],
+                hashes_pending: n[15],
+                hash_mismatches: n[16],
+                recycled_bytes: n[17],
+                regions_kept: n[18],
+                pool_bytes: n[19],
+                pool_free_bytes: n[20],
+                pool_misses: n[21],
+                uptime_ms: n[22],
             },
-        );
+        )
+        .boxed()
+}
+
+fn arb_response() -> BoxedStrategy<Response> {
+    let welcome = (
+        any::<u8>(),
+        any::<u16>(),
+        vec(arb_text(), 0..4),
+        arb_text(),
+        any::<u64>(),
+        any::<u64>(),
+    )
+        .prop_map(|(major, minor, features, agent, max_body, chunk_size)| {
+            Response::Welcome(Welcome {
+                major,
+                minor,
+                features,
+                agent,
+                max_body,
+                chunk_size,
+            })
+        });
     prop_oneof![
         welcome,
         arb_info().prop_map(Response::Stored),
         (arb_info(), arb_wire_meta()).prop_map(|(info, meta)| Response::Tensor { info, meta }),
         arb_info().prop_map(Response::Deleted),
         vec(arb_info(), 0..4).prop_map(Response::Listing),
-        stats,
+        arb_node_stats().prop_map(Response::Stats),
         (select(&ERROR_CODES[..]), arb_text())
             .prop_map(|(code, message)| Response::Error(ErrorReply { code, message })),
         Just(Response::Ready),
-        arb_text().prop_map(|node_id| Response::Identity { node_id }),
-        (arb_text(), any::<u64>(), arb_info(), arb_text()).prop_map(
+        arb_text().prop_map(|node_id| Response::Identity {
+            node_id: node_id.into()
+        }),
+        (arb_text(), any::<u64>(), arb_info(), arb_hash()).prop_map(
             |(token, expires_in_ms, info, content_hash)| Response::Capability {
-                token,
+                token: token.into(),
                 expires_in_ms,
                 info,
                 content_hash,
@@ -687,13 +723,17 @@ proptest! {
     #[test]
     fn arbitrary_bodies_never_panic_the_decoders(
         body in prop_oneof![arb_body(), arb_mangled_body()],
+        minor in 0..=PROTOCOL_MINOR + 1,
     ) {
-        // What decodes is canonical: encoding it again gives the very same bytes.
-        if let Ok(request) = decode_request(&body) {
-            prop_assert_eq!(&only_control_body(&encode_request(&request).unwrap())[..], &body[..]);
+        // What decodes is canonical: encoding it again for the same minor gives the very same
+        // bytes.
+        if let Ok(request) = decode_request_from(&body, minor) {
+            let again = encode_request_for(&request, minor).unwrap();
+            prop_assert_eq!(&only_control_body(&again)[..], &body[..]);
         }
-        if let Ok(response) = decode_response(&body) {
-            prop_assert_eq!(&only_control_body(&encode_response(&response).unwrap())[..], &body[..]);
+        if let Ok(response) = decode_response_from(&body, minor) {
+            let again = encode_response_for(&response, minor).unwrap();
+            prop_assert_eq!(&only_control_body(&again)[..], &body[..]);
         }
     }
 }
@@ -766,4 +806,75 @@ fn non_canonical_bodies_are_refused() {
     let mut bad = good[..9].to_vec();
     bad.extend_from_slice(&(1u64 << 40).to_le_bytes());
     assert!(refused(&bad));
+}
+
+// ---------------------------------------------------------------------------------------------
+// (e) statistics across minors
+// ---------------------------------------------------------------------------------------------
+
+/// `stats` as a peer of minor `minor` has them: every field added after that minor at its
+/// default. Written out from PROTOCOL.md §8's table, apart from the `since` of the message
+/// definitions, so that each checks the other.
+fn stats_as_of(stats: &NodeStats, minor: u16) -> NodeStats {
+    let mut s = stats.clone();
+    s.devices = s.devices.iter().map(|d| device_as_of(d, minor)).collect();
+    if minor < 1 {
+        s.unix_socket = None;
+        s.shared_memory = false;
+        s.shm_payloads_sent = 0;
+        s.shm_payloads_received = 0;
+        s.shm_bytes = 0;
+        s.regions_in_flight = 0;
+        s.resident_bytes = 0;
+        s.peak_resident_bytes = 0;
+    }
+    if minor < 2 {
+        s.hashes_pending = 0;
+        s.hash_mismatches = 0;
+        s.recycled_bytes = 0;
+        s.regions_kept = 0;
+    }
+    if minor < 4 {
+        s.pool_bytes = 0;
+        s.pool_free_bytes = 0;
+        s.pool_misses = 0;
+    }
+    if minor < 7 {
+        s.uptime_ms = 0;
+    }
+    s
+}
+
+/// `device` as a peer of minor `minor` has it (see [`stats_as_of`]).
+fn device_as_of(device: &DeviceStats, minor: u16) -> DeviceStats {
+    let mut d = device.clone();
+    if minor < 5 {
+        d.holds_measured = 0;
+        d.holds_exact = 0;
+    }
+    if minor < 6 {
+        d.largest_tensor = None;
+    }
+    d
+}
+
+proptest! {
+    /// A peer of minor `a` sends its statistics to a peer of minor `b`: whichever is newer
+    /// adapts, so they travel as of the lower minor, and arrive with every field that minor has
+    /// and the later ones at their defaults. What the sender knows beyond that never reaches
+    /// the wire.
+    #[test]
+    fn stats_travel_between_any_two_minors(stats in arb_node_stats()) {
+        for a in 0..=PROTOCOL_MINOR {
+            for b in 0..=PROTOCOL_MINOR {
+                let wire = a.min(b);
+                let sent = Response::Stats(stats_as_of(&stats, a));
+                let frame = encode_response_for(&sent, wire).unwrap();
+                let everything = encode_response_for(&Response::Stats(stats.clone()), wire);
+                prop_assert_eq!(&frame, &everything.unwrap());
+                let got = decode_response_from(&only_control_body(&frame), wire).unwrap();
+                prop_assert_eq!(got, Response::Stats(stats_as_of(&stats, wire)), "{} -> {}", a, b);
+            }
+        }
+    }
 }

@@ -363,7 +363,7 @@ async fn serve() -> anyhow::Result<()> {
         ..ConnectionLimits::default()
     };
     let mut config = NodeConfig {
-        node_id: args.node_id,
+        node_id: args.node_id.map(ferry_proto::NodeId::from),
         tls,
         peers: {
             let listed: Vec<ferry_server::Peer> = args
@@ -387,7 +387,7 @@ async fn serve() -> anyhow::Result<()> {
                 PeerPolicy::Any
             }
         },
-        peer_token,
+        peer_token: peer_token.map(ferry_proto::Token::from),
         capability_ttl: Duration::from_secs(args.capability_ttl),
         pull_retries: args.pull_retries,
         peer_limits: limits,

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::device::Existing;
+use crate::device::IfExists;
 use crate::error::NodeError;
 
 /// What a registered tensor costs beyond its payload, charged to its device's budget: the
@@ -30,7 +30,7 @@ pub(crate) struct DeviceLimits {
 /// interleaving: both are claimed by compare-and-swap before the memory they stand for exists,
 /// and given back only when it is gone (its reservation dropped).
 #[derive(Debug)]
-pub struct Budget {
+pub(crate) struct Budget {
     device: u32,
     limit: Option<u64>,
     max_tensors: Option<u64>,
@@ -51,13 +51,13 @@ impl Budget {
 
     /// Claims room for a tensor of `bytes` (with its overhead), or says what is short. Claimed
     /// before a single byte is received, so many clients together cannot push a device past
-    /// its budget. A tensor that may not replace another ([`Existing::Refuse`]) is refused at
+    /// its budget. A tensor that may not replace another ([`IfExists::Refuse`]) is refused at
     /// once by a device already at its tensor cap (the slot itself is claimed when the tensor
     /// is registered under a new name).
     pub(crate) fn reserve_tensor(
         self: &Arc<Self>,
         bytes: u64,
-        existing: Existing,
+        existing: IfExists,
     ) -> Result<Reservation, NodeError> {
         let charged = bytes
             .checked_add(TENSOR_OVERHEAD)
@@ -65,7 +65,7 @@ impl Budget {
                 bytes,
                 limit: u64::MAX - TENSOR_OVERHEAD,
             })?;
-        if existing == Existing::Refuse
+        if existing == IfExists::Refuse
             && let Some(limit) = self.max_tensors
             && self.tensors.load(Ordering::Acquire) >= limit
         {
@@ -110,13 +110,13 @@ impl Budget {
     }
 
     /// The budget, if any.
-    pub fn limit(&self) -> Option<u64> {
+    pub(crate) fn limit(&self) -> Option<u64> {
         self.limit
     }
 
     /// Bytes claimed now: registered tensors with their overhead, transfers in flight and host
     /// copies being sent.
-    pub fn used(&self) -> u64 {
+    pub(crate) fn used(&self) -> u64 {
         self.used.load(Ordering::Acquire)
     }
 }
@@ -140,7 +140,7 @@ fn claim(counter: &AtomicU64, amount: u64, limit: Option<u64>) -> Result<(), u64
 /// Room claimed from a [`Budget`]; given back when dropped (a failed transfer, a removed tensor,
 /// a send finished).
 #[derive(Debug)]
-pub struct Reservation {
+pub(crate) struct Reservation {
     budget: Arc<Budget>,
     bytes: u64,
 }

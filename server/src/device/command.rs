@@ -3,32 +3,14 @@
 use burn_backend::TensorData;
 use tokio::sync::oneshot;
 
+use ferry_proto::IfExists;
+
 use crate::device::{Exported, HostBytes, Payload, Reservation, TensorDesc, Version};
 use crate::engine::TransferPath;
 use crate::error::NodeError;
 
 /// Where a command's answer goes.
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, NodeError>>;
-
-/// What becomes of a tensor already registered under the name a new one is registered under.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Existing {
-    /// It stays, and the new tensor is refused ([`NodeError::AlreadyExists`]).
-    Refuse,
-    /// The new tensor replaces it (and takes over its slot under the device's tensor cap).
-    Replace,
-}
-
-impl Existing {
-    /// What a request's `overwrite` flag asks for.
-    pub fn from_overwrite(overwrite: bool) -> Self {
-        if overwrite {
-            Existing::Replace
-        } else {
-            Existing::Refuse
-        }
-    }
-}
 
 /// What a device worker is asked to do.
 pub(crate) enum Command {
@@ -41,7 +23,7 @@ pub(crate) enum Command {
         /// How it travelled.
         path: TransferPath,
         /// What becomes of a tensor already registered under that name.
-        existing: Existing,
+        existing: IfExists,
         /// The budget claimed for it, held for as long as the tensor is registered.
         reservation: Reservation,
         /// Answered once registered.
@@ -114,7 +96,7 @@ pub(crate) enum Command {
     /// [`AwaitVerified`](Command::AwaitVerified)).
     FindByHash {
         /// The content hash.
-        hash: String,
+        hash: ferry_proto::ContentHash,
         /// Its description, if any tensor answers to that hash.
         reply: Reply<Option<TensorDesc>>,
     },
@@ -132,7 +114,7 @@ pub(crate) enum Command {
         /// Which registration under that name was checked.
         version: Version,
         /// The hash of the registered bytes.
-        computed: String,
+        computed: ferry_proto::ContentHash,
     },
 }
 

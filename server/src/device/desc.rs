@@ -1,8 +1,8 @@
 //! A registered tensor as the node describes it ([`TensorDesc`]), which registration under its
-//! key it is ([`Version`]), and what the node knows of its content hash ([`ContentHash`]).
+//! key it is ([`Version`]), and what the node knows of its content hash ([`HashState`]).
 
 use burn_backend::DType;
-use ferry_proto::{TensorInfo, TensorKey, WireDType};
+use ferry_proto::{ContentHash, TensorInfo, TensorKey, WireDType};
 
 use crate::engine::TransferPath;
 
@@ -33,45 +33,50 @@ pub struct TensorDesc {
     /// How it arrived.
     pub path: TransferPath,
     /// Its content hash, as far as this node knows it.
-    pub content_hash: ContentHash,
+    pub content_hash: HashState,
     /// Which registration under the key this is.
     pub version: Version,
 }
 
 /// What a node knows of a registered tensor's content hash (BLAKE3 of its bytes, hex; PROTOCOL
-/// §7.2). Only a [`Verified`](ContentHash::Verified) hash answers dedup, is granted, or is
+/// §7.2). Only a [`Verified`](HashState::Verified) hash answers dedup, is granted, or is
 /// matched by a conditional delete; the others are settled by the device's verifier thread,
 /// which reads the registered bytes in place after the transfer was answered.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ContentHash {
+///
+/// A description the node gives, never takes: no public operation accepts a `HashState` (or a
+/// [`TensorDesc`]), so making one tells the node nothing. A state a later version adds must be
+/// matched with a wildcard arm; [`verified`](HashState::verified) is what most callers want.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HashState {
     /// Computed by this node from the bytes it holds.
-    Verified(String),
+    Verified(ContentHash),
     /// Stated by the node the bytes came from (a pull between nodes of one host), being
     /// recomputed: a dedup candidate to wait for, used for nothing else until then.
-    Stated(String),
+    Stated(ContentHash),
     /// Being computed: a put is answered once its bytes are registered, its hash after.
     Computing,
 }
 
-impl ContentHash {
+impl HashState {
     /// The hash, where this node computed it.
-    pub fn verified(&self) -> Option<&str> {
+    pub fn verified(&self) -> Option<ContentHash> {
         match self {
-            ContentHash::Verified(hash) => Some(hash),
-            ContentHash::Stated(_) | ContentHash::Computing => None,
+            HashState::Verified(hash) => Some(*hash),
+            HashState::Stated(_) | HashState::Computing => None,
         }
     }
 
     /// Whether this node computed it.
     pub fn is_verified(&self) -> bool {
-        matches!(self, ContentHash::Verified(_))
+        matches!(self, HashState::Verified(_))
     }
 
     /// The hash the tensor is indexed under as a dedup candidate: verified or stated.
-    pub fn indexed(&self) -> Option<&str> {
+    pub(crate) fn indexed(&self) -> Option<ContentHash> {
         match self {
-            ContentHash::Verified(hash) | ContentHash::Stated(hash) => Some(hash),
-            ContentHash::Computing => None,
+            HashState::Verified(hash) | HashState::Stated(hash) => Some(*hash),
+            HashState::Computing => None,
         }
     }
 }
@@ -84,7 +89,7 @@ impl TensorDesc {
             dtype: WireDType::from(self.dtype),
             shape: self.shape.iter().map(|&d| d as u64).collect(),
             bytes: self.bytes,
-            path: self.path.name().to_string(),
+            path: self.path,
         }
     }
 }

@@ -13,8 +13,11 @@ use crate::device::{Budget, Command, Reply};
 use crate::error::NodeError;
 use crate::holds::HoldsTable;
 
-/// The handle through which everything else reaches a device worker.
-#[derive(Debug, Clone)]
+/// A hosted device, as the node reaches its worker; what an embedder may read of it without
+/// asking the worker. Not `Clone`: the node's handles are the worker's only senders, so that a
+/// node dropped stops its workers (a copy kept elsewhere would keep a worker, and the node's
+/// drop that waits for it, alive).
+#[derive(Debug)]
 pub struct DeviceHandle {
     pub(super) index: u32,
     pub(super) kind: BackendKind,
@@ -48,8 +51,21 @@ impl DeviceHandle {
     }
 
     /// Its memory budget.
-    pub fn budget(&self) -> &Arc<Budget> {
+    pub(crate) fn budget(&self) -> &Arc<Budget> {
         &self.budget
+    }
+
+    /// Its memory budget in bytes ([`NodeConfig::memory_limit`](crate::NodeConfig::memory_limit)),
+    /// if it has one.
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.budget.limit()
+    }
+
+    /// Bytes of its budget claimed now: registered tensors (each with its
+    /// [`TENSOR_OVERHEAD`](crate::TENSOR_OVERHEAD)), transfers in flight and host copies being
+    /// sent. Never more than [`memory_limit`](Self::memory_limit).
+    pub fn memory_used(&self) -> u64 {
+        self.budget.used()
     }
 
     /// Stated content hashes that the registered bytes did not match.

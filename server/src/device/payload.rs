@@ -10,7 +10,7 @@ use burn_backend::{DType, TensorData};
 use ferry_io::connection::{Known, SealedRegion};
 
 use crate::backend::SharedPayload;
-use crate::device::{ContentHash, KnownHash, Reservation};
+use crate::device::{HashState, KnownHash, Reservation};
 
 /// A backend primitive handed between two workers of the same backend (the native path).
 pub(crate) struct NativeTensor {
@@ -18,7 +18,7 @@ pub(crate) struct NativeTensor {
     pub(super) dtype: DType,
     pub(super) shape: Vec<usize>,
     pub(super) bytes: u64,
-    pub(super) content_hash: ContentHash,
+    pub(super) content_hash: HashState,
 }
 
 impl std::fmt::Debug for NativeTensor {
@@ -32,18 +32,18 @@ impl std::fmt::Debug for NativeTensor {
 
 /// Host bytes that arrived, to register.
 #[derive(Debug)]
-pub struct Arrived {
+pub(crate) struct Arrived {
     /// The tensor, validated against the byte-length rule.
-    pub data: TensorData,
+    pub(crate) data: TensorData,
     /// What is known of its content hash.
-    pub hash: KnownHash,
+    pub(crate) hash: KnownHash,
     /// The sealed shared-memory region the bytes lie in, where it was kept.
-    pub region: Option<SealedRegion>,
+    pub(crate) region: Option<SealedRegion>,
 }
 
 impl Arrived {
     /// Bytes with nothing known about them yet.
-    pub fn new(data: TensorData) -> Self {
+    pub(crate) fn new(data: TensorData) -> Self {
         Self {
             data,
             hash: KnownHash::Unknown,
@@ -63,59 +63,68 @@ pub(crate) enum Payload {
 
 /// A tensor's bytes on the host, for sending; counted in its device's budget for as long as
 /// they live, even if the tensor is removed meanwhile.
-pub enum HostBytes {
+pub(crate) enum HostBytes {
     /// Shared with the registered tensor (no copy); the `Arc` keeps them alive even if the
     /// tensor is removed meanwhile, and nothing writes to a buffer that is shared. The tensor's
     /// own reservation is held with them, so a removed tensor's memory stays counted until the
     /// last send of it ends.
-    Shared(SharedPayload, Arc<Reservation>),
+    Shared {
+        /// The registered tensor's payload.
+        payload: SharedPayload,
+        /// The tensor's room in the budget, held until the send ends.
+        _held: Arc<Reservation>,
+    },
     /// Read out with `into_data`: a copy, with its own reservation.
-    Owned(TensorData, Reservation),
+    Owned {
+        /// The copy.
+        data: TensorData,
+        /// The copy's room in the budget, held until the send ends.
+        _held: Reservation,
+    },
 }
 
 impl HostBytes {
     /// The payload, as the slices it lies in (to be sent end to end).
-    pub fn parts(&self) -> Vec<&[u8]> {
+    pub(crate) fn parts(&self) -> Vec<&[u8]> {
         match self {
-            HostBytes::Shared(shared, _) => [&shared.values[..], &shared.tail[..]]
+            HostBytes::Shared { payload, .. } => [&payload.values[..], &payload.tail[..]]
                 .into_iter()
                 .filter(|p| !p.is_empty())
                 .collect(),
-            HostBytes::Owned(data, _) => vec![data.as_bytes()],
+            HostBytes::Owned { data, .. } => vec![data.as_bytes()],
         }
     }
 
     /// What is known of the payload already: the sealed region it lies in, if it was kept, and
     /// its chunk checksums, once a send computed them (the registered tensor never changes).
-    pub fn known(&self) -> Known<'_> {
+    pub(crate) fn known(&self) -> Known<'_> {
         match self {
-            HostBytes::Shared(shared, _) => Known {
-                region: shared.region.as_deref(),
-                checksums: shared.checksums.as_deref(),
+            HostBytes::Shared { payload, .. } => Known {
+                region: payload.region.as_deref(),
+                checksums: payload.checksums.as_deref(),
             },
-            HostBytes::Owned(..) => Known::default(),
+            HostBytes::Owned { .. } => Known::default(),
         }
     }
 
     /// The payload's length.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
-            HostBytes::Shared(shared, _) => shared.len(),
-            HostBytes::Owned(data, _) => data.as_bytes().len(),
+            HostBytes::Shared { payload, .. } => payload.len(),
+            HostBytes::Owned { data, .. } => data.as_bytes().len(),
         }
-    }
-
-    /// Whether the payload is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
 impl std::fmt::Debug for HostBytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            HostBytes::Shared(b, _) => write!(f, "HostBytes::Shared({} bytes)", b.len()),
-            HostBytes::Owned(d, _) => write!(f, "HostBytes::Owned({} bytes)", d.as_bytes().len()),
+            HostBytes::Shared { payload, .. } => {
+                write!(f, "HostBytes::Shared({} bytes)", payload.len())
+            }
+            HostBytes::Owned { data, .. } => {
+                write!(f, "HostBytes::Owned({} bytes)", data.as_bytes().len())
+            }
         }
     }
 }

@@ -10,22 +10,28 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use ferry_proto::{TensorKey, TensorMeta};
+use ferry_proto::{ContentHash, TensorKey, TensorMeta};
 use tokio::sync::mpsc;
 
 use crate::device::{Command, Version};
 
 /// What a receiver knows of a tensor's content hash when it hands the tensor over.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KnownHash {
+///
+/// Crate-private, as is [`Arrived`](crate::device::Arrived) that carries it: the worker registers
+/// a [`Computed`](KnownHash::Computed) hash as verified without looking at the bytes again, so
+/// only code of this node that hashed the very bytes it hands over may make one (a pull's
+/// receiver, `peer.rs`, after comparing its hash with the grant). Nothing outside the crate can
+/// hand the node a hash it is to trust.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KnownHash {
     /// Nothing, and nothing waits for it (a put, whose answer needs no hash): computed after
     /// registering where the worker can read the registered tensor in place, else before.
     Unknown,
-    /// Computed by this node over the bytes it hands over.
-    Computed(String),
+    /// Computed by this node over the bytes it hands over, as they arrived.
+    Computed(ContentHash),
     /// Stated by the node the bytes came from: registered as is where the worker can verify it
     /// afterwards from the registered tensor, else checked before registering.
-    Stated(String),
+    Stated(ContentHash),
 }
 
 /// A stated hash to check against a registered tensor's bytes.
@@ -44,7 +50,7 @@ pub(super) struct VerifyJob {
 
 impl VerifyJob {
     /// The content hash of the job's bytes; `None` once the tensor is gone.
-    pub(super) fn hash(&self) -> Option<String> {
+    pub(super) fn hash(&self) -> Option<ContentHash> {
         let values = self.values.upgrade()?;
         let stop = || self.abandoned.load(Ordering::Relaxed);
         ferry_proto::tensor::content_hash_parts(&self.meta, &[&values[..], &self.tail], stop)
@@ -217,7 +223,12 @@ fn run_in_background() {
 /// Counts and logs a stated content hash that the bytes do not have. The bytes are what the
 /// source sent, each chunk checked (and the capability pinned them to what the source held):
 /// only the statement about them was wrong, so the tensor answers to the computed hash.
-pub(super) fn note_mismatch(count: &AtomicU64, key: &TensorKey, stated: &str, computed: &str) {
+pub(super) fn note_mismatch(
+    count: &AtomicU64,
+    key: &TensorKey,
+    stated: ContentHash,
+    computed: ContentHash,
+) {
     count.fetch_add(1, Ordering::Relaxed);
     tracing::error!(
         %key,

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use burn_backend::{Backend, DType, TensorData};
 use ferry_io::connection::{ChunkChecksums, SealedRegion};
-use ferry_proto::{TensorKey, TensorMeta};
+use ferry_proto::{ContentHash, TensorKey, TensorMeta};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::backend::{BackendKind, DeviceSpec, Primitive};
@@ -17,8 +17,8 @@ use crate::device::budget::TensorSlot;
 use crate::device::payload::NativeTensor;
 use crate::device::verify::{VerifierHandle, VerifyJob, note_mismatch, spawn_verifier};
 use crate::device::{
-    Arrived, Budget, Command, ContentHash, DeviceHandle, DeviceLimits, DeviceSummary, Existing,
-    Exported, HostBytes, KnownHash, Payload, Reservation, TensorDesc, Version,
+    Arrived, Budget, Command, DeviceHandle, DeviceLimits, DeviceSummary, Exported, HashState,
+    HostBytes, IfExists, KnownHash, Payload, Reservation, TensorDesc, Version,
 };
 use crate::engine::TransferPath;
 use crate::error::NodeError;
@@ -212,7 +212,7 @@ struct Worker<B: Backend> {
     /// Sorted by name, so that a listing is read a page at a time.
     tensors: BTreeMap<String, Entry<B>>,
     /// The names registered under each content hash, so that dedup never scans every tensor.
-    by_hash: HashMap<String, std::collections::BTreeSet<String>>,
+    by_hash: HashMap<ContentHash, std::collections::BTreeSet<String>>,
     verifier: VerifierHandle,
     next_version: u64,
     hash_mismatches: Arc<AtomicU64>,
@@ -305,7 +305,7 @@ impl<B: Backend> Worker<B> {
                             dtype: e.desc.dtype,
                             shape: e.desc.shape.clone(),
                             bytes: e.desc.bytes,
-                            content_hash: e.desc.content_hash.clone(),
+                            content_hash: e.desc.content_hash,
                         }))
                     } else {
                         let (data, held) = e.copy(&self.budget)?;
@@ -387,15 +387,15 @@ impl<B: Backend> Worker<B> {
 
     /// The hash a tensor answers to once `computed` from its bytes: a `stated` one it is not is
     /// counted and logged ([`note_mismatch`]).
-    fn settle(&self, name: &str, stated: &str, computed: String) -> String {
+    fn settle(&self, name: &str, stated: ContentHash, computed: ContentHash) -> ContentHash {
         if computed != stated {
-            note_mismatch(&self.hash_mismatches, &self.key(name), stated, &computed);
+            note_mismatch(&self.hash_mismatches, &self.key(name), stated, computed);
         }
         computed
     }
 
     /// Records a verifier's answer, if the registration it checked is still there.
-    fn verified(&mut self, name: &str, version: Version, computed: String) {
+    fn verified(&mut self, name: &str, version: Version, computed: ContentHash) {
         let key = self.key(name);
         let Some(entry) = self
             .tensors
@@ -404,20 +404,17 @@ impl<B: Backend> Worker<B> {
         else {
             return;
         };
-        let known = std::mem::replace(
-            &mut entry.desc.content_hash,
-            ContentHash::Verified(computed.clone()),
-        );
+        let known = std::mem::replace(&mut entry.desc.content_hash, HashState::Verified(computed));
         self.changes.fetch_add(1, Ordering::Release);
         let indexed = match known {
-            ContentHash::Verified(_) => true,
-            ContentHash::Stated(stated) if stated == computed => true,
-            ContentHash::Stated(stated) => {
-                note_mismatch(&self.hash_mismatches, &key, &stated, &computed);
-                Self::unindex(&mut self.by_hash, &stated, name);
+            HashState::Verified(_) => true,
+            HashState::Stated(stated) if stated == computed => true,
+            HashState::Stated(stated) => {
+                note_mismatch(&self.hash_mismatches, &key, stated, computed);
+                Self::unindex(&mut self.by_hash, stated, name);
                 false
             }
-            ContentHash::Computing => false,
+            HashState::Computing => false,
         };
         if !indexed {
             self.by_hash
@@ -431,14 +428,14 @@ impl<B: Backend> Worker<B> {
     }
 
     fn unindex(
-        by_hash: &mut HashMap<String, std::collections::BTreeSet<String>>,
-        hash: &str,
+        by_hash: &mut HashMap<ContentHash, std::collections::BTreeSet<String>>,
+        hash: ContentHash,
         name: &str,
     ) {
-        if let Some(names) = by_hash.get_mut(hash) {
+        if let Some(names) = by_hash.get_mut(&hash) {
             names.remove(name);
             if names.is_empty() {
-                by_hash.remove(hash);
+                by_hash.remove(&hash);
             }
         }
     }
@@ -473,10 +470,10 @@ impl<B: Backend> Worker<B> {
         name: String,
         payload: Payload,
         path: TransferPath,
-        existing: Existing,
+        existing: IfExists,
         reservation: Reservation,
     ) -> Result<TensorDesc, NodeError> {
-        if existing == Existing::Refuse && self.tensors.contains_key(&name) {
+        if existing == IfExists::Refuse && self.tensors.contains_key(&name) {
             return Err(NodeError::AlreadyExists(self.key(&name)));
         }
         // A new name takes a slot under the cap now, before anything can be replaced; a
@@ -511,9 +508,9 @@ impl<B: Backend> Worker<B> {
                 None => {
                     let data = primitive.to_data()?;
                     let computed = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
-                    content_hash = ContentHash::Verified(match &content_hash {
-                        ContentHash::Stated(stated) => self.settle(&name, stated, computed),
-                        ContentHash::Verified(_) | ContentHash::Computing => computed,
+                    content_hash = HashState::Verified(match &content_hash {
+                        HashState::Stated(stated) => self.settle(&name, *stated, computed),
+                        HashState::Verified(_) | HashState::Computing => computed,
                     });
                 }
             }
@@ -530,7 +527,7 @@ impl<B: Backend> Worker<B> {
             version,
         };
         let abandoned = Arc::new(AtomicBool::new(false));
-        // Replaced (with `Existing::Replace`): the old tensor leaves the index with it, and
+        // Replaced (with `IfExists::Replace`): the old tensor leaves the index with it, and
         // leaves its slot to the new one.
         let replaced = self.unregister(&name);
         let slot = match (new_slot, replaced) {
@@ -539,10 +536,7 @@ impl<B: Backend> Worker<B> {
             (None, None) => self.budget.claim_slot()?,
         };
         if let Some(hash) = desc.content_hash.indexed() {
-            self.by_hash
-                .entry(hash.to_string())
-                .or_default()
-                .insert(name.clone());
+            self.by_hash.entry(hash).or_default().insert(name.clone());
         }
         self.held_bytes += desc.bytes;
         self.changes.fetch_add(1, Ordering::Release);
@@ -587,13 +581,17 @@ impl<B: Backend> Worker<B> {
                 // bytes without a copy; elsewhere that would take a second host copy, so now.
                 let later = self.kind.shares_registered_bytes(&dtype);
                 let content_hash = match hash {
-                    KnownHash::Computed(hash) => ContentHash::Verified(hash),
-                    KnownHash::Stated(hash) if later => ContentHash::Stated(hash),
+                    // Trusted as is: `KnownHash` is crate-private, and the one place that makes a
+                    // `Computed` (a pull's receiver, `peer.rs`) hashed these very bytes as they
+                    // arrived. No embedder or peer can state a hash that lands here; a stated
+                    // one is `Stated` below, and verified from the registered bytes.
+                    KnownHash::Computed(hash) => HashState::Verified(hash),
+                    KnownHash::Stated(hash) if later => HashState::Stated(hash),
                     KnownHash::Stated(stated) => {
-                        ContentHash::Verified(self.settle(name, &stated, compute()))
+                        HashState::Verified(self.settle(name, stated, compute()))
                     }
-                    KnownHash::Unknown if later => ContentHash::Computing,
-                    KnownHash::Unknown => ContentHash::Verified(compute()),
+                    KnownHash::Unknown if later => HashState::Computing,
+                    KnownHash::Unknown => HashState::Verified(compute()),
                 };
                 let origin = data.as_bytes().as_ptr();
                 let primitive = Primitive::<B>::from_data(data, &self.device)?;
@@ -645,7 +643,7 @@ struct Placed<B: Backend> {
     shape: Vec<usize>,
     bytes: u64,
     /// As far as known when it arrived.
-    content_hash: ContentHash,
+    content_hash: HashState,
     /// The sealed region its bytes lie in, where the region's mapping is the tensor's storage.
     region: Option<Arc<SealedRegion>>,
 }
@@ -663,11 +661,14 @@ impl<B: Backend> Entry<B> {
             Some(mut shared) => {
                 shared.region = self.region.clone();
                 shared.checksums = Some(self.checksums.clone());
-                HostBytes::Shared(shared, self.reservation.clone())
+                HostBytes::Shared {
+                    payload: shared,
+                    _held: self.reservation.clone(),
+                }
             }
             None => {
                 let (data, held) = self.copy(budget)?;
-                HostBytes::Owned(data, held)
+                HostBytes::Owned { data, _held: held }
             }
         })
     }

@@ -9,7 +9,7 @@ use ferry_proto::message::validate_name;
 use ferry_proto::{TensorKey, TensorMeta};
 
 use crate::backend::BackendKind;
-use crate::device::{Arrived, Command, Existing, Payload, Reservation, TensorDesc};
+use crate::device::{Arrived, Command, IfExists, Payload, Reservation, TensorDesc};
 use crate::engine::TransferPath;
 use crate::error::NodeError;
 use crate::node::{Node, ReceiveBuffers};
@@ -18,18 +18,18 @@ use crate::node::{Node, ReceiveBuffers};
 /// registration, so that it is registered where, under the name and on the terms it was admitted
 /// for.
 #[derive(Debug)]
-pub struct Admission {
+pub(crate) struct Admission {
     /// The device and name it was admitted under.
     key: TensorKey,
     /// Whether it may replace a tensor registered under that name.
-    existing: Existing,
+    existing: IfExists,
     /// Held while the bytes arrive and then by the registered tensor.
     reservation: Reservation,
 }
 
 impl Node {
     /// A fresh name for a tensor put without one.
-    pub fn fresh_name(&self) -> String {
+    pub(crate) fn fresh_name(&self) -> String {
         // Random, not a counter: a counter restarting with the node would hand out names that
         // earlier uploads (or users) already hold.
         format!("tensor-{:032x}", rand::random::<u128>())
@@ -40,14 +40,14 @@ impl Node {
     /// takes (a GPU's), the device's budget, and (for a
     /// tensor that may not replace another) its tensor cap. The returned admission's reservation
     /// is held while the bytes arrive and then by the registered tensor.
-    pub fn admit(
+    pub(crate) fn admit(
         &self,
         device: u32,
         name: &str,
         dtype: &burn_backend::DType,
         shape: &[usize],
         bytes: u64,
-        existing: Existing,
+        existing: IfExists,
     ) -> Result<Admission, NodeError> {
         validate_name(name)?;
         let limit = self.inner.config.max_tensor_bytes;
@@ -65,19 +65,18 @@ impl Node {
         })
     }
 
-    /// Registers `data` under `name` on `device`, after checking it against the byte-length rule
-    /// and the device. Answered once registered.
+    /// Registers `data` under `key`, after checking it against the byte-length rule and the
+    /// device, doing with a tensor already there what `existing` says. Answered once registered.
     pub async fn insert(
         &self,
-        device: u32,
-        name: &str,
+        key: &TensorKey,
         data: TensorData,
-        existing: Existing,
+        existing: IfExists,
     ) -> Result<TensorDesc, NodeError> {
         let meta = ferry_proto::tensor::meta_of(&data)?;
         let admission = self.admit(
-            device,
-            name,
+            key.device,
+            &key.name,
             &meta.dtype(),
             meta.shape(),
             meta.byte_len() as u64,
@@ -91,7 +90,11 @@ impl Node {
     /// tensor's memory as it is (Flex), one as the node's [`ReceiveBuffers`] say: from its
     /// receive pool, a new region to seal and share, or recycled memory. Other backends copy the
     /// buffer into memory of their own, so none of these would save them anything.
-    pub fn receiver(&self, device: u32, meta: TensorMeta) -> Result<TensorAssembler, NodeError> {
+    pub(crate) fn receiver(
+        &self,
+        device: u32,
+        meta: TensorMeta,
+    ) -> Result<TensorAssembler, NodeError> {
         let max = self.config().max_tensor_bytes;
         let receiver = if self.device(device)?.kind() == BackendKind::Flex {
             match &self.config().receive_buffers {
@@ -111,7 +114,7 @@ impl Node {
 
     /// Registers validated bytes where [`admit`](Self::admit) gave `admission`, logged as one
     /// transfer (a put).
-    pub async fn register(
+    pub(crate) async fn register(
         &self,
         admission: Admission,
         arrived: Arrived,

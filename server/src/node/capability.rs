@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ferry_proto::TensorKey;
+use ferry_proto::{CapabilityToken, ContentHash, NodeId, TensorKey};
 
 use crate::device::{TensorDesc, Version};
 use crate::error::{NodeError, Refusal};
@@ -37,7 +37,7 @@ pub(super) struct Capability {
     /// The version it grants: a fetch of anything else (the tensor was replaced) is refused, so
     /// a resumed transfer can never join two versions.
     version: Version,
-    audience: String,
+    audience: NodeId,
     expires: Instant,
     /// The connection that asked for it.
     granted_to: ClientId,
@@ -85,18 +85,18 @@ impl Node {
     pub(crate) async fn grant(
         &self,
         key: &TensorKey,
-        audience: &str,
+        audience: &NodeId,
         client: ClientId,
     ) -> Result<Granted, NodeError> {
-        if audience.is_empty() || audience.len() > MAX_NODE_ID_LEN {
+        if audience.as_str().is_empty() || audience.as_str().len() > MAX_NODE_ID_LEN {
             return Err(NodeError::InvalidNodeId {
-                len: audience.len(),
+                len: audience.as_str().len(),
                 max: MAX_NODE_ID_LEN,
             });
         }
         let (desc, content_hash) = self.describe_verified(key).await?;
         let ttl = self.inner.config.capability_ttl;
-        let token = format!("{:032x}", rand::random::<u128>());
+        let token = CapabilityToken::new(format!("{:032x}", rand::random::<u128>()));
         let now = Instant::now();
         let mut capabilities = self.capabilities();
         capabilities.retain(|_, c| c.expires > now);
@@ -118,7 +118,7 @@ impl Node {
             Capability {
                 key: key.clone(),
                 version: desc.version,
-                audience: audience.to_string(),
+                audience: audience.clone(),
                 expires: now + ttl,
                 granted_to: client,
                 fetcher: None,
@@ -136,7 +136,7 @@ impl Node {
     }
 
     /// The capabilities issued and not ended.
-    fn capabilities(&self) -> std::sync::MutexGuard<'_, HashMap<String, Capability>> {
+    fn capabilities(&self) -> std::sync::MutexGuard<'_, HashMap<CapabilityToken, Capability>> {
         // The map stays consistent under a panic (every update is one statement).
         self.inner
             .capabilities
@@ -151,8 +151,8 @@ impl Node {
     /// whose only chunk was lost in flight may fetch it again from offset 0.
     pub(crate) fn begin_fetch(
         &self,
-        token: &str,
-        node_id: &str,
+        token: &CapabilityToken,
+        node_id: &NodeId,
         client: ClientId,
     ) -> Result<FetchLease, NodeError> {
         let now = Instant::now();
@@ -165,7 +165,7 @@ impl Node {
             capabilities.remove(token);
             return Err(refused(Refusal::Expired));
         }
-        if capability.audience != node_id {
+        if capability.audience != *node_id {
             return Err(refused(Refusal::OtherNode));
         }
         if capability.generation >= MAX_FETCHES {
@@ -176,7 +176,7 @@ impl Node {
         capability.in_flight = true;
         Ok(FetchLease {
             node: self.clone(),
-            token: token.to_string(),
+            token: token.clone(),
             key: capability.key.clone(),
             version: capability.version,
             generation: capability.generation,
@@ -185,7 +185,7 @@ impl Node {
 
     /// Ends a capability that can never be served again (the version it grants is gone), so
     /// that it stops counting against its client's cap at once.
-    pub(crate) fn revoke(&self, token: &str) {
+    pub(crate) fn revoke(&self, token: &CapabilityToken) {
         self.capabilities().remove(token);
     }
 
@@ -194,13 +194,13 @@ impl Node {
     /// need). Nobody else may release it.
     pub(crate) fn release(
         &self,
-        token: &str,
-        node_id: &str,
+        token: &CapabilityToken,
+        node_id: &NodeId,
         client: ClientId,
     ) -> Result<(), NodeError> {
         let mut capabilities = self.capabilities();
         let allowed = capabilities.get(token).is_some_and(|c| {
-            c.audience == node_id
+            c.audience == *node_id
                 && match c.fetcher {
                     Some(fetcher) => fetcher == client,
                     None => c.granted_to == client,
@@ -217,10 +217,10 @@ impl Node {
 /// A capability just issued: its token, how long it is valid, the tensor version it is for and
 /// that version's verified content hash.
 pub(crate) struct Granted {
-    pub(crate) token: String,
+    pub(crate) token: CapabilityToken,
     pub(crate) ttl: Duration,
     pub(crate) desc: TensorDesc,
-    pub(crate) content_hash: String,
+    pub(crate) content_hash: ContentHash,
 }
 
 /// A fetch in progress under a capability; when it ends, the capability waits one idle timeout
@@ -228,7 +228,7 @@ pub(crate) struct Granted {
 #[derive(Debug)]
 pub(crate) struct FetchLease {
     node: Node,
-    token: String,
+    token: CapabilityToken,
     key: TensorKey,
     version: Version,
     generation: u64,

@@ -18,24 +18,25 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_io::{ConnectionLimits, NodeTls};
+use ferry_proto::NodeId;
 
 use crate::backend::DeviceSpec;
 use crate::device::{self, DeviceHandle, DeviceLimits};
 use crate::engine::TransferPolicy;
 use crate::error::NodeError;
 
-pub use admission::Admission;
+pub(crate) use admission::Admission;
 use capability::Capability;
 pub(crate) use capability::ClientId;
 pub use capability::DEFAULT_MAX_GRANTS;
-pub use peer_policy::{ClusterMembers, Peer, PeerPolicy, PeerTerms};
+pub(crate) use peer_policy::PeerTerms;
+pub use peer_policy::{ClusterMembers, Peer, PeerPolicy};
 pub(crate) use recorder::{Direction, Recorder, Refused};
 pub(crate) use stats::process_memory;
-pub use tensors::MAX_PAGE;
-pub use transfer::TransferMode;
+pub(crate) use tensors::MAX_PAGE;
 
 /// The software name a node reports.
-pub const AGENT: &str = concat!("ferry-server/", env!("CARGO_PKG_VERSION"));
+pub(crate) const AGENT: &str = concat!("ferry-server/", env!("CARGO_PKG_VERSION"));
 
 /// What a node hosts and the limits it keeps. Its `Debug` never shows the peer token.
 #[derive(Clone)]
@@ -56,7 +57,7 @@ pub struct NodeConfig {
     pub policy: TransferPolicy,
     /// The node's id; a random one when absent. Under TLS the id is the certificate's identity,
     /// and an id given here must be the same.
-    pub node_id: Option<String>,
+    pub node_id: Option<NodeId>,
     /// Mutual TLS on every TCP link, served and opened (to peers): the node's certificate, key
     /// and CA. The node's identity is then its certificate's, and a peer that fetches under a
     /// capability is who its certificate says; `None` for TCP in clear.
@@ -68,7 +69,7 @@ pub struct NodeConfig {
     /// The wait before the first reconnection; it doubles with each further one.
     pub retry_backoff: Duration,
     /// The token this node presents to the nodes it pulls from.
-    pub peer_token: Option<String>,
+    pub peer_token: Option<ferry_proto::Token>,
     /// Which nodes this node pulls from (and so sends its peer token to).
     pub peers: PeerPolicy,
     /// Frame, chunk and idle limits of the connections this node opens to peers; the idle
@@ -86,6 +87,7 @@ pub struct NodeConfig {
 /// it can never be sealed and shared; a shareable region is sealed for good, so it can never go
 /// back to a pool.
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub enum ReceiveBuffers {
     /// New memory, or a freed buffer the process recycles (`--recycle`).
     #[default]
@@ -169,8 +171,8 @@ pub const DEFAULT_MAX_TENSORS: u64 = 1_000_000;
 struct Inner {
     devices: Vec<DeviceHandle>,
     config: NodeConfig,
-    node_id: String,
-    capabilities: Mutex<HashMap<String, Capability>>,
+    node_id: NodeId,
+    capabilities: Mutex<HashMap<ferry_proto::CapabilityToken, Capability>>,
     next_client: AtomicU64,
     recorder: Recorder,
     /// The Unix socket the service listens on, for `stat`.
@@ -238,15 +240,15 @@ impl Node {
             threads.push(thread);
         }
         let node_id = match (&config.tls, &config.node_id) {
-            (Some(tls), Some(given)) if given != tls.identity().as_str() => {
+            (Some(tls), Some(given)) if given.as_str() != tls.identity().as_str() => {
                 return Err(NodeError::NodeIdNotCertified {
-                    given: given.clone(),
+                    given: given.to_string(),
                     certified: tls.identity().to_string(),
                 });
             }
-            (Some(tls), _) => tls.identity().to_string(),
+            (Some(tls), _) => NodeId::new(tls.identity().as_str()),
             (None, Some(given)) => given.clone(),
-            (None, None) => format!("node-{:016x}", rand::random::<u64>()),
+            (None, None) => NodeId::new(format!("node-{:016x}", rand::random::<u64>())),
         };
         Ok(Node {
             inner: Arc::new(Inner {
@@ -268,7 +270,7 @@ impl Node {
     }
 
     /// The node's id, which the capabilities it is granted are bound to.
-    pub fn node_id(&self) -> &str {
+    pub fn node_id(&self) -> &NodeId {
         &self.inner.node_id
     }
 
@@ -288,6 +290,9 @@ impl Node {
         &self.inner.devices
     }
 }
+
+#[cfg(test)]
+mod registered_tests;
 
 #[cfg(test)]
 mod tests {

@@ -7,7 +7,8 @@ use std::str::FromStr;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
-use ferry_io::Endpoint;
+use ferry_io::{Endpoint, PeerCheck};
+use ferry_proto::{NodeId, Token};
 
 /// A node this node may pull from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,7 +58,21 @@ impl FromStr for Peer {
 
 /// Which nodes a node pulls from: a `Pull` naming any other source is refused without
 /// connecting, so the node's peer token goes nowhere else.
+///
+/// What an allowed source is sent, and checked for first:
+/// - A listed peer gets the peer token (the operator's choice), and its listed identity is
+///   checked.
+/// - A member reached over TCP under TLS must show the identity it registered (its node id,
+///   which under TLS is its certificate's), and then gets the token.
+/// - A member over TCP in clear gets no token: etcd's word for an address is not enough to send
+///   a credential there.
+/// - A member's Unix socket gets the token, once this very user is seen to serve it (root not
+///   counted: a root daemon at a path etcd named is not the member).
+/// - Under [`PeerPolicy::Any`] nothing gets the token.
+///
+/// A policy a later version adds must be matched with a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PeerPolicy {
     /// Any address a client names; the peer token, if any, is then never sent (an address a
     /// client chose gets no credential), so only sources that require none can be pulled from.
@@ -66,7 +81,7 @@ pub enum PeerPolicy {
     Listed(Vec<Peer>),
     /// The members of the node's cluster, as its membership task reads them from etcd, and
     /// these listed peers (on the terms of [`PeerPolicy::Listed`]). A member's address came from
-    /// etcd, which others may write: see [`PeerPolicy::terms`] for what it is sent.
+    /// etcd, which others may write: see the policy's rules above for what it is sent.
     Members {
         /// The registered members, kept current by the node's cluster task.
         members: ClusterMembers,
@@ -75,49 +90,40 @@ pub enum PeerPolicy {
     },
 }
 
-/// What a pull from an allowed source may send and must check.
+/// What a pull from an allowed source must check before it sends anything, and may send.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerTerms<'a> {
-    /// The identity the source's certificate must carry, checked before anything is sent.
-    pub identity: Option<Arc<str>>,
+pub(crate) struct PeerTerms {
+    /// Who must answer at the address: a listed identity, a member's registered one under TLS,
+    /// or, for a member's Unix socket, this very user (root not counted).
+    pub(crate) check: PeerCheck,
     /// The token to present.
-    pub token: Option<&'a str>,
-    /// Over a Unix socket, that this very user must serve it (root not counted): a member's
-    /// socket path came from etcd.
-    pub own_user_socket: bool,
+    pub(crate) token: Option<Token>,
 }
 
 impl PeerPolicy {
     /// Whether a pull may connect to `source`, and on what terms (`None`: refused, nothing
-    /// sent). `tls` says whether this node's TCP links are TLS; `peer_token` is its token.
-    ///
-    /// - A listed peer gets the peer token (the operator's choice), and its listed identity
-    ///   is checked.
-    /// - A member reached over TCP under TLS must show the identity it registered (its node
-    ///   id, which under TLS is its certificate's), and then gets the token.
-    /// - A member over TCP in clear gets no token: etcd's word for an address is not enough
-    ///   to send a credential there.
-    /// - A member's Unix socket gets the token, once this very user is seen to serve it (root
-    ///   not counted: a root daemon at a path etcd named is not the member).
-    /// - Under [`PeerPolicy::Any`] nothing gets the token.
-    pub fn terms<'a>(
-        &'a self,
+    /// sent), by the rules of [`PeerPolicy`]. `tls` says whether this node's TCP links are TLS;
+    /// `peer_token` is its token.
+    pub(crate) fn terms(
+        &self,
         source: &str,
         tls: bool,
-        peer_token: Option<&'a str>,
-    ) -> Option<PeerTerms<'a>> {
-        let listed = |peers: &'a [Peer]| {
+        peer_token: Option<&Token>,
+    ) -> Option<PeerTerms> {
+        let peer_token = peer_token.cloned();
+        let listed = |peers: &[Peer]| {
             peers.iter().find(|p| p.addr == source).map(|p| PeerTerms {
-                identity: p.identity.as_deref().map(Arc::from),
-                token: peer_token,
-                own_user_socket: false,
+                check: match &p.identity {
+                    Some(identity) => PeerCheck::Certificate(NodeId::from(identity.as_str())),
+                    None => PeerCheck::Any,
+                },
+                token: peer_token.clone(),
             })
         };
         match self {
             PeerPolicy::Any => Some(PeerTerms {
-                identity: None,
+                check: PeerCheck::Any,
                 token: None,
-                own_user_socket: false,
             }),
             PeerPolicy::Listed(peers) => listed(peers),
             PeerPolicy::Members {
@@ -130,19 +136,16 @@ impl PeerPolicy {
                 let registered = members.identity_at(source)?;
                 Some(match Endpoint::parse(source) {
                     Endpoint::Unix(_) => PeerTerms {
-                        identity: None,
+                        check: PeerCheck::OwnUserSocket,
                         token: peer_token,
-                        own_user_socket: true,
                     },
                     Endpoint::Tcp(_) if tls => PeerTerms {
-                        identity: Some(registered),
+                        check: PeerCheck::Certificate(NodeId::from(&*registered)),
                         token: peer_token,
-                        own_user_socket: false,
                     },
                     Endpoint::Tcp(_) => PeerTerms {
-                        identity: None,
+                        check: PeerCheck::Any,
                         token: None,
-                        own_user_socket: false,
                     },
                 })
             }
@@ -164,7 +167,7 @@ impl PeerPolicy {
     }
 
     /// The member list this policy follows, where it follows one.
-    pub fn members(&self) -> Option<&ClusterMembers> {
+    pub(crate) fn members(&self) -> Option<&ClusterMembers> {
         match self {
             PeerPolicy::Members { members, .. } => Some(members),
             _ => None,
@@ -271,22 +274,26 @@ mod tests {
             members,
             listed: vec![Peer::named("gpu-b", "10.0.0.2:7070")],
         };
-        let token = Some("secret");
+        let secret = Token::new("secret");
+        let token = Some(&secret);
+        let sent = Some(secret.clone());
         let tls = policy.terms("10.0.0.1:7070", true, token).unwrap();
         assert_eq!(
-            (tls.identity.as_deref(), tls.token),
-            (Some("node-a"), token)
+            (tls.check, tls.token),
+            (PeerCheck::Certificate(NodeId::new("node-a")), sent.clone())
         );
         let clear = policy.terms("10.0.0.1:7070", false, token).unwrap();
-        assert_eq!((clear.identity, clear.token), (None, None));
+        assert_eq!((clear.check, clear.token), (PeerCheck::Any, None));
         let unix = policy.terms("unix:/run/a.sock", false, token).unwrap();
-        assert_eq!((unix.identity, unix.token), (None, token));
-        assert!(unix.own_user_socket, "a member's socket: this user's own");
-        assert!(!tls.own_user_socket);
+        assert_eq!(
+            (unix.check, unix.token),
+            (PeerCheck::OwnUserSocket, sent.clone()),
+            "a member's socket: this user's own"
+        );
         let listed = policy.terms("10.0.0.2:7070", true, token).unwrap();
         assert_eq!(
-            (listed.identity.as_deref(), listed.token),
-            (Some("gpu-b"), token)
+            (listed.check, listed.token),
+            (PeerCheck::Certificate(NodeId::new("gpu-b")), sent)
         );
         assert!(
             policy.terms("10.0.0.3:7070", true, token).is_none(),

@@ -63,7 +63,7 @@ impl Node {
             round_trip_transfers: c.round_trip,
             connections: c.connections,
             transfer_policy: self.inner.config.policy.name().to_string(),
-            node_id: self.inner.node_id.clone(),
+            node_id: self.inner.node_id.to_string(),
             pulls: c.pulls,
             pull_retries: c.pull_retries,
             dedup_hits: c.dedup_hits,
@@ -89,6 +89,9 @@ impl Node {
             pool_bytes: pool.as_ref().map_or(0, |p| p.capacity() as u64),
             pool_free_bytes: pool.as_ref().map_or(0, |p| p.free_bytes() as u64),
             pool_misses: pool.as_ref().map_or(0, |p| p.misses()),
+            // The node keeps no start instant yet (`Inner` in node/mod.rs): 0 reads as "not
+            // known", as from a node older than minor 7.
+            uptime_ms: 0,
         })
     }
 }

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use burn_backend::TensorData;
-use ferry_proto::TensorKey;
+use ferry_proto::{ContentHash, TensorKey};
 
 use crate::device::{Command, DeviceHandle, DeviceSummary, HostBytes, TensorDesc, Version};
 use crate::error::NodeError;
@@ -15,7 +15,7 @@ const VERIFY_WAIT: Duration = Duration::from_secs(10);
 
 /// The most tensors one listing page holds: a page of the longest names stays far below the
 /// control message limit.
-pub const MAX_PAGE: usize = 4096;
+pub(crate) const MAX_PAGE: usize = 4096;
 
 impl Node {
     /// The bytes of the tensor under `key`, which stays registered.
@@ -48,7 +48,7 @@ impl Node {
     /// The tensor under `key` as a description, a checked meta and its bytes for sending: shared
     /// with the registered tensor where the backend allows it (no host copy), read out
     /// otherwise. The tensor stays registered.
-    pub async fn read_host(
+    pub(crate) async fn read_host(
         &self,
         key: &TensorKey,
     ) -> Result<(TensorDesc, ferry_proto::TensorMeta, HostBytes), NodeError> {
@@ -57,7 +57,7 @@ impl Node {
 
     /// [`read_host`](Self::read_host) of one version only ([`NodeError::Changed`] if the key
     /// holds another now), logged as one transfer.
-    pub async fn read_host_pinned(
+    pub(crate) async fn read_host_pinned(
         &self,
         key: &TensorKey,
         pin: Option<Version>,
@@ -104,13 +104,13 @@ impl Node {
     /// Unregisters the tensor under `key` only if it is still the version whose content hash,
     /// verified by this node, is `content_hash` ([`NodeError::Changed`] otherwise): the source
     /// side of a move between nodes deletes what it copied, never a newer version.
-    pub async fn remove_if_content(
+    pub(crate) async fn remove_if_content(
         &self,
         key: &TensorKey,
-        content_hash: &str,
+        content_hash: &ContentHash,
     ) -> Result<TensorDesc, NodeError> {
         let (desc, hash) = self.describe_verified(key).await?;
-        if hash != content_hash {
+        if hash != *content_hash {
             return Err(NodeError::Changed(key.clone()));
         }
         self.remove_pinned(key, Some(desc.version)).await
@@ -148,12 +148,11 @@ impl Node {
     pub(super) async fn describe_verified(
         &self,
         key: &TensorKey,
-    ) -> Result<(TensorDesc, String), NodeError> {
+    ) -> Result<(TensorDesc, ContentHash), NodeError> {
         let deadline = tokio::time::Instant::now() + VERIFY_WAIT;
         loop {
             let desc = self.describe(key).await?;
             if let Some(hash) = desc.content_hash.verified() {
-                let hash = hash.to_string();
                 return Ok((desc, hash));
             }
             let (reply, answer) = tokio::sync::oneshot::channel();
@@ -166,7 +165,6 @@ impl Node {
             match tokio::time::timeout_at(deadline, answer).await {
                 Ok(Ok(verified)) => {
                     if let Some(hash) = verified.content_hash.verified() {
-                        let hash = hash.to_string();
                         return Ok((verified, hash));
                     }
                 }
@@ -177,15 +175,18 @@ impl Node {
         }
     }
 
-    /// Finds a registered tensor with these bytes (BLAKE3, hex).
+    /// Finds a registered tensor with these bytes.
     /// Only hashes this node computed itself count: a tensor registered under a hash its source
     /// stated is waited for until the node has recomputed it (a model pulled twice in a row
     /// still costs one transfer), and answers only if the hash held. A tensor whose hash is
     /// still being computed (a put just answered) is no candidate.
-    pub async fn find_by_hash(&self, content_hash: &str) -> Result<Option<TensorDesc>, NodeError> {
+    pub(crate) async fn find_by_hash(
+        &self,
+        content_hash: ContentHash,
+    ) -> Result<Option<TensorDesc>, NodeError> {
         let mut pending = Vec::new();
         for device in &self.inner.devices {
-            let hash = content_hash.to_string();
+            let hash = content_hash;
             let found = device
                 .call(|reply| Command::FindByHash { hash, reply })
                 .await?;
@@ -230,7 +231,7 @@ impl Node {
         }
     }
 
-    /// One page of [`list`](Self::list): at most `limit` (and at most [`MAX_PAGE`]) tensors
+    /// One page of [`list`](Self::list): at most `limit` (and at most 4096) tensors
     /// after the key `after`, and where the next page starts (`None` when this is the last).
     pub async fn list_page(
         &self,

@@ -3,52 +3,42 @@
 
 use std::time::Instant;
 
-use ferry_proto::TensorKey;
+use ferry_proto::{TensorKey, Transfer};
 
-use crate::device::{Arrived, Command, Existing, Exported, Payload, TensorDesc};
+use crate::device::{Arrived, Command, Exported, IfExists, Payload, TensorDesc};
 use crate::engine::{TransferPath, choose_path};
 use crate::error::NodeError;
 use crate::node::Node;
 
-/// Copy or move.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransferMode {
-    /// The source stays.
-    Copy,
-    /// The source is deleted once the target registered the tensor.
-    Move,
-}
-
 impl Node {
-    /// Copies or moves the tensor under `src` to `dst_device` (under `dst_name`, or its own
-    /// name). Answered only after the target registered it; a move deletes the source only then,
-    /// and a failed transfer leaves the source as it was.
+    /// Copies or moves the tensor under `src` to `dst` (another device, another name, or
+    /// both), doing with a tensor already under `dst` what `existing` says. Answered only after
+    /// the target registered it; a move deletes the source only then, and a failed transfer
+    /// leaves the source as it was.
     pub async fn copy(
         &self,
         src: &TensorKey,
-        dst_device: u32,
-        dst_name: Option<&str>,
-        mode: TransferMode,
-        existing: Existing,
+        dst: &TensorKey,
+        mode: Transfer,
+        existing: IfExists,
     ) -> Result<TensorDesc, NodeError> {
         let started = Instant::now();
-        let dst = TensorKey::new(dst_device, dst_name.unwrap_or(&src.name));
         let mut path = None;
         // The version described here is the one copied (and, for a move, removed): one
         // replaced meanwhile is `Changed`, and nothing is copied or removed.
         let result = match self.describe(src).await {
             Ok(desc) => {
-                self.transfer(&desc, &dst, mode, existing, None, &mut path)
+                self.transfer(&desc, dst, mode, existing, None, &mut path)
                     .await
             }
             Err(error) => Err(error),
         };
         let op = match mode {
-            TransferMode::Copy => "copy",
-            TransferMode::Move => "move",
+            Transfer::Copy => "copy",
+            Transfer::Move => "move",
         };
         let path = path.map_or("-", TransferPath::name);
-        self.record(op, src, Some(&dst), path, result.as_ref(), started);
+        self.record(op, src, Some(dst), path, result.as_ref(), started);
         result
     }
 
@@ -59,8 +49,8 @@ impl Node {
         &self,
         source: &TensorDesc,
         dst: &TensorKey,
-        mode: TransferMode,
-        existing: Existing,
+        mode: Transfer,
+        existing: IfExists,
         label: Option<TransferPath>,
         path_taken: &mut Option<TransferPath>,
     ) -> Result<TensorDesc, NodeError> {
@@ -114,7 +104,7 @@ impl Node {
             .await?;
         drop(copy_held);
         self.recorder().path_taken(path);
-        if mode == TransferMode::Move {
+        if mode == Transfer::Move {
             self.remove_pinned(src, Some(source.version)).await?;
         }
         Ok(registered)
@@ -126,13 +116,13 @@ impl Node {
         &self,
         source: &TensorDesc,
         dst: &TensorKey,
-        existing: Existing,
+        existing: IfExists,
     ) -> Result<TensorDesc, NodeError> {
         let mut path = None;
         self.transfer(
             source,
             dst,
-            TransferMode::Copy,
+            Transfer::Copy,
             existing,
             Some(TransferPath::Dedup),
             &mut path,

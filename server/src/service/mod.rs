@@ -460,7 +460,7 @@ pub(crate) async fn finish_hashed(
 ) -> Result<
     (
         burn_backend::TensorData,
-        String,
+        ferry_proto::ContentHash,
         ferry_io::assembler::Sealed,
     ),
     NodeError,

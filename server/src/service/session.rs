@@ -8,17 +8,18 @@ use ferry_io::{
     tls,
 };
 use ferry_proto::{
-    ErrorCode, ErrorReply, HeldDtype, Request, Response, TensorKey, TensorMeta, Untrusted,
+    CapabilityToken, ErrorCode, ErrorReply, HeldDtype, NodeId, Request, Response, TensorKey,
+    TensorMeta, Untrusted,
 };
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::awaiting_hello::Place;
 use super::{HANDSHAKE_MAX_BODY, ServiceConfig, idle_for};
-use crate::device::{Arrived, Existing, KnownHash};
+use crate::device::{Arrived, IfExists, KnownHash};
 use crate::error::{NodeError, Refusal};
 use crate::holds::Held;
-use crate::node::{AGENT, ClientId, Direction, MAX_PAGE, Node, Refused, TransferMode};
+use crate::node::{AGENT, ClientId, Direction, MAX_PAGE, Node, Refused};
 use crate::peer::{PeerLink, PullRequest};
 
 /// A connection's state: the node it serves, who is on the other end, and the session's own
@@ -155,7 +156,7 @@ impl Session<'_> {
     /// identity a node's certificate proved (a claim on the wire naming another, or a client's
     /// certificate, is refused); elsewhere (a Unix socket of this node's own user, who can read
     /// its key anyway; TCP in clear) only the claim.
-    fn speaks_for<'c>(&'c self, claimed: &'c str) -> Result<&'c str, NodeError> {
+    fn speaks_for<'c>(&'c self, claimed: &'c NodeId) -> Result<&'c NodeId, NodeError> {
         let Some(certified) = &self.identity else {
             return Ok(claimed);
         };
@@ -164,13 +165,13 @@ impl Session<'_> {
                 certified: certified.to_string(),
             }));
         }
-        if certified.as_str() != claimed {
+        if certified.as_str() != claimed.as_str() {
             return Err(NodeError::CapabilityRefused(Refusal::NotCertified {
-                claimed: Untrusted(claimed).to_string(),
+                claimed: Untrusted(claimed.as_str()).to_string(),
                 certified: certified.to_string(),
             }));
         }
-        Ok(certified.as_str())
+        Ok(claimed)
     }
 
     async fn handle<S: Transport>(
@@ -204,7 +205,7 @@ impl Session<'_> {
                 meta,
                 overwrite,
             } => {
-                let existing = Existing::from_overwrite(overwrite);
+                let existing = IfExists::from_overwrite(overwrite);
                 return self.put(conn, device, name, &meta, existing).await;
             }
             Request::Get { key } => return self.get(conn, &key).await,
@@ -215,13 +216,10 @@ impl Session<'_> {
                 remove_source,
                 overwrite,
             } => {
-                let mode = if remove_source {
-                    TransferMode::Move
-                } else {
-                    TransferMode::Copy
-                };
-                let existing = Existing::from_overwrite(overwrite);
-                node.copy(&src, dst_device, dst_name.as_deref(), mode, existing)
+                let mode = ferry_proto::Transfer::from_remove_source(remove_source);
+                let existing = IfExists::from_overwrite(overwrite);
+                let dst = TensorKey::new(dst_device, dst_name.unwrap_or_else(|| src.name.clone()));
+                node.copy(&src, &dst, mode, existing)
                     .await
                     .map(|desc| Response::Stored(desc.to_wire()))
             }
@@ -261,7 +259,7 @@ impl Session<'_> {
                     .collect(),
             }),
             Request::Identify => Ok(Response::Identity {
-                node_id: node.node_id().to_string(),
+                node_id: node.node_id().clone(),
             }),
             Request::Grant { key, audience } => {
                 node.grant(&key, &audience, self.id)
@@ -288,7 +286,7 @@ impl Session<'_> {
                     src,
                     dst_device,
                     dst_name,
-                    existing: Existing::from_overwrite(overwrite),
+                    existing: IfExists::from_overwrite(overwrite),
                     content_hash,
                 };
                 node.pull(&mut self.peer, &request)
@@ -321,7 +319,7 @@ impl Session<'_> {
         device: u32,
         name: Option<String>,
         wire: &ferry_proto::WireMeta,
-        existing: Existing,
+        existing: IfExists,
     ) -> Result<(), ConnectionError> {
         let node = self.node;
         let started = std::time::Instant::now();
@@ -402,8 +400,8 @@ impl Session<'_> {
     async fn fetch<S: Transport>(
         &mut self,
         conn: &mut Connection<S>,
-        capability: &str,
-        node_id: &str,
+        capability: &CapabilityToken,
+        node_id: &NodeId,
         offset: u64,
     ) -> Result<(), ConnectionError> {
         let lease = match self
@@ -412,7 +410,7 @@ impl Session<'_> {
         {
             Ok(lease) => lease,
             Err(error) => {
-                tracing::warn!(node_id = %Untrusted(node_id), %error, "fetch refused");
+                tracing::warn!(node_id = %Untrusted(node_id.as_str()), %error, "fetch refused");
                 return conn.write_response(&Response::Error(error.reply())).await;
             }
         };

@@ -4,7 +4,7 @@
 
 use std::io::Write;
 
-use ferry_cli::files::read_tensors;
+use ferry_files::read_tensors;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -8,9 +8,9 @@
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use ferry_cli::files::{FileFormat, SafetensorsOutput, write_tensors};
 use ferry_client::address::Address;
 use ferry_client::{Client, TensorKey};
+use ferry_files::{FileFormat, SafetensorsOutput, write_tensors};
 use ferry_proto::{DType, TensorInfo};
 
 use super::BATCH;

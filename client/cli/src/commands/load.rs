@@ -1,10 +1,10 @@
 //! `ferry load NODE`: the load generator's run and its report (every transfer checked).
 
+use crate::load::LoadConfig;
 use anyhow::bail;
-use ferry_client::load::LoadConfig;
 
 pub(crate) async fn load(config: LoadConfig, json: bool) -> anyhow::Result<()> {
-    let report = ferry_client::load::run(config).await?;
+    let report = crate::load::run(config).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

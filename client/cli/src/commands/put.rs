@@ -3,9 +3,9 @@
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use ferry_cli::files::read_tensors;
-use ferry_client::TensorData;
 use ferry_client::address::Address;
+use ferry_client::{IfExists, TensorData, TensorKey};
+use ferry_files::read_tensors;
 
 use super::BATCH;
 use crate::Cli;
@@ -27,21 +27,23 @@ pub(crate) async fn put(
     }
     // Read and validated in full before anything reaches the node.
     let tensors = read_tensors(file).with_context(|| format!("reading {}", file.display()))?;
-    let tensors: Vec<(String, TensorData)> = tensors
+    let tensors: Vec<(TensorKey, TensorData)> = tensors
         .into_iter()
-        .map(|(name, data)| (format!("{prefix}{name}"), data))
+        .map(|(name, data)| (TensorKey::new(device, format!("{prefix}{name}")), data))
         .collect();
     let total: u64 = tensors.iter().map(|(_, d)| d.as_bytes().len() as u64).sum();
     let bar = progress(total);
     let mut client = connect(&address.node, cli).await?;
     let mut results = Vec::with_capacity(tensors.len());
     for batch in tensors.chunks(BATCH) {
-        let answers = client.put_batch(device, batch, overwrite).await?;
-        for ((name, data), answer) in batch.iter().zip(answers) {
+        let answers = client
+            .put_batch(batch, IfExists::from_overwrite(overwrite))
+            .await?;
+        for ((key, data), answer) in batch.iter().zip(answers) {
             if let Some(bar) = &bar {
                 bar.inc(data.as_bytes().len() as u64);
             }
-            results.push((name.clone(), answer));
+            results.push((key.name.clone(), answer));
         }
     }
     if let Some(bar) = bar {

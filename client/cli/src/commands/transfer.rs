@@ -6,7 +6,7 @@
 use anyhow::bail;
 use ferry_client::address::{Address, AddressError};
 use ferry_client::cluster::{address_for, choose_source};
-use ferry_client::{Client, NodeCopy, TensorKey, copy_between};
+use ferry_client::{Client, ContentHash, IfExists, NodeCopy, TensorKey, Transfer};
 
 use crate::Cli;
 use crate::connect::{Reached, connect_to, directory, reach};
@@ -60,12 +60,12 @@ pub(crate) async fn transfer(
         .collect();
     let mut target = connect_to(&dst_node, cli).await?;
     let pull_from = pull_address(&src_node, &dst_node);
-    let how = Transfer {
+    let how = Plan {
         dst: &dst,
         dst_device,
-        remove,
-        overwrite,
-        expect_hash: None,
+        transfer: Transfer::from_remove_source(remove),
+        if_exists: IfExists::from_overwrite(overwrite),
+        expect_version: None,
     };
     let count = keys.len();
     how.run(&mut client, &mut target, &keys, &pull_from).await?;
@@ -149,12 +149,12 @@ async fn copy_by_name(
     let mut client = connect_to(&src_node, cli).await?;
     let mut target_client = connect_to(dst_node, cli).await?;
     let keys = [TensorKey::new(chosen.holder.device, name)];
-    let how = Transfer {
+    let how = Plan {
         dst,
         dst_device,
-        remove: false,
-        overwrite,
-        expect_hash: chosen.holder.record.content_hash.clone(),
+        transfer: Transfer::Copy,
+        if_exists: IfExists::from_overwrite(overwrite),
+        expect_version: chosen.holder.record.content_hash,
     };
     let pull_from = PullFrom::member(&chosen.member, chosen.addr.clone());
     how.run(&mut client, &mut target_client, &keys, &pull_from)
@@ -164,16 +164,34 @@ async fn copy_by_name(
 }
 
 /// A copy or move of some of the source node's tensors to the target's device.
-struct Transfer<'a> {
+struct Plan<'a> {
     dst: &'a Address,
     dst_device: u32,
-    remove: bool,
-    overwrite: bool,
+    transfer: Transfer,
+    if_exists: IfExists,
     /// The version a copy by name must copy (the directory's hash), where it listed one.
-    expect_hash: Option<String>,
+    expect_version: Option<ContentHash>,
 }
 
-impl Transfer<'_> {
+impl Plan<'_> {
+    /// Where `src` goes on the target: the name given, else its own.
+    fn dst_key(&self, src: &TensorKey) -> TensorKey {
+        let name = self.dst.name.clone().unwrap_or_else(|| src.name.clone());
+        TensorKey::new(self.dst_device, name)
+    }
+
+    /// The node-to-node copy of `keys` from the node at `source_addr` (as the target reaches it).
+    fn node_copy(&self, source_addr: &str, keys: &[TensorKey]) -> NodeCopy {
+        let copy = NodeCopy::new(source_addr)
+            .transfer(self.transfer)
+            .if_exists(self.if_exists);
+        keys.iter()
+            .fold(copy, |copy, src| match self.expect_version {
+                Some(version) => copy.tensor_at(src.clone(), self.dst_key(src), version),
+                None => copy.tensor(src.clone(), self.dst_key(src)),
+            })
+    }
+
     /// Between the devices of one node where source and target are one (two addresses may
     /// reach one node: its id tells), else node to node: the target pulls from `pull_from`.
     async fn run(
@@ -187,13 +205,7 @@ impl Transfer<'_> {
         if source.identify().await? == target.identify().await? {
             for key in keys {
                 let answer = source
-                    .transfer(
-                        key,
-                        self.dst_device,
-                        self.dst.name.as_deref(),
-                        self.remove,
-                        self.overwrite,
-                    )
+                    .transfer(key, &self.dst_key(key), self.transfer, self.if_exists)
                     .await;
                 results.push((key.to_string(), answer));
             }
@@ -218,27 +230,21 @@ impl Transfer<'_> {
         keys: &[TensorKey],
         pull_from: &PullFrom,
     ) -> Vec<Result<TensorInfo, ClientError>> {
-        let mut how = NodeCopy {
-            source_addr: &pull_from.addr,
-            dst_device: self.dst_device,
-            dst_name: self.dst.name.as_deref(),
-            remove_source: self.remove,
-            overwrite: self.overwrite,
-            expect_hash: self.expect_hash.as_deref(),
-        };
+        let mut from = pull_from.addr.as_str();
         let Some(tcp) = pull_from.tcp.as_deref().filter(|_| !keys.is_empty()) else {
-            return copy_each(source, target, keys, &how).await;
+            return copy_each(source, target, keys, &self.node_copy(from, keys)).await;
         };
-        let mut answers = copy_each(source, target, &keys[..1], &how).await;
+        let first = &keys[..1];
+        let mut answers = copy_each(source, target, first, &self.node_copy(from, first)).await;
         if unserved(&answers[0]) {
             eprintln!(
                 "{} did not serve a pull; pulling over {tcp}",
                 pull_from.addr
             );
-            how.source_addr = tcp;
-            return copy_each(source, target, keys, &how).await;
+            return copy_each(source, target, keys, &self.node_copy(tcp, keys)).await;
         }
-        answers.extend(copy_each(source, target, &keys[1..], &how).await);
+        let rest = &keys[1..];
+        answers.extend(copy_each(source, target, rest, &self.node_copy(from, rest)).await);
         let again: Vec<usize> = (0..keys.len()).filter(|&i| unserved(&answers[i])).collect();
         if !again.is_empty() {
             eprintln!(
@@ -246,9 +252,9 @@ impl Transfer<'_> {
                 pull_from.addr,
                 again.len()
             );
-            how.source_addr = tcp;
+            from = tcp;
             let retry: Vec<TensorKey> = again.iter().map(|&i| keys[i].clone()).collect();
-            let retried = copy_each(source, target, &retry, &how).await;
+            let retried = copy_each(source, target, &retry, &self.node_copy(from, &retry)).await;
             for (i, answer) in again.into_iter().zip(retried) {
                 answers[i] = answer;
             }
@@ -257,18 +263,18 @@ impl Transfer<'_> {
     }
 }
 
-/// [`copy_between`], a batch that failed as a whole (a connection lost) answering each of its
+/// A node-to-node copy, a batch that failed as a whole (a connection lost) answering each of its
 /// keys with that failure, so that what went before it is still reported.
 async fn copy_each(
     source: &mut Client,
     target: &mut Client,
     keys: &[TensorKey],
-    how: &NodeCopy<'_>,
+    how: &NodeCopy,
 ) -> Vec<Result<TensorInfo, ClientError>> {
     if keys.is_empty() {
         return Vec::new();
     }
-    match copy_between(source, target, keys, how).await {
+    match how.run(source, target).await {
         Ok(answers) => answers,
         Err(e) => {
             let failed = e.to_string();

@@ -7,11 +7,11 @@ use std::process::{Command, Output};
 
 use ferry::io::ConnectionLimits;
 use ferry::proto::dtype::PLAIN_DTYPES;
-use ferry::proto::{BoolStore, DType, TensorData};
+use ferry::proto::{BoolStore, DType, TensorData, TensorKey};
 use ferry::samples;
 use ferry::server::{NodeConfig, ServiceConfig};
 use ferry::testing::{BackgroundNode, devices};
-use ferry_cli::files::{read_tensors, write_tensors};
+use ferry_files::{read_tensors, write_tensors};
 
 /// A node with two flex devices, reached by TCP only, requiring no token.
 fn server() -> BackgroundNode {
@@ -605,7 +605,10 @@ async fn ls_at_lists_a_clusters_members_and_where_each_tensor_lives() {
     );
     let mut client = node.client().await;
     let data = samples::plain(DType::F32, &[4, 8], 1);
-    client.put(1, "encoder.w", &data).await.unwrap();
+    client
+        .put(&TensorKey::new(1, "encoder.w"), &data)
+        .await
+        .unwrap();
     let addr = node.addr.to_string();
     let line = "@cache/1/encoder.w\tf32\t[4, 8]\t128";
     let listed = tokio::task::spawn_blocking({
@@ -691,13 +694,22 @@ async fn members_by_name_and_tensors_by_name_alone() {
     }
     let (mut cache, mut worker) = (nodes[0].client().await, nodes[1].client().await);
     let data = samples::plain(DType::F32, &[16, 8], 3);
-    cache.put(0, "encoder.w", &data).await.unwrap();
     cache
-        .put(0, "other.w", &samples::plain(DType::F32, &[4], 4))
+        .put(&TensorKey::new(0, "encoder.w"), &data)
+        .await
+        .unwrap();
+    cache
+        .put(
+            &TensorKey::new(0, "other.w"),
+            &samples::plain(DType::F32, &[4], 4),
+        )
         .await
         .unwrap();
     worker
-        .put(1, "other.w", &samples::plain(DType::F32, &[6], 5))
+        .put(
+            &TensorKey::new(1, "other.w"),
+            &samples::plain(DType::F32, &[6], 5),
+        )
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -758,4 +770,44 @@ async fn members_by_name_and_tensors_by_name_alone() {
     for membership in joined {
         membership.leave().await;
     }
+}
+
+/// `ferry load`: every transfer of every client checked byte for byte, nothing left behind.
+#[test]
+fn a_load_run_checks_every_transfer_and_leaves_nothing_behind() {
+    let node = server();
+    let report: serde_json::Value = serde_json::from_str(&ok(&[
+        "load",
+        &node.addr,
+        "--clients",
+        "24",
+        "--rounds",
+        "3",
+        "--min-size",
+        "4KiB",
+        "--max-size",
+        "1MiB",
+        "--max-in-flight",
+        "64MiB",
+        "--seed",
+        "9",
+        "--warmup-rounds",
+        "0",
+        "--json",
+    ]))
+    .expect("load --json parses");
+    for clean in ["errors", "mismatches", "tensors_left"] {
+        assert_eq!(report[clean].as_u64(), Some(0), "{clean}: {report}");
+    }
+    assert_eq!(report["rounds"].as_u64(), Some(24 * 3));
+    assert_eq!(report["put"]["count"].as_u64(), Some(72));
+    assert_eq!(
+        report["get"]["count"].as_u64(),
+        Some(144),
+        "the tensor and its copy, each checked"
+    );
+    assert!(report["node_resident_peak"].as_u64() >= report["node_resident_before"].as_u64());
+    let listed: Vec<serde_json::Value> =
+        serde_json::from_str(&ok(&["ls", &node.addr, "--json"])).expect("ls --json parses");
+    assert!(listed.is_empty(), "{listed:?}");
 }

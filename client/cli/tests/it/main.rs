@@ -1,11 +1,9 @@
 //! The `ferry` command line's integration tests, one binary: the commands against real nodes,
-//! tensor files, the README's quickstart, and (ignored by default) a model pulled across network
-//! namespaces.
+//! the README's quickstart, and (ignored by default) a model pulled across network namespaces.
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
 mod cli;
-mod files;
 mod health;
 mod netns;
 mod quickstart;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use ferry::proto::{DType, TensorData};
 use ferry::samples;
-use ferry_cli::files::{read_tensors, write_tensors};
+use ferry_files::{read_tensors, write_tensors};
 
 /// What the script is allowed in all (its own deadline), and the margin past it after which
 /// this test kills it.

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry_cli::files::read_tensors;
+use ferry_files::read_tensors;
 
 /// The comment in README.md that the quickstart block follows.
 const MARKER: &str = "<!-- quickstart -->";

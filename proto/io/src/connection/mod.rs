@@ -18,7 +18,9 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use ferry_proto::frame::{self, FrameHeader, FrameKind, HEADER_LEN};
-use ferry_proto::{FrameError, ProtoError, Request, Response, StreamError, control};
+use ferry_proto::{
+    FrameError, PROTOCOL_MINOR, ProtoError, Request, Response, StreamError, control,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 
 use crate::transport::Transport;
@@ -32,6 +34,7 @@ pub use shm::{
 
 /// Why a connection failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConnectionError {
     /// The socket failed.
     #[error("i/o: {0}")]
@@ -135,6 +138,10 @@ pub struct Connection<S> {
     peer_behind: bool,
     /// Bytes of new regions sent since the peer was last seen to have read everything.
     unread_region_bytes: usize,
+    /// The protocol minor control messages are written and read as (PROTOCOL.md §4): this
+    /// build's until the handshake learns the peer's (`Hello` and `Welcome` read the same at
+    /// every minor).
+    peer_minor: u16,
 }
 
 impl<S: Transport> Connection<S> {
@@ -147,7 +154,20 @@ impl<S: Transport> Connection<S> {
             shared_memory: false,
             peer_behind: false,
             unread_region_bytes: 0,
+            peer_minor: PROTOCOL_MINOR,
         }
+    }
+
+    /// The peer's protocol minor as the handshake learned it, at most this build's: control
+    /// messages are written for it and read from it.
+    pub fn peer_minor(&self) -> u16 {
+        self.peer_minor
+    }
+
+    /// Talks as of the peer's protocol minor `minor` from now on (the handshake sets it from
+    /// `Hello` or `Welcome`); a minor above this build's counts as this build's.
+    pub fn set_peer_minor(&mut self, minor: u16) {
+        self.peer_minor = minor.min(PROTOCOL_MINOR);
     }
 
     /// Whether this connection could move payloads through shared memory, if both sides agree.
@@ -236,9 +256,9 @@ impl<S: Transport> Connection<S> {
     pub async fn read_request(&mut self) -> Result<Option<Request>, ConnectionError> {
         match self.read_frame().await? {
             None => Ok(None),
-            Some(frame) if frame.kind == FrameKind::Control => {
-                Ok(Some(control::decode_request(&frame.body)?))
-            }
+            Some(frame) if frame.kind == FrameKind::Control => Ok(Some(
+                control::decode_request_from(&frame.body, self.peer_minor)?,
+            )),
             Some(frame) => Err(ConnectionError::UnexpectedFrame {
                 expected: "control",
                 got: frame.kind,
@@ -251,7 +271,7 @@ impl<S: Transport> Connection<S> {
         match self.read_frame().await? {
             None => Err(ConnectionError::Closed),
             Some(frame) if frame.kind == FrameKind::Control => {
-                Ok(control::decode_response(&frame.body)?)
+                Ok(control::decode_response_from(&frame.body, self.peer_minor)?)
             }
             Some(frame) => Err(ConnectionError::UnexpectedFrame {
                 expected: "control",
@@ -270,19 +290,24 @@ impl<S: Transport> Connection<S> {
         Ok(())
     }
 
-    /// Writes a request and flushes.
+    /// Writes a request for the peer's minor and flushes; one the peer's minor lacks is refused
+    /// ([`FrameError::NewerThanPeer`]) and nothing is written.
     pub async fn write_request(&mut self, request: &Request) -> Result<(), ConnectionError> {
         // A payload after a request (a put) is read by a node that serves requests in order:
         // it never leaves a region unread, whatever this side pipelines.
         self.peer_behind = false;
         self.unread_region_bytes = 0;
-        self.write_frame(&control::encode_request(request)?).await
+        let frame = control::encode_request_for(request, self.peer_minor)?;
+        self.write_frame(&frame).await
     }
 
-    /// Writes a response and flushes.
+    /// Writes a response for the peer's minor and flushes (an error code it lacks goes as the
+    /// closest one it knows); one the peer's minor lacks is refused
+    /// ([`FrameError::NewerThanPeer`]) and nothing is written.
     pub async fn write_response(&mut self, response: &Response) -> Result<(), ConnectionError> {
+        let frame = control::encode_response_for(response, self.peer_minor)?;
         self.note_peer_progress();
-        self.write_frame(&control::encode_response(response)?).await
+        self.write_frame(&frame).await
     }
 
     /// Writes already-encoded frame bytes and flushes.

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use ferry::client::Client;
 use ferry::client::cluster::Directory;
-use ferry::proto::DType;
+use ferry::proto::{DType, TensorKey};
 use ferry::samples;
 use ferry::testing::{Etcd, eventually_async, spawn_server};
 
@@ -27,9 +27,9 @@ async fn a_node_killed_with_sigkill_leaves_the_cluster_within_its_ttl() {
         ],
         None,
     );
-    let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
+    let mut client = Client::connect(node.addr.as_str()).await.unwrap();
     let data = samples::plain(DType::F32, &[32, 32], 2);
-    client.put(0, "w", &data).await.unwrap();
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let registered = |want_member: bool, want_tensor: bool| {
         let cluster = cluster.clone();
         async move {

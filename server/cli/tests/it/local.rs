@@ -5,21 +5,23 @@
 
 use std::time::Duration;
 
-use ferry::testing::{REGIONS, ServerProcess, assert_same, eventually, spawn_server, start_unix};
+use ferry::testing::{
+    REGIONS, ServerProcess, assert_same, eventually, on_device, spawn_server, start_unix,
+};
 
 use crate::ferry_server;
-use ferry::client::{
-    Client, ClientConfig, Connection, ConnectionLimits, NodeCopy, Stream, copy_between,
-};
+use ferry::client::{Client, ConnectionLimits, SharedMemory};
 use ferry::io::connection::{DEFAULT_REGION_MIN, PayloadRoute};
 use ferry::io::region::{OutgoingRegion, count_regions, regions_in_flight};
 use ferry::io::transport::Endpoint;
+use ferry::io::{Connection, Stream, Transport};
 use ferry::proto::{
-    FEATURE_SHM, FEATURES, Hello, NodeStats, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
-    TensorData, TensorKey,
+    FEATURE_SHM, FEATURES, Hello, IfExists, NodeStats, PROTOCOL_MINOR, PROTOCOL_VERSION, Request,
+    Response, TensorData, TensorKey, TransferPath,
 };
 use ferry::samples;
 use ferry::server::{NodeConfig, ServiceConfig};
+use ferry::testing::copy_between;
 
 /// Limits that send every non-empty payload through shared memory where it is agreed.
 fn every_payload_shared() -> ConnectionLimits {
@@ -29,12 +31,16 @@ fn every_payload_shared() -> ConnectionLimits {
     }
 }
 
-fn config(shared: bool) -> ClientConfig {
-    ClientConfig {
-        limits: every_payload_shared(),
-        disable_shared_memory: !shared,
-        ..ClientConfig::default()
-    }
+/// A connection to open with [`every_payload_shared`], offering shared memory or not.
+fn config(connect: ferry::client::Connect, shared: bool) -> ferry::client::Connect {
+    let shared_memory = if shared {
+        SharedMemory::Offer
+    } else {
+        SharedMemory::Decline
+    };
+    connect
+        .limits(every_payload_shared())
+        .shared_memory(shared_memory)
 }
 
 fn matrix() -> Vec<(String, TensorData)> {
@@ -53,7 +59,11 @@ fn regions_here() -> (usize, usize) {
 /// were not empty (those are the ones that can travel as regions).
 async fn round_trip_matrix(client: &mut Client) -> u64 {
     let tensors = matrix();
-    for answer in client.put_batch(0, &tensors, false).await.unwrap() {
+    for answer in client
+        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
+        .await
+        .unwrap()
+    {
         answer.unwrap();
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
@@ -63,7 +73,7 @@ async fn round_trip_matrix(client: &mut Client) -> u64 {
     }
     // And once more through a device copy, so adopted regions feed Burn's own paths too.
     for key in &keys {
-        let info = client.copy(key, 1, None).await.unwrap();
+        let info = client.copy(key, &key.on(1)).await.unwrap();
         let (name, data) = &tensors[keys.iter().position(|k| k == key).unwrap()];
         assert_same(&client.get(&info.key).await.unwrap(), data, name);
         client.delete(&info.key).await.unwrap();
@@ -87,9 +97,7 @@ async fn every_dtype_and_scheme_goes_through_shared_memory_bit_exact_and_leaves_
     )
     .await;
     let unix = node.unix.clone().unwrap();
-    let mut client = Client::connect_with(unix.as_str(), config(true))
-        .await
-        .unwrap();
+    let mut client = config(Client::connect(unix.as_str()), true).await.unwrap();
     assert!(
         client.shared_memory(),
         "a Unix socket to a node that offers it"
@@ -128,9 +136,7 @@ async fn every_dtype_and_scheme_goes_over_a_unix_socket_without_shared_memory() 
     )
     .await;
     let unix = node.unix.clone().unwrap();
-    let mut client = Client::connect_with(unix.as_str(), config(false))
-        .await
-        .unwrap();
+    let mut client = config(Client::connect(unix.as_str()), false).await.unwrap();
     assert!(!client.shared_memory(), "the client turned it off");
     round_trip_matrix(&mut client).await;
     let stats = client.stat().await.unwrap();
@@ -151,12 +157,12 @@ async fn a_node_without_shared_memory_is_still_reached_over_its_unix_socket() {
         ServiceConfig::default(),
     )
     .await;
-    let mut client = Client::connect_with(node.unix.clone().unwrap().as_str(), config(true))
+    let mut client = config(Client::connect(node.unix.clone().unwrap().as_str()), true)
         .await
         .unwrap();
     assert!(!client.shared_memory(), "the node turned it off");
     let data = samples::plain(ferry::proto::DType::F32, &[256, 1024], 3);
-    client.put(0, "w", &data).await.unwrap();
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     assert_same(
         &client.get(&TensorKey::new(0, "w")).await.unwrap(),
         &data,
@@ -205,10 +211,10 @@ async fn two_node_processes_copy_a_batch_through_shared_memory() {
     let a = unix_server(&dir, "a.sock", &["--shm-min", "1"]);
     let b = unix_server(&dir, "b.sock", &["--shm-min", "1"]);
     let a_unix = a.unix.clone().unwrap();
-    let mut source = Client::connect_with(a_unix.as_str(), config(true))
+    let mut source = config(Client::connect(a_unix.as_str()), true)
         .await
         .unwrap();
-    let mut target = Client::connect_with(b.unix.clone().unwrap().as_str(), config(true))
+    let mut target = config(Client::connect(b.unix.clone().unwrap().as_str()), true)
         .await
         .unwrap();
     let tensors: Vec<(String, TensorData)> = (0..48)
@@ -222,24 +228,21 @@ async fn two_node_processes_copy_a_batch_through_shared_memory() {
             (format!("layer{i}.w"), data)
         })
         .collect();
-    for answer in source.put_batch(0, &tensors, false).await.unwrap() {
+    for answer in source
+        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
+        .await
+        .unwrap()
+    {
         answer.unwrap();
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
-    let how = NodeCopy {
-        source_addr: &a_unix,
-        dst_device: 0,
-        dst_name: None,
-        remove_source: false,
-        overwrite: false,
-        expect_hash: None,
-    };
+    let how = ferry::testing::how(&a_unix, 0);
     let answers = copy_between(&mut source, &mut target, &keys, &how)
         .await
         .unwrap();
     for ((name, data), answer) in tensors.iter().zip(answers) {
         let info = answer.unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(info.path, "pull", "{name}");
+        assert_eq!(info.path, TransferPath::Pull, "{name}");
         assert_same(&target.get(&info.key).await.unwrap(), data, name);
     }
     let count = tensors.len() as u64;
@@ -303,7 +306,7 @@ async fn begin_put(conn: &mut Connection<Stream>, name: &str, data: &TensorData)
 
 /// The node still serves a normal client bit-exact and holds nothing it should not.
 async fn node_is_clean(node: &ServerProcess) {
-    let mut client = Client::connect(node.unix.clone().unwrap().as_str(), None)
+    let mut client = Client::connect(node.unix.clone().unwrap().as_str())
         .await
         .unwrap();
     assert!(
@@ -311,7 +314,10 @@ async fn node_is_clean(node: &ServerProcess) {
         "nothing half-registered"
     );
     let data = samples::plain(ferry::proto::DType::F32, &[512, 512], 9);
-    client.put(0, "after", &data).await.unwrap();
+    client
+        .put(&TensorKey::new(0, "after"), &data)
+        .await
+        .unwrap();
     assert_same(
         &client.get(&TensorKey::new(0, "after")).await.unwrap(),
         &data,
@@ -357,7 +363,7 @@ async fn a_sender_gone_after_creating_a_region_leaves_nothing_behind() {
         PayloadRoute::Region
     );
     drop(conn);
-    let mut client = Client::connect(unix.as_str(), None).await.unwrap();
+    let mut client = Client::connect(unix.as_str()).await.unwrap();
     let key = TensorKey::new(0, "w");
     // The node registers it once it has read the region: poll for it.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -387,7 +393,7 @@ async fn a_sender_gone_after_creating_a_region_leaves_nothing_behind() {
     let answer = conn.read_response().await.unwrap();
     assert!(matches!(&answer, Response::Stored(_)), "{answer:?}");
     drop(conn);
-    let mut client = Client::connect(unix.as_str(), None).await.unwrap();
+    let mut client = Client::connect(unix.as_str()).await.unwrap();
     let stored = client.get(&key).await.unwrap();
     assert_same(&stored, &data, "w");
     drop(stored);
@@ -425,7 +431,6 @@ async fn send_region(
     fd: std::os::fd::OwnedFd,
     descriptor: ferry::proto::RegionDescriptor,
 ) {
-    use ferry::client::Transport;
     conn.get_mut().attach_fd(fd).unwrap();
     conn.write_frame(&descriptor.frame()).await.unwrap();
 }
@@ -438,8 +443,8 @@ async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
     let unix = node.unix.clone().unwrap();
     let data = samples::plain(ferry::proto::DType::F32, &[1024, 1024], 2);
     assert!(data.as_bytes().len() >= DEFAULT_REGION_MIN);
-    let mut client = Client::connect(unix.as_str(), None).await.unwrap();
-    client.put(0, "w", &data).await.unwrap();
+    let mut client = Client::connect(unix.as_str()).await.unwrap();
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
 
     // Ask for it, take the answer, and go before reading the region the node then sends.
     let mut conn = raw_shared_connection(&unix).await;
@@ -480,7 +485,7 @@ async fn pull_all(from: &mut Client, to: &mut Client, source_addr: &str, keys: &
         .await
         .unwrap()
     {
-        assert_eq!(answer.unwrap().path, "pull");
+        assert_eq!(answer.unwrap().path, TransferPath::Pull);
     }
 }
 
@@ -509,7 +514,7 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
     let c = unix_server(&dir, "c.sock", &[]);
     let a_unix = a.unix.clone().unwrap();
     let b_unix = b.unix.clone().unwrap();
-    let connect = async |unix: &str| Client::connect(unix, None).await.unwrap();
+    let connect = async |unix: &str| Client::connect(unix).await.unwrap();
     let mut on_a = connect(&a_unix).await;
     let mut on_b = connect(&b_unix).await;
     let mut on_c = connect(c.unix.as_deref().unwrap()).await;
@@ -533,10 +538,10 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
     // First a region that is only mapped, not kept (under KEEP_REGION_MIN): it must not upset
     // the kept count (it once wrapped it below zero, and no region was kept after).
     let small = samples::plain(ferry::proto::DType::F32, &[512, 512], 4);
-    on_a.put(0, "small", &small).await.unwrap();
+    on_a.put(&TensorKey::new(0, "small"), &small).await.unwrap();
     for (name, data) in &tensors {
         assert!(data.as_bytes().len() >= ferry::io::connection::KEEP_REGION_MIN);
-        on_a.put(0, name, data).await.unwrap();
+        on_a.put(&TensorKey::new(0, name), data).await.unwrap();
     }
     let kept = region_inodes(a.pid());
     assert_eq!(kept.len(), 3, "A keeps the regions the puts came in");
@@ -558,7 +563,7 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
     }
     // The NdArray device copies what it is given: nothing to keep a region for.
     let (name, data) = &tensors[0];
-    on_a.put(1, name, data).await.unwrap();
+    on_a.put(&TensorKey::new(1, name), data).await.unwrap();
     assert_same(
         &on_a.get(&TensorKey::new(1, name)).await.unwrap(),
         data,
@@ -603,10 +608,8 @@ async fn a_region_mapped_lazily_stays_whole_after_its_sender_is_killed() {
     let a = unix_server(&dir, "a.sock", &[]);
     let b = unix_server(&dir, "b.sock", &[]);
     let a_unix = a.unix.clone().unwrap();
-    let mut on_a = Client::connect(a_unix.as_str(), None).await.unwrap();
-    let mut on_b = Client::connect(b.unix.as_deref().unwrap(), None)
-        .await
-        .unwrap();
+    let mut on_a = Client::connect(a_unix.as_str()).await.unwrap();
+    let mut on_b = Client::connect(b.unix.as_deref().unwrap()).await.unwrap();
     let schemes = samples::schemes();
     let scheme = |name: &str| &schemes.iter().find(|(n, _)| n == name).unwrap().1;
     let tensors: Vec<(String, TensorData)> = vec![
@@ -620,7 +623,7 @@ async fn a_region_mapped_lazily_stays_whole_after_its_sender_is_killed() {
         ),
     ];
     for (name, data) in &tensors {
-        on_a.put(0, name, data).await.unwrap();
+        on_a.put(&TensorKey::new(0, name), data).await.unwrap();
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
     pull_all(&mut on_a, &mut on_b, &a_unix, &keys).await;
@@ -655,8 +658,8 @@ async fn a_peer_that_does_not_read_is_sent_no_new_regions() {
     // Put over TCP: the tensor lies in the node's heap, so every region would be a new copy.
     let data = samples::plain(ferry::proto::DType::F32, &[2048, 1024], 8);
     let size = data.as_bytes().len();
-    let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
-    client.put(0, "w", &data).await.unwrap();
+    let mut client = Client::connect(node.addr.as_str()).await.unwrap();
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     // Sixteen gets pipelined by a peer that reads nothing for a while.
     const GETS: usize = 16;
     let mut conn = raw_shared_connection(&unix).await;

@@ -7,8 +7,7 @@ use ferry::testing::{LoggedServer, eventually_blocking, spawn_server};
 
 use crate::ferry_server;
 use crate::metrics::{free_port, sample, scrape};
-use ferry::client::load::{LoadConfig, run};
-use ferry::client::{Client, ClientConfig, Endpoint};
+use ferry::client::Client;
 use ferry::proto::{DType, TensorKey};
 use ferry::samples;
 
@@ -31,11 +30,14 @@ async fn the_metrics_endpoint_is_scraped_and_counts_what_happened() {
         ],
         None,
     );
-    let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
+    let mut client = Client::connect(node.addr.as_str()).await.unwrap();
     let data = samples::plain(DType::F32, &[64, 64], 1);
-    client.put(0, "w", &data).await.unwrap();
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     client.get(&TensorKey::new(0, "w")).await.unwrap();
-    client.copy(&TensorKey::new(0, "w"), 1, None).await.unwrap();
+    client
+        .copy(&TensorKey::new(0, "w"), &TensorKey::new(0, "w").on(1))
+        .await
+        .unwrap();
     let missing = client.get(&TensorKey::new(0, "nope")).await;
     assert!(missing.is_err());
 
@@ -132,9 +134,9 @@ fn json_logs_carry_one_span_per_request() {
     let addr = node.addr.clone();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let mut client = Client::connect(addr.as_str(), None).await.unwrap();
+        let mut client = Client::connect(addr.as_str()).await.unwrap();
         let data = samples::plain(DType::I32, &[8, 8], 2);
-        client.put(0, "w", &data).await.unwrap();
+        client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     });
     let stderr = node.stop();
     let done: Vec<serde_json::Value> = stderr
@@ -156,41 +158,6 @@ fn json_logs_carry_one_span_per_request() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_load_run_checks_every_transfer_and_leaves_nothing_behind() {
-    let node = spawn_server(
-        ferry_server(),
-        &["--device", "flex", "--device", "flex"],
-        None,
-    );
-    let report = run(LoadConfig {
-        endpoint: Endpoint::parse(&node.addr),
-        client: ClientConfig::default(),
-        clients: 24,
-        rounds: Some(3),
-        duration: None,
-        min_bytes: 4 << 10,
-        max_bytes: 1 << 20,
-        max_in_flight_bytes: 64 << 20,
-        device: 0,
-        copy_device: 1,
-        seed: 9,
-        warmup_rounds: 0,
-    })
-    .await
-    .unwrap();
-    assert!(report.clean(), "{report:?}");
-    assert_eq!(report.rounds, 24 * 3);
-    assert_eq!(report.put.count, 72);
-    assert_eq!(
-        report.get.count, 144,
-        "the tensor and its copy, each checked"
-    );
-    assert!(report.node_resident_peak >= report.node_resident_before);
-    let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
-    assert!(client.list(None).await.unwrap().is_empty());
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receive_pool_is_reserved_at_start_and_shown_in_stat_and_metrics() {
     const MIB: u64 = 1 << 20;
     let port = free_port();
@@ -200,7 +167,7 @@ async fn a_receive_pool_is_reserved_at_start_and_shown_in_stat_and_metrics() {
         &["--device", "flex", "--pool", "8MiB", "--metrics", &metrics],
         &[],
     );
-    let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
+    let mut client = Client::connect(node.addr.as_str()).await.unwrap();
     let stats = client.stat().await.unwrap();
     assert_eq!(
         (stats.pool_bytes, stats.pool_free_bytes),
@@ -212,9 +179,12 @@ async fn a_receive_pool_is_reserved_at_start_and_shown_in_stat_and_metrics() {
     );
     // 2 MiB draws from it; 16 MiB cannot, and goes to fresh memory as a miss.
     let data = samples::plain(DType::F32, &[512, 1024], 1);
-    client.put(0, "w", &data).await.unwrap();
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let larger = samples::plain(DType::F32, &[4096, 1024], 2);
-    client.put(0, "larger", &larger).await.unwrap();
+    client
+        .put(&TensorKey::new(0, "larger"), &larger)
+        .await
+        .unwrap();
     let back = client.get(&TensorKey::new(0, "larger")).await.unwrap();
     assert_eq!(back.as_bytes(), larger.as_bytes());
     let stats = client.stat().await.unwrap();

@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use ferry::client::{Client, copy_between};
-use ferry::proto::{DType, TensorData, TensorKey};
+use ferry::client::Client;
+use ferry::proto::{DType, TensorData, TensorKey, TransferPath};
 use ferry::samples;
-use ferry::testing::{Fault, assert_same, hashes_verified, how, proxy, spawn_server};
+use ferry::testing::{Fault, assert_same, copy_between, hashes_verified, how, proxy, spawn_server};
 
 use crate::ferry_server;
 
@@ -19,8 +19,8 @@ async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
     // Two node processes with the default recycling (a process-wide pool, hence processes).
     let a = server();
     let b = server();
-    let mut source = Client::connect(a.addr.as_str(), None).await.unwrap();
-    let mut target = Client::connect(b.addr.as_str(), None).await.unwrap();
+    let mut source = Client::connect(a.addr.as_str()).await.unwrap();
+    let mut target = Client::connect(b.addr.as_str()).await.unwrap();
     // 20 MiB each, over the 16 MiB from which buffers are recycled; each its own bytes.
     let versions: Vec<TensorData> = (0..3)
         .map(|seed| samples::plain(DType::F32, &[1280, 4096], 40 + seed))
@@ -28,13 +28,13 @@ async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
     let bytes = versions[0].as_bytes().len() as u64;
     let name = |i: usize| format!("v{i}");
     for (i, data) in versions.iter().enumerate().take(2) {
-        source.put(0, &name(i), data).await.unwrap();
+        source.put(&TensorKey::new(0, name(i)), data).await.unwrap();
         let key = TensorKey::new(0, name(i));
         let keys = std::slice::from_ref(&key);
         let answers = copy_between(&mut source, &mut target, keys, &how(&a.addr, 0))
             .await
             .unwrap();
-        assert_eq!(answers[0].as_ref().unwrap().path, "pull");
+        assert_eq!(answers[0].as_ref().unwrap().path, TransferPath::Pull);
         // The second pull lands in the buffer the first one's tensor left.
         if i == 1 {
             assert!(target.stat().await.unwrap().recycled_bytes < bytes, "taken");
@@ -56,7 +56,10 @@ async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
     .await
     .to_string();
     let key = TensorKey::new(0, "cut");
-    source.put(0, &key.name, &versions[2]).await.unwrap();
+    source
+        .put(&TensorKey::new(0, &key.name), &versions[2])
+        .await
+        .unwrap();
     let keys = std::slice::from_ref(&key);
     let answers = copy_between(&mut source, &mut target, keys, &how(&via, 0))
         .await
@@ -71,7 +74,10 @@ async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
     hashes_verified(&mut target).await;
     target.delete(&key).await.unwrap();
     // A put takes a recycled buffer the same way.
-    target.put(0, "put", &versions[2]).await.unwrap();
+    target
+        .put(&TensorKey::new(0, "put"), &versions[2])
+        .await
+        .unwrap();
     assert!(
         target.stat().await.unwrap().recycled_bytes < bytes,
         "taken again"

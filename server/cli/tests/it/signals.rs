@@ -8,7 +8,7 @@ use ferry::testing::{assert_same, code_of, spawn_server};
 
 use crate::ferry_server;
 use ferry::client::{Client, ErrorCode};
-use ferry::proto::{DType, TensorKey};
+use ferry::proto::{DType, TensorKey, TransferPath};
 use ferry::samples;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -19,10 +19,11 @@ async fn the_binary_serves_and_stops_cleanly_on_sigterm() {
         Some("tok"),
     );
     assert_eq!(
-        code_of(Client::connect(server.addr.as_str(), None).await),
+        code_of(Client::connect(server.addr.as_str()).await),
         ErrorCode::AuthRefused
     );
-    let mut client = Client::connect(server.addr.as_str(), Some("tok"))
+    let mut client = Client::connect(server.addr.as_str())
+        .token("tok")
         .await
         .unwrap();
     let stats = client.stat().await.unwrap();
@@ -30,17 +31,22 @@ async fn the_binary_serves_and_stops_cleanly_on_sigterm() {
     assert_eq!(backends, ["flex", "ndarray"]);
 
     let data = samples::quantized(&samples::schemes()[1].1, &[8, 64], 3);
-    client.put(0, "q", &data).await.unwrap();
-    let copied = client.copy(&TensorKey::new(0, "q"), 1, None).await.unwrap();
-    assert_eq!(copied.path, "round-trip");
+    client.put(&TensorKey::new(0, "q"), &data).await.unwrap();
+    let copied = client
+        .copy(&TensorKey::new(0, "q"), &TensorKey::new(0, "q").on(1))
+        .await
+        .unwrap();
+    assert_eq!(copied.path, TransferPath::RoundTrip);
     assert_same(
         &client.get(&copied.key).await.unwrap(),
         &data,
         "via ndarray",
     );
     let half = samples::plain(DType::F16, &[2, 2], 1);
-    client.put(0, "h", &half).await.unwrap();
-    let refused = client.copy(&TensorKey::new(0, "h"), 1, None).await;
+    client.put(&TensorKey::new(0, "h"), &half).await.unwrap();
+    let refused = client
+        .copy(&TensorKey::new(0, "h"), &TensorKey::new(0, "h").on(1))
+        .await;
     assert_eq!(code_of(refused), ErrorCode::UnsupportedDType);
     drop(client);
 

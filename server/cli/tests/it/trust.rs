@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry::client::{Client, ClientConfig};
+use ferry::client::Client;
 use ferry::io::connection::{Connection, ConnectionLimits};
 use ferry::io::transport::Endpoint;
 use ferry::proto::{DType, TensorKey};
@@ -133,7 +133,7 @@ async fn one_address_holds_at_most_its_share_of_connections() {
     let mut silent: Vec<TcpStream> = (0..4)
         .map(|_| TcpStream::connect(node.addr.as_str()).unwrap())
         .collect();
-    let refused = Client::connect(node.addr.as_str(), None).await.unwrap_err();
+    let refused = Client::connect(node.addr.as_str()).await.unwrap_err();
     assert_eq!(refused.code(), Some(ErrorCode::LimitExceeded), "{refused}");
     assert!(
         refused.to_string().contains("from one address"),
@@ -143,7 +143,7 @@ async fn one_address_holds_at_most_its_share_of_connections() {
     drop(silent.pop());
     let mut client = None;
     for _ in 0..40 {
-        if let Ok(connected) = Client::connect(node.addr.as_str(), None).await {
+        if let Ok(connected) = Client::connect(node.addr.as_str()).await {
             client = Some(connected);
             break;
         }
@@ -152,7 +152,7 @@ async fn one_address_holds_at_most_its_share_of_connections() {
     let mut client = client.expect("the closed socket's slot came back within a second");
     assert_eq!(client.stat().await.unwrap().devices.len(), 1);
     // The three silent sockets still hold theirs: the address is full again.
-    let full = Client::connect(node.addr.as_str(), None).await.unwrap_err();
+    let full = Client::connect(node.addr.as_str()).await.unwrap_err();
     assert_eq!(full.code(), Some(ErrorCode::LimitExceeded), "{full}");
     drop(silent);
     let text = tokio::task::spawn_blocking(move || scrape(port))
@@ -189,7 +189,7 @@ async fn sockets_that_never_say_hello_do_not_keep_a_client_out() {
     // oldest one's slot, at once (well within the hello deadline), and the others' after it.
     let mut clients = Vec::new();
     for _ in 0..3 {
-        let mut client = Client::connect(node.addr.as_str(), None).await.unwrap();
+        let mut client = Client::connect(node.addr.as_str()).await.unwrap();
         assert_eq!(client.stat().await.unwrap().devices.len(), 1);
         clients.push(client);
     }
@@ -222,7 +222,7 @@ async fn hello(addr: &str, token: &str, agent: &str) -> Response {
         major: PROTOCOL_VERSION,
         minor: PROTOCOL_MINOR,
         features: FEATURES.iter().map(|f| f.to_string()).collect(),
-        token: Some(token.to_string()),
+        token: Some(token.into()),
         agent: agent.to_string(),
     }))
     .await
@@ -284,11 +284,7 @@ fn wrong_tokens_are_each_refused_and_logged_at_a_bounded_rate_with_the_agent_esc
 
 /// A connection with `token` to the node at `addr`.
 async fn connect_as(addr: &str, token: &str) -> Client {
-    let config = ClientConfig {
-        token: Some(token.to_string()),
-        ..ClientConfig::default()
-    };
-    Client::connect_with(addr, config).await.unwrap()
+    Client::connect(addr).token(token).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -308,7 +304,7 @@ async fn each_credential_allows_its_scopes_only() {
     let key = TensorKey::new(0, "w");
     let data = samples::plain(DType::F32, &[16, 16], 3);
     let mut writer = connect_as(&node.addr, "writer-token").await;
-    writer.put(0, "w", &data).await.unwrap();
+    writer.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     assert_same(&writer.get(&key).await.unwrap(), &data, "w");
 
     let mut reader = connect_as(&node.addr, "reader-token").await;
@@ -316,7 +312,11 @@ async fn each_credential_allows_its_scopes_only() {
     assert_eq!(reader.list(None).await.unwrap().len(), 1);
     reader.stat().await.unwrap();
     for refused in [
-        reader.put(0, "v", &data).await.err().unwrap(),
+        reader
+            .put(&TensorKey::new(0, "v"), &data)
+            .await
+            .err()
+            .unwrap(),
         reader.delete(&key).await.err().unwrap(),
     ] {
         assert_eq!(refused.code(), Some(ErrorCode::AuthRefused), "{refused}");
@@ -333,12 +333,9 @@ async fn each_credential_allows_its_scopes_only() {
 
     // Tokens that are no credential's are refused at hello.
     for wrong in ["", "writer", "read reader-token"] {
-        let config = ClientConfig {
-            token: Some(wrong.to_string()),
-            ..ClientConfig::default()
-        };
         assert!(
-            Client::connect_with(node.addr.as_str(), config)
+            Client::connect(node.addr.as_str())
+                .token(wrong)
                 .await
                 .is_err()
         );

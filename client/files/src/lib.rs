@@ -1,5 +1,9 @@
 //! Tensor files: reading and writing Burn's burnpack (`.bpk`) and safetensors (`.safetensors`).
 //!
+//! [`read_tensors`] and [`write_tensors`] take a path whose extension names the format
+//! ([`FileFormat`]); [`SafetensorsOutput`] lays a new safetensors file out so that tensors can be
+//! received straight into it. The `ferry` command line (`ferry put`, `ferry get`) is built on them.
+//!
 //! Everything read from a file is checked against ferry's byte-length rule
 //! ([`ferry_proto::tensor::meta_of`]) before it is returned, because neither format's reader
 //! checks a quantized tensor's length (tracel-ai/burn#5836) and Burn's backends panic on a wrong

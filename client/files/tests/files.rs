@@ -1,4 +1,4 @@
-//! Tensor files (`ferry_cli::files`): bit-exact round trips, and errors for corrupt files.
+//! Tensor files (`ferry_files`): bit-exact round trips, and errors for corrupt files.
 //!
 //! Every dtype goes through `.bpk` (quantized included) and every plain one through
 //! `.safetensors`; corrupt or foreign files give an error, never a panic and never a wrong tensor.
@@ -11,7 +11,7 @@ use burn_backend::quantization::{QuantScheme, QuantStore, QuantValue, ScaleDtype
 use burn_backend::{BoolStore, DType, TensorData, read_sync};
 use burn_flex::{Flex, FlexDevice};
 use ciborium::Value;
-use ferry_cli::files::{FileError, FileFormat, read_tensors, write_tensors};
+use ferry_files::{FileError, FileFormat, read_tensors, write_tensors};
 use ferry_proto::MetaError;
 
 type Tensors = Vec<(String, TensorData)>;

@@ -11,16 +11,13 @@ use burn_std::{BoolStore, DType, TensorData};
 use ferry_proto::TensorKey;
 use tokio::sync::{Mutex, Semaphore};
 
-use crate::client::{Client, ClientConfig, ClientError};
-use ferry_io::transport::Endpoint;
+use ferry_client::{Client, ClientError, Connect};
 
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct LoadConfig {
-    /// The node.
-    pub endpoint: Endpoint,
-    /// How each client connects.
-    pub client: ClientConfig,
+    /// The node, and how each client connects to it.
+    pub connect: Connect,
     /// Clients running at once, each on its own connection.
     pub clients: usize,
     /// Rounds (put, get, copy, get, delete twice) per client; with `duration`, whichever ends
@@ -238,7 +235,7 @@ pub async fn run(config: LoadConfig) -> Result<LoadReport, LoadError> {
             "sizes must satisfy 0 < min <= max".into(),
         ));
     }
-    let connect = || Client::connect_with(config.endpoint.clone(), config.client.clone());
+    let connect = || config.connect.clone().open();
     let mut warmup_errors = 0;
     if config.warmup_rounds > 0 {
         // A first pass sets up what the node keeps for good (connection buffers, worker and
@@ -261,9 +258,9 @@ pub async fn run(config: LoadConfig) -> Result<LoadReport, LoadError> {
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = {
         let (peak, stop) = (peak.clone(), stop.clone());
-        let (endpoint, client) = (config.endpoint.clone(), config.client.clone());
+        let connect = config.connect.clone();
         tokio::spawn(async move {
-            let Ok(mut node) = Client::connect_with(endpoint, client).await else {
+            let Ok(mut node) = connect.open().await else {
                 return;
             };
             while !stop.load(Ordering::Relaxed) {
@@ -374,11 +371,10 @@ async fn client_loop(
         totals.errors.fetch_add(1, Ordering::Relaxed);
         eprintln!("error: client {id}: {what}");
     };
-    let mut client =
-        match Client::connect_with(config.endpoint.clone(), config.client.clone()).await {
-            Ok(client) => client,
-            Err(e) => return fail(format!("connect: {e}")),
-        };
+    let mut client = match config.connect.clone().open().await {
+        Ok(client) => client,
+        Err(e) => return fail(format!("connect: {e}")),
+    };
     let mut rng = Rng::new(config.seed ^ (id as u64).wrapping_mul(0xA24B_AED4_963E_E407));
     let (lo, hi) = (
         (config.min_bytes as f64).ln(),
@@ -415,7 +411,10 @@ async fn client_loop(
         let broken =
             |e: &ClientError| matches!(e, ClientError::OutOfStep | ClientError::Connection(_));
         let at = Instant::now();
-        if let Err(e) = client.put(config.device, &name, &data).await {
+        if let Err(e) = client
+            .put(&TensorKey::new(config.device, name.clone()), &data)
+            .await
+        {
             fail(format!("put {key}: {e}"));
             if broken(&e) {
                 break;
@@ -427,10 +426,7 @@ async fn client_loop(
         let mut ok = true;
         let mut lost = false;
         let at = Instant::now();
-        match client
-            .copy(&key, config.copy_device, Some(&copy_key.name))
-            .await
-        {
+        match client.copy(&key, &copy_key).await {
             Ok(_) => {
                 local.copy.push(at.elapsed());
                 succeeded(0);

@@ -1,0 +1,346 @@
+//! `Exchange`: the request/answer discipline every ferry client runs on one connection (the
+//! application's `Client`, and a node pulling from a source). Here: the connection and what the
+//! node said when it opened, and the [`Step`] guard through which alone requests and answers pass.
+//! How a connection is opened is in `dial`, a pulling node's fetch and release in `fetch`, the
+//! errors in `error`.
+//!
+//! The invariant: answers are read in the order requests were written, so an exchange that
+//! stops half-way (an error mid-answer, a cancelled future) leaves answers on the wire that
+//! belong to it. Every request therefore goes through a `Step`; a step that is not
+//! [`finish`](Step::finish)ed (dropped by `?` or by cancellation) leaves the connection out of
+//! step, and every later [`begin`](Exchange::begin) refuses with
+//! [`ExchangeError::OutOfStep`] instead of reading a stale answer as its own.
+
+mod dial;
+mod error;
+mod fetch;
+
+pub use dial::{Dial, PeerCheck, SharedMemory};
+pub use error::ExchangeError;
+pub use fetch::Fetch;
+
+use ferry_proto::{PROTOCOL_MINOR, Request, Response, Welcome};
+
+use crate::TensorAssembler;
+use crate::connection::{Connection, PayloadRoute, RegionUse, SealedRegion};
+use crate::transport::Stream;
+
+/// One connection to a node, on which exchanges run one at a time.
+#[derive(Debug)]
+pub struct Exchange {
+    conn: Connection<Stream>,
+    welcome: Welcome,
+    state: State,
+}
+
+/// Whether the connection can take another exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Every exchange finished: the next answer on the wire belongs to the next request.
+    InStep,
+    /// An exchange is running, or began and never finished.
+    Unfinished,
+}
+
+/// One exchange in progress: the only way to write requests and read answers. Dropped without
+/// [`finish`](Self::finish) once it wrote or read a byte, it leaves the connection out of step;
+/// dropped before (a request refused before it was sent), it leaves it as it was.
+#[derive(Debug)]
+pub struct Step<'a> {
+    exchange: &'a mut Exchange,
+    /// Whether a byte may have been written or read: from then on, only `finish` puts the
+    /// connection back in step.
+    used: bool,
+}
+
+impl Drop for Step<'_> {
+    fn drop(&mut self) {
+        if !self.used {
+            self.exchange.state = State::InStep;
+        }
+    }
+}
+
+impl Exchange {
+    /// An exchange over a connection whose handshake ended in `welcome`.
+    pub(crate) fn new(conn: Connection<Stream>, welcome: Welcome) -> Self {
+        Self {
+            conn,
+            welcome,
+            state: State::InStep,
+        }
+    }
+
+    /// What the node said when the connection opened.
+    pub fn welcome(&self) -> &Welcome {
+        &self.welcome
+    }
+
+    /// Whether payloads travel through shared memory (a Unix socket to a node that agreed).
+    pub fn shared_memory(&self) -> bool {
+        self.conn.shared_memory()
+    }
+
+    /// Whether every exchange so far finished, so that the connection can take another.
+    pub fn in_step(&self) -> bool {
+        self.state == State::InStep
+    }
+
+    /// Starts an exchange, unless an earlier one was left unfinished.
+    pub fn begin(&mut self) -> Result<Step<'_>, ExchangeError> {
+        match self.state {
+            State::Unfinished => Err(ExchangeError::OutOfStep),
+            State::InStep => {
+                self.state = State::Unfinished;
+                Ok(Step {
+                    exchange: self,
+                    used: false,
+                })
+            }
+        }
+    }
+
+    /// One request and its one answer: `pick` takes the answer of the kind the request expects
+    /// (`None` for any other, which is then [`ExchangeError::Unexpected`]). A refusal by the
+    /// node finishes the exchange like an answer does.
+    pub async fn call<T>(
+        &mut self,
+        request: &Request,
+        pick: impl FnOnce(Response) -> Option<T>,
+    ) -> Result<T, ExchangeError> {
+        let mut step = self.begin()?;
+        step.send(request).await?;
+        let answer = step.answer(pick).await;
+        step.finish_if_answered(answer)
+    }
+}
+
+impl Step<'_> {
+    /// The node's minor version (what it can be asked).
+    pub fn node_minor(&self) -> u16 {
+        self.exchange.welcome.minor
+    }
+
+    /// Whether payloads travel through shared memory.
+    pub fn shared_memory(&self) -> bool {
+        self.exchange.conn.shared_memory()
+    }
+
+    /// Writes `request`, unless the node's minor is too old for it (then nothing is sent: a step
+    /// that sent nothing else leaves the connection in step when dropped).
+    pub async fn send(&mut self, request: &Request) -> Result<(), ExchangeError> {
+        let needs = request.since_minor();
+        let node = self.node_minor().min(PROTOCOL_MINOR);
+        if needs > node {
+            return Err(ExchangeError::NodeTooOld {
+                what: request.name(),
+                node,
+                needs,
+            });
+        }
+        // Set before the write: a write cancelled half-way has left part of a frame.
+        self.used = true;
+        Ok(self.exchange.conn.write_request(request).await?)
+    }
+
+    /// Reads the next answer: the node's refusal as [`ExchangeError::Refused`], an answer `pick`
+    /// does not take (`None`) as [`ExchangeError::Unexpected`].
+    pub async fn answer<T>(
+        &mut self,
+        pick: impl FnOnce(Response) -> Option<T>,
+    ) -> Result<T, ExchangeError> {
+        self.used = true;
+        match self.exchange.conn.read_response().await? {
+            Response::Error(reply) => Err(ExchangeError::Refused(reply)),
+            answer => {
+                let kind = answer.name();
+                pick(answer).ok_or_else(|| {
+                    ExchangeError::Unexpected(format!("a {kind} answer to this request"))
+                })
+            }
+        }
+    }
+
+    /// Writes a payload (after a request that announced it).
+    pub async fn send_payload(&mut self, payload: &[u8]) -> Result<PayloadRoute, ExchangeError> {
+        self.used = true;
+        Ok(self.exchange.conn.write_payload(payload).await?)
+    }
+
+    /// Reads a payload the node announced into `assembler`, doing with a payload that comes as a
+    /// shared-memory region what `regions` says.
+    pub async fn read_payload(
+        &mut self,
+        assembler: &mut TensorAssembler,
+        regions: RegionUse,
+    ) -> Result<(PayloadRoute, Option<SealedRegion>), ExchangeError> {
+        self.used = true;
+        Ok(self
+            .exchange
+            .conn
+            .read_payload_keeping(assembler, regions)
+            .await?)
+    }
+
+    /// Ends the exchange: every answer it asked for was read, so the connection takes the next.
+    pub fn finish(self) {
+        self.exchange.state = State::InStep;
+    }
+
+    /// Ends the exchange with `error`: finished where the node refused (it answered in full),
+    /// left out of step otherwise.
+    pub fn fail(self, error: ExchangeError) -> ExchangeError {
+        if matches!(error, ExchangeError::Refused(_)) {
+            self.finish();
+        }
+        error
+    }
+
+    /// Ends the exchange where `result` says the node answered in full (a success, or the node's
+    /// refusal); anything else leaves the connection out of step.
+    pub fn finish_if_answered<T>(
+        self,
+        result: Result<T, ExchangeError>,
+    ) -> Result<T, ExchangeError> {
+        if matches!(&result, Ok(_) | Err(ExchangeError::Refused(_))) {
+            self.finish();
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use ferry_proto::{ErrorCode, ErrorReply};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::*;
+    use crate::connection::ConnectionLimits;
+    use crate::handshake::{self, Policy};
+    use crate::transport::Endpoint;
+
+    /// A node that welcomes one client at `minor` and answers each request with what `answer`
+    /// says (`None`: no answer at all).
+    async fn node(minor: u16, answer: fn(&Request) -> Option<Response>) -> Endpoint {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            let mut conn: Connection<TcpStream> =
+                Connection::new(socket, ConnectionLimits::default());
+            let policy = Policy {
+                credentials: &[],
+                agent: "test node",
+                shared_memory: false,
+                peer: "test",
+                deadline: Duration::from_secs(5),
+            };
+            handshake::accept(&mut conn, policy).await.unwrap();
+            // Answered as a node of `minor` would, whatever the client speaks.
+            conn.set_peer_minor(minor.min(conn.peer_minor()));
+            while let Ok(Some(request)) = conn.read_request().await {
+                if let Some(answer) = answer(&request) {
+                    conn.write_response(&answer).await.unwrap();
+                }
+            }
+        });
+        Endpoint::from(addr)
+    }
+
+    async fn open(endpoint: &Endpoint) -> Exchange {
+        let dial = Dial {
+            token: None,
+            agent: "test client",
+            tls: None,
+            check: &PeerCheck::Any,
+            shared_memory: SharedMemory::Decline,
+            limits: ConnectionLimits::default(),
+        };
+        dial.open(endpoint).await.unwrap()
+    }
+
+    fn identity(answer: Response) -> Option<()> {
+        match answer {
+            Response::Identity { .. } => Some(()),
+            _ => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refusal_finishes_the_exchange_and_an_answer_of_another_kind_does_not() {
+        let endpoint = node(7, |request| {
+            Some(match request {
+                Request::Stat => Response::Error(ErrorReply {
+                    code: ErrorCode::BadRequest,
+                    message: "no".into(),
+                }),
+                _ => Response::Released,
+            })
+        })
+        .await;
+        let mut exchange = open(&endpoint).await;
+        let refused = exchange.call(&Request::Stat, identity).await;
+        assert_eq!(refused.unwrap_err().code(), Some(ErrorCode::BadRequest));
+        assert!(exchange.in_step(), "a refusal is a whole answer");
+        let odd = exchange.call(&Request::Identify, identity).await;
+        assert!(matches!(odd, Err(ExchangeError::Unexpected(_))), "{odd:?}");
+        assert!(!exchange.in_step(), "the node broke the exchange");
+        let after = exchange.call(&Request::Identify, identity).await;
+        assert!(matches!(after, Err(ExchangeError::OutOfStep)), "{after:?}");
+    }
+
+    #[tokio::test]
+    async fn a_call_cancelled_while_waiting_for_its_answer_puts_the_connection_out_of_step() {
+        // The node answers nothing, as if still working: the call is dropped after its request.
+        let endpoint = node(7, |_| None).await;
+        let mut exchange = open(&endpoint).await;
+        let waiting = exchange.call(&Request::Identify, identity);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), waiting)
+                .await
+                .is_err()
+        );
+        assert!(!exchange.in_step());
+        let next = exchange.call(&Request::Identify, identity).await;
+        assert!(matches!(next, Err(ExchangeError::OutOfStep)), "{next:?}");
+    }
+
+    #[tokio::test]
+    async fn a_request_the_node_is_too_old_for_is_refused_unsent_and_the_connection_stays_usable() {
+        let endpoint = node(4, |request| match request {
+            Request::Identify => Some(Response::Identity {
+                node_id: "old".into(),
+            }),
+            _ => Some(Response::Released),
+        })
+        .await;
+        let mut exchange = open(&endpoint).await;
+        assert_eq!(exchange.welcome().minor, PROTOCOL_MINOR);
+        // The test node welcomes at this build's minor; the step judges by what it said.
+        exchange.welcome.minor = 4;
+        let holds = exchange
+            .call(&Request::Holds { device: 0 }, |_| Some(()))
+            .await;
+        assert!(
+            matches!(
+                holds,
+                Err(ExchangeError::NodeTooOld {
+                    node: 4,
+                    needs: 5,
+                    ..
+                })
+            ),
+            "{holds:?}"
+        );
+        assert!(exchange.in_step(), "nothing was sent");
+        exchange.call(&Request::Identify, identity).await.unwrap();
+        let unused = exchange.begin().unwrap();
+        drop(unused);
+        assert!(
+            exchange.in_step(),
+            "a step that touched nothing changes nothing"
+        );
+    }
+}

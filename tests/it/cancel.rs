@@ -1,0 +1,159 @@
+//! Calls cancelled half-way (a dropped future): a node-to-node copy or move stopped between its
+//! pulls, and a download stopped in the middle of its payload. The invariant: a connection whose
+//! exchange did not finish refuses every later call (`OutOfStep`) instead of reading another
+//! call's answer as its own; the nodes hold only whole tensors, a move never loses one, and new
+//! connections carry on.
+
+use std::time::Duration;
+
+use ferry::client::{Client, ClientError, IfExists, NodeCopy, Transfer};
+use ferry::proto::{DType, TensorData, TensorKey};
+use ferry::samples;
+use ferry::testing::{TestNode, assert_same, start_with};
+
+/// How many tensors a cancelled copy is asked to move, and how large each is: large enough
+/// that the copy is still running when it is cancelled after its first pull.
+const TENSORS: usize = 12;
+const SHAPE: [usize; 2] = [1024, 2048];
+
+/// Puts the tensors the copies move on `node`'s device 0.
+async fn fill(node: &TestNode) -> Vec<(TensorKey, TensorData)> {
+    let tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
+        .map(|i| {
+            let key = TensorKey::new(0, format!("layer{i}.w"));
+            (key, samples::plain(DType::F32, &SHAPE, i as u64))
+        })
+        .collect();
+    let mut client = node.client().await;
+    for answer in client.put_batch(&tensors, IfExists::Refuse).await.unwrap() {
+        answer.unwrap();
+    }
+    tensors
+}
+
+/// Runs `copy` from `a` to `b` and drops it once `b` registered at least one of its tensors and
+/// before it registered all: a cancellation half-way. Returns the two connections it ran on.
+async fn cancel_half_way(a: &TestNode, b: &TestNode, copy: &NodeCopy) -> (Client, Client) {
+    let (mut source, mut target) = (a.client().await, b.client().await);
+    {
+        let run = copy.run(&mut source, &mut target);
+        tokio::pin!(run);
+        let landed = async {
+            loop {
+                let held = b.node.list(Some(0)).await.unwrap().len();
+                if held >= 1 {
+                    return held;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::select! {
+            answers = &mut run => panic!("the copy finished before it was cancelled: {answers:?}"),
+            held = landed => assert!(held < TENSORS, "cancelled half-way, {held} landed"),
+        }
+        // `run` is dropped here, in the middle of its exchanges.
+    }
+    (source, target)
+}
+
+/// Both connections of a cancelled copy refuse further calls, and say why.
+async fn out_of_step(source: &mut Client, target: &mut Client) {
+    for client in [source, target] {
+        assert!(!client.in_step());
+        let refused = client.stat().await;
+        assert!(
+            matches!(refused, Err(ClientError::OutOfStep)),
+            "{refused:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_cancelled_half_way_leaves_both_connections_refusing_and_whole_tensors() {
+    let (a, b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
+    let tensors = fill(&a).await;
+    let keys = tensors.iter().map(|(key, _)| key.clone());
+    let copy = NodeCopy::new(a.addr.to_string()).tensors_to(keys, 0);
+    let (mut source, mut target) = cancel_half_way(&a, &b, &copy).await;
+    out_of_step(&mut source, &mut target).await;
+    drop((source, target));
+
+    // What the target holds is whole, and the source kept everything.
+    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
+    for info in on_b.list(Some(0)).await.unwrap() {
+        let (_, wanted) = tensors.iter().find(|(k, _)| *k == info.key).unwrap();
+        assert_same(&on_b.get(&info.key).await.unwrap(), wanted, &info.key.name);
+    }
+    assert_eq!(on_a.list(Some(0)).await.unwrap().len(), TENSORS);
+
+    // New connections copy the rest (the cancelled grants hold up nothing), and use the
+    // connection again afterwards.
+    let rest = NodeCopy::new(a.addr.to_string())
+        .tensors_to(tensors.iter().map(|(key, _)| key.clone()), 0)
+        .if_exists(IfExists::Replace);
+    for answer in rest.run(&mut on_a, &mut on_b).await.unwrap() {
+        answer.unwrap();
+    }
+    for (key, data) in &tensors {
+        assert_same(&on_b.get(key).await.unwrap(), data, &key.name);
+    }
+    assert!(on_a.in_step() && on_b.in_step());
+    assert_eq!(
+        on_a.stat().await.unwrap().devices[0].tensors,
+        TENSORS as u64
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_cancelled_half_way_loses_no_tensor() {
+    let (a, b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
+    let tensors = fill(&a).await;
+    let keys = tensors.iter().map(|(key, _)| key.clone());
+    let moving = NodeCopy::new(a.addr.to_string())
+        .tensors_to(keys, 0)
+        .transfer(Transfer::Move);
+    let (mut source, mut target) = cancel_half_way(&a, &b, &moving).await;
+    out_of_step(&mut source, &mut target).await;
+    drop((source, target));
+
+    // Every tensor is on one node at least, whole; one the source deleted is on the target.
+    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
+    let mut deleted = 0;
+    for (key, data) in &tensors {
+        let (here, there) = (on_a.get(key).await, on_b.get(key).await);
+        match (here, there) {
+            (Ok(here), Ok(there)) => {
+                assert_same(&here, data, &key.name);
+                assert_same(&there, data, &key.name);
+            }
+            (Ok(here), Err(_)) => assert_same(&here, data, &key.name),
+            (Err(_), Ok(there)) => {
+                deleted += 1;
+                assert_same(&there, data, &key.name);
+            }
+            (Err(a), Err(b)) => panic!("{key} lost: {a} / {b}"),
+        }
+    }
+    assert!(deleted < TENSORS, "the move was cancelled before its end");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_download_cancelled_mid_payload_leaves_the_connection_refusing() {
+    let node = start_with(&["flex"]).await;
+    let key = TensorKey::new(0, "w");
+    // 64 MiB: the download is still in its payload after a few milliseconds.
+    let data = samples::plain(DType::F32, &[4096, 4096], 3);
+    let mut client = node.client().await;
+    client.put(&key, &data).await.unwrap();
+    let cut = tokio::time::timeout(Duration::from_millis(2), client.get(&key)).await;
+    assert!(cut.is_err(), "the download was cancelled before its end");
+    assert!(!client.in_step());
+    let refused = client.get(&key).await;
+    assert!(
+        matches!(refused, Err(ClientError::OutOfStep)),
+        "{refused:?}"
+    );
+    // Another connection reads it whole.
+    let mut again = node.client().await;
+    assert_same(&again.get(&key).await.unwrap(), &data, "w");
+}
