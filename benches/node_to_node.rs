@@ -10,7 +10,7 @@
 //!
 //! Per tensor (f32 1 MiB, 64 MiB, 256 MiB; Q8S 256 MiB), on a fresh pair of nodes A and B with
 //! one flex device each:
-//! - `ferry`: the tensor is put on A, then `ferry_client::copy_between` A -> B is timed: B pulls
+//! - `ferry`: the tensor is put on A, then `ferry_client::NodeCopy` A -> B is timed: B pulls
 //!   it from A under a capability, the bytes never pass through this process. One untimed
 //!   warm-up copy opens B's link to A and is checked bit-exact. After every copy the tensor is
 //!   deleted on B, so B's content-hash dedup cannot answer the next copy without a transfer

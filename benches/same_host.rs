@@ -20,7 +20,7 @@
 //!   that region on as it does one that came sealed (the goal of the kept region applies).
 //!
 //! The tensor is put on A, one untimed copy A -> B is checked bit-exact, then each timed run is
-//! `copy_between` A -> B (the target registered the tensor when it returns); then, untimed, the
+//! `NodeCopy` A -> B (the target registered the tensor when it returns); then, untimed, the
 //! bench waits until B has recomputed the content hash A stated (printed as `hash verified`,
 //! from the copy's start) and deletes the tensor on B, so that B's dedup never answers instead
 //! of a transfer. Peak extra memory per node is measured as in `node_to_node` (VmHWM reset

@@ -380,14 +380,14 @@ pub async fn copy_one(
     key: &TensorKey,
     how: &How,
 ) -> Result<TensorInfo, ClientError> {
-    copy_between(source, target, std::slice::from_ref(key), how)
+    copy_keys(source, target, std::slice::from_ref(key), how)
         .await
         .expect("the batch goes through")
         .remove(0)
 }
 
 /// Runs the [`NodeCopy`] of `keys` that `how` describes.
-pub async fn copy_between(
+pub async fn copy_keys(
     source: &mut Client,
     target: &mut Client,
     keys: &[TensorKey],
@@ -499,7 +499,7 @@ impl Drop for BackgroundNode {
     }
 }
 
-/// Node-to-node copy settings as the tests vary them, for [`copy_between`] and [`copy_one`].
+/// Node-to-node copy settings as the tests vary them, for [`copy_keys`] and [`copy_one`].
 #[derive(Debug, Clone)]
 pub struct How {
     /// The source's address, as the target reaches it.
@@ -519,6 +519,10 @@ pub struct How {
 impl How {
     /// The copy of `keys` these settings describe.
     pub fn node_copy(&self, keys: &[TensorKey]) -> NodeCopy {
+        assert!(
+            self.dst_name.is_none() || keys.len() == 1,
+            "a target name is for one tensor"
+        );
         let copy = NodeCopy::new(self.source_addr.clone())
             .transfer(self.transfer)
             .if_exists(self.if_exists);

@@ -201,7 +201,8 @@ pub async fn connect_member(
             });
         }
         // In clear and without a token there is nothing to check before sending.
-        Endpoint::Tcp(_) if !options.has_tls() => PeerCheck::Any,
+        // (A check the caller asked for stays, and fails there: TCP in clear shows no identity.)
+        Endpoint::Tcp(_) if !options.has_tls() => options.check.clone(),
         // Under TLS the certificate; over a Unix socket, that this very user serves it.
         _ => PeerCheck::Node(member.node_id.clone()),
     };

@@ -13,6 +13,6 @@ pub use ferry_io::{
     ClientTls, ConnectionError, ConnectionLimits, Endpoint, PeerCheck, SharedMemory,
 };
 pub use ferry_proto::{
-    ContentHash, ErrorCode, IfExists, NodeId, TensorData, TensorInfo, TensorKey, Token, Transfer,
-    TransferPath,
+    CapabilityToken, ContentHash, ErrorCode, IfExists, NodeId, TensorData, TensorInfo, TensorKey,
+    Token, Transfer, TransferPath,
 };

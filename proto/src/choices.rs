@@ -3,6 +3,8 @@
 //! ([`Transfer`]). On the wire they are the booleans `overwrite` and `remove_source`.
 
 /// What becomes of a tensor already registered under the key a new one is registered under.
+// Exhaustive on purpose, as `Transfer` is: each is the wire's boolean (`overwrite`,
+// `remove_source`) as a type, and a third answer would be a new request field, not a variant.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum IfExists {
     /// It stays, and the new tensor is refused (`AlreadyExists`).

@@ -13,6 +13,9 @@ use crate::meta::WireMeta;
 use crate::secret::{CapabilityToken, NodeId, Token};
 use crate::transfer_path::TransferPath;
 
+/// The minor that added [`Request::DeleteIf`], which a move between nodes ends with.
+pub const DELETE_IF_MINOR: u16 = 3;
+
 /// The longest tensor name accepted, in bytes.
 pub const MAX_NAME_LEN: usize = 1024;
 
@@ -290,7 +293,8 @@ impl Request {
             | Request::Pull { .. }
             | Request::Fetch { .. }
             | Request::Release { .. } => 0,
-            Request::ListPage { .. } | Request::DeleteIf { .. } => 3,
+            Request::ListPage { .. } => 3,
+            Request::DeleteIf { .. } => DELETE_IF_MINOR,
             Request::Holds { .. } => 5,
         }
     }

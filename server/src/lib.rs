@@ -36,8 +36,8 @@ pub use device::{
     DeviceHandle, DeviceSummary, HashState, IfExists, TENSOR_OVERHEAD, TensorDesc, Version,
 };
 pub use engine::{TransferPath, TransferPolicy};
-pub use ferry_proto::Transfer;
 pub use error::{NodeError, Refusal};
+pub use ferry_proto::{NodeId, Token, Transfer};
 pub use holds::HoldsTable;
 pub use node::{
     ClusterMembers, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, Node, NodeConfig, Peer, PeerPolicy,

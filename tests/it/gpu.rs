@@ -9,7 +9,7 @@ use ferry::proto::TensorKey;
 use ferry::proto::TransferPath;
 use ferry::samples;
 use ferry::server::{DeviceSpec, Node, NodeConfig};
-use ferry::testing::copy_between;
+use ferry::testing::copy_keys;
 use ferry::testing::{assert_same, code_of, how, start_with};
 
 /// The matrix through `spec` (device 1, beside a flex device 0): put, get, and flex <-> GPU
@@ -128,7 +128,7 @@ async fn a_node_pulls_into_a_gpu_device_from_another_node() {
     src.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let addr = source.addr.to_string();
     let keys = [TensorKey::new(0, "w")];
-    let answers = copy_between(&mut src, &mut dst, &keys, &how(&addr, 0))
+    let answers = copy_keys(&mut src, &mut dst, &keys, &how(&addr, 0))
         .await
         .unwrap();
     let stored = answers.into_iter().next().unwrap().unwrap();
@@ -143,7 +143,7 @@ async fn a_node_pulls_into_a_gpu_device_from_another_node() {
     let target_addr = target.addr.to_string();
     let mut back = how(&target_addr, 0);
     back.dst_name = Some("returned".to_string());
-    let answers = copy_between(&mut dst, &mut src, std::slice::from_ref(&stored.key), &back)
+    let answers = copy_keys(&mut dst, &mut src, std::slice::from_ref(&stored.key), &back)
         .await
         .unwrap();
     let returned = answers.into_iter().next().unwrap().unwrap();
@@ -191,7 +191,7 @@ async fn a_tensor_larger_than_the_adapters_largest_buffer_is_refused_before_byte
     src.put(&TensorKey::new(0, "over"), &over).await.unwrap();
     let addr = source.addr.to_string();
     let keys = [TensorKey::new(0, "over")];
-    let pulled = copy_between(&mut src, &mut client, &keys, &how(&addr, 1)).await;
+    let pulled = copy_keys(&mut src, &mut client, &keys, &how(&addr, 1)).await;
     let pulled = pulled.unwrap().into_iter().next().unwrap();
     let Err(ferry::client::ClientError::Node { code, .. }) = pulled else {
         panic!("a pull over the adapter's largest buffer: {pulled:?}");

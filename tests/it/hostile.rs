@@ -1451,3 +1451,46 @@ async fn silent_sockets_and_speakers_racing_for_slots_leak_none() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A content hash that is not 64 hex digits is no hash: a protocol error, answered and closed,
+/// whatever request carries it; the node serves the next connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_content_hash_that_is_not_hex_is_a_protocol_error() {
+    let node = start_with(&["flex"]).await;
+    let good = ContentHash::from_digest([0xab; 32]).to_string();
+    let bad = format!("{}zz", &good[..62]);
+    let requests = [
+        Request::DeleteIf {
+            key: TensorKey::new(0, "w"),
+            content_hash: ContentHash::from_digest([0xab; 32]),
+        },
+        Request::Pull {
+            source: "127.0.0.1:1".into(),
+            capability: "c".into(),
+            src: TensorKey::new(0, "w"),
+            dst_device: 0,
+            dst_name: None,
+            overwrite: false,
+            content_hash: Some(ContentHash::from_digest([0xab; 32])),
+        },
+    ];
+    for request in requests {
+        let (mut raw, welcome) = Raw::hello(&node, None).await;
+        assert!(matches!(welcome, Response::Welcome(_)));
+        let whole = control::encode_request(&request).unwrap();
+        let body = String::from_utf8_lossy(&whole[frame::HEADER_LEN..]).into_owned();
+        assert!(body.contains(&good));
+        // The same bytes with two digits that are no hex digits: same lengths throughout.
+        let mut forged = whole[frame::HEADER_LEN..].to_vec();
+        let at = forged
+            .windows(good.len())
+            .position(|w| w == good.as_bytes())
+            .unwrap();
+        forged[at..at + 64].copy_from_slice(bad.as_bytes());
+        raw.send(&frame::encode(FrameKind::Control, &forged)).await;
+        let message = raw.expect_fatal(ErrorCode::Protocol).await;
+        assert!(message.contains("content hash"), "{message}");
+    }
+    let mut client = node.client().await;
+    assert!(client.list(None).await.unwrap().is_empty());
+}

@@ -3,7 +3,7 @@
 //! drops, a flipped byte, a target that goes away).
 
 use ferry::proto::{ContentHash, IfExists, NodeId, Transfer, TransferPath};
-use ferry::testing::copy_between;
+use ferry::testing::copy_keys;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -46,7 +46,7 @@ async fn every_dtype_goes_node_to_node_bit_exact_in_one_batch() {
     }
     let keys: Vec<TensorKey> = matrix.iter().map(|s| TensorKey::new(0, &s.name)).collect();
     let addr = a.addr.to_string();
-    let answers = copy_between(&mut source, &mut target, &keys, &how(&addr, 0))
+    let answers = copy_keys(&mut source, &mut target, &keys, &how(&addr, 0))
         .await
         .unwrap();
     for (sample, answer) in matrix.iter().zip(answers) {
@@ -79,7 +79,7 @@ async fn a_64_tensor_batch_then_the_same_again_costs_no_transfer() {
         .unwrap();
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
     let addr = a.addr.to_string();
-    for answer in copy_between(&mut source, &mut target, &keys, &how(&addr, 1))
+    for answer in copy_keys(&mut source, &mut target, &keys, &how(&addr, 1))
         .await
         .unwrap()
     {
@@ -90,7 +90,7 @@ async fn a_64_tensor_batch_then_the_same_again_costs_no_transfer() {
     let pulled = before.pulls;
     assert!(pulled > 0);
     // Pushing the same model again to device 0 pulls nothing new for what device 1 holds.
-    let answers = copy_between(&mut source, &mut target, &keys, &how(&addr, 0))
+    let answers = copy_keys(&mut source, &mut target, &keys, &how(&addr, 0))
         .await
         .unwrap();
     let mut dedup = 0;
@@ -123,7 +123,7 @@ async fn a_node_to_node_move_deletes_the_source_after_the_target_registered() {
     let mut moving = how(&addr, 0);
     moving.transfer = Transfer::Move;
     moving.dst_name = Some("ids.moved".to_string());
-    let answers = copy_between(
+    let answers = copy_keys(
         &mut source,
         &mut target,
         &[TensorKey::new(0, "ids")],
@@ -142,7 +142,7 @@ async fn a_node_to_node_move_deletes_the_source_after_the_target_registered() {
     source.put(&TensorKey::new(0, "half"), &half).await.unwrap();
     let mut refused = how(&addr, 1);
     refused.transfer = Transfer::Move;
-    let answers = copy_between(
+    let answers = copy_keys(
         &mut source,
         &mut target,
         &[TensorKey::new(0, "half")],
@@ -288,7 +288,7 @@ async fn pull_big(
 ) -> Result<ferry::proto::TensorInfo, ferry::client::ClientError> {
     let mut source = a.client().await;
     let mut target = b.client().await;
-    let answers = copy_between(
+    let answers = copy_keys(
         &mut source,
         &mut target,
         &[TensorKey::new(0, "big")],
@@ -388,7 +388,7 @@ async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_i
     source.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let addr = a.addr.to_string();
     let key = TensorKey::new(0, "w");
-    let first = copy_between(
+    let first = copy_keys(
         &mut source,
         &mut target,
         std::slice::from_ref(&key),
@@ -400,7 +400,7 @@ async fn a_pulled_tensor_answers_to_the_stated_hash_once_the_target_recomputed_i
     // At once, under another name: dedup waits for the verification instead of pulling again.
     let mut again = how(&addr, 0);
     again.dst_name = Some("w.again".to_string());
-    let second = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &again)
+    let second = copy_keys(&mut source, &mut target, std::slice::from_ref(&key), &again)
         .await
         .unwrap();
     assert_eq!(second[0].as_ref().unwrap().path, TransferPath::Dedup);
@@ -579,7 +579,7 @@ async fn a_writer_racing_dedup_pulls_never_gets_the_other_value() {
     let started = std::time::Instant::now();
     let (mut pulls, mut dedups) = (0u64, 0u64);
     while started.elapsed() < Duration::from_secs(10) {
-        let answer = copy_between(&mut source, &mut target, std::slice::from_ref(&key), &again)
+        let answer = copy_keys(&mut source, &mut target, std::slice::from_ref(&key), &again)
             .await
             .unwrap()
             .remove(0)
@@ -636,7 +636,7 @@ async fn a_false_stated_hash_over_tcp_fails_the_pull_and_registers_nothing() {
     // copy to the third node holds the source's bytes.
     let mut third = c.client().await;
     let addr = a.addr.to_string();
-    let answers = copy_between(
+    let answers = copy_keys(
         &mut source,
         &mut third,
         &[TensorKey::new(0, "w")],
@@ -778,7 +778,7 @@ async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
             }
             last.unwrap()
         });
-        let answers = copy_between(
+        let answers = copy_keys(
             &mut source,
             &mut target,
             std::slice::from_ref(&key),
@@ -917,7 +917,7 @@ async fn outstanding_grants_are_capped_per_client_and_revoked_with_its_connectio
     let mut source = a.client().await;
     let mut target = b.client().await;
     let addr = a.addr.to_string();
-    let answers = copy_between(
+    let answers = copy_keys(
         &mut source,
         &mut target,
         std::slice::from_ref(&key),

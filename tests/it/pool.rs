@@ -5,7 +5,7 @@
 //! wrote (seeded: `FERRY_POOL_SEED`).
 
 use ferry::proto::{IfExists, TransferPath};
-use ferry::testing::copy_between;
+use ferry::testing::copy_keys;
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
@@ -72,7 +72,7 @@ async fn every_dtype_and_scheme_lands_in_the_pool_bit_exact_by_pull_and_by_put()
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
     let addr = a.addr.to_string();
-    for answer in copy_between(&mut source, &mut target, &keys, &how(&addr, 0))
+    for answer in copy_keys(&mut source, &mut target, &keys, &how(&addr, 0))
         .await
         .unwrap()
     {
@@ -127,7 +127,7 @@ async fn source_of_32_mib() -> (TestNode, TensorData) {
 
 async fn pull_via(b: &TestNode, a: &TestNode, via: &str) -> Result<(), Option<ErrorCode>> {
     let (mut source, mut target) = (a.client().await, b.client().await);
-    let answer = copy_between(
+    let answer = copy_keys(
         &mut source,
         &mut target,
         &[TensorKey::new(0, "big")],

@@ -4,7 +4,7 @@
 //! bit-exact; no region outlives its tensors, a put cut halfway included.
 
 use ferry::proto::{IfExists, TransferPath};
-use ferry::testing::copy_between;
+use ferry::testing::copy_keys;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -93,7 +93,7 @@ async fn a_tensor_put_over_tcp_goes_on_to_a_same_host_node_as_the_same_region() 
     let mut source = Client::connect(a_unix.as_str()).await.unwrap();
     let mut target = Client::connect(b_unix.as_str()).await.unwrap();
     let key = TensorKey::new(0, "w");
-    let answers = copy_between(
+    let answers = copy_keys(
         &mut source,
         &mut target,
         std::slice::from_ref(&key),
@@ -151,7 +151,7 @@ async fn every_dtype_received_into_a_region_by_put_or_pull_is_bit_exact_on_and_p
                 .await
                 .unwrap();
             let c_addr = c.addr.to_string();
-            for answer in copy_between(&mut on_c, &mut on_a, &keys, &how(&c_addr, 0))
+            for answer in copy_keys(&mut on_c, &mut on_a, &keys, &how(&c_addr, 0))
                 .await
                 .unwrap()
             {
@@ -161,7 +161,7 @@ async fn every_dtype_received_into_a_region_by_put_or_pull_is_bit_exact_on_and_p
         let kept = on_a.stat().await.unwrap().regions_kept;
         assert!(kept > 0, "{route}: tensors kept in their regions");
         // On to B through shared memory, and back out of both.
-        for answer in copy_between(&mut a_by_unix, &mut on_b, &keys, &how(&a_unix, 0))
+        for answer in copy_keys(&mut a_by_unix, &mut on_b, &keys, &how(&a_unix, 0))
             .await
             .unwrap()
         {

@@ -4,7 +4,7 @@
 //! certificate at all; and bytes altered on the path fail the connection, registering nothing.
 
 use ferry::proto::{IfExists, TransferPath};
-use ferry::testing::copy_between;
+use ferry::testing::copy_keys;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -81,7 +81,7 @@ async fn every_dtype_crosses_mutual_tls_bit_exact_and_nodes_are_their_certificat
     }
     let keys: Vec<TensorKey> = matrix.iter().map(|s| TensorKey::new(0, &s.name)).collect();
     let addr = a.addr.to_string();
-    let answers = copy_between(&mut source, &mut target, &keys, &how(&addr, 0))
+    let answers = copy_keys(&mut source, &mut target, &keys, &how(&addr, 0))
         .await
         .unwrap();
     for (sample, answer) in matrix.iter().zip(answers) {

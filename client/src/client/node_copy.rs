@@ -5,6 +5,7 @@
 //! fetched, or failed; the copied version deleted on a move).
 
 use ferry_io::Step;
+use ferry_proto::message::DELETE_IF_MINOR;
 use ferry_proto::{
     CapabilityToken, ContentHash, ErrorCode, IfExists, NodeId, Request, Response, TensorInfo,
     TensorKey, Transfer, TransferPath,
@@ -191,6 +192,16 @@ impl NodeCopy {
         source: &mut Client,
         target: &mut Client,
     ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
+        // A move ends with a conditional delete on the source: a source too old for one is
+        // refused before anything is granted or pulled.
+        let speaks = source.exchange.welcome().minor;
+        if self.transfer == Transfer::Move && speaks < DELETE_IF_MINOR {
+            return Err(ClientError::NodeTooOld {
+                what: "a move between nodes (a conditional delete on the source)",
+                node: speaks,
+                needs: DELETE_IF_MINOR,
+            });
+        }
         let audience = target.identify().await?;
         let mut from = source.exchange.begin()?;
         // A refusal here drops `from` before it wrote anything: the source stays in step.
@@ -248,6 +259,17 @@ async fn grant_window(
             from.send(&grant_request(&item.src, audience)).await?;
             *grant = per_tensor(from.answer(capability_for(audience)).await)?;
         }
+        // A source that grants another tensor than the one asked for is believed in nothing: a
+        // move would delete what the grant names.
+        if let Ok(granted) = &*grant
+            && granted.info.key != item.src
+        {
+            let _ = release(from, granted).await?;
+            *grant = Err(ClientError::Unexpected(format!(
+                "asked for a capability on {}, granted one on {}",
+                item.src, granted.info.key
+            )));
+        }
         if let (Some(listed), Ok(granted)) = (item.version, &*grant)
             && granted.content_hash != listed
         {
@@ -293,10 +315,10 @@ async fn settle(
             return Ok(Err(failed));
         }
     };
-    if info.path == TransferPath::Dedup
-        && let Err(refused) = release(from, &grant).await?
-    {
-        return Ok(Err(refused));
+    // The target registered the tensor: a refused release (the capability lapsed meanwhile)
+    // changes nothing about that.
+    if info.path == TransferPath::Dedup {
+        let _ = release(from, &grant).await?;
     }
     if transfer == Transfer::Move {
         let request = Request::DeleteIf {

@@ -7,7 +7,7 @@
 //! operation of unknown outcome (a connection error) may take effect at any instant after its
 //! invoke, or never. A refused one took no effect, except that a move, and any node-to-node
 //! transfer, may have registered its target before a later step failed (the in-node move's
-//! removal of a source that changed; `copy_between`'s delete of the source, or its release of
+//! removal of a source that changed; `copy_keys`'s delete of the source, or its release of
 //! a capability after a dedup), so their target write stays possible. A node-to-node move that
 //! answers that its source changed and was kept wrote its target and removed nothing.
 //!

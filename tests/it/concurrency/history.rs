@@ -61,7 +61,7 @@ pub enum OpKind {
         key: Key,
     },
     /// A copy, or with `remove_source` a move, from `src` to `dst`, replacing what is there:
-    /// `Client::transfer` when both are on one node, `copy_between` (a pull by the target node)
+    /// `Client::transfer` when both are on one node, `copy_keys` (a pull by the target node)
     /// when they are not.
     Transfer {
         src: Key,

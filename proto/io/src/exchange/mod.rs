@@ -19,7 +19,7 @@ pub use dial::{Dial, PeerCheck, SharedMemory};
 pub use error::ExchangeError;
 pub use fetch::Fetch;
 
-use ferry_proto::{PROTOCOL_MINOR, Request, Response, Welcome};
+use ferry_proto::{Request, Response, Welcome};
 
 use crate::TensorAssembler;
 use crate::connection::{Connection, PayloadRoute, RegionUse, SealedRegion};
@@ -116,9 +116,10 @@ impl Exchange {
 }
 
 impl Step<'_> {
-    /// The node's minor version (what it can be asked).
+    /// The protocol minor this exchange speaks with the node: the lower of the two, which the
+    /// connection encodes and decodes as (what the node can be asked).
     pub fn node_minor(&self) -> u16 {
-        self.exchange.welcome.minor
+        self.exchange.conn.peer_minor()
     }
 
     /// Whether payloads travel through shared memory.
@@ -130,7 +131,7 @@ impl Step<'_> {
     /// that sent nothing else leaves the connection in step when dropped).
     pub async fn send(&mut self, request: &Request) -> Result<(), ExchangeError> {
         let needs = request.since_minor();
-        let node = self.node_minor().min(PROTOCOL_MINOR);
+        let node = self.node_minor();
         if needs > node {
             return Err(ExchangeError::NodeTooOld {
                 what: request.name(),
@@ -213,7 +214,7 @@ impl Step<'_> {
 mod tests {
     use std::time::Duration;
 
-    use ferry_proto::{ErrorCode, ErrorReply};
+    use ferry_proto::{ErrorCode, ErrorReply, PROTOCOL_MINOR};
     use tokio::net::{TcpListener, TcpStream};
 
     use super::*;
@@ -318,8 +319,8 @@ mod tests {
         .await;
         let mut exchange = open(&endpoint).await;
         assert_eq!(exchange.welcome().minor, PROTOCOL_MINOR);
-        // The test node welcomes at this build's minor; the step judges by what it said.
-        exchange.welcome.minor = 4;
+        // The test node welcomes at this build's minor and then speaks minor 4: so does this side.
+        exchange.conn.set_peer_minor(4);
         let holds = exchange
             .call(&Request::Holds { device: 0 }, |_| Some(()))
             .await;

@@ -21,7 +21,7 @@ use ferry::proto::{
 };
 use ferry::samples;
 use ferry::server::{NodeConfig, ServiceConfig};
-use ferry::testing::copy_between;
+use ferry::testing::copy_keys;
 
 /// Limits that send every non-empty payload through shared memory where it is agreed.
 fn every_payload_shared() -> ConnectionLimits {
@@ -237,7 +237,7 @@ async fn two_node_processes_copy_a_batch_through_shared_memory() {
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
     let how = ferry::testing::how(&a_unix, 0);
-    let answers = copy_between(&mut source, &mut target, &keys, &how)
+    let answers = copy_keys(&mut source, &mut target, &keys, &how)
         .await
         .unwrap();
     for ((name, data), answer) in tensors.iter().zip(answers) {
@@ -481,7 +481,7 @@ async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
 /// Copies `keys` from the node `from` is connected to (reached at `source_addr`) to device 0 of
 /// the one `to` is, each by a pull (not a dedup).
 async fn pull_all(from: &mut Client, to: &mut Client, source_addr: &str, keys: &[TensorKey]) {
-    for answer in copy_between(from, to, keys, &ferry::testing::how(source_addr, 0))
+    for answer in copy_keys(from, to, keys, &ferry::testing::how(source_addr, 0))
         .await
         .unwrap()
     {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use ferry::client::Client;
 use ferry::proto::{DType, TensorData, TensorKey, TransferPath};
 use ferry::samples;
-use ferry::testing::{Fault, assert_same, copy_between, hashes_verified, how, proxy, spawn_server};
+use ferry::testing::{Fault, assert_same, copy_keys, hashes_verified, how, proxy, spawn_server};
 
 use crate::ferry_server;
 
@@ -31,7 +31,7 @@ async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
         source.put(&TensorKey::new(0, name(i)), data).await.unwrap();
         let key = TensorKey::new(0, name(i));
         let keys = std::slice::from_ref(&key);
-        let answers = copy_between(&mut source, &mut target, keys, &how(&a.addr, 0))
+        let answers = copy_keys(&mut source, &mut target, keys, &how(&a.addr, 0))
             .await
             .unwrap();
         assert_eq!(answers[0].as_ref().unwrap().path, TransferPath::Pull);
@@ -61,7 +61,7 @@ async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
         .await
         .unwrap();
     let keys = std::slice::from_ref(&key);
-    let answers = copy_between(&mut source, &mut target, keys, &how(&via, 0))
+    let answers = copy_keys(&mut source, &mut target, keys, &how(&via, 0))
         .await
         .unwrap();
     answers[0].as_ref().unwrap();
