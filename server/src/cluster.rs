@@ -106,13 +106,13 @@ async fn run(node: Node, config: ClusterConfig, mut stopped: watch::Receiver<boo
         match session(&node, &config, &mut stopped, &mut last_contact).await {
             Ok(()) => {
                 // Left: a node out of the cluster pulls from no member.
-                if let Some(members) = node.config().peers.members() {
+                if let Some(members) = node.config().pulls.peers.members() {
                     members.replace([]);
                 }
                 return;
             }
             Err(error) => {
-                if let Some(members) = node.config().peers.members() {
+                if let Some(members) = node.config().pulls.peers.members() {
                     members.hold_until((last_contact + config.ttl).into_std());
                 }
                 tracing::warn!(%error, name = %config.name, "cluster session ended; the node keeps serving and registers again");
@@ -146,7 +146,7 @@ async fn session(
         .await?;
     tracing::info!(name = %config.name, %lease, "registered in the cluster");
     *last_contact = tokio::time::Instant::now();
-    let mut members = match node.config().peers.members() {
+    let mut members = match node.config().pulls.peers.members() {
         Some(list) => Some(MemberWatch::start(&mut client, list.clone()).await?),
         None => None,
     };

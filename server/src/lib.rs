@@ -40,8 +40,8 @@ pub use error::{NodeError, Refusal};
 pub use ferry_proto::{NodeId, Token, Transfer};
 pub use holds::HoldsTable;
 pub use node::{
-    ClusterMembers, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, Node, NodeConfig, Peer, PeerPolicy,
-    ReceiveBuffers,
+    ClusterMembers, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, Node, NodeConfig, NodeLimits, Peer,
+    PeerPolicy, PullConfig, ReceiveBuffers,
 };
 pub use service::{
     DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, Service, ServiceConfig,

@@ -4,9 +4,7 @@
 use std::time::Instant;
 
 use ferry_io::TensorAssembler;
-use ferry_io::{
-    ConnectionError, Dial, Exchange, ExchangeError, PayloadRoute, RegionUse, SharedMemory,
-};
+use ferry_io::{ConnectionError, Dial, Exchange, ExchangeError, PayloadRoute, RegionUse};
 use ferry_proto::{CapabilityToken, ContentHash, ErrorCode};
 use ferry_proto::{TensorKey, Untrusted, dtype_name};
 
@@ -134,7 +132,7 @@ impl Node {
         ferry_proto::message::validate_name(name)?;
         ferry_proto::message::validate_name(&req.src.name)?;
         check_source(&req.source)?;
-        if !self.config().peers.allows(&req.source) {
+        if !self.config().pulls.peers.allows(&req.source) {
             return Err(NodeError::NotAllowedPeer(req.source.clone()));
         }
         self.device(req.dst_device)?;
@@ -162,7 +160,7 @@ impl Node {
             };
             resume = failed.resume;
             match failed.error {
-                AttemptError::Transient(why) if attempt < config.pull_retries => {
+                AttemptError::Transient(why) if attempt < config.pulls.retries => {
                     attempt += 1;
                     self.recorder().pull_retry();
                     let resume_at = resume.as_ref().map_or(0, |r| r.assembler.received());
@@ -172,7 +170,7 @@ impl Node {
                     );
                     link.source = None;
                     let doubling = 1u32 << (attempt - 1).min(16);
-                    let backoff = config.retry_backoff.saturating_mul(doubling);
+                    let backoff = config.pulls.retry_backoff.saturating_mul(doubling);
                     tokio::time::sleep(backoff.min(MAX_BACKOFF)).await;
                 }
                 AttemptError::Transient(why) => {
@@ -210,7 +208,7 @@ impl Node {
             // hashing overlaps the receive on another thread, so the answer waits for its last
             // chunk only.
             PayloadRoute::Chunks => {
-                let (data, computed, sealed) = crate::service::finish_hashed(assembler).await?;
+                let (data, computed, sealed) = finish_hashed(assembler).await?;
                 if computed != granted {
                     self.recorder().integrity_failure();
                     return Err(NodeError::Integrity {
@@ -250,7 +248,7 @@ impl Node {
     ) -> Result<Receiving, Failed> {
         let offset = resume.as_ref().map_or(0, |r| r.assembler.received()) as u64;
         // A source that answers nothing is as gone as one that hung up.
-        let idle = self.config().peer_limits.idle_timeout;
+        let idle = self.config().pulls.peer_limits.idle_timeout;
         let source = match self.link_to(link, &req.source).await {
             Ok(source) => source,
             Err(error) => return Err(Failed { error, resume }),
@@ -361,8 +359,13 @@ impl Node {
         // Decided on every pull, a reused link included: the cluster's member list may have
         // changed since the link was opened (or since this pull was admitted).
         let terms = config
+            .pulls
             .peers
-            .terms(source, config.tls.is_some(), config.peer_token.as_ref())
+            .terms(
+                source,
+                config.tls.is_some(),
+                config.pulls.peer_token.as_ref(),
+            )
             .ok_or_else(|| AttemptError::Fatal(NodeError::NotAllowedPeer(source.to_string())))?;
         // A connection left out of step (a fetch abandoned before its payload) is never reused,
         // nor one opened on other terms (another identity checked, another token sent).
@@ -378,16 +381,12 @@ impl Node {
                     agent: crate::node::AGENT,
                     tls: config.tls.as_ref().map(|tls| tls.client()),
                     check: &terms.check,
-                    shared_memory: if config.shared_memory {
-                        SharedMemory::Offer
-                    } else {
-                        SharedMemory::Decline
-                    },
-                    limits: config.peer_limits,
+                    shared_memory: config.shared_memory,
+                    limits: config.pulls.peer_limits,
                 };
                 let endpoint = ferry_io::Endpoint::parse(source);
                 let connect = dial.open(&endpoint);
-                let conn = tokio::time::timeout(config.peer_limits.idle_timeout, connect)
+                let conn = tokio::time::timeout(config.pulls.peer_limits.idle_timeout, connect)
                     .await
                     .map_err(|_| {
                         AttemptError::Transient(format!("connecting to {source} timed out"))
@@ -516,4 +515,22 @@ fn classify(source: &str, error: ExchangeError) -> AttemptError {
             message: other.to_string(),
         }),
     }
+}
+
+/// The assembled tensor, its content hash and the region it was received into (sealed), off the
+/// runtime: the hashing thread may still be a chunk or two behind the receiver.
+async fn finish_hashed(
+    assembler: ferry_io::TensorAssembler,
+) -> Result<
+    (
+        burn_backend::TensorData,
+        ferry_proto::ContentHash,
+        ferry_io::assembler::Sealed,
+    ),
+    NodeError,
+> {
+    tokio::task::spawn_blocking(move || assembler.finish_hashed_sealed())
+        .await
+        .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))?
+        .map_err(NodeError::Received)
 }

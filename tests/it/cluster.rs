@@ -4,6 +4,7 @@
 //! the peer allowlist (a non-member refused; under TLS, a member that is not who it registered
 //! as refused).
 
+use ferry::server::PullConfig;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
@@ -302,9 +303,12 @@ async fn member_node(tls: Option<ferry::io::NodeTls>) -> TestNode {
         NodeConfig {
             devices: devices(&["flex"]),
             tls,
-            peers: PeerPolicy::Members {
-                members: ClusterMembers::new(),
-                listed: Vec::new(),
+            pulls: PullConfig {
+                peers: PeerPolicy::Members {
+                    members: ClusterMembers::new(),
+                    listed: Vec::new(),
+                },
+                ..PullConfig::default()
             },
             ..NodeConfig::default()
         },
@@ -364,7 +368,7 @@ async fn member_a(d: &mut Directory) -> MemberRecord {
 async fn sees(node: &TestNode, addr: &str, member: bool) {
     let what = format!("{addr} a member: {member}");
     eventually(&what, Duration::from_secs(10), || {
-        node.node.config().peers.allows(addr) == member
+        node.node.config().pulls.peers.allows(addr) == member
     })
     .await;
 }
@@ -468,6 +472,7 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
     assert!(
         !b.node
             .config()
+            .pulls
             .peers
             .allows("unix:/run/ferry-elsewhere.sock")
     );

@@ -1,6 +1,7 @@
 //! Bad input against a live node: each gets its typed error, the node stays up, a second client
 //! still puts and gets bit-exact, and nothing half-registered is left behind.
 
+use ferry::server::NodeLimits;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -336,9 +337,12 @@ async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told
     let node = start(
         NodeConfig {
             devices: ferry::testing::devices(&["flex"]),
-            max_tensor_bytes: 1024,
-            // 1500 bytes of payload beside one tensor's bookkeeping.
-            memory_limit: Some(1500 + TENSOR_OVERHEAD),
+            limits: NodeLimits {
+                max_tensor_bytes: 1024,
+                // 1500 bytes of payload beside one tensor's bookkeeping.
+                memory_limit: Some(1500 + TENSOR_OVERHEAD),
+                ..NodeLimits::default()
+            },
             ..NodeConfig::default()
         },
         ServiceConfig {
@@ -616,7 +620,10 @@ async fn many_clients_together_cannot_push_a_device_past_its_budget() {
     let node = start(
         NodeConfig {
             devices: ferry::testing::devices(&["flex"]),
-            memory_limit: Some(BUDGET),
+            limits: NodeLimits {
+                memory_limit: Some(BUDGET),
+                ..NodeLimits::default()
+            },
             ..NodeConfig::default()
         },
         ServiceConfig::default(),
@@ -783,7 +790,10 @@ async fn budget_node(specs: &[&str], limit: u64, service: ServiceConfig) -> Test
     start(
         NodeConfig {
             devices: ferry::testing::devices(specs),
-            memory_limit: Some(limit),
+            limits: NodeLimits {
+                memory_limit: Some(limit),
+                ..NodeLimits::default()
+            },
             ..NodeConfig::default()
         },
         service,
@@ -978,7 +988,10 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     let node = start(
         NodeConfig {
             devices: ferry::testing::devices(&["flex"]),
-            max_tensors: Some(10),
+            limits: NodeLimits {
+                max_tensors: Some(10),
+                ..NodeLimits::default()
+            },
             ..NodeConfig::default()
         },
         ServiceConfig::default(),

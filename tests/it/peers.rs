@@ -3,6 +3,7 @@
 //! drops, a flipped byte, a target that goes away).
 
 use ferry::proto::{ContentHash, IfExists, NodeId, Transfer, TransferPath};
+use ferry::server::{NodeLimits, PullConfig};
 use ferry::testing::copy_keys;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -166,7 +167,10 @@ async fn capabilities_are_single_use_bound_expiring_and_unforgeable() {
     let a = start(
         NodeConfig {
             devices: devices(&["flex"]),
-            capability_ttl: Duration::from_millis(300),
+            limits: NodeLimits {
+                capability_ttl: Duration::from_millis(300),
+                ..NodeLimits::default()
+            },
             ..NodeConfig::default()
         },
         ServiceConfig::default(),
@@ -256,7 +260,10 @@ async fn faulty_pair(fault: Fault) -> (TestNode, TestNode, String, TensorData) {
     let a = start(
         NodeConfig {
             devices: devices(&["flex"]),
-            peer_limits: resume_window,
+            pulls: PullConfig {
+                peer_limits: resume_window,
+                ..PullConfig::default()
+            },
             ..NodeConfig::default()
         },
         service,
@@ -264,11 +271,14 @@ async fn faulty_pair(fault: Fault) -> (TestNode, TestNode, String, TensorData) {
     .await;
     let mut target_config = NodeConfig {
         devices: devices(&["flex"]),
-        pull_retries: 2,
-        retry_backoff: Duration::from_millis(20),
+        pulls: PullConfig {
+            retries: 2,
+            retry_backoff: Duration::from_millis(20),
+            ..PullConfig::default()
+        },
         ..NodeConfig::default()
     };
-    target_config.peer_limits.idle_timeout = Duration::from_secs(1);
+    target_config.pulls.peer_limits.idle_timeout = Duration::from_secs(1);
     let b = start(target_config, ServiceConfig::default()).await;
     // 4 MiB in 64 KiB chunks: the fault lands mid-stream.
     let data = samples::plain(DType::F32, &[1024, 1024], 3);
@@ -889,7 +899,10 @@ async fn outstanding_grants_are_capped_per_client_and_revoked_with_its_connectio
     let a = start(
         NodeConfig {
             devices: devices(&["flex"]),
-            max_grants_per_client: 8,
+            limits: NodeLimits {
+                max_grants_per_client: 8,
+                ..NodeLimits::default()
+            },
             ..NodeConfig::default()
         },
         ServiceConfig::default(),
@@ -1022,8 +1035,11 @@ async fn a_node_pulls_only_from_its_listed_peers() {
     let b = start(
         NodeConfig {
             devices: devices(&["flex"]),
-            peer_token: Some("the-peer-token".into()),
-            peers: PeerPolicy::Listed(vec![Peer::at(a.addr.to_string())]),
+            pulls: PullConfig {
+                peer_token: Some("the-peer-token".into()),
+                peers: PeerPolicy::Listed(vec![Peer::at(a.addr.to_string())]),
+                ..PullConfig::default()
+            },
             ..NodeConfig::default()
         },
         ServiceConfig::default(),
@@ -1113,8 +1129,11 @@ async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
     let b = start(
         NodeConfig {
             devices: devices(&["flex"]),
-            peer_token: Some("node-token".into()),
-            peers: PeerPolicy::Listed(vec![Peer::at(a.addr.to_string())]),
+            pulls: PullConfig {
+                peer_token: Some("node-token".into()),
+                peers: PeerPolicy::Listed(vec![Peer::at(a.addr.to_string())]),
+                ..PullConfig::default()
+            },
             ..NodeConfig::default()
         },
         service(),
@@ -1176,8 +1195,11 @@ async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_cho
     let open = start(
         NodeConfig {
             devices: devices(&["flex"]),
-            peer_token: Some("shared".into()),
-            peers: PeerPolicy::Any,
+            pulls: PullConfig {
+                peer_token: Some("shared".into()),
+                peers: PeerPolicy::Any,
+                ..PullConfig::default()
+            },
             ..NodeConfig::default()
         },
         service(),
@@ -1256,11 +1278,14 @@ async fn a_pull_whose_only_chunk_is_lost_after_it_was_sent_resumes_from_the_star
     let a = start_with(&["flex"]).await;
     let mut config = NodeConfig {
         devices: devices(&["flex"]),
-        pull_retries: 2,
-        retry_backoff: Duration::from_millis(20),
+        pulls: PullConfig {
+            retries: 2,
+            retry_backoff: Duration::from_millis(20),
+            ..PullConfig::default()
+        },
         ..NodeConfig::default()
     };
-    config.peer_limits.idle_timeout = Duration::from_secs(1);
+    config.pulls.peer_limits.idle_timeout = Duration::from_secs(1);
     let b = start(config, ServiceConfig::default()).await;
     let data = samples::plain(DType::F32, &[256, 1024], 8);
     a.client()

@@ -5,6 +5,7 @@
 //! wrote (seeded: `FERRY_POOL_SEED`).
 
 use ferry::proto::{IfExists, TransferPath};
+use ferry::server::PullConfig;
 use ferry::testing::copy_keys;
 use std::time::Duration;
 
@@ -28,11 +29,14 @@ async fn pooled_node(pool: &Pool, pull_retries: u32) -> TestNode {
     let mut config = NodeConfig {
         devices: devices(&["flex"]),
         receive_buffers: ReceiveBuffers::Pool(pool.clone()),
-        pull_retries,
-        retry_backoff: Duration::from_millis(20),
+        pulls: PullConfig {
+            retries: pull_retries,
+            retry_backoff: Duration::from_millis(20),
+            ..PullConfig::default()
+        },
         ..NodeConfig::default()
     };
-    config.peer_limits.idle_timeout = Duration::from_secs(1);
+    config.pulls.peer_limits.idle_timeout = Duration::from_secs(1);
     start(config, ServiceConfig::default()).await
 }
 

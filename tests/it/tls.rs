@@ -4,6 +4,7 @@
 //! certificate at all; and bytes altered on the path fail the connection, registering nothing.
 
 use ferry::proto::{IfExists, TransferPath};
+use ferry::server::PullConfig;
 use ferry::testing::copy_keys;
 use std::path::Path;
 use std::sync::Arc;
@@ -34,9 +35,12 @@ async fn tls_node(tls: NodeTls, peers: PeerPolicy, pull_retries: u32) -> TestNod
         NodeConfig {
             devices: devices(&["flex", "ndarray"]),
             tls: Some(tls),
-            peers,
-            pull_retries,
-            retry_backoff: Duration::from_millis(20),
+            pulls: PullConfig {
+                peers,
+                retries: pull_retries,
+                retry_backoff: Duration::from_millis(20),
+                ..PullConfig::default()
+            },
             ..NodeConfig::default()
         },
         service,
@@ -457,7 +461,10 @@ async fn a_peer_listed_by_name_is_pulled_from_only_if_its_certificate_carries_th
     // A name no certificate could show (no TLS on this node) is refused at start.
     let config = NodeConfig {
         devices: devices(&["flex"]),
-        peers: PeerPolicy::Listed(vec![Peer::named("node-a", addr.clone())]),
+        pulls: PullConfig {
+            peers: PeerPolicy::Listed(vec![Peer::named("node-a", addr.clone())]),
+            ..PullConfig::default()
+        },
         ..NodeConfig::default()
     };
     let error = ferry::server::Node::start(config).err().unwrap();

@@ -1,13 +1,14 @@
 //! `ferry-server`: runs a ferry node on TCP (and a Unix socket if asked) until Ctrl-C or SIGTERM.
 
+use ferry_server::{NodeLimits, PullConfig};
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use ferry_io::ConnectionLimits;
 use ferry_io::credential::{Credential, parse_token_file, token_from_file};
+use ferry_io::{ConnectionLimits, SharedMemory};
 use ferry_server::{
     DeviceSpec, Node, NodeConfig, PeerPolicy, ReceiveBuffers, Service, ServiceConfig,
     TransferPolicy,
@@ -365,37 +366,11 @@ async fn serve() -> anyhow::Result<()> {
     let mut config = NodeConfig {
         node_id: args.node_id.map(ferry_proto::NodeId::from),
         tls,
-        peers: {
-            let listed: Vec<ferry_server::Peer> = args
-                .peers
-                .iter()
-                .map(|p| ferry_server::Peer {
-                    // As a client would name it (a `unix:` path written the one way).
-                    addr: ferry_io::Endpoint::parse(&p.addr).to_string(),
-                    identity: p.identity.clone(),
-                })
-                .collect();
-            if args.cluster.is_some() {
-                // A cluster node pulls from the members etcd lists (and the listed peers).
-                PeerPolicy::Members {
-                    members: ferry_server::ClusterMembers::new(),
-                    listed,
-                }
-            } else if !listed.is_empty() || peer_token.is_some() {
-                PeerPolicy::Listed(listed)
-            } else {
-                PeerPolicy::Any
-            }
+        shared_memory: if args.no_shm {
+            SharedMemory::Decline
+        } else {
+            SharedMemory::Offer
         },
-        peer_token: peer_token.map(ferry_proto::Token::from),
-        capability_ttl: Duration::from_secs(args.capability_ttl),
-        pull_retries: args.pull_retries,
-        peer_limits: limits,
-        shared_memory: !args.no_shm,
-        max_tensor_bytes: args.max_tensor_bytes.as_u64(),
-        memory_limit: args.memory_limit.map(|b| b.as_u64()),
-        max_tensors: Some(args.max_tensors),
-        max_grants_per_client: args.max_grants,
         policy: args
             .transfer
             .parse::<TransferPolicy>()
@@ -406,6 +381,41 @@ async fn serve() -> anyhow::Result<()> {
                 min_bytes: ferry_io::connection::KEEP_REGION_MIN,
             },
             None => ReceiveBuffers::Fresh,
+        },
+        limits: NodeLimits {
+            capability_ttl: Duration::from_secs(args.capability_ttl),
+            max_tensor_bytes: args.max_tensor_bytes.as_u64(),
+            memory_limit: args.memory_limit.map(|b| b.as_u64()),
+            max_tensors: Some(args.max_tensors),
+            max_grants_per_client: args.max_grants,
+        },
+        pulls: PullConfig {
+            peers: {
+                let listed: Vec<ferry_server::Peer> = args
+                    .peers
+                    .iter()
+                    .map(|p| ferry_server::Peer {
+                        // As a client would name it (a `unix:` path written the one way).
+                        addr: ferry_io::Endpoint::parse(&p.addr).to_string(),
+                        identity: p.identity.clone(),
+                    })
+                    .collect();
+                if args.cluster.is_some() {
+                    // A cluster node pulls from the members etcd lists (and the listed peers).
+                    PeerPolicy::Members {
+                        members: ferry_server::ClusterMembers::new(),
+                        listed,
+                    }
+                } else if !listed.is_empty() || peer_token.is_some() {
+                    PeerPolicy::Listed(listed)
+                } else {
+                    PeerPolicy::Any
+                }
+            },
+            peer_token: peer_token.map(ferry_proto::Token::from),
+            retries: args.pull_retries,
+            peer_limits: limits,
+            ..PullConfig::default()
         },
         ..NodeConfig::default()
     };

@@ -50,7 +50,7 @@ impl Node {
         existing: IfExists,
     ) -> Result<Admission, NodeError> {
         validate_name(name)?;
-        let limit = self.inner.config.max_tensor_bytes;
+        let limit = self.inner.config.limits.max_tensor_bytes;
         if bytes > limit {
             return Err(NodeError::TensorTooLarge { bytes, limit });
         }
@@ -95,7 +95,7 @@ impl Node {
         device: u32,
         meta: TensorMeta,
     ) -> Result<TensorAssembler, NodeError> {
-        let max = self.config().max_tensor_bytes;
+        let max = self.config().limits.max_tensor_bytes;
         let receiver = if self.device(device)?.kind() == BackendKind::Flex {
             match &self.config().receive_buffers {
                 ReceiveBuffers::Pool(pool) => TensorAssembler::new_pooled(meta, max, pool),

@@ -95,12 +95,12 @@ impl Node {
             });
         }
         let (desc, content_hash) = self.describe_verified(key).await?;
-        let ttl = self.inner.config.capability_ttl;
+        let ttl = self.inner.config.limits.capability_ttl;
         let token = CapabilityToken::new(format!("{:032x}", rand::random::<u128>()));
         let now = Instant::now();
         let mut capabilities = self.capabilities();
         capabilities.retain(|_, c| c.expires > now);
-        let cap = self.inner.config.max_grants_per_client;
+        let cap = self.inner.config.limits.max_grants_per_client;
         let held = capabilities
             .values()
             .filter(|c| c.granted_to == client)
@@ -250,7 +250,7 @@ impl Drop for FetchLease {
     fn drop(&mut self) {
         // Whatever was read for this fetch is freed with it; the capability stays only long
         // enough for the same node to release it or resume.
-        let window = self.node.inner.config.peer_limits.idle_timeout;
+        let window = self.node.inner.config.pulls.peer_limits.idle_timeout;
         let mut capabilities = self.node.capabilities();
         if let Some(capability) = capabilities.get_mut(&self.token)
             && capability.generation == self.generation

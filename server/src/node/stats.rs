@@ -74,7 +74,7 @@ impl Node {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
-            shared_memory: self.inner.config.shared_memory
+            shared_memory: self.inner.config.shared_memory == ferry_io::SharedMemory::Offer
                 && ferry_io::connection::shared_memory_supported(),
             shm_payloads_sent: c.shm_sent,
             shm_payloads_received: c.shm_received,

@@ -19,7 +19,6 @@ use ferry_proto::{ErrorCode, ErrorReply, Response};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{Semaphore, broadcast, mpsc};
 
-use crate::error::NodeError;
 use crate::node::{Node, Refused};
 use crate::peer::PeerLink;
 use awaiting_hello::{AwaitingHello, Place};
@@ -451,22 +450,4 @@ async fn refuse(socket: Stream, node: Node, full: Full) {
         message,
     });
     let _ = tokio::time::timeout(Duration::from_secs(1), conn.write_response(&reply)).await;
-}
-
-/// The assembled tensor, its content hash and the region it was received into (sealed), off the
-/// runtime: the hashing thread may still be a chunk or two behind the receiver.
-pub(crate) async fn finish_hashed(
-    assembler: ferry_io::TensorAssembler,
-) -> Result<
-    (
-        burn_backend::TensorData,
-        ferry_proto::ContentHash,
-        ferry_io::assembler::Sealed,
-    ),
-    NodeError,
-> {
-    tokio::task::spawn_blocking(move || assembler.finish_hashed_sealed())
-        .await
-        .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))?
-        .map_err(NodeError::Received)
 }

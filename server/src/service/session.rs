@@ -140,7 +140,7 @@ impl Session<'_> {
         let policy = handshake::Policy {
             credentials: &self.config.credentials,
             agent: AGENT,
-            shared_memory: self.node.config().shared_memory,
+            shared_memory: self.node.config().shared_memory == ferry_io::SharedMemory::Offer,
             peer: self.client,
             deadline: self
                 .hello_by

@@ -2,6 +2,7 @@
 //! sockets): files in, copies, files out, compared tensor by tensor, and every error path giving
 //! a non-zero exit and one `error:` line.
 
+use ferry::server::PullConfig;
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -35,7 +36,10 @@ fn unix_server(path: &Path) -> BackgroundNode {
         ..ConnectionLimits::default()
     };
     let config = NodeConfig {
-        peer_limits: limits,
+        pulls: PullConfig {
+            peer_limits: limits,
+            ..PullConfig::default()
+        },
         ..node_config()
     };
     let service = ServiceConfig {
@@ -447,7 +451,10 @@ fn certificates_from_ferry_certs_carry_a_model_between_nodes_over_mutual_tls() {
     let tls_node = |name: &str, peers: ferry::server::PeerPolicy| {
         let config = NodeConfig {
             tls: Some(ferry::io::NodeTls::load(&files(name)).unwrap()),
-            peers,
+            pulls: PullConfig {
+                peers,
+                ..PullConfig::default()
+            },
             ..node_config()
         };
         BackgroundNode::start(config, ServiceConfig::default(), None)

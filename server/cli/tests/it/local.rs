@@ -151,7 +151,7 @@ async fn a_node_without_shared_memory_is_still_reached_over_its_unix_socket() {
     let _serial = REGIONS.lock().await;
     let node = start_unix(
         NodeConfig {
-            shared_memory: false,
+            shared_memory: ferry::io::SharedMemory::Decline,
             ..NodeConfig::default()
         },
         ServiceConfig::default(),

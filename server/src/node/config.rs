@@ -1,0 +1,165 @@
+//! A node's configuration: what it hosts ([`NodeConfig`]), the limits it keeps
+//! ([`NodeLimits`]), how it pulls from other nodes ([`PullConfig`]) and where its receives land
+//! ([`ReceiveBuffers`]).
+
+use std::time::Duration;
+
+use ferry_io::{ConnectionLimits, NodeTls, SharedMemory};
+use ferry_proto::{NodeId, Token};
+
+use crate::backend::DeviceSpec;
+use crate::engine::TransferPolicy;
+use crate::node::{DEFAULT_MAX_GRANTS, PeerPolicy};
+
+/// The default [`NodeLimits::max_tensors`].
+pub const DEFAULT_MAX_TENSORS: u64 = 1_000_000;
+
+/// What a node hosts, who it is, and how it behaves. Its `Debug` never shows the peer token.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The devices, in index order.
+    pub devices: Vec<DeviceSpec>,
+    /// What the node holds at most.
+    pub limits: NodeLimits,
+    /// Which transfer paths may be taken.
+    pub policy: TransferPolicy,
+    /// The node's id; a random one when absent. Under TLS the id is the certificate's identity,
+    /// and an id given here must be the same.
+    pub node_id: Option<NodeId>,
+    /// Mutual TLS on every TCP link, served and opened (to peers): the node's certificate, key
+    /// and CA. The node's identity is then its certificate's, and a peer that fetches under a
+    /// capability is who its certificate says; `None` for TCP in clear.
+    pub tls: Option<NodeTls>,
+    /// How it pulls from other nodes.
+    pub pulls: PullConfig,
+    /// Shared memory for payloads on Unix-socket connections whose other side agrees (clients,
+    /// and peers this node pulls from): agreed to and offered, or declined.
+    pub shared_memory: SharedMemory,
+    /// Where large receives on Flex devices land.
+    pub receive_buffers: ReceiveBuffers,
+}
+
+/// What a node holds at most, and for how long it lends a tensor out.
+#[derive(Debug, Clone)]
+pub struct NodeLimits {
+    /// The largest tensor accepted, in bytes.
+    pub max_tensor_bytes: u64,
+    /// A memory budget per device, in bytes: tensors (each with
+    /// [`TENSOR_OVERHEAD`](crate::device::TENSOR_OVERHEAD)), transfers in flight and host copies
+    /// being sent.
+    pub memory_limit: Option<u64>,
+    /// The most tensors one device holds.
+    pub max_tensors: Option<u64>,
+    /// The most capabilities one client (one connection) may hold outstanding at once.
+    pub max_grants_per_client: usize,
+    /// How long a capability this node issues stays valid.
+    pub capability_ttl: Duration,
+}
+
+/// How a node pulls from other nodes: which it may reach, what it presents, how it retries.
+#[derive(Debug, Clone)]
+pub struct PullConfig {
+    /// Which nodes this node pulls from (and so sends its peer token to).
+    pub peers: PeerPolicy,
+    /// The token this node presents to the nodes it pulls from (its `Debug` never shows it).
+    pub peer_token: Option<Token>,
+    /// Frame, chunk and idle limits of the connections this node opens to peers; the idle
+    /// timeout is how long a silent source may stall a pull.
+    pub peer_limits: ConnectionLimits,
+    /// How often a pull reconnects after a transient drop before it gives up.
+    pub retries: u32,
+    /// The wait before the first reconnection; it doubles with each further one.
+    pub retry_backoff: Duration,
+}
+
+/// Where a node's large receives on Flex devices (puts and pulls, by any link but a sealed
+/// region, which is adopted as it is) land. One choice per node: a pool's memory is reused, so
+/// it can never be sealed and shared; a shareable region is sealed for good, so it can never go
+/// back to a pool.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub enum ReceiveBuffers {
+    /// New memory, or a freed buffer the process recycles (`--recycle`).
+    #[default]
+    Fresh,
+    /// The node's receive pool (`--pool`), reserved and touched by whoever starts the node:
+    /// payloads it cannot hold go to fresh memory.
+    Pool(ferry_io::Pool),
+    /// A new shared-memory region each for payloads of `min_bytes` and more (the command line
+    /// uses [`KEEP_REGION_MIN`](ferry_io::connection::KEEP_REGION_MIN), the size from which a
+    /// region that arrived sealed is kept), sealed once complete (`--shareable-receives`): every
+    /// such tensor the node holds can go on to a same-host peer without a copy, whichever link
+    /// it arrived by.
+    Shareable {
+        /// The smallest payload received into a region.
+        min_bytes: usize,
+    },
+}
+
+impl ReceiveBuffers {
+    /// The pool, where there is one.
+    pub fn pool(&self) -> Option<&ferry_io::Pool> {
+        match self {
+            ReceiveBuffers::Pool(pool) => Some(pool),
+            ReceiveBuffers::Fresh | ReceiveBuffers::Shareable { .. } => None,
+        }
+    }
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            devices: vec![DeviceSpec::Flex, DeviceSpec::Flex],
+            limits: NodeLimits::default(),
+            policy: TransferPolicy::Auto,
+            node_id: None,
+            tls: None,
+            pulls: PullConfig::default(),
+            shared_memory: SharedMemory::Offer,
+            receive_buffers: ReceiveBuffers::Fresh,
+        }
+    }
+}
+
+impl Default for NodeLimits {
+    fn default() -> Self {
+        Self {
+            max_tensor_bytes: 16 << 30,
+            memory_limit: None,
+            max_tensors: Some(DEFAULT_MAX_TENSORS),
+            max_grants_per_client: DEFAULT_MAX_GRANTS,
+            capability_ttl: Duration::from_secs(300),
+        }
+    }
+}
+
+impl Default for PullConfig {
+    fn default() -> Self {
+        Self {
+            peers: PeerPolicy::Any,
+            peer_token: None,
+            peer_limits: ConnectionLimits::default(),
+            retries: 3,
+            retry_backoff: Duration::from_millis(100),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_printed_for_debugging_does_not_show_the_peer_token() {
+        let config = NodeConfig {
+            pulls: PullConfig {
+                peer_token: Some("s3cret-peer-token".into()),
+                ..PullConfig::default()
+            },
+            ..NodeConfig::default()
+        };
+        let printed = format!("{config:?}");
+        assert!(!printed.contains("s3cret"), "{printed}");
+        assert!(printed.contains("<redacted>"), "{printed}");
+    }
+}
