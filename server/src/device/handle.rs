@@ -55,7 +55,7 @@ impl DeviceHandle {
         &self.budget
     }
 
-    /// Its memory budget in bytes ([`NodeConfig::memory_limit`](crate::NodeConfig::memory_limit)),
+    /// Its memory budget in bytes ([`NodeLimits::memory_limit`](crate::NodeLimits::memory_limit)),
     /// if it has one.
     pub fn memory_limit(&self) -> Option<u64> {
         self.budget.limit()

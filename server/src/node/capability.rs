@@ -17,7 +17,7 @@ use crate::node::Node;
 /// asked for them, only a node whose every connection asks for its cap reaches it.
 const MAX_CAPABILITIES: usize = 65_536;
 
-/// The default [`NodeConfig::max_grants_per_client`](crate::NodeConfig::max_grants_per_client).
+/// The default [`NodeLimits::max_grants_per_client`](crate::NodeLimits::max_grants_per_client).
 pub const DEFAULT_MAX_GRANTS: usize = 64;
 
 /// One client of the node (a connection), as capabilities know it.
