@@ -8,7 +8,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use burn_backend::quantization::QuantStore;
-use burn_backend::{Backend, DType, TensorData, read_sync};
+use burn_backend::{Backend, DType, TensorData, TensorMetadata, read_sync};
 use ferry_proto::dtype_name;
 
 use crate::error::NodeError;
@@ -308,6 +308,17 @@ pub fn contain<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, NodeError> {
 }
 
 impl<B: Backend> Primitive<B> {
+    /// The dtype and shape Burn gives the tensor.
+    pub fn dtype_and_shape(&self) -> (DType, Vec<usize>) {
+        let (dtype, shape) = match self {
+            Primitive::Float(t) => (t.dtype(), t.shape()),
+            Primitive::Int(t) => (t.dtype(), t.shape()),
+            Primitive::Bool(t) => (t.dtype(), t.shape()),
+            Primitive::Quantized(t) => (t.dtype(), t.shape()),
+        };
+        (dtype, shape.as_slice().to_vec())
+    }
+
     /// Builds the tensor on `device`. The caller has validated `data` against the byte-length
     /// rule and checked the device's [`HoldsTable`].
     pub fn from_data(data: TensorData, device: &B::Device) -> Result<Self, NodeError> {

@@ -19,6 +19,14 @@ pub enum NodeError {
     /// No tensor under that key.
     #[error("no tensor {0}")]
     NotFound(TensorKey),
+    /// A backend primitive handed in or asked for on a device of another backend.
+    #[error("device {device} is a {backend} device, not one of the backend asked for")]
+    OtherBackend {
+        /// The device's index.
+        device: u32,
+        /// Its backend.
+        backend: &'static str,
+    },
     /// A tensor already exists under that key.
     #[error("tensor {0} already exists (pass overwrite to replace it)")]
     AlreadyExists(TensorKey),
@@ -242,6 +250,7 @@ impl NodeError {
             )) => ErrorCode::LimitExceeded,
             NodeError::Meta(_) | NodeError::Received(_) => ErrorCode::BadRequest,
             NodeError::NotFound(_) => ErrorCode::NotFound,
+            NodeError::OtherBackend { .. } => ErrorCode::BadRequest,
             NodeError::AlreadyExists(_) => ErrorCode::AlreadyExists,
             NodeError::UnsupportedDType { .. } => ErrorCode::UnsupportedDType,
             NodeError::TensorTooLarge { .. }

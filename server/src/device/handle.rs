@@ -21,6 +21,9 @@ use crate::holds::HoldsTable;
 pub struct DeviceHandle {
     pub(super) index: u32,
     pub(super) kind: BackendKind,
+    /// The Burn backend type its worker runs (two kinds may share one, two builds of one kind
+    /// may not).
+    pub(super) backend: std::any::TypeId,
     pub(super) label: String,
     pub(super) tx: mpsc::Sender<Command>,
     pub(super) budget: Arc<Budget>,
@@ -43,6 +46,12 @@ impl DeviceHandle {
     /// Its backend.
     pub fn kind(&self) -> BackendKind {
         self.kind
+    }
+
+    /// Whether its worker runs Burn backend `B`: a primitive of `B` can be handed to it, and
+    /// its tensors handed out as primitives of `B`.
+    pub fn runs<B: burn_backend::Backend>(&self) -> bool {
+        self.backend == std::any::TypeId::of::<B>()
     }
 
     /// Its Burn device, readable.

@@ -24,6 +24,6 @@ pub(crate) use command::{Command, Reply};
 pub use desc::{HashState, TensorDesc, Version};
 pub use ferry_proto::IfExists;
 pub use handle::DeviceHandle;
-pub(crate) use payload::{Arrived, Exported, HostBytes, Payload};
+pub(crate) use payload::{Arrived, Exported, HostBytes, NativeTensor, Payload};
 pub(crate) use verify::KnownHash;
 pub(crate) use worker::spawn;

@@ -21,6 +21,34 @@ pub(crate) struct NativeTensor {
     pub(super) content_hash: HashState,
 }
 
+impl NativeTensor {
+    /// A primitive an application hands in: its content hash is unknown, so the worker computes
+    /// it (from the registered bytes in place where it can read them, before registering
+    /// otherwise), as for a put.
+    pub(crate) fn handed_in<B: burn_backend::Backend>(
+        primitive: crate::Primitive<B>,
+        dtype: DType,
+        shape: Vec<usize>,
+        bytes: u64,
+    ) -> Self {
+        Self {
+            primitive: Box::new(primitive),
+            dtype,
+            shape,
+            bytes,
+            content_hash: HashState::Computing,
+        }
+    }
+
+    /// The primitive, where it is one of backend `B`.
+    pub(crate) fn into_primitive<B: burn_backend::Backend>(self) -> Option<crate::Primitive<B>> {
+        self.primitive
+            .downcast::<crate::Primitive<B>>()
+            .ok()
+            .map(|primitive| *primitive)
+    }
+}
+
 impl std::fmt::Debug for NativeTensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NativeTensor")

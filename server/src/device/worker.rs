@@ -165,6 +165,7 @@ fn spawn_on<B: Backend>(
     let handle = DeviceHandle {
         index,
         kind,
+        backend: std::any::TypeId::of::<B>(),
         label,
         tx,
         budget,

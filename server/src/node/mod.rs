@@ -7,6 +7,7 @@
 mod admission;
 mod capability;
 mod config;
+mod native;
 mod peer_policy;
 mod recorder;
 mod stats;
@@ -46,6 +47,8 @@ struct Inner {
     /// The Unix socket the service listens on, for `stat`.
     unix_socket: Mutex<Option<String>>,
     threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// When the node started, for `stat`'s uptime.
+    started: std::time::Instant,
 }
 
 impl Drop for Inner {
@@ -128,6 +131,7 @@ impl Node {
                 recorder: Recorder::default(),
                 unix_socket: Mutex::new(None),
                 threads: std::sync::Mutex::new(threads),
+                started: std::time::Instant::now(),
             }),
         })
     }

@@ -89,9 +89,7 @@ impl Node {
             pool_bytes: pool.as_ref().map_or(0, |p| p.capacity() as u64),
             pool_free_bytes: pool.as_ref().map_or(0, |p| p.free_bytes() as u64),
             pool_misses: pool.as_ref().map_or(0, |p| p.misses()),
-            // The node keeps no start instant yet (`Inner` in node/mod.rs): 0 reads as "not
-            // known", as from a node older than minor 7.
-            uptime_ms: 0,
+            uptime_ms: u64::try_from(self.inner.started.elapsed().as_millis()).unwrap_or(u64::MAX),
         })
     }
 }

@@ -40,8 +40,13 @@ pub(crate) async fn stat(cli: &Cli, node: &str, json: bool, holds: bool) -> anyh
         }
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
+        // 0: a node of a minor before 7, which does not say.
+        let up = match stats.uptime_ms {
+            0 => String::new(),
+            ms => format!(", up {:.0} s", ms as f64 / 1e3),
+        };
         println!(
-            "{} {} ({} policy)",
+            "{} {} ({} policy{up})",
             stats.agent, stats.node_id, stats.transfer_policy
         );
         for d in &stats.devices {

@@ -1,0 +1,34 @@
+//! `HandoffError`: why a tensor could not be handed between a node and a Burn program.
+
+use ferry_server::NodeError;
+
+/// Why a handoff failed. Nothing was registered, removed or converted.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandoffError {
+    /// The node refused (no such tensor, no room, a device of another backend, ...).
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    /// The tensor is of another kind than the one asked for (a float asked as `Int`, ...).
+    #[error("a {dtype} tensor is not a {asked} tensor")]
+    Kind {
+        /// The tensor's dtype, readable.
+        dtype: String,
+        /// The kind asked for.
+        asked: &'static str,
+    },
+    /// The tensor has another rank than the one asked for.
+    #[error("a tensor of shape {shape:?} has rank {}, not {asked}", shape.len())]
+    Rank {
+        /// The tensor's shape.
+        shape: Vec<usize>,
+        /// The rank asked for.
+        asked: usize,
+    },
+    /// The tensor does not live on the Flex device (another backend, or one that records
+    /// gradients): a handoff with no copy needs the node's own backend.
+    #[error(
+        "the tensor is not a Flex tensor ({0}); only Flex tensors are handed over without a copy"
+    )]
+    NotFlex(String),
+}
