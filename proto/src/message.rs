@@ -481,6 +481,26 @@ impl ErrorCode {
         )
     }
 
+    /// Every code, in wire order: its index here is its index on the wire (a test decodes one
+    /// past the last, which must fail, so that a code added later is added here too).
+    pub const ALL: [ErrorCode; 15] = [
+        ErrorCode::Protocol,
+        ErrorCode::BadRequest,
+        ErrorCode::NotFound,
+        ErrorCode::AlreadyExists,
+        ErrorCode::UnsupportedDType,
+        ErrorCode::LimitExceeded,
+        ErrorCode::AuthRefused,
+        ErrorCode::Backend,
+        ErrorCode::ShuttingDown,
+        ErrorCode::VersionMismatch,
+        ErrorCode::CapabilityRefused,
+        ErrorCode::PeerFailed,
+        ErrorCode::Changed,
+        ErrorCode::Integrity,
+        ErrorCode::Busy,
+    ];
+
     /// The protocol minor that added it.
     pub fn since_minor(self) -> u16 {
         // Every code by name, so that a code added later cannot default to minor 0.

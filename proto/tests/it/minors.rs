@@ -12,24 +12,6 @@ use ferry_proto::{
     PROTOCOL_VERSION, Request, Response, TensorKey, Welcome,
 };
 
-const ERROR_CODES: [ErrorCode; 15] = [
-    ErrorCode::Protocol,
-    ErrorCode::BadRequest,
-    ErrorCode::NotFound,
-    ErrorCode::AlreadyExists,
-    ErrorCode::UnsupportedDType,
-    ErrorCode::LimitExceeded,
-    ErrorCode::AuthRefused,
-    ErrorCode::Backend,
-    ErrorCode::ShuttingDown,
-    ErrorCode::VersionMismatch,
-    ErrorCode::CapabilityRefused,
-    ErrorCode::PeerFailed,
-    ErrorCode::Changed,
-    ErrorCode::Integrity,
-    ErrorCode::Busy,
-];
-
 fn body(frame: &[u8]) -> &[u8] {
     &frame[HEADER_LEN..]
 }
@@ -68,7 +50,7 @@ fn stats() -> NodeStats {
 #[test]
 fn an_error_code_the_peer_lacks_goes_as_the_closest_it_knows() {
     for minor in 0..=PROTOCOL_MINOR {
-        for code in ERROR_CODES {
+        for code in ErrorCode::ALL {
             let frame = encode_response_for(&error(code), minor).unwrap();
             let Response::Error(got) = decode_response_from(body(&frame), minor).unwrap() else {
                 panic!("not an error");
@@ -257,4 +239,24 @@ fn statistics_outside_the_wire_have_every_field_by_name() {
     assert_eq!(old.devices[0].index, 2);
     assert_eq!(old.uptime_ms, 0);
     assert!(serde_json::from_str::<NodeStats>(r#"{"agent": "a", "agent": "b"}"#).is_err());
+}
+
+/// `ErrorCode::ALL` is every code, in wire order: each encodes as its index, and the index past
+/// the last decodes as no code at all.
+#[test]
+fn error_code_all_is_every_code_in_wire_order() {
+    for (index, code) in ErrorCode::ALL.into_iter().enumerate() {
+        let frame = encode_response(&error(code)).unwrap();
+        // `Error` is variant 6 of `Response`, then the reply's code.
+        assert_eq!(
+            body(&frame)[..8],
+            [6, 0, 0, 0, index as u8, 0, 0, 0],
+            "{code:?}"
+        );
+    }
+    let past = ErrorCode::ALL.len() as u8;
+    let mut forged = vec![6, 0, 0, 0, past, 0, 0, 0];
+    forged.extend_from_slice(&0u64.to_le_bytes());
+    let read = decode_response_from(&forged, PROTOCOL_MINOR);
+    assert!(matches!(read, Err(FrameError::Malformed(_))), "{read:?}");
 }

@@ -32,24 +32,6 @@ use proptest::sample::select;
 // Strategies
 // ---------------------------------------------------------------------------------------------
 
-const ERROR_CODES: [ErrorCode; 15] = [
-    ErrorCode::Protocol,
-    ErrorCode::BadRequest,
-    ErrorCode::NotFound,
-    ErrorCode::AlreadyExists,
-    ErrorCode::UnsupportedDType,
-    ErrorCode::LimitExceeded,
-    ErrorCode::AuthRefused,
-    ErrorCode::Backend,
-    ErrorCode::ShuttingDown,
-    ErrorCode::VersionMismatch,
-    ErrorCode::CapabilityRefused,
-    ErrorCode::PeerFailed,
-    ErrorCode::Changed,
-    ErrorCode::Integrity,
-    ErrorCode::Busy,
-];
-
 /// Any scheme Burn's builders make: every field random, block extents 1..=8 over 1..=5 dims
 /// (leading 1s included: Burn drops them), packing dims past the rank included.
 fn arb_scheme() -> BoxedStrategy<QuantScheme> {
@@ -396,7 +378,7 @@ fn arb_response() -> BoxedStrategy<Response> {
         arb_info().prop_map(Response::Deleted),
         vec(arb_info(), 0..4).prop_map(Response::Listing),
         arb_node_stats().prop_map(Response::Stats),
-        (select(&ERROR_CODES[..]), arb_text())
+        (select(&ErrorCode::ALL[..]), arb_text())
             .prop_map(|(code, message)| Response::Error(ErrorReply { code, message })),
         Just(Response::Ready),
         arb_text().prop_map(|node_id| Response::Identity {
