@@ -66,9 +66,8 @@ fn main() {
         let mut outs = Vec::with_capacity(RUNS);
         runtime.block_on(async {
             for _ in 0..RUNS {
-                let handed = tensor.clone();
                 let started = Instant::now();
-                node.insert_tensor(&key, handed, IfExists::Replace)
+                node.insert_tensor(&key, &tensor, IfExists::Replace)
                     .await
                     .unwrap();
                 ins.push(started.elapsed());

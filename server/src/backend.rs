@@ -319,6 +319,36 @@ impl<B: Backend> Primitive<B> {
         (dtype, shape.as_slice().to_vec())
     }
 
+    /// Whether the variant is the one its dtype calls for (Flex's float, int and bool tensors are
+    /// one type, so a caller could wrap one in another's variant).
+    pub fn variant_fits_dtype(&self) -> bool {
+        let (dtype, _) = self.dtype_and_shape();
+        match self {
+            Primitive::Float(_) => dtype.is_float(),
+            Primitive::Int(_) => dtype.is_int() || dtype.is_uint(),
+            Primitive::Bool(_) => matches!(dtype, DType::Bool(_)),
+            Primitive::Quantized(_) => matches!(dtype, DType::QFloat(_)),
+        }
+    }
+
+    /// The host bytes the tensor keeps alive, where the backend says (Flex): a view (a slice, a
+    /// narrow) keeps its whole parent buffer, more than its own payload.
+    pub(crate) fn held_host_bytes(&self) -> Option<u64> {
+        let any: &dyn std::any::Any = match self {
+            Primitive::Float(t) => t,
+            Primitive::Int(t) => t,
+            Primitive::Bool(t) => t,
+            Primitive::Quantized(q) => {
+                let q: &dyn std::any::Any = q;
+                let q = q.downcast_ref::<burn_flex::FlexQTensor>()?;
+                let scales = std::mem::size_of_val(q.scales()) as u64;
+                return Some(q.tensor().bytes().len() as u64 + scales);
+            }
+        };
+        let flex = any.downcast_ref::<burn_flex::FlexTensor>()?;
+        Some(flex.bytes().len() as u64)
+    }
+
     /// Builds the tensor on `device`. The caller has validated `data` against the byte-length
     /// rule and checked the device's [`HoldsTable`].
     pub fn from_data(data: TensorData, device: &B::Device) -> Result<Self, NodeError> {

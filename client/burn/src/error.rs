@@ -25,6 +25,13 @@ pub enum HandoffError {
         /// The rank asked for.
         asked: usize,
     },
+    /// Flex stores the dtype but cannot compute with it (a 4-byte bool store, Flex32): a tensor
+    /// handed out would panic at its first operation.
+    #[error("Flex stores {dtype} but cannot compute with it; read it as data instead")]
+    NotOperable {
+        /// The dtype, readable.
+        dtype: String,
+    },
     /// The tensor does not live on the Flex device (another backend, or one that records
     /// gradients): a handoff with no copy needs the node's own backend.
     #[error(

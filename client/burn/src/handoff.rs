@@ -3,9 +3,9 @@
 
 use std::any::TypeId;
 
-use burn_backend::DType;
+use burn_backend::{Backend, DType, DTypeUsage};
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
-use burn_flex::Flex;
+use burn_flex::{Flex, FlexDevice};
 use burn_tensor::kind::Basic;
 use burn_tensor::{Bool, Float, Int, Tensor};
 use ferry_proto::dtype_name;
@@ -66,10 +66,24 @@ pub(crate) fn from_flex<const D: usize, K: Basic + 'static>(
     if shape.len() != D {
         return Err(HandoffError::Rank { shape, asked: D });
     }
+    // Flex stores some dtypes it cannot compute with (a 4-byte bool store, Flex32): such a
+    // tensor would panic at its first operation in the program, so it is not handed out.
+    let usage = Flex::dtype_usage(&FlexDevice, dtype);
+    let needs_arithmetic = !matches!(dtype, DType::QFloat(_));
+    if !usage.contains(DTypeUsage::Storage)
+        || (needs_arithmetic && !usage.contains(DTypeUsage::Arithmetic))
+    {
+        return Err(HandoffError::NotOperable {
+            dtype: dtype_name(&dtype),
+        });
+    }
+    // The variant follows the dtype (the node checked it on the way in, too).
     let backend = match primitive {
-        Primitive::Float(t) => BackendTensor::Float(t),
-        Primitive::Int(t) => BackendTensor::Int(t),
-        Primitive::Bool(t) => BackendTensor::Bool(t),
+        Primitive::Float(t) | Primitive::Int(t) | Primitive::Bool(t) => match kind_of(&dtype).1 {
+            "Bool" => BackendTensor::Bool(t),
+            "Int" => BackendTensor::Int(t),
+            _ => BackendTensor::Float(t),
+        },
         Primitive::Quantized(t) => BackendTensor::Quantized(t),
     };
     let dispatch = <DispatchTensor as DispatchKindConversion<Flex>>::from_backend(backend);

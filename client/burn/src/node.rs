@@ -20,12 +20,14 @@ use crate::handoff::{from_flex, into_flex};
 /// The node keeps its tensor when it hands one out ([`tensor`](Self::tensor)): Flex copies a
 /// shared buffer before writing to it, so the program's writes never reach the node's.
 pub trait NodeTensors {
-    /// Registers `tensor` under `key` as it is (no copy of its bytes), doing with a tensor
-    /// already there what `if_exists` says.
+    /// Registers `tensor` under `key` as it is (no copy of its bytes: the node and the program
+    /// share its buffer, and a write by either copies it first), doing with a tensor already
+    /// there what `if_exists` says. A view (a slice) keeps its whole parent buffer, and is
+    /// counted in the device's budget at that size.
     fn insert_tensor<const D: usize, K: Basic + 'static>(
         &self,
         key: &TensorKey,
-        tensor: Tensor<D, K>,
+        tensor: &Tensor<D, K>,
         if_exists: IfExists,
     ) -> impl Future<Output = Result<TensorDesc, HandoffError>> + Send;
 
@@ -48,10 +50,11 @@ impl NodeTensors for Node {
     async fn insert_tensor<const D: usize, K: Basic + 'static>(
         &self,
         key: &TensorKey,
-        tensor: Tensor<D, K>,
+        tensor: &Tensor<D, K>,
         if_exists: IfExists,
     ) -> Result<TensorDesc, HandoffError> {
-        let primitive = into_flex(tensor)?;
+        // A handle, not the bytes: the program keeps its tensor whatever the node answers.
+        let primitive = into_flex(tensor.clone())?;
         Ok(self.insert_primitive(key, primitive, if_exists).await?)
     }
 

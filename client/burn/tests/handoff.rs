@@ -65,7 +65,10 @@ async fn a_tensor_handed_in_and_out_keeps_its_buffer_for_every_kind() {
         let key = TensorKey::new(0, name);
         let at = values_of(&t);
         let before = t.clone().into_data();
-        let desc = node.insert_tensor(&key, t, IfExists::Refuse).await.unwrap();
+        let desc = node
+            .insert_tensor(&key, &t, IfExists::Refuse)
+            .await
+            .unwrap();
         assert_eq!(desc.bytes as usize, before.as_bytes().len(), "{name}");
         assert_eq!(
             node_values(node, &key).await,
@@ -161,7 +164,7 @@ async fn a_take_hands_the_tensor_over_and_a_refusal_leaves_it_registered() {
         .node
         .insert_tensor(
             &other,
-            Tensor::<1>::from_floats([1.0, 2.0], &Device::flex()),
+            &Tensor::<1>::from_floats([1.0, 2.0], &Device::flex()),
             IfExists::Refuse,
         )
         .await;
@@ -190,4 +193,92 @@ async fn a_take_hands_the_tensor_over_and_a_refusal_leaves_it_registered() {
         ),
         "{out:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handed_in_tensor_is_hashed_by_the_node_from_its_own_bytes() {
+    let node = start_with(&["flex"]).await;
+    let key = TensorKey::new(0, "w");
+    let data = samples::plain(burn_tensor::DType::F32, &[32, 32], 9);
+    let tensor = Tensor::<2>::from_data(data.clone(), &Device::flex());
+    node.node
+        .insert_tensor(&key, &tensor, IfExists::Refuse)
+        .await
+        .unwrap();
+    let meta = ferry::proto::tensor::meta_of(&data).unwrap();
+    let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
+    let mut verified = None;
+    for _ in 0..500 {
+        verified = node
+            .node
+            .describe(&key)
+            .await
+            .unwrap()
+            .content_hash
+            .verified();
+        if verified.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(verified, Some(truth));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_view_is_counted_at_the_buffer_it_keeps_alive() {
+    use ferry::server::{NodeConfig, NodeLimits, ServiceConfig};
+    // Room for 1 MiB and its bookkeeping: a 64 KiB slice of a 4 MiB tensor keeps 4 MiB alive.
+    let node = ferry::testing::start(
+        NodeConfig {
+            devices: ferry::testing::devices(&["flex"]),
+            limits: NodeLimits {
+                memory_limit: Some((1 << 20) + ferry::server::TENSOR_OVERHEAD),
+                ..NodeLimits::default()
+            },
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let whole = Tensor::<2>::from_data(
+        samples::plain(burn_tensor::DType::F32, &[1024, 1024], 4),
+        &Device::flex(),
+    );
+    let view = whole.clone().slice([0..16, 0..1024]);
+    let refused = node
+        .node
+        .insert_tensor(&TensorKey::new(0, "view"), &view, IfExists::Refuse)
+        .await;
+    assert!(
+        matches!(&refused, Err(HandoffError::Node(e)) if e.to_string().contains("budget")),
+        "{refused:?}"
+    );
+    // Made whole (its own 64 KiB), it fits.
+    let own = Tensor::<2>::from_data(view.into_data(), &Device::flex());
+    node.node
+        .insert_tensor(&TensorKey::new(0, "view"), &own, IfExists::Refuse)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primitive_under_another_kind_than_its_dtype_is_refused() {
+    let node = start_with(&["flex"]).await;
+    let float = Tensor::<1>::from_floats([1.0, 2.0], &Device::flex());
+    let dispatch = float.into_dispatch();
+    let BackendTensor::Float(flex) =
+        <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(dispatch).unwrap()
+    else {
+        panic!("a float");
+    };
+    let refused = node
+        .node
+        .insert_primitive(
+            &TensorKey::new(0, "w"),
+            Primitive::<Flex>::Int(flex),
+            IfExists::Refuse,
+        )
+        .await;
+    assert!(refused.is_err_and(|e| e.to_string().contains("another kind")));
+    assert!(node.node.list(Some(0)).await.unwrap().is_empty());
 }

@@ -26,9 +26,18 @@ impl Node {
     ) -> Result<TensorDesc, NodeError> {
         let started = Instant::now();
         self.check_backend::<B>(key.device)?;
+        if !primitive.variant_fits_dtype() {
+            return Err(NodeError::Backend(
+                "a primitive handed in under another kind than its dtype's".into(),
+            ));
+        }
         let (dtype, shape) = primitive.dtype_and_shape();
         let bytes = TensorMeta::new(shape.clone(), dtype)?.byte_len() as u64;
-        let admission = self.admit(key.device, &key.name, &dtype, &shape, bytes, existing)?;
+        // The budget counts what the tensor keeps alive: a view holds its parent's whole buffer.
+        let held = primitive
+            .held_host_bytes()
+            .map_or(bytes, |held| held.max(bytes));
+        let admission = self.admit(key.device, &key.name, &dtype, &shape, held, existing)?;
         let native = NativeTensor::handed_in(primitive, dtype, shape, bytes);
         let result = self
             .register_payload(admission, Payload::Native(native), TransferPath::Put)
@@ -46,16 +55,22 @@ impl Node {
         key: &TensorKey,
     ) -> Result<(TensorDesc, Primitive<B>), NodeError> {
         self.check_backend::<B>(key.device)?;
-        let desc = self.describe(key).await?;
-        let exported = self
-            .device(key.device)?
-            .call(|reply| Command::Export {
+        // Whatever the key holds: a version replaced between the description and the export is
+        // described again (a few times at most; then the replacements win and it is `Changed`).
+        let mut tries = 0;
+        let (desc, exported) = loop {
+            let desc = self.describe(key).await?;
+            let export = self.device(key.device)?.call(|reply| Command::Export {
                 name: key.name.clone(),
                 pin: Some(desc.version),
                 native: true,
                 reply,
-            })
-            .await?;
+            });
+            match export.await {
+                Err(NodeError::Changed(_)) if tries < 3 => tries += 1,
+                exported => break (desc, exported?),
+            }
+        };
         let other = || NodeError::OtherBackend {
             device: key.device,
             backend: self
