@@ -79,9 +79,9 @@ pub(crate) fn from_flex<const D: usize, K: Basic + 'static>(
     }
     // The variant follows the dtype (the node checked it on the way in, too).
     let backend = match primitive {
-        Primitive::Float(t) | Primitive::Int(t) | Primitive::Bool(t) => match kind_of(&dtype).1 {
-            "Bool" => BackendTensor::Bool(t),
-            "Int" => BackendTensor::Int(t),
+        Primitive::Float(t) | Primitive::Int(t) | Primitive::Bool(t) => match dtype {
+            DType::Bool(_) => BackendTensor::Bool(t),
+            d if d.is_int() || d.is_uint() => BackendTensor::Int(t),
             _ => BackendTensor::Float(t),
         },
         Primitive::Quantized(t) => BackendTensor::Quantized(t),

@@ -282,3 +282,50 @@ async fn a_primitive_under_another_kind_than_its_dtype_is_refused() {
     assert!(refused.is_err_and(|e| e.to_string().contains("another kind")));
     assert!(node.node.list(Some(0)).await.unwrap().is_empty());
 }
+
+/// A take racing a replace of the same key: whichever wins, no value is lost or handed out
+/// twice. The take removes only the version it handed out; a replacement that landed first is
+/// what it takes, one that landed after stays registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_racing_a_replace_loses_no_value() {
+    let node = start_with(&["flex"]).await;
+    let key = TensorKey::new(0, "w");
+    let device = Device::flex();
+    let (mut took_first, mut took_second, mut refused) = (0, 0, 0);
+    for round in 0..200 {
+        let first = Tensor::<1>::from_floats([round as f32, 0.0], &device);
+        let second = Tensor::<1>::from_floats([round as f32, 1.0], &device);
+        node.node
+            .insert_tensor(&key, &first, IfExists::Replace)
+            .await
+            .unwrap();
+        let (taken, replaced) = tokio::join!(
+            node.node.take_tensor::<1, Float>(&key),
+            node.node.insert_tensor(&key, &second, IfExists::Replace),
+        );
+        replaced.unwrap();
+        let left = node.node.tensor::<1, Float>(&key).await;
+        let bytes = |t: Tensor<1>| t.into_data().as_bytes().to_vec();
+        let (first, second) = (bytes(first), bytes(second));
+        match taken {
+            // The first value taken: the second stays.
+            Ok(t) if bytes(t.clone()) == first => {
+                took_first += 1;
+                assert_eq!(bytes(left.unwrap()), second, "round {round}");
+            }
+            // The second value taken: nothing stays.
+            Ok(t) => {
+                took_second += 1;
+                assert_eq!(bytes(t), second, "round {round}");
+                assert!(left.is_err(), "round {round}: taken and still there");
+            }
+            // Replaced between the handout and the removal: nothing removed, the second stays.
+            Err(HandoffError::Node(NodeError::Changed(_))) => {
+                refused += 1;
+                assert_eq!(bytes(left.unwrap()), second, "round {round}");
+            }
+            Err(other) => panic!("round {round}: {other}"),
+        }
+    }
+    assert_eq!(took_first + took_second + refused, 200);
+}
