@@ -1,14 +1,24 @@
-//! ferry in Burn's own terms: a node embedded in a Burn program gives the program's model the
-//! tensors that arrived there as `burn_tensor::Tensor`s, and takes the model's tensors, with no
-//! host copy (the node's device and the model's are one Flex device: the handoff moves the
-//! tensor's handle, not its bytes).
+//! ferry in Burn's own terms.
 //!
-//! [`NodeTensors`] is the handoff; `handoff.rs` turns a tensor into a backend primitive and back,
-//! checking kind and rank first (Burn panics on either); `error.rs` holds [`HandoffError`].
+//! - [`FerryStore`]: burn-store's `ModuleStore` whose other end is a node: a whole module
+//!   (quantized or not) sent to a node's device and applied from it, over a connection or from
+//!   a node embedded in this process.
+//! - [`NodeTensors`]: an embedded node's tensors as `burn_tensor::Tensor`s, handed in and out
+//!   with no host copy (the node's Flex device and the program's are one: the handoff moves the
+//!   tensor's handle, not its bytes).
+//!
+//! `store/` holds the store; `node.rs` the handoff, over `handoff.rs` (a tensor as a backend
+//! primitive and back, kind and rank checked first: Burn panics on either) and
+//! `shared_data.rs` (a node's buffer as data that shares it); `holds.rs` finds what a
+//! device of this process holds; `error.rs` holds [`HandoffError`].
 
 mod error;
 mod handoff;
+mod holds;
 mod node;
+mod shared_data;
+mod store;
 
 pub use error::HandoffError;
 pub use node::NodeTensors;
+pub use store::{Connected, DEFAULT_WINDOW, Embedded, FerryStore, Link, Missing, StoreError};

@@ -1,0 +1,120 @@
+//! [`Connected`]: a store's node reached over a connection. A collect reads parameters off
+//! their devices on one thread and sends them on another, a bounded window of host copies
+//! between the two.
+
+use std::sync::{Mutex, MutexGuard};
+
+use burn_core::tensor::{DType, TensorData};
+use burn_store::{ModuleSnapshot, bridge};
+use ferry_client::{BlockingClient, ClientError};
+use ferry_proto::TensorKey;
+
+use crate::StoreError;
+use crate::store::link::{Link, Listed, Sending, outside_runtime};
+use crate::store::window::Window;
+
+/// The node at the other end of a connection: a [`FerryStore`](crate::FerryStore) over it
+/// sends and fetches with the connection's own calls (`put`, `get`, `list`), so every byte is
+/// checked as a client's are.
+#[derive(Debug)]
+pub struct Connected {
+    client: Mutex<BlockingClient>,
+}
+
+impl Connected {
+    pub(crate) fn new(client: BlockingClient) -> Self {
+        Self {
+            client: Mutex::new(client),
+        }
+    }
+
+    /// The connection; one whose last user panicked is still in step or refuses by itself.
+    fn client(&self) -> MutexGuard<'_, BlockingClient> {
+        self.client
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Link for Connected {
+    #[allow(private_interfaces)]
+    fn list(&self, device: u32) -> Result<Vec<Listed>, StoreError> {
+        outside_runtime()?;
+        let infos = self.client().list(Some(device))?;
+        infos
+            .into_iter()
+            .map(|info| {
+                let dtype = DType::try_from(&info.dtype)
+                    .map_err(|e| ClientError::from(ferry_proto::ProtoError::from(e)))?;
+                let shape = info
+                    .shape
+                    .iter()
+                    .map(|&d| usize::try_from(d))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|_| StoreError::ReadBack {
+                        path: info.key.name.clone(),
+                        message: "a dimension beyond this machine's address space".into(),
+                    })?;
+                Ok(Listed {
+                    key: info.key,
+                    dtype,
+                    shape,
+                })
+            })
+            .collect()
+    }
+
+    fn fetch(&self, key: &TensorKey) -> Result<TensorData, StoreError> {
+        outside_runtime()?;
+        Ok(self.client().get(key)?)
+    }
+
+    #[allow(private_interfaces)]
+    fn send<M: ModuleSnapshot>(
+        &self,
+        module: &M,
+        sending: &Sending<'_>,
+    ) -> Result<usize, StoreError> {
+        outside_runtime()?;
+        // Lazy: each tensor is read off its device only when the reader thread reaches it.
+        let tensors = module.collect(sending.filter.cloned(), None, false);
+        let window = &Window::new(sending.window);
+        let (copies, arrived) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            // Owns the sender: the loop below ends when the reader is done.
+            scope.spawn(move || {
+                for tensor in tensors {
+                    let bytes = tensor.byte_len() as u64;
+                    if !window.take(bytes) {
+                        return;
+                    }
+                    let path = tensor.name.clone();
+                    if copies
+                        .send((path, bridge::into_data(tensor), bytes))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+            let mut client = self.client();
+            let sent = (|| {
+                let mut sent = 0;
+                for (path, data, bytes) in arrived {
+                    let data = data.map_err(|e| StoreError::ReadBack {
+                        path: path.clone(),
+                        message: e.to_string(),
+                    })?;
+                    client.put_with(&sending.key(&path)?, &data, sending.if_exists)?;
+                    drop(data);
+                    window.give(bytes);
+                    sent += 1;
+                }
+                Ok(sent)
+            })();
+            // The reader may wait for room that will not come: wake it to stop.
+            window.close();
+            sent
+        })
+    }
+}

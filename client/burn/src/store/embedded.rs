@@ -1,0 +1,163 @@
+//! [`Embedded`]: a store's node in this very process. A model applied from it shares the
+//! node's buffers (Flex), and one collected into it hands its tensors over, with no host copy.
+
+use burn_core::module::{ModuleVisitor, Param};
+use burn_core::tensor::kind::Basic;
+use burn_core::tensor::{Bool, Int, Tensor, TensorData};
+use burn_flex::Flex;
+use burn_store::ModuleSnapshot;
+use ferry_proto::TensorKey;
+use ferry_server::{BackendKind, Node};
+use tokio::runtime::Handle;
+
+use crate::StoreError;
+use crate::handoff::into_flex;
+use crate::shared_data::shared_data;
+use crate::store::link::{Link, Listed, Sending, outside_runtime};
+
+/// A node embedded in this process, and the runtime it runs on: a
+/// [`FerryStore`](crate::FerryStore) over it blocks on that runtime, from a thread outside it.
+#[derive(Debug)]
+pub struct Embedded {
+    node: Node,
+    runtime: Handle,
+}
+
+impl Embedded {
+    pub(crate) fn new(node: Node, runtime: Handle) -> Self {
+        Self { node, runtime }
+    }
+
+    fn block<F: Future>(&self, work: F) -> Result<F::Output, StoreError> {
+        outside_runtime()?;
+        Ok(self.runtime.block_on(work))
+    }
+
+    fn on_flex(&self, device: u32) -> bool {
+        self.node
+            .device(device)
+            .is_ok_and(|d| d.kind() == BackendKind::Flex)
+    }
+}
+
+impl Link for Embedded {
+    #[allow(private_interfaces)]
+    fn list(&self, device: u32) -> Result<Vec<Listed>, StoreError> {
+        let descs = self.block(self.node.list(Some(device)))??;
+        Ok(descs
+            .into_iter()
+            .map(|desc| Listed {
+                key: desc.key,
+                dtype: desc.dtype,
+                shape: desc.shape,
+            })
+            .collect())
+    }
+
+    fn fetch(&self, key: &TensorKey) -> Result<TensorData, StoreError> {
+        if self.on_flex(key.device) {
+            // The registered tensor's own buffer, shared (copy-on-write).
+            let (_, primitive) = self.block(self.node.primitive::<Flex>(key))??;
+            return Ok(shared_data(primitive)?);
+        }
+        Ok(self.block(self.node.get(key))??)
+    }
+
+    #[allow(private_interfaces)]
+    fn send<M: ModuleSnapshot>(
+        &self,
+        module: &M,
+        sending: &Sending<'_>,
+    ) -> Result<usize, StoreError> {
+        outside_runtime()?;
+        let mut sender = Sender {
+            link: self,
+            sending,
+            path: Vec::new(),
+            containers: Vec::new(),
+            sent: 0,
+            failed: None,
+        };
+        module.visit(&mut sender);
+        match sender.failed {
+            Some(error) => Err(error),
+            None => Ok(sender.sent),
+        }
+    }
+}
+
+/// Hands each parameter to the node as it is visited, stopping at the first refusal.
+struct Sender<'a> {
+    link: &'a Embedded,
+    sending: &'a Sending<'a>,
+    path: Vec<String>,
+    containers: Vec<String>,
+    sent: usize,
+    failed: Option<StoreError>,
+}
+
+impl Sender<'_> {
+    fn hand<const D: usize, K: Basic + 'static>(&mut self, tensor: Tensor<D, K>) {
+        if self.failed.is_some() {
+            return;
+        }
+        if let Some(filter) = self.sending.filter
+            && !filter.matches_with_container_path(&self.path, &self.containers)
+        {
+            return;
+        }
+        let path = self.path.join(".");
+        match self.insert(&path, tensor) {
+            Ok(()) => self.sent += 1,
+            Err(error) => self.failed = Some(error),
+        }
+    }
+
+    fn insert<const D: usize, K: Basic + 'static>(
+        &self,
+        path: &str,
+        tensor: Tensor<D, K>,
+    ) -> Result<(), StoreError> {
+        let key = self.sending.key(path)?;
+        let node = &self.link.node;
+        let if_exists = self.sending.if_exists;
+        if self.link.on_flex(key.device)
+            && let Ok(primitive) = into_flex(tensor.clone())
+        {
+            // The parameter's own handle: the node and the module share the buffer.
+            self.link
+                .block(node.insert_primitive(&key, primitive, if_exists))??;
+            return Ok(());
+        }
+        let data = tensor.try_into_data().map_err(|e| StoreError::ReadBack {
+            path: path.to_string(),
+            message: format!("{e:?}"),
+        })?;
+        self.link.block(node.insert(&key, data, if_exists))??;
+        Ok(())
+    }
+}
+
+impl ModuleVisitor for Sender<'_> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.path.push(name.to_string());
+        self.containers.push(container_type.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+        self.containers.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.hand(param.val());
+    }
+
+    fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
+        self.hand(param.val());
+    }
+
+    fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
+        self.hand(param.val());
+    }
+}

@@ -1,0 +1,47 @@
+//! `StoreError`: why a model was not sent to a node or not applied from one.
+
+use burn_store::ApplyResult;
+use ferry_client::ClientError;
+use ferry_proto::message::NameError;
+use ferry_server::NodeError;
+
+/// Why a [`FerryStore`](crate::FerryStore) call failed. An apply that fails changed nothing in
+/// the module; a collect that fails may have sent some of the module's tensors (the node holds
+/// whole tensors only, each as sent).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The node, reached over a connection, refused or could not be reached.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// The embedded node refused.
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    /// A parameter's key is no tensor name (the prefix and the path together).
+    #[error("parameter {path:?}: {source}")]
+    Name {
+        /// The parameter's path in the module.
+        path: String,
+        /// Why the name is refused.
+        source: NameError,
+    },
+    /// A parameter could not be read back from its device.
+    #[error("parameter {path:?} could not be read from its device: {message}")]
+    ReadBack {
+        /// The parameter's path in the module.
+        path: String,
+        /// What Burn said.
+        message: String,
+    },
+    /// The apply found errors, or missing tensors where a partial apply was not allowed: the
+    /// module was left as it was. The result says what would have been applied and why not.
+    #[error("the module was left as it was: {0}")]
+    NotApplied(Box<ApplyResult>),
+    /// Called from inside an async runtime, where waiting for the node would block the thread
+    /// that drives it. Call it from `tokio::task::spawn_blocking` or a thread of its own.
+    #[error(
+        "a FerryStore blocks until the node answers: call it outside the async runtime \
+         (from spawn_blocking or a thread of its own)"
+    )]
+    InsideRuntime,
+}

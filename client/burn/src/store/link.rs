@@ -1,0 +1,77 @@
+//! `Link`: what a [`FerryStore`](crate::FerryStore) needs of the node at its other end (list,
+//! fetch, send a module), over a connection ([`Connected`](crate::Connected)) or in-process
+//! ([`Embedded`](crate::Embedded)).
+
+use burn_core::tensor::{DType, TensorData};
+use burn_store::{ModuleSnapshot, PathFilter};
+use ferry_proto::{IfExists, TensorKey};
+
+use crate::StoreError;
+
+/// A tensor the node lists, as a store reads it.
+pub(crate) struct Listed {
+    /// Its key on the node.
+    pub(crate) key: TensorKey,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<usize>,
+}
+
+/// What a collect sends, and where.
+pub(crate) struct Sending<'a> {
+    pub(crate) device: u32,
+    /// `prefix/` (or nothing), put before each parameter's path.
+    pub(crate) prefix: &'a str,
+    pub(crate) filter: Option<&'a PathFilter>,
+    pub(crate) if_exists: IfExists,
+    /// The most bytes of host copies in flight at once.
+    pub(crate) window: u64,
+}
+
+impl Sending<'_> {
+    /// The key of the parameter at `path`.
+    pub(crate) fn key(&self, path: &str) -> Result<TensorKey, StoreError> {
+        let name = format!("{}{path}", self.prefix);
+        ferry_proto::message::validate_name(&name).map_err(|source| StoreError::Name {
+            path: path.to_string(),
+            source,
+        })?;
+        Ok(TensorKey::new(self.device, name))
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for crate::Connected {}
+    impl Sealed for crate::Embedded {}
+}
+
+/// The node at a store's other end. Sealed: [`Connected`](crate::Connected) and
+/// [`Embedded`](crate::Embedded) are the two there are.
+pub trait Link: sealed::Sealed + Send + Sync + 'static {
+    /// Every tensor on `device`.
+    #[doc(hidden)]
+    #[allow(private_interfaces)]
+    fn list(&self, device: u32) -> Result<Vec<Listed>, StoreError>;
+
+    /// The tensor under `key`, its bytes checked as the node checks every tensor.
+    #[doc(hidden)]
+    fn fetch(&self, key: &TensorKey) -> Result<TensorData, StoreError>;
+
+    /// Sends `module`'s parameters as `sending` says; how many were sent.
+    #[doc(hidden)]
+    #[allow(private_interfaces)]
+    fn send<M: ModuleSnapshot>(
+        &self,
+        module: &M,
+        sending: &Sending<'_>,
+    ) -> Result<usize, StoreError>;
+}
+
+/// Refuses to block from inside an async runtime, where waiting would stall the thread that
+/// drives the connection or the node.
+pub(crate) fn outside_runtime() -> Result<(), StoreError> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(_) => Err(StoreError::InsideRuntime),
+        Err(_) => Ok(()),
+    }
+}

@@ -1,0 +1,89 @@
+//! `Targets`: where each parameter of a module lives (device and shape), read before an apply
+//! so that a tensor is checked against the device it is going to, before a byte is fetched.
+
+use std::collections::HashMap;
+
+use burn_core::module::{ModuleVisitor, Param};
+use burn_core::tensor::{Bool, DType, Device, Int, Tensor};
+use burn_store::ModuleSnapshot;
+
+use crate::holds::holds_of;
+
+/// A module's parameters by path (as burn-store names them: field names joined by `.`).
+pub(crate) struct Targets {
+    by_path: HashMap<String, Device>,
+}
+
+impl Targets {
+    /// Where `module`'s parameters live; no tensor is read.
+    pub(crate) fn of<M: ModuleSnapshot>(module: &M) -> Self {
+        let mut visitor = Visitor {
+            path: Vec::new(),
+            by_path: HashMap::new(),
+        };
+        module.visit(&mut visitor);
+        Self {
+            by_path: visitor.by_path,
+        }
+    }
+
+    /// No module: nothing to check against (a listing read for its own sake).
+    pub(crate) fn none() -> Self {
+        Self {
+            by_path: HashMap::new(),
+        }
+    }
+
+    /// Whether the device of the parameter at `path` holds `dtype` at `shape` bit-exact, as
+    /// ferry measured it. `Err` says why not. A path that is no parameter of the module is
+    /// never applied (burn-store counts it unused), so there is nothing to check.
+    pub(crate) fn check(&self, path: &str, dtype: &DType, shape: &[usize]) -> Result<(), String> {
+        let Some(device) = self.by_path.get(path) else {
+            return Ok(());
+        };
+        match holds_of(device) {
+            Some(holds) => holds
+                .check(dtype, shape)
+                .map_err(|why| format!("{device:?} cannot hold it: {why}")),
+            // A device ferry does not measure: only its own `supports_dtype` can answer.
+            None if device.supports_dtype(*dtype) => Ok(()),
+            None => Err(format!(
+                "{device:?} does not support {}",
+                ferry_proto::dtype_name(dtype)
+            )),
+        }
+    }
+}
+
+struct Visitor {
+    path: Vec<String>,
+    by_path: HashMap<String, Device>,
+}
+
+impl Visitor {
+    fn record(&mut self, device: Device) {
+        self.by_path.insert(self.path.join("."), device);
+    }
+}
+
+impl ModuleVisitor for Visitor {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.record(param.lazy_device());
+    }
+
+    fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
+        self.record(param.lazy_device());
+    }
+
+    fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
+        self.record(param.lazy_device());
+    }
+}

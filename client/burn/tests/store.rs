@@ -1,0 +1,469 @@
+//! A whole module through a ferry node with burn-store's `ModuleStore`: every parameter of a
+//! quantized model back bytes-exact (and as burnpack keeps it), filters and renaming, a missing,
+//! extra, mis-shaped or unholdable tensor, a node gone halfway (the module left exactly as it
+//! was), and a model applied from an embedded node sharing the node's buffers.
+// Test code: an unwrap that fails is the failure, with its location.
+#![allow(clippy::unwrap_used)]
+
+#[path = "../examples/shared/tiny_lm.rs"]
+#[allow(dead_code)]
+mod tiny_lm;
+
+use std::collections::BTreeMap;
+
+use burn_core as burn;
+use burn_core::module::{Module, ModuleVisitor, Param};
+use burn_core::tensor::{Device, Tensor, TensorData};
+use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
+use burn_flex::Flex;
+use burn_nn::{Linear, LinearConfig};
+use burn_store::{
+    ApplyError, BurnpackStore, KeyRemapper, ModuleSnapshot, ModuleStore, PathFilter, bridge,
+};
+use ferry::client::BlockingClient;
+use ferry::proto::{IfExists, TensorKey};
+use ferry::server::{DeviceSpec, Node, NodeConfig, Primitive, ServiceConfig};
+use ferry::testing::{BackgroundNode, Fault, proxy};
+use ferry_burn::{FerryStore, Missing, StoreError};
+use tiny_lm::{Quantization, TinyLm, batch, quantized};
+
+/// A node of one Flex device, served on loopback.
+fn serve_flex() -> BackgroundNode {
+    let config = NodeConfig {
+        devices: vec![DeviceSpec::Flex],
+        ..NodeConfig::default()
+    };
+    BackgroundNode::start(config, ServiceConfig::default(), None)
+}
+
+fn client(addr: &str) -> BlockingClient {
+    BlockingClient::connect(addr).blocking().unwrap()
+}
+
+/// Every parameter's data, by path.
+fn params<M: ModuleSnapshot>(module: &M) -> BTreeMap<String, TensorData> {
+    module
+        .collect(None, None, false)
+        .iter()
+        .map(|t| (t.name.clone(), bridge::to_data(t).unwrap()))
+        .collect()
+}
+
+/// Same paths, and for each the same dtype, shape and bytes (scales included).
+fn assert_same_params(
+    actual: &BTreeMap<String, TensorData>,
+    expected: &BTreeMap<String, TensorData>,
+) {
+    assert_eq!(
+        actual.keys().collect::<Vec<_>>(),
+        expected.keys().collect::<Vec<_>>(),
+        "the same parameters"
+    );
+    for (path, want) in expected {
+        let got = &actual[path];
+        assert_eq!(got.dtype(), want.dtype(), "{path}: dtype");
+        assert_eq!(got.shape(), want.shape(), "{path}: shape");
+        assert!(got.as_bytes() == want.as_bytes(), "{path}: bytes differ");
+    }
+}
+
+#[test]
+fn every_parameter_of_a_quantized_model_arrives_bytes_exact_as_burnpack_keeps_it() {
+    let node = serve_flex();
+    let device = Device::flex();
+    for quantization in [Quantization::PerTensor, Quantization::PerBlock] {
+        let sent = quantized(TinyLm::new(&device), quantization);
+        let sent_params = params(&sent);
+        let quantized_count = sent_params
+            .values()
+            .filter(|d| matches!(d.dtype(), burn_core::tensor::DType::QFloat(_)))
+            .count();
+        assert_eq!(
+            quantized_count, 4,
+            "{quantization:?}: both linear layers quantized"
+        );
+
+        let prefix = format!("{quantization:?}");
+        let mut store = FerryStore::connected(client(&node.addr), 0, &prefix);
+        store.collect_from(&sent).unwrap();
+        let mut received = TinyLm::new(&device);
+        let result = store.apply_to(&mut received).unwrap();
+        assert_eq!(
+            result.applied.len(),
+            sent_params.len(),
+            "{quantization:?}: {result}"
+        );
+        assert!(result.missing.is_empty() && result.unused.is_empty() && result.errors.is_empty());
+        assert_same_params(&params(&received), &sent_params);
+
+        // burn-store's own file store, through memory, keeps exactly the same.
+        let mut pack = BurnpackStore::from_bytes(None);
+        pack.collect_from(&sent).unwrap();
+        let mut from_pack = TinyLm::new(&device);
+        pack.apply_to(&mut from_pack).unwrap();
+        assert_same_params(&params(&from_pack), &params(&received));
+
+        // And the model computes exactly what the sender's does.
+        let tokens = batch(2, 7, &device);
+        let want = sent.forward(tokens.clone()).into_data();
+        let got = received.forward(tokens).into_data();
+        assert_eq!(got.dtype(), want.dtype());
+        assert!(
+            got.as_bytes() == want.as_bytes(),
+            "{quantization:?}: forward differs"
+        );
+
+        // The store's listing is the node's, names as the module's paths.
+        let mut keys = store.keys().unwrap();
+        keys.sort();
+        assert_eq!(keys, sent_params.keys().cloned().collect::<Vec<_>>());
+    }
+}
+
+/// Two layers of one shape, for renaming one into the other.
+#[derive(Module, Debug)]
+struct Pair {
+    left: Linear,
+    right: Linear,
+}
+
+impl Pair {
+    fn new(device: &Device) -> Self {
+        Self {
+            left: LinearConfig::new(8, 8).init(device),
+            right: LinearConfig::new(8, 8).init(device),
+        }
+    }
+}
+
+#[test]
+fn a_filter_sends_and_applies_only_what_it_matches_and_a_remapper_renames() {
+    let node = serve_flex();
+    let device = Device::flex();
+    let sent = Pair::new(&device);
+    let sent_params = params(&sent);
+
+    // Only the left layer is sent.
+    let left_only = PathFilter::new().with_regex(r"^left\.");
+    let mut store = FerryStore::connected(client(&node.addr), 0, "filtered").with_filter(left_only);
+    store.collect_from(&sent).unwrap();
+    let mut keys = store.keys().unwrap();
+    keys.sort();
+    assert_eq!(keys, ["left.bias", "left.weight"]);
+
+    // The whole pair is sent; applied with the layers' names swapped.
+    let mut store = FerryStore::connected(client(&node.addr), 0, "pair");
+    store.collect_from(&sent).unwrap();
+    let swap = KeyRemapper::new()
+        .add_pattern(r"^left\.", "tmp.")
+        .unwrap()
+        .add_pattern(r"^right\.", "left.")
+        .unwrap()
+        .add_pattern(r"^tmp\.", "right.")
+        .unwrap();
+    let mut swapped = Pair::new(&device);
+    let result = FerryStore::connected(client(&node.addr), 0, "pair")
+        .remap(swap)
+        .apply_to(&mut swapped)
+        .unwrap();
+    assert_eq!(result.applied.len(), 4, "{result}");
+    let got = params(&swapped);
+    for (from, to) in [("left", "right"), ("right", "left")] {
+        for part in ["weight", "bias"] {
+            let (got, want) = (
+                &got[&format!("{to}.{part}")],
+                &sent_params[&format!("{from}.{part}")],
+            );
+            assert!(
+                got.as_bytes() == want.as_bytes(),
+                "{to}.{part} holds {from}.{part}"
+            );
+        }
+    }
+
+    // Applied through a filter: the right layer keeps its own values, counted as skipped.
+    let mut target = Pair::new(&device);
+    let before = params(&target);
+    let result = FerryStore::connected(client(&node.addr), 0, "pair")
+        .with_filter(PathFilter::new().with_regex(r"^left\."))
+        .apply_to(&mut target)
+        .unwrap();
+    assert_eq!(result.applied.len(), 2, "{result}");
+    assert_eq!(result.skipped, ["right.bias", "right.weight"]);
+    let after = params(&target);
+    assert!(after["left.weight"].as_bytes() == sent_params["left.weight"].as_bytes());
+    assert!(after["right.weight"].as_bytes() == before["right.weight"].as_bytes());
+}
+
+#[test]
+fn a_missing_extra_or_mis_shaped_tensor_is_reported_and_a_refused_apply_changes_nothing() {
+    let node = serve_flex();
+    let device = Device::flex();
+    let sent = Pair::new(&device);
+    let mut store = FerryStore::connected(client(&node.addr), 0, "m");
+    store.collect_from(&sent).unwrap();
+    let mut admin = client(&node.addr);
+
+    // Missing: refused whole by default, the target untouched.
+    admin.delete(&TensorKey::new(0, "m/right.bias")).unwrap();
+    let mut target = Pair::new(&device);
+    let before = params(&target);
+    let Err(StoreError::NotApplied(result)) = store.apply_to(&mut target) else {
+        panic!("a missing tensor refuses the apply");
+    };
+    assert_eq!(
+        result
+            .missing
+            .iter()
+            .map(|(p, _)| p.as_str())
+            .collect::<Vec<_>>(),
+        ["right.bias"]
+    );
+    assert_same_params(&params(&target), &before);
+    // ... and allowed on request: the rest applied, the missing one kept.
+    let mut store = FerryStore::connected(client(&node.addr), 0, "m").missing(Missing::Allow);
+    let result = store.apply_to(&mut target).unwrap();
+    assert_eq!(result.applied.len(), 3);
+    let after = params(&target);
+    assert!(after["right.bias"].as_bytes() == before["right.bias"].as_bytes());
+    assert!(after["left.weight"].as_bytes() == params(&sent)["left.weight"].as_bytes());
+
+    // Extra: reported unused, the rest applied.
+    let extra = TensorData::new(vec![1.0f32; 4], [4]);
+    admin
+        .put(&TensorKey::new(0, "m/middle.weight"), &extra)
+        .unwrap();
+    let result = store.apply_to(&mut Pair::new(&device)).unwrap();
+    assert_eq!(result.unused, ["middle.weight"]);
+
+    // Mis-shaped: an error in the result, and nothing applied at all.
+    let wrong = TensorData::new(vec![0.5f32; 32], [4, 8]);
+    admin
+        .put_with(
+            &TensorKey::new(0, "m/left.weight"),
+            &wrong,
+            IfExists::Replace,
+        )
+        .unwrap();
+    let mut target = Pair::new(&device);
+    let before = params(&target);
+    let Err(StoreError::NotApplied(result)) = store.apply_to(&mut target) else {
+        panic!("a mis-shaped tensor refuses the apply");
+    };
+    assert!(
+        matches!(&result.errors[..], [ApplyError::ShapeMismatch { path, .. }] if path == "left.weight"),
+        "{result}"
+    );
+    assert_same_params(&params(&target), &before);
+
+    // Of another kind (an int tensor for a float parameter): refused, never read.
+    let ints = TensorData::new(vec![7i32; 64], [8, 8]);
+    admin
+        .put_with(
+            &TensorKey::new(0, "m/left.weight"),
+            &ints,
+            IfExists::Replace,
+        )
+        .unwrap();
+    let Err(StoreError::NotApplied(result)) = store.apply_to(&mut target) else {
+        panic!("an int tensor refuses the apply");
+    };
+    assert!(
+        matches!(&result.errors[..], [ApplyError::DTypeMismatch { .. }]),
+        "{result}"
+    );
+    assert_same_params(&params(&target), &before);
+}
+
+/// A model of many layers, so a connection cut partway leaves some fetched and some not.
+#[derive(Module, Debug)]
+struct Deep {
+    layers: Vec<Linear>,
+}
+
+impl Deep {
+    fn new(device: &Device) -> Self {
+        Self {
+            layers: (0..8)
+                .map(|_| LinearConfig::new(128, 128).init(device))
+                .collect(),
+        }
+    }
+}
+
+#[test]
+fn a_node_gone_halfway_through_an_apply_leaves_the_module_exactly_as_it_was() {
+    let node = serve_flex();
+    let device = Device::flex();
+    let sent = Deep::new(&device);
+    FerryStore::connected(client(&node.addr), 0, "deep")
+        .collect_from(&sent)
+        .unwrap();
+
+    // In front of the node, a proxy that dies after about half the model's bytes.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let model_bytes: usize = params(&sent).values().map(|d| d.as_bytes().len()).sum();
+    let upstream = node.addr.parse().unwrap();
+    let cut = runtime.block_on(proxy(upstream, Fault::DieAfter(model_bytes / 2)));
+    let through_proxy = BlockingClient::connect(cut)
+        .shared_memory(ferry::client::SharedMemory::Decline)
+        .blocking()
+        .unwrap();
+
+    let mut target = Deep::new(&device);
+    let before = params(&target);
+    let Err(StoreError::NotApplied(result)) =
+        FerryStore::connected(through_proxy, 0, "deep").apply_to(&mut target)
+    else {
+        panic!("a node gone halfway refuses the apply");
+    };
+    assert!(!result.errors.is_empty(), "{result}");
+    assert!(
+        result
+            .errors
+            .iter()
+            .all(|e| matches!(e, ApplyError::LoadError { .. })),
+        "{result}"
+    );
+    assert!(
+        !result.applied.is_empty(),
+        "the cut came partway: some tensors had arrived ({result})"
+    );
+    assert_same_params(&params(&target), &before);
+}
+
+#[cfg(feature = "ndarray")]
+#[test]
+fn a_dtype_the_parameters_device_cannot_hold_is_an_error_before_a_byte_moves() {
+    use burn_core::tensor::quantization::{QuantScheme, QuantStore, QuantValue};
+    let node = serve_flex();
+    // Q4S: Flex holds it, NdArray does not (its q_from_data panics on it).
+    let q4 = QuantScheme::default()
+        .with_value(QuantValue::Q4S)
+        .with_store(QuantStore::Native);
+    let flex = Device::flex();
+    let mut sent = Pair::new(&flex);
+    sent.left.weight = sent.left.weight.map(|w| w.quantize_dynamic(&q4));
+    FerryStore::connected(client(&node.addr), 0, "q4")
+        .collect_from(&sent)
+        .unwrap();
+
+    #[allow(deprecated)] // NdArray is the second CPU backend ferry serves.
+    let mut target = Pair::new(&Device::ndarray());
+    let before = params(&target);
+    let Err(StoreError::NotApplied(result)) =
+        FerryStore::connected(client(&node.addr), 0, "q4").apply_to(&mut target)
+    else {
+        panic!("an unholdable dtype refuses the apply");
+    };
+    let [ApplyError::LoadError { path, message }] = &result.errors[..] else {
+        panic!("one load error: {result}");
+    };
+    assert_eq!(path, "left.weight");
+    assert!(message.contains("cannot hold"), "{message}");
+    assert_same_params(&params(&target), &before);
+}
+
+/// Where each Flex parameter's values lie, by path.
+fn buffers<M: Module>(module: &M) -> BTreeMap<String, usize> {
+    struct Buffers {
+        path: Vec<String>,
+        at: BTreeMap<String, usize>,
+    }
+    impl ModuleVisitor for Buffers {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let dispatch = param.val().into_dispatch();
+            let backend =
+                <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(dispatch)
+                    .unwrap();
+            let BackendTensor::Float(flex) = backend else {
+                panic!("a plain float parameter");
+            };
+            self.at
+                .insert(self.path.join("."), flex.bytes().as_ptr() as usize);
+        }
+    }
+    let mut visitor = Buffers {
+        path: Vec::new(),
+        at: BTreeMap::new(),
+    };
+    module.visit(&mut visitor);
+    visitor.at
+}
+
+#[test]
+fn a_model_applied_from_an_embedded_node_shares_the_nodes_buffers() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let config = NodeConfig {
+        devices: vec![DeviceSpec::Flex],
+        ..NodeConfig::default()
+    };
+    let node = {
+        let _entered = runtime.enter();
+        Node::start(config).unwrap()
+    };
+    let device = Device::flex();
+    let sent = TinyLm::new(&device);
+    let mut store = FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "lm");
+    // Collected with no copy: the node shares the module's buffers.
+    store.collect_from(&sent).unwrap();
+    let mut received = TinyLm::new(&device);
+    let result = store.apply_to(&mut received).unwrap();
+    assert_eq!(result.applied.len(), 7, "{result}");
+    assert_same_params(&params(&received), &params(&sent));
+
+    let node_buffers: BTreeMap<String, usize> = buffers(&sent)
+        .keys()
+        .map(|path| {
+            let key = TensorKey::new(0, format!("lm/{path}"));
+            let (_, primitive) = runtime.block_on(node.primitive::<Flex>(&key)).unwrap();
+            let Primitive::Float(flex) = primitive else {
+                panic!("a float tensor");
+            };
+            (path.clone(), flex.bytes().as_ptr() as usize)
+        })
+        .collect();
+    assert_eq!(
+        buffers(&sent),
+        node_buffers,
+        "the node holds the module's own buffers"
+    );
+    assert_eq!(
+        buffers(&received),
+        node_buffers,
+        "the applied model reads the node's buffers"
+    );
+
+    // A write by the model copies first: the node's tensor stays as it was.
+    let weight = received.clone();
+    let key = TensorKey::new(0, "lm/hidden.weight");
+    let before = runtime.block_on(node.get(&key)).unwrap();
+    drop(received);
+    let written = params(&weight)["hidden.weight"].clone();
+    let changed = Tensor::<2>::from_data(written, &device).add_scalar(1.0);
+    let _ = changed.into_data();
+    let after = runtime.block_on(node.get(&key)).unwrap();
+    assert!(
+        after.as_bytes() == before.as_bytes(),
+        "the node's bytes are its own"
+    );
+}
+
+#[test]
+fn a_store_called_inside_an_async_runtime_says_so_instead_of_blocking_it() {
+    let node = serve_flex();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let mut store = FerryStore::connected(client(&node.addr), 0, "async");
+    let device = Device::flex();
+    let outcome = runtime.block_on(async { store.apply_to(&mut Pair::new(&device)) });
+    assert!(
+        matches!(outcome, Err(StoreError::InsideRuntime)),
+        "{outcome:?}"
+    );
+}
