@@ -46,6 +46,23 @@ impl BlockingClient {
         Client::connect(addr)
     }
 
+    /// Connects to member `name` of the cluster kept at `cluster` (`etcd://HOST:PORT[,...]`), as
+    /// [`Directory::reach`](crate::cluster::Directory::reach) does: its Unix socket where it runs
+    /// on this machine, else its TCP address, and only once it is the node the member
+    /// registered.
+    pub fn reach(
+        cluster: &str,
+        name: &str,
+        options: crate::ConnectOptions,
+    ) -> Result<(Self, ferry_proto::cluster::MemberRecord), crate::cluster::ReachError> {
+        let runtime = runtime()?;
+        let (client, member) = runtime.block_on(async {
+            let mut directory = crate::cluster::Directory::connect(cluster).await?;
+            directory.reach(name, options).await
+        })?;
+        Ok((Self { runtime, client }, member))
+    }
+
     /// Opens what `connect` describes.
     pub(crate) fn open(connect: Connect) -> Result<Self, ClientError> {
         let runtime = runtime()?;
