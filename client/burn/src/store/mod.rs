@@ -34,7 +34,7 @@ use plan::Targets;
 
 /// The most bytes of host copies a collect over a connection keeps in flight by default (read
 /// off the device, not yet sent); one larger tensor is let through alone.
-pub const DEFAULT_WINDOW: u64 = 256 << 20;
+pub const DEFAULT_WINDOW: u64 = 32 << 20;
 
 /// What an apply does where the module has a parameter the node does not hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
