@@ -9,8 +9,9 @@ use ferry_server::{BackendKind, HoldsTable};
 
 /// The backend of `device`, where ferry measures what that backend holds.
 pub(crate) fn backend_of(device: &Device) -> Option<BackendKind> {
-    // Only the backends this build of burn-dispatch was compiled with are variants; the rest
-    // (autodiff, capture, remote, a GPU runtime) are refused by the caller, named.
+    // Only the backends this build of burn-dispatch was compiled with are variants; for the
+    // rest (autodiff, capture, remote, a GPU runtime) the callers ask the backend's own
+    // `supports_dtype` instead.
     #[allow(unreachable_patterns)]
     match device.as_dispatch() {
         DispatchDevice::Flex(_) => Some(BackendKind::Flex),

@@ -440,18 +440,37 @@ fn a_model_applied_from_an_embedded_node_shares_the_nodes_buffers() {
         "the applied model reads the node's buffers"
     );
 
-    // A write by the model copies first: the node's tensor stays as it was.
-    let weight = received.clone();
+    // A write by the model copies first: the node's tensor stays as it was. The parameter's
+    // tensor is taken while it is the only handle on its (shared) bytes, and written in place.
     let key = TensorKey::new(0, "lm/hidden.weight");
     let before = runtime.block_on(node.get(&key)).unwrap();
+    let weight = received.hidden.weight.val();
     drop(received);
-    let written = params(&weight)["hidden.weight"].clone();
-    let changed = Tensor::<2>::from_data(written, &device).add_scalar(1.0);
-    let _ = changed.into_data();
+    let dispatch = weight.into_dispatch();
+    let BackendTensor::Float(mut flex) =
+        <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(dispatch).unwrap()
+    else {
+        panic!("a plain float parameter");
+    };
+    assert!(flex.is_unique(), "the model's own handle, alone");
+    for value in flex.storage_mut::<f32>() {
+        *value += 1.0;
+    }
+    assert_ne!(
+        flex.bytes().as_ptr() as usize,
+        node_buffers["hidden.weight"],
+        "the write went to a copy"
+    );
     let after = runtime.block_on(node.get(&key)).unwrap();
     assert!(
         after.as_bytes() == before.as_bytes(),
         "the node's bytes are its own"
+    );
+    let written: Vec<f32> = bytemuck::cast_slice(flex.bytes()).to_vec();
+    let original: Vec<f32> = bytemuck::cast_slice(before.as_bytes()).to_vec();
+    assert!(
+        written.iter().zip(&original).all(|(w, o)| *w == *o + 1.0),
+        "the model's copy holds its write"
     );
 }
 

@@ -21,10 +21,14 @@ pub const HIDDEN: usize = 128;
 /// Token ids in, one logit per vocabulary entry out.
 #[derive(Module, Debug)]
 pub struct TinyLm {
-    embedding: Embedding,
-    norm: LayerNorm,
-    hidden: Linear,
-    output: Linear,
+    /// Token ids to vectors.
+    pub embedding: Embedding,
+    /// Layer norm over each vector.
+    pub norm: LayerNorm,
+    /// The hidden layer (then GELU).
+    pub hidden: Linear,
+    /// One logit per vocabulary entry.
+    pub output: Linear,
 }
 
 impl TinyLm {

@@ -10,7 +10,7 @@ use ferry_client::{BlockingClient, ClientError};
 use ferry_proto::TensorKey;
 
 use crate::StoreError;
-use crate::store::link::{Link, Listed, Sending, outside_runtime};
+use crate::store::link::{Link, Listed, PAGE, Sending, listing_start, outside_runtime};
 use crate::store::window::Window;
 
 /// The node at the other end of a connection: a [`FerryStore`](crate::FerryStore) over it
@@ -38,11 +38,32 @@ impl Connected {
 
 impl Link for Connected {
     #[allow(private_interfaces)]
-    fn list(&self, device: u32) -> Result<Vec<Listed>, StoreError> {
+    fn list(&self, device: u32, prefix: &str) -> Result<Vec<Listed>, StoreError> {
         outside_runtime()?;
-        let infos = self.client().list(Some(device))?;
+        let mut client = self.client();
+        let mut infos = Vec::new();
+        if client.welcome().minor < 3 {
+            // A node of minor 2 or older lists a device whole.
+            infos = client.list(Some(device))?;
+        } else {
+            // Page by page from the prefix, stopping at the first name past it.
+            let mut after = listing_start(device, prefix);
+            loop {
+                let (page, next) = client.list_page(Some(device), after, PAGE as u32)?;
+                let past = page.iter().any(|i| !i.key.name.starts_with(prefix));
+                infos.extend(page);
+                match next {
+                    Some(next) if !past => after = Some(next),
+                    _ => break,
+                }
+            }
+        }
+        drop(client);
+        // Only what is under the prefix is read: a tensor elsewhere on the device is no
+        // concern of this store, whatever its dtype.
         infos
             .into_iter()
+            .filter(|info| info.key.name.starts_with(prefix))
             .map(|info| {
                 let dtype = DType::try_from(&info.dtype)
                     .map_err(|e| ClientError::from(ferry_proto::ProtoError::from(e)))?;
@@ -97,8 +118,10 @@ impl Link for Connected {
                     }
                 }
             });
+            // Wakes the reader, which may wait for room, however this thread leaves.
+            let _close = CloseOnDrop(window);
             let mut client = self.client();
-            let sent = (|| {
+            let send_all = || {
                 let mut sent = 0;
                 for (path, data, bytes) in arrived {
                     let data = data.map_err(|e| StoreError::ReadBack {
@@ -111,10 +134,18 @@ impl Link for Connected {
                     sent += 1;
                 }
                 Ok(sent)
-            })();
-            // The reader may wait for room that will not come: wake it to stop.
-            window.close();
-            sent
+            };
+            send_all()
         })
+    }
+}
+
+/// Closes the window when dropped: the reader stops rather than wait for room that will not
+/// come (after an error, or a panic on the sending thread, which the scope then passes on).
+struct CloseOnDrop<'a>(&'a Window);
+
+impl Drop for CloseOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.close();
     }
 }

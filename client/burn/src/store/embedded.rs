@@ -13,7 +13,7 @@ use tokio::runtime::Handle;
 use crate::StoreError;
 use crate::handoff::into_flex;
 use crate::shared_data::shared_data;
-use crate::store::link::{Link, Listed, Sending, outside_runtime};
+use crate::store::link::{Link, Listed, PAGE, Sending, listing_start, outside_runtime};
 
 /// A node embedded in this process, and the runtime it runs on: a
 /// [`FerryStore`](crate::FerryStore) over it blocks on that runtime, from a thread outside it.
@@ -42,10 +42,23 @@ impl Embedded {
 
 impl Link for Embedded {
     #[allow(private_interfaces)]
-    fn list(&self, device: u32) -> Result<Vec<Listed>, StoreError> {
-        let descs = self.block(self.node.list(Some(device)))??;
+    fn list(&self, device: u32, prefix: &str) -> Result<Vec<Listed>, StoreError> {
+        // Page by page from the prefix, stopping at the first name past it.
+        let mut descs = Vec::new();
+        let mut after = listing_start(device, prefix);
+        loop {
+            let (page, next) =
+                self.block(self.node.list_page(Some(device), after.as_ref(), PAGE))??;
+            let past = page.iter().any(|d| !d.key.name.starts_with(prefix));
+            descs.extend(page);
+            match next {
+                Some(next) if !past => after = Some(next),
+                _ => break,
+            }
+        }
         Ok(descs
             .into_iter()
+            .filter(|desc| desc.key.name.starts_with(prefix))
             .map(|desc| Listed {
                 key: desc.key,
                 dtype: desc.dtype,
@@ -149,15 +162,17 @@ impl ModuleVisitor for Sender<'_> {
         self.containers.pop();
     }
 
+    // As burn-store's collector does: the parameter as its mapper saves it (`on_save`), so an
+    // apply's `on_load` meets what it expects, whichever link sent it.
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        self.hand(param.val());
+        self.hand(param.transform_for_save().val());
     }
 
     fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
-        self.hand(param.val());
+        self.hand(param.transform_for_save().val());
     }
 
     fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
-        self.hand(param.val());
+        self.hand(param.transform_for_save().val());
     }
 }

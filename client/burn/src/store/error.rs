@@ -37,11 +37,11 @@ pub enum StoreError {
     /// module was left as it was. The result says what would have been applied and why not.
     #[error("the module was left as it was: {0}")]
     NotApplied(Box<ApplyResult>),
-    /// Called from inside an async runtime, where waiting for the node would block the thread
-    /// that drives it. Call it from `tokio::task::spawn_blocking` or a thread of its own.
+    /// Called on a thread that drives an async runtime, where waiting for the node would stall
+    /// it. Call it from `tokio::task::spawn_blocking` or a thread of its own.
     #[error(
-        "a FerryStore blocks until the node answers: call it outside the async runtime \
-         (from spawn_blocking or a thread of its own)"
+        "a FerryStore blocks until the node answers: call it from spawn_blocking or a thread of \
+         its own, not from an async task"
     )]
     InsideRuntime,
 }

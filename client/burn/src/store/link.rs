@@ -48,10 +48,10 @@ mod sealed {
 /// The node at a store's other end. Sealed: [`Connected`](crate::Connected) and
 /// [`Embedded`](crate::Embedded) are the two there are.
 pub trait Link: sealed::Sealed + Send + Sync + 'static {
-    /// Every tensor on `device`.
+    /// Every tensor on `device` whose name starts with `prefix`.
     #[doc(hidden)]
     #[allow(private_interfaces)]
-    fn list(&self, device: u32) -> Result<Vec<Listed>, StoreError>;
+    fn list(&self, device: u32, prefix: &str) -> Result<Vec<Listed>, StoreError>;
 
     /// The tensor under `key`, its bytes checked as the node checks every tensor.
     #[doc(hidden)]
@@ -67,11 +67,23 @@ pub trait Link: sealed::Sealed + Send + Sync + 'static {
     ) -> Result<usize, StoreError>;
 }
 
-/// Refuses to block from inside an async runtime, where waiting would stall the thread that
-/// drives the connection or the node.
+/// The most tensors one listing page asks for.
+pub(crate) const PAGE: usize = 1024;
+
+/// Where a listing under `prefix` starts: just after the prefix itself (names sort bytewise, so
+/// every name that starts with it follows; the prefix alone, ending in `/`, is no parameter).
+pub(crate) fn listing_start(device: u32, prefix: &str) -> Option<TensorKey> {
+    (!prefix.is_empty()).then(|| TensorKey::new(device, prefix))
+}
+
+/// Refuses to block on a thread that drives an async runtime (a task's thread), where waiting
+/// would stall the very runtime that has to answer. A thread that merely has a runtime's
+/// context, such as one of `spawn_blocking`'s, may block: tokio's own check decides, probed
+/// with an empty future (its refusal is a panic, contained and quiet here).
 pub(crate) fn outside_runtime() -> Result<(), StoreError> {
-    match tokio::runtime::Handle::try_current() {
-        Ok(_) => Err(StoreError::InsideRuntime),
-        Err(_) => Ok(()),
-    }
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return Ok(());
+    };
+    let _quiet = ferry_proto::contain::QuietPanics::enter();
+    ferry_proto::contained(|| handle.block_on(async {})).map_err(|_| StoreError::InsideRuntime)
 }

@@ -62,8 +62,14 @@ pub enum Missing {
 ///   tensor, unless [`Missing::Allow`]) leaves the module exactly as it was and says why in
 ///   [`StoreError::NotApplied`]; a node gone halfway is such an error.
 ///
-/// Both block until the node answered: call them outside any async runtime (from
-/// `spawn_blocking` or a thread of their own), or get [`StoreError::InsideRuntime`].
+/// Both block until the node answered: call them from a thread that drives no async runtime
+/// (`spawn_blocking`, or a thread of its own); on a task's thread they refuse with
+/// [`StoreError::InsideRuntime`].
+///
+/// Not supported: burn-store's `ModuleAdapter`s (PyTorch's layouts; a store between two Burn
+/// programs needs none) and enum-variant skipping (both ends are Burn modules, which name
+/// variants alike). A panic in a parameter's own `ParamMapper` during an apply aborts the
+/// process, as it does with burn-store's file stores (their `Applier` cannot unwind halfway).
 #[derive(Debug)]
 pub struct FerryStore<L: Link> {
     link: Arc<L>,
@@ -89,8 +95,11 @@ impl FerryStore<Connected> {
 
 impl FerryStore<Embedded> {
     /// A store on device `device` of `node`, which runs on `runtime`, under `prefix`. On a Flex
-    /// device a module applied from it shares the node's buffers, and one collected into it
-    /// hands the node its own: no host copy either way.
+    /// device a module collected into it hands the node its own buffers, and one applied from it
+    /// shares the node's: no host copy either way, except for quantized tensors (Burn's data
+    /// joins their values and scales into one buffer) and views. An applied module keeps the
+    /// buffers it shares alive after the node removed or replaced their tensors, outside the
+    /// node's memory budget from then on.
     pub fn embedded(
         node: Node,
         runtime: tokio::runtime::Handle,
@@ -159,7 +168,7 @@ impl<L: Link> FerryStore<L> {
     fn listing(&self, targets: Arc<Targets>) -> Result<Vec<PackTensor>, StoreError> {
         let listed: Vec<(String, Listed)> = self
             .link
-            .list(self.device)?
+            .list(self.device, &self.prefix)?
             .into_iter()
             .filter_map(|listed| {
                 let path = listed.key.name.strip_prefix(&self.prefix)?.to_string();
