@@ -25,17 +25,30 @@ pub enum HandoffError {
         /// The rank asked for.
         asked: usize,
     },
-    /// Flex stores the dtype but cannot compute with it (a 4-byte bool store, Flex32): a tensor
-    /// handed out would panic at its first operation.
-    #[error("Flex stores {dtype} but cannot compute with it; read it as data instead")]
+    /// The device stores the dtype but cannot compute with it (Flex: a 4-byte bool store,
+    /// Flex32): a tensor handed out would panic at its first operation.
+    #[error("the device stores {dtype} but cannot compute with it; read it as data instead")]
     NotOperable {
         /// The dtype, readable.
         dtype: String,
     },
-    /// The tensor does not live on the Flex device (another backend, or one that records
-    /// gradients): a handoff with no copy needs the node's own backend.
+    /// The tensor is not of the node device's backend (another backend, or a tensor that
+    /// records gradients): a handoff with no copy needs the node's own backend.
     #[error(
-        "the tensor is not a Flex tensor ({0}); only Flex tensors are handed over without a copy"
+        "the tensor is not of the node device's backend ({0}); only such tensors are handed over \
+         without a copy"
     )]
-    NotFlex(String),
+    OtherBackend(String),
+    /// The node's device is of a backend whose tensors this build does not hand over: read
+    /// them as data instead.
+    #[error(
+        "device {device} is {backend}, whose tensors are not handed over (Flex's are, and wgpu's \
+         with ferry-burn's `wgpu` feature): read them as data instead"
+    )]
+    NoHandoff {
+        /// The node's device index.
+        device: u32,
+        /// Its backend.
+        backend: ferry_server::BackendKind,
+    },
 }

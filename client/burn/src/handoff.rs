@@ -1,11 +1,11 @@
-//! A Burn `Tensor` as the node's Flex primitive and back: the same handle (the same buffer), with
-//! the kind and rank checked before Burn would panic on them.
+//! A Burn `Tensor` as the node's primitive of a backend (Flex; wgpu's cubecl backend with the
+//! `wgpu` feature) and back: the same handle (the same buffer), with the kind and rank checked
+//! before Burn would panic on them.
 
 use std::any::TypeId;
 
-use burn_backend::{Backend, DType, DTypeUsage};
+use burn_backend::{Backend, DType, DTypeUsage, TensorMetadata};
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
-use burn_flex::{Flex, FlexDevice};
 use burn_tensor::kind::Basic;
 use burn_tensor::{Bool, Float, Int, Tensor};
 use ferry_proto::dtype_name;
@@ -31,13 +31,17 @@ fn name_of<K: 'static>() -> &'static str {
     }
 }
 
-/// `tensor`'s Flex primitive: its own handle, no copy.
-pub(crate) fn into_flex<const D: usize, K: Basic>(
+/// `tensor`'s primitive of backend `B`: its own handle, no copy.
+pub(crate) fn into_backend<B, const D: usize, K: Basic>(
     tensor: Tensor<D, K>,
-) -> Result<Primitive<Flex>, HandoffError> {
+) -> Result<Primitive<B>, HandoffError>
+where
+    B: Backend,
+    DispatchTensor: DispatchKindConversion<B>,
+{
     let dispatch = tensor.into_dispatch();
-    let backend = <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(dispatch)
-        .map_err(HandoffError::NotFlex)?;
+    let backend = <DispatchTensor as DispatchKindConversion<B>>::try_into_backend(dispatch)
+        .map_err(HandoffError::OtherBackend)?;
     // Every variant this build of burn-dispatch has; one it adds (gradients) is not a handoff.
     #[allow(unreachable_patterns)]
     match backend {
@@ -45,17 +49,21 @@ pub(crate) fn into_flex<const D: usize, K: Basic>(
         BackendTensor::Int(t) => Ok(Primitive::Int(t)),
         BackendTensor::Bool(t) => Ok(Primitive::Bool(t)),
         BackendTensor::Quantized(t) => Ok(Primitive::Quantized(t)),
-        _ => Err(HandoffError::NotFlex(
+        _ => Err(HandoffError::OtherBackend(
             "a tensor that records gradients".into(),
         )),
     }
 }
 
 /// A `Tensor<D, K>` of `primitive`: its own handle, no copy, once its kind and rank are the
-/// ones asked for.
-pub(crate) fn from_flex<const D: usize, K: Basic + 'static>(
-    primitive: Primitive<Flex>,
-) -> Result<Tensor<D, K>, HandoffError> {
+/// ones asked for and its backend can compute with its dtype.
+pub(crate) fn from_backend<B, const D: usize, K: Basic + 'static>(
+    primitive: Primitive<B>,
+) -> Result<Tensor<D, K>, HandoffError>
+where
+    B: Backend,
+    DispatchTensor: DispatchKindConversion<B>,
+{
     let (dtype, shape) = primitive.dtype_and_shape();
     if kind_of(&dtype).0 != TypeId::of::<K>() {
         return Err(HandoffError::Kind {
@@ -66,26 +74,36 @@ pub(crate) fn from_flex<const D: usize, K: Basic + 'static>(
     if shape.len() != D {
         return Err(HandoffError::Rank { shape, asked: D });
     }
-    // Flex stores some dtypes it cannot compute with (a 4-byte bool store, Flex32): such a
-    // tensor would panic at its first operation in the program, so it is not handed out.
-    let usage = Flex::dtype_usage(&FlexDevice, dtype);
-    let needs_arithmetic = !matches!(dtype, DType::QFloat(_));
-    if !usage.contains(DTypeUsage::Storage)
-        || (needs_arithmetic && !usage.contains(DTypeUsage::Arithmetic))
-    {
+    // A backend may store dtypes it cannot compute with (Flex: a 4-byte bool store, Flex32):
+    // such a tensor would panic at its first operation in the program, so it is not handed out.
+    let device = match &primitive {
+        Primitive::Float(t) => t.device(),
+        Primitive::Int(t) => t.device(),
+        Primitive::Bool(t) => t.device(),
+        Primitive::Quantized(q) => q.device(),
+    };
+    // A quantized tensor is whatever the node's measured table let the device hold (cubecl
+    // reports no usage for quantized dtypes at all); a plain one must be computable.
+    let usage = B::dtype_usage(&device, dtype);
+    let plain = !matches!(dtype, DType::QFloat(_));
+    if plain && !(usage.contains(DTypeUsage::Storage) && usage.contains(DTypeUsage::Arithmetic)) {
         return Err(HandoffError::NotOperable {
             dtype: dtype_name(&dtype),
         });
     }
-    // The variant follows the dtype (the node checked it on the way in, too).
+    // The node registers each tensor under the variant of its dtype (checked on the way in).
+    if !primitive.variant_fits_dtype() {
+        return Err(HandoffError::Kind {
+            dtype: dtype_name(&dtype),
+            asked: name_of::<K>(),
+        });
+    }
     let backend = match primitive {
-        Primitive::Float(t) | Primitive::Int(t) | Primitive::Bool(t) => match dtype {
-            DType::Bool(_) => BackendTensor::Bool(t),
-            d if d.is_int() || d.is_uint() => BackendTensor::Int(t),
-            _ => BackendTensor::Float(t),
-        },
+        Primitive::Float(t) => BackendTensor::Float(t),
+        Primitive::Int(t) => BackendTensor::Int(t),
+        Primitive::Bool(t) => BackendTensor::Bool(t),
         Primitive::Quantized(t) => BackendTensor::Quantized(t),
     };
-    let dispatch = <DispatchTensor as DispatchKindConversion<Flex>>::from_backend(backend);
+    let dispatch = <DispatchTensor as DispatchKindConversion<B>>::from_backend(backend);
     Ok(Tensor::from_dispatch(dispatch))
 }

@@ -4,8 +4,9 @@
 //!   (quantized or not) sent to a node's device and applied from it, over a connection or from
 //!   a node embedded in this process.
 //! - [`NodeTensors`]: an embedded node's tensors as `burn_tensor::Tensor`s, handed in and out
-//!   with no host copy (the node's Flex device and the program's are one: the handoff moves the
-//!   tensor's handle, not its bytes).
+//!   with no host copy (the node's Flex device and the program's are one, and so is a wgpu
+//!   device the program opened first, with the `wgpu` feature: the handoff moves the tensor's
+//!   handle, not its bytes).
 //! - [`TryToDevice`]: any tensor to any device of this process, checked against what the
 //!   device holds before a byte moves: an error that names the dtype and the device, never a
 //!   panic.

@@ -77,7 +77,7 @@ impl<const D: usize, K: Basic + 'static> TryToDevice for Tensor<D, K> {
 
 /// Whether `device` holds `dtype` at `shape`, by ferry's measured table for its backend, or by
 /// the backend's own answer where ferry measures none.
-fn check_held(device: &Device, dtype: &DType, shape: &[usize]) -> Result<(), MoveError> {
+pub(crate) fn check_held(device: &Device, dtype: &DType, shape: &[usize]) -> Result<(), MoveError> {
     let refused = |why: String| MoveError::NotHeld {
         dtype: dtype_name(dtype),
         shape: shape.to_vec(),

@@ -12,7 +12,7 @@ use burn_tensor::{Bool, Device, Float, Int, Tensor, TensorData};
 use ferry::client::Client;
 use ferry::proto::{IfExists, TensorKey};
 use ferry::samples;
-use ferry::server::{Node, NodeError, Primitive};
+use ferry::server::{BackendKind, Node, NodeError, Primitive};
 use ferry::testing::start_with;
 use ferry_burn::{HandoffError, NodeTensors};
 
@@ -158,7 +158,8 @@ async fn a_take_hands_the_tensor_over_and_a_refusal_leaves_it_registered() {
         Err(NodeError::NotFound(_))
     ));
 
-    // The NdArray device is another backend: nothing is handed either way.
+    // The NdArray device's backend has no handoff: nothing is handed either way, and the
+    // error names the device and its backend.
     let other = TensorKey::new(1, "w");
     let refused = node
         .node
@@ -171,10 +172,10 @@ async fn a_take_hands_the_tensor_over_and_a_refusal_leaves_it_registered() {
     assert!(
         matches!(
             refused,
-            Err(HandoffError::Node(NodeError::OtherBackend {
+            Err(HandoffError::NoHandoff {
                 device: 1,
-                ..
-            }))
+                backend: BackendKind::NdArray
+            })
         ),
         "{refused:?}"
     );
@@ -186,10 +187,10 @@ async fn a_take_hands_the_tensor_over_and_a_refusal_leaves_it_registered() {
     assert!(
         matches!(
             out,
-            Err(HandoffError::Node(NodeError::OtherBackend {
+            Err(HandoffError::NoHandoff {
                 device: 1,
-                ..
-            }))
+                backend: BackendKind::NdArray
+            })
         ),
         "{out:?}"
     );

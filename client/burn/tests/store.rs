@@ -441,7 +441,7 @@ fn a_model_applied_from_an_embedded_node_shares_the_nodes_buffers() {
     );
 
     // A write by the model copies first: the node's tensor stays as it was. The parameter's
-    // tensor is taken while it is the only handle on its (shared) bytes, and written in place.
+    // tensor (whose buffer the node's tensor shares) is written in place.
     let key = TensorKey::new(0, "lm/hidden.weight");
     let before = runtime.block_on(node.get(&key)).unwrap();
     let weight = received.hidden.weight.val();
@@ -452,7 +452,6 @@ fn a_model_applied_from_an_embedded_node_shares_the_nodes_buffers() {
     else {
         panic!("a plain float parameter");
     };
-    assert!(flex.is_unique(), "the model's own handle, alone");
     for value in flex.storage_mut::<f32>() {
         *value += 1.0;
     }
@@ -475,14 +474,153 @@ fn a_model_applied_from_an_embedded_node_shares_the_nodes_buffers() {
 }
 
 #[test]
-fn a_store_called_inside_an_async_runtime_says_so_instead_of_blocking_it() {
+fn a_store_refuses_on_an_async_tasks_thread_and_works_from_spawn_blocking() {
     let node = serve_flex();
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let mut store = FerryStore::connected(client(&node.addr), 0, "async");
     let device = Device::flex();
+    let sent = Pair::new(&device);
+    FerryStore::connected(client(&node.addr), 0, "async")
+        .collect_from(&sent)
+        .unwrap();
+
+    let mut store = FerryStore::connected(client(&node.addr), 0, "async");
     let outcome = runtime.block_on(async { store.apply_to(&mut Pair::new(&device)) });
     assert!(
         matches!(outcome, Err(StoreError::InsideRuntime)),
         "{outcome:?}"
     );
+
+    // From spawn_blocking (a thread with the runtime's context, driving none of it): applied.
+    let applied = runtime
+        .block_on(runtime.spawn_blocking(move || {
+            let mut target = Pair::new(&Device::flex());
+            store.apply_to(&mut target).map(|_| target)
+        }))
+        .unwrap()
+        .unwrap();
+    assert_same_params(&params(&applied), &params(&sent));
+}
+
+/// A node in this process with `devices`, and the runtime it runs on.
+fn embedded(devices: Vec<DeviceSpec>) -> (tokio::runtime::Runtime, Node) {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let node = {
+        let _entered = runtime.enter();
+        Node::start(NodeConfig {
+            devices,
+            ..NodeConfig::default()
+        })
+        .unwrap()
+    };
+    (runtime, node)
+}
+
+#[test]
+fn a_quantized_model_applied_from_an_embedded_node_is_handed_its_values_without_a_copy() {
+    let (runtime, node) = embedded(vec![DeviceSpec::Flex]);
+    let device = Device::flex();
+    let sent = quantized(TinyLm::new(&device), Quantization::PerBlock);
+    let mut store = FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "q");
+    store.collect_from(&sent).unwrap();
+    let mut received = TinyLm::new(&device);
+    store.apply_to(&mut received).unwrap();
+    assert_same_params(&params(&received), &params(&sent));
+
+    // The quantized weight's values are the node's own buffer.
+    let values = |tensor: Tensor<2>| {
+        let dispatch = tensor.into_dispatch();
+        let BackendTensor::Quantized(q) =
+            <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(dispatch).unwrap()
+        else {
+            panic!("a quantized tensor");
+        };
+        q.tensor().bytes().as_ptr() as usize
+    };
+    let key = TensorKey::new(0, "q/hidden.weight");
+    let (_, primitive) = runtime.block_on(node.primitive::<Flex>(&key)).unwrap();
+    let Primitive::Quantized(on_node) = primitive else {
+        panic!("a quantized tensor on the node");
+    };
+    assert_eq!(
+        values(received.hidden.weight.val()),
+        on_node.tensor().bytes().as_ptr() as usize
+    );
+}
+
+#[test]
+fn an_apply_from_an_embedded_node_checks_and_reports_as_burn_stores_applier_does() {
+    let (runtime, node) = embedded(vec![DeviceSpec::Flex]);
+    let device = Device::flex();
+    let sent = Pair::new(&device);
+    let store = || FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "p");
+    store().collect_from(&sent).unwrap();
+
+    // Through a filter: the rest skipped and kept.
+    let mut target = Pair::new(&device);
+    let before = params(&target);
+    let result = store()
+        .with_filter(PathFilter::new().with_regex(r"^left\."))
+        .apply_to(&mut target)
+        .unwrap();
+    assert_eq!(result.applied.len(), 2, "{result}");
+    assert_eq!(result.skipped, ["right.bias", "right.weight"]);
+    assert!(params(&target)["right.weight"].as_bytes() == before["right.weight"].as_bytes());
+
+    // Mis-shaped, of another kind, and missing: each refused, the module left as it was.
+    let insert = |name: &str, data: TensorData| {
+        runtime
+            .block_on(node.insert(&TensorKey::new(0, name), data, IfExists::Replace))
+            .unwrap();
+    };
+    insert("p/left.weight", TensorData::new(vec![0.5f32; 32], [4, 8]));
+    insert("p/right.weight", TensorData::new(vec![7i32; 64], [8, 8]));
+    runtime
+        .block_on(node.remove(&TensorKey::new(0, "p/right.bias")))
+        .unwrap();
+    insert("p/middle.weight", TensorData::new(vec![1.0f32; 4], [4]));
+    let mut target = Pair::new(&device);
+    let before = params(&target);
+    let Err(StoreError::NotApplied(result)) = store().apply_to(&mut target) else {
+        panic!("refused");
+    };
+    assert!(
+        result
+            .errors
+            .iter()
+            .any(|e| matches!(e, ApplyError::ShapeMismatch { path, .. } if path == "left.weight")),
+        "{result}"
+    );
+    assert!(
+        result
+            .errors
+            .iter()
+            .any(|e| matches!(e, ApplyError::DTypeMismatch { path, .. } if path == "right.weight")),
+        "{result}"
+    );
+    assert_eq!(
+        result
+            .missing
+            .iter()
+            .map(|(p, _)| p.as_str())
+            .collect::<Vec<_>>(),
+        ["right.bias"]
+    );
+    assert_eq!(result.unused, ["middle.weight"]);
+    assert_same_params(&params(&target), &before);
+}
+
+#[cfg(feature = "ndarray")]
+#[test]
+fn an_embedded_node_on_ndarray_applies_to_a_flex_model_through_the_host() {
+    // NdArray has no handoff: the tensors are read as data and built on the parameters' Flex
+    // device, each checked against what Flex holds first.
+    #[allow(deprecated)]
+    let (runtime, node) = embedded(vec![DeviceSpec::NdArray]);
+    let device = Device::flex();
+    let sent = Pair::new(&device);
+    let mut store = FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "n");
+    store.collect_from(&sent).unwrap();
+    let mut target = Pair::new(&device);
+    store.apply_to(&mut target).unwrap();
+    assert_same_params(&params(&target), &params(&sent));
 }

@@ -2,15 +2,17 @@
 //! their devices on one thread and sends them on another, a bounded window of host copies
 //! between the two.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn_core::tensor::{DType, TensorData};
-use burn_store::{ModuleSnapshot, bridge};
+use burn_store::{ApplyResult, ModuleSnapshot, PathFilter, bridge};
 use ferry_client::{BlockingClient, ClientError};
 use ferry_proto::TensorKey;
 
 use crate::StoreError;
+use crate::store::deferred_tensors;
 use crate::store::link::{Link, Listed, PAGE, Sending, listing_start, outside_runtime};
+use crate::store::plan::Targets;
 use crate::store::window::Window;
 
 /// The node at the other end of a connection: a [`FerryStore`](crate::FerryStore) over it
@@ -88,6 +90,18 @@ impl Link for Connected {
     fn fetch(&self, key: &TensorKey) -> Result<TensorData, StoreError> {
         outside_runtime()?;
         Ok(self.client().get(key)?)
+    }
+
+    #[allow(private_interfaces)]
+    fn apply<M: ModuleSnapshot>(
+        self: Arc<Self>,
+        module: &mut M,
+        listing: Vec<(String, Listed)>,
+        filter: Option<&PathFilter>,
+    ) -> Result<ApplyResult, StoreError> {
+        // burn-store's own Applier, each fetch checked against the parameter's device first.
+        let tensors = deferred_tensors(&self, listing, Arc::new(Targets::of(module)));
+        Ok(module.apply(tensors, filter.cloned(), None, false))
     }
 
     #[allow(private_interfaces)]

@@ -1,19 +1,24 @@
-//! [`Embedded`]: a store's node in this very process. A model applied from it shares the
-//! node's buffers (Flex), and one collected into it hands its tensors over, with no host copy.
+//! [`Embedded`]: a store's node in this very process. A model applied from it is handed the
+//! node's tensors on the node's device (Flex, wgpu: the same buffers), and one collected into it
+//! hands its tensors over (Flex), with no host copy.
 
 use burn_core::module::{ModuleVisitor, Param};
 use burn_core::tensor::kind::Basic;
-use burn_core::tensor::{Bool, Int, Tensor, TensorData};
+use std::sync::Arc;
+
+use burn_core::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_flex::Flex;
-use burn_store::ModuleSnapshot;
+use burn_store::{ApplyResult, ModuleSnapshot, PathFilter};
 use ferry_proto::TensorKey;
 use ferry_server::{BackendKind, Node};
 use tokio::runtime::Handle;
 
-use crate::StoreError;
-use crate::handoff::into_flex;
+use crate::handoff::into_backend;
 use crate::shared_data::shared_data;
+use crate::store::handoff_apply::HandoffApplier;
 use crate::store::link::{Link, Listed, PAGE, Sending, listing_start, outside_runtime};
+use crate::to_device::check_held;
+use crate::{HandoffError, NodeTensors, StoreError, TryToDevice};
 
 /// A node embedded in this process, and the runtime it runs on: a
 /// [`FerryStore`](crate::FerryStore) over it blocks on that runtime, from a thread outside it.
@@ -31,6 +36,38 @@ impl Embedded {
     fn block<F: Future>(&self, work: F) -> Result<F::Output, StoreError> {
         outside_runtime()?;
         Ok(self.runtime.block_on(work))
+    }
+
+    /// The node's tensor under `key` as a tensor on `device`: handed over where the node's
+    /// device has a handoff (Flex, wgpu), else built from its data once `device` holds it; moved
+    /// to `device` (natively, or refused by name) where the node's device is another. `Err`
+    /// says why not, for the apply's result.
+    pub(crate) fn tensor_on<const D: usize, K: Basic + 'static>(
+        &self,
+        key: &TensorKey,
+        device: &Device,
+    ) -> Result<Tensor<D, K>, String> {
+        let handed = self
+            .block(self.node.tensor::<D, K>(key))
+            .map_err(|e| e.to_string())?;
+        let tensor = match handed {
+            Ok(tensor) => tensor,
+            Err(HandoffError::NoHandoff { .. }) => {
+                let data = self
+                    .block(self.node.get(key))
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| e.to_string())?;
+                let (dtype, shape) = (data.dtype(), data.shape().to_vec());
+                check_held(device, &dtype, &shape).map_err(|e| e.to_string())?;
+                return ferry_proto::contained(|| Tensor::<D, K>::from_data(data, (device, dtype)))
+                    .map_err(|p| format!("building it panicked: {}", p.message));
+            }
+            Err(e) => return Err(e.to_string()),
+        };
+        if tensor.device() == *device {
+            return Ok(tensor);
+        }
+        tensor.try_to_device(device).map_err(|e| e.to_string())
     }
 
     fn on_flex(&self, device: u32) -> bool {
@@ -65,6 +102,21 @@ impl Link for Embedded {
                 shape: desc.shape,
             })
             .collect())
+    }
+
+    #[allow(private_interfaces)]
+    fn apply<M: ModuleSnapshot>(
+        self: Arc<Self>,
+        module: &mut M,
+        listing: Vec<(String, Listed)>,
+        filter: Option<&PathFilter>,
+    ) -> Result<ApplyResult, StoreError> {
+        // Each tensor handed over as it is on the node's device (moved to the parameter's own
+        // where that is another), with burn-store's filter, checks and result.
+        let mut applier = HandoffApplier::new(&self, listing, filter);
+        let mapped = module.clone().map(&mut applier);
+        *module = mapped;
+        Ok(applier.into_result())
     }
 
     fn fetch(&self, key: &TensorKey) -> Result<TensorData, StoreError> {
@@ -135,7 +187,7 @@ impl Sender<'_> {
         let node = &self.link.node;
         let if_exists = self.sending.if_exists;
         if self.link.on_flex(key.device)
-            && let Ok(primitive) = into_flex(tensor.clone())
+            && let Ok(primitive) = into_backend::<Flex, D, K>(tensor.clone())
         {
             // The parameter's own handle: the node and the module share the buffer.
             self.link

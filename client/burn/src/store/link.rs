@@ -2,8 +2,10 @@
 //! fetch, send a module), over a connection ([`Connected`](crate::Connected)) or in-process
 //! ([`Embedded`](crate::Embedded)).
 
+use std::sync::Arc;
+
 use burn_core::tensor::{DType, TensorData};
-use burn_store::{ModuleSnapshot, PathFilter};
+use burn_store::{ApplyResult, ModuleSnapshot, PathFilter};
 use ferry_proto::{IfExists, TensorKey};
 
 use crate::StoreError;
@@ -56,6 +58,17 @@ pub trait Link: sealed::Sealed + Send + Sync + 'static {
     /// The tensor under `key`, its bytes checked as the node checks every tensor.
     #[doc(hidden)]
     fn fetch(&self, key: &TensorKey) -> Result<TensorData, StoreError>;
+
+    /// Applies `listing` (each tensor with the path it applies to) to `module`, through
+    /// `filter`, as burn-store's `Applier` does; the caller keeps the module only if whole.
+    #[doc(hidden)]
+    #[allow(private_interfaces)]
+    fn apply<M: ModuleSnapshot>(
+        self: Arc<Self>,
+        module: &mut M,
+        listing: Vec<(String, Listed)>,
+        filter: Option<&PathFilter>,
+    ) -> Result<ApplyResult, StoreError>;
 
     /// Sends `module`'s parameters as `sending` says; how many were sent.
     #[doc(hidden)]

@@ -3,13 +3,15 @@
 //! parameter's own device (`apply_to`), filtered, renamed and reported as burn-store's file
 //! stores do, since its own `Applier` applies them.
 //!
-//! `link.rs` says what a store needs of its node; `connected.rs` is a node over a connection,
-//! `embedded.rs` one in this process; `plan.rs` finds each parameter's device before an apply;
-//! `window.rs` bounds a collect's host copies.
+//! `link.rs` says what a store needs of its node; `connected.rs` is a node over a connection
+//! (applied through burn-store's `Applier`, each fetch checked first by `plan.rs` against the
+//! parameter's device), `embedded.rs` one in this process (applied by `handoff_apply.rs`,
+//! tensors handed over on the node's device); `window.rs` bounds a collect's host copies.
 
 mod connected;
 mod embedded;
 mod error;
+mod handoff_apply;
 mod link;
 mod plan;
 mod window;
@@ -54,12 +56,14 @@ pub enum Missing {
 /// - [`collect_from`](ModuleStore::collect_from) sends every parameter the filter lets through,
 ///   quantized ones with their scales, and returns once the node holds each of them.
 /// - [`apply_to`](ModuleStore::apply_to) fetches the tensors under the prefix (renamed by the
-///   remapper) onto each parameter's own device, through burn-store's `Applier`: filters,
-///   `ApplyResult` and its `applied`, `missing`, `unused` and `errors` are those of its file
-///   stores. Every tensor is checked before it is fetched against what the parameter's device
-///   holds bit-exact (ferry's measured table), so a dtype the device cannot hold is an error in
-///   the result, never a panic. All or nothing: an apply with an error (or with a missing
-///   tensor, unless [`Missing::Allow`]) leaves the module exactly as it was and says why in
+///   remapper) onto each parameter's own device: filters, `ApplyResult` and its `applied`,
+///   `skipped`, `missing`, `unused` and `errors` are those of burn-store's file stores. Over a
+///   connection burn-store's own `Applier` applies them, each tensor checked before it is
+///   fetched against what the parameter's device holds bit-exact (ferry's measured table), so a
+///   dtype the device cannot hold is an error in the result, never a panic; from an embedded
+///   node each parameter is handed the node's own tensor (Flex, wgpu). All or nothing: an apply
+///   with an error (or with a missing tensor, unless [`Missing::Allow`]) leaves the module
+///   exactly as it was and says why in
 ///   [`StoreError::NotApplied`]; a node gone halfway is such an error.
 ///
 /// Both block until the node answered: call them from a thread that drives no async runtime
@@ -68,8 +72,9 @@ pub enum Missing {
 ///
 /// Not supported: burn-store's `ModuleAdapter`s (PyTorch's layouts; a store between two Burn
 /// programs needs none) and enum-variant skipping (both ends are Burn modules, which name
-/// variants alike). A panic in a parameter's own `ParamMapper` during an apply aborts the
-/// process, as it does with burn-store's file stores (their `Applier` cannot unwind halfway).
+/// variants alike). Over a connection, a panic in a parameter's own `ParamMapper` during an
+/// apply aborts the process, as it does with burn-store's file stores (their `Applier` cannot
+/// unwind halfway); from an embedded node it unwinds, the module untouched.
 #[derive(Debug)]
 pub struct FerryStore<L: Link> {
     link: Arc<L>,
@@ -94,11 +99,10 @@ impl FerryStore<Connected> {
 }
 
 impl FerryStore<Embedded> {
-    /// A store on device `device` of `node`, which runs on `runtime`, under `prefix`. On a Flex
-    /// device a module collected into it hands the node its own buffers, and one applied from it
-    /// shares the node's: no host copy either way, except for quantized tensors (Burn's data
-    /// joins their values and scales into one buffer) and views. An applied module keeps the
-    /// buffers it shares alive after the node removed or replaced their tensors, outside the
+    /// A store on device `device` of `node`, which runs on `runtime`, under `prefix`. A module
+    /// collected into it hands a Flex device its own buffers; one applied from it is handed the
+    /// node's tensors on a Flex or wgpu device: no host copy either way. An applied module keeps
+    /// the buffers it shares alive after the node removed or replaced their tensors, outside the
     /// node's memory budget from then on.
     pub fn embedded(
         node: Node,
@@ -162,10 +166,9 @@ impl<L: Link> FerryStore<L> {
         self
     }
 
-    /// The node's tensors under the prefix, named as an apply matches them (prefix removed,
-    /// remapped), each fetched only when its bytes are drawn. `targets` checks each against
-    /// its parameter's device first.
-    fn listing(&self, targets: Arc<Targets>) -> Result<Vec<PackTensor>, StoreError> {
+    /// The node's tensors under the prefix, each with the path it applies to (prefix
+    /// removed, renamed by the remapper).
+    fn renamed_listing(&self) -> Result<Vec<(String, Listed)>, StoreError> {
         let listed: Vec<(String, Listed)> = self
             .link
             .list(self.device, &self.prefix)?
@@ -175,7 +178,7 @@ impl<L: Link> FerryStore<L> {
                 Some((path, listed))
             })
             .collect();
-        // Renamed first, names only, so each fetch is checked under the name it will apply as.
+        // Renamed as names only (burn-store's remapper renames its tensors, in order).
         let names = listed
             .iter()
             .map(|(path, l)| {
@@ -188,22 +191,35 @@ impl<L: Link> FerryStore<L> {
         Ok(renamed
             .into_iter()
             .zip(listed)
-            .map(|((name, _), (_, listed))| {
-                let link = self.link.clone();
-                let targets = targets.clone();
-                let Listed { key, dtype, shape } = listed;
-                let checked_as = name.clone();
-                let declared = shape.clone();
-                bridge::deferred(name, dtype, Shape::from(shape), None, move || {
-                    targets
-                        .check(&checked_as, &dtype, &declared)
-                        .map_err(PackError::ValidationError)?;
-                    link.fetch(&key)
-                        .map_err(|e| PackError::ValidationError(e.to_string()))
-                })
-            })
+            .map(|((path, _), (_, listed))| (path, listed))
             .collect())
     }
+}
+
+/// `listing` as burn-store tensors, each fetched through `link` only when its bytes are drawn,
+/// once `targets` says the device of the parameter it goes to holds it.
+pub(crate) fn deferred_tensors<L: Link>(
+    link: &Arc<L>,
+    listing: Vec<(String, Listed)>,
+    targets: Arc<Targets>,
+) -> Vec<PackTensor> {
+    listing
+        .into_iter()
+        .map(|(path, listed)| {
+            let link = link.clone();
+            let targets = targets.clone();
+            let Listed { key, dtype, shape } = listed;
+            let checked_as = path.clone();
+            let declared = shape.clone();
+            bridge::deferred(path, dtype, Shape::from(shape), None, move || {
+                targets
+                    .check(&checked_as, &dtype, &declared)
+                    .map_err(PackError::ValidationError)?;
+                link.fetch(&key)
+                    .map_err(|e| PackError::ValidationError(e.to_string()))
+            })
+        })
+        .collect()
 }
 
 impl<L: Link> ModuleStore for FerryStore<L> {
@@ -224,10 +240,13 @@ impl<L: Link> ModuleStore for FerryStore<L> {
     fn apply_to<M: ModuleSnapshot>(&mut self, module: &mut M) -> Result<ApplyResult, StoreError> {
         outside_runtime()?;
         // Read now, not from an earlier listing: the node may hold newer tensors.
-        let tensors = self.listing(Arc::new(Targets::of(module)))?;
+        let listing = self.renamed_listing()?;
         // Applied to a copy (parameters are shared handles: cheap), kept only if whole.
         let mut applied = module.clone();
-        let result = applied.apply(tensors, self.filter.clone(), None, false);
+        let result = self
+            .link
+            .clone()
+            .apply(&mut applied, listing, self.filter.as_ref())?;
         let whole = result.errors.is_empty()
             && (self.missing == Missing::Allow || result.missing.is_empty());
         if !whole {
@@ -243,7 +262,11 @@ impl<L: Link> ModuleStore for FerryStore<L> {
 
     fn get_all_tensors(&mut self) -> Result<&BTreeMap<String, PackTensor>, StoreError> {
         if self.listed.is_none() {
-            let tensors = self.listing(Arc::new(Targets::none()))?;
+            let tensors = deferred_tensors(
+                &self.link,
+                self.renamed_listing()?,
+                Arc::new(Targets::none()),
+            );
             self.listed = Some(tensors.into_iter().map(|t| (t.name.clone(), t)).collect());
         }
         Ok(self.listed.get_or_insert_default())

@@ -1,0 +1,176 @@
+//! The handoff on a wgpu device the program opened first (Mesa's software adapter here; `.ci/run`
+//! installs it): a tensor handed to the node and back keeps its GPU buffer (the same cubecl
+//! memory, not equal bytes), one that arrived by a put is the program's on its own device, and a
+//! model applied from the node computes on that device.
+// Test code: an unwrap that fails is the failure, with its location.
+#![allow(clippy::unwrap_used)]
+#![cfg(feature = "wgpu")]
+
+#[path = "../examples/shared/tiny_lm.rs"]
+#[allow(dead_code)]
+mod tiny_lm;
+
+use std::collections::BTreeMap;
+
+use burn_dispatch::backends::Cube;
+use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
+use burn_store::{ModuleSnapshot, ModuleStore, bridge};
+use burn_tensor::{Device, DeviceKind, Tensor, TensorData};
+use ferry::client::BlockingClient;
+use ferry::proto::{DType, IfExists, TensorKey};
+use ferry::samples;
+use ferry::server::{Node, Primitive};
+use ferry::server::{NodeConfig, Service, ServiceConfig};
+use ferry::testing::devices;
+use ferry::testing::start_with;
+use ferry_burn::FerryStore;
+use ferry_burn::NodeTensors;
+use tiny_lm::{Quantization, TinyLm, batch, quantized};
+
+/// The cubecl memory a GPU tensor's values are in: two tensors that share it give one address.
+fn memory_of<const D: usize>(tensor: &Tensor<D>) -> usize {
+    let dispatch = tensor.clone().into_dispatch();
+    let BackendTensor::Float(cube) =
+        <DispatchTensor as DispatchKindConversion<Cube>>::try_into_backend(dispatch).unwrap()
+    else {
+        panic!("a plain float tensor");
+    };
+    std::ptr::from_ref(cube.handle.memory.descriptor()) as usize
+}
+
+/// Where the node's tensor under `key` keeps its values.
+async fn node_memory(node: &Node, key: &TensorKey) -> usize {
+    let (_, primitive) = node.primitive::<Cube>(key).await.unwrap();
+    let Primitive::Float(cube) = primitive else {
+        panic!("a plain float tensor");
+    };
+    std::ptr::from_ref(cube.handle.memory.descriptor()) as usize
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_on_the_programs_wgpu_device_is_handed_over_on_the_gpu() {
+    // The program opens the software adapter first (Burn registers a device on first use);
+    // the node then embeds that very device.
+    let device = Device::wgpu(DeviceKind::Cpu);
+    let data = samples::plain(DType::F32, &[64, 96], 1);
+    let weights = Tensor::<2>::from_data(data.clone(), &device);
+    let node = start_with(&["wgpu:cpu"]).await;
+
+    let key = TensorKey::new(0, "encoder.w");
+    node.node
+        .insert_tensor(&key, &weights, IfExists::Refuse)
+        .await
+        .unwrap();
+    assert_eq!(
+        node_memory(&node.node, &key).await,
+        memory_of(&weights),
+        "the node holds the program's own GPU buffer"
+    );
+    let back: Tensor<2> = node.node.tensor(&key).await.unwrap();
+    assert_eq!(
+        memory_of(&back),
+        memory_of(&weights),
+        "handed back, the same buffer"
+    );
+    assert_eq!(back.device(), device);
+    assert!(back.clone().into_data().as_bytes() == data.as_bytes());
+
+    // A tensor that arrived by a put is the program's, on its device, and computes there.
+    let mut client = node.client().await;
+    let other = TensorKey::new(0, "decoder.w");
+    client.put(&other, &data).await.unwrap();
+    let arrived: Tensor<2> = node.node.tensor(&other).await.unwrap();
+    assert_eq!(arrived.device(), device);
+    let sum = (arrived + weights.clone()).into_data();
+    let twice = (weights.clone() * 2.0).into_data();
+    assert!(
+        sum.as_bytes() == twice.as_bytes(),
+        "x + x == 2x, on the GPU"
+    );
+
+    // Taken: handed over and unregistered.
+    let taken: Tensor<2> = node.node.take_tensor(&key).await.unwrap();
+    assert_eq!(memory_of(&taken), memory_of(&weights));
+    assert!(node.node.describe(&key).await.is_err());
+}
+
+/// Every parameter's data, by path.
+fn params<M: ModuleSnapshot>(module: &M) -> BTreeMap<String, TensorData> {
+    module
+        .collect(None, None, false)
+        .iter()
+        .map(|t| (t.name.clone(), bridge::to_data(t).unwrap()))
+        .collect()
+}
+
+#[test]
+fn a_quantized_model_sent_to_a_worker_nodes_gpu_is_applied_there_sharing_its_buffers() {
+    // The worker: opens its GPU (the software adapter) first, then embeds a node on it, served.
+    let device = Device::wgpu(DeviceKind::Cpu);
+    let _opened = Tensor::<1>::zeros([1], &device);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let node = {
+        let _entered = runtime.enter();
+        Node::start(NodeConfig {
+            devices: devices(&["wgpu:cpu"]),
+            ..NodeConfig::default()
+        })
+        .unwrap()
+    };
+    let service = runtime
+        .block_on(Service::bind(
+            node.clone(),
+            "127.0.0.1:0".parse().unwrap(),
+            ServiceConfig::default(),
+        ))
+        .unwrap();
+    let addr = service.local_addr().unwrap();
+    runtime.spawn(service.run(std::future::pending()));
+
+    // The coordinator, on its CPU: a quantized model, sent whole.
+    let sent = quantized(TinyLm::new(&Device::flex()), Quantization::PerTensor);
+    let link = BlockingClient::connect(addr).blocking().unwrap();
+    FerryStore::connected(link, 0, "model")
+        .collect_from(&sent)
+        .unwrap();
+
+    // The worker applies it from its node: each parameter handed over on the GPU.
+    let mut model = TinyLm::new(&device);
+    let result = FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "model")
+        .apply_to(&mut model)
+        .unwrap();
+    assert_eq!(result.applied.len(), 7, "{result}");
+    let (got, want) = (params(&model), params(&sent));
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (path, want) in &want {
+        assert_eq!(got[path].dtype(), want.dtype(), "{path}");
+        assert!(got[path].as_bytes() == want.as_bytes(), "{path}: bytes");
+    }
+    let gamma = model.norm.gamma.val();
+    assert_eq!(gamma.device(), device);
+    let on_node = runtime.block_on(node_memory_1(&node, &TensorKey::new(0, "model/norm.gamma")));
+    assert_eq!(memory_of(&gamma), on_node, "the node's own GPU buffer");
+
+    // Burn 0.22.1's GPU kernels do not compute with a natively stored Q8S tensor (cubek-quant:
+    // "Q8S is not supported for native quantization"), so the model that runs there is the
+    // same one unquantized, sent and applied the same way.
+    let plain = TinyLm::new(&Device::flex());
+    let link = BlockingClient::connect(addr).blocking().unwrap();
+    FerryStore::connected(link, 0, "plain")
+        .collect_from(&plain)
+        .unwrap();
+    let mut model = TinyLm::new(&device);
+    FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "plain")
+        .apply_to(&mut model)
+        .unwrap();
+    let logits = model.forward(batch(2, 5, &device));
+    assert_eq!(logits.dims(), [2, 5, tiny_lm::VOCAB]);
+}
+
+/// [`node_memory`] for a rank-1 tensor.
+async fn node_memory_1(node: &Node, key: &TensorKey) -> usize {
+    node_memory(node, key).await
+}
