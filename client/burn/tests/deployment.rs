@@ -3,7 +3,8 @@
 //! worker that is another OS process embedding a node (`examples/worker.rs`), and sends a
 //! batch; the worker applies the model from its node, runs it, and answers with a tensor that
 //! must be bit-exact the coordinator's own forward pass. Once by address, once by cluster name
-//! through etcd.
+//! through etcd. And a worker killed (SIGKILL) halfway through an apply from it: the module is
+//! left exactly as it was.
 // Test code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
@@ -13,13 +14,21 @@ mod coordinator;
 #[allow(dead_code)]
 mod tiny_lm;
 
-use std::io::{BufRead, BufReader};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry::client::{BlockingClient, ConnectOptions};
+use burn_core as burn;
+use burn_core::module::Module;
+use burn_core::tensor::{Device, TensorData};
+use burn_nn::{Linear, LinearConfig};
+use burn_store::{ModuleSnapshot, ModuleStore, bridge};
+use ferry::client::{BlockingClient, ConnectOptions, SharedMemory};
 use ferry::testing::Etcd;
+use ferry_burn::{FerryStore, StoreError};
 use tiny_lm::Quantization;
 
 /// The worker example's binary, which `cargo test` builds next to this test's.
@@ -114,4 +123,112 @@ fn the_worker_is_reached_by_its_cluster_name_through_etcd() {
         std::thread::sleep(Duration::from_millis(50));
     }
     run_both(|| reach().unwrap().0);
+}
+
+/// Every parameter's data, by path.
+fn params<M: ModuleSnapshot>(module: &M) -> BTreeMap<String, TensorData> {
+    module
+        .collect(None, None, false)
+        .iter()
+        .map(|t| (t.name.clone(), bridge::to_data(t).unwrap()))
+        .collect()
+}
+
+/// A TCP proxy in front of `upstream` for one connection, which kills the process `pid` (with
+/// SIGKILL) once `cut` bytes have come back from it, and closes the connection there.
+fn killing_proxy(upstream: &str, pid: u32, cut: usize) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let upstream = upstream.to_string();
+    std::thread::spawn(move || {
+        let (mut down, _) = listener.accept().unwrap();
+        let mut up = TcpStream::connect(&upstream).unwrap();
+        let (mut down_reader, mut up_writer) = (down.try_clone().unwrap(), up.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut down_reader, &mut up_writer);
+        });
+        let mut seen = 0;
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match up.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let pass = n.min(cut - seen);
+            if down.write_all(&buf[..pass]).is_err() {
+                break;
+            }
+            seen += pass;
+            if seen == cut {
+                let killed = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status()
+                    .unwrap();
+                assert!(killed.success(), "kill -KILL {pid}");
+                break;
+            }
+        }
+        let _ = down.shutdown(Shutdown::Both);
+    });
+    addr
+}
+
+/// Layers of one size, so that a kill halfway falls between some that arrived and some not.
+#[derive(Module, Debug)]
+struct Deep {
+    layers: Vec<Linear>,
+}
+
+impl Deep {
+    fn new(device: &Device) -> Self {
+        let layers = (0..8).map(|_| LinearConfig::new(64, 64).init(device));
+        Self {
+            layers: layers.collect(),
+        }
+    }
+}
+
+#[test]
+fn a_worker_killed_mid_apply_leaves_the_module_exactly_as_it_was() {
+    let mut worker = Worker::start(&[]);
+    let device = Device::flex();
+    let sent = Deep::new(&device);
+    let link = BlockingClient::connect(worker.addr.as_str())
+        .blocking()
+        .unwrap();
+    FerryStore::connected(link, 0, "model")
+        .collect_from(&sent)
+        .unwrap();
+
+    // Fetched through a proxy that kills the worker once half the model's bytes came back.
+    let model_bytes: usize = params(&sent).values().map(|d| d.as_bytes().len()).sum();
+    let cut = killing_proxy(&worker.addr, worker.child.id(), model_bytes / 2);
+    let link = BlockingClient::connect(cut.as_str())
+        .shared_memory(SharedMemory::Decline)
+        .blocking()
+        .unwrap();
+    let mut target = Deep::new(&device);
+    let before = params(&target);
+    let Err(StoreError::NotApplied(result)) =
+        FerryStore::connected(link, 0, "model").apply_to(&mut target)
+    else {
+        panic!("a worker killed halfway refuses the apply");
+    };
+    assert!(
+        !result.applied.is_empty(),
+        "the kill came partway ({result})"
+    );
+    assert!(!result.errors.is_empty(), "{result}");
+    let status = worker.child.wait().unwrap();
+    assert!(!status.success(), "the worker was killed: {status}");
+    // Not one parameter changed, not even those that had arrived whole.
+    let after = params(&target);
+    assert_eq!(
+        after.keys().collect::<Vec<_>>(),
+        before.keys().collect::<Vec<_>>()
+    );
+    for (path, was) in &before {
+        assert!(after[path].as_bytes() == was.as_bytes(), "{path} changed");
+        assert_eq!(after[path].dtype(), was.dtype(), "{path}");
+    }
 }
