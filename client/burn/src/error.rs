@@ -25,8 +25,10 @@ pub enum HandoffError {
         /// The rank asked for.
         asked: usize,
     },
-    /// The device stores the dtype but cannot compute with it (Flex: a 4-byte bool store,
-    /// Flex32): a tensor handed out would panic at its first operation.
+    /// The device stores the plain dtype but cannot compute with it (Flex: a 4-byte bool
+    /// store, Flex32): a tensor handed out would panic at its first operation. Quantized
+    /// tensors are handed out as the device holds them; whether an operation computes with one
+    /// is the backend's (Burn 0.22.1's wgpu kernels do not take a natively stored Q8S tensor).
     #[error("the device stores {dtype} but cannot compute with it; read it as data instead")]
     NotOperable {
         /// The dtype, readable.

@@ -22,6 +22,17 @@ fn kind_of(dtype: &DType) -> (TypeId, &'static str) {
     }
 }
 
+/// Whether `dtype` is held by tensors of kind `K`.
+pub(crate) fn of_kind<K: 'static>(dtype: &DType) -> bool {
+    kind_of(dtype).0 == TypeId::of::<K>()
+}
+
+/// Whether backend `B` stores and computes with the plain `dtype` on `device`.
+fn computable<B: Backend>(device: &B::Device, dtype: DType) -> bool {
+    let usage = B::dtype_usage(device, dtype);
+    usage.contains(DTypeUsage::Storage) && usage.contains(DTypeUsage::Arithmetic)
+}
+
 /// The name of kind `K`.
 fn name_of<K: 'static>() -> &'static str {
     match TypeId::of::<K>() {
@@ -82,11 +93,14 @@ where
         Primitive::Bool(t) => t.device(),
         Primitive::Quantized(q) => q.device(),
     };
-    // A quantized tensor is whatever the node's measured table let the device hold (cubecl
-    // reports no usage for quantized dtypes at all); a plain one must be computable.
-    let usage = B::dtype_usage(&device, dtype);
+    // A plain tensor must be one the backend computes with. A quantized one is handed out as
+    // the node's measured table let the device hold it: backends answer for a quantized dtype
+    // with its storage element's usage (none for Q8S's i8 on wgpu), or panic on schemes they
+    // cannot name (cubecl, sub-byte native stores), so they are not asked. Whether an operation
+    // then computes with it is the backend's (Burn 0.22.1's wgpu kernels do not take a natively
+    // stored Q8S tensor).
     let plain = !matches!(dtype, DType::QFloat(_));
-    if plain && !(usage.contains(DTypeUsage::Storage) && usage.contains(DTypeUsage::Arithmetic)) {
+    if plain && !computable::<B>(&device, dtype) {
         return Err(HandoffError::NotOperable {
             dtype: dtype_name(&dtype),
         });

@@ -50,7 +50,10 @@ pub trait TryToDevice: Sized {
 impl<const D: usize, K: Basic + 'static> TryToDevice for Tensor<D, K> {
     fn try_to_device(self, device: &Device) -> Result<Self, MoveError> {
         let from = self.device();
-        if from == *device {
+        // Devices compare equal whatever their autodiff: a move onto or off an autodiff device
+        // is a move (through the data, which builds the target's kind of tensor).
+        let autodiff_alike = from.is_autodiff() == device.is_autodiff();
+        if from == *device && autodiff_alike {
             return Ok(self);
         }
         let dtype = self.dtype();
@@ -62,7 +65,8 @@ impl<const D: usize, K: Basic + 'static> TryToDevice for Tensor<D, K> {
             message,
         };
         let same_backend = std::mem::discriminant(from.as_dispatch())
-            == std::mem::discriminant(device.as_dispatch());
+            == std::mem::discriminant(device.as_dispatch())
+            && autodiff_alike;
         if same_backend {
             // The backend's native move (on a CPU backend, the same buffer).
             return contained(|| self.to_device(device)).map_err(|p| failed(p.message));

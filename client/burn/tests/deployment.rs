@@ -188,6 +188,7 @@ impl Deep {
     }
 }
 
+#[cfg(unix)] // `kill -KILL`
 #[test]
 fn a_worker_killed_mid_apply_leaves_the_module_exactly_as_it_was() {
     let mut worker = Worker::start(&[]);

@@ -151,8 +151,27 @@ fn a_quantized_model_sent_to_a_worker_nodes_gpu_is_applied_there_sharing_its_buf
     }
     let gamma = model.norm.gamma.val();
     assert_eq!(gamma.device(), device);
-    let on_node = runtime.block_on(node_memory_1(&node, &TensorKey::new(0, "model/norm.gamma")));
+    let on_node = runtime.block_on(node_memory(&node, &TensorKey::new(0, "model/norm.gamma")));
     assert_eq!(memory_of(&gamma), on_node, "the node's own GPU buffer");
+    // A quantized weight too: its values are the node's own GPU buffer.
+    let weight = model.hidden.weight.val().into_dispatch();
+    let BackendTensor::Quantized(q) =
+        <DispatchTensor as DispatchKindConversion<Cube>>::try_into_backend(weight).unwrap()
+    else {
+        panic!("a quantized weight");
+    };
+    let key = TensorKey::new(0, "model/hidden.weight");
+    let (_, primitive) = runtime.block_on(node.primitive::<Cube>(&key)).unwrap();
+    let Primitive::Quantized(on_node) = primitive else {
+        panic!("a quantized tensor on the node");
+    };
+    assert!(
+        std::ptr::eq(
+            q.handle.memory.descriptor(),
+            on_node.handle.memory.descriptor()
+        ),
+        "the quantized weight is the node's own GPU buffer"
+    );
 
     // Burn 0.22.1's GPU kernels do not compute with a natively stored Q8S tensor (cubek-quant:
     // "Q8S is not supported for native quantization"), so the model that runs there is the
@@ -168,9 +187,4 @@ fn a_quantized_model_sent_to_a_worker_nodes_gpu_is_applied_there_sharing_its_buf
         .unwrap();
     let logits = model.forward(batch(2, 5, &device));
     assert_eq!(logits.dims(), [2, 5, tiny_lm::VOCAB]);
-}
-
-/// [`node_memory`] for a rank-1 tensor.
-async fn node_memory_1(node: &Node, key: &TensorKey) -> usize {
-    node_memory(node, key).await
 }

@@ -441,7 +441,7 @@ fn a_model_applied_from_an_embedded_node_shares_the_nodes_buffers() {
     );
 
     // A write by the model copies first: the node's tensor stays as it was. The parameter's
-    // tensor (whose buffer the node's tensor shares) is written in place.
+    // tensor (whose buffer the node's tensor shares) is written, and the write goes to a copy.
     let key = TensorKey::new(0, "lm/hidden.weight");
     let before = runtime.block_on(node.get(&key)).unwrap();
     let weight = received.hidden.weight.val();

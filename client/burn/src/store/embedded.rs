@@ -10,10 +10,10 @@ use burn_core::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_flex::Flex;
 use burn_store::{ApplyResult, ModuleSnapshot, PathFilter};
 use ferry_proto::TensorKey;
-use ferry_server::{BackendKind, Node};
+use ferry_server::{BackendKind, Node, NodeError};
 use tokio::runtime::Handle;
 
-use crate::handoff::into_backend;
+use crate::handoff::{into_backend, of_kind};
 use crate::shared_data::shared_data;
 use crate::store::handoff_apply::HandoffApplier;
 use crate::store::link::{Link, Listed, PAGE, Sending, listing_start, outside_runtime};
@@ -47,20 +47,21 @@ impl Embedded {
         key: &TensorKey,
         device: &Device,
     ) -> Result<Tensor<D, K>, String> {
+        // A handed-over tensor records no gradients: a parameter on an autodiff device is built
+        // from the data there, as Burn builds one that does.
+        if device.is_autodiff() {
+            return self.built_from_data(key, device);
+        }
         let handed = self
             .block(self.node.tensor::<D, K>(key))
             .map_err(|e| e.to_string())?;
         let tensor = match handed {
             Ok(tensor) => tensor,
-            Err(HandoffError::NoHandoff { .. }) => {
-                let data = self
-                    .block(self.node.get(key))
-                    .map_err(|e| e.to_string())?
-                    .map_err(|e| e.to_string())?;
-                let (dtype, shape) = (data.dtype(), data.shape().to_vec());
-                check_held(device, &dtype, &shape).map_err(|e| e.to_string())?;
-                return ferry_proto::contained(|| Tensor::<D, K>::from_data(data, (device, dtype)))
-                    .map_err(|p| format!("building it panicked: {}", p.message));
+            // A device with no handoff (NdArray), or a build whose GPU backend type is not the
+            // node's (fusion on one side only): through the data.
+            Err(HandoffError::NoHandoff { .. })
+            | Err(HandoffError::Node(NodeError::OtherBackend { .. })) => {
+                return self.built_from_data(key, device);
             }
             Err(e) => return Err(e.to_string()),
         };
@@ -68,6 +69,29 @@ impl Embedded {
             return Ok(tensor);
         }
         tensor.try_to_device(device).map_err(|e| e.to_string())
+    }
+
+    /// The node's tensor under `key` read as data and built on `device`, once `device` holds
+    /// it and it is of kind `K` and rank `D`.
+    fn built_from_data<const D: usize, K: Basic + 'static>(
+        &self,
+        key: &TensorKey,
+        device: &Device,
+    ) -> Result<Tensor<D, K>, String> {
+        let data = self
+            .block(self.node.get(key))
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        let (dtype, shape) = (data.dtype(), data.shape().to_vec());
+        if !of_kind::<K>(&dtype) || shape.len() != D {
+            return Err(format!(
+                "the node's tensor is now {} of shape {shape:?}",
+                ferry_proto::dtype_name(&dtype)
+            ));
+        }
+        check_held(device, &dtype, &shape).map_err(|e| e.to_string())?;
+        ferry_proto::contained(|| Tensor::<D, K>::from_data(data, (device, dtype)))
+            .map_err(|p| format!("building it panicked: {}", p.message))
     }
 
     fn on_flex(&self, device: u32) -> bool {

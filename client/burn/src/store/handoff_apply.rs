@@ -13,8 +13,9 @@ use crate::store::embedded::Embedded;
 use crate::store::link::Listed;
 
 /// What a parameter of each kind accepts, as burn-store's `Applier` has it: a float parameter
-/// any float or quantized dtype, an int one any integer, a bool one a bool (a handoff does not
-/// convert, so an integer-stored bool is refused here).
+/// any float or quantized dtype, an int one any integer, a bool one a bool. (The `Applier` also
+/// takes a U8 or U32 tensor for a bool parameter and converts it; a handoff does not convert,
+/// so such a tensor is a `DTypeMismatch` here.)
 #[derive(Clone, Copy)]
 enum Kind {
     Float,
@@ -130,7 +131,9 @@ impl<'a> HandoffApplier<'a> {
         Tensor<D, K>: Parameter,
     {
         let path = self.path.join(".");
-        self.visited.push((path.clone(), self.containers.join(".")));
+        if !self.visited.iter().any(|(p, _)| *p == path) {
+            self.visited.push((path.clone(), self.containers.join(".")));
+        }
         let Some(listed) = self.by_path.get(&path) else {
             return param;
         };
@@ -138,7 +141,9 @@ impl<'a> HandoffApplier<'a> {
         if let Some(filter) = self.filter
             && !filter.matches_with_container_path(&self.path, &self.containers)
         {
-            self.skipped.push(path);
+            if !self.skipped.contains(&path) {
+                self.skipped.push(path);
+            }
             return param;
         }
         // Checked from the node's description, before anything is handed over.
@@ -161,6 +166,16 @@ impl<'a> HandoffApplier<'a> {
             return param;
         }
         match self.link.tensor_on::<D, K>(&listed.key, &device) {
+            // Checked again on what was handed over: the node may have replaced the tensor
+            // since it was listed.
+            Ok(tensor) if tensor.shape() != expected => {
+                self.errors.push(ApplyError::ShapeMismatch {
+                    path,
+                    expected,
+                    found: tensor.shape(),
+                });
+                param
+            }
             Ok(tensor) => {
                 self.applied.push(path);
                 let id = param.id;
