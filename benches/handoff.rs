@@ -18,17 +18,7 @@ use burn_tensor::{Device, Tensor};
 use ferry_burn::NodeTensors;
 use ferry_proto::{IfExists, TensorKey};
 use ferry_server::{DeviceSpec, Node, NodeConfig};
-use support::{MIB, f32_tensor, memcpy_once, mib, q8s_256};
-
-/// A `/proc/self/status` field, in bytes.
-fn status(field: &str) -> u64 {
-    let text = std::fs::read_to_string("/proc/self/status").unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .unwrap()
-}
+use support::{MIB, f32_tensor, memcpy_once, mib, own_status, q8s_256};
 
 /// The median of `times`.
 fn median(times: &mut [Duration]) -> Duration {
@@ -64,7 +54,7 @@ fn main() {
         let key = TensorKey::new(0, label);
         // Peak reset to the resident size now (where the kernel allows it).
         let _ = std::fs::write("/proc/self/clear_refs", "5");
-        let before = status("VmRSS");
+        let before = own_status("VmRSS");
         let mut ins = Vec::with_capacity(RUNS);
         let mut outs = Vec::with_capacity(RUNS);
         runtime.block_on(async {
@@ -80,7 +70,7 @@ fn main() {
                 drop(back);
             }
         });
-        let peak = status("VmHWM");
+        let peak = own_status("VmHWM");
         let (insert, out) = (median(&mut ins), median(&mut outs));
         println!(
             "{label}: insert_tensor median {:.3} ms, tensor median {:.3} ms \

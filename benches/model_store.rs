@@ -25,7 +25,7 @@ use burn_nn::{Linear, LinearConfig};
 use burn_store::{BurnpackStore, ModuleSnapshot, ModuleStore};
 use ferry_burn::FerryStore;
 use ferry_client::BlockingClient;
-use support::{NodeProcess, mib, raw_tcp_once, server_binary};
+use support::{NodeProcess, mib, own_status, raw_tcp_once, server_binary};
 
 /// Layers of one size, as a model's blocks are.
 #[derive(Module, Debug)]
@@ -33,25 +33,15 @@ struct Stack {
     layers: Vec<Linear>,
 }
 
-/// This process's `/proc/self/status` field, in bytes.
-fn status(field: &str) -> u64 {
-    let text = std::fs::read_to_string("/proc/self/status").unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .unwrap()
-}
-
 /// Runs `work`, returning its time and this process's peak resident size over it (VmHWM,
 /// reset to the resident size first), minus the resident size before.
 fn measured<T>(work: impl FnOnce() -> T) -> (T, Duration, u64) {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
-    let before = status("VmRSS");
+    let before = own_status("VmRSS");
     let started = Instant::now();
     let out = work();
     let took = started.elapsed();
-    (out, took, status("VmHWM").saturating_sub(before))
+    (out, took, own_status("VmHWM").saturating_sub(before))
 }
 
 fn gbps(bytes: u64, took: Duration) -> f64 {

@@ -437,3 +437,13 @@ pub async fn clients(
     };
     (connect(a).await, connect(b).await)
 }
+
+/// This process's `/proc/self/status` field (`VmRSS`, `VmHWM`...), in bytes.
+pub fn own_status(field: &str) -> u64 {
+    let text = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap_or_else(|| panic!("no {field} in /proc/self/status"))
+}

@@ -10,11 +10,11 @@
 
 #[path = "../examples/shared/coordinator.rs"]
 mod coordinator;
+mod support;
 #[path = "../examples/shared/tiny_lm.rs"]
 #[allow(dead_code)]
 mod tiny_lm;
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -23,12 +23,13 @@ use std::time::{Duration, Instant};
 
 use burn_core as burn;
 use burn_core::module::Module;
-use burn_core::tensor::{Device, TensorData};
+use burn_core::tensor::Device;
 use burn_nn::{Linear, LinearConfig};
-use burn_store::{ModuleSnapshot, ModuleStore, bridge};
+use burn_store::ModuleStore;
 use ferry::client::{BlockingClient, ConnectOptions, SharedMemory};
 use ferry::testing::Etcd;
 use ferry_burn::{FerryStore, StoreError};
+use support::params;
 use tiny_lm::Quantization;
 
 /// The worker example's binary, which `cargo test` builds next to this test's.
@@ -123,15 +124,6 @@ fn the_worker_is_reached_by_its_cluster_name_through_etcd() {
         std::thread::sleep(Duration::from_millis(50));
     }
     run_both(|| reach().unwrap().0);
-}
-
-/// Every parameter's data, by path.
-fn params<M: ModuleSnapshot>(module: &M) -> BTreeMap<String, TensorData> {
-    module
-        .collect(None, None, false)
-        .iter()
-        .map(|t| (t.name.clone(), bridge::to_data(t).unwrap()))
-        .collect()
 }
 
 /// A TCP proxy in front of `upstream` for one connection, which kills the process `pid` (with

@@ -6,16 +6,15 @@
 #![allow(clippy::unwrap_used)]
 #![cfg(feature = "wgpu")]
 
+mod support;
 #[path = "../examples/shared/tiny_lm.rs"]
 #[allow(dead_code)]
 mod tiny_lm;
 
-use std::collections::BTreeMap;
-
 use burn_dispatch::backends::Cube;
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
-use burn_store::{ModuleSnapshot, ModuleStore, bridge};
-use burn_tensor::{Device, DeviceKind, Tensor, TensorData};
+use burn_store::ModuleStore;
+use burn_tensor::{Device, DeviceKind, Tensor};
 use ferry::client::BlockingClient;
 use ferry::proto::{DType, IfExists, TensorKey};
 use ferry::samples;
@@ -25,6 +24,7 @@ use ferry::testing::devices;
 use ferry::testing::start_with;
 use ferry_burn::FerryStore;
 use ferry_burn::NodeTensors;
+use support::params;
 use tiny_lm::{Quantization, TinyLm, batch, quantized};
 
 /// The cubecl memory a GPU tensor's values are in: two tensors that share it give one address.
@@ -92,15 +92,6 @@ async fn a_tensor_on_the_programs_wgpu_device_is_handed_over_on_the_gpu() {
     let taken: Tensor<2> = node.node.take_tensor(&key).await.unwrap();
     assert_eq!(memory_of(&taken), memory_of(&weights));
     assert!(node.node.describe(&key).await.is_err());
-}
-
-/// Every parameter's data, by path.
-fn params<M: ModuleSnapshot>(module: &M) -> BTreeMap<String, TensorData> {
-    module
-        .collect(None, None, false)
-        .iter()
-        .map(|t| (t.name.clone(), bridge::to_data(t).unwrap()))
-        .collect()
 }
 
 #[test]

@@ -5,6 +5,7 @@
 // Test code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
+mod support;
 #[path = "../examples/shared/tiny_lm.rs"]
 #[allow(dead_code)]
 mod tiny_lm;
@@ -17,14 +18,13 @@ use burn_core::tensor::{Device, Tensor, TensorData};
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 use burn_flex::Flex;
 use burn_nn::{Linear, LinearConfig};
-use burn_store::{
-    ApplyError, BurnpackStore, KeyRemapper, ModuleSnapshot, ModuleStore, PathFilter, bridge,
-};
+use burn_store::{ApplyError, BurnpackStore, KeyRemapper, ModuleStore, PathFilter};
 use ferry::client::BlockingClient;
 use ferry::proto::{IfExists, TensorKey};
 use ferry::server::{DeviceSpec, Node, NodeConfig, Primitive, ServiceConfig};
 use ferry::testing::{BackgroundNode, Fault, proxy};
 use ferry_burn::{FerryStore, Missing, StoreError};
+use support::{assert_same_params, params};
 use tiny_lm::{Quantization, TinyLm, batch, quantized};
 
 /// A node of one Flex device, served on loopback.
@@ -38,33 +38,6 @@ fn serve_flex() -> BackgroundNode {
 
 fn client(addr: &str) -> BlockingClient {
     BlockingClient::connect(addr).blocking().unwrap()
-}
-
-/// Every parameter's data, by path.
-fn params<M: ModuleSnapshot>(module: &M) -> BTreeMap<String, TensorData> {
-    module
-        .collect(None, None, false)
-        .iter()
-        .map(|t| (t.name.clone(), bridge::to_data(t).unwrap()))
-        .collect()
-}
-
-/// Same paths, and for each the same dtype, shape and bytes (scales included).
-fn assert_same_params(
-    actual: &BTreeMap<String, TensorData>,
-    expected: &BTreeMap<String, TensorData>,
-) {
-    assert_eq!(
-        actual.keys().collect::<Vec<_>>(),
-        expected.keys().collect::<Vec<_>>(),
-        "the same parameters"
-    );
-    for (path, want) in expected {
-        let got = &actual[path];
-        assert_eq!(got.dtype(), want.dtype(), "{path}: dtype");
-        assert_eq!(got.shape(), want.shape(), "{path}: shape");
-        assert!(got.as_bytes() == want.as_bytes(), "{path}: bytes differ");
-    }
 }
 
 #[test]
