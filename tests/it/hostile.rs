@@ -1379,19 +1379,122 @@ fn next_random(state: &mut u64) -> u64 {
     state.wrapping_mul(0x2545_F491_4F6C_DD1D)
 }
 
+/// One local user's silent sockets cannot lock another out of a loopback node (issue 29, item
+/// 5): every slot of the address held by silent sockets, each reopened as soon as the node
+/// closes it, and a client of the same address still connects, every time, while the node-wide
+/// limit is far. An address whose slots all said hello still refuses a newcomer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_sockets_of_one_address_give_way_to_a_client_of_that_address() {
+    const SLOTS: usize = 4;
+    let node = flex_node(ServiceConfig {
+        max_connections_per_address: std::num::NonZeroUsize::new(SLOTS).unwrap(),
+        hello_timeout: Duration::from_secs(60),
+        ..ServiceConfig::default()
+    })
+    .await;
+    let addr = node.addr;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reopened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let attackers: Vec<_> = (0..SLOTS)
+        .map(|_| {
+            let (stop, reopened) = (stop.clone(), reopened.clone());
+            tokio::spawn(async move {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let Ok(mut socket) = TcpStream::connect(addr).await else {
+                        continue;
+                    };
+                    // Silent until the node closes it (to make room), then at once again.
+                    let mut byte = [0u8; 1];
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(2), socket.read(&mut byte)).await;
+                    reopened.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    // The attackers hold every slot first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..10 {
+        let mut client = Client::connect(addr)
+            .await
+            .unwrap_or_else(|e| panic!("connection {i}: locked out: {e}"));
+        client.stat().await.unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        reopened.load(std::sync::atomic::Ordering::Relaxed) >= 10,
+        "each client made room by closing a silent socket"
+    );
+    for attacker in attackers {
+        attacker.await.unwrap();
+    }
+
+    // Every slot held by a client that said hello: a newcomer is refused, nothing evicted.
+    let mut speakers = Vec::new();
+    for _ in 0..SLOTS {
+        speakers.push(
+            eventually_connected(addr)
+                .await
+                .expect("the silent sockets are gone"),
+        );
+    }
+    let refused = Client::connect(addr).await;
+    assert_eq!(
+        refused.map(drop).err().and_then(|e| e.code()),
+        Some(ErrorCode::LimitExceeded)
+    );
+    for speaker in &mut speakers {
+        speaker.stat().await.unwrap();
+    }
+    node.shutdown().await;
+}
+
+/// A client of `addr`, once one is let in (within 5 s).
+async fn eventually_connected(addr: std::net::SocketAddr) -> Option<Client> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Ok(client) = Client::connect(addr).await {
+            return Some(client);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Silent sockets and clients that speak race for four slots, in a seeded random history: a
 /// speaker is served or turned away, never left hanging; the node never serves more than its
 /// limit; and once the race is over every slot comes back, so neither eviction, refusal nor a
 /// close before the hello leaks a permit or a place in the queue of those awaiting a hello.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_sockets_and_speakers_racing_for_slots_leak_none() {
-    const SLOTS: usize = 4;
-    let node = flex_node(ServiceConfig {
+    race_for_slots(ServiceConfig {
         max_connections: SLOTS,
         hello_timeout: Duration::from_secs(1),
         ..ServiceConfig::default()
     })
     .await;
+}
+
+/// The same race for the four slots of one address (every racer is on loopback), the node-wide
+/// limit far: eviction at the address's limit leaks no slot either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_sockets_and_speakers_racing_for_one_addresss_slots_leak_none() {
+    race_for_slots(ServiceConfig {
+        max_connections_per_address: std::num::NonZeroUsize::new(SLOTS).unwrap(),
+        hello_timeout: Duration::from_secs(1),
+        ..ServiceConfig::default()
+    })
+    .await;
+}
+
+/// The slots the racing tests race for.
+const SLOTS: usize = 4;
+
+/// Racers for [`SLOTS`] slots (node-wide or of one address, as `service` limits them).
+async fn race_for_slots(service: ServiceConfig) {
+    let node = flex_node(service).await;
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()

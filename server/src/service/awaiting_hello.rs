@@ -1,9 +1,12 @@
-//! Connections that have not said hello yet, oldest first. At the connection limit the node
-//! closes the oldest of them to make room for a newcomer, so sockets that never speak cannot keep
-//! out a client that does: each holds its slot until the hello deadline at most, and only until
-//! someone else needs it once the node is full.
+//! Connections that have not said hello yet, oldest first, each with the address it is counted
+//! under. At the connection limit the node closes the oldest of them to make room for a
+//! newcomer, and at an address's limit the oldest of that address's, so sockets that never speak
+//! cannot keep out a client that does (not even one on the same address, such as another local
+//! user on loopback): each holds its slot until the hello deadline at most, and only until
+//! someone else needs it once the node or its address is full.
 
 use std::collections::VecDeque;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -12,8 +15,17 @@ use tokio::sync::oneshot;
 /// The queue of connections waiting for their peer's hello.
 #[derive(Debug, Default)]
 pub(super) struct AwaitingHello {
-    queue: Mutex<VecDeque<(u64, oneshot::Sender<()>)>>,
+    queue: Mutex<VecDeque<Waiting>>,
     next: AtomicU64,
+}
+
+/// One connection in the queue.
+#[derive(Debug)]
+struct Waiting {
+    id: u64,
+    /// The address it is counted under (`None`: a Unix socket, counted under none).
+    address: Option<IpAddr>,
+    evict: oneshot::Sender<()>,
 }
 
 /// A connection's place in the queue, left when dropped (its peer said hello, or it ended).
@@ -26,15 +38,15 @@ pub(super) struct Place {
 }
 
 impl AwaitingHello {
-    fn queue(&self) -> MutexGuard<'_, VecDeque<(u64, oneshot::Sender<()>)>> {
+    fn queue(&self) -> MutexGuard<'_, VecDeque<Waiting>> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues a new connection, last.
-    pub(super) fn enter(self: &Arc<Self>) -> Place {
+    /// Queues a new connection, counted under `address`, last.
+    pub(super) fn enter(self: &Arc<Self>, address: Option<IpAddr>) -> Place {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (evict, evicted) = oneshot::channel();
-        self.queue().push_back((id, evict));
+        self.queue().push_back(Waiting { id, address, evict });
         Place {
             queue: self.clone(),
             id,
@@ -48,8 +60,24 @@ impl AwaitingHello {
         // A place whose connection is already gone takes its own entry with it, so the first
         // entry is a live one (or its receiver is being dropped now, which frees a slot anyway).
         match self.queue().pop_front() {
-            Some((_, evict)) => {
-                let _ = evict.send(());
+            Some(waiting) => {
+                let _ = waiting.evict.send(());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Tells the connection counted under `address` that has waited longest for its hello to
+    /// close; `false` when none of that address is waiting.
+    pub(super) fn evict_oldest_from(&self, address: IpAddr) -> bool {
+        let mut queue = self.queue();
+        let Some(at) = queue.iter().position(|w| w.address == Some(address)) else {
+            return false;
+        };
+        match queue.remove(at) {
+            Some(waiting) => {
+                let _ = waiting.evict.send(());
                 true
             }
             None => false,
@@ -66,7 +94,7 @@ impl AwaitingHello {
 impl Drop for Place {
     fn drop(&mut self) {
         let mut queue = self.queue.queue();
-        if let Some(at) = queue.iter().position(|(id, _)| *id == self.id) {
+        if let Some(at) = queue.iter().position(|w| w.id == self.id) {
             queue.remove(at);
         }
     }
@@ -79,9 +107,9 @@ mod tests {
     #[test]
     fn the_oldest_waiting_connection_is_evicted_and_places_leave_when_dropped() {
         let queue = Arc::new(AwaitingHello::default());
-        let mut first = queue.enter();
-        let second = queue.enter();
-        let mut third = queue.enter();
+        let mut first = queue.enter(None);
+        let second = queue.enter(None);
+        let mut third = queue.enter(None);
         drop(second);
         assert_eq!(queue.len(), 2);
         assert!(queue.evict_oldest());
@@ -91,5 +119,29 @@ mod tests {
         assert_eq!(queue.len(), 1);
         drop(third);
         assert!(!queue.evict_oldest(), "nobody waits");
+    }
+
+    #[test]
+    fn at_an_address_limit_the_oldest_waiting_of_that_address_is_evicted() {
+        let queue = Arc::new(AwaitingHello::default());
+        let (a, b): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let mut of_b = queue.enter(Some(b));
+        let mut first_of_a = queue.enter(Some(a));
+        let mut second_of_a = queue.enter(Some(a));
+        let mut unix = queue.enter(None);
+        assert!(queue.evict_oldest_from(a));
+        assert_eq!(first_of_a.evicted.try_recv(), Ok(()));
+        assert!(
+            of_b.evicted.try_recv().is_err(),
+            "another address keeps its place"
+        );
+        assert!(
+            unix.evicted.try_recv().is_err(),
+            "a Unix socket is of no address"
+        );
+        assert!(second_of_a.evicted.try_recv().is_err(), "not evicted yet");
+        drop(second_of_a);
+        assert!(!queue.evict_oldest_from(a), "none of that address waits");
+        assert_eq!(queue.len(), 2);
     }
 }

@@ -22,7 +22,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc};
 use crate::node::{Node, Refused};
 use crate::peer::PeerLink;
 use awaiting_hello::{AwaitingHello, Place};
-use per_address::PerAddress;
+use per_address::{PerAddress, counted_as};
 use session::Session;
 
 mod awaiting_hello;
@@ -240,9 +240,15 @@ async fn accept_loop(
             }
         };
         // One address holds so many slots at most, speaking or not (before the limit below, so
-        // that its silent sockets cannot make another host's connections give way).
-        let address_slot = match ip.map(|ip| per_address.enter(ip)) {
-            Some(None) => {
+        // that its silent sockets cannot make another host's connections give way). At that
+        // limit the address's own connection that has waited longest for its hello makes room:
+        // one local user's silent sockets cannot keep out another on the same loopback address.
+        let address = ip.map(counted_as);
+        let address_slot = match address.map(|a| (a, per_address.enter(a))) {
+            Some((address, None)) if awaiting.evict_oldest_from(address) => {
+                AddressSlotFor::MadeRoom(address)
+            }
+            Some((_, None)) => {
                 tracing::warn!(%peer, "connection refused: at the per-address limit");
                 service
                     .node
@@ -252,8 +258,8 @@ async fn accept_loop(
                 tokio::spawn(refuse(socket, service.node.clone(), why));
                 continue;
             }
-            Some(slot) => slot,
-            None => None,
+            Some((_, Some(slot))) => AddressSlotFor::Held(Some(slot)),
+            None => AddressSlotFor::Held(None),
         };
         // At the limit, the connection that has waited longest for its hello makes room: a
         // newcomer is refused only when every slot holds a connection that said hello.
@@ -277,11 +283,30 @@ async fn accept_loop(
         let done = done_tx.clone();
         let permits = permits.clone();
         let awaiting = awaiting.clone();
-        // Queued here, in accept order, if it holds a slot already; a newcomer waiting for the
-        // slot it made room for queues once it holds that slot (only a connection that holds a
-        // slot can be evicted to free one).
-        let place = permit.as_ref().map(|_| awaiting.enter());
+        let per_address = per_address.clone();
+        // Queued here, in accept order, if it holds its slots already; a newcomer waiting for a
+        // slot it made room for queues once it holds that slot (only a connection that holds
+        // its slots can be evicted to free one).
+        let holds_slots = permit.is_some() && matches!(address_slot, AddressSlotFor::Held(_));
+        let place = holds_slots.then(|| awaiting.enter(address));
         tokio::spawn(async move {
+            let address_slot = match address_slot {
+                AddressSlotFor::Held(slot) => slot,
+                // The evicted connection gives its slot back as it closes; another newcomer from
+                // the address may take it first.
+                AddressSlotFor::MadeRoom(address) => {
+                    match per_address.enter_within(address, MAKING_ROOM).await {
+                        Some(slot) => Some(slot),
+                        None => {
+                            tracing::warn!(%peer, "connection refused: at the per-address limit");
+                            node.recorder().connection_refused(Refused::AddressLimit);
+                            let why = Full::Address(per_address.limit());
+                            refuse(socket, node.clone(), why).await;
+                            return;
+                        }
+                    }
+                }
+            };
             let permit = match permit {
                 Some(permit) => permit,
                 // The evicted connection gives its slot back as it closes; another newcomer may
@@ -296,7 +321,7 @@ async fn accept_loop(
                     }
                 },
             };
-            let mut place = place.unwrap_or_else(|| awaiting.enter());
+            let mut place = place.unwrap_or_else(|| awaiting.enter(address));
             let tls = node.config().tls.as_ref();
             let socket = match secure(socket, tls, &peer, &mut place, hello_by).await {
                 Ok(socket) => socket,
@@ -337,6 +362,15 @@ async fn accept_loop(
             drop(done);
         });
     }
+}
+
+/// A new connection's place in its address's count.
+enum AddressSlotFor {
+    /// Held (`None`: a connection of no address, a Unix socket).
+    Held(Option<per_address::AddressSlot>),
+    /// The address was full; its oldest silent connection was told to close, and the newcomer
+    /// takes the slot it gives back.
+    MadeRoom(std::net::IpAddr),
 }
 
 /// Why a connection was not put under TLS.

@@ -6,10 +6,13 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr};
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
 
 /// The address a connection from `ip` is counted under: an IPv4 address as it is (also when it
 /// arrives mapped into IPv6), an IPv6 address by its /64 prefix.
-fn counted_as(ip: IpAddr) -> IpAddr {
+pub(super) fn counted_as(ip: IpAddr) -> IpAddr {
     match ip.to_canonical() {
         IpAddr::V4(v4) => IpAddr::V4(v4),
         IpAddr::V6(v6) => {
@@ -24,6 +27,8 @@ fn counted_as(ip: IpAddr) -> IpAddr {
 pub(super) struct PerAddress {
     limit: NonZeroUsize,
     open: Mutex<HashMap<IpAddr, usize>>,
+    /// Signalled whenever a slot is given back.
+    freed: Notify,
 }
 
 /// One connection's place in its address's count, given back when dropped.
@@ -39,6 +44,7 @@ impl PerAddress {
         Arc::new(Self {
             limit,
             open: Mutex::new(HashMap::new()),
+            freed: Notify::new(),
         })
     }
 
@@ -67,6 +73,28 @@ impl PerAddress {
     }
 }
 
+impl PerAddress {
+    /// A slot for a connection from `ip` once one is given back (by a connection closed to make
+    /// room), within `within`; `None` if another newcomer takes each first.
+    pub(super) async fn enter_within(
+        self: &Arc<Self>,
+        ip: IpAddr,
+        within: Duration,
+    ) -> Option<AddressSlot> {
+        let waiting = async {
+            loop {
+                // Registered before the check, so that a slot freed between them still wakes it.
+                let freed = self.freed.notified();
+                if let Some(slot) = self.enter(ip) {
+                    return slot;
+                }
+                freed.await;
+            }
+        };
+        tokio::time::timeout(within, waiting).await.ok()
+    }
+}
+
 impl Drop for AddressSlot {
     fn drop(&mut self) {
         let mut open = self.counts.open();
@@ -77,6 +105,8 @@ impl Drop for AddressSlot {
                 open.remove(&self.ip);
             }
         }
+        drop(open);
+        self.counts.freed.notify_waiters();
     }
 }
 
