@@ -1379,6 +1379,18 @@ fn next_random(state: &mut u64) -> u64 {
     state.wrapping_mul(0x2545_F491_4F6C_DD1D)
 }
 
+/// The `Welcome` announces the body size the connection takes once welcomed (what a client may
+/// send), not the small frames it took before the hello (issue 29, item 10).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_welcome_announces_the_body_size_taken_after_the_hello() {
+    let node = flex_node(ServiceConfig::default()).await;
+    let client = node.client().await;
+    let taken = ServiceConfig::default().limits.max_body as u64;
+    assert!(taken > 64 << 10, "more than the hello's frames");
+    assert_eq!(client.welcome().max_body, taken);
+    node.shutdown().await;
+}
+
 /// One local user's silent sockets cannot lock another out of a loopback node (issue 29, item
 /// 5): every slot of the address held by silent sockets, each reopened as soon as the node
 /// closes it, and a client of the same address still connects, every time, while the node-wide

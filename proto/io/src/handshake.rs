@@ -83,6 +83,9 @@ pub struct Policy<'a> {
     pub peer: &'a str,
     /// How long the peer may take to say hello.
     pub deadline: Duration,
+    /// The largest frame body accepted once the peer is welcomed, which the `Welcome` announces
+    /// (until then the connection takes only small frames).
+    pub max_body: usize,
 }
 
 /// How the opening exchange ended on the accepting side.
@@ -156,7 +159,7 @@ pub async fn accept<S: Transport>(
         minor: PROTOCOL_MINOR,
         features,
         agent: policy.agent.to_string(),
-        max_body: limits.max_body as u64,
+        max_body: policy.max_body as u64,
         chunk_size: limits.chunk_size as u64,
     }))
     .await?;
@@ -220,6 +223,7 @@ mod tests {
             shared_memory: false,
             peer: "test",
             deadline: Duration::from_secs(5),
+            max_body: ConnectionLimits::default().max_body,
         }
     }
 

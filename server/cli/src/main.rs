@@ -157,7 +157,8 @@ struct Args {
     /// Reconnections of a pull after a transient drop.
     #[arg(long, default_value_t = 3)]
     pull_retries: u32,
-    /// Serve Prometheus metrics over HTTP on this address (any path answers).
+    /// Serve Prometheus metrics over HTTP on this address (any path answers). Clear HTTP with no
+    /// credential: an address beyond loopback needs --insecure.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<SocketAddr>,
     /// Log format on stderr: `text` for people, `json` (one object per line) for collectors.
@@ -285,6 +286,20 @@ async fn serve() -> anyhow::Result<()> {
     raise_fd_limit(args.max_connections);
     ferry_io::host::set_recycle_limit(usize::try_from(args.recycle.as_u64()).unwrap_or(usize::MAX));
     let pool = reserve_pool(args.pool)?;
+    // Metrics are clear HTTP with no credential: beyond loopback only where the operator says
+    // the network is trusted, as for the listener.
+    if let Some(addr) = args.metrics
+        && !addr.ip().is_loopback()
+    {
+        if !args.insecure {
+            bail!(
+                "refusing to serve metrics on {addr}: they are clear HTTP that anyone who reaches \
+                 the address can read (the node's traffic, memory and refusals). Serve them on loopback \
+                 (and scrape through a tunnel), or pass --insecure on a network you trust"
+            );
+        }
+        tracing::warn!(%addr, "--insecure: serving metrics beyond loopback in clear");
+    }
     if let Some(addr) = args.metrics {
         serve_metrics(addr, pool.clone())?;
     }

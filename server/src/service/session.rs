@@ -145,6 +145,8 @@ impl Session<'_> {
             deadline: self
                 .hello_by
                 .saturating_duration_since(tokio::time::Instant::now()),
+            // What the connection takes once welcomed, not the small frames it takes until then.
+            max_body: self.config.limits.max_body,
         };
         Ok(match handshake::accept(conn, policy).await? {
             handshake::Greeting::Welcomed(_, scopes) => Some(scopes),

@@ -237,6 +237,7 @@ mod tests {
                 shared_memory: false,
                 peer: "test",
                 deadline: Duration::from_secs(5),
+                max_body: ConnectionLimits::default().max_body,
             };
             handshake::accept(&mut conn, policy).await.unwrap();
             // Answered as a node of `minor` would, whatever the client speaks.

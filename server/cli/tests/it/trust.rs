@@ -2,7 +2,7 @@
 //! without TLS and a credential, sockets that never say hello (closed to make room at the
 //! connection limit, or at the hello deadline), more connections from one address than its share,
 //! a flood of wrong tokens (each refused, logged at a bounded rate), and an agent string that
-//! would forge a log line (escaped).
+//! would forge a log line (escaped), and metrics in clear beyond loopback without --insecure.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
@@ -108,6 +108,40 @@ fn a_start_beyond_loopback_without_tls_and_a_credential_is_refused_unless_insecu
     assert!(!partial.status.success());
     let stderr = String::from_utf8_lossy(&partial.stderr);
     assert!(stderr.contains("required arguments"), "{stderr}");
+}
+
+#[test]
+fn metrics_beyond_loopback_are_refused_unless_insecure() {
+    let start = |extra: &[&str]| {
+        let metrics = format!("0.0.0.0:{}", free_port());
+        Command::new(ferry_server())
+            .args(["--listen", "127.0.0.1:0", "--device", "flex"])
+            .args(["--metrics", &metrics])
+            .args(extra)
+            .env_remove("FERRY_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let refused = start(&[]).wait_with_output().unwrap();
+    assert!(
+        !refused.status.success(),
+        "metrics in clear beyond loopback started"
+    );
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("refusing to serve metrics") && stderr.contains("--insecure"),
+        "{stderr}"
+    );
+    let mut child = start(&["--insecure"]);
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("listening on 127.0.0.1:"), "{line}");
+    child.kill().unwrap();
+    let _ = child.wait();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
