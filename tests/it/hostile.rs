@@ -1393,8 +1393,9 @@ async fn the_welcome_announces_the_body_size_taken_after_the_hello() {
 
 /// One local user's silent sockets cannot lock another out of a loopback node (issue 29, item
 /// 5): every slot of the address held by silent sockets, each reopened as soon as the node
-/// closes it, and a client of the same address still connects, every time, while the node-wide
-/// limit is far. An address whose slots all said hello still refuses a newcomer.
+/// closes it, and a client of the same address still gets in, every time (within a few tries),
+/// while the node-wide limit is far. An address whose slots all said hello still refuses a
+/// newcomer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_sockets_of_one_address_give_way_to_a_client_of_that_address() {
     const SLOTS: usize = 4;
@@ -1417,8 +1418,7 @@ async fn silent_sockets_of_one_address_give_way_to_a_client_of_that_address() {
                     };
                     // Silent until the node closes it (to make room), then at once again.
                     let mut byte = [0u8; 1];
-                    let _ =
-                        tokio::time::timeout(Duration::from_secs(2), socket.read(&mut byte)).await;
+                    let _ = socket.read(&mut byte).await;
                     reopened.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             })
@@ -1426,19 +1426,36 @@ async fn silent_sockets_of_one_address_give_way_to_a_client_of_that_address() {
         .collect();
     // The attackers hold every slot first.
     tokio::time::sleep(Duration::from_millis(300)).await;
+    // A client gets in, every time: at once, or after a refusal or two where it arrived as the
+    // attackers' own newcomers had every slot spoken for (before, it was refused for as long
+    // as the attack lasted).
+    let mut attempts = 0;
     for i in 0..10 {
-        let mut client = Client::connect(addr)
-            .await
-            .unwrap_or_else(|e| panic!("connection {i}: locked out: {e}"));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut client = loop {
+            attempts += 1;
+            match Client::connect(addr).await {
+                Ok(client) => break client,
+                Err(e) if e.code() == Some(ErrorCode::LimitExceeded) => {
+                    assert!(Instant::now() < deadline, "connection {i}: locked out: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("connection {i}: {e}"),
+            }
+        };
         client.stat().await.unwrap();
     }
+    println!("10 clients in, {attempts} attempts");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     assert!(
         reopened.load(std::sync::atomic::Ordering::Relaxed) >= 10,
         "each client made room by closing a silent socket"
     );
+    for attacker in &attackers {
+        attacker.abort();
+    }
     for attacker in attackers {
-        attacker.await.unwrap();
+        let _ = attacker.await;
     }
 
     // Every slot held by a client that said hello: a newcomer is refused, nothing evicted.

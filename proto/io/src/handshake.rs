@@ -200,7 +200,7 @@ pub async fn refuse<S: Transport>(
 
 /// Refused logins, logged at most once per [`crate::refusal_log::INTERVAL`] with the count of
 /// those not logged since: a peer guessing tokens gets each guess refused, but cannot fill the log.
-static AUTH_REFUSALS: RefusalLog = RefusalLog::new("hello");
+static AUTH_REFUSALS: RefusalLog = RefusalLog::new("hello", "authentication refused");
 
 #[cfg(test)]
 mod tests {

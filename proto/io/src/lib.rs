@@ -18,7 +18,7 @@ pub mod handshake;
 pub mod host;
 pub mod machine;
 pub mod pool;
-mod refusal_log;
+pub mod refusal_log;
 #[cfg(target_os = "linux")]
 pub mod region;
 pub mod tls;

@@ -1,6 +1,7 @@
 //! A log line per kind of refusal, bounded in rate: one line per [`INTERVAL`], carrying how many
-//! refusals went unlogged since the last. A peer that is refused over and over (guessing tokens)
-//! is refused every time, but cannot fill the node's log or disk.
+//! refusals went unlogged since the last. A peer that is refused over and over (guessing tokens,
+//! flooding sockets, sending garbage) is refused every time, but cannot fill the node's log or
+//! disk: every line a stranger can cause goes through one of these.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,9 +13,11 @@ use ferry_proto::Untrusted;
 pub const INTERVAL: Duration = Duration::from_secs(1);
 
 /// A log of refusals bounded in rate: one line per interval, carrying how many went unlogged.
-pub(crate) struct RefusalLog {
-    /// Where the refusal happened (the hello's token, the TLS handshake).
+pub struct RefusalLog {
+    /// Where the refusal happened (the hello's token, the TLS handshake, the accept).
     stage: &'static str,
+    /// What the line says.
+    message: &'static str,
     /// When the last line was written: milliseconds since the process's first refusal, plus one;
     /// 0 for never.
     last_ms: AtomicU64,
@@ -23,10 +26,11 @@ pub(crate) struct RefusalLog {
 }
 
 impl RefusalLog {
-    /// A log of refusals at `stage` that has written nothing yet.
-    pub(crate) const fn new(stage: &'static str) -> Self {
+    /// A log of refusals at `stage`, each line saying `message`, that has written nothing yet.
+    pub const fn new(stage: &'static str, message: &'static str) -> Self {
         RefusalLog {
             stage,
+            message,
             last_ms: AtomicU64::new(0),
             unlogged: AtomicU64::new(0),
         }
@@ -34,7 +38,7 @@ impl RefusalLog {
 
     /// Notes one refusal of `peer`, with `detail` (what it called itself, or why its
     /// certificate failed; escaped, as the peer chose it): logged if none was this interval.
-    pub(crate) fn note(&self, peer: &str, detail: &str) {
+    pub fn note(&self, peer: &str, detail: &str) {
         static EPOCH: OnceLock<Instant> = OnceLock::new();
         let now = EPOCH
             .get_or_init(std::time::Instant::now)
@@ -56,7 +60,8 @@ impl RefusalLog {
                 stage = self.stage,
                 detail = %Untrusted(detail),
                 refused_since_last_line = unlogged,
-                "authentication refused"
+                "{}",
+                self.message
             );
         } else {
             self.unlogged.fetch_add(1, Ordering::Relaxed);

@@ -400,7 +400,7 @@ impl ClientTls {
 }
 
 /// Failed TLS handshakes, logged at a bounded rate.
-static TLS_REFUSALS: RefusalLog = RefusalLog::new("TLS handshake");
+static TLS_REFUSALS: RefusalLog = RefusalLog::new("TLS handshake", "authentication refused");
 
 /// The identity in the certificate a finished handshake verified.
 fn peer_identity(state: &rustls::CommonState) -> io::Result<Identity> {

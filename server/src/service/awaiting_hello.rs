@@ -3,20 +3,26 @@
 //! newcomer, and at an address's limit the oldest of that address's, so sockets that never speak
 //! cannot keep out a client that does (not even one on the same address, such as another local
 //! user on loopback): each holds its slot until the hello deadline at most, and only until
-//! someone else needs it once the node or its address is full.
+//! someone else needs it once the node or its address is full. A connection is closed only once
+//! it has been silent a moment ([`AwaitingHello::new`]'s grace): a client whose hello is on its
+//! way is not closed for a newcomer, however fast newcomers come.
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 /// The queue of connections waiting for their peer's hello.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct AwaitingHello {
     queue: Mutex<VecDeque<Waiting>>,
     next: AtomicU64,
+    /// How long a connection has been waiting at least before it is closed to make room.
+    grace: Duration,
 }
 
 /// One connection in the queue.
@@ -25,6 +31,8 @@ struct Waiting {
     id: u64,
     /// The address it is counted under (`None`: a Unix socket, counted under none).
     address: Option<IpAddr>,
+    /// When it was queued.
+    since: Instant,
     evict: oneshot::Sender<()>,
 }
 
@@ -38,6 +46,30 @@ pub(super) struct Place {
 }
 
 impl AwaitingHello {
+    /// An empty queue whose connections are closed to make room only once they have waited
+    /// `grace` for their hello (closed at once where that is zero).
+    pub(super) fn new(grace: Duration) -> Self {
+        Self {
+            queue: Mutex::new(VecDeque::new()),
+            next: AtomicU64::new(0),
+            grace,
+        }
+    }
+
+    /// Tells `waiting` to close, now or once it has waited the grace (if it says hello first,
+    /// its place is gone and the word with it).
+    fn evict(&self, waiting: Waiting) {
+        let at = waiting.since + self.grace;
+        if Instant::now() >= at {
+            let _ = waiting.evict.send(());
+            return;
+        }
+        tokio::spawn(async move {
+            tokio::time::sleep_until(at).await;
+            let _ = waiting.evict.send(());
+        });
+    }
+
     fn queue(&self) -> MutexGuard<'_, VecDeque<Waiting>> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -46,7 +78,12 @@ impl AwaitingHello {
     pub(super) fn enter(self: &Arc<Self>, address: Option<IpAddr>) -> Place {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (evict, evicted) = oneshot::channel();
-        self.queue().push_back(Waiting { id, address, evict });
+        self.queue().push_back(Waiting {
+            id,
+            address,
+            since: Instant::now(),
+            evict,
+        });
         Place {
             queue: self.clone(),
             id,
@@ -59,9 +96,10 @@ impl AwaitingHello {
     pub(super) fn evict_oldest(&self) -> bool {
         // A place whose connection is already gone takes its own entry with it, so the first
         // entry is a live one (or its receiver is being dropped now, which frees a slot anyway).
-        match self.queue().pop_front() {
+        let oldest = self.queue().pop_front();
+        match oldest {
             Some(waiting) => {
-                let _ = waiting.evict.send(());
+                self.evict(waiting);
                 true
             }
             None => false,
@@ -71,13 +109,16 @@ impl AwaitingHello {
     /// Tells the connection counted under `address` that has waited longest for its hello to
     /// close; `false` when none of that address is waiting.
     pub(super) fn evict_oldest_from(&self, address: IpAddr) -> bool {
-        let mut queue = self.queue();
-        let Some(at) = queue.iter().position(|w| w.address == Some(address)) else {
-            return false;
+        let oldest = {
+            let mut queue = self.queue();
+            let Some(at) = queue.iter().position(|w| w.address == Some(address)) else {
+                return false;
+            };
+            queue.remove(at)
         };
-        match queue.remove(at) {
+        match oldest {
             Some(waiting) => {
-                let _ = waiting.evict.send(());
+                self.evict(waiting);
                 true
             }
             None => false,
@@ -106,7 +147,7 @@ mod tests {
 
     #[test]
     fn the_oldest_waiting_connection_is_evicted_and_places_leave_when_dropped() {
-        let queue = Arc::new(AwaitingHello::default());
+        let queue = Arc::new(AwaitingHello::new(Duration::ZERO));
         let mut first = queue.enter(None);
         let second = queue.enter(None);
         let mut third = queue.enter(None);
@@ -123,7 +164,7 @@ mod tests {
 
     #[test]
     fn at_an_address_limit_the_oldest_waiting_of_that_address_is_evicted() {
-        let queue = Arc::new(AwaitingHello::default());
+        let queue = Arc::new(AwaitingHello::new(Duration::ZERO));
         let (a, b): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
         let mut of_b = queue.enter(Some(b));
         let mut first_of_a = queue.enter(Some(a));

@@ -22,12 +22,18 @@ use tokio::sync::{Semaphore, broadcast, mpsc};
 use crate::node::{Node, Refused};
 use crate::peer::PeerLink;
 use awaiting_hello::{AwaitingHello, Place};
+use ferry_io::refusal_log::RefusalLog;
 use per_address::{PerAddress, counted_as};
 use session::Session;
 
 mod awaiting_hello;
 mod per_address;
 mod session;
+
+/// How long a connection has waited for its hello at least before it is closed to make room: a
+/// client whose hello is on its way (a few milliseconds, more on a loaded machine) is not
+/// closed for a newcomer. Shorter than [`MAKING_ROOM`], which a newcomer waits.
+const SILENT_BEFORE_EVICTION: Duration = Duration::from_millis(250);
 
 /// How long a newcomer waits for the slot an evicted silent connection gives back.
 const MAKING_ROOM: Duration = Duration::from_secs(1);
@@ -203,7 +209,7 @@ async fn accept_loop(
     notify_shutdown: &broadcast::Sender<()>,
     done_tx: &mpsc::Sender<()>,
 ) -> std::io::Result<()> {
-    let awaiting = Arc::new(AwaitingHello::default());
+    let awaiting = Arc::new(AwaitingHello::new(SILENT_BEFORE_EVICTION));
     let per_address = PerAddress::new(service.config.max_connections_per_address);
     loop {
         let accepted = tokio::select! {
@@ -221,7 +227,7 @@ async fn accept_loop(
         if let Ok((Stream::Unix(unix), peer, _)) = &accepted
             && !unix_peer_allowed(unix.get_ref())
         {
-            tracing::warn!(%peer, "Unix connection refused: another user");
+            OTHER_UNIX_USER.note(peer, "");
             service
                 .node
                 .recorder()
@@ -249,7 +255,7 @@ async fn accept_loop(
                 AddressSlotFor::MadeRoom(address)
             }
             Some((_, None)) => {
-                tracing::warn!(%peer, "connection refused: at the per-address limit");
+                AT_ADDRESS_LIMIT.note(&peer, "no silent connection of the address to close");
                 service
                     .node
                     .recorder()
@@ -267,7 +273,7 @@ async fn accept_loop(
             Ok(permit) => Some(permit),
             Err(_) if awaiting.evict_oldest() => None,
             Err(_) => {
-                tracing::warn!(%peer, "connection refused: at the connection limit");
+                AT_NODE_LIMIT.note(&peer, "no silent connection to close");
                 service
                     .node
                     .recorder()
@@ -298,7 +304,7 @@ async fn accept_loop(
                     match per_address.enter_within(address, MAKING_ROOM).await {
                         Some(slot) => Some(slot),
                         None => {
-                            tracing::warn!(%peer, "connection refused: at the per-address limit");
+                            AT_ADDRESS_LIMIT.note(&peer, "the slot made room for went to another");
                             node.recorder().connection_refused(Refused::AddressLimit);
                             let why = Full::Address(per_address.limit());
                             refuse(socket, node.clone(), why).await;
@@ -314,7 +320,7 @@ async fn accept_loop(
                 None => match tokio::time::timeout(MAKING_ROOM, permits.acquire_owned()).await {
                     Ok(Ok(permit)) => permit,
                     _ => {
-                        tracing::warn!(%peer, "connection refused: at the connection limit");
+                        AT_NODE_LIMIT.note(&peer, "the slot made room for went to another");
                         node.recorder().connection_refused(Refused::NodeLimit);
                         refuse(socket, node.clone(), Full::Node(config.max_connections)).await;
                         return;
@@ -364,6 +370,21 @@ async fn accept_loop(
     }
 }
 
+// Every line a stranger can cause before its hello, each kind bounded in rate: one line a second
+// at most, carrying how many went unlogged (a flood of sockets or garbage cannot fill the log).
+/// Refused at the per-address limit.
+static AT_ADDRESS_LIMIT: RefusalLog =
+    RefusalLog::new("accept", "connection refused: at the per-address limit");
+/// Refused at the node's connection limit.
+static AT_NODE_LIMIT: RefusalLog =
+    RefusalLog::new("accept", "connection refused: at the connection limit");
+/// A Unix peer of another user.
+static OTHER_UNIX_USER: RefusalLog =
+    RefusalLog::new("accept", "Unix connection refused: another user");
+/// Closed before its hello: silent past the deadline, evicted, or not speaking the protocol.
+pub(super) static CLOSED_BEFORE_HELLO: RefusalLog =
+    RefusalLog::new("hello", "connection closed before its hello");
+
 /// A new connection's place in its address's count.
 enum AddressSlotFor {
     /// Held (`None`: a connection of no address, a Unix socket).
@@ -401,12 +422,12 @@ async fn secure(
             Ok(Ok(link)) => Ok(Stream::Tls(Box::new(link))),
             Ok(Err(_)) => Err(Unsecured::Refused),
             Err(_) => {
-                tracing::info!(%peer, "closed: no TLS handshake by the hello deadline");
+                CLOSED_BEFORE_HELLO.note(peer, "no TLS handshake by the hello deadline");
                 Err(Unsecured::TooSlow)
             }
         },
         _ = &mut place.evicted => {
-            tracing::info!(%peer, "closed during its TLS handshake: its slot went to a newer connection");
+            CLOSED_BEFORE_HELLO.note(peer, "its slot went to a newer connection, mid TLS handshake");
             Err(Unsecured::Evicted)
         }
     }

@@ -2,13 +2,13 @@
 //! its /64, which it is usually given whole), counted from accept (before any TLS handshake or
 //! hello), so that one host cannot take every slot of the node, whether it speaks or not.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv6Addr};
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::oneshot;
 
 /// The address a connection from `ip` is counted under: an IPv4 address as it is (also when it
 /// arrives mapped into IPv6), an IPv6 address by its /64 prefix.
@@ -26,12 +26,18 @@ pub(super) fn counted_as(ip: IpAddr) -> IpAddr {
 #[derive(Debug)]
 pub(super) struct PerAddress {
     limit: NonZeroUsize,
-    open: Mutex<HashMap<IpAddr, usize>>,
-    /// Signalled whenever a slot is given back.
-    freed: Notify,
+    counts: Mutex<Counts>,
 }
 
-/// One connection's place in its address's count, given back when dropped.
+/// Per address: the slots held, and the newcomers waiting for one, first come first served.
+#[derive(Debug, Default)]
+struct Counts {
+    open: HashMap<IpAddr, usize>,
+    waiting: HashMap<IpAddr, VecDeque<oneshot::Sender<()>>>,
+}
+
+/// One connection's place in its address's count, given back when dropped (to the address's
+/// newcomer that has waited longest, if one waits).
 #[derive(Debug)]
 pub(super) struct AddressSlot {
     counts: Arc<PerAddress>,
@@ -43,13 +49,12 @@ impl PerAddress {
     pub(super) fn new(limit: NonZeroUsize) -> Arc<Self> {
         Arc::new(Self {
             limit,
-            open: Mutex::new(HashMap::new()),
-            freed: Notify::new(),
+            counts: Mutex::new(Counts::default()),
         })
     }
 
-    fn open(&self) -> MutexGuard<'_, HashMap<IpAddr, usize>> {
-        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    fn counts(&self) -> MutexGuard<'_, Counts> {
+        self.counts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The most one address may hold.
@@ -57,11 +62,12 @@ impl PerAddress {
         self.limit
     }
 
-    /// A slot for a connection from `ip`, or `None` when that address holds the limit already.
+    /// A slot for a connection from `ip`, or `None` when that address holds the limit already
+    /// (or newcomers of the address wait for the slots it will give back: they come first).
     pub(super) fn enter(self: &Arc<Self>, ip: IpAddr) -> Option<AddressSlot> {
         let ip = counted_as(ip);
-        let mut open = self.open();
-        let count = open.entry(ip).or_insert(0);
+        let mut counts = self.counts();
+        let count = counts.open.entry(ip).or_insert(0);
         if *count >= self.limit.get() {
             return None;
         }
@@ -71,42 +77,70 @@ impl PerAddress {
             ip,
         })
     }
-}
 
-impl PerAddress {
-    /// A slot for a connection from `ip` once one is given back (by a connection closed to make
-    /// room), within `within`; `None` if another newcomer takes each first.
+    /// A slot for a connection from `ip`, handed over by the next connection of the address to
+    /// close (one closed to make room for this newcomer, or any other), newcomers served in the
+    /// order they came; `None` if none is handed over within `within`.
     pub(super) async fn enter_within(
         self: &Arc<Self>,
         ip: IpAddr,
         within: Duration,
     ) -> Option<AddressSlot> {
-        let waiting = async {
-            loop {
-                // Registered before the check, so that a slot freed between them still wakes it.
-                let freed = self.freed.notified();
-                if let Some(slot) = self.enter(ip) {
-                    return slot;
-                }
-                freed.await;
+        let ip = counted_as(ip);
+        let mut handed = {
+            let mut counts = self.counts();
+            let count = counts.open.entry(ip).or_insert(0);
+            if *count < self.limit.get() {
+                *count += 1;
+                return Some(AddressSlot {
+                    counts: self.clone(),
+                    ip,
+                });
             }
+            let (hand, handed) = oneshot::channel();
+            counts.waiting.entry(ip).or_default().push_back(hand);
+            handed
         };
-        tokio::time::timeout(within, waiting).await.ok()
+        let slot = || AddressSlot {
+            counts: self.clone(),
+            ip,
+        };
+        match tokio::time::timeout(within, &mut handed).await {
+            Ok(Ok(())) => Some(slot()),
+            _ => {
+                // Gave up; a slot handed over meanwhile is taken and given back again.
+                handed.close();
+                if handed.try_recv().is_ok() {
+                    drop(slot());
+                }
+                None
+            }
+        }
     }
 }
 
 impl Drop for AddressSlot {
     fn drop(&mut self) {
-        let mut open = self.counts.open();
-        // An address with no connection left is forgotten: the map holds only live ones.
-        if let Some(count) = open.get_mut(&self.ip) {
-            *count -= 1;
-            if *count == 0 {
-                open.remove(&self.ip);
+        let mut counts = self.counts.counts();
+        // The slot goes to the address's oldest newcomer still waiting; a waiter that gave up
+        // refuses it, and the next one is asked.
+        while let Some(hand) = counts
+            .waiting
+            .get_mut(&self.ip)
+            .and_then(VecDeque::pop_front)
+        {
+            if hand.send(()).is_ok() {
+                return;
             }
         }
-        drop(open);
-        self.counts.freed.notify_waiters();
+        counts.waiting.remove(&self.ip);
+        // An address with no connection left is forgotten: the map holds only live ones.
+        if let Some(count) = counts.open.get_mut(&self.ip) {
+            *count -= 1;
+            if *count == 0 {
+                counts.open.remove(&self.ip);
+            }
+        }
     }
 }
 
@@ -128,7 +162,7 @@ mod tests {
         drop(again);
         drop(_second);
         assert!(
-            !counts.open().contains_key(&a),
+            !counts.counts().open.contains_key(&a),
             "an address with none open is forgotten"
         );
     }
@@ -152,5 +186,30 @@ mod tests {
             counts.enter("::ffff:192.0.2.7".parse().unwrap()).is_none(),
             "the same IPv4 host, mapped"
         );
+    }
+
+    #[tokio::test]
+    async fn a_slot_given_back_goes_to_the_newcomer_that_waited_longest() {
+        let counts = PerAddress::new(NonZeroUsize::new(1).unwrap());
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let held = counts.enter(a).unwrap();
+        let wait = |within: Duration| {
+            let counts = counts.clone();
+            tokio::spawn(async move { counts.enter_within(a, within).await })
+        };
+        let first = wait(Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let second = wait(Duration::from_millis(300));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(counts.enter(a).is_none(), "the waiting come first");
+        drop(held);
+        let first = first.await.unwrap();
+        assert!(first.is_some(), "the first newcomer got the slot");
+        assert!(
+            second.await.unwrap().is_none(),
+            "none was left for the second"
+        );
+        drop(first);
+        assert!(counts.enter(a).is_some(), "given back, with nobody waiting");
     }
 }

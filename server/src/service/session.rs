@@ -14,6 +14,7 @@ use ferry_proto::{
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
+use super::CLOSED_BEFORE_HELLO;
 use super::awaiting_hello::Place;
 use super::{HANDSHAKE_MAX_BODY, ServiceConfig, idle_for};
 use crate::device::{Arrived, IfExists, KnownHash};
@@ -80,19 +81,21 @@ impl Session<'_> {
             max_body: limits.max_body.min(HANDSHAKE_MAX_BODY),
             ..limits
         });
+        // Whatever ends a connection before its hello is a stranger's doing: logged at a
+        // bounded rate, not a line per connection.
         let welcomed = tokio::select! {
             welcomed = self.handshake(conn) => match welcomed {
-                Err(late @ ConnectionError::IdleTimeout(_)) => {
-                    self.node.recorder().connection_refused(Refused::HelloDeadline);
-                    return Err(late);
+                Ok(welcomed) => welcomed,
+                Err(error) => {
+                    if matches!(error, ConnectionError::IdleTimeout(_)) {
+                        self.node.recorder().connection_refused(Refused::HelloDeadline);
+                    }
+                    CLOSED_BEFORE_HELLO.note(self.client, &error.to_string());
+                    return Ok(());
                 }
-                other => other?,
             },
             _ = &mut place.evicted => {
-                tracing::info!(
-                    client = self.client,
-                    "closed before its hello: its slot went to a newer connection"
-                );
+                CLOSED_BEFORE_HELLO.note(self.client, "its slot went to a newer connection");
                 return Ok(());
             }
         };

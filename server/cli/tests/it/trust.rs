@@ -2,7 +2,8 @@
 //! without TLS and a credential, sockets that never say hello (closed to make room at the
 //! connection limit, or at the hello deadline), more connections from one address than its share,
 //! a flood of wrong tokens (each refused, logged at a bounded rate), and an agent string that
-//! would forge a log line (escaped), and metrics in clear beyond loopback without --insecure.
+//! would forge a log line (escaped), garbage hellos and refusals at a limit (logged at a bounded
+//! rate), and metrics in clear beyond loopback without --insecure.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
@@ -163,10 +164,31 @@ async fn one_address_holds_at_most_its_share_of_connections() {
         ],
         None,
     );
-    // Four silent sockets from this address fill its share (not the node: 1024 slots).
-    let mut silent: Vec<TcpStream> = (0..4)
+    // Four silent sockets from this address fill its share (not the node: 1024 slots); each
+    // client that speaks takes the slot of the oldest (closed to make room, once it has been
+    // silent a moment).
+    let silent: Vec<TcpStream> = (0..4)
         .map(|_| TcpStream::connect(node.addr.as_str()).unwrap())
         .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut speakers = Vec::new();
+    for _ in 0..4 {
+        let mut client = Client::connect(node.addr.as_str()).await.unwrap();
+        assert_eq!(client.stat().await.unwrap().devices.len(), 1);
+        speakers.push(client);
+    }
+    for mut socket in silent {
+        socket
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut said = Vec::new();
+        let read = socket.read_to_end(&mut said);
+        assert!(
+            read.is_ok() || read.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "a silent socket left open"
+        );
+    }
+    // Four that spoke fill it: a newcomer is refused, saying why.
     let refused = Client::connect(node.addr.as_str()).await.unwrap_err();
     assert_eq!(refused.code(), Some(ErrorCode::LimitExceeded), "{refused}");
     assert!(
@@ -174,7 +196,7 @@ async fn one_address_holds_at_most_its_share_of_connections() {
         "{refused}"
     );
     // One closes: its slot comes back once the node sees it go (well before any deadline).
-    drop(silent.pop());
+    drop(speakers.pop());
     let mut client = None;
     for _ in 0..40 {
         if let Ok(connected) = Client::connect(node.addr.as_str()).await {
@@ -183,12 +205,11 @@ async fn one_address_holds_at_most_its_share_of_connections() {
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    let mut client = client.expect("the closed socket's slot came back within a second");
+    let mut client = client.expect("the closed connection's slot came back within a second");
     assert_eq!(client.stat().await.unwrap().devices.len(), 1);
-    // The three silent sockets still hold theirs: the address is full again.
     let full = Client::connect(node.addr.as_str()).await.unwrap_err();
     assert_eq!(full.code(), Some(ErrorCode::LimitExceeded), "{full}");
-    drop(silent);
+    drop(speakers);
     let text = tokio::task::spawn_blocking(move || scrape(port))
         .await
         .unwrap();
@@ -314,6 +335,59 @@ fn wrong_tokens_are_each_refused_and_logged_at_a_bounded_rate_with_the_agent_esc
         !log.lines().any(|l| l.starts_with("FORGED")),
         "no forged line:\n{log}"
     );
+}
+
+/// Every line a stranger can cause is bounded in rate (issue 29, item 8): hundreds of
+/// connections that send garbage for a hello, and hundreds refused at the per-address limit,
+/// each get their answer, and the log holds a line a second of each at most.
+#[test]
+fn garbage_hellos_and_refusals_at_a_limit_are_logged_at_a_bounded_rate() {
+    use std::io::Write;
+    const EACH: usize = 300;
+    let node = LoggedServer::start(
+        ferry_server(),
+        &["--device", "flex", "--max-connections-per-address", "2"],
+        &[],
+    );
+    let started = Instant::now();
+    for _ in 0..EACH {
+        let mut socket = TcpStream::connect(&node.addr).unwrap();
+        socket.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        // The node closes it: no frame of ours.
+        let mut rest = Vec::new();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let _ = socket.read_to_end(&mut rest);
+    }
+    // The address's two slots held by clients that said hello: every newcomer is refused.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let _held = (
+            Client::connect(node.addr.as_str()).await.unwrap(),
+            Client::connect(node.addr.as_str()).await.unwrap(),
+        );
+        for _ in 0..EACH {
+            let refused = Client::connect(node.addr.as_str()).await;
+            assert_eq!(
+                refused.map(drop).err().and_then(|e| e.code()),
+                Some(ErrorCode::LimitExceeded)
+            );
+        }
+    });
+    let elapsed = started.elapsed();
+    let log = node.stop();
+    let bound = 2 + elapsed.as_secs() as usize;
+    for line in [
+        "connection closed before its hello",
+        "connection refused: at the per-address limit",
+    ] {
+        let count = log.lines().filter(|l| l.contains(line)).count();
+        assert!(
+            (1..=bound).contains(&count),
+            "{count} lines of {line:?} for {EACH} in {elapsed:?} (at most {bound}):\n{log}"
+        );
+    }
 }
 
 /// A connection with `token` to the node at `addr`.
