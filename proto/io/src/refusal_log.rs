@@ -1,7 +1,7 @@
 //! A log line per kind of refusal, bounded in rate: one line per [`INTERVAL`], carrying how many
 //! refusals went unlogged since the last. A peer that is refused over and over (guessing tokens,
 //! flooding sockets, sending garbage) is refused every time, but cannot fill the node's log or
-//! disk: every line a stranger can cause goes through one of these.
+//! disk: every line a connection can cause before its hello goes through one of these.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};

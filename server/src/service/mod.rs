@@ -250,11 +250,13 @@ async fn accept_loop(
         // limit the address's own connection that has waited longest for its hello makes room:
         // one local user's silent sockets cannot keep out another on the same loopback address.
         let address = ip.map(counted_as);
-        let address_slot = match address.map(|a| (a, per_address.enter(a))) {
-            Some((address, None)) if awaiting.evict_oldest_from(address) => {
-                AddressSlotFor::MadeRoom(address)
+        // In the address's line before anyone is told to close, so that the slot freed is
+        // handed to this newcomer, not to whoever comes next.
+        let address_slot = match address.map(|a| (a, per_address.queue_for(a))) {
+            Some((address, Err(waiter))) if awaiting.evict_oldest_from(address) => {
+                AddressSlotFor::MadeRoom(waiter)
             }
-            Some((_, None)) => {
+            Some((_, Err(_out_of_line))) => {
                 AT_ADDRESS_LIMIT.note(&peer, "no silent connection of the address to close");
                 service
                     .node
@@ -264,14 +266,16 @@ async fn accept_loop(
                 tokio::spawn(refuse(socket, service.node.clone(), why));
                 continue;
             }
-            Some((_, Some(slot))) => AddressSlotFor::Held(Some(slot)),
+            Some((_, Ok(slot))) => AddressSlotFor::Held(Some(slot)),
             None => AddressSlotFor::Held(None),
         };
-        // At the limit, the connection that has waited longest for its hello makes room: a
-        // newcomer is refused only when every slot holds a connection that said hello.
+        // At the limit, the connection that has waited longest for its hello (and has been
+        // silent a moment) makes room. A newcomer that made room in its address waits for the
+        // node slot that connection gives back too, and closes nothing else.
+        let made_room = matches!(address_slot, AddressSlotFor::MadeRoom(_));
         let permit = match permits.clone().try_acquire_owned() {
             Ok(permit) => Some(permit),
-            Err(_) if awaiting.evict_oldest() => None,
+            Err(_) if made_room || awaiting.evict_oldest() => None,
             Err(_) => {
                 AT_NODE_LIMIT.note(&peer, "no silent connection to close");
                 service
@@ -300,18 +304,17 @@ async fn accept_loop(
                 AddressSlotFor::Held(slot) => slot,
                 // The evicted connection gives its slot back as it closes; another newcomer from
                 // the address may take it first.
-                AddressSlotFor::MadeRoom(address) => {
-                    match per_address.enter_within(address, MAKING_ROOM).await {
-                        Some(slot) => Some(slot),
-                        None => {
-                            AT_ADDRESS_LIMIT.note(&peer, "the slot made room for went to another");
-                            node.recorder().connection_refused(Refused::AddressLimit);
-                            let why = Full::Address(per_address.limit());
-                            refuse(socket, node.clone(), why).await;
-                            return;
-                        }
+                AddressSlotFor::MadeRoom(waiter) => match waiter.wait(MAKING_ROOM).await {
+                    Some(slot) => Some(slot),
+                    None => {
+                        drop(permit);
+                        AT_ADDRESS_LIMIT.note(&peer, "the slot made room for went to another");
+                        node.recorder().connection_refused(Refused::AddressLimit);
+                        let why = Full::Address(per_address.limit());
+                        refuse(socket, node.clone(), why).await;
+                        return;
                     }
-                }
+                },
             };
             let permit = match permit {
                 Some(permit) => permit,
@@ -320,6 +323,8 @@ async fn accept_loop(
                 None => match tokio::time::timeout(MAKING_ROOM, permits.acquire_owned()).await {
                     Ok(Ok(permit)) => permit,
                     _ => {
+                        // Its address slot goes to whoever waits for it while this one is told.
+                        drop(address_slot);
                         AT_NODE_LIMIT.note(&peer, "the slot made room for went to another");
                         node.recorder().connection_refused(Refused::NodeLimit);
                         refuse(socket, node.clone(), Full::Node(config.max_connections)).await;
@@ -390,8 +395,8 @@ enum AddressSlotFor {
     /// Held (`None`: a connection of no address, a Unix socket).
     Held(Option<per_address::AddressSlot>),
     /// The address was full; its oldest silent connection was told to close, and the newcomer
-    /// takes the slot it gives back.
-    MadeRoom(std::net::IpAddr),
+    /// waits first in line for the slot it gives back.
+    MadeRoom(per_address::SlotWaiter),
 }
 
 /// Why a connection was not put under TLS.

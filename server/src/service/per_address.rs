@@ -64,6 +64,7 @@ impl PerAddress {
 
     /// A slot for a connection from `ip`, or `None` when that address holds the limit already
     /// (or newcomers of the address wait for the slots it will give back: they come first).
+    #[cfg(test)]
     pub(super) fn enter(self: &Arc<Self>, ip: IpAddr) -> Option<AddressSlot> {
         let ip = counted_as(ip);
         let mut counts = self.counts();
@@ -78,43 +79,66 @@ impl PerAddress {
         })
     }
 
-    /// A slot for a connection from `ip`, handed over by the next connection of the address to
-    /// close (one closed to make room for this newcomer, or any other), newcomers served in the
-    /// order they came; `None` if none is handed over within `within`.
-    pub(super) async fn enter_within(
-        self: &Arc<Self>,
-        ip: IpAddr,
-        within: Duration,
-    ) -> Option<AddressSlot> {
+    /// A place in the line of `ip`'s newcomers for the next slot the address gives back, taken
+    /// at once (before a connection is told to close to make room, so that the slot it frees
+    /// finds this newcomer waiting). A slot free now is taken instead.
+    pub(super) fn queue_for(self: &Arc<Self>, ip: IpAddr) -> Result<AddressSlot, SlotWaiter> {
         let ip = counted_as(ip);
-        let mut handed = {
-            let mut counts = self.counts();
-            let count = counts.open.entry(ip).or_insert(0);
-            if *count < self.limit.get() {
-                *count += 1;
-                return Some(AddressSlot {
-                    counts: self.clone(),
-                    ip,
-                });
-            }
-            let (hand, handed) = oneshot::channel();
-            counts.waiting.entry(ip).or_default().push_back(hand);
-            handed
-        };
-        let slot = || AddressSlot {
+        let mut counts = self.counts();
+        let count = counts.open.entry(ip).or_insert(0);
+        if *count < self.limit.get() {
+            *count += 1;
+            return Ok(AddressSlot {
+                counts: self.clone(),
+                ip,
+            });
+        }
+        let (hand, handed) = oneshot::channel();
+        counts.waiting.entry(ip).or_default().push_back(hand);
+        Err(SlotWaiter {
             counts: self.clone(),
             ip,
-        };
-        match tokio::time::timeout(within, &mut handed).await {
-            Ok(Ok(())) => Some(slot()),
-            _ => {
-                // Gave up; a slot handed over meanwhile is taken and given back again.
-                handed.close();
-                if handed.try_recv().is_ok() {
-                    drop(slot());
-                }
-                None
+            handed,
+        })
+    }
+}
+
+/// A newcomer in its address's line for a slot; leaving the line (dropped, or given up) passes
+/// on a slot that was handed over meanwhile.
+#[derive(Debug)]
+pub(super) struct SlotWaiter {
+    counts: Arc<PerAddress>,
+    ip: IpAddr,
+    handed: oneshot::Receiver<()>,
+}
+
+impl SlotWaiter {
+    /// The slot handed over within `within`, or `None`.
+    pub(super) async fn wait(mut self, within: Duration) -> Option<AddressSlot> {
+        match tokio::time::timeout(within, &mut self.handed).await {
+            Ok(Ok(())) => {
+                // Taken: the unit handed over is this slot's now (not passed on by `drop`).
+                self.handed = oneshot::channel().1;
+                Some(AddressSlot {
+                    counts: self.counts.clone(),
+                    ip: self.ip,
+                })
             }
+            _ => None,
+        }
+    }
+}
+
+impl Drop for SlotWaiter {
+    fn drop(&mut self) {
+        // Out of the line; a slot handed over meanwhile (its task cancelled, or given up at the
+        // moment it came) is passed on, not lost.
+        self.handed.close();
+        if self.handed.try_recv().is_ok() {
+            drop(AddressSlot {
+                counts: self.counts.clone(),
+                ip: self.ip,
+            });
         }
     }
 }
@@ -194,8 +218,8 @@ mod tests {
         let a: IpAddr = "10.0.0.1".parse().unwrap();
         let held = counts.enter(a).unwrap();
         let wait = |within: Duration| {
-            let counts = counts.clone();
-            tokio::spawn(async move { counts.enter_within(a, within).await })
+            let waiter = counts.queue_for(a).unwrap_err();
+            tokio::spawn(waiter.wait(within))
         };
         let first = wait(Duration::from_secs(5));
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -211,5 +235,18 @@ mod tests {
         );
         drop(first);
         assert!(counts.enter(a).is_some(), "given back, with nobody waiting");
+    }
+
+    #[tokio::test]
+    async fn a_slot_handed_to_a_waiter_that_is_gone_passes_on() {
+        let counts = PerAddress::new(NonZeroUsize::new(1).unwrap());
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let held = counts.enter(a).unwrap();
+        let cancelled = counts.queue_for(a).unwrap_err();
+        let next = counts.queue_for(a).unwrap_err();
+        drop(held); // handed to `cancelled`, which never takes it
+        drop(cancelled); // passes it on
+        assert!(next.wait(Duration::from_secs(1)).await.is_some());
+        assert!(counts.enter(a).is_some(), "nothing left counted");
     }
 }
