@@ -145,6 +145,19 @@ fn metrics_beyond_loopback_are_refused_unless_insecure() {
     let _ = child.wait();
 }
 
+/// That the node closes `socket` (within 10 s): whatever it said before, then the end.
+fn assert_closed_by_the_node(mut socket: TcpStream) {
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut said = Vec::new();
+    let read = socket.read_to_end(&mut said);
+    assert!(
+        read.is_ok() || read.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "a silent socket left open"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_address_holds_at_most_its_share_of_connections() {
     let port = free_port();
@@ -177,16 +190,8 @@ async fn one_address_holds_at_most_its_share_of_connections() {
         assert_eq!(client.stat().await.unwrap().devices.len(), 1);
         speakers.push(client);
     }
-    for mut socket in silent {
-        socket
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        let mut said = Vec::new();
-        let read = socket.read_to_end(&mut said);
-        assert!(
-            read.is_ok() || read.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
-            "a silent socket left open"
-        );
+    for socket in silent {
+        assert_closed_by_the_node(socket);
     }
     // Four that spoke fill it: a newcomer is refused, saying why.
     let refused = Client::connect(node.addr.as_str()).await.unwrap_err();
@@ -255,17 +260,8 @@ async fn sockets_that_never_say_hello_do_not_keep_a_client_out() {
     );
     // The node closes every silent socket itself: the oldest made room, the rest at the
     // deadline.
-    for mut socket in silent {
-        socket
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        // Read to the end: whatever the node said before closing, then end of file.
-        let mut said = Vec::new();
-        let read = socket.read_to_end(&mut said);
-        assert!(
-            read.is_ok() || read.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
-            "a silent socket left open"
-        );
+    for socket in silent {
+        assert_closed_by_the_node(socket);
     }
 }
 
