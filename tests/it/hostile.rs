@@ -168,6 +168,27 @@ async fn a_lying_frame_length_is_refused_before_allocation() {
     node_still_serves(&node).await;
 }
 
+/// A control frame larger than any request is refused from its header (issue 29, item 7): a
+/// welcomed peer cannot make the node hold a 16 MiB control frame (before, it waited for the
+/// body, and held it whole); the node answers at once, without the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_frame_larger_than_any_request_is_refused_from_its_header() {
+    let node = start_with(&["flex"]).await;
+    let (mut raw, _) = Raw::hello(&node, None).await;
+    let mut frame = control::encode_request(&Request::Stat).unwrap();
+    let declared: u32 = 4 << 20; // within the 16 MiB payload limit, far past any request
+    frame[8..12].copy_from_slice(&declared.to_le_bytes());
+    raw.send(&frame[..16]).await;
+    let answered = Instant::now();
+    let message = raw.expect_fatal(ErrorCode::Protocol).await;
+    assert!(message.contains("exceeds the maximum"), "{message}");
+    assert!(
+        answered.elapsed() < Duration::from_secs(5),
+        "answered from the header, not after the idle timeout"
+    );
+    node_still_serves(&node).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quantized_payload_one_byte_short_or_long_is_refused_with_both_lengths() {
     let node = start_with(&["flex"]).await;

@@ -38,6 +38,10 @@ const SILENT_BEFORE_EVICTION: Duration = Duration::from_millis(250);
 /// How long a newcomer waits for the slot an evicted silent connection gives back.
 const MAKING_ROOM: Duration = Duration::from_secs(1);
 
+/// The largest control frame body (a request) a node takes once a connection is welcomed: the
+/// largest request (a put's key and description, a pull's addresses and capability) is a few KiB.
+const MAX_REQUEST_BODY: usize = 64 * 1024;
+
 /// The largest frame body accepted before a connection's `Hello` is answered.
 const HANDSHAKE_MAX_BODY: usize = 64 * 1024;
 

@@ -16,7 +16,7 @@ use tracing::Instrument;
 
 use super::CLOSED_BEFORE_HELLO;
 use super::awaiting_hello::Place;
-use super::{HANDSHAKE_MAX_BODY, ServiceConfig, idle_for};
+use super::{HANDSHAKE_MAX_BODY, MAX_REQUEST_BODY, ServiceConfig, idle_for};
 use crate::device::{Arrived, IfExists, KnownHash};
 use crate::error::{NodeError, Refusal};
 use crate::holds::Held;
@@ -104,7 +104,12 @@ impl Session<'_> {
             return Ok(());
         };
         self.scopes = scopes;
-        conn.set_limits(limits);
+        // Requests are a few KiB at most: no peer makes the node hold a larger control frame,
+        // whatever the payloads' limit.
+        conn.set_limits(ConnectionLimits {
+            max_control_body: limits.max_control_body.min(MAX_REQUEST_BODY),
+            ..limits
+        });
         let keepalive = self.config.keepalive;
         loop {
             let request = tokio::select! {

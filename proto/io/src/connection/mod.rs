@@ -84,6 +84,11 @@ impl From<StreamError> for ConnectionError {
 pub struct ConnectionLimits {
     /// The largest frame body accepted.
     pub max_body: usize,
+    /// The largest control frame body accepted (a request or an answer), checked from its
+    /// header before the body is read: a node takes requests of a few KiB at most, so a peer
+    /// cannot make it hold a large control frame (a client takes answers of any size up to
+    /// `max_body`: a page of a listing is large).
+    pub max_control_body: usize,
     /// How long a peer may stay silent in the middle of a frame or payload.
     pub idle_timeout: Duration,
     /// Payload bytes per chunk frame sent.
@@ -118,6 +123,7 @@ impl Default for ConnectionLimits {
     fn default() -> Self {
         Self {
             max_body: frame::DEFAULT_MAX_BODY,
+            max_control_body: frame::DEFAULT_MAX_BODY,
             idle_timeout: Duration::from_secs(30),
             chunk_size: frame::DEFAULT_CHUNK_SIZE,
             region_min: DEFAULT_REGION_MIN,
@@ -232,11 +238,23 @@ impl<S: Transport> Connection<S> {
     /// The next whole frame, or `None` when the peer closed cleanly between frames.
     pub async fn read_frame(&mut self) -> Result<Option<ferry_proto::Frame>, ConnectionError> {
         loop {
+            if let Some(head) = self.buffer.first_chunk::<HEADER_LEN>() {
+                // A valid header whose body is within the maximum for its kind: make room for
+                // it once.
+                let header = FrameHeader::decode(head, self.limits.max_body)?;
+                let body_len = header.body_len as usize;
+                if header.kind == FrameKind::Control && body_len > self.limits.max_control_body {
+                    return Err(FrameError::TooLarge {
+                        len: u64::from(header.body_len),
+                        max: self.limits.max_control_body as u64,
+                    }
+                    .into());
+                }
+            }
             if let Some(frame) = frame::parse(&mut self.buffer, self.limits.max_body)? {
                 return Ok(Some(frame));
             }
             if let Some(head) = self.buffer.first_chunk::<HEADER_LEN>() {
-                // A valid header whose body is within the maximum: make room for it once.
                 let header = FrameHeader::decode(head, self.limits.max_body)?;
                 let total = HEADER_LEN + header.body_len as usize;
                 self.buffer.reserve(total.saturating_sub(self.buffer.len()));
