@@ -131,9 +131,23 @@ async fn copy_by_name(
             && h.device == dst_device
             && h.name == dst_name
     };
-    let held_there = holders.iter().any(is_destination);
+    let at_target = holders.iter().find(|h| is_destination(h)).cloned();
     let holders: Vec<_> = holders.into_iter().filter(|h| !is_destination(h)).collect();
-    if held_there && holders.is_empty() {
+    if let Some(listed) = at_target
+        && holders.is_empty()
+    {
+        // The directory's word is not the node's: only the target itself says it holds it.
+        let mut target_client = connect_to(dst_node, cli).await?;
+        let key = TensorKey::new(dst_device, dst_name);
+        confirm_held(&mut target_client, &key, listed.record.content_hash)
+            .await
+            .map_err(|why| {
+                anyhow::anyhow!(
+                    "the directory lists {name} on {}/{dst_device}, but {why}; no other member \
+                     holds it",
+                    dst_node.label()
+                )
+            })?;
         eprintln!("{}/{dst_device} already holds {name}", dst_node.label());
         return Ok(());
     }
@@ -161,6 +175,33 @@ async fn copy_by_name(
         .await?;
     eprintln!("copied 1 tensors to {}/{dst_device}", dst_node.label());
     Ok(())
+}
+
+/// That the node `client` reaches holds `key` itself, in the version `listed` (where the
+/// directory listed one): its own answer, through a capability granted to itself and given back
+/// at once (a capability carries the verified content hash of what the node holds). `Err` says
+/// why not.
+async fn confirm_held(
+    client: &mut Client,
+    key: &TensorKey,
+    listed: Option<ContentHash>,
+) -> Result<(), String> {
+    let itself = client.identify().await.map_err(|e| e.to_string())?;
+    let grant = match client.grant(key, &itself).await {
+        Ok(grant) => grant,
+        Err(e) if e.code() == Some(ErrorCode::NotFound) => {
+            return Err("that node does not hold it".into());
+        }
+        Err(e) => return Err(format!("that node did not confirm it: {e}")),
+    };
+    let held = grant.content_hash;
+    client.release(&grant).await.map_err(|e| e.to_string())?;
+    match listed {
+        Some(listed) if listed != held => Err(format!(
+            "that node holds another version ({held}, the directory says {listed})"
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// A copy or move of some of the source node's tensors to the target's device.

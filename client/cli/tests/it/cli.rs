@@ -779,6 +779,64 @@ async fn members_by_name_and_tensors_by_name_alone() {
     }
 }
 
+/// "Already holds" is the target node's word, not the directory's (issue 29, item 4): an entry
+/// forged for an empty device makes `cp` fail, saying so; a tensor the target really holds is
+/// confirmed, and a copy still succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn already_holds_is_confirmed_with_the_target_node() {
+    use ferry::server::cluster::{ClusterConfig, Membership};
+    let etcd = ferry::testing::Etcd::start().await;
+    let cluster = etcd.cluster();
+    let node = ferry::testing::start_with(&["flex", "flex"]).await;
+    let joined = Membership::join(
+        node.node.clone(),
+        ClusterConfig {
+            endpoints: ferry::proto::cluster::endpoints(&cluster).unwrap(),
+            name: "worker".into(),
+            advertise: node.addr.to_string(),
+            unix: None,
+            ttl: std::time::Duration::from_secs(2),
+        },
+    );
+    let data = samples::plain(DType::F32, &[16, 8], 3);
+    // A writer of etcd lists `w` on worker/1, which holds nothing: the only entry for `w`.
+    let forged = ferry::proto::cluster::TensorRecord {
+        dtype: "f32".into(),
+        shape: vec![16, 8],
+        bytes: data.as_bytes().len() as u64,
+        content_hash: Some(ferry::proto::ContentHash::from_digest([7; 32])),
+    };
+    etcd.put(
+        &ferry::proto::cluster::tensor_key("worker", 1, "w"),
+        &ferry::proto::cluster::encode(&forged),
+    )
+    .await;
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || {
+        fails(
+            &["--cluster", &c, "cp", "w", "@worker/1"],
+            "that node does not hold it",
+        );
+    })
+    .await
+    .unwrap();
+    // A tensor worker/0 really holds, listed with its verified hash: confirmed, and `cp` says so.
+    let mut client = node.client().await;
+    client.put(&TensorKey::new(0, "v"), &data).await.unwrap();
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || {
+        listed_within(&["--cluster", &c, "ls", "@", "--json"], "\"v\"", 1);
+        let confirmed = ferry(&["--cluster", &c, "cp", "v", "@worker/0"]);
+        let said = String::from_utf8_lossy(&confirmed.stderr);
+        assert!(confirmed.status.success(), "{said}");
+        assert!(said.contains("already holds v"), "{said}");
+    })
+    .await
+    .unwrap();
+    joined.leave().await;
+    node.shutdown().await;
+}
+
 /// `ferry load`: every transfer of every client checked byte for byte, nothing left behind.
 #[test]
 fn a_load_run_checks_every_transfer_and_leaves_nothing_behind() {
