@@ -597,3 +597,99 @@ fn an_embedded_node_on_ndarray_applies_to_a_flex_model_through_the_host() {
     store.apply_to(&mut target).unwrap();
     assert_same_params(&params(&target), &params(&sent));
 }
+
+/// Which version an apply hands over, raced: a writer replaces the node's tensors over and over
+/// (each version a whole tensor of one value, now and then of the wrong shape) while the module
+/// is applied from the embedded node again and again. Every apply either took, for each
+/// parameter, one whole version (every value the same, at the parameter's shape), or refused
+/// and left the module exactly as it was; both happen.
+#[test]
+fn an_embedded_apply_racing_replacements_takes_whole_versions_or_changes_nothing() {
+    let (runtime, node) = embedded(vec![DeviceSpec::Flex]);
+    let device = Device::flex();
+    let store = || FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "raced");
+    store().collect_from(&Pair::new(&device)).unwrap();
+    // Version 0 of each: a whole tensor of one value too.
+    for (name, shape) in [
+        ("left.weight", vec![8, 8]),
+        ("left.bias", vec![8]),
+        ("right.weight", vec![8, 8]),
+        ("right.bias", vec![8]),
+    ] {
+        let n: usize = shape.iter().product();
+        let key = TensorKey::new(0, format!("raced/{name}"));
+        runtime
+            .block_on(node.insert(
+                &key,
+                TensorData::new(vec![0.0f32; n], shape),
+                IfExists::Replace,
+            ))
+            .unwrap();
+    }
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    println!("seed {seed}");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (node, handle, stop) = (node.clone(), runtime.handle().clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut state = seed;
+            let mut version = 1.0f32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let name = ["left.weight", "left.bias", "right.weight", "right.bias"]
+                    [(state % 4) as usize];
+                let mut shape = if name.ends_with("weight") {
+                    vec![8, 8]
+                } else {
+                    vec![8]
+                };
+                if state.is_multiple_of(5) {
+                    shape[0] = 4; // a version of the wrong shape
+                }
+                let n: usize = shape.iter().product();
+                let data = TensorData::new(vec![version; n], shape);
+                let key = TensorKey::new(0, format!("raced/{name}"));
+                handle
+                    .block_on(node.insert(&key, data, IfExists::Replace))
+                    .unwrap();
+                version += 1.0;
+            }
+        })
+    };
+    let (mut applied, mut refused) = (0, 0);
+    for _ in 0..150 {
+        let mut target = Pair::new(&device);
+        let before = params(&target);
+        match store().apply_to(&mut target) {
+            Ok(_) => {
+                applied += 1;
+                for (path, data) in params(&target) {
+                    assert_eq!(data.shape(), before[&path].shape(), "seed {seed}: {path}");
+                    let values: Vec<f32> = data.try_to_vec().unwrap();
+                    assert!(
+                        values.iter().all(|v| *v == values[0]),
+                        "seed {seed}: {path} holds parts of two versions"
+                    );
+                }
+            }
+            Err(StoreError::NotApplied(_)) => {
+                refused += 1;
+                assert_same_params(&params(&target), &before);
+            }
+            Err(e) => panic!("seed {seed}: {e}"),
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    println!("{applied} applied whole, {refused} refused whole");
+    assert!(
+        applied > 0 && refused > 0,
+        "seed {seed}: both outcomes raced"
+    );
+}

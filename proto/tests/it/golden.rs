@@ -394,31 +394,15 @@ fn vectors(minor: u16) -> Vec<Vector> {
         Vector {
             name: "error_codes",
             about: "Response::Error once with every ErrorCode, in code order, empty messages.",
-            items: [
-                ErrorCode::Protocol,
-                ErrorCode::BadRequest,
-                ErrorCode::NotFound,
-                ErrorCode::AlreadyExists,
-                ErrorCode::UnsupportedDType,
-                ErrorCode::LimitExceeded,
-                ErrorCode::AuthRefused,
-                ErrorCode::Backend,
-                ErrorCode::ShuttingDown,
-                ErrorCode::VersionMismatch,
-                ErrorCode::CapabilityRefused,
-                ErrorCode::PeerFailed,
-                ErrorCode::Changed,
-                ErrorCode::Integrity,
-                ErrorCode::Busy,
-            ]
-            .into_iter()
-            .map(|code| {
-                Item::Response(Response::Error(ErrorReply {
-                    code,
-                    message: String::new(),
-                }))
-            })
-            .collect(),
+            items: ErrorCode::ALL
+                .into_iter()
+                .map(|code| {
+                    Item::Response(Response::Error(ErrorReply {
+                        code,
+                        message: String::new(),
+                    }))
+                })
+                .collect(),
         },
         Vector {
             name: "stats_response",

@@ -17,6 +17,7 @@ use crate::handoff::{into_backend, of_kind};
 use crate::shared_data::shared_data;
 use crate::store::handoff_apply::HandoffApplier;
 use crate::store::link::{Link, Listed, PAGE, Sending, listing_start, outside_runtime};
+use crate::store::module_path::ModulePath;
 use crate::to_device::check_held;
 use crate::{HandoffError, NodeTensors, StoreError, TryToDevice};
 
@@ -162,8 +163,7 @@ impl Link for Embedded {
         let mut sender = Sender {
             link: self,
             sending,
-            path: Vec::new(),
-            containers: Vec::new(),
+            path: ModulePath::default(),
             sent: 0,
             failed: None,
         };
@@ -179,8 +179,7 @@ impl Link for Embedded {
 struct Sender<'a> {
     link: &'a Embedded,
     sending: &'a Sending<'a>,
-    path: Vec<String>,
-    containers: Vec<String>,
+    path: ModulePath,
     sent: usize,
     failed: Option<StoreError>,
 }
@@ -190,12 +189,10 @@ impl Sender<'_> {
         if self.failed.is_some() {
             return;
         }
-        if let Some(filter) = self.sending.filter
-            && !filter.matches_with_container_path(&self.path, &self.containers)
-        {
+        if !self.path.passes(self.sending.filter) {
             return;
         }
-        let path = self.path.join(".");
+        let path = self.path.joined();
         match self.insert(&path, tensor) {
             Ok(()) => self.sent += 1,
             Err(error) => self.failed = Some(error),
@@ -229,13 +226,11 @@ impl Sender<'_> {
 
 impl ModuleVisitor for Sender<'_> {
     fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.path.push(name.to_string());
-        self.containers.push(container_type.to_string());
+        self.path.enter(name, container_type);
     }
 
     fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-        self.containers.pop();
+        self.path.exit();
     }
 
     // As burn-store's collector does: the parameter as its mapper saves it (`on_save`), so an

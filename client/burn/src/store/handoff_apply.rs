@@ -11,6 +11,7 @@ use burn_store::{ApplyError, ApplyResult, PathFilter};
 
 use crate::store::embedded::Embedded;
 use crate::store::link::Listed;
+use crate::store::module_path::ModulePath;
 
 /// What a parameter of each kind accepts, as burn-store's `Applier` has it: a float parameter
 /// any float or quantized dtype, an int one any integer, a bool one a bool. (The `Applier` also
@@ -48,12 +49,13 @@ pub(crate) struct HandoffApplier<'a> {
     link: &'a Embedded,
     by_path: HashMap<String, Listed>,
     filter: Option<&'a PathFilter>,
-    path: Vec<String>,
-    containers: Vec<String>,
-    visited: Vec<(String, String)>,
+    path: ModulePath,
+    /// Every parameter's path met, with its containers' types (as burn-store's `Applier` keeps
+    /// them, for `missing`).
+    visited: HashMap<String, String>,
     consumed: HashSet<String>,
     applied: Vec<String>,
-    skipped: Vec<String>,
+    skipped: HashSet<String>,
     errors: Vec<ApplyError>,
 }
 
@@ -68,12 +70,11 @@ impl<'a> HandoffApplier<'a> {
             link,
             by_path: tensors.into_iter().collect(),
             filter,
-            path: Vec::new(),
-            containers: Vec::new(),
-            visited: Vec::new(),
+            path: ModulePath::default(),
+            visited: HashMap::new(),
             consumed: HashSet::new(),
             applied: Vec::new(),
-            skipped: Vec::new(),
+            skipped: HashSet::new(),
             errors: Vec::new(),
         }
     }
@@ -91,16 +92,14 @@ impl<'a> HandoffApplier<'a> {
             })
             .collect();
         let applied: HashSet<&str> = self.applied.iter().map(String::as_str).collect();
-        let skipped: HashSet<&str> = self.skipped.iter().map(String::as_str).collect();
         let mut missing: Vec<(String, String)> = self
             .visited
-            .iter()
+            .into_iter()
             .filter(|(p, _)| {
                 !applied.contains(p.as_str())
-                    && !skipped.contains(p.as_str())
+                    && !self.skipped.contains(p)
                     && !errored.contains(p.as_str())
             })
-            .cloned()
             .collect();
         missing.sort_by(|a, b| a.0.cmp(&b.0));
         let mut unused: Vec<String> = self
@@ -110,7 +109,7 @@ impl<'a> HandoffApplier<'a> {
             .cloned()
             .collect();
         unused.sort();
-        let mut skipped = self.skipped.clone();
+        let mut skipped: Vec<String> = self.skipped.into_iter().collect();
         skipped.sort();
         ApplyResult {
             applied: self.applied,
@@ -130,20 +129,16 @@ impl<'a> HandoffApplier<'a> {
     where
         Tensor<D, K>: Parameter,
     {
-        let path = self.path.join(".");
-        if !self.visited.iter().any(|(p, _)| *p == path) {
-            self.visited.push((path.clone(), self.containers.join(".")));
-        }
+        let path = self.path.joined();
+        self.visited
+            .entry(path.clone())
+            .or_insert_with(|| self.path.containers_joined());
         let Some(listed) = self.by_path.get(&path) else {
             return param;
         };
         self.consumed.insert(path.clone());
-        if let Some(filter) = self.filter
-            && !filter.matches_with_container_path(&self.path, &self.containers)
-        {
-            if !self.skipped.contains(&path) {
-                self.skipped.push(path);
-            }
+        if !self.path.passes(self.filter) {
+            self.skipped.insert(path);
             return param;
         }
         // Checked from the node's description, before anything is handed over.
@@ -191,13 +186,11 @@ impl<'a> HandoffApplier<'a> {
 
 impl ModuleMapper for HandoffApplier<'_> {
     fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.path.push(name.to_string());
-        self.containers.push(container_type.to_string());
+        self.path.enter(name, container_type);
     }
 
     fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-        self.containers.pop();
+        self.path.exit();
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {

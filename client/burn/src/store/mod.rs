@@ -6,13 +6,15 @@
 //! `link.rs` says what a store needs of its node; `connected.rs` is a node over a connection
 //! (applied through burn-store's `Applier`, each fetch checked first by `plan.rs` against the
 //! parameter's device), `embedded.rs` one in this process (applied by `handoff_apply.rs`,
-//! tensors handed over on the node's device); `window.rs` bounds a collect's host copies.
+//! tensors handed over on the node's device); `window.rs` bounds a collect's host copies;
+//! `module_path.rs` names where a walk over a module is, as burn-store names and filters paths.
 
 mod connected;
 mod embedded;
 mod error;
 mod handoff_apply;
 mod link;
+mod module_path;
 mod plan;
 mod window;
 

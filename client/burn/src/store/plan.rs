@@ -8,6 +8,7 @@ use burn_core::tensor::{Bool, DType, Device, Int, Tensor};
 use burn_store::ModuleSnapshot;
 
 use crate::holds::holds_of;
+use crate::store::module_path::ModulePath;
 
 /// A module's parameters by path (as burn-store names them: field names joined by `.`).
 pub(crate) struct Targets {
@@ -18,7 +19,7 @@ impl Targets {
     /// Where `module`'s parameters live; no tensor is read.
     pub(crate) fn of<M: ModuleSnapshot>(module: &M) -> Self {
         let mut visitor = Visitor {
-            path: Vec::new(),
+            path: ModulePath::default(),
             by_path: HashMap::new(),
         };
         module.visit(&mut visitor);
@@ -59,23 +60,23 @@ impl Targets {
 }
 
 struct Visitor {
-    path: Vec<String>,
+    path: ModulePath,
     by_path: HashMap<String, Device>,
 }
 
 impl Visitor {
     fn record(&mut self, device: Device) {
-        self.by_path.insert(self.path.join("."), device);
+        self.by_path.insert(self.path.joined(), device);
     }
 }
 
 impl ModuleVisitor for Visitor {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.path.enter(name, container_type);
     }
 
     fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
+        self.path.exit();
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {

@@ -1,0 +1,40 @@
+//! `ModulePath`: where a walk over a module is, named as burn-store names a parameter's path
+//! (field names joined by `.`) and matched by its `PathFilter` (with the containers' types).
+
+use burn_store::PathFilter;
+
+/// The fields entered so far, with the type of each container entered.
+#[derive(Debug, Default)]
+pub(crate) struct ModulePath {
+    names: Vec<String>,
+    containers: Vec<String>,
+}
+
+impl ModulePath {
+    /// Into field `name` of a container of type `container_type`.
+    pub(crate) fn enter(&mut self, name: &str, container_type: &str) {
+        self.names.push(name.to_string());
+        self.containers.push(container_type.to_string());
+    }
+
+    /// Out of the field last entered.
+    pub(crate) fn exit(&mut self) {
+        self.names.pop();
+        self.containers.pop();
+    }
+
+    /// The path as burn-store names it: `encoder.layers.0.weight`.
+    pub(crate) fn joined(&self) -> String {
+        self.names.join(".")
+    }
+
+    /// The containers' types, as burn-store's `ApplyResult::missing` lists them.
+    pub(crate) fn containers_joined(&self) -> String {
+        self.containers.join(".")
+    }
+
+    /// Whether `filter` lets the parameter here through.
+    pub(crate) fn passes(&self, filter: Option<&PathFilter>) -> bool {
+        filter.is_none_or(|f| f.matches_with_container_path(&self.names, &self.containers))
+    }
+}
