@@ -653,32 +653,27 @@ pub struct Etcd {
 }
 
 impl Etcd {
-    /// Starts etcd and waits until it answers. Its ports are found free by binding port 0 and
-    /// letting go, so another process may take one first: an etcd that exits at start is
-    /// started again on other ports.
+    /// Starts etcd and waits until it answers. Its ports are drawn where other tests' sockets
+    /// are not handed out ([`etcd_port`]); an etcd that exits at start anyway (another test's
+    /// etcd drew the same port) is started again on others, with fresh data.
     pub async fn start() -> Etcd {
-        let free = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port()
-        };
         let mut etcd = Etcd {
             child: None,
             dir: tempfile::tempdir().unwrap(),
-            client_port: free(),
-            peer_port: free(),
+            client_port: etcd_port(),
+            peer_port: etcd_port(),
         };
+        let mut exits = Vec::new();
         for _ in 0..5 {
-            if etcd.run().await {
-                return etcd;
+            match etcd.run().await {
+                Ok(()) => return etcd,
+                Err(exit) => exits.push(exit),
             }
-            etcd.child = None;
-            etcd.client_port = free();
-            etcd.peer_port = free();
+            let _ = std::fs::remove_dir_all(etcd.dir.path().join("data"));
+            etcd.client_port = etcd_port();
+            etcd.peer_port = etcd_port();
         }
-        panic!("etcd exited at start five times (ports taken?)");
+        panic!("etcd exited at start five times:\n{}", exits.join("\n"));
     }
 
     /// The cluster address nodes and clients are given: `etcd://127.0.0.1:PORT`.
@@ -715,15 +710,20 @@ impl Etcd {
 
     /// Starts it again on the same ports and data, and waits until it answers.
     pub async fn resume(&mut self) {
-        assert!(self.run().await, "etcd exited at restart");
+        if let Err(exit) = self.run().await {
+            panic!("etcd exited at restart: {exit}");
+        }
     }
 
-    /// Starts etcd on this helper's ports and data: `true` once it answers, `false` if it
-    /// exited first (a port taken).
-    async fn run(&mut self) -> bool {
+    /// Starts etcd on this helper's ports and data and waits until it answers; `Err` with its
+    /// exit status and the last lines it logged if it exited first.
+    async fn run(&mut self) -> Result<(), String> {
         assert!(self.child.is_none(), "etcd is running");
         let client = format!("http://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        // What etcd says of itself goes to a file beside its data, so that a failure can say it.
+        let log_path = self.dir.path().join("etcd.log");
+        let log = std::fs::File::create(&log_path).expect("create etcd's log");
         let child = std::process::Command::new("etcd")
             .args(["--name", "ferry-test", "--data-dir"])
             .arg(self.dir.path().join("data"))
@@ -742,12 +742,17 @@ impl Etcd {
             .args(["--initial-cluster", &format!("ferry-test={peer}")])
             .args(["--log-level", "error"])
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("etcd runs (Debian's etcd-server; tests/run.sh installs it)");
         self.child = Some(child);
         let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
         let ours = format!("127.0.0.1:{}", self.peer_port);
+        let said = || {
+            let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(5)..].join("\n")
+        };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             // Exited first (its port taken), before anything answering on the client port is
@@ -756,9 +761,12 @@ impl Etcd {
                 && !matches!(child.try_wait(), Ok(None))
             {
                 let _ = child.kill();
-                let _ = child.wait();
+                let status = child.wait();
                 self.child = None;
-                return false;
+                return Err(format!(
+                    "etcd on {client} (peers {peer}) exited ({status:?}); it said:\n{}",
+                    said()
+                ));
             }
             // Ours: the etcd answering lists this helper's peer address.
             if let Ok(mut client) =
@@ -768,12 +776,44 @@ impl Etcd {
                     .iter()
                     .any(|m| m.peer_urls.iter().any(|u| u.ends_with(&ours)))
             {
-                return true;
+                return Ok(());
             }
-            assert!(Instant::now() < deadline, "etcd did not answer within 30 s");
+            assert!(
+                Instant::now() < deadline,
+                "etcd on {client} did not answer within 30 s; it said:\n{}",
+                said()
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// A loopback port for a test etcd, free when drawn. It is drawn at random below the kernel's
+/// ephemeral range, where neither `connect` nor `bind(0)` hands ports out: other tests'
+/// connections (thousands a second in the hostile tests) cannot take it between this check and
+/// etcd's own bind, nor while a stopped etcd is started again on it. Only other test etcds
+/// draw there, and one that finds its port taken exits and is started again.
+fn etcd_port() -> u16 {
+    use std::hash::BuildHasher;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (ephemeral_low / 2, ephemeral_low);
+    for attempt in 0u32..1000 {
+        // A random draw: std's per-instance random hasher, so no dependency for it.
+        let draw = std::collections::hash_map::RandomState::new().hash_one(attempt);
+        let port = if high > low && low >= 1024 {
+            low + (draw % u64::from(high - low)) as u16
+        } else {
+            // A kernel whose range starts that low: the ephemeral range is all there is.
+            0
+        };
+        if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return listener.local_addr().unwrap().port();
+        }
+    }
+    panic!("no free loopback port below {ephemeral_low}");
 }
 
 impl Drop for Etcd {
