@@ -25,7 +25,7 @@ pub const CONNECTIONS: &str = "ferry_connections";
 /// Connections refused before they were served, by `reason`: `node_limit` (every slot held by
 /// a connection that said hello), `address_limit` (the peer's address holds its share),
 /// `tls_handshake` (no valid certificate, or not TLS), `hello_deadline` (no hello, or no TLS
-/// handshake, in time), `unix_user` (a Unix socket peer of another user).
+/// handshake, in time), `local_user` (a peer of another Unix user of this host).
 pub const CONNECTIONS_REFUSED: &str = "ferry_connections_refused_total";
 /// Reconnections of node-to-node pulls after a transient drop.
 pub const PULL_RETRIES: &str = "ferry_pull_retries_total";

@@ -16,6 +16,7 @@ pub mod credential;
 pub mod exchange;
 pub mod handshake;
 pub mod host;
+pub mod local_peer;
 pub mod machine;
 pub mod pool;
 pub mod refusal_log;

@@ -24,8 +24,9 @@ pub(crate) enum Refused {
     TlsHandshake,
     /// No hello (or no TLS handshake) by the hello deadline.
     HelloDeadline,
-    /// A Unix socket peer of another user.
-    UnixUser,
+    /// A peer of another Unix user of this host, on the Unix socket or, where the node asks no
+    /// credential, over TCP.
+    LocalUser,
 }
 
 impl Refused {
@@ -35,7 +36,7 @@ impl Refused {
             Refused::AddressLimit => "address_limit",
             Refused::TlsHandshake => "tls_handshake",
             Refused::HelloDeadline => "hello_deadline",
-            Refused::UnixUser => "unix_user",
+            Refused::LocalUser => "local_user",
         }
     }
 }

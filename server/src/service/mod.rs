@@ -23,10 +23,12 @@ use crate::node::{Node, Refused};
 use crate::peer::PeerLink;
 use awaiting_hello::{AwaitingHello, Place};
 use ferry_io::refusal_log::RefusalLog;
+use local_users::{OTHER_LOCAL_USER, TcpDoor, refuse_stranger, unix_stranger};
 use per_address::{PerAddress, counted_as};
 use session::Session;
 
 mod awaiting_hello;
+mod local_users;
 mod per_address;
 mod session;
 
@@ -99,6 +101,7 @@ pub struct Service {
     listener: TcpListener,
     unix: Option<UnixSocket>,
     config: Arc<ServiceConfig>,
+    door: TcpDoor,
 }
 
 /// The Unix socket a service listens on; its file is removed when the listener goes.
@@ -144,18 +147,23 @@ fn bind_unix(path: &Path) -> std::io::Result<UnixSocket> {
 }
 
 impl Service {
-    /// Binds `addr` (`127.0.0.1:0` picks a free port).
+    /// Binds `addr` (`127.0.0.1:0` picks a free port). A node that asks no credential (no
+    /// token, no TLS) serves only its own Unix user and root among this host's users, over TCP
+    /// as on its Unix socket; it does not bind where the kernel cannot say who connects.
     pub async fn bind(
         node: Node,
         addr: SocketAddr,
         config: ServiceConfig,
     ) -> std::io::Result<Self> {
+        let credentialed = !config.credentials.is_empty() || node.config().tls.is_some();
+        let door = TcpDoor::of(credentialed)?;
         let listener = TcpListener::bind(addr).await?;
         Ok(Self {
             node,
             listener,
             unix: None,
             config: Arc::new(config),
+            door,
         })
     }
 
@@ -228,16 +236,25 @@ async fn accept_loop(
                 (Stream::Unix(UnixTransport::new(socket)), peer, None)
             }),
         };
-        if let Ok((Stream::Unix(unix), peer, _)) = &accepted
-            && !unix_peer_allowed(unix.get_ref())
-        {
-            OTHER_UNIX_USER.note(peer, "");
-            service
-                .node
-                .recorder()
-                .connection_refused(Refused::UnixUser);
-            continue;
-        }
+        // Another user of this host, where only the node's own may connect: told, and closed
+        // before it holds any slot.
+        let stranger = match &accepted {
+            Ok((Stream::Unix(unix), ..)) => unix_stranger(unix.get_ref()),
+            Ok((Stream::Tcp(tcp), ..)) => service.door.refuses(tcp),
+            _ => None,
+        };
+        let accepted = match (accepted, stranger) {
+            (Ok((socket, peer, _)), Some(stranger)) => {
+                OTHER_LOCAL_USER.note(&peer, &stranger.to_string());
+                service
+                    .node
+                    .recorder()
+                    .connection_refused(Refused::LocalUser);
+                tokio::spawn(refuse_stranger(socket, stranger));
+                continue;
+            }
+            (accepted, _) => accepted,
+        };
         // One deadline from here for the TLS handshake and the hello together.
         let hello_by = tokio::time::Instant::now() + service.config.hello_timeout;
         let (socket, peer, ip) = match accepted {
@@ -387,9 +404,6 @@ static AT_ADDRESS_LIMIT: RefusalLog =
 /// Refused at the node's connection limit.
 static AT_NODE_LIMIT: RefusalLog =
     RefusalLog::new("accept", "connection refused: at the connection limit");
-/// A Unix peer of another user.
-static OTHER_UNIX_USER: RefusalLog =
-    RefusalLog::new("accept", "Unix connection refused: another user");
 /// Closed before its hello: silent past the deadline, evicted, or not speaking the protocol.
 pub(super) static CLOSED_BEFORE_HELLO: RefusalLog =
     RefusalLog::new("hello", "connection closed before its hello");
@@ -448,19 +462,6 @@ pub(super) async fn idle_for(keepalive: Duration) {
         std::future::pending::<()>().await;
     }
     tokio::time::sleep(keepalive).await;
-}
-
-/// Whether a Unix peer may connect: the node's own user, or root. The socket file is the
-/// owner's only (mode 0600), but between `bind` and `chmod` another user could have queued a
-/// connection; the kernel's word on who is calling settles it.
-fn unix_peer_allowed(socket: &UnixStream) -> bool {
-    match socket.peer_cred() {
-        Ok(cred) => {
-            let uid = cred.uid();
-            uid == 0 || uid == rustix::process::geteuid().as_raw()
-        }
-        Err(_) => false,
-    }
 }
 
 /// The next connection on the Unix socket; never, where there is none.

@@ -5,6 +5,7 @@
 
 mod cli;
 mod health;
+mod local_users;
 mod netns;
 mod quickstart;
 
