@@ -555,3 +555,93 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
     joined_a.leave().await;
     joined_b.leave().await;
 }
+
+/// A member record naming a Unix socket that a root process serves, not the member: the node
+/// (root here, as the tests run in CI, so "root or this user" is no check at all) pulls from it
+/// as the directory says, and the process learns no token, since none goes over a Unix socket.
+/// The operator's CLI, sent to the same record by name, sends it none either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_daemon_at_a_members_unix_socket_learns_no_token() {
+    use ferry::proto::Request;
+    let etcd = Etcd::start().await;
+    let a = start_with(&["flex"]).await;
+    let b = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            pulls: PullConfig {
+                peer_token: Some("the-peer-token".into()),
+                peers: PeerPolicy::Members {
+                    members: ClusterMembers::new(),
+                    listed: Vec::new(),
+                },
+                ..PullConfig::default()
+            },
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
+
+    // Not a node: it reads each hello it is sent, keeps its token, and hangs up.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("daemon.sock");
+    let daemon = tokio::net::UnixListener::bind(&path).unwrap();
+    let (heard, mut hellos) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = daemon.accept().await {
+            let mut conn = ferry::io::Connection::new(
+                ferry::io::Stream::Unix(ferry::io::transport::UnixTransport::new(socket)),
+                Default::default(),
+            );
+            if let Ok(Some(Request::Hello(hello))) = conn.read_request().await {
+                let _ = heard.send(hello.token.map(|t| t.as_str().to_string()));
+            }
+        }
+    });
+    let unix = format!("unix:{}", path.display());
+    let record = MemberRecord {
+        name: "daemon".into(),
+        node_id: "id-daemon".into(),
+        tcp: "192.0.2.1:1".into(),
+        unix: Some(unix.clone()),
+        host: ferry::io::machine::name(),
+        devices: Vec::new(),
+    };
+    etcd.put(
+        &ferry::proto::cluster::member_key("daemon"),
+        &ferry::proto::cluster::encode(&record),
+    )
+    .await;
+    sees(&b, &unix, true).await;
+
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let key = TensorKey::new(0, "w");
+    ca.put(&key, &samples::plain(DType::F32, &[4], 1))
+        .await
+        .unwrap();
+    let failed = copy_one(&mut ca, &mut cb, &key, &how(&unix, 0)).await;
+    assert!(failed.is_err(), "the daemon is no node");
+    let token = tokio::time::timeout(Duration::from_secs(5), hellos.recv())
+        .await
+        .expect("the node said hello to the daemon")
+        .unwrap();
+    assert_eq!(token, None, "the peer token went to a root daemon");
+    assert!(cb.list(None).await.unwrap().is_empty());
+
+    // The operator's client, reaching the member by name with a token of its own.
+    let mut directory = Directory::connect(&etcd.cluster()).await.unwrap();
+    let reached = directory
+        .reach(
+            "daemon",
+            ConnectOptions::default().token("the-operators-token"),
+        )
+        .await;
+    assert!(reached.is_err(), "the daemon is no node");
+    let token = tokio::time::timeout(Duration::from_secs(5), hellos.recv())
+        .await
+        .expect("the client said hello to the daemon")
+        .unwrap();
+    assert_eq!(token, None, "the operator's token went to a root daemon");
+    joined_b.leave().await;
+}

@@ -70,10 +70,24 @@ pub async fn hello<S: Transport>(
     Ok(welcome)
 }
 
+/// How a peer reached the accepting side, which decides what proves who it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Door {
+    /// The node's Unix socket, whose peer the kernel showed to be the node's own user or root
+    /// before anything was read: trusted with everything, no token asked. (A client sends no
+    /// token there, so a process that serves a socket path it was sent to learns none.)
+    OwnUserSocket,
+    /// TCP, in clear or under TLS: the `Hello`'s token decides.
+    Network,
+}
+
 /// What the accepting side requires and announces.
 #[derive(Debug, Clone)]
 pub struct Policy<'a> {
-    /// The credentials a `Hello`'s token must match one of; none for no authentication.
+    /// How the peer came in.
+    pub door: Door,
+    /// The credentials a `Hello`'s token must match one of, on the network door; none for no
+    /// authentication.
     pub credentials: &'a [Credential],
     /// The software name to report.
     pub agent: &'a str,
@@ -130,10 +144,14 @@ pub async fn accept<S: Transport>(
     conn.set_peer_minor(hello.minor);
     // Compared as fixed-length digests, in constant time: neither how much of a guess matched
     // nor how long the token is shows in the timing.
-    let Some(scopes) = scopes_for(
-        policy.credentials,
-        hello.token.as_ref().map(ferry_proto::Token::as_str),
-    ) else {
+    let scopes = match policy.door {
+        Door::OwnUserSocket => Some(crate::credential::Scopes::ALL),
+        Door::Network => scopes_for(
+            policy.credentials,
+            hello.token.as_ref().map(ferry_proto::Token::as_str),
+        ),
+    };
+    let Some(scopes) = scopes else {
         AUTH_REFUSALS.note(policy.peer, &hello.agent);
         let reply = ErrorReply {
             code: ErrorCode::AuthRefused,
@@ -218,6 +236,7 @@ mod tests {
 
     fn policy() -> Policy<'static> {
         Policy {
+            door: Door::Network,
             credentials: &[],
             agent: "test node",
             shared_memory: false,

@@ -66,7 +66,8 @@ impl FromStr for Peer {
 ///   which under TLS is its certificate's), and then gets the token.
 /// - A member over TCP in clear gets no token: etcd's word for an address is not enough to send
 ///   a credential there.
-/// - A member's Unix socket gets the token, once this very user is seen to serve it (root not
+/// - A member's Unix socket gets no token (no Unix socket ever does: a node serving one takes
+///   the kernel's word on who calls), once this very user is seen to serve it (root not
 ///   counted: a root daemon at a path etcd named is not the member).
 /// - Under [`PeerPolicy::Any`] nothing gets the token.
 ///
@@ -135,9 +136,10 @@ impl PeerPolicy {
                 }
                 let registered = members.identity_at(source)?;
                 Some(match Endpoint::parse(source) {
+                    // The kernel's word on who serves it is the credential there: no token.
                     Endpoint::Unix(_) => PeerTerms {
                         check: PeerCheck::OwnUserSocket,
-                        token: peer_token,
+                        token: None,
                     },
                     Endpoint::Tcp(_) if tls => PeerTerms {
                         check: PeerCheck::Certificate(NodeId::from(&*registered)),
@@ -287,8 +289,8 @@ mod tests {
         let unix = policy.terms("unix:/run/a.sock", false, token).unwrap();
         assert_eq!(
             (unix.check, unix.token),
-            (PeerCheck::OwnUserSocket, sent.clone()),
-            "a member's socket: this user's own"
+            (PeerCheck::OwnUserSocket, None),
+            "a member's socket: this user's own, and no token"
         );
         let listed = policy.terms("10.0.0.2:7070", true, token).unwrap();
         assert_eq!(

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_io::credential::{Credential, Scopes};
+use ferry_io::handshake;
 use ferry_io::transport::UnixTransport;
 use ferry_io::{Connection, ConnectionLimits, NodeTls, Stream};
 use ferry_proto::{ErrorCode, ErrorReply, Response};
@@ -368,6 +369,11 @@ async fn accept_loop(
                 Err(Unsecured::Evicted) => return,
             };
             let identity = socket.peer_identity().cloned();
+            // The Unix socket's peers were checked to be the node's own user or root above.
+            let door = match socket {
+                Stream::Unix(_) => handshake::Door::OwnUserSocket,
+                _ => handshake::Door::Network,
+            };
             let open = node.connection_opened();
             let mut conn = Connection::new(socket, config.limits);
             let id = node.new_client();
@@ -381,6 +387,7 @@ async fn accept_loop(
                 scopes: Scopes::of(&[]),
                 identity,
                 hello_by,
+                door,
             }
             .serve(&mut conn, place)
             .await;

@@ -40,6 +40,8 @@ pub(super) struct Session<'a> {
     pub(super) identity: Option<Identity>,
     /// When its hello must have come (the TLS handshake, if any, counted in).
     pub(super) hello_by: tokio::time::Instant,
+    /// How it came in: the Unix socket (its user checked at accept) or the network.
+    pub(super) door: handshake::Door,
 }
 
 /// The scopes of which a request needs its connection's credential to allow one.
@@ -146,6 +148,7 @@ impl Session<'_> {
         conn: &mut Connection<S>,
     ) -> Result<Option<Scopes>, ConnectionError> {
         let policy = handshake::Policy {
+            door: self.door,
             credentials: &self.config.credentials,
             agent: AGENT,
             shared_memory: self.node.config().shared_memory == ferry_io::SharedMemory::Offer,

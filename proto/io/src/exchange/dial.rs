@@ -62,9 +62,15 @@ impl Dial<'_> {
     pub async fn open(&self, endpoint: &Endpoint) -> Result<Exchange, ExchangeError> {
         let socket = endpoint.connect(self.tls).await?;
         self.check_peer(&socket)?;
+        // No token on a Unix socket: there the node takes the kernel's word on who is calling,
+        // and a process serving a path this client was given (by a directory, say) learns none.
+        let token = match socket {
+            Stream::Unix(_) => None,
+            _ => self.token.map(Token::as_str),
+        };
         let mut conn = Connection::new(socket, self.limits);
         let offer = handshake::Offer {
-            token: self.token.map(Token::as_str),
+            token,
             agent: self.agent,
             shared_memory: self.shared_memory == SharedMemory::Offer,
         };

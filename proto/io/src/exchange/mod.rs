@@ -232,6 +232,7 @@ mod tests {
             let mut conn: Connection<TcpStream> =
                 Connection::new(socket, ConnectionLimits::default());
             let policy = Policy {
+                door: handshake::Door::Network,
                 credentials: &[],
                 agent: "test node",
                 shared_memory: false,
