@@ -76,6 +76,22 @@ pub enum NodeError {
         /// The budget.
         limit: u64,
     },
+    /// Host copies being sent from the device hold their whole share of its budget: a reader
+    /// may try again once some are sent.
+    #[error(
+        "copies being sent from device {device} hold {sending} bytes of the {limit} they may \
+         hold; a copy of {bytes} more must wait: try again"
+    )]
+    SendingShareFull {
+        /// The device index.
+        device: u32,
+        /// Bytes of the copy asked for.
+        bytes: u64,
+        /// Bytes of copies being sent now.
+        sending: u64,
+        /// The share copies being sent may hold.
+        limit: u64,
+    },
     /// The device holds as many tensors as it may.
     #[error("device {device} holds {limit} tensors, the most it may (--max-tensors)")]
     TooManyTensors {
@@ -260,7 +276,7 @@ impl NodeError {
             | NodeError::TooManyGrants { .. }
             | NodeError::CapabilitiesFull { .. }
             | NodeError::ListingTooLarge { .. } => ErrorCode::LimitExceeded,
-            NodeError::StillVerifying(_) => ErrorCode::Busy,
+            NodeError::StillVerifying(_) | NodeError::SendingShareFull { .. } => ErrorCode::Busy,
             NodeError::Backend(_) => ErrorCode::Backend,
             NodeError::DeviceGone(_) | NodeError::ShuttingDown => ErrorCode::ShuttingDown,
             NodeError::CapabilityRefused(_) => ErrorCode::CapabilityRefused,

@@ -1283,6 +1283,66 @@ async fn an_ndarray_read_copy_is_counted() {
     node.shutdown().await;
 }
 
+/// Readers that stall their gets on a copying backend (NdArray: each get is a host copy, held
+/// until its payload deadline) hold at most their share of the budget, half of it: the next
+/// reader is told to try again (`Busy`), and a writer still has room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_readers_of_copies_cannot_starve_a_writer() {
+    const SIZE: u64 = 12 * MIB;
+    let mut service = ServiceConfig::default();
+    service.limits.idle_timeout = Duration::from_secs(30);
+    service.limits.min_rate = 1;
+    let node = budget_node(&["ndarray"], 64 * MIB, service).await;
+    let budget = node.node.device(0).unwrap();
+    let mut client = node.client().await;
+    let key = TensorKey::new(0, "read");
+    client.put(&key, &f32_mib(12, 10)).await.unwrap();
+
+    // Two readers take a copy each and read nothing of it: 24 MiB, all but 8 MiB of the share
+    // copies may hold (32 MiB).
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let (mut raw, _) = Raw::hello(&node, None).await;
+        raw.send(&control::encode_request(&Request::Get { key: key.clone() }).unwrap())
+            .await;
+        match raw.response().await {
+            Some(Response::Tensor { info, .. }) => assert_eq!(info.bytes, SIZE),
+            other => panic!("expected the tensor's description, got {other:?}"),
+        }
+        stalled.push(raw);
+    }
+    assert_eq!(budget.memory_used(), 3 * SIZE + TENSOR_OVERHEAD);
+    // A third would fit the budget (48 of 64 MiB) but not the share: it is told to try again
+    // (without the share, a third and a fourth reader would leave the writer 4 MiB).
+    let busy = client.get(&key).await.unwrap_err();
+    assert_eq!(busy.code(), Some(ErrorCode::Busy), "{busy}");
+    assert!(busy.to_string().contains("try again"), "{busy}");
+    assert_eq!(
+        budget.memory_used(),
+        3 * SIZE + TENSOR_OVERHEAD,
+        "no copy left"
+    );
+
+    // The writer's room: what the readers could not take.
+    let written = f32_mib(15, 11);
+    client
+        .put(&TensorKey::new(0, "written"), &written)
+        .await
+        .unwrap();
+    drop(client);
+    let mut fresh = node.client().await;
+    drop(stalled);
+    eventually(
+        "the stalled copies are given back when their readers go",
+        Duration::from_secs(5),
+        || budget.memory_used() == SIZE + 15 * MIB + 2 * TENSOR_OVERHEAD,
+    )
+    .await;
+    let back = fresh.get(&TensorKey::new(0, "written")).await.unwrap();
+    assert_same(&back, &written, "the writer's tensor");
+    node.shutdown().await;
+}
+
 /// The name and the bytes of the `i`th of many tiny tensors: its own index, so that any mixup
 /// between names shows.
 fn tiny(i: usize) -> (String, TensorData) {

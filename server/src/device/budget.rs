@@ -13,6 +13,11 @@ use crate::error::NodeError;
 /// as a few large ones.
 pub const TENSOR_OVERHEAD: u64 = 4096;
 
+/// The share of a device's budget that host copies made to send (gets and fetches from a backend
+/// that cannot lend its bytes: NdArray) may hold at once: readers that stall their sends can hold
+/// no more than this, so the rest stays for writers.
+pub const SENDING_SHARE_PERCENT: u64 = 50;
+
 /// What bounds a device's memory: its budget in bytes and the most tensors it holds.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct DeviceLimits {
@@ -26,15 +31,18 @@ pub(crate) struct DeviceLimits {
 /// reserved for transfers in flight, and host copies read out of it for sending; and the number
 /// of tensors it may hold.
 ///
-/// Invariant: `used <= limit` and `tensors <= max_tensors` at every instant, whatever the
-/// interleaving: both are claimed by compare-and-swap before the memory they stand for exists,
-/// and given back only when it is gone (its reservation dropped).
+/// Invariant: `used <= limit`, `sending <= sending_limit` (a share of `limit`, and counted in
+/// `used` too) and `tensors <= max_tensors` at every instant, whatever the interleaving: each is
+/// claimed by compare-and-swap before the memory it stands for exists, and given back only when
+/// it is gone (its reservation dropped).
 #[derive(Debug)]
 pub(crate) struct Budget {
     device: u32,
     limit: Option<u64>,
+    sending_limit: Option<u64>,
     max_tensors: Option<u64>,
     used: AtomicU64,
+    sending: AtomicU64,
     tensors: AtomicU64,
 }
 
@@ -43,8 +51,12 @@ impl Budget {
         Self {
             device,
             limit: limits.memory,
+            sending_limit: limits
+                .memory
+                .map(|limit| share(limit, SENDING_SHARE_PERCENT)),
             max_tensors: limits.tensors,
             used: AtomicU64::new(0),
+            sending: AtomicU64::new(0),
             tensors: AtomicU64::new(0),
         }
     }
@@ -97,6 +109,32 @@ impl Budget {
         Ok(Reservation {
             budget: self.clone(),
             bytes,
+            sending: false,
+        })
+    }
+
+    /// Claims room for a host copy of `bytes` made to send to a peer, who decides how long it
+    /// lives (a reader that stalls holds it until its payload deadline): within the budget and
+    /// within the share of it such copies may hold together ([`SENDING_SHARE_PERCENT`]), so that
+    /// readers cannot take the room writers need. Past that share the reader is told to try
+    /// again (`Busy`); a writer is never refused for copies being sent beyond it.
+    pub(crate) fn reserve_sending(self: &Arc<Self>, bytes: u64) -> Result<Reservation, NodeError> {
+        // The budget first: a copy that could never fit it is refused as over budget, not as
+        // one to try again.
+        self.claim_bytes(bytes)?;
+        if let Err(sending) = claim(&self.sending, bytes, self.sending_limit) {
+            self.used.fetch_sub(bytes, Ordering::AcqRel);
+            return Err(NodeError::SendingShareFull {
+                device: self.device,
+                bytes,
+                sending,
+                limit: self.sending_limit.unwrap_or(u64::MAX),
+            });
+        }
+        Ok(Reservation {
+            budget: self.clone(),
+            bytes,
+            sending: true,
         })
     }
 
@@ -121,6 +159,12 @@ impl Budget {
     }
 }
 
+/// `percent` of `limit`, rounded down, without overflow.
+fn share(limit: u64, percent: u64) -> u64 {
+    let share = u128::from(limit) * u128::from(percent) / 100;
+    u64::try_from(share).unwrap_or(u64::MAX)
+}
+
 /// Adds `amount` to `counter` unless that would pass `limit` (or overflow); on refusal, the
 /// counter's value seen.
 fn claim(counter: &AtomicU64, amount: u64, limit: Option<u64>) -> Result<(), u64> {
@@ -143,10 +187,15 @@ fn claim(counter: &AtomicU64, amount: u64, limit: Option<u64>) -> Result<(), u64
 pub(crate) struct Reservation {
     budget: Arc<Budget>,
     bytes: u64,
+    /// Counted in the share of copies being sent too.
+    sending: bool,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
+        if self.sending {
+            self.budget.sending.fetch_sub(self.bytes, Ordering::AcqRel);
+        }
         self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
@@ -162,5 +211,65 @@ pub(super) struct TensorSlot {
 impl Drop for TensorSlot {
     fn drop(&mut self) {
         self.budget.tensors.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Threads racing to claim tensors, copies and copies to send, and to give them back, in a
+    /// random order: at every instant the budget and the sending share hold, every refusal is
+    /// one the counters explain, and everything comes back.
+    #[test]
+    fn racing_claims_never_pass_the_budget_or_the_sending_share() {
+        const LIMIT: u64 = 100_000;
+        let budget = Arc::new(Budget::new(
+            0,
+            DeviceLimits {
+                memory: Some(LIMIT),
+                tensors: None,
+            },
+        ));
+        let sending_limit = share(LIMIT, SENDING_SHARE_PERCENT);
+        std::thread::scope(|scope| {
+            for seed in 0..4u64 {
+                let budget = &budget;
+                scope.spawn(move || {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+                    let mut held = Vec::new();
+                    for _ in 0..20_000 {
+                        let bytes = rng.random_range(1..20_000);
+                        let claimed = match rng.random_range(0..4) {
+                            0 => budget.reserve_sending(bytes),
+                            1 => budget.reserve_copy(bytes),
+                            2 => budget.reserve_tensor(bytes, IfExists::Replace),
+                            _ => {
+                                if !held.is_empty() {
+                                    held.swap_remove(rng.random_range(0..held.len()));
+                                }
+                                continue;
+                            }
+                        };
+                        match claimed {
+                            Ok(reservation) => held.push(reservation),
+                            Err(NodeError::OverBudget { .. })
+                            | Err(NodeError::SendingShareFull { .. })
+                            | Err(NodeError::TensorTooLarge { .. }) => {}
+                            Err(other) => panic!("unexpected refusal: {other}"),
+                        }
+                        let (used, sending) = (
+                            budget.used.load(Ordering::Acquire),
+                            budget.sending.load(Ordering::Acquire),
+                        );
+                        assert!(used <= LIMIT, "{used} used");
+                        assert!(sending <= sending_limit, "{sending} sending");
+                    }
+                });
+            }
+        });
+        assert_eq!(budget.used(), 0);
+        assert_eq!(budget.sending.load(Ordering::Acquire), 0);
     }
 }

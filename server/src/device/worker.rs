@@ -668,8 +668,13 @@ impl<B: Backend> Entry<B> {
                 }
             }
             None => {
-                let (data, held) = self.copy(budget)?;
-                HostBytes::Owned { data, _held: held }
+                // Sent to a peer, who decides how long the copy lives: counted in the share
+                // such copies may hold, so that stalled readers cannot starve writers.
+                let held = budget.reserve_sending(self.desc.bytes)?;
+                HostBytes::Owned {
+                    data: self.primitive.to_data()?,
+                    _held: held,
+                }
             }
         })
     }
