@@ -6,7 +6,6 @@
 //! socket lookup); a peer that is not on this host is another host's, left to the listen
 //! address (beyond loopback only with `--insecure` where no credential is asked).
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use ferry_io::Connection;
@@ -65,9 +64,10 @@ impl TcpDoor {
             Ok(TcpPeer::Local { uid }) if uid == own || uid == 0 => None,
             Ok(TcpPeer::Local { uid }) => Some(Stranger::User { uid, own }),
             // Another host's: the listen address settles it.
-            Ok(TcpPeer::Elsewhere) if !is_loopback(peer) => None,
-            // A loopback peer whose socket is gone: nothing of it to serve.
-            Ok(TcpPeer::Elsewhere) => Some(Stranger::Unknown),
+            Ok(TcpPeer::OtherHost) => None,
+            // From this host, but not seen: closed already, or hiding (a socket bound to a
+            // device). Refused: only a peer seen to be the node's user is served.
+            Ok(TcpPeer::Unseen) => Some(Stranger::Unknown),
             Err(error) => {
                 LOOKUP_FAILED.note(&peer.to_string(), &error.to_string());
                 Some(Stranger::Unknown)
@@ -88,10 +88,6 @@ pub(super) enum Stranger {
     },
     /// Its user could not be told (its socket gone, the lookup failed): refused all the same.
     Unknown,
-}
-
-fn is_loopback(peer: SocketAddr) -> bool {
-    peer.ip().to_canonical().is_loopback()
 }
 
 /// `None` if a Unix peer may connect (the node's own user, or root); else who it is. The socket
