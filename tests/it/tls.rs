@@ -470,3 +470,124 @@ async fn a_peer_listed_by_name_is_pulled_from_only_if_its_certificate_carries_th
     let error = ferry::server::Node::start(config).err().unwrap();
     assert!(error.to_string().contains("listed with a name"), "{error}");
 }
+
+/// Under TLS the certificate is the credential (issue: a fake node with a retired node's
+/// certificate captured the operator's token and a node's peer token, and could replay them at
+/// every node). A node grants scopes to certificate names and `peer` to every node certificate:
+/// a reader reads and cannot write, a stranger's certificate gets nothing, a node pulls with no
+/// token at all. And a node that holds a certificate of the CA but is not the one meant (here
+/// one that records what it is sent) learns no token from a client or a pulling node that has
+/// one, since no token is sent under TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_tls_the_certificate_is_the_credential_and_no_token_travels() {
+    use ferry::io::grant::Grant;
+    use ferry::proto::Request;
+    let pki = TestPki::new();
+    let granted = ServiceConfig {
+        grants: vec![
+            "reader=read".parse::<Grant>().unwrap(),
+            "writer=read,write".parse::<Grant>().unwrap(),
+        ],
+        ..ServiceConfig::default()
+    };
+    let a = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            tls: Some(pki.node("node-a")),
+            ..NodeConfig::default()
+        },
+        granted,
+    )
+    .await;
+    let data = samples::plain(DType::F32, &[32, 32], 12);
+    let key = TensorKey::new(0, "w");
+    let mut writer = tls_client(&a, &pki.client("writer")).await.unwrap();
+    writer.put(&key, &data).await.unwrap();
+    let mut reader = tls_client(&a, &pki.client("reader")).await.unwrap();
+    assert_same(&reader.get(&key).await.unwrap(), &data, "a reader reads");
+    let refused = reader.delete(&key).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::AuthRefused), "{refused}");
+    assert!(refused.to_string().contains("write"), "{refused}");
+    let stranger = tls_client(&a, &pki.client("stranger")).await.unwrap_err();
+    assert_eq!(stranger.code(), Some(ErrorCode::AuthRefused), "{stranger}");
+    assert!(
+        stranger
+            .to_string()
+            .contains("grants certificate stranger nothing"),
+        "{stranger}"
+    );
+
+    // Something with a node certificate of the CA that is not a ferry node: it records the
+    // token of every hello, and hangs up.
+    let evil_tls = pki.node("node-evil");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let evil_addr = listener.local_addr().unwrap().to_string();
+    let (heard, mut hellos) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((socket, peer)) = listener.accept().await {
+            let Ok(link) = evil_tls.accept(socket, &peer.to_string()).await else {
+                continue;
+            };
+            let mut conn = Connection::new(
+                ferry::io::Stream::Tls(Box::new(link)),
+                ConnectionLimits::default(),
+            );
+            if let Ok(Some(Request::Hello(hello))) = conn.read_request().await {
+                let _ = heard.send(hello.token.map(|t| t.as_str().to_string()));
+            }
+        }
+    });
+    let mut heard_token = async || {
+        tokio::time::timeout(Duration::from_secs(5), hellos.recv())
+            .await
+            .expect("a hello reached the impostor")
+            .unwrap()
+    };
+
+    // The operator's client, holding a token, reaches it: no token goes.
+    let operator = ferry::client::Client::connect(evil_addr.as_str())
+        .tls(pki.client("writer"))
+        .token("the-operators-token")
+        .await;
+    assert!(operator.is_err(), "the impostor is no node");
+    assert_eq!(heard_token().await, None, "the operator's token travelled");
+
+    // A node with a peer token, pulling from A (which grants node certificates `peer`) and,
+    // told to, from the impostor.
+    let b = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            tls: Some(pki.node("node-b")),
+            pulls: PullConfig {
+                peer_token: Some("the-peer-token".into()),
+                peers: PeerPolicy::Listed(vec![
+                    Peer::at(a.addr.to_string()),
+                    Peer::at(evil_addr.clone()),
+                ]),
+                ..PullConfig::default()
+            },
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let mut target = tls_client(&b, &pki.client("writer")).await.unwrap();
+    let pulled = copy_one(&mut writer, &mut target, &key, &how(&a.addr.to_string(), 0))
+        .await
+        .unwrap();
+    assert_eq!(pulled.path, TransferPath::Pull);
+    assert_same(
+        &target.get(&key).await.unwrap(),
+        &data,
+        "pulled by certificate",
+    );
+    let other = TensorKey::new(0, "v");
+    writer
+        .put(&other, &samples::plain(DType::F32, &[8], 13))
+        .await
+        .unwrap();
+    let failed = copy_one(&mut writer, &mut target, &other, &how(&evil_addr, 0)).await;
+    assert!(failed.is_err(), "the impostor is no node");
+    assert_eq!(heard_token().await, None, "the peer token travelled");
+    assert!(target.get(&other).await.is_err(), "nothing registered");
+}

@@ -54,7 +54,9 @@ pub struct Connect {
 /// The setters, on the options and on a connection to open alike.
 macro_rules! setters {
     ($options:ident) => {
-        /// Presents the node's shared token.
+        /// Presents the node's shared token, over TCP in clear: under TLS the certificate is the
+        /// credential and on a Unix socket the kernel's word on this user is, so no token is
+        /// sent there (none reaches a node that could replay it).
         pub fn token(mut self, token: impl Into<Token>) -> Self {
             self.$options().token = Some(token.into());
             self

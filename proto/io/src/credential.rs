@@ -66,6 +66,11 @@ impl Scopes {
     pub fn allows(self, scope: Scope) -> bool {
         self.0 & scope.bit() != 0
     }
+
+    /// These and `other`'s.
+    pub fn with(self, other: Scopes) -> Scopes {
+        Scopes(self.0 | other.0)
+    }
 }
 
 impl fmt::Display for Scopes {

@@ -70,25 +70,41 @@ pub async fn hello<S: Transport>(
     Ok(welcome)
 }
 
-/// How a peer reached the accepting side, which decides what proves who it is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a peer reached the accepting side, which decides what proves who it is. A token is the
+/// credential only where nothing better is: a client sends one over TCP in clear alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Door {
     /// The node's Unix socket, whose peer the kernel showed to be the node's own user or root
     /// before anything was read: trusted with everything, no token asked. (A client sends no
     /// token there, so a process that serves a socket path it was sent to learns none.)
     OwnUserSocket,
-    /// TCP, in clear or under TLS: the `Hello`'s token decides.
-    Network,
+    /// TCP under mutual TLS, the peer's certificate verified: its identity decides
+    /// ([`grant::scopes_of`](crate::grant::scopes_of)); no token is asked, and none is sent.
+    Certified(crate::tls::Identity),
+    /// TCP in clear: the `Hello`'s token decides.
+    Clear,
+}
+
+impl Door {
+    /// The identity a certificate proved, where one did.
+    pub fn identity(&self) -> Option<&crate::tls::Identity> {
+        match self {
+            Door::Certified(identity) => Some(identity),
+            Door::OwnUserSocket | Door::Clear => None,
+        }
+    }
 }
 
 /// What the accepting side requires and announces.
 #[derive(Debug, Clone)]
 pub struct Policy<'a> {
     /// How the peer came in.
-    pub door: Door,
-    /// The credentials a `Hello`'s token must match one of, on the network door; none for no
+    pub door: &'a Door,
+    /// The credentials a `Hello`'s token must match one of, in clear; none for no
     /// authentication.
     pub credentials: &'a [Credential],
+    /// The scopes granted to certificate identities, under TLS.
+    pub grants: &'a [crate::grant::Grant],
     /// The software name to report.
     pub agent: &'a str,
     /// Agree to shared memory where the peer offers it (and the transport allows it).
@@ -146,16 +162,25 @@ pub async fn accept<S: Transport>(
     // nor how long the token is shows in the timing.
     let scopes = match policy.door {
         Door::OwnUserSocket => Some(crate::credential::Scopes::ALL),
-        Door::Network => scopes_for(
+        Door::Certified(identity) => {
+            crate::grant::scopes_of(identity, policy.grants, policy.credentials.len())
+        }
+        Door::Clear => scopes_for(
             policy.credentials,
             hello.token.as_ref().map(ferry_proto::Token::as_str),
         ),
     };
     let Some(scopes) = scopes else {
         AUTH_REFUSALS.note(policy.peer, &hello.agent);
+        let message = match policy.door {
+            Door::Certified(identity) => {
+                format!("authentication refused: this node grants certificate {identity} nothing")
+            }
+            _ => "authentication refused: wrong or missing token".into(),
+        };
         let reply = ErrorReply {
             code: ErrorCode::AuthRefused,
-            message: "authentication refused: wrong or missing token".into(),
+            message,
         };
         conn.write_response(&Response::Error(reply)).await?;
         return Ok(Greeting::Refused(ErrorCode::AuthRefused));
@@ -236,8 +261,9 @@ mod tests {
 
     fn policy() -> Policy<'static> {
         Policy {
-            door: Door::Network,
+            door: &Door::Clear,
             credentials: &[],
+            grants: &[],
             agent: "test node",
             shared_memory: false,
             peer: "test",

@@ -14,6 +14,7 @@ pub mod assembler;
 pub mod connection;
 pub mod credential;
 pub mod exchange;
+pub mod grant;
 pub mod handshake;
 pub mod host;
 pub mod local_peer;

@@ -157,6 +157,15 @@ impl Identity {
     pub fn role(&self) -> Role {
         self.role
     }
+
+    /// An identity no handshake proved, for unit tests of what is made of one.
+    #[cfg(test)]
+    pub(crate) fn for_tests(name: &str, role: Role) -> Identity {
+        Identity {
+            name: name.to_string(),
+            role,
+        }
+    }
 }
 
 impl fmt::Display for Identity {

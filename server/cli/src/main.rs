@@ -46,6 +46,12 @@ struct Args {
     /// comment. Keep it readable by the node's user only.
     #[arg(long, value_name = "PATH")]
     token_file: Option<std::path::PathBuf>,
+    /// Under TLS, what the certificates named NAME may do: `NAME=SCOPES` (scopes `read`,
+    /// `write`, `peer`, comma-separated, or `all`); repeat for more. Every node certificate of
+    /// the CA may fetch (`peer`). Under TLS no token is asked or sent: the certificate is the
+    /// credential. With no grant, every certificate of the CA may do everything.
+    #[arg(long = "grant", value_name = "NAME=SCOPES", requires = "tls_cert")]
+    grants: Vec<ferry_io::grant::Grant>,
     /// A node this node may pull from, as clients name it (`HOST:PORT` or `unix:PATH`), or
     /// `NAME=HOST:PORT` for one whose TLS certificate must name NAME (checked before anything
     /// is sent to it); repeat for more. A pull from any other source is refused without
@@ -339,8 +345,21 @@ async fn serve() -> anyhow::Result<()> {
         }
         None => None,
     };
+    // Under TLS a token would travel to whatever node a client reaches, which could replay it;
+    // the certificate is the credential there.
+    if tls.is_some()
+        && (!credentials.is_empty() || args.peer_token.is_some() || args.peer_token_file.is_some())
+    {
+        bail!(
+            "tokens are not taken under TLS (a token sent to a node can be replayed by it \
+             anywhere; a certificate cannot): grant certificate names their scopes with \
+             --grant NAME=SCOPES instead of --token/--token-file/--peer-token (every node \
+             certificate of the CA may fetch)"
+        );
+    }
+    let credentialed = !credentials.is_empty() || !args.grants.is_empty();
     if !args.listen.ip().is_loopback() {
-        let missing = match (credentials.is_empty(), tls.is_none()) {
+        let missing = match (!credentialed, tls.is_none()) {
             (true, true) => Some("no TLS and no credential"),
             (true, false) => Some("no credential"),
             (false, true) => Some("no TLS"),
@@ -352,7 +371,7 @@ async fn serve() -> anyhow::Result<()> {
                     "refusing to listen on {} with {missing}: whoever reaches it or sits on the \
                      path could read tensors and tokens, or with no credential overwrite and \
                      delete them. Give --tls-cert/--tls-key/--tls-ca (`ferry certs` makes them) \
-                     and --token-file, listen on loopback, or pass --insecure on a network you \
+                     and --grant, listen on loopback, or pass --insecure on a network you \
                      trust",
                     args.listen
                 );
@@ -444,6 +463,7 @@ async fn serve() -> anyhow::Result<()> {
     let tls_on = node.config().tls.is_some();
     let service_config = ServiceConfig {
         credentials,
+        grants: args.grants,
         max_connections: args.max_connections,
         limits,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),

@@ -59,11 +59,13 @@ impl FromStr for Peer {
 /// Which nodes a node pulls from: a `Pull` naming any other source is refused without
 /// connecting, so the node's peer token goes nowhere else.
 ///
-/// What an allowed source is sent, and checked for first:
+/// What an allowed source is sent, and checked for first (a token, wherever it is granted
+/// here, is sent over TCP in clear only: under TLS this node's certificate is its credential,
+/// earning it `peer` at every node of the CA, and no token goes):
 /// - A listed peer gets the peer token (the operator's choice), and its listed identity is
 ///   checked.
 /// - A member reached over TCP under TLS must show the identity it registered (its node id,
-///   which under TLS is its certificate's), and then gets the token.
+///   which under TLS is its certificate's).
 /// - A member over TCP in clear gets no token: etcd's word for an address is not enough to send
 ///   a credential there.
 /// - A member's Unix socket gets no token (no Unix socket ever does: a node serving one takes

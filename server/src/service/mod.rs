@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_io::credential::{Credential, Scopes};
+use ferry_io::grant::Grant;
 use ferry_io::handshake;
 use ferry_io::transport::UnixTransport;
 use ferry_io::{Connection, ConnectionLimits, NodeTls, Stream};
@@ -51,9 +52,13 @@ const HANDSHAKE_MAX_BODY: usize = 64 * 1024;
 /// How the service listens and what it allows.
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
-    /// The credentials a client must present one of, each with what it allows; none for no
-    /// authentication (every client may do everything).
+    /// The tokens a client must present one of over TCP in clear, each with what it allows;
+    /// none for no authentication (every client may do everything). Not consulted under TLS.
     pub credentials: Vec<Credential>,
+    /// Under TLS, the scopes granted to certificate identities (and `peer` to every node
+    /// certificate); with neither grants nor tokens, every certificate of the CA may do
+    /// everything. No token is asked or sent under TLS.
+    pub grants: Vec<Grant>,
     /// Connections served at once.
     pub max_connections: usize,
     /// Frame, chunk and idle limits.
@@ -85,6 +90,7 @@ impl Default for ServiceConfig {
     fn default() -> Self {
         Self {
             credentials: Vec::new(),
+            grants: Vec::new(),
             max_connections: 1024,
             limits: ConnectionLimits::default(),
             shutdown_grace: Duration::from_secs(30),
@@ -368,11 +374,12 @@ async fn accept_loop(
                 }
                 Err(Unsecured::Evicted) => return,
             };
-            let identity = socket.peer_identity().cloned();
-            // The Unix socket's peers were checked to be the node's own user or root above.
-            let door = match socket {
-                Stream::Unix(_) => handshake::Door::OwnUserSocket,
-                _ => handshake::Door::Network,
+            // The Unix socket's peers were checked to be the node's own user or root above; a
+            // TLS peer's certificate, in the handshake.
+            let door = match (&socket, socket.peer_identity()) {
+                (Stream::Unix(_), _) => handshake::Door::OwnUserSocket,
+                (_, Some(identity)) => handshake::Door::Certified(identity.clone()),
+                (_, None) => handshake::Door::Clear,
             };
             let open = node.connection_opened();
             let mut conn = Connection::new(socket, config.limits);
@@ -385,7 +392,6 @@ async fn accept_loop(
                 client: &peer,
                 id,
                 scopes: Scopes::of(&[]),
-                identity,
                 hello_by,
                 door,
             }

@@ -4,8 +4,7 @@
 use ferry_io::credential::{Scope, Scopes};
 use ferry_io::handshake::{self, protocol_error, refuse as fail};
 use ferry_io::{
-    Connection, ConnectionError, ConnectionLimits, Identity, PayloadRoute, RegionUse, Transport,
-    tls,
+    Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Transport, tls,
 };
 use ferry_proto::{
     CapabilityToken, ErrorCode, ErrorReply, HeldDtype, NodeId, Request, Response, TensorKey,
@@ -36,11 +35,10 @@ pub(super) struct Session<'a> {
     pub(super) id: ClientId,
     /// What its credential allows: nothing until it has said hello.
     pub(super) scopes: Scopes,
-    /// Who it is by its certificate, on a TLS link.
-    pub(super) identity: Option<Identity>,
     /// When its hello must have come (the TLS handshake, if any, counted in).
     pub(super) hello_by: tokio::time::Instant,
-    /// How it came in: the Unix socket (its user checked at accept) or the network.
+    /// How it came in: the Unix socket (its user checked at accept), TLS (with the identity its
+    /// certificate proved) or TCP in clear.
     pub(super) door: handshake::Door,
 }
 
@@ -148,8 +146,9 @@ impl Session<'_> {
         conn: &mut Connection<S>,
     ) -> Result<Option<Scopes>, ConnectionError> {
         let policy = handshake::Policy {
-            door: self.door,
+            door: &self.door,
             credentials: &self.config.credentials,
+            grants: &self.config.grants,
             agent: AGENT,
             shared_memory: self.node.config().shared_memory == ferry_io::SharedMemory::Offer,
             peer: self.client,
@@ -170,7 +169,7 @@ impl Session<'_> {
     /// certificate, is refused); elsewhere (a Unix socket of this node's own user, who can read
     /// its key anyway; TCP in clear) only the claim.
     fn speaks_for<'c>(&'c self, claimed: &'c NodeId) -> Result<&'c NodeId, NodeError> {
-        let Some(certified) = &self.identity else {
+        let Some(certified) = self.door.identity() else {
             return Ok(claimed);
         };
         if certified.role() != tls::Role::Node {

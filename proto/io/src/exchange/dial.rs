@@ -62,11 +62,13 @@ impl Dial<'_> {
     pub async fn open(&self, endpoint: &Endpoint) -> Result<Exchange, ExchangeError> {
         let socket = endpoint.connect(self.tls).await?;
         self.check_peer(&socket)?;
-        // No token on a Unix socket: there the node takes the kernel's word on who is calling,
-        // and a process serving a path this client was given (by a directory, say) learns none.
+        // A token only where it is the credential, TCP in clear: on a Unix socket the node takes
+        // the kernel's word on who is calling, under TLS the certificate's, so that a process
+        // serving a path or address this client was given (by a directory, say), even with a
+        // certificate of the CA, learns no token to replay elsewhere.
         let token = match socket {
-            Stream::Unix(_) => None,
-            _ => self.token.map(Token::as_str),
+            Stream::Tcp(_) => self.token.map(Token::as_str),
+            Stream::Tls(_) | Stream::Unix(_) => None,
         };
         let mut conn = Connection::new(socket, self.limits);
         let offer = handshake::Offer {

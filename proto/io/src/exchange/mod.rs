@@ -232,8 +232,9 @@ mod tests {
             let mut conn: Connection<TcpStream> =
                 Connection::new(socket, ConnectionLimits::default());
             let policy = Policy {
-                door: handshake::Door::Network,
+                door: &handshake::Door::Clear,
                 credentials: &[],
+                grants: &[],
                 agent: "test node",
                 shared_memory: false,
                 peer: "test",

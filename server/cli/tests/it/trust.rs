@@ -82,8 +82,19 @@ fn a_start_beyond_loopback_without_tls_and_a_credential_is_refused_unless_insecu
         assert!(stderr.contains("--insecure"), "{stderr}");
         assert!(stderr.contains(&format!("with {lacks}:")), "{stderr}");
     }
+    // Under TLS the credential is a grant to a certificate's name; a token is refused there,
+    // saying what to give instead.
+    let with_token: Vec<&str> = tls.iter().copied().chain(["--token", "t0k"]).collect();
+    let refused = start(&with_token).wait_with_output().unwrap();
+    assert!(!refused.status.success(), "TLS with a token started");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("tokens are not taken under TLS"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--grant NAME=SCOPES"), "{stderr}");
     // With both, or told --insecure, it starts (and warns of what it is exposed to).
-    let both: Vec<&str> = tls.iter().copied().chain(["--token", "t0k"]).collect();
+    let both: Vec<&str> = tls.iter().copied().chain(["--grant", "me=all"]).collect();
     for extra in [
         &["--insecure"][..],
         &["--token", "t0k", "--insecure"][..],

@@ -1,0 +1,161 @@
+//! Scopes a node grants to certificate identities under TLS: the credential that never travels.
+//! A certificate is proved in the TLS handshake, never sent as a secret, so a node that was sent
+//! nothing cannot replay anything elsewhere (a bearer token can be, by any node it reaches).
+//!
+//! Under TLS a node authorizes by identity alone: the scopes granted to the certificate's name,
+//! and `peer` for every node certificate of the cluster's CA (capabilities are bound to node
+//! ids besides). Tokens are taken over TCP in clear only.
+
+use std::fmt;
+
+use crate::credential::{CredentialError, Scope, Scopes};
+use crate::tls::{Identity, Role};
+
+/// Scopes granted to the certificates that name `identity` (their common name).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    identity: String,
+    scopes: Scopes,
+}
+
+/// Why a grant could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GrantError {
+    /// Not `NAME=SCOPES`.
+    #[error("a grant is NAME=SCOPES (scopes comma-separated, or all): {0:?}")]
+    Form(String),
+    /// A bad scope list.
+    #[error("the grant to {identity}: {error}")]
+    Scopes {
+        /// Whom it grants to.
+        identity: String,
+        /// What is wrong with its scopes.
+        error: CredentialError,
+    },
+}
+
+impl Grant {
+    /// `scopes` for the certificates named `identity`.
+    pub fn new(identity: impl Into<String>, scopes: Scopes) -> Result<Grant, GrantError> {
+        let identity = identity.into();
+        if identity.is_empty() {
+            return Err(GrantError::Form(format!("={scopes}")));
+        }
+        if scopes == Scopes::of(&[]) {
+            return Err(GrantError::Scopes {
+                identity,
+                error: CredentialError::NoScopes,
+            });
+        }
+        Ok(Grant { identity, scopes })
+    }
+
+    /// Whom it grants to.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// What it grants.
+    pub fn scopes(&self) -> Scopes {
+        self.scopes
+    }
+}
+
+impl std::str::FromStr for Grant {
+    type Err = GrantError;
+
+    /// `NAME=SCOPES`: `reader=read`, `pipeline=read,write`, `admin=all`.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let (identity, scopes) = text
+            .split_once('=')
+            .ok_or_else(|| GrantError::Form(text.to_string()))?;
+        let scopes = if scopes == "all" {
+            Scopes::ALL
+        } else {
+            let parsed: Result<Vec<Scope>, _> = scopes.split(',').map(str::parse).collect();
+            Scopes::of(&parsed.map_err(|error| GrantError::Scopes {
+                identity: identity.to_string(),
+                error,
+            })?)
+        };
+        Grant::new(identity, scopes)
+    }
+}
+
+impl fmt::Display for Grant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}={}", self.identity, self.scopes)
+    }
+}
+
+/// What a certified peer may do on a node that grants `grants` and accepts `tokens` tokens (a
+/// count: tokens are not consulted under TLS). A node that asks for nothing at all lets every
+/// certificate of its CA do everything; otherwise the scopes granted to the peer's name, and
+/// `peer` where its certificate is a node's. `None`: nothing, refused.
+pub fn scopes_of(identity: &Identity, grants: &[Grant], tokens: usize) -> Option<Scopes> {
+    if grants.is_empty() && tokens == 0 {
+        return Some(Scopes::ALL);
+    }
+    let granted = grants
+        .iter()
+        .filter(|grant| grant.identity == identity.as_str())
+        .fold(Scopes::of(&[]), |all, grant| all.with(grant.scopes));
+    let scopes = match identity.role() {
+        Role::Node => granted.with(Scopes::of(&[Scope::Peer])),
+        Role::Client => granted,
+    };
+    (scopes != Scopes::of(&[])).then_some(scopes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grants_read_as_written_and_refuse_what_is_not_one() {
+        let grant: Grant = "pipeline=read,write".parse().unwrap();
+        assert_eq!(grant.identity(), "pipeline");
+        assert_eq!(grant.scopes(), Scopes::of(&[Scope::Read, Scope::Write]));
+        assert_eq!(grant.to_string(), "pipeline=read,write");
+        assert_eq!("admin=all".parse::<Grant>().unwrap().scopes(), Scopes::ALL);
+        for bad in [
+            "reader",
+            "=read",
+            "reader=",
+            "reader=sudo",
+            "reader=read,,write",
+        ] {
+            assert!(bad.parse::<Grant>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_certificate_earns_what_its_name_was_granted_and_a_node_peer() {
+        let grants = vec![
+            "reader=read".parse::<Grant>().unwrap(),
+            "reader=peer".parse::<Grant>().unwrap(),
+            "writer=read,write".parse::<Grant>().unwrap(),
+        ];
+        let client = |name: &str| Identity::for_tests(name, Role::Client);
+        let node = |name: &str| Identity::for_tests(name, Role::Node);
+        assert_eq!(
+            scopes_of(&client("reader"), &grants, 0),
+            Some(Scopes::of(&[Scope::Read, Scope::Peer]))
+        );
+        assert_eq!(scopes_of(&client("stranger"), &grants, 0), None);
+        assert_eq!(
+            scopes_of(&node("node-b"), &grants, 0),
+            Some(Scopes::of(&[Scope::Peer]))
+        );
+        assert_eq!(
+            scopes_of(&node("writer"), &grants, 0),
+            Some(Scopes::ALL),
+            "a grant by name, whatever the role"
+        );
+        // Tokens only: no certificate of a client is granted anything.
+        assert_eq!(scopes_of(&client("reader"), &[], 1), None);
+        // Nothing asked at all: every certificate of the CA may do everything.
+        assert_eq!(scopes_of(&client("anyone"), &[], 0), Some(Scopes::ALL));
+    }
+}
