@@ -645,3 +645,57 @@ async fn a_root_daemon_at_a_members_unix_socket_learns_no_token() {
     assert_eq!(token, None, "the operator's token went to a root daemon");
     joined_b.leave().await;
 }
+
+/// An etcd writer overwrites member a's record with member b's node id and address (so that
+/// `@a` would reach b), then deletes it: each time node a finds its own key holding what it did
+/// not write and puts its record back, under its lease, while the hijack of a record whose node
+/// is alive lasts no longer than etcd's watch takes to tell it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_members_record_rewritten_by_an_etcd_writer_is_put_back_by_its_node() {
+    let etcd = Etcd::start().await;
+    let (a, b) = (member_node(None).await, member_node(None).await);
+    let joined_a = Membership::join(a.node.clone(), config(&etcd, "a", &a));
+    let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
+    let cluster = etcd.cluster();
+    let a_addr = a.addr.to_string();
+    // What the directory says of @a, read afresh: a's own record.
+    let is_as = || async {
+        let mut d = Directory::connect(&cluster).await.unwrap();
+        d.resolve("a")
+            .await
+            .is_ok_and(|m| m.tcp == a_addr && m.node_id == *a.node.node_id())
+    };
+    eventually_async("a registered", Duration::from_secs(10), is_as).await;
+    let mut d = Directory::connect(&cluster).await.unwrap();
+    let b_record = d.resolve("b").await.unwrap();
+    let key = ferry::proto::cluster::member_key("a");
+    let hijacked = MemberRecord {
+        name: "a".into(),
+        ..b_record
+    };
+    for round in 0..3 {
+        etcd.put(&key, &ferry::proto::cluster::encode(&hijacked))
+            .await;
+        eventually_async(
+            &format!("a's record put back after the overwrite, round {round}"),
+            Duration::from_secs(5),
+            is_as,
+        )
+        .await;
+    }
+    etcd.delete(&key).await;
+    eventually_async(
+        "a's record put back after the delete",
+        Duration::from_secs(5),
+        is_as,
+    )
+    .await;
+    // @a reaches a.
+    let (mut reached, _) = d
+        .reach("a", ConnectOptions::default())
+        .await
+        .expect("@a reaches a");
+    assert_eq!(&reached.identify().await.unwrap(), a.node.node_id());
+    joined_a.leave().await;
+    joined_b.leave().await;
+}

@@ -24,8 +24,9 @@ use ferry_client::address::Address;
 #[derive(Debug, Parser)]
 #[command(version, about)]
 pub(crate) struct Cli {
-    /// The nodes' shared token. Prefer --token-file or FERRY_TOKEN: a command line is visible to
-    /// every user of the machine.
+    /// The nodes' shared token, sent over TCP in clear only (under TLS the certificate is the
+    /// credential, and on a Unix socket this user is). Prefer --token-file or FERRY_TOKEN: a
+    /// command line is visible to every user of the machine.
     #[arg(long, global = true, env = "FERRY_TOKEN", hide_env_values = true)]
     pub(crate) token: Option<String>,
     /// A file holding the token (its first line that is not blank or a `#` comment); wins over
@@ -40,7 +41,7 @@ pub(crate) struct Cli {
     #[arg(long, global = true, default_value = "256KiB")]
     pub(crate) shm_min: bytesize::ByteSize,
     /// Send a token over TCP in clear to a host beyond loopback, where anyone on the path can
-    /// read it: refused without this flag (or TLS).
+    /// read it: refused without this flag (under TLS no token is sent at all).
     #[arg(long, global = true)]
     pub(crate) insecure: bool,
     /// The CA certificate (PEM) a node's certificate must chain to: connections over TCP then

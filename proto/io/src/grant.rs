@@ -22,8 +22,11 @@ pub struct Grant {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum GrantError {
-    /// Not `NAME=SCOPES`.
-    #[error("a grant is NAME=SCOPES (scopes comma-separated, or all): {0:?}")]
+    /// Not `NAME=SCOPES` with a name a certificate can carry.
+    #[error(
+        "a grant is NAME=SCOPES, NAME a certificate's common name (printable ASCII, no spaces) \
+         and SCOPES comma-separated, or all: {0:?}"
+    )]
     Form(String),
     /// A bad scope list.
     #[error("the grant to {identity}: {error}")]
@@ -39,8 +42,12 @@ impl Grant {
     /// `scopes` for the certificates named `identity`.
     pub fn new(identity: impl Into<String>, scopes: Scopes) -> Result<Grant, GrantError> {
         let identity = identity.into();
-        if identity.is_empty() {
-            return Err(GrantError::Form(format!("={scopes}")));
+        // A name no certificate can carry (as `Identity` reads one) would silently grant nothing.
+        if identity.is_empty()
+            || identity.len() > crate::tls::MAX_IDENTITY_LEN
+            || !identity.chars().all(|c| c.is_ascii_graphic())
+        {
+            return Err(GrantError::Form(format!("{identity}={scopes}")));
         }
         if scopes == Scopes::of(&[]) {
             return Err(GrantError::Scopes {
@@ -89,12 +96,12 @@ impl fmt::Display for Grant {
     }
 }
 
-/// What a certified peer may do on a node that grants `grants` and accepts `tokens` tokens (a
-/// count: tokens are not consulted under TLS). A node that asks for nothing at all lets every
-/// certificate of its CA do everything; otherwise the scopes granted to the peer's name, and
-/// `peer` where its certificate is a node's. `None`: nothing, refused.
-pub fn scopes_of(identity: &Identity, grants: &[Grant], tokens: usize) -> Option<Scopes> {
-    if grants.is_empty() && tokens == 0 {
+/// What a certified peer may do on a node that grants `grants`. A node that grants nothing lets
+/// every certificate of its CA do everything; otherwise the scopes granted to the peer's name,
+/// and `peer` where its certificate is a node's (one with the server-authentication usage).
+/// `None`: nothing, refused.
+pub fn scopes_of(identity: &Identity, grants: &[Grant]) -> Option<Scopes> {
+    if grants.is_empty() {
         return Some(Scopes::ALL);
     }
     let granted = grants
@@ -123,6 +130,7 @@ mod tests {
             "reader",
             "=read",
             "reader=",
+            "ops =all",
             "reader=sudo",
             "reader=read,,write",
         ] {
@@ -140,22 +148,20 @@ mod tests {
         let client = |name: &str| Identity::for_tests(name, Role::Client);
         let node = |name: &str| Identity::for_tests(name, Role::Node);
         assert_eq!(
-            scopes_of(&client("reader"), &grants, 0),
+            scopes_of(&client("reader"), &grants),
             Some(Scopes::of(&[Scope::Read, Scope::Peer]))
         );
-        assert_eq!(scopes_of(&client("stranger"), &grants, 0), None);
+        assert_eq!(scopes_of(&client("stranger"), &grants), None);
         assert_eq!(
-            scopes_of(&node("node-b"), &grants, 0),
+            scopes_of(&node("node-b"), &grants),
             Some(Scopes::of(&[Scope::Peer]))
         );
         assert_eq!(
-            scopes_of(&node("writer"), &grants, 0),
+            scopes_of(&node("writer"), &grants),
             Some(Scopes::ALL),
             "a grant by name, whatever the role"
         );
-        // Tokens only: no certificate of a client is granted anything.
-        assert_eq!(scopes_of(&client("reader"), &[], 1), None);
-        // Nothing asked at all: every certificate of the CA may do everything.
-        assert_eq!(scopes_of(&client("anyone"), &[], 0), Some(Scopes::ALL));
+        // Nothing granted: every certificate of the CA may do everything.
+        assert_eq!(scopes_of(&client("anyone"), &[]), Some(Scopes::ALL));
     }
 }

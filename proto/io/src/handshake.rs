@@ -162,9 +162,7 @@ pub async fn accept<S: Transport>(
     // nor how long the token is shows in the timing.
     let scopes = match policy.door {
         Door::OwnUserSocket => Some(crate::credential::Scopes::ALL),
-        Door::Certified(identity) => {
-            crate::grant::scopes_of(identity, policy.grants, policy.credentials.len())
-        }
+        Door::Certified(identity) => crate::grant::scopes_of(identity, policy.grants),
         Door::Clear => scopes_for(
             policy.credentials,
             hello.token.as_ref().map(ferry_proto::Token::as_str),

@@ -37,8 +37,9 @@ struct Args {
     /// repeat for more. Default: two flex devices.
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
-    /// Shared token clients must present (allowing everything). Prefer --token-file: a command
-    /// line is visible to every user of the machine.
+    /// Shared token clients must present over TCP in clear (allowing everything); refused beside
+    /// TLS, where --grant says who may do what. Prefer --token-file: a command line is visible
+    /// to every user of the machine.
     #[arg(long, env = "FERRY_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// A file of credentials clients may present, one per line: `SCOPES TOKEN` (scopes `read`,
@@ -140,8 +141,9 @@ struct Args {
     /// Join a cluster kept in etcd: `etcd://HOST:PORT[,HOST:PORT...]`. The node registers itself
     /// and publishes the tensors it holds under a lease it renews; with --name and --advertise.
     /// It then pulls only from registered members (and --peer entries): under TLS, only from a
-    /// member whose certificate shows the node id it registered; its peer token goes to a
-    /// member only over such a link or the member's own-user Unix socket.
+    /// member whose certificate shows the node id it registered. Its peer token goes to no
+    /// member: in clear etcd's word is not enough, and under TLS (or on a Unix socket) no token
+    /// is sent.
     #[arg(long, value_name = "etcd://HOST:PORT[,...]", requires = "name")]
     cluster: Option<String>,
     /// This node's name in the cluster (`@NAME`): 1 to 63 letters, digits, `-`, `_`, `.`.
@@ -154,7 +156,8 @@ struct Args {
     /// Seconds a dead node stays registered at most (its lease's time to live).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
     cluster_ttl: u64,
-    /// Token presented to the nodes this node pulls from. Default: the node's own --token.
+    /// Token presented to the nodes this node pulls from, over TCP in clear (refused beside TLS,
+    /// where the node's certificate is its credential). Default: the node's own --token.
     #[arg(long, env = "FERRY_PEER_TOKEN", hide_env_values = true)]
     peer_token: Option<String>,
     /// Seconds a capability this node issues stays valid.
@@ -345,6 +348,7 @@ async fn serve() -> anyhow::Result<()> {
         }
         None => None,
     };
+    let under_tls = tls.is_some();
     // Under TLS a token would travel to whatever node a client reaches, which could replay it;
     // the certificate is the credential there.
     if tls.is_some()
@@ -367,6 +371,15 @@ async fn serve() -> anyhow::Result<()> {
         };
         if let Some(missing) = missing {
             if !args.insecure {
+                if tls.is_some() {
+                    bail!(
+                        "refusing to listen on {} with {missing}: under TLS with no --grant, \
+                         every certificate of the CA may overwrite and delete every tensor. \
+                         Grant certificate names their scopes with --grant NAME=SCOPES, listen \
+                         on loopback, or pass --insecure on a network you trust",
+                        args.listen
+                    );
+                }
                 bail!(
                     "refusing to listen on {} with {missing}: whoever reaches it or sits on the \
                      path could read tensors and tokens, or with no credential overwrite and \
@@ -440,7 +453,9 @@ async fn serve() -> anyhow::Result<()> {
                         members: ferry_server::ClusterMembers::new(),
                         listed,
                     }
-                } else if !listed.is_empty() || peer_token.is_some() {
+                } else if !listed.is_empty() || peer_token.is_some() || under_tls {
+                    // Under TLS too: a node with no --peer pulls from no one, rather than
+                    // dialling whatever address a client names.
                     PeerPolicy::Listed(listed)
                 } else {
                     PeerPolicy::Any

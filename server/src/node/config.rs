@@ -59,9 +59,10 @@ pub struct NodeLimits {
 /// How a node pulls from other nodes: which it may reach, what it presents, how it retries.
 #[derive(Debug, Clone)]
 pub struct PullConfig {
-    /// Which nodes this node pulls from (and so sends its peer token to).
+    /// Which nodes this node pulls from (and so, in clear, sends its peer token to).
     pub peers: PeerPolicy,
-    /// The token this node presents to the nodes it pulls from (its `Debug` never shows it).
+    /// The token this node presents to the nodes it pulls from over TCP in clear (under TLS its
+    /// certificate is its credential and no token is sent; its `Debug` never shows it).
     pub peer_token: Option<Token>,
     /// Frame, chunk and idle limits of the connections this node opens to peers; the idle
     /// timeout is how long a silent source may stall a pull.

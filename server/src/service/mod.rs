@@ -53,11 +53,12 @@ const HANDSHAKE_MAX_BODY: usize = 64 * 1024;
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
     /// The tokens a client must present one of over TCP in clear, each with what it allows;
-    /// none for no authentication (every client may do everything). Not consulted under TLS.
+    /// none for no authentication (every client may do everything). A node with TLS takes none
+    /// (`Service::bind` refuses them): a token would travel to whatever node a client reaches.
     pub credentials: Vec<Credential>,
     /// Under TLS, the scopes granted to certificate identities (and `peer` to every node
-    /// certificate); with neither grants nor tokens, every certificate of the CA may do
-    /// everything. No token is asked or sent under TLS.
+    /// certificate); with none, every certificate of the CA may do everything. Without TLS
+    /// there is no identity to grant to (`Service::bind` refuses them).
     pub grants: Vec<Grant>,
     /// Connections served at once.
     pub max_connections: usize,
@@ -156,13 +157,30 @@ fn bind_unix(path: &Path) -> std::io::Result<UnixSocket> {
 impl Service {
     /// Binds `addr` (`127.0.0.1:0` picks a free port). A node that asks no credential (no
     /// token, no TLS) serves only its own Unix user and root among this host's users, over TCP
-    /// as on its Unix socket; it does not bind where the kernel cannot say who connects.
+    /// as on its Unix socket; it does not bind where the kernel cannot say who connects. Tokens
+    /// with TLS, and grants without it, are refused (`InvalidInput`).
     pub async fn bind(
         node: Node,
         addr: SocketAddr,
         config: ServiceConfig,
     ) -> std::io::Result<Self> {
-        let credentialed = !config.credentials.is_empty() || node.config().tls.is_some();
+        let tls = node.config().tls.is_some();
+        if tls && !config.credentials.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "tokens are not taken under TLS (a token sent to a node can be replayed by it \
+                 anywhere; a certificate cannot): grant certificate identities their scopes \
+                 (ServiceConfig::grants) instead",
+            ));
+        }
+        if !tls && !config.grants.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "grants name certificate identities, which only TLS proves (NodeConfig::tls); \
+                 without it they would leave the node open to everyone",
+            ));
+        }
+        let credentialed = !config.credentials.is_empty() || tls;
         let door = TcpDoor::of(credentialed)?;
         let listener = TcpListener::bind(addr).await?;
         Ok(Self {

@@ -62,6 +62,7 @@ fn a_start_beyond_loopback_without_tls_and_a_credential_is_refused_unless_insecu
             .args(["--listen", "0.0.0.0:0", "--device", "flex"])
             .args(extra)
             .env_remove("FERRY_TOKEN")
+            .env_remove("FERRY_PEER_TOKEN")
             .env_remove("FERRY_NODE_TLS_CERT")
             .env_remove("FERRY_NODE_TLS_KEY")
             .env_remove("FERRY_NODE_TLS_CA")

@@ -9,6 +9,9 @@
 //!   node computed it from the bytes it holds: the published set is compared with the node's
 //!   listing whenever a device's change counter moves (checked every [`DIRECTORY_TICK`]), so an
 //!   entry outlives its tensor by at most that tick plus etcd's answer.
+//! - The node's own member record is what it wrote, within a watch's delay: anything else found
+//!   under its key (another node's id or address, no record) is put back, and logged at a
+//!   bounded rate (`own_record.rs`).
 //! - etcd being away never stops the node serving: the session ends, the node logs it, and a new
 //!   session (a new lease, everything written again) starts after a backoff.
 //! - Where the node's peer policy follows the cluster ([`crate::PeerPolicy::Members`]), its member list
@@ -28,6 +31,9 @@ use ferry_proto::dtype_name;
 use tokio::sync::watch;
 
 use crate::node::{ClusterMembers, MAX_PAGE, Node};
+use own_record::OwnRecord;
+
+mod own_record;
 
 /// How often the directory is compared with the node's change counters.
 pub const DIRECTORY_TICK: Duration = Duration::from_millis(100);
@@ -66,9 +72,14 @@ pub enum ClusterError {
     /// etcd did not answer a lease renewal in time.
     #[error("etcd did not answer a lease renewal within {0:?}")]
     Silent(Duration),
-    /// etcd ended the watch on the member list.
-    #[error("etcd ended the watch on the member list{0}")]
-    WatchEnded(String),
+    /// etcd ended a watch the session keeps.
+    #[error("etcd ended the watch on {on}{reason}")]
+    WatchEnded {
+        /// What was watched.
+        on: &'static str,
+        /// What etcd said, if anything (`: REASON`).
+        reason: String,
+    },
     /// The node failed to list its own tensors.
     #[error("listing the node's tensors: {0}")]
     Node(#[from] crate::NodeError),
@@ -137,13 +148,13 @@ async fn session(
     let mut client = Etcd::connect(&config.endpoints, timeout).await?;
     let granted = client.lease_grant(config.ttl).await?;
     let lease = granted.id;
-    client
-        .put(
-            keys::member_key(&config.name).as_bytes(),
-            &keys::encode(&member_record(node, config)),
-            Some(lease),
-        )
-        .await?;
+    let mut own = OwnRecord::register(
+        &mut client,
+        keys::member_key(&config.name).into_bytes(),
+        keys::encode(&member_record(node, config)),
+        lease,
+    )
+    .await?;
     tracing::info!(name = %config.name, %lease, "registered in the cluster");
     *last_contact = tokio::time::Instant::now();
     let mut members = match node.config().pulls.peers.members() {
@@ -189,6 +200,7 @@ async fn session(
                     watch.apply(changed?)?;
                 }
             }
+            changed = own.next() => own.apply(&mut client, changed?).await?,
             _ = directory.tick() => {
                 let changes = node.changes();
                 if seen != Some(changes) {
@@ -232,9 +244,17 @@ impl MemberWatch {
     /// Applies one watch answer; the end of the stream (or its cancellation) ends the session.
     fn apply(&mut self, answer: Option<WatchBatch>) -> Result<(), ClusterError> {
         let events = match answer {
-            None => return Err(ClusterError::WatchEnded(String::new())),
+            None => {
+                return Err(ClusterError::WatchEnded {
+                    on: "the member list",
+                    reason: String::new(),
+                });
+            }
             Some(WatchBatch::Canceled { reason, .. }) => {
-                return Err(ClusterError::WatchEnded(format!(": {reason}")));
+                return Err(ClusterError::WatchEnded {
+                    on: "the member list",
+                    reason: format!(": {reason}"),
+                });
             }
             Some(WatchBatch::Events(events)) => events,
         };
