@@ -654,7 +654,7 @@ pub struct Etcd {
 
 impl Etcd {
     /// Starts etcd and waits until it answers. Its ports are drawn where other tests' sockets
-    /// are not handed out ([`etcd_port`]); an etcd that exits at start anyway (another test's
+    /// are not handed out (`etcd_port`); an etcd that exits at start anyway (another test's
     /// etcd drew the same port) is started again on others, with fresh data.
     pub async fn start() -> Etcd {
         let mut etcd = Etcd {
