@@ -183,7 +183,9 @@ pub fn address_for(member: &MemberRecord, here: &str) -> String {
 /// and makes sure it is the node the member registered: over TCP under TLS, its certificate
 /// must name the member's node id before anything (the token included) is sent; otherwise the
 /// node's own answer to `identify` must, so that a stale or wrong entry is an error rather than
-/// a silent use of another node. A token never goes in clear to a TCP address the directory
+/// a silent use of another node. Under TLS a member's name must be its node id (its
+/// certificate's name): a record under one name naming another node is refused
+/// ([`ClientError::NameIsNotIdentity`]). A token never goes in clear to a TCP address the directory
 /// gave: whoever can write the directory would choose where it goes
 /// ([`ClientError::UncheckedMember`]). Over a Unix socket, the socket must be served by this
 /// very user (a root daemon listening at a path the directory named is not the member).
@@ -192,6 +194,14 @@ pub async fn connect_member(
     addr: &str,
     options: ConnectOptions,
 ) -> Result<Client, ClientError> {
+    // Under TLS the name is the identity: a record under @a naming node b (rewritten by an etcd
+    // writer) would otherwise pass, b being who the record says.
+    if options.has_tls() && member.node_id.as_str() != member.name {
+        return Err(ClientError::NameIsNotIdentity {
+            member: member.name.clone(),
+            registered: member.node_id.clone(),
+        });
+    }
     let endpoint = Endpoint::parse(addr);
     let check = match &endpoint {
         Endpoint::Tcp(_) if !options.has_tls() && options.has_token() => {

@@ -492,8 +492,9 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
     let pki = TestPki::new();
     let a = member_node(Some(pki.node("node-a"))).await;
     let b = member_node(Some(pki.node("node-b"))).await;
-    // A node the CA signed, but not a member: an impostor's record names its address with a's
-    // identity, as anyone who can write to this etcd could.
+    // A node the CA signed, but not a member: an impostor's record names its address as a
+    // member's (one that names itself, as members do under TLS), as anyone who can write to
+    // this etcd could.
     let c = start(
         NodeConfig {
             devices: devices(&["flex"]),
@@ -503,17 +504,18 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
         ServiceConfig::default(),
     )
     .await;
-    let joined_a = Membership::join(a.node.clone(), config(&etcd, "a", &a));
-    let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
+    // Under TLS a member's name is its certificate's.
+    let joined_a = Membership::join(a.node.clone(), config(&etcd, "node-a", &a));
+    let joined_b = Membership::join(b.node.clone(), config(&etcd, "node-b", &b));
     let impostor = MemberRecord {
-        name: "impostor".into(),
-        node_id: a.node.node_id().clone(),
+        name: "node-x".into(),
+        node_id: "node-x".into(),
         tcp: c.addr.to_string(),
         unix: None,
         host: String::new(),
         devices: Vec::new(),
     };
-    let impostor_key = ferry::proto::cluster::member_key("impostor");
+    let impostor_key = ferry::proto::cluster::member_key("node-x");
     etcd.put(&impostor_key, &ferry::proto::cluster::encode(&impostor))
         .await;
 
@@ -533,7 +535,7 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
         (&mut ca, &a_addr),
         (&mut cc, &c_addr),
         &data,
-        "c, not the node-a registered at its address",
+        "c, not the node-x registered at its address",
     )
     .await;
 
@@ -546,8 +548,46 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
         wrong.err()
     );
     let mut d = Directory::connect(&etcd.cluster()).await.unwrap();
-    let record = d.resolve("a").await.unwrap();
-    connect_member(&record, &a_addr, config).await.unwrap();
+    let record = d.resolve("node-a").await.unwrap();
+    connect_member(&record, &a_addr, config.clone())
+        .await
+        .unwrap();
+
+    // A record under one name naming another node (a's id and address under @node-y) is no
+    // member's own: nodes do not list it, clients refuse it before connecting.
+    let borrowed = MemberRecord {
+        name: "node-y".into(),
+        node_id: a.node.node_id().clone(),
+        tcp: "192.0.2.7:7070".into(),
+        unix: None,
+        host: String::new(),
+        devices: Vec::new(),
+    };
+    etcd.put(
+        &ferry::proto::cluster::member_key("node-y"),
+        &ferry::proto::cluster::encode(&borrowed),
+    )
+    .await;
+    // Written after it, and listed: once b lists it, b has read the other too.
+    let marker = MemberRecord {
+        name: "node-w".into(),
+        node_id: "node-w".into(),
+        tcp: "192.0.2.8:7070".into(),
+        ..borrowed.clone()
+    };
+    etcd.put(
+        &ferry::proto::cluster::member_key("node-w"),
+        &ferry::proto::cluster::encode(&marker),
+    )
+    .await;
+    sees(&b, "192.0.2.8:7070", true).await;
+    assert!(!b.node.config().pulls.peers.allows("192.0.2.7:7070"));
+    let refused = connect_member(&borrowed, &a_addr, config).await;
+    assert!(
+        matches!(&refused, Err(ClientError::NameIsNotIdentity { member, .. }) if member == "node-y"),
+        "{:?}",
+        refused.err()
+    );
 
     // The record gone, c's address is no member's.
     etcd.delete(&impostor_key).await;

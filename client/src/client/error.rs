@@ -103,6 +103,18 @@ pub enum ClientError {
         /// The node id the node gave.
         answered: NodeId,
     },
+    /// Under TLS a member's name is its certificate's name (its node id); a record that names
+    /// another node id under it is not the member's own, whoever wrote it.
+    #[error(
+        "@{member}'s record names node {registered:?}: under TLS a member's name is its \
+         certificate's, so the record is not @{member}'s own (written by someone else?)"
+    )]
+    NameIsNotIdentity {
+        /// The member's name.
+        member: String,
+        /// The node id its record names.
+        registered: NodeId,
+    },
     /// The node speaks a protocol minor older than a request needs.
     #[error("the node speaks protocol minor {node}; {what} needs minor {needs} or later")]
     NodeTooOld {

@@ -349,6 +349,15 @@ async fn serve() -> anyhow::Result<()> {
         None => None,
     };
     let under_tls = tls.is_some();
+    // Under TLS a member's name is its certificate's: readers check records against it.
+    if let (Some(tls), Some(name)) = (&tls, &args.name)
+        && name != tls.identity().as_str()
+    {
+        bail!(
+            "under TLS a member's name is its certificate's name: --name {} (not {name})",
+            tls.identity()
+        );
+    }
     // Under TLS a token would travel to whatever node a client reaches, which could replay it;
     // the certificate is the credential there.
     if tls.is_some()

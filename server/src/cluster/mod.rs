@@ -80,6 +80,16 @@ pub enum ClusterError {
         /// What etcd said, if anything (`: REASON`).
         reason: String,
     },
+    /// Under TLS the node's cluster name must be its node id (its certificate's name).
+    #[error(
+        "under TLS a member's name is its certificate's: this node is {node_id:?}, not {name:?}"
+    )]
+    NameIsNotIdentity {
+        /// The name asked for.
+        name: String,
+        /// The node's id.
+        node_id: String,
+    },
     /// The node failed to list its own tensors.
     #[error("listing the node's tensors: {0}")]
     Node(#[from] crate::NodeError),
@@ -122,6 +132,11 @@ async fn run(node: Node, config: ClusterConfig, mut stopped: watch::Receiver<boo
                 }
                 return;
             }
+            // Not something another session mends: said once, and the node stays out.
+            Err(error @ ClusterError::NameIsNotIdentity { .. }) => {
+                tracing::error!(%error, "not joining the cluster");
+                return;
+            }
             Err(error) => {
                 if let Some(members) = node.config().pulls.peers.members() {
                     members.hold_until((last_contact + config.ttl).into_std());
@@ -148,6 +163,17 @@ async fn session(
     let mut client = Etcd::connect(&config.endpoints, timeout).await?;
     let granted = client.lease_grant(config.ttl).await?;
     let lease = granted.id;
+    // Under TLS a member's name is its certificate's (what readers check a record against).
+    let naming = match node.config().tls {
+        Some(_) if config.name != node.node_id().as_str() => {
+            return Err(ClusterError::NameIsNotIdentity {
+                name: config.name.clone(),
+                node_id: node.node_id().to_string(),
+            });
+        }
+        Some(_) => Naming::Certified,
+        None => Naming::Claimed,
+    };
     let mut own = OwnRecord::register(
         &mut client,
         keys::member_key(&config.name).into_bytes(),
@@ -158,7 +184,7 @@ async fn session(
     tracing::info!(name = %config.name, %lease, "registered in the cluster");
     *last_contact = tokio::time::Instant::now();
     let mut members = match node.config().pulls.peers.members() {
-        Some(list) => Some(MemberWatch::start(&mut client, list.clone()).await?),
+        Some(list) => Some(MemberWatch::start(&mut client, list.clone(), naming).await?),
         None => None,
     };
     let mut published: HashMap<String, Vec<u8>> = HashMap::new();
@@ -212,17 +238,32 @@ async fn session(
     }
 }
 
+/// How a member's name relates to its node id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Naming {
+    /// Under TLS: a member's name is its node id, its certificate's name. A record under one name
+    /// that names another node id is no member's own (an etcd writer's), and is not listed.
+    Certified,
+    /// In clear: names and node ids are whatever the records say.
+    Claimed,
+}
+
 /// The member list a node's peer policy follows, and the watch that keeps it current.
 struct MemberWatch {
     /// Every member's record, by its key.
     records: HashMap<Vec<u8>, MemberRecord>,
     list: ClusterMembers,
     stream: Watch,
+    naming: Naming,
 }
 
 impl MemberWatch {
     /// Reads every member record, publishes the list, and watches from the revision read.
-    async fn start(client: &mut Etcd, list: ClusterMembers) -> Result<MemberWatch, ClusterError> {
+    async fn start(
+        client: &mut Etcd,
+        list: ClusterMembers,
+        naming: Naming,
+    ) -> Result<MemberWatch, ClusterError> {
         let answer = client.get_prefix(keys::MEMBERS.as_bytes()).await?;
         let records = answer
             .kvs
@@ -236,6 +277,7 @@ impl MemberWatch {
             records,
             list,
             stream,
+            naming,
         };
         watch.publish();
         Ok(watch)
@@ -278,15 +320,20 @@ impl MemberWatch {
     /// the machine that dials it, whatever the record's writer meant).
     fn publish(&self) {
         let here = ferry_io::machine::name();
-        self.list.replace(self.records.values().flat_map(|m| {
-            let tcp = (m.tcp.clone(), m.node_id.to_string());
-            let unix = m
-                .unix
-                .clone()
-                .filter(|_| !m.host.is_empty() && m.host == here)
-                .map(|unix| (unix, m.node_id.to_string()));
-            std::iter::once(tcp).chain(unix)
-        }));
+        let own_record = |m: &&MemberRecord| match self.naming {
+            Naming::Certified => m.name == m.node_id.as_str(),
+            Naming::Claimed => true,
+        };
+        self.list
+            .replace(self.records.values().filter(own_record).flat_map(|m| {
+                let tcp = (m.tcp.clone(), m.node_id.to_string());
+                let unix = m
+                    .unix
+                    .clone()
+                    .filter(|_| !m.host.is_empty() && m.host == here)
+                    .map(|unix| (unix, m.node_id.to_string()));
+                std::iter::once(tcp).chain(unix)
+            }));
     }
 }
 
