@@ -650,6 +650,14 @@ pub struct Etcd {
     dir: tempfile::TempDir,
     client_port: u16,
     peer_port: u16,
+    tls: Option<EtcdTls>,
+}
+
+/// A test etcd's TLS: its own certificate (a node certificate of the test CA, for 127.0.0.1),
+/// the CA it admits clients of, and the helper's own client side.
+struct EtcdTls {
+    files: ferry_io::TlsFiles,
+    helper: ferry_io::ClientTls,
 }
 
 impl Etcd {
@@ -657,11 +665,28 @@ impl Etcd {
     /// are not handed out (`etcd_port`); an etcd that exits at start anyway (another test's
     /// etcd drew the same port) is started again on others, with fresh data.
     pub async fn start() -> Etcd {
+        Etcd::start_with(None).await
+    }
+
+    /// [`start`](Self::start), serving clients over TLS only (`etcds://`): etcd presents a
+    /// certificate of `pki`'s CA and admits only clients that present one
+    /// (`--client-cert-auth`).
+    pub async fn start_tls(pki: &TestPki) -> Etcd {
+        pki.node("etcd");
+        let tls = EtcdTls {
+            files: pki.files("etcd"),
+            helper: pki.client("etcd-helper"),
+        };
+        Etcd::start_with(Some(tls)).await
+    }
+
+    async fn start_with(tls: Option<EtcdTls>) -> Etcd {
         let mut etcd = Etcd {
             child: None,
             dir: tempfile::tempdir().unwrap(),
             client_port: etcd_port(),
             peer_port: etcd_port(),
+            tls,
         };
         let mut exits = Vec::new();
         for _ in 0..5 {
@@ -676,16 +701,25 @@ impl Etcd {
         panic!("etcd exited at start five times:\n{}", exits.join("\n"));
     }
 
-    /// The cluster address nodes and clients are given: `etcd://127.0.0.1:PORT`.
+    /// The cluster address nodes and clients are given: `etcd://127.0.0.1:PORT`, or
+    /// `etcds://127.0.0.1:PORT` over TLS.
     pub fn cluster(&self) -> String {
-        format!("etcd://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "etcds" } else { "etcd" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// A client of this etcd, as the helper is (with its own certificate over TLS).
+    async fn helper(&self, timeout: Duration) -> Result<ferry_etcd::Etcd, ferry_etcd::EtcdError> {
+        let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
+        let tls = self.tls.as_ref().map(|tls| tls.helper.connector());
+        ferry_etcd::Etcd::connect_with(&endpoints, timeout, tls).await
     }
 
     /// Writes `value` under `key` as any client of this etcd could (no lease: it stays until
     /// deleted), for tests of what nodes make of records they did not write.
     pub async fn put(&self, key: &str, value: &[u8]) {
-        let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
-        let mut client = ferry_etcd::Etcd::connect(&endpoints, Duration::from_secs(5))
+        let mut client = self
+            .helper(Duration::from_secs(5))
             .await
             .expect("connect to etcd");
         client.put(key.as_bytes(), value, None).await.expect("put");
@@ -693,8 +727,8 @@ impl Etcd {
 
     /// Deletes `key`.
     pub async fn delete(&self, key: &str) {
-        let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
-        let mut client = ferry_etcd::Etcd::connect(&endpoints, Duration::from_secs(5))
+        let mut client = self
+            .helper(Duration::from_secs(5))
             .await
             .expect("connect to etcd");
         client.delete(key.as_bytes()).await.expect("delete");
@@ -719,12 +753,24 @@ impl Etcd {
     /// exit status and the last lines it logged if it exited first.
     async fn run(&mut self) -> Result<(), String> {
         assert!(self.child.is_none(), "etcd is running");
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         // What etcd says of itself goes to a file beside its data, so that a failure can say it.
         let log_path = self.dir.path().join("etcd.log");
         let log = std::fs::File::create(&log_path).expect("create etcd's log");
-        let child = std::process::Command::new("etcd")
+        let mut command = std::process::Command::new("etcd");
+        if let Some(tls) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(&tls.files.cert)
+                .arg("--key-file")
+                .arg(&tls.files.key)
+                .arg("--trusted-ca-file")
+                .arg(&tls.files.ca)
+                .arg("--client-cert-auth");
+        }
+        let child = command
             .args(["--name", "ferry-test", "--data-dir"])
             .arg(self.dir.path().join("data"))
             .args([
@@ -746,7 +792,6 @@ impl Etcd {
             .spawn()
             .expect("etcd runs (Debian's etcd-server; tests/run.sh installs it)");
         self.child = Some(child);
-        let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
         let ours = format!("127.0.0.1:{}", self.peer_port);
         let said = || {
             let text = std::fs::read_to_string(&log_path).unwrap_or_default();
@@ -769,8 +814,7 @@ impl Etcd {
                 ));
             }
             // Ours: the etcd answering lists this helper's peer address.
-            if let Ok(mut client) =
-                ferry_etcd::Etcd::connect(&endpoints, Duration::from_secs(1)).await
+            if let Ok(mut client) = self.helper(Duration::from_secs(1)).await
                 && let Ok(members) = client.member_list().await
                 && members
                     .iter()

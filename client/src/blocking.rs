@@ -57,7 +57,8 @@ impl BlockingClient {
     ) -> Result<(Self, ferry_proto::cluster::MemberRecord), crate::cluster::ReachError> {
         let runtime = runtime()?;
         let (client, member) = runtime.block_on(async {
-            let mut directory = crate::cluster::Directory::connect(cluster).await?;
+            let mut directory =
+                crate::cluster::Directory::connect_with(cluster, options.tls.as_ref()).await?;
             directory.reach(name, options).await
         })?;
         Ok((Self { runtime, client }, member))

@@ -5,6 +5,7 @@
 //! keys are parsed and values decoded with bounds, and an entry that does not parse is skipped.
 
 use ferry_etcd::{Etcd, EtcdError};
+use ferry_io::ClientTls;
 use ferry_io::Endpoint;
 use ferry_proto::cluster::{self as keys, MemberRecord, TensorRecord};
 use std::time::Duration;
@@ -57,15 +58,23 @@ pub struct Directory {
 impl Directory {
     /// Connects to the etcd `cluster` names (`etcd://HOST:PORT[,HOST:PORT...]`).
     pub async fn connect(cluster: &str) -> Result<Directory, DirectoryError> {
+        Directory::connect_with(cluster, None).await
+    }
+
+    /// [`connect`](Self::connect), with `tls` for a cluster whose etcd takes TLS
+    /// (`etcds://HOST:PORT`): etcd's certificate checked against the CA, this side's presented.
+    pub async fn connect_with(
+        cluster: &str,
+        tls: Option<&ClientTls>,
+    ) -> Result<Directory, DirectoryError> {
         let endpoints = keys::endpoints(cluster).map_err(DirectoryError::Address)?;
         let joined = endpoints.join(",");
-        let etcd =
-            Etcd::connect(&endpoints, ETCD_TIMEOUT)
-                .await
-                .map_err(|e| DirectoryError::Etcd {
-                    endpoints: joined.clone(),
-                    cause: e.to_string(),
-                })?;
+        let etcd = Etcd::connect_with(&endpoints, ETCD_TIMEOUT, tls.map(ClientTls::connector))
+            .await
+            .map_err(|e| DirectoryError::Etcd {
+                endpoints: joined.clone(),
+                cause: e.to_string(),
+            })?;
         Ok(Directory {
             etcd,
             endpoints: joined,

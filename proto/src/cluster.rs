@@ -40,9 +40,16 @@ pub fn valid_member_name(name: &str) -> bool {
 
 /// etcd's client endpoints from `etcd://HOST:PORT[,HOST:PORT...]`, as `http://HOST:PORT`.
 pub fn endpoints(cluster: &str) -> Result<Vec<String>, String> {
-    let hosts = cluster
-        .strip_prefix("etcd://")
-        .ok_or("expected etcd://HOST:PORT[,HOST:PORT...]")?;
+    // `etcds://`: etcd over TLS, reached with the caller's certificate.
+    let (scheme, hosts) = match cluster.strip_prefix("etcds://") {
+        Some(hosts) => ("https", hosts),
+        None => (
+            "http",
+            cluster
+                .strip_prefix("etcd://")
+                .ok_or("expected etcd://HOST:PORT[,HOST:PORT...] (or etcds:// for TLS)")?,
+        ),
+    };
     let endpoints: Vec<String> = hosts
         .split(',')
         .map(|host| {
@@ -52,7 +59,7 @@ pub fn endpoints(cluster: &str) -> Result<Vec<String>, String> {
                     .rsplit_once(':')
                     .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0))
                 && !host.contains(['/', '@', '?', '#', ' ']);
-            ok.then(|| format!("http://{host}"))
+            ok.then(|| format!("{scheme}://{host}"))
                 .ok_or_else(|| format!("{host:?} is not HOST:PORT"))
         })
         .collect::<Result<_, _>>()?;

@@ -739,3 +739,63 @@ async fn a_members_record_rewritten_by_an_etcd_writer_is_put_back_by_its_node() 
     joined_a.leave().await;
     joined_b.leave().await;
 }
+
+/// etcd over TLS (`etcds://`, etcd's `--client-cert-auth`): a node registers with its own
+/// certificate and a client with a certificate of the cluster reads the directory and reaches
+/// the member; without a certificate, or with another CA's, or in clear, etcd is not reached at
+/// all, so no one without a certificate of the cluster reads or writes the directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_on_etcd_over_tls_admits_only_certificates_of_the_cluster() {
+    let pki = TestPki::new();
+    let etcd = Etcd::start_tls(&pki).await;
+    let cluster = etcd.cluster();
+    assert!(cluster.starts_with("etcds://"), "{cluster}");
+    let a = member_node(Some(pki.node("node-a"))).await;
+    let joined = Membership::join(a.node.clone(), config(&etcd, "node-a", &a));
+    let user = pki.client("user");
+    let registered = || async {
+        let Ok(mut d) = Directory::connect_with(&cluster, Some(&user)).await else {
+            return false;
+        };
+        d.resolve("node-a").await.is_ok()
+    };
+    eventually_async(
+        "node-a registered over TLS",
+        Duration::from_secs(10),
+        registered,
+    )
+    .await;
+    let mut d = Directory::connect_with(&cluster, Some(&user))
+        .await
+        .unwrap();
+    let (mut reached, _) = d
+        .reach("node-a", ConnectOptions::default().tls(user.clone()))
+        .await
+        .unwrap();
+    assert_eq!(&reached.identify().await.unwrap(), a.node.node_id());
+
+    // No certificate: refused before a byte of the directory moves.
+    let none = Directory::connect(&cluster)
+        .await
+        .err()
+        .expect("no TLS, no etcd");
+    assert!(
+        none.to_string().contains("needs the cluster's CA"),
+        "{none}"
+    );
+    // Another CA's certificate: etcd refuses the handshake.
+    let stranger = TestPki::new().client("user");
+    assert!(
+        Directory::connect_with(&cluster, Some(&stranger))
+            .await
+            .is_err()
+    );
+    // In clear, to the TLS port: not etcd's answer.
+    let clear = cluster.replace("etcds://", "etcd://");
+    let in_clear = async {
+        let mut d = Directory::connect(&clear).await?;
+        d.resolve("node-a").await
+    };
+    assert!(in_clear.await.is_err());
+    joined.leave().await;
+}

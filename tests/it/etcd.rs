@@ -190,16 +190,17 @@ async fn a_dead_first_endpoint_fails_over_and_none_answering_names_them_all() {
         }
         other => panic!("expected unreachable, got {:?}", other.err()),
     }
-    for bad in [
-        "https://127.0.0.1:2379",
-        "127.0.0.1:2379",
-        "http://h:1/path",
-    ] {
+    for bad in ["127.0.0.1:2379", "http://h:1/path", "https://h:1/path"] {
         assert!(matches!(
             Etcd::connect(&[bad.to_string()], TIMEOUT).await,
             Err(EtcdError::Endpoint(_))
         ));
     }
+    // etcd over TLS, and nothing to reach it with: said before connecting.
+    assert!(matches!(
+        Etcd::connect(&["https://127.0.0.1:2379".to_string()], TIMEOUT).await,
+        Err(EtcdError::Unreachable { last, .. }) if last.contains("needs the cluster's CA")
+    ));
 }
 
 fn answer_200(body: &str) -> Vec<u8> {

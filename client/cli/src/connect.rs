@@ -32,7 +32,8 @@ pub(crate) async fn directory(cli: &Cli, what: &str) -> anyhow::Result<Directory
             "{what} reads the cluster's directory: say --cluster etcd://HOST:PORT (or FERRY_CLUSTER)"
         );
     };
-    Ok(Directory::connect(cluster).await?)
+    // etcd over TLS (`etcds://`) takes this command's certificate.
+    Ok(Directory::connect_with(cluster, client_tls(cli)?.as_ref()).await?)
 }
 
 /// Finds the node `node` names: an address as it is, `@NAME` through the directory (its Unix
@@ -103,6 +104,19 @@ fn is_loopback(addr: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// This command's TLS, where its flags give it.
+fn client_tls(cli: &Cli) -> anyhow::Result<Option<ferry_io::ClientTls>> {
+    let files = ferry_io::TlsFiles::from_flags(
+        cli.tls_cert.as_deref(),
+        cli.tls_key.as_deref(),
+        cli.tls_ca.as_deref(),
+    )?;
+    Ok(match files {
+        Some(files) => Some(ferry_io::ClientTls::load(&files).context("loading the TLS files")?),
+        None => None,
+    })
+}
+
 /// How every connection of this command connects: the token, TLS and shared-memory flags.
 pub(crate) fn connect_options(cli: &Cli) -> anyhow::Result<ConnectOptions> {
     let token = match &cli.token_file {
@@ -117,15 +131,7 @@ pub(crate) fn connect_options(cli: &Cli) -> anyhow::Result<ConnectOptions> {
         None => cli.token.clone(),
     }
     .map(Token::from);
-    let files = ferry_io::TlsFiles::from_flags(
-        cli.tls_cert.as_deref(),
-        cli.tls_key.as_deref(),
-        cli.tls_ca.as_deref(),
-    )?;
-    let tls = match files {
-        Some(files) => Some(ferry_io::ClientTls::load(&files).context("loading the TLS files")?),
-        None => None,
-    };
+    let tls = client_tls(cli)?;
     let shared_memory = if cli.no_shm {
         SharedMemory::Decline
     } else {

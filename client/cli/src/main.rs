@@ -66,12 +66,13 @@ pub(crate) struct Cli {
         requires = "tls_ca"
     )]
     pub(crate) tls_key: Option<PathBuf>,
-    /// The cluster's etcd, `etcd://HOST:PORT[,HOST:PORT...]`, for `ls @` and `ls @NAME`.
+    /// The cluster's etcd, `etcd://HOST:PORT[,HOST:PORT...]` (`etcds://` for etcd over TLS,
+    /// reached with this command's certificate), for `ls @` and `ls @NAME`.
     #[arg(
         long,
         global = true,
         env = "FERRY_CLUSTER",
-        value_name = "etcd://HOST:PORT[,...]"
+        value_name = "etcd[s]://HOST:PORT[,...]"
     )]
     pub(crate) cluster: Option<String>,
     #[command(subcommand)]

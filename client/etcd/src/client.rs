@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use serde::de::IgnoredAny;
+use tokio_rustls::TlsConnector;
 
 use crate::error::EtcdError;
 use crate::link::{Endpoint, Link};
@@ -78,12 +79,25 @@ pub struct Etcd {
     /// The index of the link's endpoint in `endpoints`.
     current: usize,
     timeout: Duration,
+    /// For `https://` endpoints.
+    tls: Option<TlsConnector>,
 }
 
 impl Etcd {
     /// Connects to the first of `endpoints` (`http://HOST:PORT`) that accepts, each given
     /// `timeout`; every later call must answer within `timeout` too.
     pub async fn connect(endpoints: &[String], timeout: Duration) -> Result<Etcd, EtcdError> {
+        Etcd::connect_with(endpoints, timeout, None).await
+    }
+
+    /// [`connect`](Self::connect), with `tls` for `https://` endpoints (etcd's certificate
+    /// checked against its CA, the caller's presented): what lets etcd admit only holders of a
+    /// certificate of the cluster (`--client-cert-auth`), and no one on the path read or write.
+    pub async fn connect_with(
+        endpoints: &[String],
+        timeout: Duration,
+        tls: Option<TlsConnector>,
+    ) -> Result<Etcd, EtcdError> {
         let endpoints = endpoints
             .iter()
             .map(|e| Endpoint::parse(e))
@@ -94,12 +108,13 @@ impl Etcd {
                 last: "no endpoint given".into(),
             });
         }
-        let (current, link) = open_first(&endpoints, 0, timeout).await?;
+        let (current, link) = open_first(&endpoints, 0, timeout, tls.as_ref()).await?;
         Ok(Etcd {
             endpoints,
             link,
             current,
             timeout,
+            tls,
         })
     }
 
@@ -112,7 +127,8 @@ impl Etcd {
     async fn link(&mut self) -> Result<&mut Link, EtcdError> {
         if self.link.is_closed() {
             let next = (self.current + 1) % self.endpoints.len();
-            (self.current, self.link) = open_first(&self.endpoints, next, self.timeout).await?;
+            (self.current, self.link) =
+                open_first(&self.endpoints, next, self.timeout, self.tls.as_ref()).await?;
         }
         Ok(&mut self.link)
     }
@@ -240,7 +256,7 @@ impl Etcd {
         prefix: &[u8],
         start_revision: i64,
     ) -> Result<Watch, EtcdError> {
-        let link = Link::open(self.link.endpoint(), self.timeout).await?;
+        let link = Link::open(self.link.endpoint(), self.timeout, self.tls.as_ref()).await?;
         let request = WatchRequest {
             create_request: WatchCreateRequest {
                 key: wire::base64(if prefix.is_empty() { b"\0" } else { prefix }),
@@ -277,11 +293,12 @@ async fn open_first(
     endpoints: &[Endpoint],
     start: usize,
     timeout: Duration,
+    tls: Option<&TlsConnector>,
 ) -> Result<(usize, Link), EtcdError> {
     let mut last = None;
     for offset in 0..endpoints.len() {
         let index = (start + offset) % endpoints.len();
-        match Link::open(&endpoints[index], timeout).await {
+        match Link::open(&endpoints[index], timeout, tls).await {
             Ok(link) => return Ok((index, link)),
             Err(e) => last = Some(e),
         }

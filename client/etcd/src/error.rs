@@ -6,9 +6,12 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum EtcdError {
-    /// An endpoint is not `http://HOST:PORT`.
-    #[error("{0:?} is not an etcd endpoint (http://HOST:PORT)")]
+    /// An endpoint is not `http://HOST:PORT` or `https://HOST:PORT`.
+    #[error("{0:?} is not an etcd endpoint (http://HOST:PORT or https://HOST:PORT)")]
     Endpoint(String),
+    /// An `https://` endpoint, and no TLS to reach it with.
+    #[error("{0} is etcd over TLS: it needs the cluster's CA and a certificate (--tls-*)")]
+    NeedsTls(String),
     /// No endpoint could be connected to.
     #[error("no etcd endpoint answered (tried {tried}): {last}")]
     Unreachable {

@@ -12,6 +12,7 @@ use hyper_util::rt::TokioIo;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
 
 use crate::error::EtcdError;
 use crate::wire::{GatewayError, StreamItem};
@@ -23,17 +24,31 @@ pub const MAX_ANSWER: usize = 64 << 20;
 /// The most bytes one message of a watch may take.
 pub const MAX_WATCH_MESSAGE: usize = 64 << 20;
 
-/// An etcd client URL, `http://HOST:PORT`, checked.
+/// An etcd client URL, `http://HOST:PORT` or `https://HOST:PORT`, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Endpoint {
     url: String,
     authority: String,
+    scheme: Scheme,
+}
+
+/// How an endpoint is spoken to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scheme {
+    /// HTTP in clear.
+    Http,
+    /// HTTP over TLS: etcd's certificate checked against the caller's CA, the caller's own
+    /// presented (etcd's `--client-cert-auth`).
+    Https,
 }
 
 impl Endpoint {
     pub(crate) fn parse(url: &str) -> Result<Endpoint, EtcdError> {
         let bad = || EtcdError::Endpoint(url.to_string());
-        let authority = url.strip_prefix("http://").ok_or_else(bad)?;
+        let (scheme, authority) = match url.strip_prefix("https://") {
+            Some(rest) => (Scheme::Https, rest),
+            None => (Scheme::Http, url.strip_prefix("http://").ok_or_else(bad)?),
+        };
         let authority = authority.strip_suffix('/').unwrap_or(authority);
         let (host, port) = authority.rsplit_once(':').ok_or_else(bad)?;
         let port_ok = port.parse::<u16>().is_ok_and(|p| p != 0);
@@ -43,13 +58,43 @@ impl Endpoint {
         Ok(Endpoint {
             url: url.to_string(),
             authority: authority.to_string(),
+            scheme,
         })
+    }
+
+    /// The host, as a TLS server name: a DNS name or an IP address (without its brackets).
+    fn server_name(&self) -> Result<rustls_pki_types::ServerName<'static>, EtcdError> {
+        let host = self
+            .authority
+            .rsplit_once(':')
+            .map_or(self.authority.as_str(), |(host, _)| host);
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        rustls_pki_types::ServerName::try_from(host.to_string())
+            .map_err(|_| EtcdError::Endpoint(self.url.clone()))
     }
 
     /// The URL as given.
     pub(crate) fn url(&self) -> &str {
         &self.url
     }
+}
+
+/// Says HTTP/1.1 hello on `io` and runs the connection's I/O on its own task, which ends when
+/// the sender and every answer's body are dropped, or when the peer closes.
+async fn serve<I>(io: I) -> std::io::Result<SendRequest<Full<Bytes>>>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (sender, connection) = hyper::client::conn::http1::handshake(io)
+        .await
+        .map_err(std::io::Error::other)?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(sender)
 }
 
 /// An open connection to one endpoint. Requests go one at a time (`&mut self`); a request that
@@ -67,16 +112,31 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    /// Connects (TCP, then HTTP/1.1) within `timeout`.
-    pub(crate) async fn open(endpoint: &Endpoint, timeout: Duration) -> Result<Link, EtcdError> {
+    /// Connects (TCP, TLS where the endpoint is `https://`, then HTTP/1.1) within `timeout`.
+    pub(crate) async fn open(
+        endpoint: &Endpoint,
+        timeout: Duration,
+        tls: Option<&TlsConnector>,
+    ) -> Result<Link, EtcdError> {
+        let tls = match endpoint.scheme {
+            Scheme::Http => None,
+            Scheme::Https => Some((
+                tls.ok_or_else(|| EtcdError::NeedsTls(endpoint.url.clone()))?,
+                endpoint.server_name()?,
+            )),
+        };
         let connect = async {
             let stream = TcpStream::connect(&endpoint.authority).await?;
             stream.set_nodelay(true)?;
-            hyper::client::conn::http1::handshake(TokioIo::new(stream))
-                .await
-                .map_err(std::io::Error::other)
+            Ok::<_, std::io::Error>(match tls {
+                None => serve(TokioIo::new(stream)).await?,
+                Some((connector, name)) => {
+                    let stream = connector.connect(name, stream).await?;
+                    serve(TokioIo::new(stream)).await?
+                }
+            })
         };
-        let (sender, connection) = tokio::time::timeout(timeout, connect)
+        let sender = tokio::time::timeout(timeout, connect)
             .await
             .map_err(|_| EtcdError::Timeout {
                 endpoint: endpoint.url.clone(),
@@ -86,11 +146,6 @@ impl Link {
                 endpoint: endpoint.url.clone(),
                 cause: e.to_string(),
             })?;
-        // The connection's I/O runs on its own task; it ends when the sender and every answer's
-        // body are dropped, or when the peer closes.
-        tokio::spawn(async move {
-            let _ = connection.await;
-        });
         Ok(Link {
             endpoint: endpoint.clone(),
             sender,
@@ -273,12 +328,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn endpoints_are_http_host_port() {
+    fn endpoints_are_http_or_https_host_port() {
         assert!(Endpoint::parse("http://127.0.0.1:2379").is_ok());
         assert!(Endpoint::parse("http://etcd-1:2379/").is_ok());
+        let tls = Endpoint::parse("https://[::1]:2379").unwrap();
+        assert_eq!(tls.scheme, Scheme::Https);
+        assert!(tls.server_name().is_ok(), "an IPv6 address, its brackets off");
         for bad in [
             "127.0.0.1:2379",
-            "https://h:1",
+            "ftp://h:1",
+            "https://h",
             "http://h",
             "http://h:0",
             "http://:1",

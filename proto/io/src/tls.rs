@@ -386,6 +386,12 @@ impl ClientTls {
         })
     }
 
+    /// The rustls connector itself (the cluster's CA, this side's certificate), for other TLS
+    /// clients of the cluster's services (etcd over `https://`).
+    pub fn connector(&self) -> tokio_rustls::TlsConnector {
+        self.connector.clone()
+    }
+
     /// Runs the client side of the handshake to the node at `addr` (`HOST:PORT`): the node's
     /// certificate must be signed by the CA and name `HOST` (a DNS name or an IP address).
     ///

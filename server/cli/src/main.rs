@@ -138,13 +138,14 @@ struct Args {
     /// certificate's common name, and an id given here must be the same.
     #[arg(long)]
     node_id: Option<String>,
-    /// Join a cluster kept in etcd: `etcd://HOST:PORT[,HOST:PORT...]`. The node registers itself
+    /// Join a cluster kept in etcd: `etcd://HOST:PORT[,HOST:PORT...]`, or `etcds://` for etcd over
+    /// TLS (reached with this node's certificate). The node registers itself
     /// and publishes the tensors it holds under a lease it renews; with --name and --advertise.
     /// It then pulls only from registered members (and --peer entries): under TLS, only from a
     /// member whose certificate shows the node id it registered. Its peer token goes to no
     /// member: in clear etcd's word is not enough, and under TLS (or on a Unix socket) no token
     /// is sent.
-    #[arg(long, value_name = "etcd://HOST:PORT[,...]", requires = "name")]
+    #[arg(long, value_name = "etcd[s]://HOST:PORT[,...]", requires = "name")]
     cluster: Option<String>,
     /// This node's name in the cluster (`@NAME`): 1 to 63 letters, digits, `-`, `_`, `.`.
     #[arg(long, requires = "cluster")]

@@ -160,7 +160,9 @@ async fn session(
     last_contact: &mut tokio::time::Instant,
 ) -> Result<(), ClusterError> {
     let timeout = (config.ttl / 2).max(Duration::from_millis(500));
-    let mut client = Etcd::connect(&config.endpoints, timeout).await?;
+    // etcd over TLS (`https://` endpoints) is reached with the node's own certificate.
+    let tls = node.config().tls.as_ref().map(|t| t.client().connector());
+    let mut client = Etcd::connect_with(&config.endpoints, timeout, tls).await?;
     let granted = client.lease_grant(config.ttl).await?;
     let lease = granted.id;
     // Under TLS a member's name is its certificate's (what readers check a record against).
