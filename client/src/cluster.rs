@@ -53,6 +53,17 @@ pub struct Located {
 pub struct Directory {
     etcd: Etcd,
     endpoints: String,
+    naming: Naming,
+}
+
+/// What a member's name says of it, by how the directory was reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Naming {
+    /// Reached with a certificate (`etcds://`, or TLS given): a cluster under TLS, where a
+    /// member's name is its node id, whatever address (a Unix socket too) a record gives.
+    Certified,
+    /// In clear: names and node ids are whatever the records say.
+    Claimed,
 }
 
 impl Directory {
@@ -78,6 +89,10 @@ impl Directory {
         Ok(Directory {
             etcd,
             endpoints: joined,
+            naming: match tls {
+                Some(_) => Naming::Certified,
+                None => Naming::Claimed,
+            },
         })
     }
 
@@ -134,6 +149,15 @@ impl Directory {
         options: ConnectOptions,
     ) -> Result<(Client, MemberRecord), ReachError> {
         let member = self.resolve(name).await?;
+        // Under TLS a member's name is its node id, on every path to it: a record naming another
+        // node under @name (and that node's Unix socket) is refused before connecting, even by a
+        // caller that reaches its socket without TLS of its own.
+        if self.naming == Naming::Certified && member.node_id.as_str() != member.name {
+            return Err(ReachError::Client(ClientError::NameIsNotIdentity {
+                member: member.name.clone(),
+                registered: member.node_id.clone(),
+            }));
+        }
         let client = connect_nearest(&member, options).await?;
         Ok((client, member))
     }

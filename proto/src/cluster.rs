@@ -38,7 +38,8 @@ pub fn valid_member_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
-/// etcd's client endpoints from `etcd://HOST:PORT[,HOST:PORT...]`, as `http://HOST:PORT`.
+/// etcd's client endpoints from `etcd://HOST:PORT[,HOST:PORT...]`, as `http://HOST:PORT`, or
+/// from `etcds://...` (etcd over TLS), as `https://HOST:PORT`.
 pub fn endpoints(cluster: &str) -> Result<Vec<String>, String> {
     // `etcds://`: etcd over TLS, reached with the caller's certificate.
     let (scheme, hosts) = match cluster.strip_prefix("etcds://") {

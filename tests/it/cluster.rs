@@ -740,6 +740,37 @@ async fn a_members_record_rewritten_by_an_etcd_writer_is_put_back_by_its_node() 
     joined_b.leave().await;
 }
 
+/// A TLS client of etcd that trusts `ca` and presents `holder`'s certificate (or none), built
+/// by hand: what ferry's own never does (it always presents one).
+fn trusting(
+    ca: &std::path::Path,
+    holder: Option<&ferry::io::TlsFiles>,
+) -> tokio_rustls::TlsConnector {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match holder {
+        Some(files) => {
+            let chain = CertificateDer::pem_file_iter(&files.cert)
+                .unwrap()
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap();
+            let key = PrivateKeyDer::from_pem_file(&files.key).unwrap();
+            builder.with_client_auth_cert(chain, key).unwrap()
+        }
+        None => builder.with_no_client_auth(),
+    };
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+}
+
 /// etcd over TLS (`etcds://`, etcd's `--client-cert-auth`): a node registers with its own
 /// certificate and a client with a certificate of the cluster reads the directory and reaches
 /// the member; without a certificate, or with another CA's, or in clear, etcd is not reached at
@@ -774,7 +805,7 @@ async fn a_cluster_on_etcd_over_tls_admits_only_certificates_of_the_cluster() {
         .unwrap();
     assert_eq!(&reached.identify().await.unwrap(), a.node.node_id());
 
-    // No certificate: refused before a byte of the directory moves.
+    // Nothing to reach it with: said before connecting.
     let none = Directory::connect(&cluster)
         .await
         .err()
@@ -783,12 +814,37 @@ async fn a_cluster_on_etcd_over_tls_admits_only_certificates_of_the_cluster() {
         none.to_string().contains("needs the cluster's CA"),
         "{none}"
     );
-    // Another CA's certificate: etcd refuses the handshake.
-    let stranger = TestPki::new().client("user");
-    assert!(
-        Directory::connect_with(&cluster, Some(&stranger))
+    // etcd's own refusals (`--client-cert-auth`): a client that trusts the cluster's CA but
+    // presents no certificate, or one of another CA, reads nothing.
+    let endpoints = ferry::proto::cluster::endpoints(&cluster).unwrap();
+    let ca = pki.files("user").ca;
+    let other = TestPki::new();
+    other.client("user");
+    for (presented, what) in [
+        (None, "no certificate"),
+        (Some(other.files("user")), "another CA's"),
+    ] {
+        let read = async {
+            let connector = trusting(&ca, presented.as_ref());
+            let mut etcd = ferry::etcd::Etcd::connect_with(
+                &endpoints,
+                Duration::from_secs(2),
+                Some(connector),
+            )
+            .await?;
+            etcd.get(b"/ferry/members/node-a").await
+        };
+        assert!(read.await.is_err(), "etcd answered a client with {what}");
+    }
+    // The same client with the cluster's certificate reads it.
+    let connector = trusting(&ca, Some(&pki.files("user")));
+    let mut etcd =
+        ferry::etcd::Etcd::connect_with(&endpoints, Duration::from_secs(2), Some(connector))
             .await
-            .is_err()
+            .unwrap();
+    assert_eq!(
+        etcd.get(b"/ferry/members/node-a").await.unwrap().kvs.len(),
+        1
     );
     // In clear, to the TLS port: not etcd's answer.
     let clear = cluster.replace("etcds://", "etcd://");

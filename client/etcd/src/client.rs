@@ -108,6 +108,12 @@ impl Etcd {
                 last: "no endpoint given".into(),
             });
         }
+        // Said as what it is, not as an endpoint that did not answer.
+        if tls.is_none()
+            && let Some(secure) = endpoints.iter().find(|e| e.is_https())
+        {
+            return Err(EtcdError::NeedsTls(secure.url().to_string()));
+        }
         let (current, link) = open_first(&endpoints, 0, timeout, tls.as_ref()).await?;
         Ok(Etcd {
             endpoints,

@@ -80,6 +80,11 @@ impl Endpoint {
     pub(crate) fn url(&self) -> &str {
         &self.url
     }
+
+    /// Whether it is spoken to over TLS.
+    pub(crate) fn is_https(&self) -> bool {
+        self.scheme == Scheme::Https
+    }
 }
 
 /// Says HTTP/1.1 hello on `io` and runs the connection's I/O on its own task, which ends when
@@ -333,7 +338,10 @@ mod tests {
         assert!(Endpoint::parse("http://etcd-1:2379/").is_ok());
         let tls = Endpoint::parse("https://[::1]:2379").unwrap();
         assert_eq!(tls.scheme, Scheme::Https);
-        assert!(tls.server_name().is_ok(), "an IPv6 address, its brackets off");
+        assert!(
+            tls.server_name().is_ok(),
+            "an IPv6 address, its brackets off"
+        );
         for bad in [
             "127.0.0.1:2379",
             "ftp://h:1",

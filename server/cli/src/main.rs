@@ -350,6 +350,16 @@ async fn serve() -> anyhow::Result<()> {
         None => None,
     };
     let under_tls = tls.is_some();
+    // etcd over TLS is reached with the node's certificate: none, no cluster (said now, not as
+    // a session that fails every few seconds).
+    if !under_tls
+        && let Some(cluster) = args
+            .cluster
+            .as_deref()
+            .filter(|c| c.starts_with("etcds://"))
+    {
+        bail!("--cluster {cluster} is etcd over TLS: give the node --tls-cert/--tls-key/--tls-ca");
+    }
     // Under TLS a member's name is its certificate's: readers check records against it.
     if let (Some(tls), Some(name)) = (&tls, &args.name)
         && name != tls.identity().as_str()

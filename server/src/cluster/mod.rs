@@ -47,7 +47,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// How a node joins a cluster.
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
-    /// etcd's client endpoints, `http://host:port`.
+    /// etcd's client endpoints, `http://host:port` (or `https://host:port`, reached with the
+    /// node's own certificate, which it then needs).
     pub endpoints: Vec<String>,
     /// The node's name in the cluster (`@NAME`).
     pub name: String,
@@ -79,6 +80,19 @@ pub enum ClusterError {
         on: &'static str,
         /// What etcd said, if anything (`: REASON`).
         reason: String,
+    },
+    /// Someone keeps rewriting the node's own record (another node under the same name?).
+    #[error(
+        "{key} was rewritten {times} times within {within:?} after the node put it back: \
+         another writer (a second node under this name?) keeps rewriting it"
+    )]
+    Contested {
+        /// The record's key.
+        key: String,
+        /// Put-backs in the window.
+        times: usize,
+        /// The window.
+        within: Duration,
     },
     /// Under TLS the node's cluster name must be its node id (its certificate's name).
     #[error(
@@ -159,12 +173,6 @@ async fn session(
     stopped: &mut watch::Receiver<bool>,
     last_contact: &mut tokio::time::Instant,
 ) -> Result<(), ClusterError> {
-    let timeout = (config.ttl / 2).max(Duration::from_millis(500));
-    // etcd over TLS (`https://` endpoints) is reached with the node's own certificate.
-    let tls = node.config().tls.as_ref().map(|t| t.client().connector());
-    let mut client = Etcd::connect_with(&config.endpoints, timeout, tls).await?;
-    let granted = client.lease_grant(config.ttl).await?;
-    let lease = granted.id;
     // Under TLS a member's name is its certificate's (what readers check a record against).
     let naming = match node.config().tls {
         Some(_) if config.name != node.node_id().as_str() => {
@@ -176,6 +184,12 @@ async fn session(
         Some(_) => Naming::Certified,
         None => Naming::Claimed,
     };
+    let timeout = (config.ttl / 2).max(Duration::from_millis(500));
+    // etcd over TLS (`https://` endpoints) is reached with the node's own certificate.
+    let tls = node.config().tls.as_ref().map(|t| t.client().connector());
+    let mut client = Etcd::connect_with(&config.endpoints, timeout, tls).await?;
+    let granted = client.lease_grant(config.ttl).await?;
+    let lease = granted.id;
     let mut own = OwnRecord::register(
         &mut client,
         keys::member_key(&config.name).into_bytes(),
