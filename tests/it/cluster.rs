@@ -855,3 +855,66 @@ async fn a_cluster_on_etcd_over_tls_admits_only_certificates_of_the_cluster() {
     assert!(in_clear.await.is_err());
     joined.leave().await;
 }
+
+/// A writer that keeps rewriting a live node's record (a second node under its name, say) gets a
+/// bounded answer: the node puts its record back a few times per session, then ends the session
+/// and registers again after a backoff, rather than racing the other writer on one key as fast
+/// as etcd answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_rewritten_without_end_is_put_back_a_bounded_number_of_times() {
+    let etcd = Etcd::start().await;
+    let a = member_node(None).await;
+    let joined = Membership::join(a.node.clone(), config(&etcd, "a", &a));
+    let cluster = etcd.cluster();
+    let registered = || async {
+        let Ok(mut d) = Directory::connect(&cluster).await else {
+            return false;
+        };
+        d.resolve("a").await.is_ok()
+    };
+    eventually_async("a registered", Duration::from_secs(10), registered).await;
+    let key = ferry::proto::cluster::member_key("a");
+    let endpoints = ferry::proto::cluster::endpoints(&cluster).unwrap();
+    let mut reader = ferry::etcd::Etcd::connect(&endpoints, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let from = reader.get(key.as_bytes()).await.unwrap().revision + 1;
+    let mut watch = reader.watch_prefix(key.as_bytes(), from).await.unwrap();
+    // The node's puts carry its lease; the rewriter's none.
+    let counted = tokio::spawn(async move {
+        let mut by_node = 0usize;
+        while let Ok(Ok(Some(batch))) =
+            tokio::time::timeout(Duration::from_secs(1), watch.next()).await
+        {
+            if let ferry::etcd::WatchBatch::Events(events) = batch {
+                by_node += events
+                    .iter()
+                    .filter(|e| e.kind == ferry::etcd::EventKind::Put && e.kv.lease != 0)
+                    .count();
+            }
+        }
+        by_node
+    });
+    let forged = MemberRecord {
+        name: "a".into(),
+        node_id: "someone-else".into(),
+        tcp: "192.0.2.9:7070".into(),
+        unix: None,
+        host: String::new(),
+        devices: Vec::new(),
+    };
+    let rewrites = 150;
+    for _ in 0..rewrites {
+        etcd.put(&key, &ferry::proto::cluster::encode(&forged)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let by_node = counted.await.unwrap();
+    // About 3 s of rewrites: sessions restarted after 0.2, 0.4, 0.8 and 1.6 s backoffs at most,
+    // each registering once and putting back five times at most.
+    assert!(by_node >= 1, "the node never put its record back");
+    assert!(
+        by_node <= 30,
+        "{by_node} puts by the node against {rewrites} rewrites: not bounded"
+    );
+    joined.leave().await;
+}
