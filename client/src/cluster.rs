@@ -7,6 +7,7 @@
 use ferry_etcd::{Etcd, EtcdError};
 use ferry_io::ClientTls;
 use ferry_io::Endpoint;
+use ferry_proto::NodeId;
 use ferry_proto::cluster::{self as keys, MemberRecord, TensorRecord};
 use std::time::Duration;
 
@@ -26,6 +27,14 @@ pub enum DirectoryError {
     /// No member is registered under the name.
     #[error("no member @{0} is registered in the cluster")]
     UnknownMember(String),
+    /// The member's record names a node id the operator's list does not admit.
+    #[error("@{member}'s record names node {node_id:?}, which is not among the admitted members")]
+    NotAdmitted {
+        /// The member's name.
+        member: String,
+        /// The node id its record names.
+        node_id: NodeId,
+    },
     /// etcd did not answer or refused.
     #[error("etcd at {endpoints} (none of them answered): {cause}")]
     Etcd {
@@ -54,6 +63,8 @@ pub struct Directory {
     etcd: Etcd,
     endpoints: String,
     naming: Naming,
+    /// The node ids the operator admits as members; `None`: whoever registers.
+    admitted: Option<std::collections::BTreeSet<NodeId>>,
 }
 
 /// What a member's name says of it, by how the directory was reached.
@@ -93,7 +104,15 @@ impl Directory {
                 Some(_) => Naming::Certified,
                 None => Naming::Claimed,
             },
+            admitted: None,
         })
+    }
+
+    /// Takes as members only those whose node id is among `ids` (the operator's list): a record
+    /// of any other id, whoever wrote it, resolves to [`DirectoryError::NotAdmitted`].
+    pub fn admitting(mut self, ids: impl IntoIterator<Item = NodeId>) -> Directory {
+        self.admitted = Some(ids.into_iter().collect());
+        self
     }
 
     fn failed(&self, e: EtcdError) -> DirectoryError {
@@ -137,9 +156,17 @@ impl Directory {
 
     /// The member registered as `name`, or [`DirectoryError::UnknownMember`].
     pub async fn resolve(&mut self, name: &str) -> Result<MemberRecord, DirectoryError> {
-        self.member(name)
+        let member = self
+            .member(name)
             .await?
-            .ok_or_else(|| DirectoryError::UnknownMember(name.to_string()))
+            .ok_or_else(|| DirectoryError::UnknownMember(name.to_string()))?;
+        match &self.admitted {
+            Some(ids) if !ids.contains(&member.node_id) => Err(DirectoryError::NotAdmitted {
+                member: member.name,
+                node_id: member.node_id,
+            }),
+            _ => Ok(member),
+        }
     }
 
     /// Connects to member `name` ([`connect_nearest`]): the one-call form of `@NAME`.

@@ -905,7 +905,8 @@ async fn a_record_rewritten_without_end_is_put_back_a_bounded_number_of_times() 
     };
     let rewrites = 150;
     for _ in 0..rewrites {
-        etcd.put(&key, &ferry::proto::cluster::encode(&forged)).await;
+        etcd.put(&key, &ferry::proto::cluster::encode(&forged))
+            .await;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let by_node = counted.await.unwrap();
@@ -917,4 +918,73 @@ async fn a_record_rewritten_without_end_is_put_back_a_bounded_number_of_times() 
         "{by_node} puts by the node against {rewrites} rewrites: not bounded"
     );
     joined.leave().await;
+}
+
+/// Which node ids may be members is the operator's list: a node given one pulls from no member
+/// of another id (self-registered, by a stranger with etcd access or a retired certificate),
+/// and a directory given one refuses to resolve such a member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_node_ids_the_operator_lists_are_members() {
+    let etcd = Etcd::start().await;
+    let (a, c) = (member_node(None).await, member_node(None).await);
+    let a_id = a.node.node_id().clone();
+    let b = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            pulls: PullConfig {
+                peers: PeerPolicy::Members {
+                    members: ClusterMembers::admitting([a_id.to_string()]),
+                    listed: Vec::new(),
+                },
+                ..PullConfig::default()
+            },
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
+    // c registers first; once b lists a, it has read c's record too.
+    let joined_c = Membership::join(c.node.clone(), config(&etcd, "c", &c));
+    let cluster = etcd.cluster();
+    let c_registered = || async {
+        let Ok(mut d) = Directory::connect(&cluster).await else {
+            return false;
+        };
+        d.resolve("c").await.is_ok()
+    };
+    eventually_async("c registered", Duration::from_secs(10), c_registered).await;
+    let joined_a = Membership::join(a.node.clone(), config(&etcd, "a", &a));
+    let (a_addr, c_addr) = (a.addr.to_string(), c.addr.to_string());
+    sees(&b, &a_addr, true).await;
+    assert!(
+        !b.node.config().pulls.peers.allows(&c_addr),
+        "c is not on the list"
+    );
+
+    let (mut ca, mut cb, mut cc) = (a.client().await, b.client().await, c.client().await);
+    let data = samples::plain(DType::F32, &[16, 16], 21);
+    ca.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+    cc.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+    member_yes_stranger_no(
+        &mut cb,
+        (&mut ca, &a_addr),
+        (&mut cc, &c_addr),
+        &data,
+        "c, registered but not on the operator's list",
+    )
+    .await;
+
+    let mut d = Directory::connect(&cluster)
+        .await
+        .unwrap()
+        .admitting([a_id.clone()]);
+    assert_eq!(d.resolve("a").await.unwrap().node_id, a_id);
+    assert!(matches!(
+        d.resolve("c").await,
+        Err(DirectoryError::NotAdmitted { member, .. }) if member == "c"
+    ));
+    joined_a.leave().await;
+    joined_b.leave().await;
+    joined_c.leave().await;
 }

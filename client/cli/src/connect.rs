@@ -4,6 +4,7 @@
 use anyhow::{Context, bail};
 use ferry_client::cluster::{Directory, address_for, connect_nearest};
 use ferry_client::{Client, ConnectOptions, Endpoint, SharedMemory, Token};
+use ferry_proto::NodeId;
 use ferry_proto::cluster::MemberRecord;
 
 use crate::Cli;
@@ -33,7 +34,12 @@ pub(crate) async fn directory(cli: &Cli, what: &str) -> anyhow::Result<Directory
         );
     };
     // etcd over TLS (`etcds://`) takes this command's certificate.
-    Ok(Directory::connect_with(cluster, client_tls(cli)?.as_ref()).await?)
+    let directory = Directory::connect_with(cluster, client_tls(cli)?.as_ref()).await?;
+    Ok(if cli.member_ids.is_empty() {
+        directory
+    } else {
+        directory.admitting(cli.member_ids.iter().map(|id| NodeId::from(id.as_str())))
+    })
 }
 
 /// Finds the node `node` names: an address as it is, `@NAME` through the directory (its Unix

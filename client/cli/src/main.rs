@@ -75,6 +75,17 @@ pub(crate) struct Cli {
         value_name = "etcd[s]://HOST:PORT[,...]"
     )]
     pub(crate) cluster: Option<String>,
+    /// A node id that may be a member (repeat, or comma-separate in FERRY_MEMBER_IDS): the
+    /// operator's list. `@NAME` whose record names any other id is refused. Default: whoever
+    /// registers.
+    #[arg(
+        long = "member-id",
+        global = true,
+        env = "FERRY_MEMBER_IDS",
+        value_delimiter = ',',
+        value_name = "ID"
+    )]
+    pub(crate) member_ids: Vec<String>,
     #[command(subcommand)]
     command: Command,
 }

@@ -147,6 +147,10 @@ struct Args {
     /// is sent.
     #[arg(long, value_name = "etcd[s]://HOST:PORT[,...]", requires = "name")]
     cluster: Option<String>,
+    /// A node id that may be a member (repeat for more): the operator's list. A member record of
+    /// any other id, whoever wrote it, is not pulled from. Default: whoever registers.
+    #[arg(long = "member-id", value_name = "ID", requires = "cluster")]
+    member_ids: Vec<String>,
     /// This node's name in the cluster (`@NAME`): 1 to 63 letters, digits, `-`, `_`, `.`.
     #[arg(long, requires = "cluster")]
     name: Option<String>,
@@ -470,7 +474,11 @@ async fn serve() -> anyhow::Result<()> {
                 if args.cluster.is_some() {
                     // A cluster node pulls from the members etcd lists (and the listed peers).
                     PeerPolicy::Members {
-                        members: ferry_server::ClusterMembers::new(),
+                        members: if args.member_ids.is_empty() {
+                            ferry_server::ClusterMembers::new()
+                        } else {
+                            ferry_server::ClusterMembers::admitting(args.member_ids.clone())
+                        },
                         listed,
                     }
                 } else if !listed.is_empty() || peer_token.is_some() || under_tls {

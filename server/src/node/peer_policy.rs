@@ -188,6 +188,8 @@ impl PeerPolicy {
 #[derive(Debug, Clone, Default)]
 pub struct ClusterMembers {
     now: Arc<RwLock<Snapshot>>,
+    /// The node ids the operator admits as members; `None`: whoever registers.
+    admitted: Option<Arc<std::collections::BTreeSet<String>>>,
 }
 
 /// The member list as last read, and until when it counts.
@@ -207,9 +209,24 @@ impl PartialEq for ClusterMembers {
 impl Eq for ClusterMembers {}
 
 impl ClusterMembers {
-    /// An empty list.
+    /// An empty list, which takes whoever registers.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty list, which takes only members whose node id is among `ids` (the operator's
+    /// list): a record of any other id, whoever wrote it, is not listed, and cannot make a
+    /// member's address look claimed twice either.
+    pub fn admitting(ids: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        Self {
+            now: Arc::default(),
+            admitted: Some(Arc::new(ids.into_iter().map(Into::into).collect())),
+        }
+    }
+
+    /// Whether a member of node id `id` may be listed.
+    fn admits(&self, id: &str) -> bool {
+        self.admitted.as_ref().is_none_or(|ids| ids.contains(id))
     }
 
     /// Replaces the list: `(address, node id)` for every address of every member. An address
@@ -217,7 +234,7 @@ impl ClusterMembers {
     /// one is there, only a certificate could tell, and not over every link.
     pub fn replace(&self, members: impl IntoIterator<Item = (String, String)>) {
         let mut claims: HashMap<String, Option<Arc<str>>> = HashMap::new();
-        for (addr, id) in members {
+        for (addr, id) in members.into_iter().filter(|(_, id)| self.admits(id)) {
             let addr = Endpoint::parse(&addr).to_string();
             match claims.get(&addr) {
                 Some(Some(earlier)) if **earlier != *id => {
