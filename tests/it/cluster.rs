@@ -299,13 +299,23 @@ async fn etcd_stopped_and_restarted_mid_run_loses_nothing_and_the_directory_conv
 
 /// A node whose peers are its cluster's members, with `tls` where given.
 async fn member_node(tls: Option<ferry::io::NodeTls>) -> TestNode {
+    member_node_with(tls, ClusterMembers::new(), None).await
+}
+
+/// A node that pulls from the members `members` takes, presenting `peer_token` (in clear).
+async fn member_node_with(
+    tls: Option<ferry::io::NodeTls>,
+    members: ClusterMembers,
+    peer_token: Option<&str>,
+) -> TestNode {
     start(
         NodeConfig {
             devices: devices(&["flex"]),
             tls,
             pulls: PullConfig {
+                peer_token: peer_token.map(Into::into),
                 peers: PeerPolicy::Members {
-                    members: ClusterMembers::new(),
+                    members,
                     listed: Vec::new(),
                 },
                 ..PullConfig::default()
@@ -605,22 +615,7 @@ async fn a_root_daemon_at_a_members_unix_socket_learns_no_token() {
     use ferry::proto::Request;
     let etcd = Etcd::start().await;
     let a = start_with(&["flex"]).await;
-    let b = start(
-        NodeConfig {
-            devices: devices(&["flex"]),
-            pulls: PullConfig {
-                peer_token: Some("the-peer-token".into()),
-                peers: PeerPolicy::Members {
-                    members: ClusterMembers::new(),
-                    listed: Vec::new(),
-                },
-                ..PullConfig::default()
-            },
-            ..NodeConfig::default()
-        },
-        ServiceConfig::default(),
-    )
-    .await;
+    let b = member_node_with(None, ClusterMembers::new(), Some("the-peer-token")).await;
     let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
 
     // Not a node: it reads each hello it is sent, keeps its token, and hangs up.
@@ -740,34 +735,12 @@ async fn a_members_record_rewritten_by_an_etcd_writer_is_put_back_by_its_node() 
     joined_b.leave().await;
 }
 
-/// A TLS client of etcd that trusts `ca` and presents `holder`'s certificate (or none), built
-/// by hand: what ferry's own never does (it always presents one).
+/// A TLS client of etcd that trusts `ca` and presents `holder`'s certificate (or none).
 fn trusting(
     ca: &std::path::Path,
     holder: Option<&ferry::io::TlsFiles>,
 ) -> tokio_rustls::TlsConnector {
-    use rustls_pki_types::pem::PemObject;
-    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
-        roots.add(cert.unwrap()).unwrap();
-    }
-    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
-        .with_root_certificates(roots);
-    let config = match holder {
-        Some(files) => {
-            let chain = CertificateDer::pem_file_iter(&files.cert)
-                .unwrap()
-                .collect::<Result<Vec<_>, _>>()
-                .unwrap();
-            let key = PrivateKeyDer::from_pem_file(&files.key).unwrap();
-            builder.with_client_auth_cert(chain, key).unwrap()
-        }
-        None => builder.with_no_client_auth(),
-    };
+    let config = crate::tls::hand_built_client(ca, holder);
     tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
 }
 
@@ -928,21 +901,7 @@ async fn only_the_node_ids_the_operator_lists_are_members() {
     let etcd = Etcd::start().await;
     let (a, c) = (member_node(None).await, member_node(None).await);
     let a_id = a.node.node_id().clone();
-    let b = start(
-        NodeConfig {
-            devices: devices(&["flex"]),
-            pulls: PullConfig {
-                peers: PeerPolicy::Members {
-                    members: ClusterMembers::admitting([a_id.to_string()]),
-                    listed: Vec::new(),
-                },
-                ..PullConfig::default()
-            },
-            ..NodeConfig::default()
-        },
-        ServiceConfig::default(),
-    )
-    .await;
+    let b = member_node_with(None, ClusterMembers::admitting([a_id.to_string()]), None).await;
     let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
     // c registers first; once b lists a, it has read c's record too.
     let joined_c = Membership::join(c.node.clone(), config(&etcd, "c", &c));

@@ -1168,6 +1168,19 @@ async fn a_trickling_upload_gives_its_reservation_back() {
     node.shutdown().await;
 }
 
+/// A get of `key` (of `size` bytes) on a connection of its own, whose reader takes the
+/// tensor's description and then reads nothing more: the node's send of the payload stalls.
+async fn stalled_get(node: &TestNode, key: &TensorKey, size: u64) -> Raw {
+    let (mut raw, _) = Raw::hello(node, None).await;
+    raw.send(&control::encode_request(&Request::Get { key: key.clone() }).unwrap())
+        .await;
+    match raw.response().await {
+        Some(Response::Tensor { info, .. }) => assert_eq!(info.bytes, size),
+        other => panic!("expected the tensor's description, got {other:?}"),
+    }
+    raw
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_get_holds_its_bytes_in_the_budget_until_its_deadline() {
     const SIZE: u64 = 40 * MIB;
@@ -1185,13 +1198,7 @@ async fn a_stalled_get_holds_its_bytes_in_the_budget_until_its_deadline() {
 
     // The description arrives; then the reader reads nothing more. 40 MiB is far more than
     // loopback socket buffers take, so the node's send blocks.
-    let (mut raw, _) = Raw::hello(&node, None).await;
-    raw.send(&control::encode_request(&Request::Get { key: key.clone() }).unwrap())
-        .await;
-    match raw.response().await {
-        Some(Response::Tensor { info, .. }) => assert_eq!(info.bytes, SIZE),
-        other => panic!("expected the tensor's description, got {other:?}"),
-    }
+    let mut raw = stalled_get(&node, &key, SIZE).await;
     let stalled = Instant::now();
     client.delete(&key).await.unwrap();
     // Unregistered, but its bytes are still being sent: still counted.
@@ -1302,14 +1309,7 @@ async fn stalled_readers_of_copies_cannot_starve_a_writer() {
     // copies may hold (32 MiB).
     let mut stalled = Vec::new();
     for _ in 0..2 {
-        let (mut raw, _) = Raw::hello(&node, None).await;
-        raw.send(&control::encode_request(&Request::Get { key: key.clone() }).unwrap())
-            .await;
-        match raw.response().await {
-            Some(Response::Tensor { info, .. }) => assert_eq!(info.bytes, SIZE),
-            other => panic!("expected the tensor's description, got {other:?}"),
-        }
-        stalled.push(raw);
+        stalled.push(stalled_get(&node, &key, SIZE).await);
     }
     assert_eq!(budget.memory_used(), 3 * SIZE + TENSOR_OVERHEAD);
     // A third would fit the budget (48 of 64 MiB) but not the share: it is told to try again

@@ -120,10 +120,9 @@ async fn client_error(node: &TestNode, tls: Option<ClientTls>) -> Option<String>
         .map(|e| e.to_string())
 }
 
-/// A TLS client built by hand (ferry's own checks its certificate before it connects): trusting
-/// `ca`, presenting `holder`'s certificate (or none), it says hello; what the node answered, or
-/// `None` when it was welcomed.
-async fn hand_built_hello(node: &TestNode, ca: &Path, holder: Option<&TlsFiles>) -> Option<String> {
+/// A TLS client configuration built by hand, which trusts `ca` and presents `holder`'s
+/// certificate (or none): what ferry's own client never does (it always presents one).
+pub(crate) fn hand_built_client(ca: &Path, holder: Option<&TlsFiles>) -> rustls::ClientConfig {
     let mut roots = RootCertStore::empty();
     for cert in CertificateDer::pem_file_iter(ca).unwrap() {
         roots.add(cert.unwrap()).unwrap();
@@ -133,7 +132,7 @@ async fn hand_built_hello(node: &TestNode, ca: &Path, holder: Option<&TlsFiles>)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .unwrap()
         .with_root_certificates(roots);
-    let config = match holder {
+    match holder {
         Some(files) => {
             let chain = CertificateDer::pem_file_iter(&files.cert)
                 .unwrap()
@@ -143,7 +142,14 @@ async fn hand_built_hello(node: &TestNode, ca: &Path, holder: Option<&TlsFiles>)
             builder.with_client_auth_cert(chain, key).unwrap()
         }
         None => builder.with_no_client_auth(),
-    };
+    }
+}
+
+/// A TLS client built by hand (ferry's own checks its certificate before it connects): trusting
+/// `ca`, presenting `holder`'s certificate (or none), it says hello; what the node answered, or
+/// `None` when it was welcomed.
+async fn hand_built_hello(node: &TestNode, ca: &Path, holder: Option<&TlsFiles>) -> Option<String> {
+    let config = hand_built_client(ca, holder);
     let tcp = tokio::net::TcpStream::connect(node.addr).await.unwrap();
     let name = ServerName::try_from("127.0.0.1").unwrap();
     let tls = match tokio_rustls::TlsConnector::from(Arc::new(config))

@@ -301,22 +301,7 @@ impl MemberWatch {
 
     /// Applies one watch answer; the end of the stream (or its cancellation) ends the session.
     fn apply(&mut self, answer: Option<WatchBatch>) -> Result<(), ClusterError> {
-        let events = match answer {
-            None => {
-                return Err(ClusterError::WatchEnded {
-                    on: "the member list",
-                    reason: String::new(),
-                });
-            }
-            Some(WatchBatch::Canceled { reason, .. }) => {
-                return Err(ClusterError::WatchEnded {
-                    on: "the member list",
-                    reason: format!(": {reason}"),
-                });
-            }
-            Some(WatchBatch::Events(events)) => events,
-        };
-        for event in events {
+        for event in events_of(answer, "the member list")? {
             let kv = event.kv;
             let record = match event.kind {
                 EventKind::Put => keys::member_of(&kv.key, &kv.value),
@@ -350,6 +335,25 @@ impl MemberWatch {
                     .map(|unix| (unix, m.node_id.to_string()));
                 std::iter::once(tcp).chain(unix)
             }));
+    }
+}
+
+/// The changes one answer of a watch on `on` carries; the watch's end (or its cancellation) is
+/// the session's.
+fn events_of(
+    answer: Option<WatchBatch>,
+    on: &'static str,
+) -> Result<Vec<ferry_etcd::Event>, ClusterError> {
+    match answer {
+        None => Err(ClusterError::WatchEnded {
+            on,
+            reason: String::new(),
+        }),
+        Some(WatchBatch::Canceled { reason, .. }) => Err(ClusterError::WatchEnded {
+            on,
+            reason: format!(": {reason}"),
+        }),
+        Some(WatchBatch::Events(events)) => Ok(events),
     }
 }
 

@@ -74,22 +74,7 @@ impl OwnRecord {
         client: &mut Etcd,
         answer: Option<WatchBatch>,
     ) -> Result<(), ClusterError> {
-        let events = match answer {
-            None => {
-                return Err(ClusterError::WatchEnded {
-                    on: "the node's own record",
-                    reason: String::new(),
-                });
-            }
-            Some(WatchBatch::Canceled { reason, .. }) => {
-                return Err(ClusterError::WatchEnded {
-                    on: "the node's own record",
-                    reason: format!(": {reason}"),
-                });
-            }
-            Some(WatchBatch::Events(events)) => events,
-        };
-        let last = events
+        let last = super::events_of(answer, "the node's own record")?
             .into_iter()
             .rev()
             .find(|event| event.kv.key == self.key);
