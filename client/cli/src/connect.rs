@@ -138,6 +138,16 @@ pub(crate) fn connect_options(cli: &Cli) -> anyhow::Result<ConnectOptions> {
     }
     .map(Token::from);
     let tls = client_tls(cli)?;
+    if token.is_some() && tls.is_some() {
+        // Once a command: it may open several connections.
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            eprintln!(
+                "warning: the token is not sent under TLS (the certificate is the credential \
+                 there); a node that still asks for one under TLS refuses this command"
+            );
+        });
+    }
     let shared_memory = if cli.no_shm {
         SharedMemory::Decline
     } else {

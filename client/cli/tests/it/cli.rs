@@ -494,6 +494,12 @@ fn certificates_from_ferry_certs_carry_a_model_between_nodes_over_mutual_tls() {
     assert_same_files(&output, &tensors);
     let health = run(&["health", &b.addr]);
     assert!(health.starts_with("ok node-b "), "{health}");
+    // A token given beside TLS is not sent, and the command says so.
+    let args = with_tls(&["--token", "t0k", "health", &b.addr]);
+    let with_token = ferry(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(with_token.status.success());
+    let said = String::from_utf8_lossy(&with_token.stderr);
+    assert!(said.contains("the token is not sent under TLS"), "{said}");
 
     // Without the client's certificate the node does not talk.
     fails(&["health", &b.addr, "--timeout", "2"], "connecting to");
