@@ -132,7 +132,8 @@ impl Node {
         ferry_proto::message::validate_name(name)?;
         ferry_proto::message::validate_name(&req.src.name)?;
         check_source(&req.source)?;
-        if !self.config().pulls.peers.allows(&req.source) {
+        let tls = self.config().tls.is_some();
+        if !self.config().pulls.peers.allows_over(&req.source, tls) {
             return Err(NodeError::NotAllowedPeer(req.source.clone()));
         }
         self.device(req.dst_device)?;

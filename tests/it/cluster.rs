@@ -599,6 +599,38 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
         refused.err()
     );
 
+    // A made-up member registered at a's address (a second claim on it, as any etcd writer can
+    // make): the certificate there still names node-a, so b still pulls from a.
+    let squatter = MemberRecord {
+        name: "node-v".into(),
+        node_id: "node-v".into(),
+        tcp: a_addr.clone(),
+        ..borrowed.clone()
+    };
+    etcd.put(
+        &ferry::proto::cluster::member_key("node-v"),
+        &ferry::proto::cluster::encode(&squatter),
+    )
+    .await;
+    let after = MemberRecord {
+        name: "node-u".into(),
+        node_id: "node-u".into(),
+        tcp: "192.0.2.10:7070".into(),
+        ..borrowed.clone()
+    };
+    etcd.put(
+        &ferry::proto::cluster::member_key("node-u"),
+        &ferry::proto::cluster::encode(&after),
+    )
+    .await;
+    sees(&b, "192.0.2.10:7070", true).await;
+    let v = TensorKey::new(0, "v");
+    ca.put(&v, &samples::plain(DType::F32, &[8, 8], 9))
+        .await
+        .unwrap();
+    let pulled = copy_one(&mut ca, &mut cb, &v, &how(&a_addr, 0)).await;
+    assert!(pulled.is_ok(), "{:?}", pulled.err());
+
     // The record gone, c's address is no member's.
     etcd.delete(&impostor_key).await;
     sees(&b, &c_addr, false).await;

@@ -136,29 +136,54 @@ impl PeerPolicy {
                 if let Some(terms) = listed(peers) {
                     return Some(terms);
                 }
-                let registered = members.identity_at(source)?;
                 Some(match Endpoint::parse(source) {
+                    // Under TLS the certificate there settles which claim is true: an address
+                    // several members claim (one of them, perhaps, an etcd writer's) stays
+                    // pullable from whichever of them shows its certificate.
+                    Endpoint::Tcp(_) if tls => {
+                        let mut claimed = members.identities_at(source);
+                        let check = match claimed.len() {
+                            0 => return None,
+                            1 => PeerCheck::Certificate(NodeId::from(&*claimed.remove(0))),
+                            _ => PeerCheck::CertificateAmong(
+                                claimed.iter().map(|id| NodeId::from(&**id)).collect(),
+                            ),
+                        };
+                        PeerTerms {
+                            check,
+                            token: peer_token,
+                        }
+                    }
                     // The kernel's word on who serves it is the credential there: no token.
-                    Endpoint::Unix(_) => PeerTerms {
-                        check: PeerCheck::OwnUserSocket,
-                        token: None,
-                    },
-                    Endpoint::Tcp(_) if tls => PeerTerms {
-                        check: PeerCheck::Certificate(NodeId::from(&*registered)),
-                        token: peer_token,
-                    },
-                    Endpoint::Tcp(_) => PeerTerms {
-                        check: PeerCheck::Any,
-                        token: None,
-                    },
+                    Endpoint::Unix(_) => {
+                        members.identity_at(source)?;
+                        PeerTerms {
+                            check: PeerCheck::OwnUserSocket,
+                            token: None,
+                        }
+                    }
+                    Endpoint::Tcp(_) => {
+                        members.identity_at(source)?;
+                        PeerTerms {
+                            check: PeerCheck::Any,
+                            token: None,
+                        }
+                    }
                 })
             }
         }
     }
 
-    /// Whether a pull may connect to `source` at all.
+    /// Whether a pull may connect to `source` at all, in clear (an address several members
+    /// claim is refused there).
     pub fn allows(&self, source: &str) -> bool {
         self.terms(source, false, None).is_some()
+    }
+
+    /// Whether a pull may connect to `source` at all, over TLS where `tls` (an address several
+    /// members claim is then allowed, its certificate to name one of them).
+    pub(crate) fn allows_over(&self, source: &str, tls: bool) -> bool {
+        self.terms(source, tls, None).is_some()
     }
 
     /// The listed peers that name an identity, which only a TLS link can check.
@@ -195,7 +220,8 @@ pub struct ClusterMembers {
 /// The member list as last read, and until when it counts.
 #[derive(Debug, Default)]
 struct Snapshot {
-    by_addr: HashMap<String, Arc<str>>,
+    /// Every node id registered at each address (more than one: claims that disagree).
+    by_addr: HashMap<String, Vec<Arc<str>>>,
     /// `None` while the cluster task follows etcd.
     valid_until: Option<Instant>,
 }
@@ -230,27 +256,23 @@ impl ClusterMembers {
     }
 
     /// Replaces the list: `(address, node id)` for every address of every member. An address
-    /// two members claim under different node ids is left out (pulls from it are refused): which
-    /// one is there, only a certificate could tell, and not over every link.
+    /// two members claim under different node ids keeps both claims: in clear pulls from it are
+    /// refused (which one is there, only a certificate could tell), under TLS the certificate
+    /// there must name one of them.
     pub fn replace(&self, members: impl IntoIterator<Item = (String, String)>) {
-        let mut claims: HashMap<String, Option<Arc<str>>> = HashMap::new();
+        let mut by_addr: HashMap<String, Vec<Arc<str>>> = HashMap::new();
         for (addr, id) in members.into_iter().filter(|(_, id)| self.admits(id)) {
             let addr = Endpoint::parse(&addr).to_string();
-            match claims.get(&addr) {
-                Some(Some(earlier)) if **earlier != *id => {
-                    tracing::warn!(addr = %addr, "two cluster members claim one address under different node ids: pulls from it are refused");
-                    claims.insert(addr, None);
-                }
-                Some(_) => {}
-                None => {
-                    claims.insert(addr, Some(Arc::from(id)));
-                }
+            let claims = by_addr.entry(addr).or_default();
+            if !claims.iter().any(|claimed| **claimed == *id) {
+                claims.push(Arc::from(id));
             }
         }
-        let by_addr = claims
-            .into_iter()
-            .filter_map(|(addr, id)| Some((addr, id?)))
-            .collect();
+        for (addr, claims) in &by_addr {
+            if claims.len() > 1 {
+                tracing::warn!(addr = %addr, claims = claims.len(), "cluster members claim one address under different node ids: in clear pulls from it are refused, under TLS its certificate must name one of them");
+            }
+        }
         *self.now.write().unwrap_or_else(|e| e.into_inner()) = Snapshot {
             by_addr,
             valid_until: None,
@@ -268,13 +290,22 @@ impl ClusterMembers {
         }
     }
 
-    /// The node id registered at `addr`, if a member registered it.
+    /// The node id registered at `addr`, if one member registered it (none where several
+    /// claims disagree).
     pub fn identity_at(&self, addr: &str) -> Option<Arc<str>> {
+        match self.identities_at(addr).as_slice() {
+            [one] => Some(one.clone()),
+            _ => None,
+        }
+    }
+
+    /// Every node id registered at `addr`.
+    pub fn identities_at(&self, addr: &str) -> Vec<Arc<str>> {
         let now = self.now.read().unwrap_or_else(|e| e.into_inner());
         if now.valid_until.is_some_and(|until| Instant::now() > until) {
-            return None;
+            return Vec::new();
         }
-        now.by_addr.get(addr).cloned()
+        now.by_addr.get(addr).cloned().unwrap_or_default()
     }
 }
 
@@ -320,10 +351,15 @@ mod tests {
             policy.terms("10.0.0.3:7070", true, token).is_none(),
             "not a member"
         );
-        assert!(
-            policy.terms("10.0.0.9:7070", true, token).is_none(),
-            "claimed twice"
+        // Claimed twice: in clear refused, under TLS the certificate there names one of them.
+        assert!(policy.terms("10.0.0.9:7070", false, token).is_none());
+        assert!(!policy.allows("10.0.0.9:7070"));
+        let both = policy.terms("10.0.0.9:7070", true, token).unwrap();
+        assert_eq!(
+            both.check,
+            PeerCheck::CertificateAmong(vec![NodeId::new("node-x"), NodeId::new("node-y")])
         );
+        assert!(policy.allows_over("10.0.0.9:7070", true));
         // Away from etcd longer than the grace, the list counts as empty.
         let PeerPolicy::Members { members, .. } = &policy else {
             unreachable!()

@@ -22,6 +22,9 @@ pub enum PeerCheck {
     /// A certificate that names this node id, on any transport (a Unix socket shows none, and is
     /// refused).
     Certificate(NodeId),
+    /// A certificate that names one of these node ids (an address several cluster members
+    /// claim: whichever is there shows its certificate), on any transport.
+    CertificateAmong(Vec<NodeId>),
     /// Over a Unix socket, this very user must serve it (root not counted); nothing more over
     /// TCP. For a socket whose path came from a cluster's directory.
     OwnUserSocket,
@@ -96,6 +99,21 @@ impl Dial<'_> {
         };
         match self.check {
             PeerCheck::Any => Ok(()),
+            PeerCheck::CertificateAmong(ids) => {
+                let certified = socket.peer_identity().map(|id| id.as_str());
+                match ids.iter().find(|id| Some(id.as_str()) == certified) {
+                    Some(_) => Ok(()),
+                    None => Err(ExchangeError::NotTheNode {
+                        expected: NodeId::new(
+                            ids.iter()
+                                .map(NodeId::as_str)
+                                .collect::<Vec<_>>()
+                                .join(" or "),
+                        ),
+                        certified: certified.map(str::to_string),
+                    }),
+                }
+            }
             PeerCheck::OwnUserSocket => Ok(socket.require_own_user()?),
             PeerCheck::Node(_) if unix => Ok(socket.require_own_user()?),
             PeerCheck::Node(expected) | PeerCheck::Certificate(expected) => certificate(expected),
