@@ -14,7 +14,10 @@ clients="${2:-256}"
 cargo build --release --bins
 dir="$(mktemp -d)"
 trap 'kill "$node" 2>/dev/null || true; rm -rf "$dir"' EXIT
+# Every client comes from one address, and the generator adds a connection of its own (its
+# memory sampler): room for them all beyond the default per-address share (256).
 target/release/ferry-server --listen 127.0.0.1:0 --device flex --device flex \
+    --max-connections-per-address 1024 \
     > "$dir/node.out" 2> "$dir/node.err" &
 node=$!
 for _ in $(seq 50); do
