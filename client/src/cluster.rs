@@ -3,10 +3,14 @@
 //!
 //! What etcd holds was written by nodes (and possibly by anyone else with access to that etcd):
 //! keys are parsed and values decoded with bounds, and an entry that does not parse is skipped.
+//! Reached under TLS, the directory takes only records each member sealed with its own key
+//! (`ferry_io::signed_record`): an entry anyone else wrote is skipped, and a member record
+//! asked for by name that its member did not seal is an error saying who did.
 
 use ferry_etcd::{Etcd, EtcdError};
 use ferry_io::ClientTls;
 use ferry_io::Endpoint;
+use ferry_io::signed_record::Records;
 use ferry_proto::NodeId;
 use ferry_proto::cluster::{self as keys, MemberRecord, TensorRecord};
 use std::time::Duration;
@@ -27,6 +31,15 @@ pub enum DirectoryError {
     /// No member is registered under the name.
     #[error("no member @{0} is registered in the cluster")]
     UnknownMember(String),
+    /// Under TLS: the record under the member's name is not one the member sealed.
+    #[error("@{member}'s record is refused: {source}")]
+    Record {
+        /// The member's name.
+        member: String,
+        /// Why the record was not taken.
+        #[source]
+        source: ferry_io::RecordError,
+    },
     /// The member's record names a node id the operator's list does not admit.
     #[error("@{member}'s record names node {node_id:?}, which is not among the admitted members")]
     NotAdmitted {
@@ -62,19 +75,11 @@ pub struct Located {
 pub struct Directory {
     etcd: Etcd,
     endpoints: String,
-    naming: Naming,
+    /// Which records count: under TLS only those each member sealed, and a member's name is its
+    /// node id, whatever address (a Unix socket too) its record gives.
+    records: Records,
     /// The node ids the operator admits as members; `None`: whoever registers.
     admitted: Option<std::collections::BTreeSet<NodeId>>,
-}
-
-/// What a member's name says of it, by how the directory was reached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Naming {
-    /// Reached with a certificate (`etcds://`, or TLS given): a cluster under TLS, where a
-    /// member's name is its node id, whatever address (a Unix socket too) a record gives.
-    Certified,
-    /// In clear: names and node ids are whatever the records say.
-    Claimed,
 }
 
 impl Directory {
@@ -83,8 +88,9 @@ impl Directory {
         Directory::connect_with(cluster, None).await
     }
 
-    /// [`connect`](Self::connect), with `tls` for a cluster whose etcd takes TLS
-    /// (`etcds://HOST:PORT`): etcd's certificate checked against the CA, this side's presented.
+    /// [`connect`](Self::connect), with `tls` for a cluster under TLS: etcd's certificate checked
+    /// against the CA and this side's presented where etcd takes TLS (`etcds://HOST:PORT`), and
+    /// only records their members sealed taken (nodes under TLS seal every record).
     pub async fn connect_with(
         cluster: &str,
         tls: Option<&ClientTls>,
@@ -100,9 +106,9 @@ impl Directory {
         Ok(Directory {
             etcd,
             endpoints: joined,
-            naming: match tls {
-                Some(_) => Naming::Certified,
-                None => Naming::Claimed,
+            records: match tls {
+                Some(tls) => Records::Sealed(tls.record_check().clone()),
+                None => Records::Claimed,
             },
             admitted: None,
         })
@@ -132,26 +138,35 @@ impl Directory {
         let mut members: Vec<MemberRecord> = answer
             .kvs
             .iter()
-            .filter_map(|kv| keys::member_of(&kv.key, &kv.value))
+            .filter_map(|kv| self.records.member(&kv.key, &kv.value).ok())
             .collect();
         members.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(members)
     }
 
-    /// The member registered as `name`, if any.
+    /// The member registered as `name`, if any; under TLS a record there that the member did not
+    /// seal is [`DirectoryError::Record`].
     pub async fn member(&mut self, name: &str) -> Result<Option<MemberRecord>, DirectoryError> {
         if !keys::valid_member_name(name) {
             return Ok(None);
         }
+        let key = keys::member_key(name);
         let answer = self
             .etcd
-            .get(keys::member_key(name).as_bytes())
+            .get(key.as_bytes())
             .await
             .map_err(|e| self.failed(e))?;
-        Ok(answer
-            .kvs
-            .iter()
-            .find_map(|kv| keys::member_of(&kv.key, &kv.value)))
+        let Some(kv) = answer.kvs.iter().find(|kv| kv.key == key.as_bytes()) else {
+            return Ok(None);
+        };
+        match self.records.member(&kv.key, &kv.value) {
+            Ok(record) => Ok(Some(record)),
+            Err(ferry_io::RecordError::Unreadable(_)) if !self.records.is_sealed() => Ok(None),
+            Err(source) => Err(DirectoryError::Record {
+                member: name.to_string(),
+                source,
+            }),
+        }
     }
 
     /// The member registered as `name`, or [`DirectoryError::UnknownMember`].
@@ -178,8 +193,9 @@ impl Directory {
         let member = self.resolve(name).await?;
         // Under TLS a member's name is its node id, on every path to it: a record naming another
         // node under @name (and that node's Unix socket) is refused before connecting, even by a
-        // caller that reaches its socket without TLS of its own.
-        if self.naming == Naming::Certified && member.node_id.as_str() != member.name {
+        // caller that reaches its socket without TLS of its own. (A sealed record says so
+        // already; this holds whatever the record's way here.)
+        if self.records.is_sealed() && member.node_id.as_str() != member.name {
             return Err(ReachError::Client(ClientError::NameIsNotIdentity {
                 member: member.name.clone(),
                 registered: member.node_id.clone(),
@@ -214,13 +230,13 @@ impl Directory {
             .kvs
             .iter()
             .filter_map(|kv| {
-                let key = std::str::from_utf8(&kv.key).ok()?;
-                let (member, device, name) = keys::parse_tensor_key(key)?;
+                let (member, device, name, record) =
+                    self.records.tensor(&kv.key, &kv.value).ok()?;
                 Some(Located {
                     member: member.to_string(),
                     device,
                     name: name.to_string(),
-                    record: keys::decode(&kv.value)?,
+                    record,
                 })
             })
             .collect();

@@ -9,6 +9,12 @@
 //! JSON, so that `etcdctl get --prefix /ferry/` is readable. Everything read back is untrusted
 //! (another writer may share the etcd): keys are parsed and values decoded with bounds, and
 //! what does not parse is skipped by readers.
+//!
+//! A node under TLS writes each record sealed ([`SealedRecord`]): the record, its certificate
+//! chain and its signature over the key and the record's bytes ([`signed_message`]), so that a
+//! reader holding the cluster's CA takes from etcd only what the member named by the key wrote
+//! (`ferry_io::signed_record` signs and checks). A cluster in clear has no keys to sign with:
+//! its records are plain, and its readers take what etcd says.
 
 use serde::{Deserialize, Serialize};
 
@@ -148,11 +154,108 @@ pub fn member_of(key: &[u8], value: &[u8]) -> Option<MemberRecord> {
     (record.name == name && valid_member_name(name)).then_some(record)
 }
 
-/// Decodes a record read back from etcd; `None` for one that is too large or does not parse.
+/// Decodes a record read back from etcd, plain or sealed, without checking a seal (what a
+/// reader in clear, or a log line, takes); `None` for one that is too large or does not parse.
 pub fn decode<T: for<'de> Deserialize<'de>>(value: &[u8]) -> Option<T> {
+    match SealedRecord::parse(value) {
+        Some(sealed) => decode_plain(sealed.record.get().as_bytes()),
+        None => decode_plain(value),
+    }
+}
+
+/// Decodes a plain record (or a sealed record's inner one, once its seal was checked).
+pub fn decode_plain<T: for<'de> Deserialize<'de>>(value: &[u8]) -> Option<T> {
     (value.len() <= MAX_RECORD)
         .then(|| serde_json::from_slice(value).ok())
         .flatten()
+}
+
+/// The most certificates a sealed record's chain carries (the leaf and its intermediates).
+pub const MAX_CHAIN: usize = 4;
+
+/// A record as a node under TLS writes it: the record's own JSON, kept byte for byte (what the
+/// signature covers), the node's certificate chain and its signature over [`signed_message`].
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SealedRecord<'a> {
+    /// The record, exactly as signed.
+    #[serde(borrow)]
+    pub record: &'a serde_json::value::RawValue,
+    /// The signer's certificate chain, leaf first, each DER in standard base64.
+    pub certificates: Vec<String>,
+    /// The TLS 1.3 signature scheme of the signature (its IANA code point).
+    pub scheme: u16,
+    /// The signature, standard base64.
+    pub signature: String,
+}
+
+impl<'a> SealedRecord<'a> {
+    /// The sealed record `value` holds; `None` for a plain record, or anything too large or
+    /// malformed to be a seal.
+    pub fn parse(value: &'a [u8]) -> Option<SealedRecord<'a>> {
+        let sealed: SealedRecord = (value.len() <= MAX_RECORD)
+            .then(|| serde_json::from_slice(value).ok())
+            .flatten()?;
+        (sealed.certificates.len() <= MAX_CHAIN).then_some(sealed)
+    }
+
+    /// The chain's certificates, DER; `None` where one is not base64 or the chain is empty.
+    pub fn chain(&self) -> Option<Vec<Vec<u8>>> {
+        use base64::Engine as _;
+        let chain: Vec<Vec<u8>> = self
+            .certificates
+            .iter()
+            .map(|c| base64::engine::general_purpose::STANDARD.decode(c).ok())
+            .collect::<Option<_>>()?;
+        (!chain.is_empty()).then_some(chain)
+    }
+
+    /// The signature's bytes; `None` where it is not base64.
+    pub fn signature(&self) -> Option<Vec<u8>> {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD
+            .decode(&self.signature)
+            .ok()
+    }
+}
+
+/// Seals `record` (a plain record's JSON, as [`encode`] makes it): the stored value.
+pub fn seal(record: &[u8], chain: &[&[u8]], scheme: u16, signature: &[u8]) -> Vec<u8> {
+    use base64::Engine as _;
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+    // `encode`'s output is JSON; anything else would not be a record (and is sealed as null).
+    let record = std::str::from_utf8(record)
+        .ok()
+        .and_then(|r| serde_json::value::RawValue::from_string(r.to_string()).ok())
+        .unwrap_or_else(|| serde_json::value::RawValue::NULL.to_owned());
+    #[derive(Serialize)]
+    struct Owned<'r> {
+        record: &'r serde_json::value::RawValue,
+        certificates: Vec<String>,
+        scheme: u16,
+        signature: String,
+    }
+    // As `encode`: a plain struct always serializes.
+    serde_json::to_vec(&Owned {
+        record: &record,
+        certificates: chain.iter().map(|c| b64(c)).collect(),
+        scheme,
+        signature: b64(signature),
+    })
+    .unwrap_or_default()
+}
+
+/// What a sealed record's signature covers: a context of its own (no other signature a node
+/// makes, a TLS handshake's included, can be taken for one), the key it is stored under (a
+/// record moved to another key no longer verifies) and the record's bytes.
+pub fn signed_message(key: &[u8], record: &[u8]) -> Vec<u8> {
+    const CONTEXT: &[u8] = b"ferry directory record, v1\0";
+    let mut message = Vec::with_capacity(CONTEXT.len() + 8 + key.len() + record.len());
+    message.extend_from_slice(CONTEXT);
+    message.extend_from_slice(&(key.len() as u64).to_be_bytes());
+    message.extend_from_slice(key);
+    message.extend_from_slice(record);
+    message
 }
 
 /// Encodes a record for etcd.
@@ -187,8 +290,27 @@ mod tests {
             bytes: 24,
             content_hash: None,
         };
-        assert_eq!(decode::<TensorRecord>(&encode(&record)), Some(record));
+        assert_eq!(
+            decode::<TensorRecord>(&encode(&record)),
+            Some(record.clone())
+        );
         assert_eq!(decode::<TensorRecord>(b"{"), None);
+        // Sealed: the inner record kept byte for byte, the chain and signature round-trip.
+        let plain = encode(&record);
+        let sealed = seal(&plain, &[b"leaf", b"ca"], 0x0403, b"sig");
+        let parsed = SealedRecord::parse(&sealed).unwrap();
+        assert_eq!(parsed.record.get().as_bytes(), &plain[..]);
+        assert_eq!(
+            parsed.chain().unwrap(),
+            vec![b"leaf".to_vec(), b"ca".to_vec()]
+        );
+        assert_eq!(parsed.signature().unwrap(), b"sig");
+        assert_eq!(parsed.scheme, 0x0403);
+        assert_eq!(decode::<TensorRecord>(&sealed), Some(record));
+        assert!(SealedRecord::parse(&plain).is_none());
+        let too_long = seal(&plain, &[&b"a"[..]; MAX_CHAIN + 1], 0x0403, b"sig");
+        assert!(SealedRecord::parse(&too_long).is_none());
+        assert_ne!(signed_message(b"/k", b"{}"), signed_message(b"/k{", b"}"));
         assert_eq!(
             endpoints("etcd://127.0.0.1:2379,etcd-2:2379"),
             Ok(vec![

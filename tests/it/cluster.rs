@@ -496,19 +496,29 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
     joined_b.leave().await;
 }
 
+/// The plain record `plain` sealed by `by` (a node's certificate of the cluster's CA), stored
+/// under `key`.
+async fn put_sealed(etcd: &Etcd, by: &ferry::io::NodeTls, key: &str, plain: &[u8]) {
+    let sealed = by.record_signer().seal(key.as_bytes(), plain).unwrap();
+    etcd.put(key, &sealed).await;
+}
+
+/// Under TLS only what a member sealed itself counts: an etcd writer's plain record, or one
+/// sealed with another node's certificate of the same CA, adds no member, moves none and places
+/// no tensor, for the nodes' member lists and for clients' directories alike. What a member
+/// sealed itself is still checked at connect: its certificate must name it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn under_tls_a_member_must_show_the_identity_it_registered() {
+async fn under_tls_only_what_a_member_sealed_counts_and_a_member_must_show_its_identity() {
     let etcd = Etcd::start().await;
     let pki = TestPki::new();
     let a = member_node(Some(pki.node("node-a"))).await;
     let b = member_node(Some(pki.node("node-b"))).await;
-    // A node the CA signed, but not a member: an impostor's record names its address as a
-    // member's (one that names itself, as members do under TLS), as anyone who can write to
-    // this etcd could.
+    // A node the CA signed, but not a member; its key is the etcd writer's.
+    let c_tls = pki.node("node-c");
     let c = start(
         NodeConfig {
             devices: devices(&["flex"]),
-            tls: Some(pki.node("node-c")),
+            tls: Some(c_tls.clone()),
             ..NodeConfig::default()
         },
         ServiceConfig::default(),
@@ -517,17 +527,65 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
     // Under TLS a member's name is its certificate's.
     let joined_a = Membership::join(a.node.clone(), config(&etcd, "node-a", &a));
     let joined_b = Membership::join(b.node.clone(), config(&etcd, "node-b", &b));
-    let impostor = MemberRecord {
-        name: "node-x".into(),
-        node_id: "node-x".into(),
-        tcp: c.addr.to_string(),
+    let (a_addr, c_addr) = (a.addr.to_string(), c.addr.to_string());
+    let record = |name: &str, node_id: &str, tcp: &str| MemberRecord {
+        name: name.into(),
+        node_id: node_id.into(),
+        tcp: tcp.into(),
         unix: None,
         host: String::new(),
         devices: Vec::new(),
     };
-    let impostor_key = ferry::proto::cluster::member_key("node-x");
-    etcd.put(&impostor_key, &ferry::proto::cluster::encode(&impostor))
+    use ferry::proto::cluster::{encode, member_key, tensor_key};
+    // An impostor at c's address: plain (any etcd writer), and sealed with c's key.
+    let impostor = record("node-x", "node-x", &c_addr);
+    etcd.put(&member_key("node-x"), &encode(&impostor)).await;
+    put_sealed(
+        &etcd,
+        &c_tls,
+        &member_key("node-z"),
+        &encode(&record("node-z", "node-z", &c_addr)),
+    )
+    .await;
+    // a's own name taken over (its address moved to c's), and a record under one name naming
+    // a's id (@node-y), both sealed with c's key.
+    put_sealed(
+        &etcd,
+        &c_tls,
+        &member_key("node-y"),
+        &encode(&record("node-y", "node-a", "192.0.2.7:7070")),
+    )
+    .await;
+    // A tensor entry placing a tensor on a that a never wrote: plain, and sealed by c.
+    let entry = ferry::proto::cluster::TensorRecord {
+        dtype: "f32".into(),
+        shape: vec![4],
+        bytes: 16,
+        content_hash: None,
+    };
+    etcd.put(&tensor_key("node-a", 0, "fake"), &encode(&entry))
         .await;
+    put_sealed(
+        &etcd,
+        &c_tls,
+        &tensor_key("node-a", 0, "fake-sealed"),
+        &encode(&entry),
+    )
+    .await;
+    // Written after them, and sealed by its own member: once b lists it, b has read the rest.
+    let w_tls = pki.node("node-w");
+    put_sealed(
+        &etcd,
+        &w_tls,
+        &member_key("node-w"),
+        &encode(&record("node-w", "node-w", "192.0.2.8:7070")),
+    )
+    .await;
+    sees(&b, "192.0.2.8:7070", true).await;
+    sees(&b, &a_addr, true).await;
+    for forged in [c_addr.as_str(), "192.0.2.7:7070"] {
+        assert!(!b.node.config().pulls.peers.allows(forged), "{forged}");
+    }
 
     let user = pki.client("user");
     let mut ca = tls_client(&a, &user).await.unwrap();
@@ -536,91 +594,90 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
     let data = samples::plain(DType::F32, &[64, 33], 8);
     ca.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     cc.put(&TensorKey::new(0, "w"), &data).await.unwrap();
-    let (a_addr, c_addr) = (a.addr.to_string(), c.addr.to_string());
-    sees(&b, &a_addr, true).await;
-    sees(&b, &c_addr, true).await;
+    member_yes_stranger_no(&mut cb, (&mut ca, &a_addr), (&mut cc, &c_addr), &data, "c").await;
 
-    member_yes_stranger_no(
-        &mut cb,
-        (&mut ca, &a_addr),
-        (&mut cc, &c_addr),
-        &data,
-        "c, not the node-x registered at its address",
+    // A client's directory, reached with its certificate: the same records count.
+    let mut d = Directory::connect_with(&etcd.cluster(), Some(&user))
+        .await
+        .unwrap();
+    let names: Vec<String> = d
+        .members()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.name)
+        .collect();
+    assert_eq!(names, ["node-a", "node-b", "node-w"]);
+    for (name, why) in [
+        ("node-x", "not sealed"),
+        ("node-z", "signed by node \"node-c\""),
+        ("node-y", "signed by node \"node-c\""),
+    ] {
+        let refused = d.resolve(name).await;
+        assert!(
+            matches!(&refused, Err(DirectoryError::Record { member, source }) if member == name && source.to_string().contains(why)),
+            "{name}: {refused:?}"
+        );
+    }
+    eventually_async(
+        "a's w in the directory",
+        Duration::from_secs(10),
+        || async {
+            Directory::connect_with(&etcd.cluster(), Some(&user))
+                .await
+                .unwrap()
+                .holders("w")
+                .await
+                .unwrap()
+                .iter()
+                .any(|h| h.member == "node-a")
+        },
     )
     .await;
+    let placed: Vec<String> = d
+        .tensors(Some("node-a"))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    assert_eq!(placed, ["w"], "only what a sealed");
+    assert!(d.holders("fake").await.unwrap().is_empty());
+    assert!(d.holders("fake-sealed").await.unwrap().is_empty());
 
-    // A client is held to the same: c's certificate does not name node-a.
-    let config = ConnectOptions::default().tls(user.clone());
-    let wrong = connect_member(&impostor, &c_addr, config.clone()).await;
+    // What a member sealed is still checked at connect: a record handed in directly (as a
+    // directory in clear might) naming node-x at c's address, or @node-y naming a's id.
+    let options = ConnectOptions::default().tls(user.clone());
+    let wrong = connect_member(&impostor, &c_addr, options.clone()).await;
     assert!(
         matches!(&wrong, Err(ClientError::NotTheNode { certified: Some(c), .. }) if c == "node-c"),
         "{:?}",
         wrong.err()
     );
-    let mut d = Directory::connect(&etcd.cluster()).await.unwrap();
-    let record = d.resolve("node-a").await.unwrap();
-    connect_member(&record, &a_addr, config.clone())
-        .await
-        .unwrap();
-
-    // A record under one name naming another node (a's id and address under @node-y) is no
-    // member's own: nodes do not list it, clients refuse it before connecting.
-    let borrowed = MemberRecord {
-        name: "node-y".into(),
-        node_id: a.node.node_id().clone(),
-        tcp: "192.0.2.7:7070".into(),
-        unix: None,
-        host: String::new(),
-        devices: Vec::new(),
-    };
-    etcd.put(
-        &ferry::proto::cluster::member_key("node-y"),
-        &ferry::proto::cluster::encode(&borrowed),
-    )
-    .await;
-    // Written after it, and listed: once b lists it, b has read the other too.
-    let marker = MemberRecord {
-        name: "node-w".into(),
-        node_id: "node-w".into(),
-        tcp: "192.0.2.8:7070".into(),
-        ..borrowed.clone()
-    };
-    etcd.put(
-        &ferry::proto::cluster::member_key("node-w"),
-        &ferry::proto::cluster::encode(&marker),
-    )
-    .await;
-    sees(&b, "192.0.2.8:7070", true).await;
-    assert!(!b.node.config().pulls.peers.allows("192.0.2.7:7070"));
-    let refused = connect_member(&borrowed, &a_addr, config).await;
+    let borrowed = record("node-y", a.node.node_id().as_str(), &a_addr);
+    let refused = connect_member(&borrowed, &a_addr, options.clone()).await;
     assert!(
         matches!(&refused, Err(ClientError::NameIsNotIdentity { member, .. }) if member == "node-y"),
         "{:?}",
         refused.err()
     );
+    let record_a = d.resolve("node-a").await.unwrap();
+    connect_member(&record_a, &a_addr, options).await.unwrap();
 
-    // A made-up member registered at a's address (a second claim on it, as any etcd writer can
-    // make): the certificate there still names node-a, so b still pulls from a.
-    let squatter = MemberRecord {
-        name: "node-v".into(),
-        node_id: "node-v".into(),
-        tcp: a_addr.clone(),
-        ..borrowed.clone()
-    };
-    etcd.put(
-        &ferry::proto::cluster::member_key("node-v"),
-        &ferry::proto::cluster::encode(&squatter),
+    // c registering under its own name, at a's address (a second claim on it, which any node
+    // of the CA can seal): the certificate there still names node-a, so b still pulls from a.
+    put_sealed(
+        &etcd,
+        &c_tls,
+        &member_key("node-c"),
+        &encode(&record("node-c", "node-c", &a_addr)),
     )
     .await;
-    let after = MemberRecord {
-        name: "node-u".into(),
-        node_id: "node-u".into(),
-        tcp: "192.0.2.10:7070".into(),
-        ..borrowed.clone()
-    };
-    etcd.put(
-        &ferry::proto::cluster::member_key("node-u"),
-        &ferry::proto::cluster::encode(&after),
+    put_sealed(
+        &etcd,
+        &w_tls,
+        &member_key("node-w"),
+        &encode(&record("node-w", "node-w", "192.0.2.10:7070")),
     )
     .await;
     sees(&b, "192.0.2.10:7070", true).await;
@@ -630,10 +687,6 @@ async fn under_tls_a_member_must_show_the_identity_it_registered() {
         .unwrap();
     let pulled = copy_one(&mut ca, &mut cb, &v, &how(&a_addr, 0)).await;
     assert!(pulled.is_ok(), "{:?}", pulled.err());
-
-    // The record gone, c's address is no member's.
-    etcd.delete(&impostor_key).await;
-    sees(&b, &c_addr, false).await;
     joined_a.leave().await;
     joined_b.leave().await;
 }

@@ -23,6 +23,7 @@ pub mod pool;
 pub mod refusal_log;
 #[cfg(target_os = "linux")]
 pub mod region;
+pub mod signed_record;
 pub mod tls;
 mod trailing;
 pub mod transport;
@@ -31,5 +32,6 @@ pub use assembler::{TRAILING_HASH_MIN, TensorAssembler};
 pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse};
 pub use exchange::{Dial, Exchange, ExchangeError, PeerCheck, SharedMemory, Step};
 pub use pool::{Pool, PoolError};
+pub use signed_record::{RecordCheck, RecordError, RecordSigner};
 pub use tls::{ClientTls, Identity, NodeTls, TlsError, TlsFiles};
 pub use transport::{Endpoint, Stream, Transport};

@@ -19,6 +19,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::refusal_log::RefusalLog;
+use crate::signed_record::{RecordCheck, RecordSigner};
 use crate::transport::TlsLink;
 
 /// The longest identity (a certificate's common name) accepted.
@@ -290,13 +291,19 @@ impl Material {
         })
     }
 
-    /// The connecting side: the CA's roots only, and this holder's certificate when asked.
-    fn connector(&self) -> Result<TlsConnector, TlsError> {
+    /// The connecting side: the CA's roots only, and this holder's certificate when asked; and
+    /// the check of the directory's sealed records against the same CA.
+    fn client(&self) -> Result<ClientTls, TlsError> {
         let config = rustls::ClientConfig::builder_with_provider(provider())
             .with_protocol_versions(VERSIONS)?
             .with_root_certificates(self.roots.clone())
             .with_client_auth_cert(self.chain.clone(), self.key.clone_key())?;
-        Ok(TlsConnector::from(Arc::new(config)))
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(self.roots.clone(), provider()).build()?;
+        Ok(ClientTls {
+            connector: TlsConnector::from(Arc::new(config)),
+            records: RecordCheck::new(verifier),
+        })
     }
 }
 
@@ -308,6 +315,7 @@ pub struct NodeTls {
     acceptor: TlsAcceptor,
     connector: ClientTls,
     identity: Identity,
+    signer: Arc<RecordSigner>,
 }
 
 impl fmt::Debug for NodeTls {
@@ -331,11 +339,15 @@ impl NodeTls {
             .with_single_cert(material.chain.clone(), material.key.clone_key())?;
         Ok(Self {
             acceptor: TlsAcceptor::from(Arc::new(config)),
-            connector: ClientTls {
-                connector: material.connector()?,
-            },
+            connector: material.client()?,
+            signer: Arc::new(RecordSigner::new(material.chain.clone(), &material.key)?),
             identity: material.identity,
         })
+    }
+
+    /// How this node seals what it writes to the cluster's directory.
+    pub fn record_signer(&self) -> &RecordSigner {
+        &self.signer
     }
 
     /// Who this node is: its certificate's identity.
@@ -370,6 +382,7 @@ impl NodeTls {
 #[derive(Clone)]
 pub struct ClientTls {
     connector: TlsConnector,
+    records: RecordCheck,
 }
 
 impl fmt::Debug for ClientTls {
@@ -381,9 +394,12 @@ impl fmt::Debug for ClientTls {
 impl ClientTls {
     /// Loads a client's certificate, key and CA.
     pub fn load(files: &TlsFiles) -> Result<Self, TlsError> {
-        Ok(Self {
-            connector: Material::load(files)?.connector()?,
-        })
+        Material::load(files)?.client()
+    }
+
+    /// How this side checks the directory's sealed records: against the same CA.
+    pub fn record_check(&self) -> &RecordCheck {
+        &self.records
     }
 
     /// The rustls connector itself (the cluster's CA, this side's certificate), for other TLS

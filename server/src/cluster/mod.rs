@@ -12,6 +12,9 @@
 //! - The node's own member record is what it wrote, within a watch's delay: anything else found
 //!   under its key (another node's id or address, no record) is put back, and logged at a
 //!   bounded rate (`own_record.rs`).
+//! - Under TLS every record the node writes is sealed with its certificate's key
+//!   (`ferry_io::signed_record`), and its member list takes only records each member sealed
+//!   itself: an etcd writer without a member's key adds no member and moves none.
 //! - etcd being away never stops the node serving: the session ends, the node logs it, and a new
 //!   session (a new lease, everything written again) starts after a backoff.
 //! - Where the node's peer policy follows the cluster ([`crate::PeerPolicy::Members`]), its member list
@@ -26,6 +29,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use ferry_etcd::{Etcd, EtcdError, EventKind, LeaseId, TxnOp, Watch, WatchBatch};
+use ferry_io::signed_record::Records;
 use ferry_proto::cluster::{self as keys, MemberDevice, MemberRecord, TensorRecord};
 use ferry_proto::dtype_name;
 use tokio::sync::watch;
@@ -107,6 +111,9 @@ pub enum ClusterError {
     /// The node failed to list its own tensors.
     #[error("listing the node's tensors: {0}")]
     Node(#[from] crate::NodeError),
+    /// The node's key could not seal a record.
+    #[error("sealing a record: {0}")]
+    Seal(#[from] ferry_io::RecordError),
 }
 
 /// The cluster task of a running node; stopping it revokes the lease, so that the node leaves the
@@ -174,15 +181,15 @@ async fn session(
     last_contact: &mut tokio::time::Instant,
 ) -> Result<(), ClusterError> {
     // Under TLS a member's name is its certificate's (what readers check a record against).
-    let naming = match node.config().tls {
+    let records = match &node.config().tls {
         Some(_) if config.name != node.node_id().as_str() => {
             return Err(ClusterError::NameIsNotIdentity {
                 name: config.name.clone(),
                 node_id: node.node_id().to_string(),
             });
         }
-        Some(_) => Naming::Certified,
-        None => Naming::Claimed,
+        Some(tls) => Records::Sealed(tls.client().record_check().clone()),
+        None => Records::Claimed,
     };
     let timeout = (config.ttl / 2).max(Duration::from_millis(500));
     // etcd over TLS (`https://` endpoints) is reached with the node's own certificate.
@@ -190,17 +197,13 @@ async fn session(
     let mut client = Etcd::connect_with(&config.endpoints, timeout, tls).await?;
     let granted = client.lease_grant(config.ttl).await?;
     let lease = granted.id;
-    let mut own = OwnRecord::register(
-        &mut client,
-        keys::member_key(&config.name).into_bytes(),
-        keys::encode(&member_record(node, config)),
-        lease,
-    )
-    .await?;
+    let own_key = keys::member_key(&config.name);
+    let own_value = stored(node, &own_key, keys::encode(&member_record(node, config)))?;
+    let mut own = OwnRecord::register(&mut client, own_key.into_bytes(), own_value, lease).await?;
     tracing::info!(name = %config.name, %lease, "registered in the cluster");
     *last_contact = tokio::time::Instant::now();
     let mut members = match node.config().pulls.peers.members() {
-        Some(list) => Some(MemberWatch::start(&mut client, list.clone(), naming).await?),
+        Some(list) => Some(MemberWatch::start(&mut client, list.clone(), records).await?),
         None => None,
     };
     let mut published: HashMap<String, Vec<u8>> = HashMap::new();
@@ -254,14 +257,13 @@ async fn session(
     }
 }
 
-/// How a member's name relates to its node id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Naming {
-    /// Under TLS: a member's name is its node id, its certificate's name. A record under one name
-    /// that names another node id is no member's own (an etcd writer's), and is not listed.
-    Certified,
-    /// In clear: names and node ids are whatever the records say.
-    Claimed,
+/// What the node stores under `key` for the plain record `record`: sealed with its key under
+/// TLS, plain in clear.
+fn stored(node: &Node, key: &str, record: Vec<u8>) -> Result<Vec<u8>, ClusterError> {
+    match &node.config().tls {
+        Some(tls) => Ok(tls.record_signer().seal(key.as_bytes(), &record)?),
+        None => Ok(record),
+    }
 }
 
 /// The member list a node's peer policy follows, and the watch that keeps it current.
@@ -270,7 +272,8 @@ struct MemberWatch {
     records: HashMap<Vec<u8>, MemberRecord>,
     list: ClusterMembers,
     stream: Watch,
-    naming: Naming,
+    /// Which records count: under TLS only those each member sealed.
+    records_taken: Records,
 }
 
 impl MemberWatch {
@@ -278,13 +281,18 @@ impl MemberWatch {
     async fn start(
         client: &mut Etcd,
         list: ClusterMembers,
-        naming: Naming,
+        records_taken: Records,
     ) -> Result<MemberWatch, ClusterError> {
         let answer = client.get_prefix(keys::MEMBERS.as_bytes()).await?;
         let records = answer
             .kvs
             .iter()
-            .filter_map(|kv| Some((kv.key.clone(), keys::member_of(&kv.key, &kv.value)?)))
+            .filter_map(|kv| {
+                Some((
+                    kv.key.clone(),
+                    records_taken.member(&kv.key, &kv.value).ok()?,
+                ))
+            })
             .collect();
         let stream = client
             .watch_prefix(keys::MEMBERS.as_bytes(), answer.revision + 1)
@@ -293,7 +301,7 @@ impl MemberWatch {
             records,
             list,
             stream,
-            naming,
+            records_taken,
         };
         watch.publish();
         Ok(watch)
@@ -304,7 +312,7 @@ impl MemberWatch {
         for event in events_of(answer, "the member list")? {
             let kv = event.kv;
             let record = match event.kind {
-                EventKind::Put => keys::member_of(&kv.key, &kv.value),
+                EventKind::Put => self.records_taken.member(&kv.key, &kv.value).ok(),
                 EventKind::Delete => None,
             };
             match record {
@@ -321,20 +329,15 @@ impl MemberWatch {
     /// the machine that dials it, whatever the record's writer meant).
     fn publish(&self) {
         let here = ferry_io::machine::name();
-        let own_record = |m: &&MemberRecord| match self.naming {
-            Naming::Certified => m.name == m.node_id.as_str(),
-            Naming::Claimed => true,
-        };
-        self.list
-            .replace(self.records.values().filter(own_record).flat_map(|m| {
-                let tcp = (m.tcp.clone(), m.node_id.to_string());
-                let unix = m
-                    .unix
-                    .clone()
-                    .filter(|_| !m.host.is_empty() && m.host == here)
-                    .map(|unix| (unix, m.node_id.to_string()));
-                std::iter::once(tcp).chain(unix)
-            }));
+        self.list.replace(self.records.values().flat_map(|m| {
+            let tcp = (m.tcp.clone(), m.node_id.to_string());
+            let unix = m
+                .unix
+                .clone()
+                .filter(|_| !m.host.is_empty() && m.host == here)
+                .map(|unix| (unix, m.node_id.to_string()));
+            std::iter::once(tcp).chain(unix)
+        }));
     }
 }
 
@@ -384,7 +387,8 @@ fn member_record(node: &Node, config: &ClusterConfig) -> MemberRecord {
 }
 
 /// Makes the directory say what the node holds now: puts what is new or changed, deletes what
-/// went, in transactions of at most [`TXN_OPS`] operations.
+/// went, in transactions of at most [`TXN_OPS`] operations. `published` holds the plain records
+/// last put.
 async fn sync_directory(
     node: &Node,
     config: &ClusterConfig,
@@ -411,6 +415,7 @@ async fn sync_directory(
             None => break,
         }
     }
+    // Compared plain (a seal differs at each signing); sealed only to be put.
     let mut ops: Vec<(String, Option<Vec<u8>>)> = Vec::new();
     for (key, value) in &now {
         if published.get(key) != Some(value) {
@@ -423,9 +428,19 @@ async fn sync_directory(
         }
     }
     for batch in ops.chunks(TXN_OPS) {
+        let values: Vec<Option<Vec<u8>>> = batch
+            .iter()
+            .map(|(key, value)| {
+                value
+                    .as_ref()
+                    .map(|value| stored(node, key, value.clone()))
+                    .transpose()
+            })
+            .collect::<Result<_, _>>()?;
         let txn_ops: Vec<TxnOp> = batch
             .iter()
-            .map(|(key, value)| match value {
+            .zip(&values)
+            .map(|((key, _), value)| match value {
                 Some(value) => TxnOp::Put {
                     key: key.as_bytes(),
                     value,
