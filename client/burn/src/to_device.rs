@@ -5,7 +5,7 @@ use burn_tensor::kind::Basic;
 use burn_tensor::{DType, Device, Tensor};
 use ferry_proto::{contained, dtype_name};
 
-use crate::holds::holds_of;
+use crate::holds::check_holds;
 
 /// Why a tensor was not moved. The tensor is gone either way (it was taken by value): keep a
 /// clone (a handle, not the bytes) where it is still needed.
@@ -79,18 +79,12 @@ impl<const D: usize, K: Basic + 'static> TryToDevice for Tensor<D, K> {
     }
 }
 
-/// Whether `device` holds `dtype` at `shape`, by ferry's measured table for its backend, or by
-/// the backend's own answer where ferry measures none.
+/// Whether `device` holds `dtype` at `shape` ([`check_holds`]), as a [`MoveError`].
 pub(crate) fn check_held(device: &Device, dtype: &DType, shape: &[usize]) -> Result<(), MoveError> {
-    let refused = |why: String| MoveError::NotHeld {
+    check_holds(device, dtype, shape).map_err(|why| MoveError::NotHeld {
         dtype: dtype_name(dtype),
         shape: shape.to_vec(),
         device: format!("{device:?}"),
         why,
-    };
-    match holds_of(device) {
-        Some(holds) => holds.check(dtype, shape).map_err(refused),
-        None if device.supports_dtype(*dtype) => Ok(()),
-        None => Err(refused("the backend does not support it".into())),
-    }
+    })
 }

@@ -1,7 +1,8 @@
 //! The handoff on a wgpu device the program opened first (Mesa's software adapter here; `.ci/run`
 //! installs it): a tensor handed to the node and back keeps its GPU buffer (the same cubecl
-//! memory, not equal bytes), one that arrived by a put is the program's on its own device, and a
-//! model applied from the node computes on that device.
+//! memory, not equal bytes), one that arrived by a put is the program's on its own device, a
+//! model applied from the node computes on that device, and every dtype moved onto it either
+//! arrives bit-exact or is refused by name (as the device's own measured table says).
 // Test code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 #![cfg(feature = "wgpu")]
@@ -178,4 +179,49 @@ fn a_quantized_model_sent_to_a_worker_nodes_gpu_is_applied_there_sharing_its_buf
         .unwrap();
     let logits = model.forward(batch(2, 5, &device));
     assert_eq!(logits.dims(), [2, 5, tiny_lm::VOCAB]);
+}
+
+#[test]
+fn every_dtype_moved_onto_the_gpu_arrives_bit_exact_or_is_refused_by_name() {
+    use ferry::server::BackendKind;
+    use ferry_burn::MoveError;
+    let gpu = Device::wgpu(DeviceKind::Cpu);
+    let flex = Device::flex();
+    let flex_holds = BackendKind::Flex.measured_holds().unwrap();
+    let (mut moves, mut refusals) = (0, Vec::new());
+    for sample in ferry::samples::full_matrix() {
+        let shape = sample.data.shape().to_vec();
+        if !(1..=3).contains(&shape.len())
+            || flex_holds.check(&sample.data.dtype(), &shape).is_err()
+        {
+            continue;
+        }
+        // Decided by the GPU's table before a byte moves: a natively stored sub-byte scheme,
+        // which cubecl cannot even be asked about without a panic, is refused by name.
+        let (source, outcome) = support::moved(sample.data.clone(), &flex, &gpu);
+        match outcome {
+            Ok(arrived) => {
+                assert_eq!(arrived.dtype(), source.dtype(), "{}", sample.name);
+                assert_eq!(arrived.shape().to_vec(), shape, "{}", sample.name);
+                assert!(
+                    arrived.as_bytes() == source.as_bytes(),
+                    "{}: the move changed the bytes",
+                    sample.name
+                );
+                moves += 1;
+            }
+            Err(MoveError::NotHeld { dtype, device, .. }) => {
+                assert_eq!(dtype, ferry::proto::dtype_name(&source.dtype()));
+                assert_eq!(device, format!("{gpu:?}"));
+                refusals.push(dtype);
+            }
+            Err(other) => panic!("{}: {other}", sample.name),
+        }
+    }
+    eprintln!("{moves} moves bit-exact, refused: {refusals:?}");
+    assert!(moves > 20, "{moves} moves");
+    assert!(
+        refusals.iter().any(|d| d.contains("Q4S")),
+        "the GPU holds no native Q4S: {refusals:?}"
+    );
 }

@@ -5,39 +5,13 @@
 #![allow(clippy::unwrap_used)]
 #![cfg(feature = "ndarray")]
 
-use burn_tensor::{Bool, DType, Device, Float, Int, Tensor, TensorData};
+mod support;
+
+use burn_tensor::{Device, Tensor, TensorData};
 use ferry::samples::full_matrix;
 use ferry::server::BackendKind;
 use ferry_burn::{MoveError, TryToDevice};
-
-/// `data` made on `from` (read back there: what the tensor is), and the tensor moved to `to`,
-/// read back there.
-fn moved(
-    data: TensorData,
-    from: &Device,
-    to: &Device,
-) -> (TensorData, Result<TensorData, MoveError>) {
-    let dtype = data.dtype();
-    macro_rules! go {
-        ($rank:literal, $kind:ty) => {{
-            let tensor = Tensor::<$rank, $kind>::from_data(data, (from, dtype));
-            let source = tensor.clone().into_data();
-            (source, tensor.try_to_device(to).map(Tensor::into_data))
-        }};
-    }
-    match (data.shape().len(), dtype) {
-        (1, DType::Bool(_)) => go!(1, Bool),
-        (2, DType::Bool(_)) => go!(2, Bool),
-        (3, DType::Bool(_)) => go!(3, Bool),
-        (1, d) if d.is_int() || d.is_uint() => go!(1, Int),
-        (2, d) if d.is_int() || d.is_uint() => go!(2, Int),
-        (3, d) if d.is_int() || d.is_uint() => go!(3, Int),
-        (1, _) => go!(1, Float),
-        (2, _) => go!(2, Float),
-        (3, _) => go!(3, Float),
-        (rank, _) => unreachable!("rank {rank} is filtered out"),
-    }
-}
+use support::moved;
 
 #[test]
 fn every_dtype_moves_between_flex_and_ndarray_bit_exact_or_is_refused_by_name() {

@@ -7,7 +7,7 @@ use burn_core::module::{ModuleVisitor, Param};
 use burn_core::tensor::{Bool, DType, Device, Int, Tensor};
 use burn_store::ModuleSnapshot;
 
-use crate::holds::holds_of;
+use crate::holds::check_holds;
 use crate::store::module_path::ModulePath;
 
 /// A module's parameters by path (as burn-store names them: field names joined by `.`).
@@ -45,17 +45,7 @@ impl Targets {
         let Some(device) = self.by_path.get(path) else {
             return Ok(());
         };
-        match holds_of(device) {
-            Some(holds) => holds
-                .check(dtype, shape)
-                .map_err(|why| format!("{device:?} cannot hold it: {why}")),
-            // A device ferry does not measure: only its own `supports_dtype` can answer.
-            None if device.supports_dtype(*dtype) => Ok(()),
-            None => Err(format!(
-                "{device:?} does not support {}",
-                ferry_proto::dtype_name(dtype)
-            )),
-        }
+        check_holds(device, dtype, shape).map_err(|why| format!("{device:?} cannot hold it: {why}"))
     }
 }
 
