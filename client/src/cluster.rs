@@ -121,6 +121,11 @@ impl Directory {
         self
     }
 
+    /// Whether the operator's list (if any) admits node `id`.
+    fn admits(&self, id: &NodeId) -> bool {
+        self.admitted.as_ref().is_none_or(|ids| ids.contains(id))
+    }
+
     fn failed(&self, e: EtcdError) -> DirectoryError {
         DirectoryError::Etcd {
             endpoints: self.endpoints.clone(),
@@ -128,7 +133,8 @@ impl Directory {
         }
     }
 
-    /// Every registered member, sorted by name.
+    /// Every registered member (of those the operator's list admits, where there is one),
+    /// sorted by name.
     pub async fn members(&mut self) -> Result<Vec<MemberRecord>, DirectoryError> {
         let answer = self
             .etcd
@@ -139,6 +145,7 @@ impl Directory {
             .kvs
             .iter()
             .filter_map(|kv| self.records.member(&kv.key, &kv.value).ok())
+            .filter(|m| self.admits(&m.node_id))
             .collect();
         members.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(members)
@@ -175,13 +182,13 @@ impl Directory {
             .member(name)
             .await?
             .ok_or_else(|| DirectoryError::UnknownMember(name.to_string()))?;
-        match &self.admitted {
-            Some(ids) if !ids.contains(&member.node_id) => Err(DirectoryError::NotAdmitted {
+        if !self.admits(&member.node_id) {
+            return Err(DirectoryError::NotAdmitted {
                 member: member.name,
                 node_id: member.node_id,
-            }),
-            _ => Ok(member),
+            });
         }
+        Ok(member)
     }
 
     /// Connects to member `name` ([`connect_nearest`]): the one-call form of `@NAME`.
@@ -209,14 +216,30 @@ impl Directory {
     pub async fn holders(&mut self, tensor: &str) -> Result<Vec<Located>, DirectoryError> {
         // The directory is keyed by member, then device, then name: finding a name means reading
         // it all (see ARCHITECTURE.md on scale).
-        let mut all = self.tensors(None).await?;
-        all.retain(|t| t.name == tensor);
-        Ok(all)
+        self.entries(None, Some(tensor)).await
     }
 
     /// The tensors the directory places on `member`, or on every member; sorted by member,
     /// device and name.
     pub async fn tensors(&mut self, member: Option<&str>) -> Result<Vec<Located>, DirectoryError> {
+        self.entries(member, None).await
+    }
+
+    /// The entries under `member` (or every member's), of the tensor named `name` (or of every
+    /// tensor), of members the operator's list admits. An entry's key is parsed, and its name
+    /// matched, before its seal is checked: a reader looking for one name verifies only its
+    /// holders' entries.
+    async fn entries(
+        &mut self,
+        member: Option<&str>,
+        name: Option<&str>,
+    ) -> Result<Vec<Located>, DirectoryError> {
+        // Under the operator's list, only admitted members' entries: their names, read from the
+        // member records this directory takes (under TLS, a member's name is its node id).
+        let admitted_names: Option<std::collections::BTreeSet<String>> = match &self.admitted {
+            Some(_) => Some(self.members().await?.into_iter().map(|m| m.name).collect()),
+            None => None,
+        };
         let prefix = match member {
             Some(name) => keys::member_tensors(name),
             None => keys::TENSORS.to_string(),
@@ -229,6 +252,17 @@ impl Directory {
         let mut found: Vec<Located> = answer
             .kvs
             .iter()
+            .filter(|kv| {
+                let place = std::str::from_utf8(&kv.key)
+                    .ok()
+                    .and_then(keys::parse_tensor_key);
+                place.is_some_and(|(member, _, tensor)| {
+                    name.is_none_or(|name| name == tensor)
+                        && admitted_names
+                            .as_ref()
+                            .is_none_or(|names| names.contains(member))
+                })
+            })
             .filter_map(|kv| {
                 let (member, device, name, record) =
                     self.records.tensor(&kv.key, &kv.value).ok()?;

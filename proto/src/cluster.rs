@@ -219,15 +219,25 @@ impl<'a> SealedRecord<'a> {
     }
 }
 
-/// Seals `record` (a plain record's JSON, as [`encode`] makes it): the stored value.
-pub fn seal(record: &[u8], chain: &[&[u8]], scheme: u16, signature: &[u8]) -> Vec<u8> {
+/// A plain record's JSON (as [`encode`] makes it) as a sealed record keeps it: the bytes a seal
+/// signs are these, so that what is stored is what was signed. `None` for bytes that are not
+/// JSON, or JSON with whitespace around it (which the seal would not keep).
+pub fn raw_record(record: &[u8]) -> Option<Box<serde_json::value::RawValue>> {
+    let text = std::str::from_utf8(record).ok()?;
+    let raw = serde_json::value::RawValue::from_string(text.to_string()).ok()?;
+    (raw.get().as_bytes() == record).then_some(raw)
+}
+
+/// Seals `record` (from [`raw_record`], signed over [`signed_message`]): the stored value;
+/// `None` where it would be larger than a reader decodes ([`MAX_RECORD`]).
+pub fn seal(
+    record: &serde_json::value::RawValue,
+    chain: &[&[u8]],
+    scheme: u16,
+    signature: &[u8],
+) -> Option<Vec<u8>> {
     use base64::Engine as _;
     let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
-    // `encode`'s output is JSON; anything else would not be a record (and is sealed as null).
-    let record = std::str::from_utf8(record)
-        .ok()
-        .and_then(|r| serde_json::value::RawValue::from_string(r.to_string()).ok())
-        .unwrap_or_else(|| serde_json::value::RawValue::NULL.to_owned());
     #[derive(Serialize)]
     struct Owned<'r> {
         record: &'r serde_json::value::RawValue,
@@ -236,13 +246,14 @@ pub fn seal(record: &[u8], chain: &[&[u8]], scheme: u16, signature: &[u8]) -> Ve
         signature: String,
     }
     // As `encode`: a plain struct always serializes.
-    serde_json::to_vec(&Owned {
-        record: &record,
+    let sealed = serde_json::to_vec(&Owned {
+        record,
         certificates: chain.iter().map(|c| b64(c)).collect(),
         scheme,
         signature: b64(signature),
     })
-    .unwrap_or_default()
+    .unwrap_or_default();
+    (sealed.len() <= MAX_RECORD).then_some(sealed)
 }
 
 /// What a sealed record's signature covers: a context of its own (no other signature a node
@@ -297,7 +308,9 @@ mod tests {
         assert_eq!(decode::<TensorRecord>(b"{"), None);
         // Sealed: the inner record kept byte for byte, the chain and signature round-trip.
         let plain = encode(&record);
-        let sealed = seal(&plain, &[b"leaf", b"ca"], 0x0403, b"sig");
+        let raw = raw_record(&plain).unwrap();
+        assert!(raw_record(b" {}").is_none() && raw_record(b"{").is_none());
+        let sealed = seal(&raw, &[b"leaf", b"ca"], 0x0403, b"sig").unwrap();
         let parsed = SealedRecord::parse(&sealed).unwrap();
         assert_eq!(parsed.record.get().as_bytes(), &plain[..]);
         assert_eq!(
@@ -308,7 +321,8 @@ mod tests {
         assert_eq!(parsed.scheme, 0x0403);
         assert_eq!(decode::<TensorRecord>(&sealed), Some(record));
         assert!(SealedRecord::parse(&plain).is_none());
-        let too_long = seal(&plain, &[&b"a"[..]; MAX_CHAIN + 1], 0x0403, b"sig");
+        let too_long = seal(&raw, &[&b"a"[..]; MAX_CHAIN + 1], 0x0403, b"sig").unwrap();
+        assert!(seal(&raw, &[&[0u8; MAX_RECORD][..]], 0x0403, b"sig").is_none());
         assert!(SealedRecord::parse(&too_long).is_none());
         assert_ne!(signed_message(b"/k", b"{}"), signed_message(b"/k{", b"}"));
         assert_eq!(

@@ -1028,6 +1028,32 @@ async fn only_the_node_ids_the_operator_lists_are_members() {
         d.resolve("c").await,
         Err(DirectoryError::NotAdmitted { member, .. }) if member == "c"
     ));
+    // Nor is c listed, or offered as a holder (a copy by name would otherwise pick it as a
+    // source, or find the name ambiguous), once the directory shows c's w at all.
+    eventually_async(
+        "c's w in the directory",
+        Duration::from_secs(10),
+        || async {
+            let mut all = Directory::connect(&cluster).await.unwrap();
+            all.holders("w")
+                .await
+                .unwrap()
+                .iter()
+                .any(|h| h.member == "c")
+        },
+    )
+    .await;
+    let names: Vec<String> = d
+        .members()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.name)
+        .collect();
+    assert!(!names.contains(&"c".to_string()), "{names:?}");
+    let holders = d.holders("w").await.unwrap();
+    assert!(holders.iter().all(|h| h.member != "c"), "{holders:?}");
+    assert!(d.tensors(Some("c")).await.unwrap().is_empty());
     joined_a.leave().await;
     joined_b.leave().await;
     joined_c.leave().await;

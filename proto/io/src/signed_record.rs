@@ -70,6 +70,9 @@ pub enum RecordError {
     /// This node's key could not sign.
     #[error("signing a record: {0}")]
     Sign(#[source] rustls::Error),
+    /// Sealed, the record would be larger than readers decode (64 KiB).
+    #[error("the record, sealed, is larger than the 64 KiB a reader decodes")]
+    TooLarge,
     /// Not a record of the kind its key holds (a key out of the layout, JSON that does not
     /// decode, a member record naming another member or node than its key).
     #[error("not a {0} record")]
@@ -167,19 +170,17 @@ impl RecordSigner {
         Ok(Self { chain, signer })
     }
 
-    /// `record` (a plain record's JSON) sealed for `key`: what this node stores there.
+    /// `record` (a plain record's JSON, as `ferry_proto::cluster::encode` makes it) sealed for
+    /// `key`: what this node stores there. The bytes signed are the bytes stored.
     pub fn seal(&self, key: &[u8], record: &[u8]) -> Result<Vec<u8>, RecordError> {
+        let raw = keys::raw_record(record).ok_or(RecordError::Unreadable("plain JSON"))?;
         let signature = self
             .signer
-            .sign(&keys::signed_message(key, record))
+            .sign(&keys::signed_message(key, raw.get().as_bytes()))
             .map_err(RecordError::Sign)?;
         let chain: Vec<&[u8]> = self.chain.iter().map(|c| c.as_ref()).collect();
-        Ok(keys::seal(
-            record,
-            &chain,
-            u16::from(self.signer.scheme()),
-            &signature,
-        ))
+        keys::seal(&raw, &chain, u16::from(self.signer.scheme()), &signature)
+            .ok_or(RecordError::TooLarge)
     }
 }
 
@@ -210,6 +211,9 @@ impl RecordCheck {
         value: &'v [u8],
         owner: &str,
     ) -> Result<&'v [u8], RecordError> {
+        if value.len() > keys::MAX_RECORD {
+            return Err(RecordError::TooLarge);
+        }
         let sealed = SealedRecord::parse(value).ok_or(RecordError::Unsigned)?;
         let chain = sealed
             .chain()

@@ -287,12 +287,7 @@ impl MemberWatch {
         let records = answer
             .kvs
             .iter()
-            .filter_map(|kv| {
-                Some((
-                    kv.key.clone(),
-                    records_taken.member(&kv.key, &kv.value).ok()?,
-                ))
-            })
+            .filter_map(|kv| Some((kv.key.clone(), taken(&records_taken, &kv.key, &kv.value)?)))
             .collect();
         let stream = client
             .watch_prefix(keys::MEMBERS.as_bytes(), answer.revision + 1)
@@ -312,7 +307,7 @@ impl MemberWatch {
         for event in events_of(answer, "the member list")? {
             let kv = event.kv;
             let record = match event.kind {
-                EventKind::Put => self.records_taken.member(&kv.key, &kv.value).ok(),
+                EventKind::Put => taken(&self.records_taken, &kv.key, &kv.value),
                 EventKind::Delete => None,
             };
             match record {
@@ -339,6 +334,24 @@ impl MemberWatch {
             std::iter::once(tcp).chain(unix)
         }));
     }
+}
+
+/// Member records refused (under TLS: not sealed by their member), logged at a bounded rate: an
+/// etcd writer chooses how many there are, and a member gone from the list (an expired
+/// certificate, a node of another version) should say why.
+static REFUSED_RECORDS: ferry_io::refusal_log::RefusalLog =
+    ferry_io::refusal_log::RefusalLog::new("cluster", "a member record was not taken");
+
+/// The member record stored under `key`, if `records` takes it; a refusal is logged.
+fn taken(records: &Records, key: &[u8], value: &[u8]) -> Option<MemberRecord> {
+    records
+        .member(key, value)
+        .inspect_err(|why| {
+            // The key is the etcd writer's choice: escaped like any peer's word.
+            let key = ferry_proto::Untrusted(&String::from_utf8_lossy(key)).to_string();
+            REFUSED_RECORDS.note(&key, &why.to_string());
+        })
+        .ok()
 }
 
 /// The changes one answer of a watch on `on` carries; the watch's end (or its cancellation) is
