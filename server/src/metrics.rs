@@ -35,10 +35,14 @@ pub const DEDUP_HITS: &str = "ferry_dedup_hits_total";
 pub const INTEGRITY_FAILURES: &str = "ferry_integrity_failures_total";
 /// The node process's resident memory, in bytes.
 pub const RESIDENT_BYTES: &str = "ferry_process_resident_bytes";
-/// The receive pool's size, in bytes (resident from start, counted in `RESIDENT_BYTES`).
+/// The receive pool's capacity, in bytes (a fixed pool's is resident from start; an elastic
+/// pool's is address space, of which what is drawn or ready is resident).
 pub const POOL_BYTES: &str = "ferry_pool_bytes";
 /// Of the receive pool, bytes nothing holds now.
 pub const POOL_FREE_BYTES: &str = "ferry_pool_free_bytes";
+/// Of the receive pool, bytes nothing holds now that are ready (touched): what receives draw
+/// with no page fault.
+pub const POOL_READY_BYTES: &str = "ferry_pool_ready_bytes";
 /// Receives the pool could not hold, which went to fresh memory.
 pub const POOL_MISSES: &str = "ferry_pool_misses_total";
 
@@ -84,7 +88,12 @@ pub fn describe() {
     describe_gauge!(
         POOL_BYTES,
         Unit::Bytes,
-        "Size of the receive pool (resident from start)"
+        "Capacity of the receive pool (an elastic pool's is address space)"
+    );
+    describe_gauge!(
+        POOL_READY_BYTES,
+        Unit::Bytes,
+        "Receive pool bytes free and ready (touched): drawn with no page fault"
     );
     describe_gauge!(
         POOL_FREE_BYTES,
@@ -149,10 +158,11 @@ pub fn sample_resident_memory() -> Option<u64> {
     Some(resident)
 }
 
-/// The receive pool's size, free bytes and misses now, for the gauges.
+/// The receive pool's size, free and ready bytes and misses now, for the gauges.
 pub fn sample_pool(pool: &ferry_io::Pool) {
     gauge!(POOL_BYTES).set(pool.capacity() as f64);
     gauge!(POOL_FREE_BYTES).set(pool.free_bytes() as f64);
+    gauge!(POOL_READY_BYTES).set(pool.ready_bytes() as f64);
     counter!(POOL_MISSES).absolute(pool.misses());
 }
 

@@ -1,5 +1,6 @@
-//! The receive pool: memory a node reserves and touches at start (`--pool`), from which large
-//! receives draw their buffers and to which a freed tensor's buffer goes back.
+//! The receive pool: memory a node makes ready (touched, huge pages advised) before the tensors
+//! arrive, from which large receives draw their buffers and to which a freed tensor's buffer
+//! goes back.
 //!
 //! Why: a tensor that arrives into new memory pays the kernel a page fault and the zeroing of
 //! every page, more than the network copy into it (measured in issue 14: 77% of a cold pull's
@@ -11,15 +12,27 @@
 //! register memory with its hardware (RDMA, GPU direct) registers [`Pool::memory`] once and
 //! names a buffer by its [`Pool::offset_of`].
 //!
-//! Invariant: every byte of the mapping is in exactly one place, the free list or one live
-//! buffer; a buffer goes back to the free list when its `Bytes` is dropped, whatever path it
-//! took (registered tensor, failed receive, deleted tensor). `free_bytes() == capacity()` once
-//! nothing drawn from the pool is alive.
+//! Two kinds: a fixed pool ([`Pool::reserve`], `--pool SIZE`) touches all of it at once; an
+//! elastic pool ([`Pool::elastic`], a node's default) reserves its capacity as address space
+//! only, and a background thread keeps [`Readiness::idle`] bytes ready while nothing arrives,
+//! and [`Readiness::ahead`] bytes ready beyond what is drawn while tensors do (touching the next
+//! untouched range as the ready ones fill), then, once nothing was drawn for
+//! [`Readiness::idle_after`], gives the ready bytes above the idle amount back to the kernel
+//! (`MADV_DONTNEED`). A payload that finds no ready range big enough draws untouched pool
+//! memory (and takes the page faults fresh memory would), or misses.
+//!
+//! Invariant: every byte of the mapping is in exactly one place: the ready free list, the
+//! untouched free list, one live buffer, or the background thread's hands while it touches or
+//! releases it; a buffer goes back to the ready list when its `Bytes` is dropped, whatever path
+//! it took (registered tensor, failed receive, deleted tensor). `free_bytes() == capacity()`
+//! once nothing drawn from the pool is alive and the thread holds nothing. Resident memory is at
+//! most what is drawn plus what is ready (plus the range being touched).
 
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
 
 use burn_std::Bytes;
 use memmap2::MmapMut;
@@ -62,6 +75,26 @@ pub struct PoolMiss {
     pub largest_free: usize,
 }
 
+/// How much of an elastic pool is kept ready (touched), and when it is given back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Readiness {
+    /// Bytes kept ready while nothing arrives (made ready at start, in the background).
+    pub idle: usize,
+    /// Bytes kept ready beyond those drawn while tensors arrive (a take was made within the
+    /// last [`BUSY_SPELL`]): the next ranges, touched beside the receives. Small: what is
+    /// touched ahead when the last tensor has come is touched for nothing.
+    pub ahead: usize,
+    /// How long without a take before ready bytes above `idle` go back to the kernel.
+    pub idle_after: Duration,
+}
+
+/// How recent a take must be for tensors to count as arriving.
+pub const BUSY_SPELL: Duration = Duration::from_millis(250);
+
+/// The ranges the background thread touches or releases at a time: small enough that a
+/// receive finds the next one ready soon, large enough for huge pages and few system calls.
+const STEP: usize = 32 << 20;
+
 /// A node's receive pool. Cheap to clone; the memory is unmapped when the last clone and the
 /// last buffer drawn from it are gone.
 #[derive(Clone)]
@@ -70,15 +103,27 @@ pub struct Pool {
 }
 
 struct Inner {
-    /// Owns the mapping; every access goes through `base` and the ranges the free list hands
-    /// out, never through the map itself after start.
-    _map: MmapMut,
+    /// Owns the mapping; every access goes through `base` and the ranges the free lists hand
+    /// out, and the background thread's advice on ranges it holds, never otherwise.
+    map: MmapMut,
     base: NonNull<u8>,
     len: usize,
-    free: Mutex<FreeList>,
+    free: Mutex<Free>,
+    /// Wakes the background thread of an elastic pool (a take, a pool dropped).
+    wake: Condvar,
     misses: AtomicU64,
     /// Payloads under this size do not draw.
     min_payload: usize,
+}
+
+/// The free ranges: ready (touched) and untouched, and when a buffer was last drawn.
+#[derive(Debug)]
+struct Free {
+    ready: FreeList,
+    untouched: FreeList,
+    /// Bytes the background thread took out of a list to touch or release, not yet back.
+    in_hand: usize,
+    last_take: Option<Instant>,
 }
 
 // SAFETY: `base` points into `_map`, which `Inner` owns for its whole life; the bytes behind it
@@ -130,6 +175,95 @@ impl FreeList {
     fn largest(&self) -> usize {
         self.ranges.values().copied().max().unwrap_or(0)
     }
+
+    /// Takes `[start, start + len)` out of the list, wherever it has parts of it.
+    fn remove_range(&mut self, start: usize, len: usize) {
+        let end = start + len;
+        let overlapping: Vec<(usize, usize)> = self
+            .ranges
+            .range(..end)
+            .filter(|(o, l)| *o + *l > start)
+            .map(|(o, l)| (*o, *l))
+            .collect();
+        for (offset, range) in overlapping {
+            self.ranges.remove(&offset);
+            self.free -= range;
+            if offset < start {
+                self.ranges.insert(offset, start - offset);
+                self.free += start - offset;
+            }
+            if offset + range > end {
+                self.ranges.insert(end, offset + range - end);
+                self.free += offset + range - end;
+            }
+        }
+    }
+
+    /// Up to `len` bytes (granule multiples) from the start of the lowest free range.
+    fn take_lowest(&mut self, len: usize) -> Option<(usize, usize)> {
+        let (&offset, &range) = self.ranges.iter().next()?;
+        let piece = range.min(len);
+        self.ranges.remove(&offset);
+        if range > piece {
+            self.ranges.insert(offset + piece, range - piece);
+        }
+        self.free -= piece;
+        Some((offset, piece))
+    }
+
+    /// Up to `len` bytes (granule multiples) from the end of the highest free range.
+    fn take_highest(&mut self, len: usize) -> Option<(usize, usize)> {
+        let (&offset, &range) = self.ranges.iter().next_back()?;
+        let piece = range.min(len);
+        self.ranges.remove(&offset);
+        if range > piece {
+            self.ranges.insert(offset, range - piece);
+        }
+        self.free -= piece;
+        Some((offset + range - piece, piece))
+    }
+}
+
+impl Free {
+    /// The smallest run of adjacent free ranges, ready or not, that holds `len` bytes, taken
+    /// from its start: a large tensor is not refused because ready and untouched ranges
+    /// alternate.
+    fn take_spanning(&mut self, len: usize) -> Option<usize> {
+        let mut all: Vec<(usize, usize)> = self
+            .ready
+            .ranges
+            .iter()
+            .chain(self.untouched.ranges.iter())
+            .map(|(o, l)| (*o, *l))
+            .collect();
+        all.sort_unstable();
+        let mut best: Option<(usize, usize)> = None;
+        let mut i = 0;
+        while i < all.len() {
+            let (start, mut end) = (all[i].0, all[i].0 + all[i].1);
+            i += 1;
+            while i < all.len() && all[i].0 == end {
+                end += all[i].1;
+                i += 1;
+            }
+            let run = end - start;
+            if run >= len && best.is_none_or(|(_, shortest)| run < shortest) {
+                best = Some((start, run));
+            }
+        }
+        let (start, _) = best?;
+        self.ready.remove_range(start, len);
+        self.untouched.remove_range(start, len);
+        Some(start)
+    }
+}
+
+/// What the background thread does next, with the range it took out of a free list.
+enum Job {
+    /// Touch an untouched range, then list it ready.
+    Touch(usize, usize),
+    /// Give a ready range back to the kernel, then list it untouched.
+    Release(usize, usize),
 }
 
 impl Pool {
@@ -143,6 +277,30 @@ impl Pool {
     /// [`reserve`](Self::reserve), with payloads from `min_payload` bytes up drawing from it
     /// (every one takes at least a [`GRANULE`]).
     pub fn reserve_with(bytes: usize, min_payload: usize) -> Result<Pool, PoolError> {
+        Self::map(bytes, min_payload, None)
+    }
+
+    /// An elastic pool of at most `capacity` bytes (rounded up to [`GRANULE`]), reserved as
+    /// address space only: a background thread keeps `readiness` of it ready (see the module's
+    /// description), starting now. Payloads from [`POOL_MIN`] up draw from it.
+    pub fn elastic(capacity: usize, readiness: Readiness) -> Result<Pool, PoolError> {
+        let pool = Self::map(capacity, POOL_MIN, Some(readiness))?;
+        let weak = Arc::downgrade(&pool.inner);
+        std::thread::Builder::new()
+            .name("ferry-pool".into())
+            .spawn(move || keep_ready(weak, readiness))
+            .map_err(|source| PoolError::Map {
+                bytes: capacity,
+                source,
+            })?;
+        Ok(pool)
+    }
+
+    fn map(
+        bytes: usize,
+        min_payload: usize,
+        readiness: Option<Readiness>,
+    ) -> Result<Pool, PoolError> {
         if bytes < POOL_MIN {
             return Err(PoolError::Size(bytes));
         }
@@ -153,23 +311,37 @@ impl Pool {
             .len(len)
             .map_anon()
             .map_err(|source| PoolError::Map { bytes, source })?;
-        prefault(&mut map);
+        let mut free = Free {
+            ready: FreeList::default(),
+            untouched: FreeList::default(),
+            in_hand: 0,
+            last_take: None,
+        };
+        match readiness {
+            None => {
+                prefault(&mut map);
+                free.ready.give(0, len);
+            }
+            // No huge-page advice: where the kernel defragments only advised memory (a common
+            // default), every advised huge page can stall in compaction on a busy machine, and
+            // an elastic pool touches while tensors arrive.
+            Some(_) => free.untouched.give(0, len),
+        }
         let base = NonNull::new(map.as_mut_ptr()).ok_or(PoolError::Size(bytes))?;
-        let mut free = FreeList::default();
-        free.give(0, len);
         Ok(Pool {
             inner: Arc::new(Inner {
-                _map: map,
+                map,
                 base,
                 len,
                 free: Mutex::new(free),
+                wake: Condvar::new(),
                 misses: AtomicU64::new(0),
                 min_payload,
             }),
         })
     }
 
-    fn free_list(&self) -> MutexGuard<'_, FreeList> {
+    fn free_list(&self) -> MutexGuard<'_, Free> {
         self.inner.free.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -178,9 +350,15 @@ impl Pool {
         self.inner.len
     }
 
-    /// Bytes not drawn now.
+    /// Bytes not drawn now (ready or not, and those the background thread holds).
     pub fn free_bytes(&self) -> usize {
-        self.free_list().free
+        let free = self.free_list();
+        free.ready.free + free.untouched.free + free.in_hand
+    }
+
+    /// Bytes not drawn and ready (touched): what a receive can draw with no page fault.
+    pub fn ready_bytes(&self) -> usize {
+        self.free_list().ready.free
     }
 
     /// Payloads that could not draw from the pool (too large, or the pool too full) and went to
@@ -213,16 +391,28 @@ impl Pool {
         }
         let (offset, cap) = {
             let mut free = self.free_list();
+            free.last_take = Some(Instant::now());
+            // Ready memory first; untouched pool memory (faulted in by the receive, as fresh
+            // memory would be) before none.
             let taken = len
                 .max(1)
                 .checked_next_multiple_of(GRANULE)
-                .and_then(|cap| Some((free.take(cap)?, cap)));
+                .and_then(|cap| {
+                    let offset = free
+                        .ready
+                        .take(cap)
+                        .or_else(|| free.untouched.take(cap))
+                        .or_else(|| free.take_spanning(cap))?;
+                    Some((offset, cap))
+                });
+            // The background thread tops the ready bytes up (a fixed pool has none).
+            self.inner.wake.notify_one();
             let Some(taken) = taken else {
                 self.inner.misses.fetch_add(1, Ordering::Relaxed);
                 return Err(PoolMiss {
                     wanted: len,
-                    free: free.free,
-                    largest_free: free.largest(),
+                    free: free.ready.free + free.untouched.free,
+                    largest_free: free.ready.largest().max(free.untouched.largest()),
                 });
             };
             taken
@@ -236,8 +426,10 @@ impl Pool {
             offset,
             len: cap,
         };
-        // SAFETY: every byte of the pool was written when it was reserved (zeroed pages) and
-        // stays initialized; the range `[offset, offset + cap)` lies inside it, and `len <= cap`.
+        // SAFETY: every byte of the pool is initialized: an anonymous mapping reads as zero
+        // pages until written, and a range given back to the kernel (`MADV_DONTNEED`) reads as
+        // zero pages again; the range `[offset, offset + cap)` lies inside it, was taken out of
+        // a free list (no buffer and not the pool's thread holds it), and `len <= cap`.
         Ok(Some(unsafe {
             Bytes::from_controller(Box::new(controller), len)
         }))
@@ -281,11 +473,114 @@ struct PoolLease {
 
 impl Drop for PoolLease {
     fn drop(&mut self) {
+        // Written by its tensor: ready for the next.
         self.pool
             .free
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .ready
             .give(self.offset, self.cap);
+    }
+}
+
+/// An elastic pool's background thread: tops the ready bytes up to the target (touching the
+/// lowest untouched range, a [`STEP`] at a time), and gives ready bytes above the idle target
+/// back once nothing was drawn for a while; ends when the pool is gone.
+fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
+    loop {
+        let Some(inner) = pool.upgrade() else {
+            return;
+        };
+        let job = {
+            let mut free = inner.free.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                let since = free.last_take.map(|at| at.elapsed());
+                // Arriving: only the next ranges; between arrivals: the idle amount, in idle
+                // time; long idle: nothing above it kept.
+                let busy = since.is_some_and(|s| s < BUSY_SPELL);
+                let idle = since.is_none_or(|s| s >= readiness.idle_after);
+                let target = if busy {
+                    readiness.ahead
+                } else {
+                    readiness.idle
+                };
+                if free.ready.free < target {
+                    let want = (target - free.ready.free).min(STEP);
+                    if let Some((offset, len)) = free.untouched.take_lowest(want) {
+                        free.in_hand = len;
+                        break Job::Touch(offset, len);
+                    }
+                }
+                if idle && free.ready.free > readiness.idle {
+                    let excess = (free.ready.free - readiness.idle) / GRANULE * GRANULE;
+                    if let Some((offset, len)) = free.ready.take_highest(excess.min(STEP)) {
+                        free.in_hand = len;
+                        break Job::Release(offset, len);
+                    }
+                }
+                // Nothing to do until a take, or until the busy spell may have ended; a pool
+                // dropped meanwhile is noticed within the timeout.
+                let wait = BUSY_SPELL.min(readiness.idle_after);
+                free = inner
+                    .wake
+                    .wait_timeout(free, wait)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                if Arc::strong_count(&inner) == 1 {
+                    return;
+                }
+            }
+        };
+        match job {
+            Job::Touch(offset, len) => {
+                touch(&inner, offset, len);
+                let mut free = lock(&inner);
+                free.ready.give(offset, len);
+                free.in_hand = 0;
+            }
+            Job::Release(offset, len) => {
+                // SAFETY: `[offset, offset + len)` lies inside the mapping and was taken out of
+                // the ready list above: no buffer holds it and nobody reads it until it is
+                // listed again. Its bytes become zero pages, still initialized.
+                let released = unsafe {
+                    inner.map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        offset,
+                        len,
+                    )
+                };
+                let mut free = lock(&inner);
+                match released {
+                    Ok(()) => free.untouched.give(offset, len),
+                    Err(_) => free.ready.give(offset, len),
+                }
+                free.in_hand = 0;
+            }
+        }
+    }
+}
+
+fn lock(inner: &Inner) -> MutexGuard<'_, Free> {
+    inner.free.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Faults in `[offset, offset + len)` for writing (taken out of the untouched list: nobody else
+/// reaches it meanwhile).
+fn touch(inner: &Inner, offset: usize, len: usize) {
+    #[cfg(target_os = "linux")]
+    if inner
+        .map
+        .advise_range(memmap2::Advice::PopulateWrite, offset, len)
+        .is_ok()
+    {
+        return;
+    }
+    const PAGE: usize = 4096;
+    for at in (offset..offset + len).step_by(PAGE) {
+        // SAFETY: `at` is inside the mapping, which is writable; the range is this thread's
+        // alone until it is listed again (see above). A volatile write, so that the compiler
+        // cannot skip a write of the zero the page already reads as.
+        unsafe { inner.base.as_ptr().add(at).write_volatile(0) };
     }
 }
 
@@ -380,6 +675,103 @@ mod tests {
             pool.take(64 * POOL_MIN).map(|b| b.map(|b| b.len())),
             Ok(Some(64 * POOL_MIN))
         );
+    }
+
+    /// Waits (up to 10 s) until `done` holds of `pool`.
+    fn until(pool: &Pool, what: &str, done: impl Fn(&Pool) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done(pool) {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: {pool:?}, ready {}",
+                pool.ready_bytes()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn an_elastic_pool_is_ready_before_the_tensor_grows_as_it_fills_and_gives_back_when_idle() {
+        const MIB: usize = 1 << 20;
+        let readiness = Readiness {
+            idle: 8 * MIB,
+            ahead: 24 * MIB,
+            idle_after: Duration::from_millis(300),
+        };
+        let pool = Pool::elastic(128 * MIB, readiness).unwrap();
+        // Ready while nothing arrived: the idle amount, and no more.
+        until(&pool, "ready at start", |p| p.ready_bytes() == 8 * MIB);
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(pool.ready_bytes(), 8 * MIB);
+        assert_eq!(pool.free_bytes(), pool.capacity());
+        // A tensor arrives: drawn from ready memory, and more made ready ahead of it.
+        let first = pool.take(6 * MIB).unwrap().unwrap();
+        until(&pool, "ready ahead", |p| p.ready_bytes() >= 24 * MIB);
+        let second = pool.take(20 * MIB).unwrap().unwrap();
+        until(&pool, "ready ahead again", |p| p.ready_bytes() >= 24 * MIB);
+        assert_eq!(pool.free_bytes() + 26 * MIB, pool.capacity());
+        // Idle: given back down to the idle amount, the tensors kept.
+        drop(first);
+        until(&pool, "given back", |p| p.ready_bytes() == 8 * MIB);
+        assert_eq!(pool.free_bytes() + 20 * MIB, pool.capacity());
+        assert_eq!(second.len(), 20 * MIB);
+        drop(second);
+        until(&pool, "all free", |p| p.free_bytes() == p.capacity());
+        // What is not ready is drawn too (faulted in by the receive), rather than missed, across
+        // ready and untouched ranges alike: the whole pool, once the thread rests.
+        until(&pool, "idle again", |p| p.ready_bytes() == 8 * MIB);
+        let whole = pool.take(128 * MIB).unwrap().unwrap();
+        assert_eq!(pool.offset_of(&whole), Some(0));
+        assert_eq!(pool.free_bytes(), 0);
+        drop(whole);
+        assert_eq!(pool.free_bytes(), pool.capacity());
+    }
+
+    #[test]
+    fn an_elastic_pool_racing_its_thread_keeps_every_byte_in_one_place() {
+        use rand::{Rng, SeedableRng};
+        const MIB: usize = 1 << 20;
+        const PAGE: usize = 4096;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(30);
+        let readiness = Readiness {
+            idle: 4 * MIB,
+            ahead: 16 * MIB,
+            idle_after: Duration::from_millis(2),
+        };
+        let pool = Pool::elastic(64 * MIB, readiness).unwrap();
+        let mut live: Vec<(u8, Bytes)> = Vec::new();
+        for step in 0..3000u32 {
+            if rng.random_bool(0.5) {
+                let len = rng.random_range(POOL_MIN..6 * POOL_MIN);
+                if let Ok(Some(mut buf)) = pool.take(len) {
+                    // The first byte of every page: what the thread's touch writes and a
+                    // release zeroes (buffers start page-aligned).
+                    let mark = (step % 251) as u8 + 1;
+                    buf.iter_mut().step_by(PAGE).for_each(|b| *b = mark);
+                    live.push((mark, buf));
+                }
+            } else if !live.is_empty() {
+                let (mark, buf) = live.swap_remove(rng.random_range(0..live.len()));
+                let kept = buf.iter().step_by(PAGE).all(|&x| x == mark);
+                assert!(kept, "a buffer was touched or released");
+            }
+            if step % 50 == 0 {
+                // Let the thread touch and release between takes, as idle spells do.
+                std::thread::sleep(Duration::from_millis(3));
+            }
+            let drawn: usize = live
+                .iter()
+                .map(|(_, b)| b.len().next_multiple_of(GRANULE))
+                .sum();
+            assert_eq!(pool.free_bytes() + drawn, pool.capacity());
+        }
+        for (mark, buf) in &live {
+            let kept = buf.iter().step_by(PAGE).all(|x| x == mark);
+            assert!(kept, "a buffer was touched or released");
+        }
+        live.clear();
+        until(&pool, "everything back", |p| p.free_bytes() == p.capacity());
+        until(&pool, "idle again", |p| p.ready_bytes() == 4 * MIB);
     }
 
     #[test]

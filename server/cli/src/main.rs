@@ -184,21 +184,58 @@ struct Args {
     /// sizes reuses them instead. Unused ones are freed after 2 seconds.
     #[arg(long, default_value = "512MiB")]
     recycle: bytesize::ByteSize,
-    /// Memory reserved and touched at start for large receives on Flex devices (suffixes work;
-    /// 0, the default, reserves none). The first pull of a model to a fresh worker then skips
-    /// the page faults and zeroing new memory costs; freed tensors give their buffers back. It is
-    /// resident from start (`stat`: pool_bytes). A payload it cannot hold goes to fresh memory,
-    /// with a log line.
-    #[arg(long, default_value = "0")]
-    pool: bytesize::ByteSize,
+    /// Receive memory made ready (touched, huge pages advised) before tensors arrive, for
+    /// receives of 1 MiB and up on Flex devices: new memory costs the kernel the zeroing of every
+    /// page, more than the network copy into it. `auto` (the default): up to the device's
+    /// --memory-limit or half the machine's memory, --pool-ready of it kept ready (made ready at
+    /// start and between receives, in the background; 64 MiB kept ahead of what is drawn while
+    /// tensors arrive), freed buffers above that given back after 30 s without a receive. A size: that much reserved and touched at
+    /// start, kept. 0: none (every receive into new or recycled memory). A payload
+    /// the pool cannot hold goes to new memory, with a log line (`stat`: pool_bytes).
+    #[arg(long, default_value = "auto", value_parser = parse_pool)]
+    pool: PoolSize,
+    /// With `--pool auto`: how much receive memory to keep ready (suffixes work). A worker that
+    /// waits for a model of known size makes it that size, and the whole model lands in ready
+    /// memory; it is resident while the node is idle.
+    #[arg(long, default_value = "256MiB")]
+    pool_ready: bytesize::ByteSize,
     /// Receive every payload of 4 MiB and more on Flex devices into a new shared-memory region,
     /// sealed once complete, so that every such tensor this node holds can go on to a same-host
     /// peer without a copy, whichever link it arrived by. New shared-memory pages cost more to
-    /// fault in than heap memory (no huge pages), so TCP receives get slower; not with --pool,
-    /// whose memory is reused and so cannot be sealed.
-    #[arg(long, conflicts_with = "pool")]
+    /// fault in than heap memory (no huge pages), so TCP receives get slower; no receive pool
+    /// then (its memory is reused and so cannot be sealed).
+    #[arg(long)]
     shareable_receives: bool,
 }
+
+/// What `--pool` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PoolSize {
+    /// Elastic, sized from the device budget or the machine.
+    Auto,
+    /// None.
+    Off,
+    /// This many bytes, touched at start.
+    Fixed(u64),
+}
+
+fn parse_pool(text: &str) -> Result<PoolSize, String> {
+    match text {
+        "auto" => Ok(PoolSize::Auto),
+        _ => match text.parse::<bytesize::ByteSize>()?.as_u64() {
+            0 => Ok(PoolSize::Off),
+            bytes => Ok(PoolSize::Fixed(bytes)),
+        },
+    }
+}
+
+/// What an elastic pool keeps ready ahead of the receives while tensors arrive: enough that a
+/// receive rarely waits for a page, little enough that the last tensor leaves little touched
+/// for nothing.
+const POOL_AHEAD: usize = 64 << 20;
+/// How long without a receive before an elastic pool gives its ready memory back to the idle
+/// amount.
+const POOL_IDLE_AFTER: Duration = Duration::from_secs(30);
 
 /// Upper bounds of the transfer latency histogram, in seconds.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -299,7 +336,7 @@ async fn serve() -> anyhow::Result<()> {
     init_logs(&args.log_format);
     raise_fd_limit(args.max_connections);
     ferry_io::host::set_recycle_limit(usize::try_from(args.recycle.as_u64()).unwrap_or(usize::MAX));
-    let pool = reserve_pool(args.pool)?;
+    let pool = reserve_pool(&args)?;
     // Metrics are clear HTTP with no credential: beyond loopback only where the operator says
     // the network is trusted, as for the listener.
     if let Some(addr) = args.metrics
@@ -585,20 +622,55 @@ fn cluster_config(
     })
 }
 
-/// Reserves and touches the receive pool `--pool` asks for, logging what it took.
-fn reserve_pool(size: bytesize::ByteSize) -> anyhow::Result<Option<ferry_io::Pool>> {
-    if size.as_u64() == 0 {
-        return Ok(None);
-    }
-    let bytes =
-        usize::try_from(size.as_u64()).context("--pool is larger than this machine's memory")?;
+/// Reserves the receive pool `--pool` asks for, logging what it took.
+fn reserve_pool(args: &Args) -> anyhow::Result<Option<ferry_io::Pool>> {
+    let size = match args.pool {
+        PoolSize::Off => return Ok(None),
+        // Shared-memory receives take the place of the pool (its memory cannot be sealed).
+        PoolSize::Auto if args.shareable_receives => return Ok(None),
+        PoolSize::Fixed(_) if args.shareable_receives => {
+            bail!(
+                "--pool and --shareable-receives exclude each other: pooled memory is reused, so it cannot be sealed"
+            )
+        }
+        size => size,
+    };
     let started = std::time::Instant::now();
-    let pool = ferry_io::Pool::reserve(bytes).context("--pool")?;
-    tracing::info!(
-        bytes = pool.capacity(),
-        ms = started.elapsed().as_millis() as u64,
-        "receive pool reserved and touched"
-    );
+    let pool = match size {
+        PoolSize::Fixed(bytes) => {
+            let bytes =
+                usize::try_from(bytes).context("--pool is larger than this machine's memory")?;
+            let pool = ferry_io::Pool::reserve(bytes).context("--pool")?;
+            tracing::info!(
+                bytes = pool.capacity(),
+                ms = started.elapsed().as_millis() as u64,
+                "receive pool reserved and touched"
+            );
+            pool
+        }
+        _ => {
+            // Address space only: what is resident is what is drawn plus what is kept ready.
+            let machine = rustix::system::sysinfo();
+            let half = u64::from(machine.mem_unit).saturating_mul(machine.totalram) / 2;
+            let limit = args.memory_limit.map_or(half, |m| m.as_u64().min(half));
+            let ready = args.pool_ready.as_u64();
+            let capacity = usize::try_from(limit.max(ready)).unwrap_or(usize::MAX);
+            let ready = usize::try_from(ready).unwrap_or(usize::MAX).min(capacity);
+            let readiness = ferry_io::pool::Readiness {
+                idle: ready,
+                ahead: POOL_AHEAD.min(capacity),
+                idle_after: POOL_IDLE_AFTER,
+            };
+            let pool = ferry_io::Pool::elastic(capacity, readiness).context("--pool auto")?;
+            tracing::info!(
+                bytes = pool.capacity(),
+                ready_idle = readiness.idle,
+                ready_ahead = readiness.ahead,
+                "elastic receive pool reserved; making memory ready in the background"
+            );
+            pool
+        }
+    };
     Ok(Some(pool))
 }
 

@@ -157,6 +157,57 @@ fn json_logs_carry_one_span_per_request() {
     );
 }
 
+/// With no flag, a node makes receive memory ready before any tensor arrives (256 MiB, in the
+/// background), sized to its device budget, and a tensor that arrives draws from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_default_node_makes_receive_memory_ready_before_the_tensor_arrives() {
+    const MIB: u64 = 1 << 20;
+    let port = free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let node = LoggedServer::start(
+        ferry_server(),
+        &[
+            "--device",
+            "flex",
+            "--memory-limit",
+            "1GiB",
+            "--metrics",
+            &metrics,
+        ],
+        &[],
+    );
+    tokio::task::spawn_blocking(move || {
+        eventually_blocking("256 MiB ready", WAIT, || {
+            sample(&scrape(port), &["ferry_pool_ready_bytes "]) == Some((256 * MIB) as f64)
+        });
+    })
+    .await
+    .unwrap();
+    let mut client = Client::connect(node.addr.as_str()).await.unwrap();
+    let stats = client.stat().await.unwrap();
+    assert_eq!(stats.pool_bytes, 1024 * MIB, "up to the device budget");
+    assert!(stats.resident_bytes >= 256 * MIB, "ready means touched");
+    let data = samples::plain(DType::F32, &[4096, 1024], 3);
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+    let stats = client.stat().await.unwrap();
+    assert_eq!(
+        stats.pool_free_bytes,
+        1024 * MIB - 16 * MIB,
+        "drawn from the pool"
+    );
+    assert_eq!(stats.pool_misses, 0);
+    assert_eq!(
+        client
+            .get(&TensorKey::new(0, "w"))
+            .await
+            .unwrap()
+            .as_bytes(),
+        data.as_bytes()
+    );
+    let log = node.stop();
+    assert!(log.contains("elastic receive pool reserved"), "{log}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receive_pool_is_reserved_at_start_and_shown_in_stat_and_metrics() {
     const MIB: u64 = 1 << 20;

@@ -10,13 +10,15 @@ use ferry::testing::{Fault, assert_same, copy_keys, hashes_verified, how, proxy,
 
 use crate::ferry_server;
 
+/// A node whose large receives go to new or recycled memory: no receive pool (`--pool 0`; a
+/// pool's buffers are tested in `tests/it/pool.rs`).
 fn server() -> ferry::testing::ServerProcess {
-    spawn_server(ferry_server(), &["--device", "flex"], None)
+    spawn_server(ferry_server(), &["--device", "flex", "--pool", "0"], None)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recycled_receive_buffer_never_shows_the_tensor_it_held_before() {
-    // Two node processes with the default recycling (a process-wide pool, hence processes).
+    // Two node processes with the default recycling (process-wide, hence processes).
     let a = server();
     let b = server();
     let mut source = Client::connect(a.addr.as_str()).await.unwrap();
