@@ -1,14 +1,13 @@
-//! The receive pool: memory a node makes ready (touched, huge pages advised) before the tensors
-//! arrive, from which large receives draw their buffers and to which a freed tensor's buffer
-//! goes back.
+//! The receive pool: memory a node makes ready (touched) before the tensors arrive, from which
+//! large receives draw their buffers and to which a freed tensor's buffer goes back.
 //!
 //! Why: a tensor that arrives into new memory pays the kernel a page fault and the zeroing of
 //! every page, more than the network copy into it (measured in issue 14: 77% of a cold pull's
-//! target CPU in `clear_page_erms`). A pool pays that once, at start, so the first pull of a model
-//! to a fresh worker runs as fast as the steady state.
+//! target CPU in `clear_page_erms`). A pool pays that before the tensor arrives, so the first
+//! pull of a model to a fresh worker runs as fast as the steady state.
 //!
-//! The pool is one anonymous mapping (transparent huge pages advised) carved by a best-fit free
-//! list in [`GRANULE`] steps. One mapping, not many blocks, so that a later transport that must
+//! The pool is one anonymous mapping carved best-fit in [`GRANULE`] steps (huge pages advised
+//! for a fixed pool only: see [`Pool::elastic`]). One mapping, not many blocks, so that a later transport that must
 //! register memory with its hardware (RDMA, GPU direct) registers [`Pool::memory`] once and
 //! names a buffer by its [`Pool::offset_of`].
 //!
@@ -126,9 +125,10 @@ struct Free {
     last_take: Option<Instant>,
 }
 
-// SAFETY: `base` points into `_map`, which `Inner` owns for its whole life; the bytes behind it
-// are only reached through disjoint ranges, each owned by one buffer (or by the free list, which
-// nobody reads through), so sharing `Inner` between threads shares no byte.
+// SAFETY: `base` points into `map`, which `Inner` owns for its whole life; the bytes behind it
+// are only reached through disjoint ranges, each owned by one buffer, or by the free lists
+// (which nobody reads through), or by the pool's thread while it touches or releases a range it
+// took out of them; so sharing `Inner` between threads shares no byte.
 unsafe impl Send for Inner {}
 // SAFETY: as above; the free list is behind a mutex.
 unsafe impl Sync for Inner {}
@@ -158,6 +158,9 @@ impl FreeList {
 
     /// Gives `[offset, offset + len)` back, merged with its free neighbours.
     fn give(&mut self, mut offset: usize, mut len: usize) {
+        // Whole granules only: a range edge inside a page would let advice on a free range
+        // (which the kernel applies to whole pages) reach a neighbouring buffer.
+        debug_assert!(offset.is_multiple_of(GRANULE) && len.is_multiple_of(GRANULE));
         self.free += len;
         if let Some((&before, &before_len)) = self.ranges.range(..offset).next_back()
             && before + before_len == offset
@@ -201,6 +204,10 @@ impl FreeList {
 
     /// Up to `len` bytes (granule multiples) from the start of the lowest free range.
     fn take_lowest(&mut self, len: usize) -> Option<(usize, usize)> {
+        debug_assert_eq!(len % GRANULE, 0);
+        if len == 0 {
+            return None;
+        }
         let (&offset, &range) = self.ranges.iter().next()?;
         let piece = range.min(len);
         self.ranges.remove(&offset);
@@ -213,6 +220,10 @@ impl FreeList {
 
     /// Up to `len` bytes (granule multiples) from the end of the highest free range.
     fn take_highest(&mut self, len: usize) -> Option<(usize, usize)> {
+        debug_assert_eq!(len % GRANULE, 0);
+        if len == 0 {
+            return None;
+        }
         let (&offset, &range) = self.ranges.iter().next_back()?;
         let piece = range.min(len);
         self.ranges.remove(&offset);
@@ -285,6 +296,18 @@ impl Pool {
     /// description), starting now. Payloads from [`POOL_MIN`] up draw from it.
     pub fn elastic(capacity: usize, readiness: Readiness) -> Result<Pool, PoolError> {
         let pool = Self::map(capacity, POOL_MIN, Some(readiness))?;
+        // Whole granules, within the pool: every range the thread takes is one.
+        let granules = |bytes: usize| {
+            bytes
+                .checked_next_multiple_of(GRANULE)
+                .unwrap_or(usize::MAX)
+                .min(pool.inner.len)
+        };
+        let readiness = Readiness {
+            idle: granules(readiness.idle),
+            ahead: granules(readiness.ahead),
+            idle_after: readiness.idle_after.max(Duration::from_millis(1)),
+        };
         let weak = Arc::downgrade(&pool.inner);
         std::thread::Builder::new()
             .name("ferry-pool".into())
@@ -368,7 +391,9 @@ impl Pool {
     }
 
     /// The whole pool as one range of memory: what a transport that registers memory with its
-    /// hardware registers, once. Every buffer drawn from the pool lies inside it.
+    /// hardware registers, once. Every buffer drawn from the pool lies inside it. (An elastic
+    /// pool gives free ranges back to the kernel: such a transport would pin them, or use a
+    /// fixed pool.)
     pub fn memory(&self) -> (NonNull<u8>, usize) {
         (self.inner.base, self.inner.len)
     }
@@ -392,17 +417,16 @@ impl Pool {
         let (offset, cap) = {
             let mut free = self.free_list();
             free.last_take = Some(Instant::now());
-            // Ready memory first; untouched pool memory (faulted in by the receive, as fresh
-            // memory would be) before none.
+            // Ready memory first; then untouched pool memory (faulted in by the receive, as new
+            // memory would be), adjacent ready ranges included, before none.
             let taken = len
                 .max(1)
                 .checked_next_multiple_of(GRANULE)
                 .and_then(|cap| {
-                    let offset = free
-                        .ready
-                        .take(cap)
-                        .or_else(|| free.untouched.take(cap))
-                        .or_else(|| free.take_spanning(cap))?;
+                    // (Taken from the run's start: the thread touches the lowest untouched
+                    // ranges first, so ready ranges tend to lead a run and a large tensor uses
+                    // them first.)
+                    let offset = free.ready.take(cap).or_else(|| free.take_spanning(cap))?;
                     Some((offset, cap))
                 });
             // The background thread tops the ready bytes up (a fixed pool has none).
@@ -433,6 +457,13 @@ impl Pool {
         Ok(Some(unsafe {
             Bytes::from_controller(Box::new(controller), len)
         }))
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // An elastic pool's thread ends once nothing holds the pool: let it look now.
+        self.inner.wake.notify_one();
     }
 }
 
@@ -506,6 +537,7 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                 };
                 if free.ready.free < target {
                     let want = (target - free.ready.free).min(STEP);
+                    let want = want.next_multiple_of(GRANULE);
                     if let Some((offset, len)) = free.untouched.take_lowest(want) {
                         free.in_hand = len;
                         break Job::Touch(offset, len);
@@ -518,9 +550,14 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                         break Job::Release(offset, len);
                     }
                 }
-                // Nothing to do until a take, or until the busy spell may have ended; a pool
-                // dropped meanwhile is noticed within the timeout.
-                let wait = BUSY_SPELL.min(readiness.idle_after);
+                // Nothing to do until a take, or until the busy spell or the idle wait ends; a
+                // pool dropped meanwhile wakes it (its last buffer's drop: within the timeout).
+                let wait = match since {
+                    Some(since) if busy => BUSY_SPELL.saturating_sub(since),
+                    Some(since) if !idle => readiness.idle_after.saturating_sub(since),
+                    _ => Duration::from_secs(10),
+                }
+                .max(Duration::from_millis(1));
                 free = inner
                     .wake
                     .wait_timeout(free, wait)
@@ -782,6 +819,28 @@ mod tests {
         live.clear();
         until(&pool, "everything back", |p| p.free_bytes() == p.capacity());
         until(&pool, "idle again", |p| p.ready_bytes() == 4 * MIB);
+    }
+
+    #[test]
+    fn an_elastic_pool_keeps_whole_granules_ready_whatever_size_it_is_asked() {
+        let readiness = Readiness {
+            idle: 10_000_000,
+            ahead: 3_000_001,
+            idle_after: Duration::ZERO,
+        };
+        let pool = Pool::elastic(64 << 20, readiness).unwrap();
+        let rounded = 10_000_000usize.next_multiple_of(GRANULE);
+        until(&pool, "ready", |p| p.ready_bytes() == rounded);
+        let buffers: Vec<Bytes> = (0..6)
+            .map(|i| pool.take(POOL_MIN + i * 4097).unwrap().unwrap())
+            .collect();
+        for buf in &buffers {
+            assert_eq!(pool.offset_of(buf).unwrap() % GRANULE, 0);
+        }
+        drop(buffers);
+        until(&pool, "back to the idle amount", |p| {
+            p.ready_bytes() == rounded
+        });
     }
 
     #[test]

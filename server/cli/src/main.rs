@@ -184,21 +184,22 @@ struct Args {
     /// sizes reuses them instead. Unused ones are freed after 2 seconds.
     #[arg(long, default_value = "512MiB")]
     recycle: bytesize::ByteSize,
-    /// Receive memory made ready (touched, huge pages advised) before tensors arrive, for
+    /// Receive memory made ready (touched) before tensors arrive, for
     /// receives of 1 MiB and up on Flex devices: new memory costs the kernel the zeroing of every
     /// page, more than the network copy into it. `auto` (the default): up to the device's
     /// --memory-limit or half the machine's memory, --pool-ready of it kept ready (made ready at
     /// start and between receives, in the background; 64 MiB kept ahead of what is drawn while
     /// tensors arrive), freed buffers above that given back after 30 s without a receive. A size: that much reserved and touched at
-    /// start, kept. 0: none (every receive into new or recycled memory). A payload
+    /// start, kept (huge pages advised). 0: none (every receive into new or recycled memory). A payload
     /// the pool cannot hold goes to new memory, with a log line (`stat`: pool_bytes).
     #[arg(long, default_value = "auto", value_parser = parse_pool)]
     pool: PoolSize,
     /// With `--pool auto`: how much receive memory to keep ready (suffixes work). A worker that
     /// waits for a model of known size makes it that size, and the whole model lands in ready
     /// memory; it is resident while the node is idle.
-    #[arg(long, default_value = "256MiB")]
-    pool_ready: bytesize::ByteSize,
+    /// [default: 256MiB]
+    #[arg(long)]
+    pool_ready: Option<bytesize::ByteSize>,
     /// Receive every payload of 4 MiB and more on Flex devices into a new shared-memory region,
     /// sealed once complete, so that every such tensor this node holds can go on to a same-host
     /// peer without a copy, whichever link it arrived by. New shared-memory pages cost more to
@@ -222,13 +223,19 @@ enum PoolSize {
 fn parse_pool(text: &str) -> Result<PoolSize, String> {
     match text {
         "auto" => Ok(PoolSize::Auto),
-        _ => match text.parse::<bytesize::ByteSize>()?.as_u64() {
+        _ => match text
+            .parse::<bytesize::ByteSize>()
+            .map_err(|e| format!("{e} (expected auto, 0 or a size such as 2GiB)"))?
+            .as_u64()
+        {
             0 => Ok(PoolSize::Off),
             bytes => Ok(PoolSize::Fixed(bytes)),
         },
     }
 }
 
+/// What an elastic pool keeps ready unless `--pool-ready` says otherwise.
+const DEFAULT_POOL_READY: u64 = 256 << 20;
 /// What an elastic pool keeps ready ahead of the receives while tensors arrive: enough that a
 /// receive rarely waits for a page, little enough that the last tensor leaves little touched
 /// for nothing.
@@ -624,10 +631,22 @@ fn cluster_config(
 
 /// Reserves the receive pool `--pool` asks for, logging what it took.
 fn reserve_pool(args: &Args) -> anyhow::Result<Option<ferry_io::Pool>> {
+    if args.pool_ready.is_some() && args.pool != PoolSize::Auto {
+        bail!(
+            "--pool-ready sizes the automatic pool: it goes with --pool auto, not --pool 0 or a fixed size"
+        );
+    }
+    // Only Flex devices receive into host buffers (the default devices are Flex).
+    let receives_on_host =
+        args.devices.is_empty() || args.devices.iter().any(|d| matches!(d, DeviceSpec::Flex));
     let size = match args.pool {
         PoolSize::Off => return Ok(None),
+        PoolSize::Auto if !receives_on_host => return Ok(None),
         // Shared-memory receives take the place of the pool (its memory cannot be sealed).
-        PoolSize::Auto if args.shareable_receives => return Ok(None),
+        PoolSize::Auto if args.shareable_receives => {
+            tracing::info!("--shareable-receives: no receive pool (its memory cannot be sealed)");
+            return Ok(None);
+        }
         PoolSize::Fixed(_) if args.shareable_receives => {
             bail!(
                 "--pool and --shareable-receives exclude each other: pooled memory is reused, so it cannot be sealed"
@@ -653,9 +672,16 @@ fn reserve_pool(args: &Args) -> anyhow::Result<Option<ferry_io::Pool>> {
             let machine = rustix::system::sysinfo();
             let half = u64::from(machine.mem_unit).saturating_mul(machine.totalram) / 2;
             let limit = args.memory_limit.map_or(half, |m| m.as_u64().min(half));
-            let ready = args.pool_ready.as_u64();
-            let capacity = usize::try_from(limit.max(ready)).unwrap_or(usize::MAX);
-            let ready = usize::try_from(ready).unwrap_or(usize::MAX).min(capacity);
+            let capacity = usize::try_from(limit).unwrap_or(usize::MAX);
+            let asked = args.pool_ready.map_or(DEFAULT_POOL_READY, |b| b.as_u64());
+            let ready = usize::try_from(asked).unwrap_or(usize::MAX).min(capacity);
+            if (ready as u64) < asked {
+                tracing::warn!(
+                    asked,
+                    ready,
+                    "--pool-ready is more than the pool may hold (the device's --memory-limit, or half this machine's memory): keeping that much ready"
+                );
+            }
             let readiness = ferry_io::pool::Readiness {
                 idle: ready,
                 ahead: POOL_AHEAD.min(capacity),
