@@ -1,7 +1,8 @@
 //! Burn's burnpack files (`.bpk`): the header and CBOR metadata validated against the file before
-//! burn-pack reads any tensor, and written through burn-pack.
+//! any tensor is taken from it (as ranges of a private mapping, like a safetensors file's), and
+//! written through burn-pack.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;
@@ -43,44 +44,52 @@ struct Planned {
 
 pub(super) fn read_burnpack(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {
     let bad = |message: String| FileError::Burnpack(format!("{}: {message}", path.display()));
-    let planned = plan_burnpack(path, &bad)?;
+    let mut file = File::open(path).map_err(io_error(path))?;
+    let (planned, file_len) = plan_burnpack(path, &mut file, &bad)?;
 
-    let mut tensors: HashMap<String, burn_pack::Tensor> = burn_pack::Reader::from_file_exact(path)
-        .and_then(burn_pack::Reader::into_tensors)
-        .map_err(|e| pack_error(path, e))?
-        .into_iter()
-        .map(|t| (t.name.clone(), t))
-        .collect();
-    // burn-pack reopened the file by name; if it is not the file just validated, stop.
-    let changed = || bad("the file changed while it was being read".to_string());
-    if tensors.len() != planned.len() {
-        return Err(changed());
+    // The tensors are taken from a private mapping of the very file just validated: a put sends
+    // them to the socket straight from the page cache, with no copy into new memory (which
+    // costs more than the network here).
+    let mut mapped = ferry_io::host::MappedFile::map(&file).map_err(io_error(path))?;
+    if mapped.len() as u64 != file_len {
+        return Err(bad(format!(
+            "it changed while being read ({file_len} bytes, then {})",
+            mapped.len()
+        )));
     }
-
+    // Ranges are taken in file order (the mapping hands them out that way); the result keeps
+    // the plan's (recorded) order.
+    let mut by_start: Vec<usize> = (0..planned.len()).collect();
+    by_start.sort_by_key(|&i| planned[i].start);
+    let mut taken: Vec<Option<Bytes>> = planned.iter().map(|_| None).collect();
+    for i in by_start {
+        let plan = &planned[i];
+        let offset = usize::try_from(plan.start).map_err(|_| bad("offset overflow".into()))?;
+        let in_file = mapped
+            .take(offset, plan.meta.byte_len())
+            .ok_or_else(|| bad(format!("tensor '{}' lies outside the file", plan.name)))?;
+        taken[i] = Some(in_file);
+    }
     let mut out = Vec::with_capacity(planned.len());
-    for plan in planned {
-        let tensor = tensors.remove(&plan.name).ok_or_else(changed)?;
-        let (name, dtype, shape, _, view) = tensor.into_parts().map_err(|e| bad(e.to_string()))?;
-        if dtype != plan.meta.dtype()
-            || shape.as_slice() != plan.meta.shape()
-            || view.len() != plan.meta.byte_len()
-        {
-            return Err(changed());
-        }
-        // burn-pack hands out lazy views of the file that re-read the path on access (and on
-        // `split`, which GPU backends use on quantized data): a file overwritten later would
-        // change or break tensors already returned, and a failed read panics inside `Deref`.
-        // So read each view once, fallibly, into memory of ferry's own.
-        let mut bytes = zeroed_for(dtype, view.len());
-        let read = view
-            .read(burn_std::Reader::new())
-            .map_err(|e| FileError::Io {
-                path: path.to_path_buf(),
-                source: std::io::Error::other(format!("tensor '{name}': {e}")),
-            })?;
-        bytes.copy_from_slice(read);
-        drop(view);
-        let data = TensorData::try_from_bytes(bytes, shape, dtype)
+    for (plan, in_file) in planned.into_iter().zip(taken) {
+        let name = plan.name;
+        let in_file = in_file.ok_or_else(|| bad(format!("tensor '{name}' was not taken")))?;
+        let dtype = plan.meta.dtype();
+        // The alignment backends need to use the bytes in place (a quantized tensor's scales are
+        // f32 after its values); a tensor the file does not align is copied into a buffer that
+        // is (burn-pack aligns its tensors; other writers need not).
+        let align = match dtype {
+            DType::QFloat(_) => 16,
+            plain => plain.size().max(1),
+        };
+        let bytes = if (in_file.as_ptr() as usize).is_multiple_of(align) {
+            in_file
+        } else {
+            let mut aligned = zeroed_for(dtype, in_file.len());
+            aligned.copy_from_slice(&in_file);
+            aligned
+        };
+        let data = TensorData::try_from_bytes(bytes, plan.meta.shape().to_vec(), dtype)
             .map_err(|e| bad(format!("tensor '{name}': {e}")))?;
         meta_of(&data).map_err(|source| FileError::Invalid {
             name: name.clone(),
@@ -94,17 +103,18 @@ pub(super) fn read_burnpack(path: &Path) -> Result<Vec<(String, TensorData)>, Fi
 /// Reads a burnpack header and metadata and checks them against the file: every tensor's range
 /// within the file and disjoint from the others, its length per ferry's rule (which burn-pack
 /// skips for quantized dtypes), its dtype one Burn can handle without panicking, and the file
-/// exactly as long as its tensors. Returns the tensors in order, their data not yet read.
+/// exactly as long as its tensors. Returns the tensors in order (their `start` from the file's
+/// beginning), their data not yet read, and the file's length.
 fn plan_burnpack(
     path: &Path,
+    file: &mut File,
     bad: &impl Fn(String) -> FileError,
-) -> Result<Vec<Planned>, FileError> {
+) -> Result<(Vec<Planned>, u64), FileError> {
     use burn_pack::{
         FORMAT_VERSION, HEADER_SIZE, Header, MAX_CBOR_RECURSION_DEPTH, MAX_METADATA_SIZE,
         MAX_TENSOR_COUNT, aligned_data_section_start,
     };
 
-    let mut file = File::open(path).map_err(io_error(path))?;
     let file_len = file.metadata().map_err(io_error(path))?.len();
     if file_len < HEADER_SIZE as u64 {
         return Err(bad(format!(
@@ -137,7 +147,6 @@ fn plan_burnpack(
     }
     let mut raw = vec![0u8; header.metadata_size as usize];
     file.read_exact(&mut raw).map_err(io_error(path))?;
-    drop(file);
     let mut rest = raw.as_slice();
     let metadata: PackMetadata =
         ciborium::de::from_reader_with_recursion_limit(&mut rest, MAX_CBOR_RECURSION_DEPTH)
@@ -221,8 +230,16 @@ fn plan_burnpack(
         )));
     }
 
+    // From the file's beginning (no overflow: every end was checked against the file above).
+    for plan in &mut planned {
+        plan.start += data_start;
+        plan.end += data_start;
+    }
     let record = metadata.metadata.get(ORDER_KEY).map(String::as_str);
-    Ok(apply_recorded_order(planned, |p| p.name.as_str(), record))
+    Ok((
+        apply_recorded_order(planned, |p| p.name.as_str(), record),
+        file_len,
+    ))
 }
 
 pub(super) fn write_burnpack(

@@ -161,11 +161,10 @@ fn describe_extension(extension: Option<&str>) -> String {
 /// Every tensor in the file, in file order, each validated with
 /// [`ferry_proto::tensor::meta_of`] (the byte-length rule) before it is returned.
 ///
-/// A burnpack file's tensors own their memory: each byte of tensor data is read from disk once,
-/// and besides the result at most one tensor's worth of extra memory is held at a time. A
-/// safetensors file's tensors are ranges of a private mapping of the file (no copy; see
-/// [`ferry_io::host::MappedFile`] for the contract: the file must not be truncated while they
-/// live); a tensor the file does not align for its element type is copied.
+/// Either format's tensors are ranges of a private mapping of the file, validated whole first
+/// (no copy; see [`ferry_io::host::MappedFile`] for the contract: the file must not be
+/// truncated while they live); a tensor the file does not align for its element type (16 bytes
+/// for a quantized one) is copied.
 pub fn read_tensors(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {
     let format = FileFormat::from_path(path)?;
     contained(path, || match format {
