@@ -17,8 +17,9 @@
 //! and [`Readiness::ahead`] bytes ready beyond what is drawn while tensors do (touching the next
 //! untouched range as the ready ones fill), then, once nothing was drawn for
 //! [`Readiness::idle_after`], gives the ready bytes above the idle amount back to the kernel
-//! (`MADV_DONTNEED`). A payload that finds no ready range big enough draws untouched pool
-//! memory (and takes the page faults fresh memory would), or misses.
+//! (`MADV_DONTNEED`). A payload that finds no ready range big enough is not the elastic pool's
+//! to serve: it goes to new memory as without a pool (which gets huge pages where the pool's
+//! untouched memory would fault page by page), and is no miss.
 //!
 //! Invariant: every byte of the mapping is in exactly one place: the ready free list, the
 //! untouched free list, one live buffer, or the background thread's hands while it touches or
@@ -113,6 +114,8 @@ struct Inner {
     misses: AtomicU64,
     /// Payloads under this size do not draw.
     min_payload: usize,
+    /// An elastic pool (served from ready memory only, no misses).
+    elastic: bool,
 }
 
 /// The free ranges: ready (touched) and untouched, and when a buffer was last drawn.
@@ -179,29 +182,6 @@ impl FreeList {
         self.ranges.values().copied().max().unwrap_or(0)
     }
 
-    /// Takes `[start, start + len)` out of the list, wherever it has parts of it.
-    fn remove_range(&mut self, start: usize, len: usize) {
-        let end = start + len;
-        let overlapping: Vec<(usize, usize)> = self
-            .ranges
-            .range(..end)
-            .filter(|(o, l)| *o + *l > start)
-            .map(|(o, l)| (*o, *l))
-            .collect();
-        for (offset, range) in overlapping {
-            self.ranges.remove(&offset);
-            self.free -= range;
-            if offset < start {
-                self.ranges.insert(offset, start - offset);
-                self.free += start - offset;
-            }
-            if offset + range > end {
-                self.ranges.insert(end, offset + range - end);
-                self.free += offset + range - end;
-            }
-        }
-    }
-
     /// Up to `len` bytes (granule multiples) from the start of the lowest free range.
     fn take_lowest(&mut self, len: usize) -> Option<(usize, usize)> {
         debug_assert_eq!(len % GRANULE, 0);
@@ -232,40 +212,6 @@ impl FreeList {
         }
         self.free -= piece;
         Some((offset + range - piece, piece))
-    }
-}
-
-impl Free {
-    /// The smallest run of adjacent free ranges, ready or not, that holds `len` bytes, taken
-    /// from its start: a large tensor is not refused because ready and untouched ranges
-    /// alternate.
-    fn take_spanning(&mut self, len: usize) -> Option<usize> {
-        let mut all: Vec<(usize, usize)> = self
-            .ready
-            .ranges
-            .iter()
-            .chain(self.untouched.ranges.iter())
-            .map(|(o, l)| (*o, *l))
-            .collect();
-        all.sort_unstable();
-        let mut best: Option<(usize, usize)> = None;
-        let mut i = 0;
-        while i < all.len() {
-            let (start, mut end) = (all[i].0, all[i].0 + all[i].1);
-            i += 1;
-            while i < all.len() && all[i].0 == end {
-                end += all[i].1;
-                i += 1;
-            }
-            let run = end - start;
-            if run >= len && best.is_none_or(|(_, shortest)| run < shortest) {
-                best = Some((start, run));
-            }
-        }
-        let (start, _) = best?;
-        self.ready.remove_range(start, len);
-        self.untouched.remove_range(start, len);
-        Some(start)
     }
 }
 
@@ -360,6 +306,7 @@ impl Pool {
                 wake: Condvar::new(),
                 misses: AtomicU64::new(0),
                 min_payload,
+                elastic: readiness.is_some(),
             }),
         })
     }
@@ -407,9 +354,9 @@ impl Pool {
     /// A buffer of `len` bytes that the caller overwrites whole before reading any of it (it
     /// holds whatever the tensor before it left there), given back to the pool when its `Bytes`
     /// is dropped. `None` for a payload under the pool's minimum ([`POOL_MIN`] unless reserved
-    /// otherwise), which is not the pool's to serve; a [`PoolMiss`], counted in
-    /// [`misses`](Self::misses), where no free range holds it. Either way the caller allocates
-    /// as usual.
+    /// otherwise), or one no ready range of an elastic pool holds, which is not the pool's to
+    /// serve; a [`PoolMiss`], counted in [`misses`](Self::misses), where no free range of a
+    /// fixed pool holds it. Either way the caller allocates as usual.
     pub fn take(&self, len: usize) -> Result<Option<Bytes>, PoolMiss> {
         if len < self.inner.min_payload {
             return Ok(None);
@@ -417,21 +364,18 @@ impl Pool {
         let (offset, cap) = {
             let mut free = self.free_list();
             free.last_take = Some(Instant::now());
-            // Ready memory first; then untouched pool memory (faulted in by the receive, as new
-            // memory would be), adjacent ready ranges included, before none.
+            // Ready memory only: a fixed pool is all ready; an elastic pool's untouched memory
+            // would fault page by page, slower than new memory.
             let taken = len
                 .max(1)
                 .checked_next_multiple_of(GRANULE)
-                .and_then(|cap| {
-                    // (Taken from the run's start: the thread touches the lowest untouched
-                    // ranges first, so ready ranges tend to lead a run and a large tensor uses
-                    // them first.)
-                    let offset = free.ready.take(cap).or_else(|| free.take_spanning(cap))?;
-                    Some((offset, cap))
-                });
+                .and_then(|cap| Some((free.ready.take(cap)?, cap)));
             // The background thread tops the ready bytes up (a fixed pool has none).
             self.inner.wake.notify_one();
             let Some(taken) = taken else {
+                if self.inner.elastic {
+                    return Ok(None);
+                }
                 self.inner.misses.fetch_add(1, Ordering::Relaxed);
                 return Err(PoolMiss {
                     wanted: len,
@@ -754,24 +698,10 @@ mod tests {
         assert_eq!(second.len(), 20 * MIB);
         drop(second);
         until(&pool, "all free", |p| p.free_bytes() == p.capacity());
-        // What is not ready is drawn too (faulted in by the receive), rather than missed, across
-        // ready and untouched ranges alike: the whole pool, once the thread rests.
-        // (Once the thread has no range in its hands: a release may still be under way.)
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let whole = loop {
-            match pool.take(128 * MIB) {
-                Ok(Some(whole)) => break whole,
-                other if Instant::now() < deadline => {
-                    drop(other);
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                other => panic!("the whole pool: {other:?}"),
-            }
-        };
-        assert_eq!(pool.offset_of(&whole), Some(0));
-        assert_eq!(pool.free_bytes(), 0);
-        drop(whole);
-        assert_eq!(pool.free_bytes(), pool.capacity());
+        // What no ready range holds is not the pool's to serve (new memory takes it), and is
+        // no miss.
+        assert!(matches!(pool.take(100 * MIB), Ok(None)));
+        assert_eq!(pool.misses(), 0);
     }
 
     #[test]
