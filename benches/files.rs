@@ -26,44 +26,12 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferry_client::{Client, TensorKey};
-use support::{MIB, NodeProcess, Rate, f32_tensor, raw_tcp_once, server_binary};
+use support::{MIB, NodeProcess, Rate, cli_binary, f32_tensor, raw_tcp_once, server_binary, timed};
 
 const RUNS: usize = 5;
-
-/// `target/release/ferry`, beside `ferry-server`.
-fn cli_binary() -> PathBuf {
-    let binary = server_binary().with_file_name(format!("ferry{}", std::env::consts::EXE_SUFFIX));
-    if !binary.is_file() {
-        eprintln!(
-            "files: {} is missing: run `cargo build --release --workspace --bins` first",
-            binary.display()
-        );
-        std::process::exit(2);
-    }
-    binary
-}
-
-/// Runs the CLI with `args` and returns its wall time; panics, with its output, if it fails.
-fn timed(cli: &Path, args: &[&str]) -> Duration {
-    let started = Instant::now();
-    let output = Command::new(cli)
-        .args(args)
-        .env_remove("FERRY_TOKEN")
-        .output()
-        .unwrap();
-    let elapsed = started.elapsed();
-    assert!(
-        output.status.success(),
-        "ferry {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    elapsed
-}
 
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {

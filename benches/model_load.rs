@@ -25,13 +25,11 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use burn_std::quantization::{QuantScheme, QuantStore, QuantValue};
 use burn_std::{DType, TensorData};
-use support::{MIB, NodeProcess, mib, raw_tcp_once, server_binary};
+use support::{MIB, NodeProcess, cli_binary, mib, raw_tcp_once, server_binary, timed};
 
 /// How long a node runs before the command reaches it, as a worker waits for its model.
 const WARM_UP: Duration = Duration::from_secs(10);
@@ -43,19 +41,6 @@ fn sizes() -> Vec<usize> {
         .flat_map(|_| [8, 8, 8, 8, 22, 22, 23])
         .map(|m| m * MIB)
         .collect()
-}
-
-/// `ferry`, beside `ferry-server`.
-fn cli_binary() -> PathBuf {
-    let binary = server_binary().with_file_name(format!("ferry{}", std::env::consts::EXE_SUFFIX));
-    if !binary.is_file() {
-        eprintln!(
-            "model_load: {} is missing: run `cargo build --release --workspace --bins` first",
-            binary.display()
-        );
-        std::process::exit(2);
-    }
-    binary
 }
 
 /// The model as `kind` (`bf16` or `q8s`): its tensors, named as a transformer's.
@@ -85,24 +70,6 @@ fn model(kind: &str) -> Vec<(String, TensorData)> {
         .collect()
 }
 
-/// Runs the CLI with `args`; its wall time. Panics, with its output, if it fails.
-fn timed(cli: &Path, args: &[&str]) -> Duration {
-    let started = Instant::now();
-    let output = Command::new(cli)
-        .args(args)
-        .env_remove("FERRY_TOKEN")
-        .output()
-        .unwrap();
-    let elapsed = started.elapsed();
-    assert!(
-        output.status.success(),
-        "ferry {args:?}: {}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    elapsed
-}
-
 /// One line: a command's rate, its ratio to raw TCP, and each node's memory and CPU.
 fn line(what: &str, bytes: usize, took: Duration, raw: Duration, nodes: &[(&str, u64, Duration)]) {
     let rate = bytes as f64 / took.as_secs_f64() / 1e9;
@@ -122,6 +89,11 @@ fn line(what: &str, bytes: usize, took: Duration, raw: Duration, nodes: &[(&str,
 }
 
 fn main() {
+    // `cargo test --benches` builds (and may run) bench targets: a run here writes 4.6 GiB.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("model_load: not run outside `cargo bench`");
+        return;
+    }
     let server = server_binary();
     let cli = cli_binary();
     let dir = tempfile::tempdir().unwrap();

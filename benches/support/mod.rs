@@ -447,3 +447,34 @@ pub fn own_status(field: &str) -> u64 {
         .map(|kb| kb * 1024)
         .unwrap_or_else(|| panic!("no {field} in /proc/self/status"))
 }
+
+/// `target/release/ferry`, beside `ferry-server`.
+pub fn cli_binary() -> PathBuf {
+    let binary = server_binary().with_file_name(format!("ferry{}", std::env::consts::EXE_SUFFIX));
+    if !binary.is_file() {
+        eprintln!(
+            "{} is missing: run `cargo build --release --workspace --bins` first",
+            binary.display()
+        );
+        std::process::exit(2);
+    }
+    binary
+}
+
+/// Runs the CLI with `args` and returns its wall time; panics, with its output, if it fails.
+pub fn timed(cli: &Path, args: &[&str]) -> Duration {
+    let started = Instant::now();
+    let output = Command::new(cli)
+        .args(args)
+        .env_remove("FERRY_TOKEN")
+        .output()
+        .expect("the CLI runs");
+    let elapsed = started.elapsed();
+    assert!(
+        output.status.success(),
+        "ferry {args:?} failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    elapsed
+}

@@ -182,37 +182,38 @@ impl FreeList {
         self.ranges.values().copied().max().unwrap_or(0)
     }
 
-    /// Up to `len` bytes (granule multiples) from the start of the lowest free range.
-    fn take_lowest(&mut self, len: usize) -> Option<(usize, usize)> {
+    /// Up to `len` bytes (granule multiples) from the start of the lowest free range, or from
+    /// the end of the highest: `(offset, bytes)`.
+    fn take_piece(&mut self, len: usize, side: Side) -> Option<(usize, usize)> {
         debug_assert_eq!(len % GRANULE, 0);
         if len == 0 {
             return None;
         }
-        let (&offset, &range) = self.ranges.iter().next()?;
+        let (&offset, &range) = match side {
+            Side::Lowest => self.ranges.iter().next()?,
+            Side::Highest => self.ranges.iter().next_back()?,
+        };
         let piece = range.min(len);
         self.ranges.remove(&offset);
-        if range > piece {
-            self.ranges.insert(offset + piece, range - piece);
-        }
         self.free -= piece;
-        Some((offset, piece))
+        let (taken, rest) = match side {
+            Side::Lowest => (offset, offset + piece),
+            Side::Highest => (offset + range - piece, offset),
+        };
+        if range > piece {
+            self.ranges.insert(rest, range - piece);
+        }
+        Some((taken, piece))
     }
+}
 
-    /// Up to `len` bytes (granule multiples) from the end of the highest free range.
-    fn take_highest(&mut self, len: usize) -> Option<(usize, usize)> {
-        debug_assert_eq!(len % GRANULE, 0);
-        if len == 0 {
-            return None;
-        }
-        let (&offset, &range) = self.ranges.iter().next_back()?;
-        let piece = range.min(len);
-        self.ranges.remove(&offset);
-        if range > piece {
-            self.ranges.insert(offset, range - piece);
-        }
-        self.free -= piece;
-        Some((offset + range - piece, piece))
-    }
+/// Which end of a free list the background thread takes a piece from: it touches upward from
+/// the lowest untouched range and releases downward from the highest ready one, so that ready
+/// memory gathers at the mapping's start.
+#[derive(Clone, Copy)]
+enum Side {
+    Lowest,
+    Highest,
 }
 
 /// What the background thread does next, with the range it took out of a free list.
@@ -286,9 +287,13 @@ impl Pool {
             in_hand: 0,
             last_take: None,
         };
+        let base = NonNull::new(map.as_mut_ptr()).ok_or(PoolError::Size(bytes))?;
         match readiness {
+            // A fixed pool: huge pages advised, every page faulted in now.
             None => {
-                prefault(&mut map);
+                #[cfg(target_os = "linux")]
+                let _ = map.advise(memmap2::Advice::HugePage);
+                touch(&map, base, 0, len);
                 free.ready.give(0, len);
             }
             // No huge-page advice: where the kernel defragments only advised memory (a common
@@ -296,7 +301,6 @@ impl Pool {
             // an elastic pool touches while tensors arrive.
             Some(_) => free.untouched.give(0, len),
         }
-        let base = NonNull::new(map.as_mut_ptr()).ok_or(PoolError::Size(bytes))?;
         Ok(Pool {
             inner: Arc::new(Inner {
                 map,
@@ -312,7 +316,7 @@ impl Pool {
     }
 
     fn free_list(&self) -> MutexGuard<'_, Free> {
-        self.inner.free.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner)
     }
 
     /// The pool's size in bytes.
@@ -420,24 +424,6 @@ impl std::fmt::Debug for Pool {
     }
 }
 
-/// Advises huge pages, then faults in every page for writing (`MADV_POPULATE_WRITE` where the
-/// kernel has it, Linux 5.14, else a write per page).
-fn prefault(map: &mut MmapMut) {
-    #[cfg(target_os = "linux")]
-    {
-        let _ = map.advise(memmap2::Advice::HugePage);
-        if map.advise(memmap2::Advice::PopulateWrite).is_ok() {
-            return;
-        }
-    }
-    const PAGE: usize = 4096;
-    for offset in (0..map.len()).step_by(PAGE) {
-        // A volatile write: the compiler cannot know that the page is already zero and skip it.
-        // SAFETY: `offset` is inside the mapping, which is writable and borrowed mutably here.
-        unsafe { map.as_mut_ptr().add(offset).write_volatile(0) };
-    }
-}
-
 /// One buffer drawn from the pool, `[offset, offset + cap)`: gives it back to the free list when
 /// dropped (with the `Bytes` that owns it).
 struct PoolLease {
@@ -449,12 +435,7 @@ struct PoolLease {
 impl Drop for PoolLease {
     fn drop(&mut self) {
         // Written by its tensor: ready for the next.
-        self.pool
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .ready
-            .give(self.offset, self.cap);
+        lock(&self.pool).ready.give(self.offset, self.cap);
     }
 }
 
@@ -482,14 +463,16 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                 if free.ready.free < target {
                     let want = (target - free.ready.free).min(STEP);
                     let want = want.next_multiple_of(GRANULE);
-                    if let Some((offset, len)) = free.untouched.take_lowest(want) {
+                    if let Some((offset, len)) = free.untouched.take_piece(want, Side::Lowest) {
                         free.in_hand = len;
                         break Job::Touch(offset, len);
                     }
                 }
                 if idle && free.ready.free > readiness.idle {
                     let excess = (free.ready.free - readiness.idle) / GRANULE * GRANULE;
-                    if let Some((offset, len)) = free.ready.take_highest(excess.min(STEP)) {
+                    if let Some((offset, len)) =
+                        free.ready.take_piece(excess.min(STEP), Side::Highest)
+                    {
                         free.in_hand = len;
                         break Job::Release(offset, len);
                     }
@@ -514,7 +497,7 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
         };
         match job {
             Job::Touch(offset, len) => {
-                touch(&inner, offset, len);
+                touch(&inner.map, inner.base, offset, len);
                 let mut free = lock(&inner);
                 free.ready.give(offset, len);
                 free.in_hand = 0;
@@ -545,12 +528,13 @@ fn lock(inner: &Inner) -> MutexGuard<'_, Free> {
     inner.free.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Faults in `[offset, offset + len)` for writing (taken out of the untouched list: nobody else
-/// reaches it meanwhile).
-fn touch(inner: &Inner, offset: usize, len: usize) {
+/// Faults in `[offset, offset + len)` of `map` (whose first byte `base` points at, with write
+/// access) for writing: `MADV_POPULATE_WRITE` where the kernel has it (Linux 5.14), else a
+/// write per page. The range must be the caller's alone (a fixed pool's at reservation, a range
+/// the background thread took out of the untouched list).
+fn touch(map: &MmapMut, base: NonNull<u8>, offset: usize, len: usize) {
     #[cfg(target_os = "linux")]
-    if inner
-        .map
+    if map
         .advise_range(memmap2::Advice::PopulateWrite, offset, len)
         .is_ok()
     {
@@ -558,10 +542,10 @@ fn touch(inner: &Inner, offset: usize, len: usize) {
     }
     const PAGE: usize = 4096;
     for at in (offset..offset + len).step_by(PAGE) {
-        // SAFETY: `at` is inside the mapping, which is writable; the range is this thread's
-        // alone until it is listed again (see above). A volatile write, so that the compiler
-        // cannot skip a write of the zero the page already reads as.
-        unsafe { inner.base.as_ptr().add(at).write_volatile(0) };
+        // SAFETY: `at` is inside the mapping, which is writable, and `base` carries write
+        // access to it; nobody else reaches the range meanwhile (see above). A volatile write,
+        // so that the compiler cannot skip a write of the zero the page already reads as.
+        unsafe { base.as_ptr().add(at).write_volatile(0) };
     }
 }
 

@@ -95,6 +95,22 @@ impl Records {
         matches!(self, Records::Sealed(_))
     }
 
+    /// The record of kind `kind` stored under `key`, written by `owner`: under TLS its seal
+    /// checked, in clear plain or sealed alike.
+    fn decode<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        owner: &str,
+        kind: &'static str,
+    ) -> Result<T, RecordError> {
+        match self {
+            Records::Sealed(check) => keys::decode_plain(check.open(key, value, owner)?),
+            Records::Claimed => keys::decode(value),
+        }
+        .ok_or(RecordError::Unreadable(kind))
+    }
+
     /// The member record stored under `key`, if this reader takes it: under TLS sealed by the
     /// member the key names, naming itself and that node id.
     pub fn member(&self, key: &[u8], value: &[u8]) -> Result<MemberRecord, RecordError> {
@@ -104,11 +120,7 @@ impl Records {
             .and_then(|k| k.strip_prefix(keys::MEMBERS))
             .filter(|name| keys::valid_member_name(name))
             .ok_or(RecordError::Unreadable(KIND))?;
-        let record: MemberRecord = match self {
-            Records::Sealed(check) => keys::decode_plain(check.open(key, value, name)?),
-            Records::Claimed => keys::decode(value),
-        }
-        .ok_or(RecordError::Unreadable(KIND))?;
+        let record: MemberRecord = self.decode(key, value, name, KIND)?;
         let own_id = match self {
             Records::Sealed(_) => record.node_id.as_str() == name,
             Records::Claimed => true,
@@ -130,11 +142,7 @@ impl Records {
             .ok()
             .and_then(keys::parse_tensor_key)
             .ok_or(RecordError::Unreadable(KIND))?;
-        let record = match self {
-            Records::Sealed(check) => keys::decode_plain(check.open(key, value, member)?),
-            Records::Claimed => keys::decode(value),
-        }
-        .ok_or(RecordError::Unreadable(KIND))?;
+        let record = self.decode(key, value, member, KIND)?;
         Ok((member, device, tensor, record))
     }
 }
