@@ -651,6 +651,8 @@ pub struct Etcd {
     client_port: u16,
     peer_port: u16,
     tls: Option<EtcdTls>,
+    /// Who the helper logs in as once auth is on ([`Etcd::enable_auth`]).
+    root: Option<ferry_etcd::EtcdUser>,
 }
 
 /// A test etcd's TLS: its own certificate (a node certificate of the test CA, for 127.0.0.1),
@@ -658,6 +660,31 @@ pub struct Etcd {
 struct EtcdTls {
     files: ferry_io::TlsFiles,
     helper: ferry_io::ClientTls,
+    /// Whether etcd asks clients for a certificate of the CA (`--client-cert-auth`), or
+    /// leaves who may do what to its users and roles.
+    clients: EtcdClients,
+}
+
+/// Whom a test etcd over TLS admits.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum EtcdClients {
+    /// Holders of a certificate of the CA (`--client-cert-auth`).
+    Certificates,
+    /// Anyone over TLS; its users and roles decide, once a test turns auth on (etcd's JSON
+    /// gateway refuses every certificate with a common name once auth is on, so the two are
+    /// not combined).
+    Passwords,
+}
+
+impl EtcdTls {
+    fn of(pki: &TestPki, clients: EtcdClients) -> EtcdTls {
+        pki.node("etcd");
+        EtcdTls {
+            files: pki.files("etcd"),
+            helper: pki.client("etcd-helper"),
+            clients,
+        }
+    }
 }
 
 impl Etcd {
@@ -672,12 +699,14 @@ impl Etcd {
     /// certificate of `pki`'s CA and admits only clients that present one
     /// (`--client-cert-auth`).
     pub async fn start_tls(pki: &TestPki) -> Etcd {
-        pki.node("etcd");
-        let tls = EtcdTls {
-            files: pki.files("etcd"),
-            helper: pki.client("etcd-helper"),
-        };
-        Etcd::start_with(Some(tls)).await
+        Etcd::start_with(Some(EtcdTls::of(pki, EtcdClients::Certificates))).await
+    }
+
+    /// [`start`](Self::start), serving clients over TLS only (`etcds://`) with a certificate of
+    /// `pki`'s CA, asking none of them for one: for a test that turns auth on
+    /// ([`enable_auth`](Self::enable_auth)), where etcd's users and roles decide.
+    pub async fn start_tls_for_passwords(pki: &TestPki) -> Etcd {
+        Etcd::start_with(Some(EtcdTls::of(pki, EtcdClients::Passwords))).await
     }
 
     async fn start_with(tls: Option<EtcdTls>) -> Etcd {
@@ -687,6 +716,7 @@ impl Etcd {
             client_port: etcd_port(),
             peer_port: etcd_port(),
             tls,
+            root: None,
         };
         let mut exits = Vec::new();
         for _ in 0..5 {
@@ -712,7 +742,58 @@ impl Etcd {
     async fn helper(&self, timeout: Duration) -> Result<ferry_etcd::Etcd, ferry_etcd::EtcdError> {
         let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
         let tls = self.tls.as_ref().map(|tls| tls.helper.connector());
-        ferry_etcd::Etcd::connect_with(&endpoints, timeout, tls).await
+        ferry_etcd::Etcd::connect_as(&endpoints, timeout, tls, self.root.clone()).await
+    }
+
+    /// The etcd user a test gives a member or reader named `name` ([`enable_auth`]).
+    ///
+    /// [`enable_auth`]: Self::enable_auth
+    pub fn user(name: &str) -> ferry_etcd::EtcdUser {
+        ferry_etcd::EtcdUser::new(name, Etcd::password(name)).expect("a name")
+    }
+
+    fn password(name: &str) -> String {
+        format!("{name}-password")
+    }
+
+    /// Turns etcd's auth on with ferry's roles ([`ferry_client::etcd_roles`]): each of `members`
+    /// an etcd user of its name that reads the directory and writes its own keys, each of
+    /// `readers` one that reads it ([`Etcd::user`] gives their passwords). The helper's own
+    /// writes ([`put`](Self::put), [`delete`](Self::delete)) are then etcd's root's.
+    pub async fn enable_auth(&mut self, members: &[&str], readers: &[&str]) {
+        use ferry_client::etcd_roles;
+        let mut client = self.helper(Duration::from_secs(5)).await.expect("etcd");
+        for name in members {
+            let password = Etcd::password(name);
+            etcd_roles::add_member(&mut client, name, name, Some(&password))
+                .await
+                .expect("add a member");
+        }
+        for name in readers {
+            let password = Etcd::password(name);
+            etcd_roles::add_reader(&mut client, name, Some(&password))
+                .await
+                .expect("add a reader");
+        }
+        etcd_roles::enable_auth(&mut client, &Etcd::password("root"))
+            .await
+            .expect("auth on");
+        self.root = Some(Etcd::user("root"));
+    }
+
+    /// Writes `value` under `key` as `user` (or as no one), as an etcd writer holding that
+    /// user's password could: etcd's answer.
+    pub async fn put_as(
+        &self,
+        user: Option<ferry_etcd::EtcdUser>,
+        key: &str,
+        value: &[u8],
+    ) -> Result<(), ferry_etcd::EtcdError> {
+        let endpoints = ferry_proto::cluster::endpoints(&self.cluster()).unwrap();
+        let tls = self.tls.as_ref().map(|tls| tls.helper.connector());
+        let mut client =
+            ferry_etcd::Etcd::connect_as(&endpoints, Duration::from_secs(5), tls, user).await?;
+        client.put(key.as_bytes(), value, None).await
     }
 
     /// Writes `value` under `key` as any client of this etcd could (no lease: it stays until
@@ -767,8 +848,10 @@ impl Etcd {
                 .arg("--key-file")
                 .arg(&tls.files.key)
                 .arg("--trusted-ca-file")
-                .arg(&tls.files.ca)
-                .arg("--client-cert-auth");
+                .arg(&tls.files.ca);
+            if tls.clients == EtcdClients::Certificates {
+                command.arg("--client-cert-auth");
+            }
         }
         let child = command
             .args(["--name", "ferry-test", "--data-dir"])
@@ -786,6 +869,9 @@ impl Etcd {
                 &peer,
             ])
             .args(["--initial-cluster", &format!("ferry-test={peer}")])
+            // Tokens of users (where a test turns auth on) expire after 2 s unused, so that
+            // clients log in again within a test.
+            .args(["--auth-token-ttl", "2"])
             .args(["--log-level", "error"])
             .stdout(std::process::Stdio::null())
             .stderr(log)

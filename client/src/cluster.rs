@@ -7,6 +7,7 @@
 //! (`ferry_io::signed_record`): an entry anyone else wrote is skipped, and a member record
 //! asked for by name that its member did not seal is an error saying who did.
 
+pub use ferry_etcd::EtcdUser;
 use ferry_etcd::{Etcd, EtcdError};
 use ferry_io::ClientTls;
 use ferry_io::Endpoint;
@@ -95,9 +96,20 @@ impl Directory {
         cluster: &str,
         tls: Option<&ClientTls>,
     ) -> Result<Directory, DirectoryError> {
+        Directory::connect_as(cluster, tls, None).await
+    }
+
+    /// [`connect_with`](Self::connect_with), logged in to etcd as `user` where etcd runs with
+    /// auth on (its password goes over TLS or to loopback only).
+    pub async fn connect_as(
+        cluster: &str,
+        tls: Option<&ClientTls>,
+        user: Option<EtcdUser>,
+    ) -> Result<Directory, DirectoryError> {
         let endpoints = keys::endpoints(cluster).map_err(DirectoryError::Address)?;
         let joined = endpoints.join(",");
-        let etcd = Etcd::connect_with(&endpoints, ETCD_TIMEOUT, tls.map(ClientTls::connector))
+        let tls_connector = tls.map(ClientTls::connector);
+        let etcd = Etcd::connect_as(&endpoints, ETCD_TIMEOUT, tls_connector, user)
             .await
             .map_err(|e| DirectoryError::Etcd {
                 endpoints: joined.clone(),

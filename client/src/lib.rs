@@ -5,6 +5,7 @@ pub mod address;
 pub mod blocking;
 pub mod client;
 pub mod cluster;
+pub mod etcd_roles;
 pub mod tensor;
 
 pub use blocking::BlockingClient;

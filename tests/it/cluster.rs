@@ -31,6 +31,7 @@ fn config(etcd: &Etcd, name: &str, node: &TestNode) -> ClusterConfig {
         advertise: node.addr.to_string(),
         unix: None,
         ttl: TTL,
+        etcd_user: None,
     }
 }
 
@@ -1057,4 +1058,182 @@ async fn only_the_node_ids_the_operator_lists_are_members() {
     joined_a.leave().await;
     joined_b.leave().await;
     joined_c.leave().await;
+}
+
+/// With etcd's auth on and ferry's roles (`ferry::client::etcd_roles`), a member writes its own
+/// keys alone: an etcd writer holding one member's password can neither move another member
+/// nor place a tensor on it, a reader's password writes nothing, no password anything; the
+/// cluster works as without auth (members register and publish, a reader resolves and lists,
+/// a copy between members by the directory's address goes through), a wrong password is
+/// refused at login, and a client whose token expired unused logs in again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_auth_on_a_member_writes_its_own_keys_alone() {
+    use ferry::etcd::{EtcdError, EtcdUser};
+    let mut etcd = Etcd::start().await;
+    etcd.enable_auth(&["a", "b"], &["ops"]).await;
+    let (node_a, node_b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
+    let as_user = |name: &str, node: &TestNode| ClusterConfig {
+        etcd_user: Some(Etcd::user(name)),
+        ..config(&etcd, name, node)
+    };
+    let _a = Membership::join(node_a.node.clone(), as_user("a", &node_a));
+    let _b = Membership::join(node_b.node.clone(), as_user("b", &node_b));
+    let (mut ca, mut cb) = (node_a.client().await, node_b.client().await);
+    let data = samples::plain(DType::F32, &[64, 33], 1);
+    ca.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+
+    let cluster = etcd.cluster();
+    let reader = || Directory::connect_as(&cluster, None, Some(Etcd::user("ops")));
+    eventually_async(
+        "both members and a's tensor, read as ops",
+        TTL * 5,
+        || async {
+            let mut d = reader().await.unwrap();
+            d.members().await.unwrap().len() == 2
+                && d.tensors(None)
+                    .await
+                    .unwrap()
+                    .iter()
+                    .any(|t| t.member == "a" && t.name == "w")
+        },
+    )
+    .await;
+    let mut ops = reader().await.unwrap();
+    let a = ops.resolve("a").await.unwrap();
+    assert_eq!(a.tcp, node_a.addr.to_string());
+    let key = TensorKey::new(0, "w");
+    let pulled = copy_one(&mut ca, &mut cb, &key, &how(&a.tcp, 0))
+        .await
+        .unwrap();
+    assert_same(
+        &cb.get(&pulled.key).await.unwrap(),
+        &data,
+        "pulled under auth",
+    );
+
+    // The attacks of an etcd writer, each refused by etcd itself.
+    let a_record = serde_json::to_vec(&a).unwrap();
+    let denied = |what: &str, result: Result<(), EtcdError>, says: &str| match result {
+        Err(EtcdError::Refused { message, .. }) => {
+            assert!(message.contains(says), "{what}: {message}");
+        }
+        other => panic!("{what}: expected etcd's refusal, got {other:?}"),
+    };
+    let as_a = Some(Etcd::user("a"));
+    denied(
+        "a's password writing b's member record",
+        etcd.put_as(as_a.clone(), "/ferry/members/b", &a_record)
+            .await,
+        "permission denied",
+    );
+    denied(
+        "a's password placing a tensor on b",
+        etcd.put_as(as_a.clone(), "/ferry/tensors/b/0/w", b"{}")
+            .await,
+        "permission denied",
+    );
+    denied(
+        "a's password writing a member of a name a is a prefix of",
+        etcd.put_as(as_a.clone(), "/ferry/members/ab", &a_record)
+            .await,
+        "permission denied",
+    );
+    denied(
+        "the reader's password writing",
+        etcd.put_as(Some(Etcd::user("ops")), "/ferry/members/ops", &a_record)
+            .await,
+        "permission denied",
+    );
+    denied(
+        "no password",
+        etcd.put_as(None, "/ferry/members/b", &a_record).await,
+        "user name is empty",
+    );
+    let wrong = EtcdUser::new("a", "not-a-password").unwrap();
+    denied(
+        "a wrong password",
+        etcd.put_as(Some(wrong), "/ferry/members/a", &a_record)
+            .await,
+        "authentication failed",
+    );
+    assert!(
+        matches!(
+            ferry::etcd::Etcd::connect_as(
+                &["http://192.0.2.1:2379".to_string()],
+                Duration::from_secs(5),
+                None,
+                as_a.clone(),
+            )
+            .await,
+            Err(EtcdError::PasswordInClear(_))
+        ),
+        "a password is not sent in clear beyond loopback"
+    );
+    // a's own keys are a's to write (what a member's session does).
+    etcd.put_as(as_a, "/ferry/tensors/a/0/extra", b"{}")
+        .await
+        .expect("a writes its own keys");
+    etcd.delete("/ferry/tensors/a/0/extra").await;
+
+    // b is still where it registered, and the reader's connection, idle past its token's time
+    // to live (2 s in the test etcd), logs in again.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let b = ops.resolve("b").await.expect("an expired token is renewed");
+    assert_eq!(b.tcp, node_b.addr.to_string());
+}
+
+/// etcd over TLS with auth on (a certificate of the cluster's CA, no `--client-cert-auth`): a
+/// member under TLS checks etcd's certificate, logs in as its etcd user, registers sealed, and
+/// is resolved by a reader that logs in as a reader; a client of the cluster's CA without a
+/// password reads and writes nothing (etcd's roles decide what each may do).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_over_tls_with_auth_on_takes_each_member_s_password() {
+    use ferry::etcd::EtcdError;
+    let pki = TestPki::new();
+    let mut etcd = Etcd::start_tls_for_passwords(&pki).await;
+    etcd.enable_auth(&["node-a"], &["ops"]).await;
+    let cluster = etcd.cluster();
+    let a = member_node(Some(pki.node("node-a"))).await;
+    let joined = Membership::join(
+        a.node.clone(),
+        ClusterConfig {
+            etcd_user: Some(Etcd::user("node-a")),
+            ..config(&etcd, "node-a", &a)
+        },
+    );
+    let user = pki.client("user");
+    let reader = || Directory::connect_as(&cluster, Some(&user), Some(Etcd::user("ops")));
+    eventually_async("node-a registered", Duration::from_secs(10), || async {
+        match reader().await {
+            Ok(mut d) => d.resolve("node-a").await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
+    let mut d = reader().await.unwrap();
+    let (mut reached, _) = d
+        .reach("node-a", ConnectOptions::default().tls(user.clone()))
+        .await
+        .unwrap();
+    assert_eq!(&reached.identify().await.unwrap(), a.node.node_id());
+    // A certificate of the cluster and no password: etcd's roles refuse it.
+    let no_password = etcd.put_as(None, "/ferry/members/node-a", b"{}").await;
+    assert!(
+        matches!(&no_password, Err(EtcdError::Refused { .. })),
+        "{no_password:?}"
+    );
+    let no_password = Directory::connect_with(&cluster, Some(&user)).await;
+    let listed = match no_password {
+        Ok(mut d) => d
+            .resolve("node-a")
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    assert!(
+        listed.is_err(),
+        "a certificate without a password read the directory"
+    );
+    joined.leave().await;
 }

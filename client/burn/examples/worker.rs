@@ -65,6 +65,7 @@ fn main() -> anyhow::Result<()> {
                 advertise: addr.to_string(),
                 unix: None,
                 ttl: Duration::from_secs(10),
+                etcd_user: None,
             },
         )),
         _ => None,

@@ -2,7 +2,7 @@
 //! names), with the command line's token, TLS and shared-memory settings.
 
 use anyhow::{Context, bail};
-use ferry_client::cluster::{Directory, address_for, connect_nearest};
+use ferry_client::cluster::{Directory, EtcdUser, address_for, connect_nearest};
 use ferry_client::{Client, ConnectOptions, Endpoint, SharedMemory, Token};
 use ferry_proto::NodeId;
 use ferry_proto::cluster::MemberRecord;
@@ -34,12 +34,31 @@ pub(crate) async fn directory(cli: &Cli, what: &str) -> anyhow::Result<Directory
         );
     };
     // etcd over TLS (`etcds://`) takes this command's certificate.
-    let directory = Directory::connect_with(cluster, client_tls(cli)?.as_ref()).await?;
+    let directory =
+        Directory::connect_as(cluster, client_tls(cli)?.as_ref(), etcd_user(cli)?).await?;
     Ok(if cli.member_ids.is_empty() {
         directory
     } else {
         directory.admitting(cli.member_ids.iter().map(|id| NodeId::from(id.as_str())))
     })
+}
+
+/// The etcd user of `--etcd-user` and `--etcd-password-file`.
+pub(crate) fn etcd_user(cli: &Cli) -> anyhow::Result<Option<EtcdUser>> {
+    let (Some(name), Some(path)) = (&cli.etcd_user, &cli.etcd_password_file) else {
+        return Ok(None);
+    };
+    let password = password_in(path).context("--etcd-password-file")?;
+    EtcdUser::new(name.clone(), password)
+        .map(Some)
+        .context("--etcd-user is empty")
+}
+
+/// The password in a file: its first line that is neither blank nor a `#` comment.
+pub(crate) fn password_in(path: &std::path::Path) -> anyhow::Result<String> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    ferry_io::credential::token_from_file(&text).with_context(|| format!("{}", path.display()))
 }
 
 /// Finds the node `node` names: an address as it is, `@NAME` through the directory (its Unix
@@ -111,7 +130,7 @@ fn is_loopback(addr: &str) -> bool {
 }
 
 /// This command's TLS, where its flags give it.
-fn client_tls(cli: &Cli) -> anyhow::Result<Option<ferry_io::ClientTls>> {
+pub(crate) fn client_tls(cli: &Cli) -> anyhow::Result<Option<ferry_io::ClientTls>> {
     let files = ferry_io::TlsFiles::from_flags(
         cli.tls_cert.as_deref(),
         cli.tls_key.as_deref(),

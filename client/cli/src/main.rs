@@ -86,6 +86,25 @@ pub(crate) struct Cli {
         value_name = "ID"
     )]
     pub(crate) member_ids: Vec<String>,
+    /// The etcd user to read the directory as, for an etcd with auth on; with
+    /// --etcd-password-file.
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_ETCD_USER",
+        requires = "etcd_password_file"
+    )]
+    pub(crate) etcd_user: Option<String>,
+    /// A file whose first line that is not blank or a `#` comment is the etcd user's password.
+    /// Sent to etcd over TLS (`etcds://`) or to loopback only.
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_ETCD_PASSWORD_FILE",
+        value_name = "PATH",
+        requires = "etcd_user"
+    )]
+    pub(crate) etcd_password_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -214,6 +233,22 @@ enum Command {
         #[arg(long, default_value_t = 365)]
         days: u32,
     },
+    /// Give the cluster's etcd (--cluster) ferry's roles: each --member an etcd user that reads
+    /// the directory and writes its own keys alone, each --reader one that reads it; with
+    /// --enable-auth, then turn etcd's auth on (user root). Once it is on, add more as root
+    /// (--etcd-user root --etcd-password-file PATH).
+    EtcdRoles {
+        /// A member: NAME=PASSWORD_FILE (its etcd user is NAME, created with the file's first
+        /// line as its password); repeat for more.
+        #[arg(long = "member", value_name = "NAME=PASSWORD_FILE")]
+        members: Vec<String>,
+        /// A reader (an operator, a coordinator): USER=PASSWORD_FILE; repeat for more.
+        #[arg(long = "reader", value_name = "USER=PASSWORD_FILE")]
+        readers: Vec<String>,
+        /// Then turn etcd's auth on, user root's password from this file.
+        #[arg(long, value_name = "PASSWORD_FILE")]
+        enable_auth: Option<PathBuf>,
+    },
     /// Show a node's devices, tensors and transfer counters.
     Stat {
         /// HOST:PORT.
@@ -256,6 +291,11 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             clients,
             days,
         } => commands::certs::certs(dir, nodes, clients, *days),
+        Command::EtcdRoles {
+            members,
+            readers,
+            enable_auth,
+        } => commands::etcd_roles::etcd_roles(cli, members, readers, enable_auth.as_deref()).await,
         Command::Health { node, timeout } => commands::health::health(cli, node, *timeout).await,
         Command::Load {
             node,

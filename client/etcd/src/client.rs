@@ -2,16 +2,18 @@
 
 use std::time::Duration;
 
-use serde::de::IgnoredAny;
+use serde::Serialize;
+use serde::de::{DeserializeOwned, IgnoredAny};
 use tokio_rustls::TlsConnector;
 
 use crate::error::EtcdError;
 use crate::link::{Endpoint, Link};
+use crate::user::EtcdUser;
 use crate::watch::Watch;
 use crate::wire::{
     self, DeleteRangeRequest, KeyValue, LeaseGrantRequest, LeaseGrantResponse,
     LeaseKeepAliveResponse, LeaseRequest, Member, MemberListResponse, PutRequest, RangeRequest,
-    RangeResponse, RequestOp, TxnRequest, WatchCreateRequest, WatchRequest,
+    RangeResponse, RequestOp, StreamItem, TxnRequest, WatchCreateRequest, WatchRequest,
 };
 
 /// A lease's id, as etcd chose it.
@@ -81,6 +83,8 @@ pub struct Etcd {
     timeout: Duration,
     /// For `https://` endpoints.
     tls: Option<TlsConnector>,
+    /// Who every link logs in as, where etcd runs with auth on.
+    user: Option<EtcdUser>,
 }
 
 impl Etcd {
@@ -98,6 +102,18 @@ impl Etcd {
         timeout: Duration,
         tls: Option<TlsConnector>,
     ) -> Result<Etcd, EtcdError> {
+        Etcd::connect_as(endpoints, timeout, tls, None).await
+    }
+
+    /// [`connect_with`](Self::connect_with), logged in as `user` on every connection, for an
+    /// etcd with auth on: its roles then decide which keys this client may read and write. The
+    /// password is sent over TLS or to loopback only ([`EtcdError::PasswordInClear`]).
+    pub async fn connect_as(
+        endpoints: &[String],
+        timeout: Duration,
+        tls: Option<TlsConnector>,
+        user: Option<EtcdUser>,
+    ) -> Result<Etcd, EtcdError> {
         let endpoints = endpoints
             .iter()
             .map(|e| Endpoint::parse(e))
@@ -114,13 +130,21 @@ impl Etcd {
         {
             return Err(EtcdError::NeedsTls(secure.url().to_string()));
         }
-        let (current, link) = open_first(&endpoints, 0, timeout, tls.as_ref()).await?;
+        // Refused before anything is sent, rather than at the first endpoint that is in clear.
+        if user.is_some()
+            && let Some(clear) = endpoints.iter().find(|e| !e.takes_password())
+        {
+            return Err(EtcdError::PasswordInClear(clear.url().to_string()));
+        }
+        let (current, link) =
+            open_first(&endpoints, 0, timeout, tls.as_ref(), user.as_ref()).await?;
         Ok(Etcd {
             endpoints,
             link,
             current,
             timeout,
             tls,
+            user,
         })
     }
 
@@ -133,10 +157,54 @@ impl Etcd {
     async fn link(&mut self) -> Result<&mut Link, EtcdError> {
         if self.link.is_closed() {
             let next = (self.current + 1) % self.endpoints.len();
-            (self.current, self.link) =
-                open_first(&self.endpoints, next, self.timeout, self.tls.as_ref()).await?;
+            (self.current, self.link) = open_first(
+                &self.endpoints,
+                next,
+                self.timeout,
+                self.tls.as_ref(),
+                self.user.as_ref(),
+            )
+            .await?;
         }
         Ok(&mut self.link)
+    }
+
+    /// Posts `request` to `path` and reads the whole answer; where etcd no longer takes the
+    /// link's token (it expired, or etcd's users or roles changed since), logs in again and asks
+    /// once more.
+    pub(crate) async fn call<T: DeserializeOwned>(
+        &mut self,
+        path: &str,
+        request: &impl Serialize,
+    ) -> Result<T, EtcdError> {
+        let answer = self.link().await?.call(path, request).await;
+        match (answer, &self.user) {
+            (Err(e), Some(user)) if is_stale_token(&e) => {
+                self.link.authenticate(user).await?;
+                self.link.call(path, request).await
+            }
+            (answer, _) => answer,
+        }
+    }
+
+    /// [`call`](Self::call) for a streaming call: its first message.
+    async fn call_once<T: DeserializeOwned>(
+        &mut self,
+        path: &str,
+        request: &impl Serialize,
+    ) -> Result<T, EtcdError> {
+        let item: StreamItem<T> = self.call(path, request).await?;
+        let answer = self.link.unwrap_item(item);
+        match (answer, &self.user) {
+            (Err(e), Some(user)) if is_stale_token(&e) => {
+                self.link.authenticate(user).await?;
+                self.link.call_once(path, request).await
+            }
+            (answer, _) => answer?.ok_or_else(|| EtcdError::Malformed {
+                endpoint: self.link.endpoint().url().to_string(),
+                detail: "a stream answered with no result".into(),
+            }),
+        }
     }
 
     /// The value of `key`, if any (as a range of at most one key).
@@ -156,7 +224,7 @@ impl Etcd {
             key: wire::base64(key),
             range_end: end.as_deref().map(wire::base64),
         };
-        let answer: RangeResponse = self.link().await?.call("/v3/kv/range", &request).await?;
+        let answer: RangeResponse = self.call("/v3/kv/range", &request).await?;
         Ok(Range {
             revision: answer.header.revision,
             kvs: answer.kvs,
@@ -171,7 +239,7 @@ impl Etcd {
         lease: Option<LeaseId>,
     ) -> Result<(), EtcdError> {
         let request = put_request(key, value, lease);
-        let _: IgnoredAny = self.link().await?.call("/v3/kv/put", &request).await?;
+        let _: IgnoredAny = self.call("/v3/kv/put", &request).await?;
         Ok(())
     }
 
@@ -180,11 +248,7 @@ impl Etcd {
         let request = DeleteRangeRequest {
             key: wire::base64(key),
         };
-        let _: IgnoredAny = self
-            .link()
-            .await?
-            .call("/v3/kv/deleterange", &request)
-            .await?;
+        let _: IgnoredAny = self.call("/v3/kv/deleterange", &request).await?;
         Ok(())
     }
 
@@ -203,7 +267,7 @@ impl Etcd {
                 })
                 .collect(),
         };
-        let _: IgnoredAny = self.link().await?.call("/v3/kv/txn", &request).await?;
+        let _: IgnoredAny = self.call("/v3/kv/txn", &request).await?;
         Ok(())
     }
 
@@ -215,11 +279,10 @@ impl Etcd {
         let request = LeaseGrantRequest {
             ttl: i64::try_from(seconds.max(1)).unwrap_or(i64::MAX),
         };
-        let link = self.link().await?;
-        let answer: LeaseGrantResponse = link.call("/v3/lease/grant", &request).await?;
+        let answer: LeaseGrantResponse = self.call("/v3/lease/grant", &request).await?;
         if !answer.error.is_empty() || answer.id == 0 || answer.ttl <= 0 {
             return Err(EtcdError::Refused {
-                endpoint: link.endpoint().url().to_string(),
+                endpoint: self.endpoint().to_string(),
                 code: 0,
                 message: format!("lease not granted: {:?}", answer.error),
             });
@@ -236,22 +299,15 @@ impl Etcd {
         lease: LeaseId,
     ) -> Result<Option<Duration>, EtcdError> {
         let request = LeaseRequest { id: lease.0 };
-        let answer: LeaseKeepAliveResponse = self
-            .link()
-            .await?
-            .call_once("/v3/lease/keepalive", &request)
-            .await?;
+        let answer: LeaseKeepAliveResponse =
+            self.call_once("/v3/lease/keepalive", &request).await?;
         Ok((answer.ttl > 0).then(|| Duration::from_secs(answer.ttl.unsigned_abs())))
     }
 
     /// Revokes `lease`: every key attached to it is deleted at once.
     pub async fn lease_revoke(&mut self, lease: LeaseId) -> Result<(), EtcdError> {
         let request = LeaseRequest { id: lease.0 };
-        let _: IgnoredAny = self
-            .link()
-            .await?
-            .call("/v3/lease/revoke", &request)
-            .await?;
+        let _: IgnoredAny = self.call("/v3/lease/revoke", &request).await?;
         Ok(())
     }
 
@@ -262,7 +318,13 @@ impl Etcd {
         prefix: &[u8],
         start_revision: i64,
     ) -> Result<Watch, EtcdError> {
-        let link = Link::open(self.link.endpoint(), self.timeout, self.tls.as_ref()).await?;
+        let link = Link::open(
+            self.link.endpoint(),
+            self.timeout,
+            self.tls.as_ref(),
+            self.user.as_ref(),
+        )
+        .await?;
         let request = WatchRequest {
             create_request: WatchCreateRequest {
                 key: wire::base64(if prefix.is_empty() { b"\0" } else { prefix }),
@@ -277,8 +339,6 @@ impl Etcd {
     /// The etcd cluster's members.
     pub async fn member_list(&mut self) -> Result<Vec<Member>, EtcdError> {
         let answer: MemberListResponse = self
-            .link()
-            .await?
             .call("/v3/cluster/member/list", &serde_json::json!({}))
             .await?;
         Ok(answer.members)
@@ -300,11 +360,14 @@ async fn open_first(
     start: usize,
     timeout: Duration,
     tls: Option<&TlsConnector>,
+    user: Option<&EtcdUser>,
 ) -> Result<(usize, Link), EtcdError> {
     let mut last = None;
     for offset in 0..endpoints.len() {
         let index = (start + offset) % endpoints.len();
-        match Link::open(&endpoints[index], timeout, tls).await {
+        match Link::open(&endpoints[index], timeout, tls, user).await {
+            // A refused login is the same at every endpoint: said as what it is.
+            Err(e @ EtcdError::Refused { .. }) => return Err(e),
             Ok(link) => return Ok((index, link)),
             Err(e) => last = Some(e),
         }
@@ -317,4 +380,11 @@ async fn open_first(
             .join(", "),
         last: last.map_or_else(|| "no endpoint given".to_string(), |e| e.to_string()),
     })
+}
+
+/// Whether etcd refused a request for its token alone: expired, issued by another member, or
+/// older than a change to etcd's users and roles. Logging in again mends it.
+fn is_stale_token(e: &EtcdError) -> bool {
+    matches!(e, EtcdError::Refused { message, .. }
+        if message.contains("invalid auth token") || message.contains("revision of auth store is old"))
 }

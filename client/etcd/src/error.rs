@@ -12,6 +12,12 @@ pub enum EtcdError {
     /// An `https://` endpoint, and no TLS to reach it with.
     #[error("{0} is etcd over TLS: it needs the cluster's CA and a certificate (--tls-*)")]
     NeedsTls(String),
+    /// A user's password would go to `{0}` in clear, beyond loopback.
+    #[error("{0} is etcd in clear beyond loopback: an etcd password goes over TLS only (https://)")]
+    PasswordInClear(String),
+    /// A permission asked for every key (an empty prefix).
+    #[error("a role's key prefix is empty: etcd would read it as every key")]
+    EmptyPrefix,
     /// No endpoint could be connected to.
     #[error("no etcd endpoint answered (tried {tried}): {last}")]
     Unreachable {

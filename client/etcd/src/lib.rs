@@ -11,14 +11,18 @@
 //! Everything etcd answers is read with bounds ([`MAX_ANSWER`], [`MAX_WATCH_MESSAGE`]): an
 //! endpoint is whatever answers at an address.
 
+mod auth;
 mod client;
 mod error;
 mod link;
+mod user;
 mod watch;
 mod wire;
 
+pub use auth::{Access, Grant, Keys};
 pub use client::{Etcd, Lease, LeaseId, Range, TxnOp};
 pub use error::EtcdError;
 pub use link::{MAX_ANSWER, MAX_WATCH_MESSAGE};
+pub use user::EtcdUser;
 pub use watch::{Watch, WatchBatch};
 pub use wire::{Event, EventKind, KeyValue, Member};

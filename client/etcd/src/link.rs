@@ -15,7 +15,8 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
 use crate::error::EtcdError;
-use crate::wire::{GatewayError, StreamItem};
+use crate::user::EtcdUser;
+use crate::wire::{AuthenticateRequest, AuthenticateResponse, GatewayError, StreamItem};
 
 /// The most bytes read of one answer: a whole directory's range stays far below it (a record is
 /// at most 64 KiB and etcd's own requests 1.5 MiB), and a peer that sends more is not etcd.
@@ -76,6 +77,24 @@ impl Endpoint {
             .map_err(|_| EtcdError::Endpoint(self.url.clone()))
     }
 
+    /// Whether the host is this machine's loopback (`localhost`, 127.0.0.0/8, `::1`).
+    fn is_loopback(&self) -> bool {
+        let host = self.authority.rsplit_once(':').map_or("", |(host, _)| host);
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        host == "localhost"
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    }
+
+    /// Whether a password may be sent here: over TLS, or in clear to loopback only.
+    pub(crate) fn takes_password(&self) -> bool {
+        self.scheme == Scheme::Https || self.is_loopback()
+    }
+
     /// The URL as given.
     pub(crate) fn url(&self) -> &str {
         &self.url
@@ -114,6 +133,9 @@ pub(crate) struct Link {
     /// request goes out: hyper closes a connection whose request was dropped, but on its own task
     /// and later, so the sender alone would still look usable right after.
     settled: bool,
+    /// The token etcd gave this connection's user (etcd with auth on), sent with every request:
+    /// etcd's simple tokens hold on the member that issued them only, so each link has its own.
+    token: Option<http::HeaderValue>,
 }
 
 impl Link {
@@ -122,6 +144,7 @@ impl Link {
         endpoint: &Endpoint,
         timeout: Duration,
         tls: Option<&TlsConnector>,
+        user: Option<&EtcdUser>,
     ) -> Result<Link, EtcdError> {
         let tls = match endpoint.scheme {
             Scheme::Http => None,
@@ -151,12 +174,39 @@ impl Link {
                 endpoint: endpoint.url.clone(),
                 cause: e.to_string(),
             })?;
-        Ok(Link {
+        let mut link = Link {
             endpoint: endpoint.clone(),
             sender,
             timeout,
             settled: true,
-        })
+            token: None,
+        };
+        if let Some(user) = user {
+            link.authenticate(user).await?;
+        }
+        Ok(link)
+    }
+
+    /// Logs in as `user`: every later request on this link carries the token etcd gives.
+    pub(crate) async fn authenticate(&mut self, user: &EtcdUser) -> Result<(), EtcdError> {
+        if !self.endpoint.takes_password() {
+            return Err(EtcdError::PasswordInClear(self.endpoint.url.clone()));
+        }
+        self.token = None;
+        let request = AuthenticateRequest {
+            name: user.name(),
+            password: user.password(),
+        };
+        let answer: AuthenticateResponse = self.call("/v3/auth/authenticate", &request).await?;
+        let token = http::HeaderValue::from_str(&answer.token)
+            .ok()
+            .filter(|_| !answer.token.is_empty())
+            .ok_or_else(|| EtcdError::Malformed {
+                endpoint: self.endpoint.url.clone(),
+                detail: "authentication answered no usable token".into(),
+            })?;
+        self.token = Some(token);
+        Ok(())
     }
 
     pub(crate) fn endpoint(&self) -> &Endpoint {
@@ -231,11 +281,15 @@ impl Link {
             endpoint: self.endpoint.url.clone(),
             detail: format!("encoding the request: {e}"),
         })?;
-        let request = Request::builder()
+        let mut request = Request::builder()
             .method(Method::POST)
             .uri(path)
             .header(header::HOST, &self.endpoint.authority)
-            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::CONTENT_TYPE, "application/json");
+        if let Some(token) = &self.token {
+            request = request.header(header::AUTHORIZATION, token);
+        }
+        let request = request
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| self.http_error(e))?;
         self.settled = false;
@@ -262,7 +316,7 @@ impl Link {
             }
             _ => EtcdError::Malformed {
                 endpoint: self.endpoint.url.clone(),
-                detail: format!("HTTP status {status}"),
+                detail: format!("HTTP status {status}: {}", excerpt(&body)),
             },
         })
     }
@@ -320,6 +374,18 @@ impl Link {
     }
 }
 
+/// The start of a body that is not etcd's JSON, printable: what etcd's gateway says in plain
+/// text (that it takes no certificate with a common name once auth is on, say), and never more
+/// than a line of whatever else answered.
+fn excerpt(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(&body[..body.len().min(160)]);
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect::<String>()
+        .trim()
+        .to_string()
+}
+
 pub(crate) fn refused(endpoint: &Endpoint, error: &GatewayError) -> EtcdError {
     EtcdError::Refused {
         endpoint: endpoint.url.clone(),
@@ -353,6 +419,27 @@ mod tests {
             "http://u@h:1",
         ] {
             assert!(Endpoint::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_password_goes_over_tls_or_to_loopback_only() {
+        for takes in [
+            "https://10.0.0.2:2379",
+            "http://127.0.0.1:2379",
+            "http://127.8.0.1:2379",
+            "http://[::1]:2379",
+            "http://localhost:2379",
+        ] {
+            assert!(Endpoint::parse(takes).unwrap().takes_password(), "{takes}");
+        }
+        for clear in [
+            "http://10.0.0.2:2379",
+            "http://etcd-1:2379",
+            "http://localhost.example:2379",
+            "http://[::2]:2379",
+        ] {
+            assert!(!Endpoint::parse(clear).unwrap().takes_password(), "{clear}");
         }
     }
 }

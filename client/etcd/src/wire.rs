@@ -119,6 +119,20 @@ pub(crate) struct WatchCreateRequest {
     pub start_revision: i64,
 }
 
+/// `AuthenticateRequest`: a user's name and password.
+#[derive(Serialize)]
+pub(crate) struct AuthenticateRequest<'a> {
+    pub name: &'a str,
+    pub password: &'a str,
+}
+
+/// `AuthenticateResponse`: the token later requests carry (`Authorization`).
+#[derive(Deserialize)]
+pub(crate) struct AuthenticateResponse {
+    #[serde(default)]
+    pub token: String,
+}
+
 /// `ResponseHeader`: the store's revision when etcd answered.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct Header {

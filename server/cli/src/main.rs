@@ -161,6 +161,19 @@ struct Args {
     /// Seconds a dead node stays registered at most (its lease's time to live).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
     cluster_ttl: u64,
+    /// The etcd user this node logs in as, for an etcd with auth on: etcd's roles then keep the
+    /// node to its own keys (docs/cluster.md). With --etcd-password-file.
+    #[arg(long, env = "FERRY_ETCD_USER", requires_all = ["cluster", "etcd_password_file"])]
+    etcd_user: Option<String>,
+    /// A file (mode 0600) whose first line that is not blank or a `#` comment is the etcd user's
+    /// password. Sent to etcd over TLS (`etcds://`) or to loopback only.
+    #[arg(
+        long,
+        env = "FERRY_ETCD_PASSWORD_FILE",
+        value_name = "PATH",
+        requires = "etcd_user"
+    )]
+    etcd_password_file: Option<std::path::PathBuf>,
     /// Token presented to the nodes this node pulls from, over TCP in clear (refused beside TLS,
     /// where the node's certificate is its credential). Default: the node's own --token.
     #[arg(long, env = "FERRY_PEER_TOKEN", hide_env_values = true)]
@@ -334,13 +347,14 @@ fn main() -> anyhow::Result<()> {
 
 async fn serve() -> anyhow::Result<()> {
     let args = Args::parse();
+    init_logs(&args.log_format);
     let joining = Joining {
         cluster: args.cluster.clone(),
         name: args.name.clone(),
         advertise: args.advertise.clone(),
         ttl: args.cluster_ttl,
+        etcd_user: etcd_user(&args)?,
     };
-    init_logs(&args.log_format);
     raise_fd_limit(args.max_connections);
     ferry_io::host::set_recycle_limit(usize::try_from(args.recycle.as_u64()).unwrap_or(usize::MAX));
     let pool = reserve_pool(&args)?;
@@ -599,6 +613,19 @@ struct Joining {
     name: Option<String>,
     advertise: Option<String>,
     ttl: u64,
+    etcd_user: Option<ferry_server::cluster::EtcdUser>,
+}
+
+/// The etcd user of `--etcd-user` and `--etcd-password-file`.
+fn etcd_user(args: &Args) -> anyhow::Result<Option<ferry_server::cluster::EtcdUser>> {
+    let (Some(name), Some(path)) = (&args.etcd_user, &args.etcd_password_file) else {
+        return Ok(None);
+    };
+    let password = token_from_file(&read_secret(path)?)
+        .with_context(|| format!("--etcd-password-file {}", path.display()))?;
+    ferry_server::cluster::EtcdUser::new(name.clone(), password)
+        .map(Some)
+        .context("--etcd-user is empty")
 }
 
 /// The cluster to join, from `--cluster`, `--name`, `--advertise` and `--cluster-ttl`.
@@ -626,6 +653,7 @@ fn cluster_config(
         advertise,
         unix: unix.map(|p| format!("unix:{}", p.display())),
         ttl: Duration::from_secs(args.ttl),
+        etcd_user: args.etcd_user.clone(),
     })
 }
 
@@ -729,7 +757,7 @@ fn read_secret(path: &std::path::Path) -> anyhow::Result<String> {
     if metadata.permissions().mode() & 0o077 != 0 {
         tracing::warn!(
             path = %path.display(),
-            "the token file is readable by other users; chmod 600 it"
+            "the file of secrets is readable by other users; chmod 600 it"
         );
     }
     std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))

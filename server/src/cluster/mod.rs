@@ -28,6 +28,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+pub use ferry_etcd::EtcdUser;
 use ferry_etcd::{Etcd, EtcdError, EventKind, LeaseId, TxnOp, Watch, WatchBatch};
 use ferry_io::signed_record::Records;
 use ferry_proto::cluster::{self as keys, MemberDevice, MemberRecord, TensorRecord};
@@ -62,6 +63,9 @@ pub struct ClusterConfig {
     pub unix: Option<String>,
     /// The lease's time to live: how long a dead node stays listed at most.
     pub ttl: Duration,
+    /// The etcd user the node logs in as, where etcd runs with auth on: etcd's roles then keep
+    /// the node to its own keys (docs/cluster.md gives the roles).
+    pub etcd_user: Option<EtcdUser>,
 }
 
 /// Why a cluster session ended.
@@ -194,7 +198,8 @@ async fn session(
     let timeout = (config.ttl / 2).max(Duration::from_millis(500));
     // etcd over TLS (`https://` endpoints) is reached with the node's own certificate.
     let tls = node.config().tls.as_ref().map(|t| t.client().connector());
-    let mut client = Etcd::connect_with(&config.endpoints, timeout, tls).await?;
+    let mut client =
+        Etcd::connect_as(&config.endpoints, timeout, tls, config.etcd_user.clone()).await?;
     let granted = client.lease_grant(config.ttl).await?;
     let lease = granted.id;
     let own_key = keys::member_key(&config.name);

@@ -1,6 +1,7 @@
 //! One file per command of the `ferry` command line.
 
 pub(crate) mod certs;
+pub(crate) mod etcd_roles;
 pub(crate) mod get;
 pub(crate) mod health;
 pub(crate) mod load;

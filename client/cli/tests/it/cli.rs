@@ -614,6 +614,7 @@ async fn ls_at_lists_a_clusters_members_and_where_each_tensor_lives() {
             advertise: node.addr.to_string(),
             unix: None,
             ttl: std::time::Duration::from_secs(2),
+            etcd_user: None,
         },
     );
     let mut client = node.client().await;
@@ -666,6 +667,125 @@ async fn ls_at_lists_a_clusters_members_and_where_each_tensor_lives() {
     membership.leave().await;
 }
 
+/// `ferry etcd-roles` gives etcd ferry's users and roles and turns auth on: a member joined as
+/// its etcd user registers and publishes, `ls @` as the reader lists it, `ls @` with no user or
+/// a wrong password is refused by etcd, and a change to the roles asks for root once auth is on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_roles_turns_etcd_auth_on_and_members_and_readers_work_under_it() {
+    use ferry::server::cluster::{ClusterConfig, EtcdUser, Membership};
+    let etcd = ferry::testing::Etcd::start().await;
+    let cluster = etcd.cluster();
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, password: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, format!("# {name}\n{password}\n")).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let (cache_pw, ops_pw, root_pw, wrong_pw) = (
+        file("cache.pw", "cache-secret"),
+        file("ops.pw", "ops-secret"),
+        file("root.pw", "root-secret"),
+        file("wrong.pw", "not-it"),
+    );
+    let set_up = tokio::task::spawn_blocking({
+        let cluster = cluster.clone();
+        let member = format!("cache={cache_pw}");
+        let reader = format!("ops={ops_pw}");
+        let root_pw = root_pw.clone();
+        move || {
+            ok(&[
+                "--cluster",
+                &cluster,
+                "etcd-roles",
+                "--member",
+                &member,
+                "--reader",
+                &reader,
+                "--enable-auth",
+                &root_pw,
+            ])
+        }
+    })
+    .await
+    .unwrap();
+    assert!(set_up.contains("role ferry-member-cache"), "{set_up}");
+    assert!(set_up.contains("auth on"), "{set_up}");
+
+    let node = ferry::testing::start_with(&["flex"]).await;
+    let membership = Membership::join(
+        node.node.clone(),
+        ClusterConfig {
+            endpoints: ferry::proto::cluster::endpoints(&cluster).unwrap(),
+            name: "cache".into(),
+            advertise: node.addr.to_string(),
+            unix: None,
+            ttl: std::time::Duration::from_secs(2),
+            etcd_user: EtcdUser::new("cache", "cache-secret"),
+        },
+    );
+    let mut client = node.client().await;
+    let data = samples::plain(DType::F32, &[4, 8], 1);
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+    tokio::task::spawn_blocking(move || {
+        let as_ops = [
+            "--cluster",
+            &cluster,
+            "--etcd-user",
+            "ops",
+            "--etcd-password-file",
+            &ops_pw,
+            "ls",
+            "@",
+        ];
+        listed_within(&as_ops, "@cache/0/w\tf32\t[4, 8]\t128", 1);
+        fails(&["--cluster", &cluster, "ls", "@"], "user name is empty");
+        fails(
+            &[
+                "--cluster",
+                &cluster,
+                "--etcd-user",
+                "ops",
+                "--etcd-password-file",
+                &wrong_pw,
+                "ls",
+                "@",
+            ],
+            "authentication failed",
+        );
+        // Auth is on: only root changes the roles.
+        let more = format!("ops2={ops_pw}");
+        fails(
+            &[
+                "--cluster",
+                &cluster,
+                "--etcd-user",
+                "ops",
+                "--etcd-password-file",
+                &ops_pw,
+                "etcd-roles",
+                "--reader",
+                &more,
+            ],
+            "permission denied",
+        );
+        let added = ok(&[
+            "--cluster",
+            &cluster,
+            "--etcd-user",
+            "root",
+            "--etcd-password-file",
+            &root_pw,
+            "etcd-roles",
+            "--reader",
+            &more,
+        ]);
+        assert!(added.contains("reader ops2"), "{added}");
+    })
+    .await
+    .unwrap();
+    membership.leave().await;
+}
+
 /// Runs `args` until its output holds `needle` `count` times (a directory catching up), for
 /// 10 s at most.
 fn listed_within(args: &[&str], needle: &str, count: usize) {
@@ -701,6 +821,7 @@ async fn members_by_name_and_tensors_by_name_alone() {
                 // pulls must fall back to its TCP address.
                 unix: (name == "cache").then(|| "unix:/nonexistent-ferry/cache.sock".to_string()),
                 ttl: std::time::Duration::from_secs(2),
+                etcd_user: None,
             },
         ));
         nodes.push(node);
@@ -802,6 +923,7 @@ async fn already_holds_is_confirmed_with_the_target_node() {
             advertise: node.addr.to_string(),
             unix: None,
             ttl: std::time::Duration::from_secs(2),
+            etcd_user: None,
         },
     );
     let data = samples::plain(DType::F32, &[16, 8], 3);

@@ -74,3 +74,50 @@ async fn a_node_killed_with_sigkill_leaves_the_cluster_within_its_ttl() {
     );
     drop(node);
 }
+
+/// `--etcd-user` and `--etcd-password-file`: a node process logs in to an etcd with auth on
+/// (ferry's roles) and registers with its tensor; the reader lists it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_logs_in_to_etcd_with_auth_on_as_its_etcd_user() {
+    let mut etcd = Etcd::start().await;
+    etcd.enable_auth(&["worker"], &["ops"]).await;
+    let cluster = etcd.cluster();
+    let dir = tempfile::tempdir().unwrap();
+    let password = dir.path().join("worker.pw");
+    std::fs::write(&password, "worker-password\n").unwrap();
+    let node = spawn_server(
+        ferry_server(),
+        &[
+            "--cluster",
+            &cluster,
+            "--name",
+            "worker",
+            "--etcd-user",
+            "worker",
+            "--etcd-password-file",
+            password.to_str().unwrap(),
+        ],
+        None,
+    );
+    let mut client = Client::connect(node.addr.as_str()).await.unwrap();
+    let data = samples::plain(DType::F32, &[8, 8], 2);
+    client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
+    eventually_async(
+        "registered, with its tensor",
+        Duration::from_secs(10),
+        || {
+            let (cluster, addr) = (cluster.clone(), node.addr.clone());
+            async move {
+                let Ok(mut d) =
+                    Directory::connect_as(&cluster, None, Some(Etcd::user("ops"))).await
+                else {
+                    return false;
+                };
+                let member = d.member("worker").await.ok().flatten();
+                let tensors = d.tensors(Some("worker")).await.unwrap_or_default();
+                member.is_some_and(|m| m.tcp == addr) && tensors.iter().any(|t| t.name == "w")
+            }
+        },
+    )
+    .await;
+}
