@@ -670,9 +670,10 @@ struct EtcdTls {
 enum EtcdClients {
     /// Holders of a certificate of the CA (`--client-cert-auth`).
     Certificates,
-    /// Anyone over TLS; its users and roles decide, once a test turns auth on (etcd's JSON
-    /// gateway refuses every certificate with a common name once auth is on, so the two are
-    /// not combined).
+    /// Holders of a certificate of the CA still (etcd asks every client for one wherever it is
+    /// given `--trusted-ca-file`), but not `--client-cert-auth`: its users and roles decide
+    /// what each may do once a test turns auth on (with both on, etcd's JSON gateway refuses
+    /// every client certificate with a common name).
     Passwords,
 }
 
@@ -703,7 +704,7 @@ impl Etcd {
     }
 
     /// [`start`](Self::start), serving clients over TLS only (`etcds://`) with a certificate of
-    /// `pki`'s CA, asking none of them for one: for a test that turns auth on
+    /// `pki`'s CA, without `--client-cert-auth`: for a test that turns auth on
     /// ([`enable_auth`](Self::enable_auth)), where etcd's users and roles decide.
     pub async fn start_tls_for_passwords(pki: &TestPki) -> Etcd {
         Etcd::start_with(Some(EtcdTls::of(pki, EtcdClients::Passwords))).await
@@ -756,11 +757,17 @@ impl Etcd {
         format!("{name}-password")
     }
 
-    /// Turns etcd's auth on with ferry's roles ([`ferry_client::etcd_roles`]): each of `members`
-    /// an etcd user of its name that reads the directory and writes its own keys, each of
-    /// `readers` one that reads it ([`Etcd::user`] gives their passwords). The helper's own
-    /// writes ([`put`](Self::put), [`delete`](Self::delete)) are then etcd's root's.
+    /// Turns etcd's auth on with ferry's roles ([`add_roles`](Self::add_roles), then
+    /// [`auth_on`](Self::auth_on)).
     pub async fn enable_auth(&mut self, members: &[&str], readers: &[&str]) {
+        self.add_roles(members, readers).await;
+        self.auth_on().await;
+    }
+
+    /// Gives etcd ferry's roles ([`ferry_client::etcd_roles`]): each of `members` an etcd user
+    /// of its name that reads the directory and writes its own keys, each of `readers` one that
+    /// reads it ([`Etcd::user`] gives their passwords).
+    pub async fn add_roles(&self, members: &[&str], readers: &[&str]) {
         use ferry_client::etcd_roles;
         let mut client = self.helper(Duration::from_secs(5)).await.expect("etcd");
         for name in members {
@@ -775,7 +782,13 @@ impl Etcd {
                 .await
                 .expect("add a reader");
         }
-        etcd_roles::enable_auth(&mut client, &Etcd::password("root"))
+    }
+
+    /// Turns etcd's auth on (user root): the helper's own writes ([`put`](Self::put),
+    /// [`delete`](Self::delete)) are then root's.
+    pub async fn auth_on(&mut self) {
+        let mut client = self.helper(Duration::from_secs(5)).await.expect("etcd");
+        ferry_client::etcd_roles::enable_auth(&mut client, &Etcd::password("root"))
             .await
             .expect("auth on");
         self.root = Some(Etcd::user("root"));
@@ -870,8 +883,9 @@ impl Etcd {
             ])
             .args(["--initial-cluster", &format!("ferry-test={peer}")])
             // Tokens of users (where a test turns auth on) expire after 2 s unused, so that
-            // clients log in again within a test.
-            .args(["--auth-token-ttl", "2"])
+            // clients log in again within a test; passwords hashed at bcrypt's least cost, so
+            // that a login costs a loaded machine milliseconds.
+            .args(["--auth-token-ttl", "2", "--bcrypt-cost", "4"])
             .args(["--log-level", "error"])
             .stdout(std::process::Stdio::null())
             .stderr(log)

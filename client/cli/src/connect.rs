@@ -56,6 +56,15 @@ pub(crate) fn etcd_user(cli: &Cli) -> anyhow::Result<Option<EtcdUser>> {
 
 /// The password in a file: its first line that is neither blank nor a `#` comment.
 pub(crate) fn password_in(path: &std::path::Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let metadata =
+        std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+    if metadata.permissions().mode() & 0o077 != 0 {
+        eprintln!(
+            "warning: {} is readable by other users; chmod 600 it",
+            path.display()
+        );
+    }
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     ferry_io::credential::token_from_file(&text).with_context(|| format!("{}", path.display()))

@@ -70,8 +70,10 @@ struct UserGrant<'a> {
 }
 
 impl Etcd {
-    /// Adds user `name` with `password`.
+    /// Adds user `name` with `password`, refused where any endpoint would get the password in
+    /// clear beyond loopback.
     pub async fn user_add(&mut self, name: &str, password: &str) -> Result<(), EtcdError> {
+        self.check_password_route()?;
         let _: IgnoredAny = self
             .call("/v3/auth/user/add", &UserAdd { name, password })
             .await?;

@@ -194,16 +194,20 @@ impl Etcd {
         request: &impl Serialize,
     ) -> Result<T, EtcdError> {
         let item: StreamItem<T> = self.call(path, request).await?;
-        let answer = self.link.unwrap_item(item);
-        match (answer, &self.user) {
-            (Err(e), Some(user)) if is_stale_token(&e) => {
-                self.link.authenticate(user).await?;
-                self.link.call_once(path, request).await
-            }
-            (answer, _) => answer?.ok_or_else(|| EtcdError::Malformed {
+        self.link
+            .unwrap_item(item)?
+            .ok_or_else(|| EtcdError::Malformed {
                 endpoint: self.link.endpoint().url().to_string(),
                 detail: "a stream answered with no result".into(),
-            }),
+            })
+    }
+
+    /// Refuses where any endpoint would get a password in clear beyond loopback: a call that
+    /// carries one ([`user_add`](Self::user_add)) may reconnect to any of them.
+    pub(crate) fn check_password_route(&self) -> Result<(), EtcdError> {
+        match self.endpoints.iter().find(|e| !e.takes_password()) {
+            Some(clear) => Err(EtcdError::PasswordInClear(clear.url().to_string())),
+            None => Ok(()),
         }
     }
 
@@ -366,8 +370,9 @@ async fn open_first(
     for offset in 0..endpoints.len() {
         let index = (start + offset) % endpoints.len();
         match Link::open(&endpoints[index], timeout, tls, user).await {
-            // A refused login is the same at every endpoint: said as what it is.
-            Err(e @ EtcdError::Refused { .. }) => return Err(e),
+            // A wrong name or password is the same at every endpoint: said as what it is. Any
+            // other refusal (a learner, a member without quorum) is that endpoint's alone.
+            Err(e @ EtcdError::Refused { .. }) if is_bad_login(&e) => return Err(e),
             Ok(link) => return Ok((index, link)),
             Err(e) => last = Some(e),
         }
@@ -382,9 +387,17 @@ async fn open_first(
     })
 }
 
-/// Whether etcd refused a request for its token alone: expired, issued by another member, or
-/// older than a change to etcd's users and roles. Logging in again mends it.
+/// Whether etcd refused a request of a client that has a user for its token alone: expired,
+/// older than a change to etcd's users and roles, or missing (etcd's auth was turned on after
+/// this link logged in, or an earlier login failed). Logging in again mends it.
 fn is_stale_token(e: &EtcdError) -> bool {
     matches!(e, EtcdError::Refused { message, .. }
-        if message.contains("invalid auth token") || message.contains("revision of auth store is old"))
+        if message.contains("invalid auth token")
+            || message.contains("revision of auth store is old")
+            || message.contains("user name is empty"))
+}
+
+/// Whether etcd refused a login for its name or password.
+fn is_bad_login(e: &EtcdError) -> bool {
+    matches!(e, EtcdError::Refused { message, .. } if message.contains("authentication failed"))
 }

@@ -15,6 +15,12 @@ pub enum EtcdError {
     /// A user's password would go to `{0}` in clear, beyond loopback.
     #[error("{0} is etcd in clear beyond loopback: an etcd password goes over TLS only (https://)")]
     PasswordInClear(String),
+    /// etcd runs with auth on and `--client-cert-auth`, and its JSON gateway refuses client
+    /// certificates with a common name (every ferry certificate has one).
+    #[error(
+        "etcd at {0} refuses client certificates with a common name while its auth is on: run it without --client-cert-auth (docs/cluster.md, etcd users and roles)"
+    )]
+    CommonNameRefused(String),
     /// A permission asked for every key (an empty prefix).
     #[error("a role's key prefix is empty: etcd would read it as every key")]
     EmptyPrefix,

@@ -133,8 +133,8 @@ pub(crate) struct Link {
     /// request goes out: hyper closes a connection whose request was dropped, but on its own task
     /// and later, so the sender alone would still look usable right after.
     settled: bool,
-    /// The token etcd gave this connection's user (etcd with auth on), sent with every request:
-    /// etcd's simple tokens hold on the member that issued them only, so each link has its own.
+    /// The token etcd gave this connection's user (etcd with auth on), sent with every request;
+    /// each link logs in for its own (a watch's too).
     token: Option<http::HeaderValue>,
 }
 
@@ -187,7 +187,11 @@ impl Link {
         Ok(link)
     }
 
-    /// Logs in as `user`: every later request on this link carries the token etcd gives.
+    /// Logs in as `user`: every later request on this link carries the token etcd gives. Where
+    /// etcd's auth is not on (yet), the link goes on without a token, and logs in once a
+    /// request is refused for want of one ("user name is empty"): nodes can be given their
+    /// users before the operator turns auth on. A login that fails leaves the link closed, so
+    /// that the next call connects and logs in again rather than going on without a token.
     pub(crate) async fn authenticate(&mut self, user: &EtcdUser) -> Result<(), EtcdError> {
         if !self.endpoint.takes_password() {
             return Err(EtcdError::PasswordInClear(self.endpoint.url.clone()));
@@ -197,13 +201,28 @@ impl Link {
             name: user.name(),
             password: user.password(),
         };
-        let answer: AuthenticateResponse = self.call("/v3/auth/authenticate", &request).await?;
+        let answer: AuthenticateResponse = match self.call("/v3/auth/authenticate", &request).await
+        {
+            Ok(answer) => answer,
+            Err(EtcdError::Refused { message, .. })
+                if message.contains("authentication is not enabled") =>
+            {
+                return Ok(());
+            }
+            Err(e) => {
+                self.settled = false;
+                return Err(e);
+            }
+        };
         let token = http::HeaderValue::from_str(&answer.token)
             .ok()
             .filter(|_| !answer.token.is_empty())
-            .ok_or_else(|| EtcdError::Malformed {
-                endpoint: self.endpoint.url.clone(),
-                detail: "authentication answered no usable token".into(),
+            .ok_or_else(|| {
+                self.settled = false;
+                EtcdError::Malformed {
+                    endpoint: self.endpoint.url.clone(),
+                    detail: "authentication answered no usable token".into(),
+                }
             })?;
         self.token = Some(token);
         Ok(())
@@ -234,20 +253,6 @@ impl Link {
         tokio::time::timeout(timeout, exchange)
             .await
             .map_err(|_| self.timed_out())?
-    }
-
-    /// Posts `request` to a streaming call and reads its first message: for etcd's
-    /// bidirectional streams, which answer one request and end when the request's body does.
-    pub(crate) async fn call_once<T: DeserializeOwned>(
-        &mut self,
-        path: &str,
-        request: &impl Serialize,
-    ) -> Result<T, EtcdError> {
-        let item: StreamItem<T> = self.call(path, request).await?;
-        self.unwrap_item(item)?.ok_or_else(|| EtcdError::Malformed {
-            endpoint: self.endpoint.url.clone(),
-            detail: "a stream answered with no result".into(),
-        })
     }
 
     /// Posts `request` to a streaming call, waits (within the timeout) for the answer's head, and
@@ -314,6 +319,15 @@ impl Link {
             Some(error) if error.code != 0 || !error.text().is_empty() => {
                 refused(&self.endpoint, &error)
             }
+            // etcd's gateway once auth is on, to a client certificate with a common name.
+            _ if String::from_utf8_lossy(&body).contains("CommonName of client") => {
+                EtcdError::CommonNameRefused(self.endpoint.url.clone())
+            }
+            // Not quoted where the request carried a password: whatever answered could echo it.
+            _ if path.starts_with("/v3/auth/") => EtcdError::Malformed {
+                endpoint: self.endpoint.url.clone(),
+                detail: format!("HTTP status {status}"),
+            },
             _ => EtcdError::Malformed {
                 endpoint: self.endpoint.url.clone(),
                 detail: format!("HTTP status {status}: {}", excerpt(&body)),
@@ -375,8 +389,7 @@ impl Link {
 }
 
 /// The start of a body that is not etcd's JSON, printable: what etcd's gateway says in plain
-/// text (that it takes no certificate with a common name once auth is on, say), and never more
-/// than a line of whatever else answered.
+/// text, and never more than a line of whatever else answered.
 fn excerpt(body: &[u8]) -> String {
     let text = String::from_utf8_lossy(&body[..body.len().min(160)]);
     text.chars()

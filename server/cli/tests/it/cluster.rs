@@ -75,12 +75,13 @@ async fn a_node_killed_with_sigkill_leaves_the_cluster_within_its_ttl() {
     drop(node);
 }
 
-/// `--etcd-user` and `--etcd-password-file`: a node process logs in to an etcd with auth on
-/// (ferry's roles) and registers with its tensor; the reader lists it.
+/// `--etcd-user` and `--etcd-password-file`: a node process given its etcd user before the
+/// operator turns etcd's auth on registers without a token, and once auth is on logs in (its
+/// requests refused for want of a user) and publishes what it then holds; the reader lists it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_logs_in_to_etcd_with_auth_on_as_its_etcd_user() {
     let mut etcd = Etcd::start().await;
-    etcd.enable_auth(&["worker"], &["ops"]).await;
+    etcd.add_roles(&["worker"], &["ops"]).await;
     let cluster = etcd.cluster();
     let dir = tempfile::tempdir().unwrap();
     let password = dir.path().join("worker.pw");
@@ -101,6 +102,26 @@ async fn a_node_logs_in_to_etcd_with_auth_on_as_its_etcd_user() {
     );
     let mut client = Client::connect(node.addr.as_str()).await.unwrap();
     let data = samples::plain(DType::F32, &[8, 8], 2);
+    client
+        .put(&TensorKey::new(0, "before"), &data)
+        .await
+        .unwrap();
+    eventually_async(
+        "registered before auth is on",
+        Duration::from_secs(10),
+        || {
+            let cluster = cluster.clone();
+            async move {
+                let Ok(mut d) = Directory::connect(&cluster).await else {
+                    return false;
+                };
+                let tensors = d.tensors(Some("worker")).await.unwrap_or_default();
+                tensors.iter().any(|t| t.name == "before")
+            }
+        },
+    )
+    .await;
+    etcd.auth_on().await;
     client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     eventually_async(
         "registered, with its tensor",
