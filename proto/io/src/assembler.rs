@@ -246,6 +246,12 @@ impl TensorAssembler {
         };
     }
 
+    /// Whether the content hash is computed as the payload arrives ([`hashing`](Self::hashing)):
+    /// a receiver that checks it then needs no chunk checksums.
+    pub fn is_hashing(&self) -> bool {
+        !matches!(self.hash, HashState::None)
+    }
+
     /// What is being received.
     pub fn meta(&self) -> &TensorMeta {
         &self.meta

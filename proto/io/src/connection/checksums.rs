@@ -70,18 +70,78 @@ mod tests {
         payload: &[u8],
         known: Known<'_>,
     ) -> Result<Vec<u8>, ConnectionError> {
-        let (a, b) = tokio::io::duplex(1 << 16);
+        let assembler = TensorAssembler::new(meta.clone(), 1 << 30).unwrap();
+        let assembler = send_into(assembler, payload, known).await?;
+        Ok(assembler.finish().unwrap().as_bytes().to_vec())
+    }
+
+    /// Sends `payload` with `known` through an in-memory pipe into `assembler`.
+    async fn send_into(
+        mut assembler: TensorAssembler,
+        payload: &[u8],
+        known: Known<'_>,
+    ) -> Result<TensorAssembler, ConnectionError> {
+        // Room for every frame: a reader that refuses a chunk does not leave the writer waiting.
+        let (a, b) = tokio::io::duplex(2 * payload.len() + (1 << 16));
         let mut writer = Connection::new(a, limits());
         let mut reader = Connection::new(b, limits());
-        let mut assembler = TensorAssembler::new(meta.clone(), 1 << 20).unwrap();
         let parts = [payload];
         let (sent, received) = tokio::join!(
             writer.write_payload_known(&parts, 0, known),
             reader.read_payload(&mut assembler),
         );
-        sent?;
         received?;
-        Ok(assembler.finish().unwrap().as_bytes().to_vec())
+        sent?;
+        Ok(assembler)
+    }
+
+    /// A receiver that hashes the payload whole (a pull, which compares the hash with its
+    /// grant) reads each byte once, for the hash: chunk checksums are not checked. A receiver
+    /// that does not hash checks each chunk. Shown with checksums that do not match the bytes.
+    #[tokio::test]
+    async fn a_receiver_that_hashes_the_payload_whole_checks_the_hash_not_the_chunks() {
+        // Hashed in line, and (over a megabyte) on a thread that trails the receiver.
+        for n in [2500, crate::TRAILING_HASH_MIN / 4 + 250] {
+            let data = TensorData::new((0..n).map(|i| i as f32).collect::<Vec<_>>(), [n]);
+            let (meta, payload) = into_parts(data).unwrap();
+            let checksums = ChunkChecksums::default();
+            let known = Known {
+                region: None,
+                checksums: Some(&checksums),
+            };
+            send_and_receive(&meta, &payload, known).await.unwrap();
+            let mut wrong = checksums.for_chunk_size(1000).unwrap().to_vec();
+            wrong[7] ^= 1;
+            checksums.remember(1000, wrong);
+
+            let plain = TensorAssembler::new(meta.clone(), 1 << 30).unwrap();
+            assert!(!plain.is_hashing());
+            let checked = send_into(plain, &payload, known).await;
+            assert!(
+                matches!(
+                    checked,
+                    Err(ConnectionError::Proto(ferry_proto::ProtoError::Frame(
+                        ferry_proto::FrameError::ChecksumMismatch { .. }
+                    )))
+                ),
+                "{n}: a receiver that does not hash checks each chunk: {checked:?}"
+            );
+            let hashing = TensorAssembler::new(meta.clone(), 1 << 30)
+                .unwrap()
+                .hashing();
+            assert!(hashing.is_hashing());
+            let (back, hash) = send_into(hashing, &payload, known)
+                .await
+                .expect("a hashing receiver does not check chunk checksums")
+                .finish_hashed()
+                .unwrap();
+            assert_eq!(back.as_bytes(), &payload[..], "{n}");
+            assert_eq!(
+                hash,
+                ferry_proto::tensor::content_hash(&meta, &payload),
+                "{n}"
+            );
+        }
     }
 
     #[tokio::test]
