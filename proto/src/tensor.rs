@@ -52,8 +52,23 @@ pub fn from_parts(meta: &TensorMeta, payload: Bytes) -> Result<TensorData, MetaE
 /// (two empty tensors of different dtypes do not).
 pub fn content_hash(meta: &TensorMeta, payload: &[u8]) -> ContentHash {
     let mut hasher = content_hasher(meta);
-    hasher.update(payload);
+    hash_more(&mut hasher, payload);
     hasher.finalize().into()
+}
+
+/// Pieces at least this large are hashed on every core that is free (rayon's pool, work-stealing:
+/// a core busy receiving takes none of it); smaller ones on the calling thread, where handing
+/// them out would cost more than it saves.
+pub const PARALLEL_HASH_MIN: usize = 1 << 20;
+
+/// Feeds `bytes` to a content hasher: on free cores where they are [`PARALLEL_HASH_MIN`] or
+/// more (BLAKE3 hashes a large input's subtrees independently, and the result is the same).
+pub fn hash_more(hasher: &mut blake3::Hasher, bytes: &[u8]) {
+    if bytes.len() >= PARALLEL_HASH_MIN {
+        hasher.update_rayon(bytes);
+    } else {
+        hasher.update(bytes);
+    }
 }
 
 /// [`content_hash`] of a payload that lies in several slices laid end to end, hashed a few MiB at
@@ -71,7 +86,7 @@ pub fn content_hash_parts(
             if stop() {
                 return None;
             }
-            hasher.update(piece);
+            hash_more(&mut hasher, piece);
         }
     }
     Some(hasher.finalize().into())
@@ -104,6 +119,21 @@ pub fn content_hasher(meta: &TensorMeta) -> blake3::Hasher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hashed on every free core or on one, a payload hashes the same: BLAKE3's tree, not the
+    /// threads, decides the hash (here after a prefix that is no multiple of its chunks).
+    #[test]
+    fn a_large_piece_hashed_in_parallel_hashes_as_on_one_thread() {
+        let bytes: Vec<u8> = (0..3 * PARALLEL_HASH_MIN + 12_345)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        let mut one = blake3::Hasher::new();
+        one.update(b"prefix of 17 bytes");
+        let mut many = one.clone();
+        one.update(&bytes);
+        hash_more(&mut many, &bytes);
+        assert_eq!(one.finalize(), many.finalize());
+    }
 
     #[test]
     fn a_payload_in_parts_hashes_as_one_and_a_stop_stops() {

@@ -3,7 +3,7 @@
 
 use burn_std::{Bytes, DType, TensorData};
 
-use ferry_proto::tensor::{content_hash, content_hasher, from_parts};
+use ferry_proto::tensor::{content_hash, content_hasher, from_parts, hash_more};
 use ferry_proto::{ContentHash, MetaError, ProtoError, StreamError, TensorMeta};
 
 use crate::pool::Pool;
@@ -310,7 +310,7 @@ impl TensorAssembler {
             HashState::None => {}
             // `slot` started the thread; bytes committed without it are hashed here.
             HashState::Inline(hasher) | HashState::TrailingSoon(hasher) => {
-                hasher.update(&self.buf[range.clone()]);
+                hash_more(hasher, &self.buf[range.clone()]);
             }
             HashState::Trailing(trailing) => trailing.commit(range.end),
         }
@@ -328,7 +328,7 @@ impl TensorAssembler {
             // be hashed again from the start.
             HashState::Trailing(trailing) => trailing.finish().or_else(|| {
                 let mut hasher = content_hasher(&self.meta);
-                hasher.update(&self.buf[..self.received]);
+                hash_more(&mut hasher, &self.buf[..self.received]);
                 Some(hasher)
             }),
         }
@@ -370,7 +370,7 @@ impl TensorAssembler {
                 .map_or(HashState::None, |h| HashState::Inline(Box::new(h)));
         }
         if let HashState::Inline(hasher) | HashState::TrailingSoon(hasher) = &mut self.hash {
-            hasher.update(&payload);
+            hash_more(hasher, &payload);
         }
         match self.backing {
             // The caller's buffer is where the bytes must land (a file being written): copied

@@ -83,7 +83,7 @@ impl TrailingHash {
                         // the buffer is alive until this thread is joined.
                         let bytes =
                             unsafe { std::slice::from_raw_parts(shared.0.add(hashed), piece) };
-                        hasher.update(bytes);
+                        ferry_proto::tensor::hash_more(&mut hasher, bytes);
                         hashed += piece;
                     }
                 }

@@ -231,7 +231,7 @@ async fn adopt_region(
     let (bytes, kept, hasher) = tokio::task::spawn_blocking(move || {
         let (bytes, kept) = crate::region::adopt(fd, declared, expected, keep)?;
         let mut hasher = hasher;
-        hasher.update(&bytes);
+        ferry_proto::tensor::hash_more(&mut hasher, &bytes);
         Ok::<_, StreamError>((bytes, kept, hasher))
     })
     .await

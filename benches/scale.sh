@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# benches/scale.sh: the node-to-node and model-load benchmarks on two of this machine's cores
+# and on all of them, side by side: what more cores buy ferry (content hashes computed on every
+# free core), each figure a ratio against raw TCP measured in the same run. Run it on a machine
+# with many cores; on two, both rows are the same machine.
+#
+#   benches/scale.sh              # both benchmarks (about 10 minutes each, after the build)
+#   benches/scale.sh node_to_node # one of them
+#
+# Each run's whole output goes to target/scale/BENCH-CORES.log; the lines with ratios, CPU and
+# memory are printed here. `taskset` pins the bench and the nodes it starts (its children) to
+# the cores named.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+benches=("$@")
+[ ${#benches[@]} -gt 0 ] || benches=(node_to_node model_load)
+all=$(nproc)
+command -v taskset > /dev/null || { echo "scale.sh needs taskset (util-linux)" >&2; exit 1; }
+
+# The nodes the benches start are the release binaries beside them.
+cargo build --release --workspace --bins
+for bench in "${benches[@]}"; do
+  cargo bench -p ferry --bench "$bench" --no-run
+done
+
+mkdir -p target/scale
+sets=("0-1")
+[ "$all" -gt 2 ] && sets+=("0-$((all - 1))")
+for bench in "${benches[@]}"; do
+  for cpus in "${sets[@]}"; do
+    n=$(( ${cpus#*-} + 1 ))
+    log="target/scale/$bench-$n.log"
+    echo "== $bench on $n of $all cores (taskset -c $cpus) -> $log"
+    taskset -c "$cpus" cargo bench -p ferry --bench "$bench" > "$log" 2>&1 || {
+      echo "   failed: see $log" >&2
+      continue
+    }
+    grep -E "raw TCP|ceiling|CPU per copy|peak|resident|goal" "$log" | sed 's/^/   /'
+  done
+done
