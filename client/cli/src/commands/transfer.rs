@@ -7,6 +7,7 @@ use anyhow::bail;
 use ferry_client::address::{Address, AddressError};
 use ferry_client::cluster::{address_for, choose_source};
 use ferry_client::{Client, ContentHash, IfExists, NodeCopy, TensorKey, Transfer};
+use futures_util::future::join_all;
 
 use crate::Cli;
 use crate::connect::{Reached, connect_to, directory, reach};
@@ -58,7 +59,17 @@ pub(crate) async fn transfer(
         .iter()
         .map(|n| TensorKey::new(src_device, n.clone()))
         .collect();
-    let mut target = connect_to(&dst_node, cli).await?;
+    let target = connect_to(&dst_node, cli).await?;
+    let mut lanes = vec![Lane {
+        source: client,
+        target,
+    }];
+    for _ in 1..lane_count(keys.len()) {
+        lanes.push(Lane {
+            source: connect_to(&src_node, cli).await?,
+            target: connect_to(&dst_node, cli).await?,
+        });
+    }
     let pull_from = pull_address(&src_node, &dst_node);
     let how = Plan {
         dst: &dst,
@@ -68,13 +79,31 @@ pub(crate) async fn transfer(
         expect_version: None,
     };
     let count = keys.len();
-    how.run(&mut client, &mut target, &keys, &pull_from).await?;
+    how.run(&mut lanes, &keys, &pull_from).await?;
     let verb = if remove { "moved" } else { "copied" };
     eprintln!(
         "{verb} {count} tensors to {}/{dst_device}",
         dst_node.label()
     );
     Ok(())
+}
+
+/// The most pairs of connections a copy of many tensors between two nodes runs at once.
+const MAX_LANES: usize = 4;
+
+/// One pair of connections a copy runs over: to the source, and to the target.
+struct Lane {
+    source: Client,
+    target: Client,
+}
+
+/// How many lanes a node-to-node copy of `tensors` runs: one per core of this machine, up to
+/// [`MAX_LANES`], and no more than there are tensors. Several tensors in flight keep both nodes'
+/// cores busy where one stream cannot (a target faulting in fresh memory, hashing); one lane
+/// is a pair of connections to each node, which their per-address limits count.
+fn lane_count(tensors: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    cores.clamp(1, MAX_LANES).min(tensors.max(1))
 }
 
 /// Where the target node pulls from: an address, and for a member's Unix socket its TCP
@@ -160,8 +189,10 @@ async fn copy_by_name(
         addr: address_for(&chosen.member, &ferry_io::machine::name()),
         member: Some(chosen.member.clone()),
     };
-    let mut client = connect_to(&src_node, cli).await?;
-    let mut target_client = connect_to(dst_node, cli).await?;
+    let mut lanes = [Lane {
+        source: connect_to(&src_node, cli).await?,
+        target: connect_to(dst_node, cli).await?,
+    }];
     let keys = [TensorKey::new(chosen.holder.device, name)];
     let how = Plan {
         dst,
@@ -171,8 +202,7 @@ async fn copy_by_name(
         expect_version: chosen.holder.record.content_hash,
     };
     let pull_from = PullFrom::member(&chosen.member, chosen.addr.clone());
-    how.run(&mut client, &mut target_client, &keys, &pull_from)
-        .await?;
+    how.run(&mut lanes, &keys, &pull_from).await?;
     eprintln!("copied 1 tensors to {}/{dst_device}", dst_node.label());
     Ok(())
 }
@@ -234,29 +264,68 @@ impl Plan<'_> {
     }
 
     /// Between the devices of one node where source and target are one (two addresses may
-    /// reach one node: its id tells), else node to node: the target pulls from `pull_from`.
+    /// reach one node: its id tells), over the first lane; else node to node: the target pulls
+    /// from `pull_from`, on every lane at once.
     async fn run(
         &self,
-        source: &mut Client,
-        target: &mut Client,
+        lanes: &mut [Lane],
         keys: &[TensorKey],
         pull_from: &PullFrom,
     ) -> anyhow::Result<()> {
+        let Some(first) = lanes.first_mut() else {
+            bail!("no connection to copy over");
+        };
         let mut results = Vec::with_capacity(keys.len());
-        if source.identify().await? == target.identify().await? {
+        if first.source.identify().await? == first.target.identify().await? {
             for key in keys {
-                let answer = source
+                let answer = first
+                    .source
                     .transfer(key, &self.dst_key(key), self.transfer, self.if_exists)
                     .await;
                 results.push((key.to_string(), answer));
             }
         } else {
-            let answers = self.pull_all(source, target, keys, pull_from).await;
+            let answers = self.pull_in_lanes(lanes, keys, pull_from).await;
             for (key, answer) in keys.iter().zip(answers) {
                 results.push((key.to_string(), answer));
             }
         }
         check_all(results)
+    }
+
+    /// Node to node over several lanes at once: the keys dealt to them in turn (so that each
+    /// gets large and small tensors alike), each lane's share pulled as [`pull_all`] does; one
+    /// answer per key, in key order.
+    ///
+    /// [`pull_all`]: Self::pull_all
+    async fn pull_in_lanes(
+        &self,
+        lanes: &mut [Lane],
+        keys: &[TensorKey],
+        pull_from: &PullFrom,
+    ) -> Vec<Result<TensorInfo, ClientError>> {
+        let n = lanes.len().min(keys.len()).max(1);
+        let shares: Vec<Vec<TensorKey>> = (0..n)
+            .map(|lane| keys.iter().skip(lane).step_by(n).cloned().collect())
+            .collect();
+        let runs = lanes.iter_mut().zip(&shares).map(|(lane, share)| {
+            self.pull_all(&mut lane.source, &mut lane.target, share, pull_from)
+        });
+        let mut answers: Vec<_> = join_all(runs)
+            .await
+            .into_iter()
+            .map(Vec::into_iter)
+            .collect();
+        // Key i went to lane i % n, as its (i / n)th.
+        (0..keys.len())
+            .map(|i| {
+                answers[i % n].next().unwrap_or_else(|| {
+                    Err(ClientError::Unexpected(
+                        "a lane answered fewer tensors than it was given".into(),
+                    ))
+                })
+            })
+            .collect()
     }
 
     /// Node to node: the target pulls every key from `pull_from`, one answer per key. Over a

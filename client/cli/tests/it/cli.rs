@@ -786,6 +786,52 @@ async fn etcd_roles_turns_etcd_auth_on_and_members_and_readers_work_under_it() {
     membership.leave().await;
 }
 
+/// A whole device copied between two nodes goes over several lanes at once (one per core, up to
+/// four): every tensor lands bit-exact under its own name, and a refusal names its own tensor,
+/// whichever lane it went over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_copied_over_several_lanes_lands_each_tensor_under_its_own_name() {
+    let a = ferry::testing::start_with(&["flex"]).await;
+    let b = ferry::testing::start_with(&["flex"]).await;
+    let mut ca = a.client().await;
+    let tensors: Vec<(String, TensorData)> = (0..9)
+        .map(|i| {
+            let dtype = [DType::F32, DType::BF16, DType::I64][i % 3];
+            (
+                format!("t{i}"),
+                samples::plain(dtype, &[i + 1, 97 * (i + 1)], i as u64),
+            )
+        })
+        .collect();
+    for (name, data) in &tensors {
+        ca.put(&TensorKey::new(0, name.as_str()), data)
+            .await
+            .unwrap();
+    }
+    // t4 is on the target already, with other bytes: refused, and kept.
+    let mut cb = b.client().await;
+    let other = samples::plain(DType::F32, &[2, 2], 99);
+    cb.put(&TensorKey::new(0, "t4"), &other).await.unwrap();
+    let (src, dst) = (format!("{}/0", a.addr), format!("{}/0", b.addr));
+    let out = tokio::task::spawn_blocking(move || ferry(&["cp", &src, &dst]))
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let named: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("error: 0/"))
+        .collect();
+    assert_eq!(named.len(), 1, "{stderr}");
+    assert!(named[0].starts_with("error: 0/t4:"), "{stderr}");
+    assert!(stderr.contains("1 of 9 tensors failed"), "{stderr}");
+    for (name, data) in &tensors {
+        let landed = cb.get(&TensorKey::new(0, name.as_str())).await.unwrap();
+        let want = if name == "t4" { &other } else { data };
+        ferry::testing::assert_same(&landed, want, name);
+    }
+}
+
 /// Runs `args` until its output holds `needle` `count` times (a directory catching up), for
 /// 10 s at most.
 fn listed_within(args: &[&str], needle: &str, count: usize) {
