@@ -25,14 +25,18 @@ for bench in "${benches[@]}"; do
 done
 
 mkdir -p target/scale
-sets=("0-1")
-[ "$all" -gt 2 ] && sets+=("0-$((all - 1))")
+# The first two cores this process may use, and all of them (a cpuset need not start at 0).
+allowed=$(taskset -cp $$ | sed 's/.*: //')
+mapfile -t cpus < <(python3 -c "
+import os; c=sorted(os.sched_getaffinity(0)); print(f'{c[0]},{c[1]}' if len(c)>1 else c[0]); print(len(c))")
+sets=("${cpus[0]}")
+[ "${cpus[1]}" -gt 2 ] && sets+=("$allowed")
 for bench in "${benches[@]}"; do
-  for cpus in "${sets[@]}"; do
-    n=$(( ${cpus#*-} + 1 ))
+  for set in "${sets[@]}"; do
+    n=$(taskset -c "$set" nproc)
     log="target/scale/$bench-$n.log"
-    echo "== $bench on $n of $all cores (taskset -c $cpus) -> $log"
-    taskset -c "$cpus" cargo bench -p ferry --bench "$bench" > "$log" 2>&1 || {
+    echo "== $bench on $n of $all cores (taskset -c $set) -> $log"
+    taskset -c "$set" cargo bench -p ferry --bench "$bench" > "$log" 2>&1 || {
       echo "   failed: see $log" >&2
       continue
     }

@@ -56,18 +56,43 @@ pub fn content_hash(meta: &TensorMeta, payload: &[u8]) -> ContentHash {
     hasher.finalize().into()
 }
 
-/// Pieces at least this large are hashed on every core that is free (rayon's pool, work-stealing:
-/// a core busy receiving takes none of it); smaller ones on the calling thread, where handing
-/// them out would cost more than it saves.
+/// Pieces at least this large are hashed over ferry's hashing threads, one per core; smaller
+/// ones on the calling thread, where handing them out would cost more than it saves.
 pub const PARALLEL_HASH_MIN: usize = 1 << 20;
 
-/// Feeds `bytes` to a content hasher: on free cores where they are [`PARALLEL_HASH_MIN`] or
-/// more (BLAKE3 hashes a large input's subtrees independently, and the result is the same).
+/// The threads content hashes spread over, one per core: ferry's own pool, not rayon's global
+/// one, so that a backend's or an application's rayon work (Burn's CPU backends use the global
+/// pool) neither delays a hash nor is delayed by one. `None` on one core, or where the threads
+/// could not be started: hashes then run on the calling thread, as they would anyway.
+fn hashing_threads() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        if cores < 2 {
+            return None;
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(cores)
+            .thread_name(|i| format!("ferry-hash-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// Feeds `bytes` to a content hasher: over the hashing threads where they are
+/// [`PARALLEL_HASH_MIN`] or more (BLAKE3 hashes a large input's subtrees independently, and the
+/// hash is the same), on the calling thread otherwise. The caller waits until they are hashed.
 pub fn hash_more(hasher: &mut blake3::Hasher, bytes: &[u8]) {
-    if bytes.len() >= PARALLEL_HASH_MIN {
-        hasher.update_rayon(bytes);
-    } else {
-        hasher.update(bytes);
+    match hashing_threads() {
+        Some(pool) if bytes.len() >= PARALLEL_HASH_MIN => {
+            pool.install(|| {
+                hasher.update_rayon(bytes);
+            });
+        }
+        _ => {
+            hasher.update(bytes);
+        }
     }
 }
 

@@ -89,7 +89,7 @@ struct Receiving {
 
 impl Node {
     /// Pulls a tensor from another node and registers it; answered only once it is registered.
-    /// Nothing is registered unless every byte arrived and matched its checksum.
+    /// Nothing is registered unless every byte arrived and the whole hashes to the grant.
     pub(crate) async fn pull(
         &self,
         link: &mut PeerLink,
@@ -202,8 +202,8 @@ impl Node {
         } = received;
         let (data, hash, region) = match route {
             // Chunks: hashed while they arrived, and compared with the grant before anything is
-            // registered. In clear the link vouches for nothing beyond each chunk's CRC (a proxy
-            // can rewrite both). Over mutual TLS nobody on the path can change a byte, but the
+            // registered. In clear the link vouches for nothing (the chunks' CRCs are not
+            // checked on a pull: the hash catches noise and a proxy alike). Over mutual TLS nobody on the path can change a byte, but the
             // hash compared is the one the client relayed from the grant: checked here all the
             // same, so that a wrong one fails the pull (`Integrity`) on every link alike. The
             // hashing overlaps the receive on another thread, so the answer waits for its last
@@ -304,8 +304,9 @@ impl Node {
         r.region = region;
         let bytes = r.assembler.meta().byte_len() as u64;
         self.recorder().payload(Direction::Received, route, bytes);
-        // Every byte is here and verified: the transfer stands even if the release is lost (the
-        // capability then lapses at the source on its own).
+        // Every byte is here (its hash is compared with the grant next, before anything is
+        // registered; a mismatch fails the pull with the capability used up): the transfer
+        // stands even if the release is lost (the capability then lapses at the source).
         let release = source.release(&req.capability, self.node_id());
         match tokio::time::timeout(idle, release).await {
             Ok(Ok(())) => {}
@@ -507,8 +508,10 @@ fn classify(source: &str, error: ExchangeError) -> AttemptError {
             source_addr: source.to_string(),
             message,
         })),
+        // A source that sends from host copies answers `Busy` while its share of them is taken
+        // (other fetches in flight): asked again after the backoff, as a dropped link is.
         ExchangeError::Refused(ferry_proto::ErrorReply {
-            code: ErrorCode::ShuttingDown,
+            code: ErrorCode::ShuttingDown | ErrorCode::Busy,
             message,
         }) => AttemptError::Transient(message),
         other => AttemptError::Fatal(NodeError::Peer {

@@ -141,6 +141,10 @@ enum Command {
         /// Replace tensors that already exist.
         #[arg(long)]
         overwrite: bool,
+        /// Tensors of a whole device in flight at once between two nodes, each over a pair of
+        /// connections of its own (to the source and to the target).
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=8))]
+        lanes: u8,
     },
     /// Move a tensor (or every tensor of a device): the source goes once the target holds it.
     Mv {
@@ -151,6 +155,10 @@ enum Command {
         /// Replace tensors that already exist.
         #[arg(long)]
         overwrite: bool,
+        /// Tensors of a whole device in flight at once between two nodes, each over a pair of
+        /// connections of its own (to the source and to the target).
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=8))]
+        lanes: u8,
     },
     /// List the tensors on a node, or on one of its devices.
     Ls {
@@ -276,12 +284,14 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             source,
             target,
             overwrite,
-        } => commands::transfer::transfer(cli, source, target, false, *overwrite).await,
+            lanes,
+        } => commands::transfer::transfer(cli, source, target, false, *overwrite, *lanes).await,
         Command::Mv {
             source,
             target,
             overwrite,
-        } => commands::transfer::transfer(cli, source, target, true, *overwrite).await,
+            lanes,
+        } => commands::transfer::transfer(cli, source, target, true, *overwrite, *lanes).await,
         Command::Ls { location, json } => commands::ls::ls(cli, location, *json).await,
         Command::Rm { tensor } => commands::rm::rm(cli, tensor).await,
         Command::Stat { node, json, holds } => commands::stat::stat(cli, node, *json, *holds).await,

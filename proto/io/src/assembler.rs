@@ -37,7 +37,8 @@ fn alloc_for(dtype: DType, len: usize) -> Result<Bytes, MetaError> {
 /// Receives one tensor's payload in order, into one buffer sized from the validated meta.
 ///
 /// Bytes are written in place ([`slot`](Self::slot), then [`commit`](Self::commit) once their
-/// checksum is verified), so a receiver never holds a second copy of the tensor.
+/// chunk arrived whole, its checksum verified where one is checked), so a receiver never holds
+/// a second copy of the tensor.
 pub struct TensorAssembler {
     /// The content hash where the receiver wants it ([`hashing`](Self::hashing)). Declared
     /// before `buf`, so that a hashing thread is joined before the buffer it reads is freed.
@@ -204,6 +205,10 @@ impl TensorAssembler {
     ///
     /// A payload of [`TRAILING_HASH_MIN`] bytes or more is hashed on another thread while it
     /// arrives, so that [`finish_hashed`](Self::finish_hashed) waits only for the last chunk.
+    ///
+    /// A connection reading into a hashing receiver checks no chunk checksum
+    /// ([`is_hashing`](Self::is_hashing)): the caller must compare the hash with one it trusts
+    /// (a pull, with its grant), which catches whatever the checksums would.
     pub fn hashing(mut self) -> Self {
         if self.received != 0 || !matches!(self.hash, HashState::None) {
             return self;

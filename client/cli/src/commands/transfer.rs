@@ -21,6 +21,7 @@ pub(crate) async fn transfer(
     target: &str,
     remove: bool,
     overwrite: bool,
+    lanes: u8,
 ) -> anyhow::Result<()> {
     let dst = Address::parse(target)?;
     let dst_device = dst.device("the target")?;
@@ -59,16 +60,37 @@ pub(crate) async fn transfer(
         .iter()
         .map(|n| TensorKey::new(src_device, n.clone()))
         .collect();
-    let target = connect_to(&dst_node, cli).await?;
+    let mut target = connect_to(&dst_node, cli).await?;
+    // Between the devices of one node there is nothing to spread: one lane.
+    let same_node = client.identify().await? == target.identify().await?;
+    let wanted = if same_node {
+        1
+    } else {
+        usize::from(lanes).min(keys.len()).max(1)
+    };
     let mut lanes = vec![Lane {
         source: client,
         target,
     }];
-    for _ in 1..lane_count(keys.len()) {
-        lanes.push(Lane {
-            source: connect_to(&src_node, cli).await?,
-            target: connect_to(&dst_node, cli).await?,
-        });
+    while lanes.len() < wanted {
+        // A lane that cannot be opened (a node's per-address limit, say) leaves the copy to
+        // those that could.
+        let opened = async {
+            Ok::<_, anyhow::Error>(Lane {
+                source: connect_to(&src_node, cli).await?,
+                target: connect_to(&dst_node, cli).await?,
+            })
+        };
+        match opened.await {
+            Ok(lane) => lanes.push(lane),
+            Err(e) => {
+                eprintln!(
+                    "warning: copying over {} lanes of {wanted}: {e:#}",
+                    lanes.len()
+                );
+                break;
+            }
+        }
     }
     let pull_from = pull_address(&src_node, &dst_node);
     let how = Plan {
@@ -88,22 +110,12 @@ pub(crate) async fn transfer(
     Ok(())
 }
 
-/// The most pairs of connections a copy of many tensors between two nodes runs at once.
-const MAX_LANES: usize = 4;
-
-/// One pair of connections a copy runs over: to the source, and to the target.
+/// One pair of connections a copy runs over: to the source, and to the target. Several lanes
+/// keep several tensors of a whole device in flight (`--lanes`), so that one stream waiting on
+/// its target (fresh memory faulted in, a hash) leaves the link and the nodes' other cores busy.
 struct Lane {
     source: Client,
     target: Client,
-}
-
-/// How many lanes a node-to-node copy of `tensors` runs: one per core of this machine, up to
-/// [`MAX_LANES`], and no more than there are tensors. Several tensors in flight keep both nodes'
-/// cores busy where one stream cannot (a target faulting in fresh memory, hashing); one lane
-/// is a pair of connections to each node, which their per-address limits count.
-fn lane_count(tensors: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    cores.clamp(1, MAX_LANES).min(tensors.max(1))
 }
 
 /// Where the target node pulls from: an address, and for a member's Unix socket its TCP

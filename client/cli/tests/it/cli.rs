@@ -786,9 +786,9 @@ async fn etcd_roles_turns_etcd_auth_on_and_members_and_readers_work_under_it() {
     membership.leave().await;
 }
 
-/// A whole device copied between two nodes goes over several lanes at once (one per core, up to
-/// four): every tensor lands bit-exact under its own name, and a refusal names its own tensor,
-/// whichever lane it went over.
+/// A whole device copied between two nodes goes over several lanes at once (`--lanes 3`): every
+/// tensor lands bit-exact under its own name, and a refusal names its own tensor, whichever lane
+/// it went over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_copied_over_several_lanes_lands_each_tensor_under_its_own_name() {
     let a = ferry::testing::start_with(&["flex"]).await;
@@ -813,7 +813,7 @@ async fn a_device_copied_over_several_lanes_lands_each_tensor_under_its_own_name
     let other = samples::plain(DType::F32, &[2, 2], 99);
     cb.put(&TensorKey::new(0, "t4"), &other).await.unwrap();
     let (src, dst) = (format!("{}/0", a.addr), format!("{}/0", b.addr));
-    let out = tokio::task::spawn_blocking(move || ferry(&["cp", &src, &dst]))
+    let out = tokio::task::spawn_blocking(move || ferry(&["cp", &src, &dst, "--lanes", "3"]))
         .await
         .unwrap();
     assert!(!out.status.success());

@@ -18,7 +18,8 @@ pub struct Known<'a> {
 /// The chunk checksums of a payload that never changes, computed by its first whole send and
 /// reused by later sends with the same chunk size (a model served to many workers is
 /// checksummed once). A stale entry could only make a receiver refuse a chunk, never accept a
-/// wrong one; and a checksum taken once also catches a later change of the bytes in memory.
+/// wrong one; and a checksum taken once also lets a receiver that checks chunks (a put's, a
+/// get's) catch a later change of the bytes in memory (a pull's catches it by the hash).
 #[derive(Debug, Default)]
 pub struct ChunkChecksums {
     known: std::sync::Mutex<Option<(usize, std::sync::Arc<Vec<u32>>)>>,
