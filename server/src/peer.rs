@@ -304,9 +304,25 @@ impl Node {
         r.region = region;
         let bytes = r.assembler.meta().byte_len() as u64;
         self.recorder().payload(Direction::Received, route, bytes);
-        // Every byte is here (its hash is compared with the grant next, before anything is
-        // registered; a mismatch fails the pull with the capability used up): the transfer
-        // stands even if the release is lost (the capability then lapses at the source).
+        // Chunks are checked by the whole payload's hash, compared with the grant before the
+        // capability is released: bytes that are not the ones granted never use it up (the
+        // source lets it lapse, or a fetch from 0 may try again).
+        if r.route == PayloadRoute::Chunks
+            && let Some(granted) = req.content_hash
+        {
+            let (back, computed) = settle_hash(r).await.map_err(Failed::fatal)?;
+            r = back;
+            if computed != Some(granted) {
+                self.recorder().integrity_failure();
+                return Err(Failed::fatal(NodeError::Integrity {
+                    source_addr: req.source.clone(),
+                    expected: granted,
+                    computed: computed.unwrap_or(granted),
+                }));
+            }
+        }
+        // Every byte is here and verified: the transfer stands even if the release is lost (the
+        // capability then lapses at the source on its own).
         let release = source.release(&req.capability, self.node_id());
         match tokio::time::timeout(idle, release).await {
             Ok(Ok(())) => {}
@@ -521,8 +537,21 @@ fn classify(source: &str, error: ExchangeError) -> AttemptError {
     }
 }
 
-/// The assembled tensor, its content hash and the region it was received into (sealed), off the
-/// runtime: the hashing thread may still be a chunk or two behind the receiver.
+/// The content hash of every byte received, off the runtime (the hashing thread may still be a
+/// chunk or two behind the receiver), with the receiver back; `None` where it does not hash.
+async fn settle_hash(
+    mut received: Receiving,
+) -> Result<(Receiving, Option<ferry_proto::ContentHash>), NodeError> {
+    tokio::task::spawn_blocking(move || {
+        let hash = received.assembler.settle_hash();
+        (received, hash)
+    })
+    .await
+    .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))
+}
+
+/// The assembled tensor, its content hash (settled before the release, or computed now) and the
+/// region it was received into (sealed), off the runtime.
 async fn finish_hashed(
     assembler: ferry_io::TensorAssembler,
 ) -> Result<

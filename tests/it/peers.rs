@@ -357,6 +357,37 @@ async fn a_flipped_byte_fails_the_pull_and_registers_nothing() {
     nothing_registered_and_source_intact(&a, &b, &data).await;
 }
 
+/// A pull whose bytes do not hash to the grant does not use the capability up: the target
+/// releases it only once the hash matched, so the same capability fetches again (over the
+/// proxy's next connection, untouched) and lands bit-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_that_fails_its_hash_leaves_the_capability_for_another_fetch() {
+    let (a, b, via, data) = faulty_pair(Fault::FlipAt(3 << 19)).await;
+    let mut source = a.client().await;
+    let b_id = b.client().await.identify().await.unwrap();
+    let grant = source
+        .grant(&TensorKey::new(0, "big"), &b_id)
+        .await
+        .unwrap();
+    let mut target = b.client().await;
+    let dst = grant.info.key.on(0);
+    let failed = target.pull(&via, &grant, &dst, IfExists::Refuse).await;
+    assert_eq!(code_of(failed), ErrorCode::Integrity);
+    assert!(
+        target.list(None).await.unwrap().is_empty(),
+        "nothing registered"
+    );
+    let info = target
+        .pull(&via, &grant, &dst, IfExists::Refuse)
+        .await
+        .expect("the capability was not used up by bytes that were not the ones granted");
+    assert_same(
+        &target.get(&info.key).await.unwrap(),
+        &data,
+        "fetched again",
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_that_goes_away_mid_stream_costs_the_source_nothing() {
     // The source sees its reader vanish mid-stream (the proxy cuts both ways and stays down):

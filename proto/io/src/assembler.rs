@@ -96,6 +96,8 @@ enum HashState {
     TrailingSoon(Box<blake3::Hasher>),
     /// On another thread, a chunk behind the receiver.
     Trailing(crate::trailing::TrailingHash),
+    /// Computed over every byte ([`settle_hash`](TensorAssembler::settle_hash)).
+    Done(ContentHash),
 }
 
 impl std::fmt::Debug for TensorAssembler {
@@ -318,6 +320,8 @@ impl TensorAssembler {
                 hash_more(hasher, &self.buf[range.clone()]);
             }
             HashState::Trailing(trailing) => trailing.commit(range.end),
+            // Settled only once every byte arrived: nothing is committed after.
+            HashState::Done(_) => {}
         }
         self.received = range.end;
         Ok(())
@@ -327,7 +331,8 @@ impl TensorAssembler {
     /// [`adopt_hashed`](Self::adopt_hashed); `None` where this receiver does not hash.
     pub fn take_hasher(&mut self) -> Option<blake3::Hasher> {
         match std::mem::take(&mut self.hash) {
-            HashState::None => None,
+            // A settled hash has no hasher left to feed.
+            HashState::None | HashState::Done(_) => None,
             HashState::Inline(hasher) | HashState::TrailingSoon(hasher) => Some(*hasher),
             // Everything committed so far is fed to it; a thread that died leaves the bytes to
             // be hashed again from the start.
@@ -337,6 +342,23 @@ impl TensorAssembler {
                 Some(hasher)
             }),
         }
+    }
+
+    /// The content hash of every byte, once all have arrived, for a receiver that hashes: the
+    /// hashing thread finished (this waits for it: call it off an async runtime) and the hash
+    /// kept for [`finish_hashed`](Self::finish_hashed). `None` before the last byte, or where
+    /// this receiver does not hash.
+    pub fn settle_hash(&mut self) -> Option<ContentHash> {
+        if !self.is_complete() {
+            return None;
+        }
+        let hash = match &self.hash {
+            HashState::Done(hash) => *hash,
+            HashState::None => return None,
+            _ => self.take_hasher()?.finalize().into(),
+        };
+        self.hash = HashState::Done(hash);
+        Some(hash)
     }
 
     /// [`adopt`](Self::adopt) for a payload already fed to the hasher taken with
@@ -434,8 +456,8 @@ impl TensorAssembler {
     /// sealed.
     pub fn finish_hashed_sealed(mut self) -> Result<(TensorData, ContentHash, Sealed), ProtoError> {
         self.check_complete()?;
-        let hash = match self.take_hasher() {
-            Some(hasher) => hasher.finalize().into(),
+        let hash = match self.settle_hash() {
+            Some(hash) => hash,
             None => content_hash(&self.meta, &self.buf),
         };
         let sealed = self.seal();
