@@ -201,23 +201,11 @@ impl Node {
             region,
         } = received;
         let (data, hash, region) = match route {
-            // Chunks: hashed while they arrived, and compared with the grant before anything is
-            // registered. In clear the link vouches for nothing (the chunks' CRCs are not
-            // checked on a pull: the hash catches noise and a proxy alike). Over mutual TLS nobody on the path can change a byte, but the
-            // hash compared is the one the client relayed from the grant: checked here all the
-            // same, so that a wrong one fails the pull (`Integrity`) on every link alike. The
-            // hashing overlaps the receive on another thread, so the answer waits for its last
-            // chunk only.
+            // Chunks: hashed while they arrived and compared with the grant by `attempt`,
+            // before it released the capability; the hash is the one it settled.
             PayloadRoute::Chunks => {
                 let (data, computed, sealed) = finish_hashed(assembler).await?;
-                if computed != granted {
-                    self.recorder().integrity_failure();
-                    return Err(NodeError::Integrity {
-                        source_addr: req.source.clone(),
-                        expected: granted,
-                        computed,
-                    });
-                }
+                debug_assert_eq!(computed, granted, "`attempt` compared it with the grant");
                 // The region it was received into, where the node shares its receives.
                 (data, KnownHash::Computed(computed), sealed)
             }
@@ -304,20 +292,25 @@ impl Node {
         r.region = region;
         let bytes = r.assembler.meta().byte_len() as u64;
         self.recorder().payload(Direction::Received, route, bytes);
-        // Chunks are checked by the whole payload's hash, compared with the grant before the
-        // capability is released: bytes that are not the ones granted never use it up (the
-        // source lets it lapse, or a fetch from 0 may try again).
-        if r.route == PayloadRoute::Chunks
-            && let Some(granted) = req.content_hash
-        {
+        // Chunks are checked by the whole payload's hash (in clear the link vouches for nothing,
+        // and a pull checks no chunk CRC: the hash catches noise and a proxy alike; over mutual
+        // TLS the hash compared is the one the client relayed from the grant, so a wrong one
+        // fails the pull on every link alike), compared with the grant before the capability is
+        // released: bytes that are not the ones granted never use it up (the source lets it
+        // lapse, or a fetch from 0 may try again). The hash trailed the receive on another
+        // thread, so this waits for its last chunk only.
+        if r.route == PayloadRoute::Chunks {
+            let granted = req
+                .content_hash
+                .ok_or(Failed::fatal(NodeError::PullWithoutHash))?;
             let (back, computed) = settle_hash(r).await.map_err(Failed::fatal)?;
             r = back;
-            if computed != Some(granted) {
+            if computed != granted {
                 self.recorder().integrity_failure();
                 return Err(Failed::fatal(NodeError::Integrity {
                     source_addr: req.source.clone(),
                     expected: granted,
-                    computed: computed.unwrap_or(granted),
+                    computed,
                 }));
             }
         }
@@ -538,16 +531,17 @@ fn classify(source: &str, error: ExchangeError) -> AttemptError {
 }
 
 /// The content hash of every byte received, off the runtime (the hashing thread may still be a
-/// chunk or two behind the receiver), with the receiver back; `None` where it does not hash.
+/// chunk or two behind the receiver), with the receiver back.
 async fn settle_hash(
     mut received: Receiving,
-) -> Result<(Receiving, Option<ferry_proto::ContentHash>), NodeError> {
-    tokio::task::spawn_blocking(move || {
+) -> Result<(Receiving, ferry_proto::ContentHash), NodeError> {
+    let (received, hash) = tokio::task::spawn_blocking(move || {
         let hash = received.assembler.settle_hash();
         (received, hash)
     })
     .await
-    .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))
+    .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))?;
+    Ok((received, hash.map_err(NodeError::Received)?))
 }
 
 /// The assembled tensor, its content hash (settled before the release, or computed now) and the

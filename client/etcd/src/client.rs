@@ -131,10 +131,8 @@ impl Etcd {
             return Err(EtcdError::NeedsTls(secure.url().to_string()));
         }
         // Refused before anything is sent, rather than at the first endpoint that is in clear.
-        if user.is_some()
-            && let Some(clear) = endpoints.iter().find(|e| !e.takes_password())
-        {
-            return Err(EtcdError::PasswordInClear(clear.url().to_string()));
+        if user.is_some() {
+            password_route(&endpoints)?;
         }
         let (current, link) =
             open_first(&endpoints, 0, timeout, tls.as_ref(), user.as_ref()).await?;
@@ -205,10 +203,7 @@ impl Etcd {
     /// Refuses where any endpoint would get a password in clear beyond loopback: a call that
     /// carries one ([`user_add`](Self::user_add)) may reconnect to any of them.
     pub(crate) fn check_password_route(&self) -> Result<(), EtcdError> {
-        match self.endpoints.iter().find(|e| !e.takes_password()) {
-            Some(clear) => Err(EtcdError::PasswordInClear(clear.url().to_string())),
-            None => Ok(()),
-        }
+        password_route(&self.endpoints)
     }
 
     /// The value of `key`, if any (as a range of at most one key).
@@ -395,6 +390,14 @@ fn is_stale_token(e: &EtcdError) -> bool {
         if message.contains("invalid auth token")
             || message.contains("revision of auth store is old")
             || message.contains("user name is empty"))
+}
+
+/// `Ok` where every one of `endpoints` may be sent a password (over TLS, or to loopback).
+fn password_route(endpoints: &[Endpoint]) -> Result<(), EtcdError> {
+    match endpoints.iter().find(|e| !e.takes_password()) {
+        Some(clear) => Err(EtcdError::PasswordInClear(clear.url().to_string())),
+        None => Ok(()),
+    }
 }
 
 /// Whether etcd refused a login for its name or password.

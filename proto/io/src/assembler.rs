@@ -344,21 +344,20 @@ impl TensorAssembler {
         }
     }
 
-    /// The content hash of every byte, once all have arrived, for a receiver that hashes: the
-    /// hashing thread finished (this waits for it: call it off an async runtime) and the hash
-    /// kept for [`finish_hashed`](Self::finish_hashed). `None` before the last byte, or where
-    /// this receiver does not hash.
-    pub fn settle_hash(&mut self) -> Option<ContentHash> {
-        if !self.is_complete() {
-            return None;
-        }
+    /// The content hash of every byte, once all have arrived: the hashing thread finished
+    /// (this waits for it: call it off an async runtime), or, for a receiver that does not hash,
+    /// the bytes hashed now; kept for [`finish_hashed`](Self::finish_hashed).
+    pub fn settle_hash(&mut self) -> Result<ContentHash, ProtoError> {
+        self.check_complete()?;
         let hash = match &self.hash {
             HashState::Done(hash) => *hash,
-            HashState::None => return None,
-            _ => self.take_hasher()?.finalize().into(),
+            _ => match self.take_hasher() {
+                Some(hasher) => hasher.finalize().into(),
+                None => content_hash(&self.meta, &self.buf),
+            },
         };
         self.hash = HashState::Done(hash);
-        Some(hash)
+        Ok(hash)
     }
 
     /// [`adopt`](Self::adopt) for a payload already fed to the hasher taken with
@@ -455,11 +454,7 @@ impl TensorAssembler {
     /// [`finish_hashed`](Self::finish_hashed), with the region the tensor was received into,
     /// sealed.
     pub fn finish_hashed_sealed(mut self) -> Result<(TensorData, ContentHash, Sealed), ProtoError> {
-        self.check_complete()?;
-        let hash = match self.settle_hash() {
-            Some(hash) => hash,
-            None => content_hash(&self.meta, &self.buf),
-        };
+        let hash = self.settle_hash()?;
         let sealed = self.seal();
         Ok((from_parts(&self.meta, self.buf)?, hash, sealed))
     }

@@ -60,18 +60,18 @@ pub(crate) async fn transfer(
         .iter()
         .map(|n| TensorKey::new(src_device, n.clone()))
         .collect();
-    let mut target = connect_to(&dst_node, cli).await?;
+    let mut first = Lane {
+        source: client,
+        target: connect_to(&dst_node, cli).await?,
+    };
     // Between the devices of one node there is nothing to spread: one lane.
-    let same_node = client.identify().await? == target.identify().await?;
+    let same_node = first.same_node().await?;
     let wanted = if same_node {
         1
     } else {
         usize::from(lanes).min(keys.len()).max(1)
     };
-    let mut lanes = vec![Lane {
-        source: client,
-        target,
-    }];
+    let mut lanes = vec![first];
     while lanes.len() < wanted {
         // A lane that cannot be opened (a node's per-address limit, say) leaves the copy to
         // those that could.
@@ -101,7 +101,7 @@ pub(crate) async fn transfer(
         expect_version: None,
     };
     let count = keys.len();
-    how.run(&mut lanes, &keys, &pull_from).await?;
+    how.run(&mut lanes, same_node, &keys, &pull_from).await?;
     let verb = if remove { "moved" } else { "copied" };
     eprintln!(
         "{verb} {count} tensors to {}/{dst_device}",
@@ -116,6 +116,13 @@ pub(crate) async fn transfer(
 struct Lane {
     source: Client,
     target: Client,
+}
+
+impl Lane {
+    /// Whether source and target are one node (two addresses may reach one node: its id tells).
+    async fn same_node(&mut self) -> anyhow::Result<bool> {
+        Ok(self.source.identify().await? == self.target.identify().await?)
+    }
 }
 
 /// Where the target node pulls from: an address, and for a member's Unix socket its TCP
@@ -201,10 +208,11 @@ async fn copy_by_name(
         addr: address_for(&chosen.member, &ferry_io::machine::name()),
         member: Some(chosen.member.clone()),
     };
-    let mut lanes = [Lane {
+    let mut lane = Lane {
         source: connect_to(&src_node, cli).await?,
         target: connect_to(dst_node, cli).await?,
-    }];
+    };
+    let same_node = lane.same_node().await?;
     let keys = [TensorKey::new(chosen.holder.device, name)];
     let how = Plan {
         dst,
@@ -214,7 +222,13 @@ async fn copy_by_name(
         expect_version: chosen.holder.record.content_hash,
     };
     let pull_from = PullFrom::member(&chosen.member, chosen.addr.clone());
-    how.run(&mut lanes, &keys, &pull_from).await?;
+    how.run(
+        std::slice::from_mut(&mut lane),
+        same_node,
+        &keys,
+        &pull_from,
+    )
+    .await?;
     eprintln!("copied 1 tensors to {}/{dst_device}", dst_node.label());
     Ok(())
 }
@@ -275,12 +289,13 @@ impl Plan<'_> {
             })
     }
 
-    /// Between the devices of one node where source and target are one (two addresses may
-    /// reach one node: its id tells), over the first lane; else node to node: the target pulls
-    /// from `pull_from`, on every lane at once.
+    /// Between the devices of one node where source and target are one ([`Lane::same_node`]),
+    /// over the first lane; else node to node: the target pulls from `pull_from`, on every
+    /// lane at once.
     async fn run(
         &self,
         lanes: &mut [Lane],
+        same_node: bool,
         keys: &[TensorKey],
         pull_from: &PullFrom,
     ) -> anyhow::Result<()> {
@@ -288,7 +303,7 @@ impl Plan<'_> {
             bail!("no connection to copy over");
         };
         let mut results = Vec::with_capacity(keys.len());
-        if first.source.identify().await? == first.target.identify().await? {
+        if same_node {
             for key in keys {
                 let answer = first
                     .source
