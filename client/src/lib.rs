@@ -9,7 +9,9 @@ pub mod etcd_roles;
 pub mod tensor;
 
 pub use blocking::BlockingClient;
-pub use client::{Client, ClientError, Connect, ConnectOptions, Grant, HeldProbe, NodeCopy};
+pub use client::{
+    Client, ClientError, Connect, ConnectOptions, Grant, HeldProbe, InterruptedCopy, NodeCopy,
+};
 pub use ferry_io::{
     ClientTls, ConnectionError, ConnectionLimits, Endpoint, PeerCheck, SharedMemory,
 };

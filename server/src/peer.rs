@@ -3,8 +3,8 @@
 
 use std::time::Instant;
 
-use ferry_io::TensorAssembler;
 use ferry_io::{ConnectionError, Dial, Exchange, ExchangeError, PayloadRoute, RegionUse};
+use ferry_io::{HashUse, TensorAssembler};
 use ferry_proto::{CapabilityToken, ContentHash, ErrorCode};
 use ferry_proto::{TensorKey, Untrusted, dtype_name};
 
@@ -346,7 +346,7 @@ impl Node {
             req.existing,
         )?;
         // Hashed while it arrives, a chunk behind, on another thread.
-        let assembler = self.receiver(req.dst_device, meta)?.hashing();
+        let assembler = self.receiver(req.dst_device, meta)?.hashing(HashUse::Check);
         Ok(Receiving {
             assembler,
             admission,

@@ -1,13 +1,14 @@
 //! Calls cancelled half-way (a dropped future): a node-to-node copy or move stopped between its
-//! pulls, and a download stopped in the middle of its payload. The invariant: a connection whose
-//! exchange did not finish refuses every later call (`OutOfStep`) instead of reading another
-//! call's answer as its own; the nodes hold only whole tensors, a move never loses one, and new
-//! connections carry on.
+//! pulls, and a download stopped in the middle of its payload; and a move whose target goes
+//! away half-way. The invariant: a connection whose exchange did not finish refuses every later
+//! call (`OutOfStep`) instead of reading another call's answer as its own; the nodes hold only
+//! whole tensors, a move never loses one, new connections carry on, and a copy that loses its
+//! connection still reports what it did.
 
 use std::time::Duration;
 
-use ferry::client::{Client, ClientError, IfExists, NodeCopy, Transfer};
-use ferry::proto::{DType, TensorData, TensorKey};
+use ferry::client::{Client, ClientError, IfExists, InterruptedCopy, NodeCopy, Transfer};
+use ferry::proto::{DType, ErrorCode, TensorData, TensorKey};
 use ferry::samples;
 use ferry::testing::{TestNode, assert_same, start_with};
 
@@ -195,4 +196,69 @@ async fn a_download_cancelled_mid_payload_leaves_the_connection_refusing() {
     // Another connection reads it whole.
     let mut again = node.client().await;
     assert_same(&again.get(&key).await.unwrap(), &data, "w");
+}
+
+/// A move whose target shuts down half-way (it finishes the pull in hand, then closes): the run
+/// fails as `CopyInterrupted`, with an answer for each tensor moved before, in order, whose
+/// sources are gone; every tensor it had no answer for is still on the source, whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_whose_target_goes_away_reports_what_it_moved_and_keeps_the_rest() {
+    let (a, b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
+    let tensors = fill(&a).await;
+    let keys: Vec<TensorKey> = tensors.iter().map(|(key, _)| key.clone()).collect();
+    let moving = NodeCopy::new(a.addr.to_string())
+        .tensors_to(keys.clone(), 0)
+        .transfer(Transfer::Move);
+    let (mut source, mut target) = (a.client().await, b.client().await);
+    let target_node = b.node.clone();
+    let run = moving.run(&mut source, &mut target);
+    let stop_target = async {
+        while target_node.list(Some(0)).await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        b.shutdown().await;
+    };
+    let (ran, ()) = tokio::join!(run, stop_target);
+    let Err(ClientError::CopyInterrupted(stopped)) = ran else {
+        panic!("a move whose target went away: {ran:?}");
+    };
+    let InterruptedCopy {
+        answered,
+        unanswered,
+        cause,
+        ..
+    } = *stopped;
+    assert!(!unanswered.is_empty(), "stopped half-way: {cause}");
+    assert_eq!(unanswered, keys[answered.len()..], "the rest, in order");
+    let mut on_a = a.client().await;
+    let mut moved = 0;
+    for ((answer, key), (_, wanted)) in answered.iter().zip(&keys).zip(&tensors) {
+        match answer {
+            Ok(info) => {
+                assert_eq!(info.key, *key, "answers in order");
+                assert!(
+                    on_a.get(key).await.is_err(),
+                    "{key} moved: its source is gone"
+                );
+                moved += 1;
+            }
+            // Pulls asked ahead reach a target that is shutting down: refused, not moved.
+            Err(refused) => {
+                assert_eq!(
+                    refused.code(),
+                    Some(ErrorCode::ShuttingDown),
+                    "{key}: {refused}"
+                );
+                assert_same(&on_a.get(key).await.unwrap(), wanted, &key.name);
+            }
+        }
+    }
+    assert!(moved >= 1, "the pull in hand is answered: {answered:?}");
+    // Not one tensor without an answer was deleted from the source (the first one's delete is
+    // only asked once its pull is answered, and the source's connection stayed up).
+    for key in &unanswered {
+        let (_, wanted) = tensors.iter().find(|(k, _)| k == key).unwrap();
+        assert_same(&on_a.get(key).await.unwrap(), wanted, &key.name);
+    }
+    assert!(!source.in_step() && !target.in_step());
 }

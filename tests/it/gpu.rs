@@ -5,6 +5,8 @@
 //! GPU device that cannot open, refused at start with its name.
 
 use ferry::client::ErrorCode;
+use std::time::Duration;
+
 use ferry::proto::TensorKey;
 use ferry::proto::TransferPath;
 use ferry::samples;
@@ -155,6 +157,70 @@ async fn a_node_pulls_into_a_gpu_device_from_another_node() {
     );
     source.shutdown().await;
     target.shutdown().await;
+}
+
+/// A GPU device stages its receives through the node's pool: a put and a pull each draw a
+/// buffer (a payload the pool cannot hold is a miss), which is back in the pool as soon as the
+/// tensor is on the device, so an 8 MiB pool carries 18 MiB of tensors one after another; every
+/// tensor reads back bit-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_device_stages_its_receives_through_the_pool_and_gives_each_buffer_back() {
+    const MIB: usize = 1 << 20;
+    let pool = ferry::io::Pool::reserve(8 * MIB).unwrap();
+    let node = ferry::testing::start(
+        NodeConfig {
+            devices: ferry::testing::devices(&["gl:cpu"]),
+            receive_buffers: ferry::server::ReceiveBuffers::Pool(pool.clone()),
+            ..NodeConfig::default()
+        },
+        ferry::server::ServiceConfig::default(),
+    )
+    .await;
+    let source = start_with(&["flex"]).await;
+    let mut client = node.client().await;
+    let pool_is_whole = || async {
+        ferry::testing::eventually("the staging buffer back", Duration::from_secs(10), || {
+            pool.free_bytes() == pool.capacity()
+        })
+        .await;
+    };
+    // 9 MiB: more than the pool holds, so fresh memory, counted.
+    let over = samples::plain(ferry::proto::DType::F32, &[9 * MIB / 4], 30);
+    client.put(&TensorKey::new(0, "over"), &over).await.unwrap();
+    assert_eq!(pool.misses(), 1, "a GPU receive draws from the pool");
+    let mut sent = vec![(TensorKey::new(0, "over"), over)];
+    for i in 0..3 {
+        let key = TensorKey::new(0, format!("w{i}"));
+        let data = samples::plain(ferry::proto::DType::F32, &[6 * MIB / 4], 31 + i);
+        client.put(&key, &data).await.unwrap();
+        pool_is_whole().await;
+        sent.push((key, data));
+    }
+    // A pull (hashed as it arrives) stages the same way.
+    let pulled = samples::plain(ferry::proto::DType::BF16, &[3 * MIB], 40);
+    let mut src = source.client().await;
+    src.put(&TensorKey::new(0, "pulled"), &pulled)
+        .await
+        .unwrap();
+    let addr = source.addr.to_string();
+    let answers = copy_keys(
+        &mut src,
+        &mut client,
+        &[TensorKey::new(0, "pulled")],
+        &how(&addr, 0),
+    )
+    .await
+    .unwrap();
+    let stored = answers.into_iter().next().unwrap().unwrap();
+    assert_eq!(stored.path, TransferPath::Pull);
+    pool_is_whole().await;
+    sent.push((stored.key, pulled));
+    assert_eq!(pool.misses(), 1, "every other receive drew from the pool");
+    for (key, data) in &sent {
+        assert_same(&client.get(key).await.unwrap(), data, &key.name);
+    }
+    node.shutdown().await;
+    source.shutdown().await;
 }
 
 /// A tensor one element larger than the adapter's largest buffer is refused before any byte

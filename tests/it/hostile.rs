@@ -1345,6 +1345,61 @@ async fn stalled_readers_of_copies_cannot_starve_a_writer() {
     node.shutdown().await;
 }
 
+/// A pull from a copying backend (NdArray: each fetch is a host copy) whose sending share is
+/// held by stalled readers is answered `Busy`, and the target tries again (as after a dropped
+/// link) rather than fail the copy: it lands, bit-exact, once the readers go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_told_busy_by_a_source_whose_share_of_copies_is_taken_tries_again() {
+    const SIZE: u64 = 12 * MIB;
+    let mut service = ServiceConfig::default();
+    service.limits.idle_timeout = Duration::from_secs(30);
+    service.limits.min_rate = 1;
+    let source = budget_node(&["ndarray"], 64 * MIB, service).await;
+    let mut config = NodeConfig {
+        devices: ferry::testing::devices(&["flex"]),
+        ..NodeConfig::default()
+    };
+    // Up to 50 + 100 + ... + 1600 ms of waiting between fetches.
+    config.pulls.retries = 6;
+    config.pulls.retry_backoff = Duration::from_millis(50);
+    let target = start(config, ServiceConfig::default()).await;
+    let key = TensorKey::new(0, "w");
+    let data = f32_mib(12, 12);
+    let mut src = source.client().await;
+    src.put(&key, &data).await.unwrap();
+    // Two stalled readers hold 24 MiB of the 32 MiB share: a fetch's copy does not fit.
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        stalled.push(stalled_get(&source, &key, SIZE).await);
+    }
+    let busy = src.get(&key).await.unwrap_err();
+    assert_eq!(busy.code(), Some(ErrorCode::Busy), "{busy}");
+
+    let mut dst = target.client().await;
+    let addr = source.addr.to_string();
+    let how = ferry::testing::how(&addr, 0);
+    let copy = ferry::testing::copy_keys(&mut src, &mut dst, std::slice::from_ref(&key), &how);
+    let readers_go = async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(
+            target.node.list(Some(0)).await.unwrap().is_empty(),
+            "nothing lands while the share is taken"
+        );
+        drop(stalled);
+    };
+    let (copied, ()) = tokio::join!(copy, readers_go);
+    let stored = copied.unwrap().into_iter().next().unwrap();
+    let stored = stored.unwrap_or_else(|e| panic!("the pull gave up on a busy source: {e}"));
+    assert_eq!(stored.path, ferry::proto::TransferPath::Pull);
+    assert_same(
+        &dst.get(&stored.key).await.unwrap(),
+        &data,
+        "pulled after Busy",
+    );
+    source.shutdown().await;
+    target.shutdown().await;
+}
+
 /// The name and the bytes of the `i`th of many tiny tensors: its own index, so that any mixup
 /// between names shows.
 fn tiny(i: usize) -> (String, TensorData) {

@@ -115,6 +115,15 @@ pub enum ClientError {
         /// The node id its record names.
         registered: NodeId,
     },
+    /// A node-to-node copy ([`NodeCopy::run`](crate::NodeCopy::run)) whose connection failed
+    /// part way: what it had answered is in [`InterruptedCopy::answered`], final.
+    #[error(
+        "the copy stopped after {} of its {} tensors: {}",
+        .0.answered.len(),
+        .0.answered.len() + .0.unanswered.len(),
+        .0.cause
+    )]
+    CopyInterrupted(Box<InterruptedCopy>),
     /// The node speaks a protocol minor older than a request needs.
     #[error("the node speaks protocol minor {node}; {what} needs minor {needs} or later")]
     NodeTooOld {
@@ -125,6 +134,23 @@ pub enum ClientError {
         /// The minor the request needs.
         needs: u16,
     },
+}
+
+/// What a node-to-node copy had done when its connection failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct InterruptedCopy {
+    /// One answer for each of the copy's first tensors, in order, as a whole run gives them:
+    /// these are final.
+    pub answered: Vec<Result<TensorInfo, ClientError>>,
+    /// The source keys of the tensors after them, in order, that got no answer. Some may have
+    /// been registered by the target all the same (a few pulls are asked ahead of their
+    /// answers); on a move, the first one's source may have been deleted too, but only once the
+    /// target had registered it, and no other's was. Copying them again (with
+    /// [`IfExists::Replace`](ferry_proto::IfExists::Replace), or after a listing) is safe.
+    pub unanswered: Vec<TensorKey>,
+    /// Why the connection failed.
+    pub cause: ClientError,
 }
 
 impl ClientError {

@@ -11,7 +11,7 @@ mod error;
 mod node_copy;
 
 pub use connect::{Connect, ConnectOptions};
-pub use error::ClientError;
+pub use error::{ClientError, InterruptedCopy};
 pub use node_copy::{Grant, NodeCopy};
 
 use burn_std::Bytes;

@@ -12,7 +12,7 @@ use ferry_proto::{
 };
 
 use super::batch::per_tensor;
-use super::{Client, ClientError, deleted, stored};
+use super::{Client, ClientError, InterruptedCopy, deleted, stored};
 
 /// How many capabilities a copy asks for ahead of their pulls.
 const GRANT_WINDOW: usize = 4;
@@ -185,8 +185,10 @@ impl NodeCopy {
     }
 
     /// Runs the copy: one answer per tensor, in order. `Err` only where a connection failed or
-    /// a node broke the protocol; a cancelled or failed run leaves both connections refusing
-    /// further calls ([`ClientError::OutOfStep`]), never reading its answers as theirs.
+    /// a node broke the protocol: once the copy has begun, as
+    /// [`ClientError::CopyInterrupted`], with the answers it had (final) and the tensors it
+    /// had none for. A cancelled or failed run leaves both connections refusing further calls
+    /// ([`ClientError::OutOfStep`]), never reading its answers as theirs.
     pub async fn run(
         &self,
         source: &mut Client,
@@ -207,10 +209,39 @@ impl NodeCopy {
         // A refusal here drops `from` before it wrote anything: the source stays in step.
         let mut to = target.exchange.begin()?;
         let mut results = Vec::with_capacity(self.items.len());
+        match self
+            .copy_all(&mut from, &mut to, &audience, &mut results)
+            .await
+        {
+            Ok(()) => {
+                from.finish();
+                to.finish();
+                Ok(results)
+            }
+            // `from` and `to` dropped unfinished: both connections refuse further calls.
+            Err(cause) => Err(ClientError::CopyInterrupted(Box::new(InterruptedCopy {
+                unanswered: self.items[results.len()..]
+                    .iter()
+                    .map(|item| item.src.clone())
+                    .collect(),
+                answered: results,
+                cause,
+            }))),
+        }
+    }
+
+    /// Every tensor in turn, its answer pushed to `results` once final.
+    async fn copy_all(
+        &self,
+        from: &mut Step<'_>,
+        to: &mut Step<'_>,
+        audience: &NodeId,
+        results: &mut Vec<Result<TensorInfo, ClientError>>,
+    ) -> Result<(), ClientError> {
         // Few grants ahead of the pulls: a capability's clock runs from its grant, and pulls of
         // large tensors one after another could outlast it.
         for window in self.items.chunks(GRANT_WINDOW) {
-            let grants = grant_window(&mut from, window, &audience).await?;
+            let grants = grant_window(from, window, audience).await?;
             for (item, grant) in window.iter().zip(&grants) {
                 if let Ok(grant) = grant {
                     let request = grant.pull_request(&self.source_addr, &item.dst, self.if_exists);
@@ -226,12 +257,10 @@ impl NodeCopy {
                     }
                 };
                 let pulled = per_tensor(to.answer(stored).await)?;
-                results.push(settle(&mut from, grant, pulled, self.transfer).await?);
+                results.push(settle(from, grant, pulled, self.transfer).await?);
             }
         }
-        from.finish();
-        to.finish();
-        Ok(results)
+        Ok(())
     }
 }
 

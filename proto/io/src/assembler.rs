@@ -43,6 +43,8 @@ pub struct TensorAssembler {
     /// The content hash where the receiver wants it ([`hashing`](Self::hashing)). Declared
     /// before `buf`, so that a hashing thread is joined before the buffer it reads is freed.
     hash: HashState,
+    /// What the hash is for, where there is one.
+    hash_use: HashUse,
     meta: TensorMeta,
     buf: Bytes,
     received: usize,
@@ -77,6 +79,21 @@ enum Source<'a> {
 /// Where a tensor was received into a region, that region sealed, to pass the tensor on to a
 /// same-host peer without a copy (never off Linux).
 pub type Sealed = Option<crate::connection::SealedRegion>;
+
+/// What a receiver computes the content hash for ([`TensorAssembler::hashing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HashUse {
+    /// Compared with a hash the receiver trusts (a pull's grant) before the bytes are used: it
+    /// catches whatever a chunk checksum would, so none is checked, and each byte is read once
+    /// after the kernel wrote it, by the hash.
+    Check,
+    /// Recorded as the tensor's hash (a put, which has none to compare it with): chunk
+    /// checksums still catch noise on a link in clear, each checked while its piece is in
+    /// cache, and the hash trails a chunk behind, so the bytes are read from memory once. A
+    /// payload that comes whole (a shared-memory region) is not hashed at all: its handoff
+    /// stays O(1), and whoever registers it hashes it later.
+    Record,
+}
 
 /// Payloads at least this large are hashed on their own thread while they arrive; smaller ones
 /// as each chunk is committed, on the receiving thread (a thread costs more than their hash).
@@ -135,6 +152,7 @@ impl TensorAssembler {
     fn with_buffer(meta: TensorMeta, buf: Bytes, backing: Backing) -> Self {
         Self {
             hash: HashState::None,
+            hash_use: HashUse::Check,
             meta,
             buf,
             received: 0,
@@ -202,19 +220,20 @@ impl TensorAssembler {
         Ok(Self::with_buffer(meta, buf, Backing::Own))
     }
 
-    /// Also computes the content hash while the payload arrives (see
-    /// [`finish_hashed`](Self::finish_hashed)).
+    /// Also computes the content hash while the payload arrives, for `hash_use` (see
+    /// [`finish_hashed`](Self::finish_hashed), [`finish_recorded`](Self::finish_recorded)).
     ///
     /// A payload of [`TRAILING_HASH_MIN`] bytes or more is hashed on another thread while it
-    /// arrives, so that [`finish_hashed`](Self::finish_hashed) waits only for the last chunk.
+    /// arrives, so that finishing waits only for the last chunk.
     ///
-    /// A connection reading into a hashing receiver checks no chunk checksum
-    /// ([`is_hashing`](Self::is_hashing)): the caller must compare the hash with one it trusts
-    /// (a pull, with its grant), which catches whatever the checksums would.
-    pub fn hashing(mut self) -> Self {
+    /// A connection reading into a receiver whose hash is a [`HashUse::Check`] checks no chunk
+    /// checksum ([`checks_chunks`](Self::checks_chunks)): the caller must compare the hash with
+    /// one it trusts (a pull, with its grant), which catches whatever the checksums would.
+    pub fn hashing(mut self, hash_use: HashUse) -> Self {
         if self.received != 0 || !matches!(self.hash, HashState::None) {
             return self;
         }
+        self.hash_use = hash_use;
         let hasher = Box::new(content_hasher(&self.meta));
         self.hash = if self.buf.len() >= TRAILING_HASH_MIN {
             HashState::TrailingSoon(hasher)
@@ -253,10 +272,11 @@ impl TensorAssembler {
         };
     }
 
-    /// Whether the content hash is computed as the payload arrives ([`hashing`](Self::hashing)):
-    /// a receiver that checks it then needs no chunk checksums.
-    pub fn is_hashing(&self) -> bool {
-        !matches!(self.hash, HashState::None)
+    /// Whether the chunks' checksums must be checked as they arrive (on a link that does not
+    /// authenticate every byte itself): unless the payload's hash is computed as it arrives to
+    /// be checked ([`HashUse::Check`]), which catches whatever they would.
+    pub fn checks_chunks(&self) -> bool {
+        matches!(self.hash, HashState::None) || self.hash_use == HashUse::Record
     }
 
     /// What is being received.
@@ -389,6 +409,10 @@ impl TensorAssembler {
                 total: total as u64,
             });
         }
+        // A payload that came whole is not hashed only to be recorded: its handoff stays O(1).
+        if self.hash_use == HashUse::Record {
+            self.hash = HashState::None;
+        }
         // A hashing thread reads the old buffer: it is done with it before the buffer goes.
         if let HashState::Trailing(_) = self.hash {
             self.hash = self
@@ -459,6 +483,23 @@ impl TensorAssembler {
         Ok((from_parts(&self.meta, self.buf)?, hash, sealed))
     }
 
+    /// [`finish_sealed`](Self::finish_sealed), with the content hash where it was computed as
+    /// the bytes arrived ([`hashing`](Self::hashing)); `None` where it was not (a receiver that
+    /// does not hash, or a payload recorded that came whole: see [`HashUse::Record`]). The
+    /// hashing thread is waited for: call it off an async runtime.
+    pub fn finish_recorded(
+        mut self,
+    ) -> Result<(TensorData, Option<ContentHash>, Sealed), ProtoError> {
+        self.check_complete()?;
+        let hash = match self.hash {
+            HashState::None => None,
+            _ => Some(self.settle_hash()?),
+        };
+        self.hash = HashState::None;
+        let sealed = self.seal();
+        Ok((from_parts(&self.meta, self.buf)?, hash, sealed))
+    }
+
     /// Seals the region the bytes were received into, if any, and makes its sealed mapping the
     /// buffer. A region that cannot be sealed leaves the bytes as they are (not shareable).
     fn seal(&mut self) -> Sealed {
@@ -518,7 +559,7 @@ mod tests {
         let (meta, payload) = into_parts(data.clone()).unwrap();
         let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
             .unwrap()
-            .hashing();
+            .hashing(HashUse::Check);
         assert!(matches!(asm.hash, HashState::TrailingSoon(_)));
         for (offset, piece) in chunks(&payload, 300_001) {
             asm.accept(offset, piece).unwrap();
@@ -536,7 +577,7 @@ mod tests {
         let (meta, payload) = into_parts(data.clone()).unwrap();
         let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
             .unwrap()
-            .hashing();
+            .hashing(HashUse::Check);
         assert!(matches!(asm.hash, HashState::TrailingSoon(_)));
         asm.adopt(payload).unwrap();
         assert!(!matches!(asm.hash, HashState::Trailing(_)));
@@ -545,12 +586,50 @@ mod tests {
         assert_eq!(back.as_bytes(), data.as_bytes());
     }
 
+    /// A put's receiver records the hash of chunks as they arrive (in line and on a trailing
+    /// thread), and none for a payload that comes whole, which its registration hashes later.
+    #[test]
+    fn a_recorded_hash_comes_with_chunks_but_not_with_a_payload_that_came_whole() {
+        for n in [3000, 2 * TRAILING_HASH_MIN] {
+            let data = TensorData::new((0..n).map(|i| (i % 241) as u8).collect::<Vec<_>>(), [n]);
+            let (meta, payload) = into_parts(data.clone()).unwrap();
+            let truth = content_hash(&meta, data.as_bytes());
+            let recording = || {
+                TensorAssembler::new(meta.clone(), u64::MAX)
+                    .unwrap()
+                    .hashing(HashUse::Record)
+            };
+            let mut asm = recording();
+            for (offset, piece) in chunks(&payload, 200_003) {
+                asm.accept(offset, piece).unwrap();
+            }
+            let (back, hash, _) = asm.finish_recorded().unwrap();
+            assert_eq!(hash, Some(truth), "{n}");
+            assert_eq!(back.as_bytes(), data.as_bytes());
+
+            let mut whole = recording();
+            whole.adopt(payload.clone()).unwrap();
+            let (back, hash, _) = whole.finish_recorded().unwrap();
+            assert_eq!(hash, None, "{n}: not hashed at its handoff");
+            assert_eq!(back.as_bytes(), data.as_bytes());
+
+            // A receiver that hashes to check does hash what came whole.
+            let mut checked = TensorAssembler::new(meta.clone(), u64::MAX)
+                .unwrap()
+                .hashing(HashUse::Check);
+            checked.adopt(payload).unwrap();
+            assert_eq!(checked.finish_recorded().unwrap().1, Some(truth));
+        }
+    }
+
     #[test]
     fn a_receive_dropped_half_way_stops_its_hashing_thread() {
         let n = TRAILING_HASH_MIN;
         let data = TensorData::new(vec![7u8; n], [n]);
         let (meta, payload) = into_parts(data).unwrap();
-        let mut asm = TensorAssembler::new(meta, u64::MAX).unwrap().hashing();
+        let mut asm = TensorAssembler::new(meta, u64::MAX)
+            .unwrap()
+            .hashing(HashUse::Check);
         asm.accept(0, &payload[..n / 2]).unwrap();
         // Out of order is still refused through the hashing thread's view of the buffer.
         assert!(asm.accept(0, &payload[..8]).is_err());
@@ -564,7 +643,7 @@ mod tests {
         let (meta, payload) = into_parts(data.clone()).unwrap();
         let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
             .unwrap()
-            .hashing();
+            .hashing(HashUse::Check);
         asm.accept(0, &payload[..n / 3]).unwrap();
         let mut hasher = asm.take_hasher().unwrap();
         hasher.update(&payload[n / 3..]);

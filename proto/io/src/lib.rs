@@ -28,7 +28,7 @@ pub mod tls;
 mod trailing;
 pub mod transport;
 
-pub use assembler::{TRAILING_HASH_MIN, TensorAssembler};
+pub use assembler::{HashUse, TRAILING_HASH_MIN, TensorAssembler};
 pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse};
 pub use exchange::{Dial, Exchange, ExchangeError, PeerCheck, SharedMemory, Step};
 pub use pool::{Pool, PoolError};

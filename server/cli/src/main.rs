@@ -197,9 +197,10 @@ struct Args {
     /// sizes reuses them instead. Unused ones are freed after 2 seconds.
     #[arg(long, default_value = "512MiB")]
     recycle: bytesize::ByteSize,
-    /// Receive memory made ready (touched) before tensors arrive, for
-    /// receives of 1 MiB and up on Flex devices: new memory costs the kernel the zeroing of every
-    /// page, more than the network copy into it. `auto` (the default): up to the device's
+    /// Receive memory made ready (touched) before tensors arrive, for receives of 1 MiB and up
+    /// on Flex devices (the tensor's memory) and GPU devices (host staging, back in the pool
+    /// once the tensor is on the GPU): new memory costs the kernel the zeroing of every page,
+    /// more than the network copy into it. `auto` (the default): up to the device's
     /// --memory-limit or half the machine's memory, --pool-ready of it kept ready (made ready at
     /// start and between receives, in the background; 64 MiB kept ahead of what is drawn while
     /// tensors arrive), freed buffers above that given back after 30 s without a receive. A size: that much reserved and touched at
@@ -664,9 +665,13 @@ fn reserve_pool(args: &Args) -> anyhow::Result<Option<ferry_io::Pool>> {
             "--pool-ready sizes the automatic pool: it goes with --pool auto, not --pool 0 or a fixed size"
         );
     }
-    // Only Flex devices receive into host buffers (the default devices are Flex).
-    let receives_on_host =
-        args.devices.is_empty() || args.devices.iter().any(|d| matches!(d, DeviceSpec::Flex));
+    // Flex devices receive into pooled buffers and keep them, GPU devices stage through them;
+    // NdArray takes only plain allocations over without a copy (the default devices are Flex).
+    let receives_on_host = args.devices.is_empty()
+        || args
+            .devices
+            .iter()
+            .any(|d| !matches!(d, DeviceSpec::NdArray));
     let size = match args.pool {
         PoolSize::Off => return Ok(None),
         PoolSize::Auto if !receives_on_host => return Ok(None),

@@ -86,28 +86,34 @@ impl Node {
     }
 
     /// A receiver for a payload of `meta` bound for `device`, its buffer preallocated (refused
-    /// over the node's largest tensor): where the device's backend keeps the buffer as the
-    /// tensor's memory as it is (Flex), one as the node's [`ReceiveBuffers`] say: from its
-    /// receive pool, a new region to seal and share, or recycled memory. Other backends copy the
-    /// buffer into memory of their own, so none of these would save them anything.
+    /// over the node's largest tensor), by the device's backend:
+    /// - Flex keeps the buffer as the tensor's memory as it is: one as the node's
+    ///   [`ReceiveBuffers`] say (from its receive pool, a new region to seal and share, or
+    ///   recycled memory); a pooled one goes back when the tensor is deleted.
+    /// - A GPU copies the buffer to the device and drops it: the pool, where there is one, is
+    ///   its staging area, each buffer back as soon as the tensor is built and ready for the
+    ///   next, so a model streamed to a GPU reuses a few ready buffers instead of faulting in
+    ///   fresh host memory tensor after tensor.
+    /// - NdArray takes a plain allocation over as its own without a copy, and would keep any
+    ///   other as borrowed storage that every operation copies: a plain one.
     pub(crate) fn receiver(
         &self,
         device: u32,
         meta: TensorMeta,
     ) -> Result<TensorAssembler, NodeError> {
         let max = self.config().limits.max_tensor_bytes;
-        let receiver = if self.device(device)?.kind() == BackendKind::Flex {
-            match &self.config().receive_buffers {
-                ReceiveBuffers::Pool(pool) => TensorAssembler::new_pooled(meta, max, pool),
-                ReceiveBuffers::Shareable { min_bytes } if meta.byte_len() >= *min_bytes => {
-                    TensorAssembler::new_in_region(meta, max)
-                }
-                ReceiveBuffers::Shareable { .. } | ReceiveBuffers::Fresh => {
-                    TensorAssembler::new_recycled(meta, max)
-                }
+        let buffers = &self.config().receive_buffers;
+        let receiver = match (self.device(device)?.kind(), buffers) {
+            (BackendKind::Flex | BackendKind::Wgpu, ReceiveBuffers::Pool(pool)) => {
+                TensorAssembler::new_pooled(meta, max, pool)
             }
-        } else {
-            TensorAssembler::new(meta, max)
+            (BackendKind::Flex, ReceiveBuffers::Shareable { min_bytes })
+                if meta.byte_len() >= *min_bytes =>
+            {
+                TensorAssembler::new_in_region(meta, max)
+            }
+            (BackendKind::Flex, _) => TensorAssembler::new_recycled(meta, max),
+            (BackendKind::Wgpu | BackendKind::NdArray, _) => TensorAssembler::new(meta, max),
         };
         Ok(receiver?)
     }

@@ -4,7 +4,7 @@
 use ferry_io::credential::{Scope, Scopes};
 use ferry_io::handshake::{self, protocol_error, refuse as fail};
 use ferry_io::{
-    Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Transport, tls,
+    Connection, ConnectionError, ConnectionLimits, HashUse, PayloadRoute, RegionUse, Transport, tls,
 };
 use ferry_proto::{
     CapabilityToken, ErrorCode, ErrorReply, HeldDtype, NodeId, Request, Response, TensorKey,
@@ -344,10 +344,11 @@ impl Session<'_> {
                 let bytes = meta.byte_len() as u64;
                 let admission =
                     node.admit(device, &name, &meta.dtype(), meta.shape(), bytes, existing)?;
-                // Not hashed while it arrives: a put's answer needs no hash, and the device
-                // computes it after registering (the bytes are verified by their chunk
-                // checksums, or by the seals of their region).
-                let assembler = node.receiver(device, meta)?;
+                // Hashed as it arrives, trailing the chunk checksums that verify it, so that
+                // each byte is read from memory once and the tensor is registered with its
+                // hash (a grant right after needs no wait). A region is not hashed here: its
+                // handoff stays O(1), and the device hashes it after registering.
+                let assembler = node.receiver(device, meta)?.hashing(HashUse::Record);
                 Ok((assembler, admission))
             });
         let (mut assembler, admission) = match admitted {
@@ -382,17 +383,17 @@ impl Session<'_> {
                 return Err(fail(conn, error).await);
             }
         };
-        // Off the runtime: sealing a region it was received into reads it once (its checksum)
-        // and asks the kernel to seal it.
-        let finished = tokio::task::spawn_blocking(move || assembler.finish_sealed())
+        // Off the runtime: the hashing thread's last chunk is waited for, and sealing a region
+        // it was received into reads it once (its checksum) and asks the kernel to seal it.
+        let finished = tokio::task::spawn_blocking(move || assembler.finish_recorded())
             .await
             .map_err(|e| NodeError::Backend(format!("finishing a put: {e}")))
             .and_then(|finished| finished.map_err(NodeError::Received));
         let reply = match finished {
-            Ok((data, sealed)) => {
+            Ok((data, hash, sealed)) => {
                 let arrived = Arrived {
                     data,
-                    hash: KnownHash::Unknown,
+                    hash: hash.map_or(KnownHash::Unknown, KnownHash::Computed),
                     // The region it came in, or the one it was received into
                     // (`--shareable-receives`).
                     region: region.or(sealed),

@@ -12,7 +12,7 @@ use futures_util::future::join_all;
 use crate::Cli;
 use crate::connect::{Reached, connect_to, directory, reach};
 use crate::report::check_all;
-use ferry_client::{ClientError, ErrorCode, TensorInfo};
+use ferry_client::{ClientError, ErrorCode, InterruptedCopy, TensorInfo};
 use ferry_proto::cluster::MemberRecord;
 
 pub(crate) async fn transfer(
@@ -400,8 +400,8 @@ impl Plan<'_> {
     }
 }
 
-/// A node-to-node copy, a batch that failed as a whole (a connection lost) answering each of its
-/// keys with that failure, so that what went before it is still reported.
+/// A node-to-node copy, one answer per key: those it had before a connection failed as they
+/// were, and each key after them answered with that failure.
 async fn copy_each(
     source: &mut Client,
     target: &mut Client,
@@ -411,19 +411,22 @@ async fn copy_each(
     if keys.is_empty() {
         return Vec::new();
     }
-    match how.run(source, target).await {
-        Ok(answers) => answers,
-        Err(e) => {
-            let failed = e.to_string();
-            keys.iter()
-                .map(|_| {
-                    Err(ClientError::Unexpected(format!(
-                        "the batch failed: {failed}"
-                    )))
-                })
-                .collect()
+    let (mut answers, failed) = match how.run(source, target).await {
+        Ok(answers) => return answers,
+        Err(ClientError::CopyInterrupted(stopped)) => {
+            let InterruptedCopy {
+                answered, cause, ..
+            } = *stopped;
+            (answered, cause.to_string())
         }
+        Err(e) => (Vec::new(), e.to_string()),
+    };
+    while answers.len() < keys.len() {
+        answers.push(Err(ClientError::Unexpected(format!(
+            "no answer, the connection failed ({failed}): it may have arrived all the same"
+        ))));
     }
+    answers
 }
 
 /// Whether a pull over a member's Unix socket failed at that socket (unreachable, refused, not

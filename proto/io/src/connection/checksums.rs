@@ -54,7 +54,7 @@ impl ChunkChecksums {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::assembler::TensorAssembler;
+    use crate::assembler::{HashUse, TensorAssembler};
     use crate::connection::{Connection, ConnectionError, ConnectionLimits};
     use ferry_proto::{TensorData, tensor::into_parts};
 
@@ -96,9 +96,11 @@ mod tests {
         Ok(assembler)
     }
 
-    /// A receiver that hashes the payload whole (a pull, which compares the hash with its
+    /// A receiver that hashes the payload to check it (a pull, which compares the hash with its
     /// grant) reads each byte once, for the hash: chunk checksums are not checked. A receiver
-    /// that does not hash checks each chunk. Shown with checksums that do not match the bytes.
+    /// that does not hash checks each chunk, and so does one that only records the hash (a put),
+    /// whose hash comes out of the same receive. Shown with checksums that do not match the
+    /// bytes.
     #[tokio::test]
     async fn a_receiver_that_hashes_the_payload_whole_checks_the_hash_not_the_chunks() {
         // Hashed in line, and (over a megabyte) on a thread that trails the receiver.
@@ -115,22 +117,32 @@ mod tests {
             wrong[7] ^= 1;
             checksums.remember(1000, wrong);
 
-            let plain = TensorAssembler::new(meta.clone(), 1 << 30).unwrap();
-            assert!(!plain.is_hashing());
-            let checked = send_into(plain, &payload, known).await;
-            assert!(
-                matches!(
-                    checked,
-                    Err(ConnectionError::Proto(ferry_proto::ProtoError::Frame(
-                        ferry_proto::FrameError::ChecksumMismatch { .. }
-                    )))
+            let recording = TensorAssembler::new(meta.clone(), 1 << 30)
+                .unwrap()
+                .hashing(HashUse::Record);
+            for (receiver, what) in [
+                (
+                    TensorAssembler::new(meta.clone(), 1 << 30).unwrap(),
+                    "does not hash",
                 ),
-                "{n}: a receiver that does not hash checks each chunk: {checked:?}"
-            );
+                (recording, "records its hash"),
+            ] {
+                assert!(receiver.checks_chunks(), "{what}");
+                let checked = send_into(receiver, &payload, known).await;
+                assert!(
+                    matches!(
+                        checked,
+                        Err(ConnectionError::Proto(ferry_proto::ProtoError::Frame(
+                            ferry_proto::FrameError::ChecksumMismatch { .. }
+                        )))
+                    ),
+                    "{n}: a receiver that {what} checks each chunk: {checked:?}"
+                );
+            }
             let hashing = TensorAssembler::new(meta.clone(), 1 << 30)
                 .unwrap()
-                .hashing();
-            assert!(hashing.is_hashing());
+                .hashing(HashUse::Check);
+            assert!(!hashing.checks_chunks());
             let (back, hash) = send_into(hashing, &payload, known)
                 .await
                 .expect("a hashing receiver does not check chunk checksums")

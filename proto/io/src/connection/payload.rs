@@ -96,18 +96,19 @@ impl<S: Transport> Connection<S> {
             self.buffer.advance(HEADER_LEN);
             let offset_bytes = self.buffer.get_u64_le().to_le_bytes();
             let offset = u64::from_le_bytes(offset_bytes);
-            let hashed_whole = assembler.is_hashing();
+            let checks_chunks = assembler.checks_chunks();
             let slot = assembler.slot(offset, len)?;
             let buffered = self.buffer.len().min(len);
             slot[..buffered].copy_from_slice(&self.buffer[..buffered]);
             self.buffer.advance(buffered);
             // A chunk's checksum catches noise on a link in clear. On a link that authenticates
             // every byte (TLS) neither noise nor a tampered chunk gets here, and a payload hashed
-            // whole as it arrives (a pull, whose hash is checked against its grant before it is
-            // answered) is checked by that hash, which catches whatever the checksum would: in
-            // both the checksum is not computed, so each byte is read once after the kernel
-            // wrote it (by the hash, where there is one).
-            let check = !self.stream.get_ref().authenticated() && !hashed_whole;
+            // as it arrives to be checked (a pull, whose hash is compared with its grant before
+            // it is answered) is checked by that hash, which catches whatever the checksum would:
+            // in both the checksum is not computed, so each byte is read once after the kernel
+            // wrote it (by the hash, where there is one). A hash only recorded (a put's) trails
+            // the checksum by a chunk, reading what the checksum left in cache.
+            let check = !self.stream.get_ref().authenticated() && checks_chunks;
             let mut crc = if check {
                 crc32c::crc32c_append(crc32c::crc32c(&offset_bytes), &slot[..buffered])
             } else {
