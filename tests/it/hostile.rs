@@ -1350,11 +1350,12 @@ async fn stalled_readers_of_copies_cannot_starve_a_writer() {
 /// link) rather than fail the copy: it lands, bit-exact, once the readers go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_told_busy_by_a_source_whose_share_of_copies_is_taken_tries_again() {
-    const SIZE: u64 = 12 * MIB;
+    // Larger than loopback's socket buffers can absorb, so that a stalled reader's copy stays.
+    const SIZE: u64 = 32 * MIB;
     let mut service = ServiceConfig::default();
     service.limits.idle_timeout = Duration::from_secs(30);
     service.limits.min_rate = 1;
-    let source = budget_node(&["ndarray"], 64 * MIB, service).await;
+    let source = budget_node(&["ndarray"], 160 * MIB, service).await;
     let mut config = NodeConfig {
         devices: ferry::testing::devices(&["flex"]),
         ..NodeConfig::default()
@@ -1364,10 +1365,11 @@ async fn a_pull_told_busy_by_a_source_whose_share_of_copies_is_taken_tries_again
     config.pulls.retry_backoff = Duration::from_millis(50);
     let target = start(config, ServiceConfig::default()).await;
     let key = TensorKey::new(0, "w");
-    let data = f32_mib(12, 12);
+    let data = f32_mib(32, 12);
     let mut src = source.client().await;
     src.put(&key, &data).await.unwrap();
-    // Two stalled readers hold 24 MiB of the 32 MiB share: a fetch's copy does not fit.
+    // Two stalled readers hold 64 MiB of the 80 MiB share: a fetch's copy fits the budget (128
+    // of 160 MiB) but not the share.
     let mut stalled = Vec::new();
     for _ in 0..2 {
         stalled.push(stalled_get(&source, &key, SIZE).await);

@@ -1258,10 +1258,11 @@ async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_cho
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_put_is_registered_with_the_hash_computed_as_it_arrived() {
+async fn a_put_is_answered_before_its_hash_where_the_device_lends_its_bytes() {
     use ferry::server::HashState;
-    // Hashed as the chunks arrive (trailing their checksums), on every backend: verified at the
-    // answer, so a grant right after needs no wait, and it states the truth.
+    // Flex lends its registered bytes, so the hash is computed after the answer; NdArray cannot,
+    // so its chunks are hashed as they arrive, and the tensor is registered with the hash.
+    // Either way a grant right after the put waits for it and states the truth.
     let a = start_with(&["flex", "ndarray"]).await;
     let b = start_with(&["flex"]).await;
     let mut client = a.client().await;
@@ -1276,7 +1277,11 @@ async fn a_put_is_registered_with_the_hash_computed_as_it_arrived() {
             .unwrap();
         let key = TensorKey::new(device, "w");
         let at_answer = a.node.describe(&key).await.unwrap().content_hash;
-        assert_eq!(at_answer, HashState::Verified(truth), "device {device}");
+        match (device, &at_answer) {
+            (0, HashState::Computing) => {}
+            (_, HashState::Verified(hash)) => assert_eq!(*hash, truth),
+            other => panic!("unexpected hash state at the answer: {other:?}"),
+        }
         let grant = client.grant(&key, &b_id).await.unwrap();
         assert_eq!(
             grant.content_hash, truth,

@@ -143,7 +143,8 @@ pub struct InterruptedCopy {
     /// One answer for each of the copy's first tensors, in order, as a whole run gives them:
     /// these are final.
     pub answered: Vec<Result<TensorInfo, ClientError>>,
-    /// The source keys of the tensors after them, in order, that got no answer. Some may have
+    /// The source keys of the tensors after them, in order, whose outcome the copy could not
+    /// report (a refused grant among them included: answers are given in order). Some may have
     /// been registered by the target all the same (a few pulls are asked ahead of their
     /// answers); on a move, the first one's source may have been deleted too, but only once the
     /// target had registered it, and no other's was. Copying them again (with

@@ -272,6 +272,11 @@ impl TensorAssembler {
         };
     }
 
+    /// What the content hash is computed for, where it is ([`hashing`](Self::hashing)).
+    pub fn hash_use(&self) -> HashUse {
+        self.hash_use
+    }
+
     /// Whether the chunks' checksums must be checked as they arrive (on a link that does not
     /// authenticate every byte itself): unless the payload's hash is computed as it arrives to
     /// be checked ([`HashUse::Check`]), which catches whatever they would.

@@ -20,14 +20,15 @@ use crate::device::{Command, Version};
 /// Crate-private, as is [`Arrived`](crate::device::Arrived) that carries it: the worker registers
 /// a [`Computed`](KnownHash::Computed) hash as verified without looking at the bytes again, so
 /// only code of this node that hashed the very bytes it hands over may make one (a pull's
-/// receiver, `peer.rs`, after comparing its hash with the grant; a put's, `service/session.rs`,
-/// whose chunks came through their checksums or TLS). Nothing outside the crate can hand the
+/// receiver, `peer.rs`, after comparing its hash with the grant; a put's to a device that cannot
+/// lend its registered bytes, `service/session.rs`, whose chunks came through their checksums or
+/// TLS). Nothing outside the crate can hand the
 /// node a hash it is to trust.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum KnownHash {
-    /// Nothing, and nothing waits for it (a put that came whole as a shared-memory region,
-    /// whose answer needs no hash): computed after registering where the worker can read the
-    /// registered tensor in place, else before.
+    /// Nothing, and nothing waits for it (a put, whose answer needs no hash; a tensor an
+    /// embedding program inserted; a host round trip between two devices of the node): computed
+    /// after registering where the worker can read the registered tensor in place, else before.
     Unknown,
     /// Computed by this node over the bytes it hands over, as they arrived.
     Computed(ContentHash),

@@ -4,7 +4,7 @@
 use ferry_io::credential::{Scope, Scopes};
 use ferry_io::handshake::{self, protocol_error, refuse as fail};
 use ferry_io::{
-    Connection, ConnectionError, ConnectionLimits, HashUse, PayloadRoute, RegionUse, Transport, tls,
+    Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Transport, tls,
 };
 use ferry_proto::{
     CapabilityToken, ErrorCode, ErrorReply, HeldDtype, NodeId, Request, Response, TensorKey,
@@ -344,11 +344,10 @@ impl Session<'_> {
                 let bytes = meta.byte_len() as u64;
                 let admission =
                     node.admit(device, &name, &meta.dtype(), meta.shape(), bytes, existing)?;
-                // Hashed as it arrives, trailing the chunk checksums that verify it, so that
-                // each byte is read from memory once and the tensor is registered with its
-                // hash (a grant right after needs no wait). A region is not hashed here: its
-                // handoff stays O(1), and the device hashes it after registering.
-                let assembler = node.receiver(device, meta)?.hashing(HashUse::Record);
+                // Hashed as it arrives (trailing the chunk checksums) only where the device
+                // would otherwise hash it before registering; else after the answer (see
+                // `put_receiver`). A region is not hashed here: its handoff stays O(1).
+                let assembler = node.put_receiver(device, meta)?;
                 Ok((assembler, admission))
             });
         let (mut assembler, admission) = match admitted {

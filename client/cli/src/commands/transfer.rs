@@ -373,6 +373,15 @@ impl Plan<'_> {
         };
         let first = &keys[..1];
         let mut answers = copy_each(source, target, first, &self.node_copy(from, first)).await;
+        // Connections a failed copy left out of step carry nothing more.
+        if !(source.in_step() && target.in_step()) {
+            answers.extend(keys[1..].iter().map(|_| {
+                Err(ClientError::Unexpected(
+                    "not copied: the connection failed before its turn".into(),
+                ))
+            }));
+            return answers;
+        }
         if unserved(&answers[0]) {
             eprintln!(
                 "{} did not serve a pull; pulling over {tcp}",
@@ -383,7 +392,7 @@ impl Plan<'_> {
         let rest = &keys[1..];
         answers.extend(copy_each(source, target, rest, &self.node_copy(from, rest)).await);
         let again: Vec<usize> = (0..keys.len()).filter(|&i| unserved(&answers[i])).collect();
-        if !again.is_empty() {
+        if !again.is_empty() && source.in_step() && target.in_step() {
             eprintln!(
                 "{} did not serve {} pulls; pulling those over {tcp}",
                 pull_from.addr,
@@ -417,14 +426,16 @@ async fn copy_each(
             let InterruptedCopy {
                 answered, cause, ..
             } = *stopped;
-            (answered, cause.to_string())
+            let failed = format!(
+                "no answer, the connection failed ({cause}): it may have arrived all the same"
+            );
+            (answered, failed)
         }
-        Err(e) => (Vec::new(), e.to_string()),
+        // Refused before anything was asked of either node.
+        Err(e) => (Vec::new(), format!("not copied: {e}")),
     };
     while answers.len() < keys.len() {
-        answers.push(Err(ClientError::Unexpected(format!(
-            "no answer, the connection failed ({failed}): it may have arrived all the same"
-        ))));
+        answers.push(Err(ClientError::Unexpected(failed.clone())));
     }
     answers
 }

@@ -9,7 +9,7 @@ use ferry_proto::{FrameError, StreamError};
 use tokio::io::AsyncWriteExt;
 
 use super::{Connection, ConnectionError};
-use crate::assembler::TensorAssembler;
+use crate::assembler::{HashUse, TensorAssembler};
 use crate::transport::Transport;
 
 #[cfg(target_os = "linux")]
@@ -220,9 +220,10 @@ async fn adopt_region(
 ) -> Result<Option<SealedRegion>, ConnectionError> {
     let expected = assembler.meta().byte_len();
     let keep = regions != RegionUse::Map && expected >= KEEP_REGION_MIN;
-    let hasher = assembler
-        .take_hasher()
-        .filter(|_| regions != RegionUse::KeepUnhashed);
+    // Hashed here only for a receiver that checks the hash before the bytes are used: one that
+    // only records it (a put) or a caller that verifies later leaves the handoff O(1).
+    let hash_now = regions != RegionUse::KeepUnhashed && assembler.hash_use() == HashUse::Check;
+    let hasher = assembler.take_hasher().filter(|_| hash_now);
     let Some(hasher) = hasher else {
         let (bytes, kept) = crate::region::adopt(fd, declared, expected, keep)?;
         assembler.adopt_hashed(bytes, None)?;
@@ -273,4 +274,54 @@ async fn adopt_region(
         reason: "shared-memory regions need Linux".into(),
     }
     .into())
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+    use crate::connection::{ConnectionLimits, PayloadRoute};
+    use crate::transport::UnixTransport;
+    use ferry_proto::TensorData;
+    use ferry_proto::tensor::{content_hash, into_parts};
+
+    /// A payload that comes whole as a sealed region is hashed at its handoff only by a
+    /// receiver that checks the hash before using the bytes (a pull); one that only records it
+    /// (a put) takes the region as it is, O(1), and leaves the hash to whoever registers it.
+    #[tokio::test]
+    async fn a_region_is_hashed_at_its_handoff_only_where_the_hash_is_checked() {
+        // Over a megabyte: received in chunks, it would be hashed on a trailing thread.
+        let n = 2 << 20;
+        let data = TensorData::new((0..n).map(|i| (i % 239) as u8).collect::<Vec<_>>(), [n]);
+        let (meta, payload) = into_parts(data).unwrap();
+        let truth = content_hash(&meta, &payload);
+        for (hash_use, regions, expected) in [
+            (HashUse::Record, RegionUse::Keep, None),
+            (HashUse::Record, RegionUse::Map, None),
+            (HashUse::Check, RegionUse::Keep, Some(truth)),
+            (HashUse::Check, RegionUse::KeepUnhashed, None),
+        ] {
+            let (a, b) = tokio::net::UnixStream::pair().unwrap();
+            let limits = ConnectionLimits {
+                region_min: 1,
+                ..ConnectionLimits::default()
+            };
+            let mut writer = Connection::new(UnixTransport::new(a), limits);
+            let mut reader = Connection::new(UnixTransport::new(b), limits);
+            writer.set_shared_memory(true);
+            reader.set_shared_memory(true);
+            let mut assembler = TensorAssembler::new(meta.clone(), u64::MAX)
+                .unwrap()
+                .hashing(hash_use);
+            let parts = [&payload[..]];
+            let (sent, received) = tokio::join!(
+                writer.write_payload_parts(&parts, 0),
+                reader.read_payload_keeping(&mut assembler, regions),
+            );
+            assert_eq!(sent.unwrap(), PayloadRoute::Region, "{hash_use:?}");
+            assert_eq!(received.unwrap().0, PayloadRoute::Region);
+            let (back, hash, _) = assembler.finish_recorded().unwrap();
+            assert_eq!(hash, expected, "{hash_use:?} {regions:?}");
+            assert_eq!(back.as_bytes(), &payload[..]);
+        }
+    }
 }
