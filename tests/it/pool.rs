@@ -302,3 +302,57 @@ async fn racing_clients_on_a_pool_smaller_than_their_tensors_read_only_what_they
     );
     pool_is_whole(&pool, "every byte back after the race").await;
 }
+
+/// A node's elastic pool keeps no more ready than its device's budget has room for: a tensor
+/// that fills most of the budget leaves ready only what could still be received; once it is
+/// deleted, its buffer is ready again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
+    const LIMIT: usize = 64 * MIB;
+    let readiness = ferry::io::pool::Readiness {
+        idle: 48 * MIB,
+        ahead: 8 * MIB,
+        idle_after: Duration::from_secs(600),
+    };
+    let pool = Pool::elastic(LIMIT, readiness).unwrap();
+    let node = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            receive_buffers: ReceiveBuffers::Pool(pool.clone()),
+            limits: ferry::server::NodeLimits {
+                memory_limit: Some(LIMIT as u64),
+                ..ferry::server::NodeLimits::default()
+            },
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    eventually("ready at start", Duration::from_secs(10), || {
+        pool.ready_bytes() == 48 * MIB
+    })
+    .await;
+    let mut client = node.client().await;
+    let key = TensorKey::new(0, "big");
+    let data = samples::plain(DType::F32, &[40 * MIB / 4], 50);
+    client.put(&key, &data).await.unwrap();
+    let room = LIMIT - 40 * MIB - ferry::server::TENSOR_OVERHEAD as usize;
+    eventually("ready within the room", Duration::from_secs(10), || {
+        pool.ready_bytes() <= room
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(pool.ready_bytes() <= room, "kept within the room");
+    assert_eq!(
+        pool.free_bytes() + 40 * MIB,
+        pool.capacity(),
+        "drawn from the pool"
+    );
+    assert_same(&client.get(&key).await.unwrap(), &data, "the tensor");
+    client.delete(&key).await.unwrap();
+    eventually("ready again", Duration::from_secs(10), || {
+        pool.ready_bytes() >= 48 * MIB
+    })
+    .await;
+    node.shutdown().await;
+}

@@ -31,7 +31,7 @@ pub mod transport;
 pub use assembler::{HashUse, TRAILING_HASH_MIN, TensorAssembler};
 pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse};
 pub use exchange::{Dial, Exchange, ExchangeError, PeerCheck, SharedMemory, Step};
-pub use pool::{Pool, PoolError};
+pub use pool::{Pool, PoolError, ReadyBound};
 pub use signed_record::{RecordCheck, RecordError, RecordSigner};
 pub use tls::{ClientTls, Identity, NodeTls, TlsError, TlsFiles};
 pub use transport::{Endpoint, Stream, Transport};

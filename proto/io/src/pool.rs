@@ -17,7 +17,9 @@
 //! and [`Readiness::ahead`] bytes ready beyond what is drawn while tensors do (touching the next
 //! untouched range as the ready ones fill), then, once nothing was drawn for
 //! [`Readiness::idle_after`], gives the ready bytes above the idle amount back to the kernel
-//! (`MADV_DONTNEED`). A payload that finds no ready range big enough is not the elastic pool's
+//! (`MADV_DONTNEED`). Where the memory the pool serves is bounded (a device budget,
+//! [`Pool::bound_ready_by`]), it keeps no more ready than that bound has room for, idle or not:
+//! no receive could draw the rest. A payload that finds no ready range big enough is not the elastic pool's
 //! to serve: it goes to new memory as without a pool (which gets huge pages where the pool's
 //! untouched memory would fault page by page), and is no miss.
 //!
@@ -88,6 +90,18 @@ pub struct Readiness {
     pub idle_after: Duration,
 }
 
+/// What bounds the receives an elastic pool serves beyond its own capacity (a device budget):
+/// ready memory above [`room`](ReadyBound::room) could never be drawn, so it is not kept.
+pub trait ReadyBound: Send + Sync {
+    /// The most bytes receives may still draw now. Called by the pool's thread, often, with
+    /// the pool's free list locked: cheap, and never calling into the pool.
+    fn room(&self) -> usize;
+}
+
+/// How often an elastic pool bounded by a [`ReadyBound`] looks at its room while nothing else
+/// wakes it (a budget fills as tensors land in new memory too, which the pool does not see).
+const BOUND_POLL: Duration = Duration::from_millis(200);
+
 /// How recent a take must be for tensors to count as arriving.
 pub const BUSY_SPELL: Duration = Duration::from_millis(250);
 
@@ -116,6 +130,8 @@ struct Inner {
     min_payload: usize,
     /// An elastic pool (served from ready memory only, no misses).
     elastic: bool,
+    /// What bounds its ready memory beyond its own targets, once set.
+    bound: std::sync::OnceLock<Arc<dyn ReadyBound>>,
 }
 
 /// The free ranges: ready (touched) and untouched, and when a buffer was last drawn.
@@ -311,6 +327,7 @@ impl Pool {
                 misses: AtomicU64::new(0),
                 min_payload,
                 elastic: readiness.is_some(),
+                bound: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -333,6 +350,16 @@ impl Pool {
     /// Bytes not drawn and ready (touched): what a receive can draw with no page fault.
     pub fn ready_bytes(&self) -> usize {
         self.free_list().ready.free
+    }
+
+    /// Bounds an elastic pool's ready memory by `bound`'s room, from now on (its thread gives
+    /// ready bytes above the room back at once, busy or idle, and makes no more ready than the
+    /// room). Set once: a later call, or one on a fixed pool (all of it ready for good), does
+    /// nothing and returns false.
+    pub fn bound_ready_by(&self, bound: Arc<dyn ReadyBound>) -> bool {
+        let set = self.inner.elastic && self.inner.bound.set(bound).is_ok();
+        self.inner.wake.notify_one();
+        set
     }
 
     /// Payloads that could not draw from the pool (too large, or the pool too full) and went to
@@ -450,6 +477,11 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
         let job = {
             let mut free = inner.free.lock().unwrap_or_else(|e| e.into_inner());
             loop {
+                // The most ready bytes worth keeping: whole granules of the bound's room.
+                let room = inner
+                    .bound
+                    .get()
+                    .map_or(usize::MAX, |b| b.room() / GRANULE * GRANULE);
                 let since = free.last_take.map(|at| at.elapsed());
                 // Arriving: only the next ranges; between arrivals: the idle amount, in idle
                 // time; long idle: nothing above it kept.
@@ -459,7 +491,8 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                     readiness.ahead
                 } else {
                     readiness.idle
-                };
+                }
+                .min(room);
                 if free.ready.free < target {
                     let want = (target - free.ready.free).min(STEP);
                     let want = want.next_multiple_of(GRANULE);
@@ -468,8 +501,10 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                         break Job::Touch(offset, len);
                     }
                 }
-                if idle && free.ready.free > readiness.idle {
-                    let excess = (free.ready.free - readiness.idle) / GRANULE * GRANULE;
+                // Kept: the idle amount once idle, and never more than the room.
+                let keep = if idle { readiness.idle } else { usize::MAX }.min(room);
+                if free.ready.free > keep {
+                    let excess = (free.ready.free - keep) / GRANULE * GRANULE;
                     if let Some((offset, len)) =
                         free.ready.take_piece(excess.min(STEP), Side::Highest)
                     {
@@ -484,6 +519,11 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                     Some(since) if !idle => readiness.idle_after.saturating_sub(since),
                     _ => Duration::from_secs(10),
                 }
+                .min(if inner.bound.get().is_some() {
+                    BOUND_POLL
+                } else {
+                    Duration::MAX
+                })
                 .max(Duration::from_millis(1));
                 free = inner
                     .wake
@@ -686,6 +726,50 @@ mod tests {
         // no miss.
         assert!(matches!(pool.take(100 * MIB), Ok(None)));
         assert_eq!(pool.misses(), 0);
+    }
+
+    /// A bound's room caps the ready memory, idle or busy: above it, ready bytes go back to the
+    /// kernel at once; as the room grows again, the idle amount is made ready again.
+    #[test]
+    fn an_elastic_pool_keeps_no_more_ready_than_its_bound_has_room_for() {
+        use std::sync::atomic::AtomicUsize;
+        const MIB: usize = 1 << 20;
+        struct Room(AtomicUsize);
+        impl ReadyBound for Room {
+            fn room(&self) -> usize {
+                self.0.load(Ordering::Relaxed)
+            }
+        }
+        let readiness = Readiness {
+            idle: 8 * MIB,
+            ahead: 24 * MIB,
+            // Never idle within the test: only the bound gives memory back.
+            idle_after: Duration::from_secs(600),
+        };
+        let pool = Pool::elastic(128 * MIB, readiness).unwrap();
+        until(&pool, "ready at start", |p| p.ready_bytes() == 8 * MIB);
+        let room = Arc::new(Room(AtomicUsize::new(3 * MIB + 100)));
+        assert!(pool.bound_ready_by(room.clone()));
+        assert!(!pool.bound_ready_by(room.clone()), "set once");
+        until(&pool, "given back to the room", |p| {
+            p.ready_bytes() == 3 * MIB
+        });
+        // Busy: ahead of the receives, but within the room.
+        let drawn = pool.take(2 * MIB).unwrap().unwrap();
+        room.0.store(MIB, Ordering::Relaxed);
+        until(&pool, "within the room while busy", |p| {
+            p.ready_bytes() == MIB
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(pool.ready_bytes(), MIB, "no more made ready than the room");
+        // Room again (the tensor deleted): its buffer is ready, and the rest of the ahead amount.
+        room.0.store(usize::MAX, Ordering::Relaxed);
+        drop(drawn);
+        let _again = pool.take(MIB).unwrap().unwrap();
+        until(&pool, "ready ahead again", |p| p.ready_bytes() >= 24 * MIB);
+        // A fixed pool is all ready for good: no bound applies.
+        let fixed = Pool::reserve(4 * MIB).unwrap();
+        assert!(!fixed.bound_ready_by(room));
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod capability;
 mod config;
 mod native;
 mod peer_policy;
+mod ready_bound;
 mod recorder;
 mod stats;
 mod tensors;
@@ -109,6 +110,13 @@ impl Node {
                 .map_err(|e| NodeError::Backend(format!("cannot start device {index}: {e}")))?;
             devices.push(handle);
             threads.push(thread);
+        }
+        // The pool keeps no more ready than the budgets of the devices it serves have room for.
+        if let (ReceiveBuffers::Pool(pool), Some(room)) = (
+            &config.receive_buffers,
+            ready_bound::BudgetRoom::of(&devices),
+        ) {
+            pool.bound_ready_by(Arc::new(room));
         }
         let node_id = match (&config.tls, &config.node_id) {
             (Some(tls), Some(given)) if given.as_str() != tls.identity().as_str() => {
