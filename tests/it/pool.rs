@@ -314,7 +314,8 @@ async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
         ahead: 8 * MIB,
         idle_after: Duration::from_secs(600),
     };
-    let pool = Pool::elastic(LIMIT, readiness).unwrap();
+    // Room for the pool to make its idle amount ready again beside the tensor, but for the bound.
+    let pool = Pool::elastic(2 * LIMIT, readiness).unwrap();
     let node = start(
         NodeConfig {
             devices: devices(&["flex"]),
@@ -336,7 +337,9 @@ async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
     let key = TensorKey::new(0, "big");
     let data = samples::plain(DType::F32, &[40 * MIB / 4], 50);
     client.put(&key, &data).await.unwrap();
-    let room = LIMIT - 40 * MIB - ferry::server::TENSOR_OVERHEAD as usize;
+    // The budget's room, up to a whole granule of the pool.
+    let room = (LIMIT - 40 * MIB - ferry::server::TENSOR_OVERHEAD as usize)
+        .next_multiple_of(ferry::io::pool::GRANULE);
     eventually("ready within the room", Duration::from_secs(10), || {
         pool.ready_bytes() <= room
     })

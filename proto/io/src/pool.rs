@@ -352,12 +352,14 @@ impl Pool {
         self.free_list().ready.free
     }
 
-    /// Bounds an elastic pool's ready memory by `bound`'s room, from now on (its thread gives
-    /// ready bytes above the room back at once, busy or idle, and makes no more ready than the
-    /// room). Set once: a later call, or one on a fixed pool (all of it ready for good), does
+    /// Bounds an elastic pool's ready memory by `bound`'s room, from now on: its thread makes
+    /// no more ready than the room, and gives ready bytes above it back as soon as no receive
+    /// is arriving (within [`BUSY_SPELL`] of the last). Set once: a later call, or one on a fixed pool (all of it ready for good), does
     /// nothing and returns false.
     pub fn bound_ready_by(&self, bound: Arc<dyn ReadyBound>) -> bool {
         let set = self.inner.elastic && self.inner.bound.set(bound).is_ok();
+        // Under the lock: the thread either waits already, and wakes, or has yet to look.
+        let _free = self.free_list();
         self.inner.wake.notify_one();
         set
     }
@@ -477,16 +479,18 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
         let job = {
             let mut free = inner.free.lock().unwrap_or_else(|e| e.into_inner());
             loop {
-                // The most ready bytes worth keeping: whole granules of the bound's room.
-                let room = inner
-                    .bound
-                    .get()
-                    .map_or(usize::MAX, |b| b.room() / GRANULE * GRANULE);
+                // The most ready bytes worth keeping: the bound's room, up to a whole granule (a
+                // receive that fills the room takes whole granules).
+                let room = inner.bound.get().map_or(usize::MAX, |b| {
+                    b.room()
+                        .checked_next_multiple_of(GRANULE)
+                        .unwrap_or(usize::MAX)
+                });
                 let since = free.last_take.map(|at| at.elapsed());
                 // Arriving: only the next ranges; between arrivals: the idle amount, in idle
                 // time; long idle: nothing above it kept.
                 let busy = since.is_some_and(|s| s < BUSY_SPELL);
-                let idle = since.is_none_or(|s| s >= readiness.idle_after);
+                let idle = !busy && since.is_none_or(|s| s >= readiness.idle_after);
                 let target = if busy {
                     readiness.ahead
                 } else {
@@ -501,8 +505,16 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                         break Job::Touch(offset, len);
                     }
                 }
-                // Kept: the idle amount once idle, and never more than the room.
-                let keep = if idle { readiness.idle } else { usize::MAX }.min(room);
+                // Kept: the idle amount once idle, and no more than the room once no receive is
+                // arriving. (Not while one is: a receive admitted by its budget, whose room no
+                // longer counts it, may be about to draw the very range.)
+                let keep = if idle {
+                    readiness.idle.min(room)
+                } else if busy {
+                    usize::MAX
+                } else {
+                    room
+                };
                 if free.ready.free > keep {
                     let excess = (free.ready.free - keep) / GRANULE * GRANULE;
                     if let Some((offset, len)) =
@@ -748,25 +760,23 @@ mod tests {
         };
         let pool = Pool::elastic(128 * MIB, readiness).unwrap();
         until(&pool, "ready at start", |p| p.ready_bytes() == 8 * MIB);
-        let room = Arc::new(Room(AtomicUsize::new(3 * MIB + 100)));
+        let room = Arc::new(Room(AtomicUsize::new(3 * MIB - 100)));
         assert!(pool.bound_ready_by(room.clone()));
         assert!(!pool.bound_ready_by(room.clone()), "set once");
         until(&pool, "given back to the room", |p| {
             p.ready_bytes() == 3 * MIB
         });
-        // Busy: ahead of the receives, but within the room.
+        // A receive, then none: ahead of it no more than the room, and within the room once the
+        // receives stop.
         let drawn = pool.take(2 * MIB).unwrap().unwrap();
         room.0.store(MIB, Ordering::Relaxed);
-        until(&pool, "within the room while busy", |p| {
-            p.ready_bytes() == MIB
-        });
+        until(&pool, "within the room", |p| p.ready_bytes() == MIB);
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(pool.ready_bytes(), MIB, "no more made ready than the room");
-        // Room again (the tensor deleted): its buffer is ready, and the rest of the ahead amount.
+        // Room again (the tensor deleted): its buffer is ready, and the idle amount again.
         room.0.store(usize::MAX, Ordering::Relaxed);
         drop(drawn);
-        let _again = pool.take(MIB).unwrap().unwrap();
-        until(&pool, "ready ahead again", |p| p.ready_bytes() >= 24 * MIB);
+        until(&pool, "ready again", |p| p.ready_bytes() >= 8 * MIB);
         // A fixed pool is all ready for good: no bound applies.
         let fixed = Pool::reserve(4 * MIB).unwrap();
         assert!(!fixed.bound_ready_by(room));

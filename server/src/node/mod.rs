@@ -111,12 +111,14 @@ impl Node {
             devices.push(handle);
             threads.push(thread);
         }
-        // The pool keeps no more ready than the budgets of the devices it serves have room for.
+        // The pool keeps no more ready than the budgets of the devices it serves have room for
+        // (not a fixed pool, all ready for good, nor one another node bounded first).
         if let (ReceiveBuffers::Pool(pool), Some(room)) = (
             &config.receive_buffers,
             ready_bound::BudgetRoom::of(&devices),
-        ) {
-            pool.bound_ready_by(Arc::new(room));
+        ) && !pool.bound_ready_by(Arc::new(room))
+        {
+            tracing::info!("the receive pool is not bounded by this node's budgets");
         }
         let node_id = match (&config.tls, &config.node_id) {
             (Some(tls), Some(given)) if given.as_str() != tls.identity().as_str() => {
