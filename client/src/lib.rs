@@ -10,7 +10,7 @@ pub mod tensor;
 
 pub use blocking::BlockingClient;
 pub use client::{
-    Client, ClientError, Connect, ConnectOptions, Grant, HeldProbe, InterruptedCopy, NodeCopy,
+    Client, ClientError, Connect, ConnectOptions, Grant, HeldProbe, InterruptedCopy, Lane, NodeCopy,
 };
 pub use ferry_io::{
     ClientTls, ConnectionError, ConnectionLimits, Endpoint, PeerCheck, SharedMemory,

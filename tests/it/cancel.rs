@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use ferry::client::{Client, ClientError, IfExists, InterruptedCopy, NodeCopy, Transfer};
+use ferry::client::{Client, ClientError, IfExists, InterruptedCopy, Lane, NodeCopy, Transfer};
 use ferry::proto::{DType, ErrorCode, TensorData, TensorKey};
 use ferry::samples;
 use ferry::testing::{TestNode, assert_same, start_with};
@@ -167,26 +167,7 @@ async fn a_download_cancelled_mid_payload_leaves_the_connection_refusing() {
     let data = samples::plain(DType::F32, &[4096, 4096], 3);
     let mut client = node.client().await;
     client.put(&key, &data).await.unwrap();
-    // Cut once the node's description of the tensor was read: inside its payload.
-    let announced = std::sync::atomic::AtomicBool::new(false);
-    {
-        let keys = [key.clone()];
-        let download = client.get_batch_into(&keys, |_, _| {
-            announced.store(true, std::sync::atomic::Ordering::SeqCst);
-            None
-        });
-        tokio::pin!(download);
-        let mid_payload = async {
-            while !announced.load(std::sync::atomic::Ordering::SeqCst) {
-                tokio::task::yield_now().await;
-            }
-        };
-        tokio::select! {
-            biased;
-            () = mid_payload => {}
-            done = &mut download => panic!("the download finished before it was cut: {done:?}"),
-        }
-    }
+    cut_mid_payload(&mut client, &key).await;
     assert!(!client.in_step());
     let refused = client.get(&key).await;
     assert!(
@@ -261,4 +242,117 @@ async fn a_move_whose_target_goes_away_reports_what_it_moved_and_keeps_the_rest(
         assert_same(&on_a.get(key).await.unwrap(), wanted, &key.name);
     }
     assert!(!source.in_step() && !target.in_step());
+}
+
+/// Starts a download of `key` (a tensor far larger than a socket holds) on `client` and drops it
+/// once the node's description was read: inside its payload. The connection is then out of step.
+async fn cut_mid_payload(client: &mut Client, key: &TensorKey) {
+    let announced = std::sync::atomic::AtomicBool::new(false);
+    let keys = [key.clone()];
+    let download = client.get_batch_into(&keys, |_, _| {
+        announced.store(true, std::sync::atomic::Ordering::SeqCst);
+        None
+    });
+    tokio::pin!(download);
+    let mid_payload = async {
+        while !announced.load(std::sync::atomic::Ordering::SeqCst) {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::select! {
+        biased;
+        () = mid_payload => {}
+        done = &mut download => panic!("the download finished before it was cut: {done:?}"),
+    }
+}
+
+/// A copy over three lanes, one of them out of step before it starts (a download cut on it):
+/// that lane is left out, the other two carry every tensor, and the answers come in order,
+/// each tensor bit-exact on the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_over_lanes_leaves_a_lane_out_of_step_out_and_answers_in_order() {
+    let (a, b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
+    let tensors = fill(&a).await;
+    let keys: Vec<TensorKey> = tensors.iter().map(|(key, _)| key.clone()).collect();
+    let mut lanes = Vec::new();
+    for _ in 0..3 {
+        lanes.push(Lane {
+            source: a.client().await,
+            target: b.client().await,
+        });
+    }
+    // 64 MiB, far more than a socket holds, beside the copied ones (not among them).
+    let big = TensorKey::new(0, "big");
+    lanes[1]
+        .source
+        .put(&big, &samples::plain(DType::F32, &[4096, 4096], 4))
+        .await
+        .unwrap();
+    cut_mid_payload(&mut lanes[1].source, &big).await;
+    assert!(!lanes[1].in_step());
+    let copy = NodeCopy::new(a.addr.to_string()).tensors_to(keys.clone(), 0);
+    let answers = copy.run_in_lanes(&mut lanes).await;
+    assert_eq!(answers.len(), TENSORS);
+    let mut on_b = b.client().await;
+    for ((answer, key), (_, data)) in answers.iter().zip(&keys).zip(&tensors) {
+        let info = answer.as_ref().unwrap_or_else(|e| panic!("{key}: {e}"));
+        assert_eq!(info.key, *key, "answers in order");
+        assert_same(&on_b.get(key).await.unwrap(), data, &key.name);
+    }
+    assert!(lanes[0].in_step() && lanes[2].in_step());
+}
+
+/// A move over three lanes whose target shuts down half-way: one answer per tensor, in order;
+/// each moved tensor's source is gone, and every tensor without a success (refused by the
+/// target going down, or with no answer) is still on the source, whole: a lane's failure loses
+/// no tensor and misreports none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_over_lanes_whose_target_goes_away_loses_and_misreports_nothing() {
+    let (a, b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
+    let tensors = fill(&a).await;
+    let keys: Vec<TensorKey> = tensors.iter().map(|(key, _)| key.clone()).collect();
+    let mut lanes = Vec::new();
+    for _ in 0..3 {
+        lanes.push(Lane {
+            source: a.client().await,
+            target: b.client().await,
+        });
+    }
+    let moving = NodeCopy::new(a.addr.to_string())
+        .tensors_to(keys.clone(), 0)
+        .transfer(Transfer::Move);
+    let target_node = b.node.clone();
+    let run = moving.run_in_lanes(&mut lanes);
+    let stop_target = async {
+        while target_node.list(Some(0)).await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        b.shutdown().await;
+    };
+    let (answers, ()) = tokio::join!(run, stop_target);
+    assert_eq!(answers.len(), TENSORS);
+    let mut on_a = a.client().await;
+    let (mut moved, mut kept) = (0, 0);
+    for ((answer, key), (_, data)) in answers.iter().zip(&keys).zip(&tensors) {
+        match answer {
+            Ok(info) => {
+                assert_eq!(info.key, *key, "answers in order");
+                assert!(
+                    on_a.get(key).await.is_err(),
+                    "{key} moved: its source is gone"
+                );
+                moved += 1;
+            }
+            Err(why) => {
+                assert!(
+                    why.code() == Some(ErrorCode::ShuttingDown)
+                        || matches!(why, ClientError::NoAnswer { key: k, .. } if k == key),
+                    "{key}: {why}"
+                );
+                assert_same(&on_a.get(key).await.unwrap(), data, &key.name);
+                kept += 1;
+            }
+        }
+    }
+    assert!(moved >= 1 && kept >= 1, "{moved} moved, {kept} kept");
 }

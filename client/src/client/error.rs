@@ -124,6 +124,17 @@ pub enum ClientError {
         .0.cause
     )]
     CopyInterrupted(Box<InterruptedCopy>),
+    /// A tensor of a copy over several lanes ([`NodeCopy::run_in_lanes`](crate::NodeCopy::run_in_lanes))
+    /// that got no answer of its own: its lane's connection failed during the copy (it may have
+    /// been copied, or moved, all the same), or before it (it was not). `reason` says which;
+    /// copying it again with [`IfExists::Replace`](ferry_proto::IfExists::Replace) is safe.
+    #[error("{reason}")]
+    NoAnswer {
+        /// The source key.
+        key: TensorKey,
+        /// What became of its lane.
+        reason: String,
+    },
     /// The node speaks a protocol minor older than a request needs.
     #[error("the node speaks protocol minor {node}; {what} needs minor {needs} or later")]
     NodeTooOld {

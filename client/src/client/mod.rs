@@ -3,15 +3,17 @@
 //! exchange layer's step guard (`ferry_io::exchange`), so a call that fails or is cancelled
 //! half-way leaves the connection refusing further calls ([`ClientError::OutOfStep`]) rather than
 //! reading another call's answer. Opening is in `connect`, batches in `batch`, node-to-node copies
-//! in `node_copy`, errors in `error`.
+//! in `node_copy` (over several pairs of connections at once in `lanes`), errors in `error`.
 
 mod batch;
 mod connect;
 mod error;
+mod lanes;
 mod node_copy;
 
 pub use connect::{Connect, ConnectOptions};
 pub use error::{ClientError, InterruptedCopy};
+pub use lanes::Lane;
 pub use node_copy::{Grant, NodeCopy};
 
 use burn_std::Bytes;

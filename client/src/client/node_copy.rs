@@ -98,8 +98,8 @@ fn released(answer: Response) -> Option<()> {
 
 /// One tensor of a [`NodeCopy`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct CopyItem {
-    src: TensorKey,
+pub(super) struct CopyItem {
+    pub(super) src: TensorKey,
     dst: TensorKey,
     /// The version it must be, where a directory listed one.
     version: Option<ContentHash>,
@@ -124,10 +124,10 @@ struct CopyItem {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use = "a NodeCopy does nothing until it is run"]
 pub struct NodeCopy {
-    source_addr: String,
-    items: Vec<CopyItem>,
-    transfer: Transfer,
-    if_exists: IfExists,
+    pub(super) source_addr: String,
+    pub(super) items: Vec<CopyItem>,
+    pub(super) transfer: Transfer,
+    pub(super) if_exists: IfExists,
 }
 
 impl NodeCopy {

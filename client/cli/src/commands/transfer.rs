@@ -6,13 +6,12 @@
 use anyhow::bail;
 use ferry_client::address::{Address, AddressError};
 use ferry_client::cluster::{address_for, choose_source};
-use ferry_client::{Client, ContentHash, IfExists, NodeCopy, TensorKey, Transfer};
-use futures_util::future::join_all;
+use ferry_client::{Client, ContentHash, IfExists, Lane, NodeCopy, TensorKey, Transfer};
 
 use crate::Cli;
 use crate::connect::{Reached, connect_to, directory, reach};
 use crate::report::check_all;
-use ferry_client::{ClientError, ErrorCode, InterruptedCopy, TensorInfo};
+use ferry_client::{ClientError, ErrorCode, TensorInfo};
 use ferry_proto::cluster::MemberRecord;
 
 pub(crate) async fn transfer(
@@ -65,7 +64,7 @@ pub(crate) async fn transfer(
         target: connect_to(&dst_node, cli).await?,
     };
     // Between the devices of one node there is nothing to spread: one lane.
-    let same_node = first.same_node().await?;
+    let same_node = same_node(&mut first).await?;
     let wanted = if same_node {
         1
     } else {
@@ -110,19 +109,10 @@ pub(crate) async fn transfer(
     Ok(())
 }
 
-/// One pair of connections a copy runs over: to the source, and to the target. Several lanes
-/// keep several tensors of a whole device in flight (`--lanes`), so that one stream waiting on
-/// its target (fresh memory faulted in, a hash) leaves the link and the nodes' other cores busy.
-struct Lane {
-    source: Client,
-    target: Client,
-}
-
-impl Lane {
-    /// Whether source and target are one node (two addresses may reach one node: its id tells).
-    async fn same_node(&mut self) -> anyhow::Result<bool> {
-        Ok(self.source.identify().await? == self.target.identify().await?)
-    }
+/// Whether a lane's source and target are one node (two addresses may reach one node: its id
+/// tells).
+async fn same_node(lane: &mut Lane) -> anyhow::Result<bool> {
+    Ok(lane.source.identify().await? == lane.target.identify().await?)
 }
 
 /// Where the target node pulls from: an address, and for a member's Unix socket its TCP
@@ -212,7 +202,7 @@ async fn copy_by_name(
         source: connect_to(&src_node, cli).await?,
         target: connect_to(dst_node, cli).await?,
     };
-    let same_node = lane.same_node().await?;
+    let same_node = same_node(&mut lane).await?;
     let keys = [TensorKey::new(chosen.holder.device, name)];
     let how = Plan {
         dst,
@@ -289,7 +279,7 @@ impl Plan<'_> {
             })
     }
 
-    /// Between the devices of one node where source and target are one ([`Lane::same_node`]),
+    /// Between the devices of one node where source and target are one ([`same_node`]),
     /// over the first lane; else node to node: the target pulls from `pull_from`, on every
     /// lane at once.
     async fn run(
@@ -320,124 +310,49 @@ impl Plan<'_> {
         check_all(results)
     }
 
-    /// Node to node over several lanes at once: the keys dealt to them in turn (so that each
-    /// gets large and small tensors alike), each lane's share pulled as [`pull_all`] does; one
-    /// answer per key, in key order.
-    ///
-    /// [`pull_all`]: Self::pull_all
+    /// Node to node: the target pulls every key from `pull_from`, over every lane at once
+    /// ([`NodeCopy::run_in_lanes`]), one answer per key. Over a member's Unix socket one tensor
+    /// goes first, so that a socket that does not serve (not there, another user's, another
+    /// node's: two machines may share a name) is found on one pull rather than on all; the
+    /// pulls it did not serve go again over the member's TCP address (a failed pull registered
+    /// and removed nothing).
     async fn pull_in_lanes(
         &self,
         lanes: &mut [Lane],
         keys: &[TensorKey],
         pull_from: &PullFrom,
     ) -> Vec<Result<TensorInfo, ClientError>> {
-        let n = lanes.len().min(keys.len()).max(1);
-        let shares: Vec<Vec<TensorKey>> = (0..n)
-            .map(|lane| keys.iter().skip(lane).step_by(n).cloned().collect())
-            .collect();
-        let runs = lanes.iter_mut().zip(&shares).map(|(lane, share)| {
-            self.pull_all(&mut lane.source, &mut lane.target, share, pull_from)
-        });
-        let mut answers: Vec<_> = join_all(runs)
-            .await
-            .into_iter()
-            .map(Vec::into_iter)
-            .collect();
-        // Key i went to lane i % n, as its (i / n)th.
-        (0..keys.len())
-            .map(|i| {
-                answers[i % n].next().unwrap_or_else(|| {
-                    Err(ClientError::Unexpected(
-                        "a lane answered fewer tensors than it was given".into(),
-                    ))
-                })
-            })
-            .collect()
-    }
-
-    /// Node to node: the target pulls every key from `pull_from`, one answer per key. Over a
-    /// member's Unix socket one tensor goes first, so that a socket that does not serve (not
-    /// there, another user's, another node's: two machines may share a name) is found on one
-    /// pull rather than on all; the pulls it did not serve go again over the member's TCP
-    /// address (a failed pull registered and removed nothing).
-    async fn pull_all(
-        &self,
-        source: &mut Client,
-        target: &mut Client,
-        keys: &[TensorKey],
-        pull_from: &PullFrom,
-    ) -> Vec<Result<TensorInfo, ClientError>> {
-        let mut from = pull_from.addr.as_str();
+        let from = pull_from.addr.as_str();
         let Some(tcp) = pull_from.tcp.as_deref().filter(|_| !keys.is_empty()) else {
-            return copy_each(source, target, keys, &self.node_copy(from, keys)).await;
+            return self.node_copy(from, keys).run_in_lanes(lanes).await;
         };
         let first = &keys[..1];
-        let mut answers = copy_each(source, target, first, &self.node_copy(from, first)).await;
-        // Connections a failed copy left out of step carry nothing more.
-        if !(source.in_step() && target.in_step()) {
-            answers.extend(keys[1..].iter().map(|_| {
-                Err(ClientError::Unexpected(
-                    "not copied: the connection failed before its turn".into(),
-                ))
-            }));
-            return answers;
-        }
+        let probe = lanes.get_mut(..1).unwrap_or_default();
+        let mut answers = self.node_copy(from, first).run_in_lanes(probe).await;
         if unserved(&answers[0]) {
             eprintln!(
                 "{} did not serve a pull; pulling over {tcp}",
                 pull_from.addr
             );
-            return copy_each(source, target, keys, &self.node_copy(tcp, keys)).await;
+            return self.node_copy(tcp, keys).run_in_lanes(lanes).await;
         }
         let rest = &keys[1..];
-        answers.extend(copy_each(source, target, rest, &self.node_copy(from, rest)).await);
+        answers.extend(self.node_copy(from, rest).run_in_lanes(lanes).await);
         let again: Vec<usize> = (0..keys.len()).filter(|&i| unserved(&answers[i])).collect();
-        if !again.is_empty() && source.in_step() && target.in_step() {
+        if !again.is_empty() {
             eprintln!(
                 "{} did not serve {} pulls; pulling those over {tcp}",
                 pull_from.addr,
                 again.len()
             );
-            from = tcp;
             let retry: Vec<TensorKey> = again.iter().map(|&i| keys[i].clone()).collect();
-            let retried = copy_each(source, target, &retry, &self.node_copy(from, &retry)).await;
+            let retried = self.node_copy(tcp, &retry).run_in_lanes(lanes).await;
             for (i, answer) in again.into_iter().zip(retried) {
                 answers[i] = answer;
             }
         }
         answers
     }
-}
-
-/// A node-to-node copy, one answer per key: those it had before a connection failed as they
-/// were, and each key after them answered with that failure.
-async fn copy_each(
-    source: &mut Client,
-    target: &mut Client,
-    keys: &[TensorKey],
-    how: &NodeCopy,
-) -> Vec<Result<TensorInfo, ClientError>> {
-    if keys.is_empty() {
-        return Vec::new();
-    }
-    let (mut answers, failed) = match how.run(source, target).await {
-        Ok(answers) => return answers,
-        Err(ClientError::CopyInterrupted(stopped)) => {
-            let InterruptedCopy {
-                answered, cause, ..
-            } = *stopped;
-            let failed = format!(
-                "no answer, the connection failed ({cause}): it may have arrived all the same"
-            );
-            (answered, failed)
-        }
-        // Refused before anything was asked of either node.
-        Err(e) => (Vec::new(), format!("not copied: {e}")),
-    };
-    while answers.len() < keys.len() {
-        answers.push(Err(ClientError::Unexpected(failed.clone())));
-    }
-    answers
 }
 
 /// Whether a pull over a member's Unix socket failed at that socket (unreachable, refused, not
