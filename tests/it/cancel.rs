@@ -191,15 +191,8 @@ async fn a_move_whose_target_goes_away_reports_what_it_moved_and_keeps_the_rest(
         .tensors_to(keys.clone(), 0)
         .transfer(Transfer::Move);
     let (mut source, mut target) = (a.client().await, b.client().await);
-    let target_node = b.node.clone();
     let run = moving.run(&mut source, &mut target);
-    let stop_target = async {
-        while target_node.list(Some(0)).await.unwrap().is_empty() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        b.shutdown().await;
-    };
-    let (ran, ()) = tokio::join!(run, stop_target);
+    let (ran, ()) = tokio::join!(run, shut_down_after_a_landing(b));
     let Err(ClientError::CopyInterrupted(stopped)) = ran else {
         panic!("a move whose target went away: {ran:?}");
     };
@@ -211,32 +204,15 @@ async fn a_move_whose_target_goes_away_reports_what_it_moved_and_keeps_the_rest(
     } = *stopped;
     assert!(!unanswered.is_empty(), "stopped half-way: {cause}");
     assert_eq!(unanswered, keys[answered.len()..], "the rest, in order");
-    let mut on_a = a.client().await;
-    let mut moved = 0;
-    for ((answer, key), (_, wanted)) in answered.iter().zip(&keys).zip(&tensors) {
-        match answer {
-            Ok(info) => {
-                assert_eq!(info.key, *key, "answers in order");
-                assert!(
-                    on_a.get(key).await.is_err(),
-                    "{key} moved: its source is gone"
-                );
-                moved += 1;
-            }
-            // Pulls asked ahead reach a target that is shutting down: refused, not moved.
-            Err(refused) => {
-                assert_eq!(
-                    refused.code(),
-                    Some(ErrorCode::ShuttingDown),
-                    "{key}: {refused}"
-                );
-                assert_same(&on_a.get(key).await.unwrap(), wanted, &key.name);
-            }
-        }
-    }
+    // Pulls asked ahead reach a target that is shutting down: refused, not moved.
+    let (moved, _) = moved_or_kept(&a, &answered, &tensors, |_, refused| {
+        refused.code() == Some(ErrorCode::ShuttingDown)
+    })
+    .await;
     assert!(moved >= 1, "the pull in hand is answered: {answered:?}");
     // Not one tensor without an answer was deleted from the source (the first one's delete is
     // only asked once its pull is answered, and the source's connection stayed up).
+    let mut on_a = a.client().await;
     for key in &unanswered {
         let (_, wanted) = tensors.iter().find(|(k, _)| k == key).unwrap();
         assert_same(&on_a.get(key).await.unwrap(), wanted, &key.name);
@@ -274,13 +250,7 @@ async fn a_copy_over_lanes_leaves_a_lane_out_of_step_out_and_answers_in_order() 
     let (a, b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
     let tensors = fill(&a).await;
     let keys: Vec<TensorKey> = tensors.iter().map(|(key, _)| key.clone()).collect();
-    let mut lanes = Vec::new();
-    for _ in 0..3 {
-        lanes.push(Lane {
-            source: a.client().await,
-            target: b.client().await,
-        });
-    }
+    let mut lanes = lanes_between(&a, &b, 3).await;
     // 64 MiB, far more than a socket holds, beside the copied ones (not among them).
     let big = TensorKey::new(0, "big");
     lanes[1]
@@ -311,48 +281,68 @@ async fn a_move_over_lanes_whose_target_goes_away_loses_and_misreports_nothing()
     let (a, b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
     let tensors = fill(&a).await;
     let keys: Vec<TensorKey> = tensors.iter().map(|(key, _)| key.clone()).collect();
-    let mut lanes = Vec::new();
-    for _ in 0..3 {
-        lanes.push(Lane {
-            source: a.client().await,
-            target: b.client().await,
-        });
-    }
+    let mut lanes = lanes_between(&a, &b, 3).await;
     let moving = NodeCopy::new(a.addr.to_string())
         .tensors_to(keys.clone(), 0)
         .transfer(Transfer::Move);
-    let target_node = b.node.clone();
     let run = moving.run_in_lanes(&mut lanes);
-    let stop_target = async {
-        while target_node.list(Some(0)).await.unwrap().is_empty() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        b.shutdown().await;
-    };
-    let (answers, ()) = tokio::join!(run, stop_target);
+    let (answers, ()) = tokio::join!(run, shut_down_after_a_landing(b));
     assert_eq!(answers.len(), TENSORS);
+    let (moved, kept) = moved_or_kept(&a, &answers, &tensors, |key, why| {
+        why.code() == Some(ErrorCode::ShuttingDown)
+            || matches!(why, ClientError::NoAnswer { key: k, .. } if k == key)
+    })
+    .await;
+    assert!(moved >= 1 && kept >= 1, "{moved} moved, {kept} kept");
+}
+
+/// Shuts `b` down once it holds a tensor on device 0: a target going away half-way through a
+/// copy to it.
+async fn shut_down_after_a_landing(b: TestNode) {
+    let node = b.node.clone();
+    while node.list(Some(0)).await.unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    b.shutdown().await;
+}
+
+/// Checks a move's answers, one per tensor of `tensors` in order, against its source `a`: each
+/// success names its tensor and its source is gone; each failure is one `expected` allows, and
+/// its tensor is still on the source, whole. Returns how many were moved and how many kept.
+async fn moved_or_kept(
+    a: &TestNode,
+    answers: &[Result<ferry::proto::TensorInfo, ClientError>],
+    tensors: &[(TensorKey, TensorData)],
+    expected: impl Fn(&TensorKey, &ClientError) -> bool,
+) -> (usize, usize) {
     let mut on_a = a.client().await;
     let (mut moved, mut kept) = (0, 0);
-    for ((answer, key), (_, data)) in answers.iter().zip(&keys).zip(&tensors) {
+    for (answer, (key, data)) in answers.iter().zip(tensors) {
         match answer {
             Ok(info) => {
                 assert_eq!(info.key, *key, "answers in order");
-                assert!(
-                    on_a.get(key).await.is_err(),
-                    "{key} moved: its source is gone"
-                );
+                let gone = on_a.get(key).await;
+                assert!(gone.is_err(), "{key} moved: its source is gone");
                 moved += 1;
             }
             Err(why) => {
-                assert!(
-                    why.code() == Some(ErrorCode::ShuttingDown)
-                        || matches!(why, ClientError::NoAnswer { key: k, .. } if k == key),
-                    "{key}: {why}"
-                );
+                assert!(expected(key, why), "{key}: {why}");
                 assert_same(&on_a.get(key).await.unwrap(), data, &key.name);
                 kept += 1;
             }
         }
     }
-    assert!(moved >= 1 && kept >= 1, "{moved} moved, {kept} kept");
+    (moved, kept)
+}
+
+/// `n` lanes from `a` (the source) to `b` (the target), each its own pair of connections.
+async fn lanes_between(a: &TestNode, b: &TestNode, n: usize) -> Vec<Lane> {
+    let mut lanes = Vec::with_capacity(n);
+    for _ in 0..n {
+        lanes.push(Lane {
+            source: a.client().await,
+            target: b.client().await,
+        });
+    }
+    lanes
 }
