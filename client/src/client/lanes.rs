@@ -26,13 +26,18 @@ impl Lane {
 }
 
 impl NodeCopy {
-    /// [`run`](Self::run) over `lanes` at once: tensor `i` goes over the `i % n`th of the `n`
-    /// lanes still in step (so each gets large and small tensors alike), each lane's share a
-    /// copy of its own. One answer per tensor, in the order they were added. A lane whose
-    /// connection fails keeps the answers it had and answers each tensor after them with
-    /// [`ClientError::NoAnswer`]; the other lanes go on. Where no lane is in step, every tensor
-    /// is answered so.
+    /// [`run`](Self::run) over `lanes` at once, every one of them between the same source and
+    /// target nodes: tensor `i` goes over the `i % n`th of the `n` lanes still in step (so each
+    /// gets large and small tensors alike), each lane's share a copy of its own. One answer per
+    /// tensor, in the order they were added. A lane whose connection fails keeps the answers it
+    /// had and answers each tensor after them with [`ClientError::NoAnswer`]; the other lanes go
+    /// on. Where no lane is in step, every tensor is answered so. A source too old for a move
+    /// answers every tensor [`ClientError::NodeTooOld`]. Two tensors bound for one target key
+    /// should not share a copy over lanes: which lands last is not fixed.
     pub async fn run_in_lanes(&self, lanes: &mut [Lane]) -> Vec<Result<TensorInfo, ClientError>> {
+        if self.items.is_empty() {
+            return Vec::new();
+        }
         let mut usable: Vec<&mut Lane> = lanes.iter_mut().filter(|l| l.in_step()).collect();
         let n = usable.len().min(self.items.len()).max(1);
         usable.truncate(n);
@@ -93,7 +98,12 @@ fn answers_per_tensor(
             );
             (answered, reason)
         }
-        // Refused before either node was asked anything.
+        // Refused before either node was asked anything: each tensor is told why, typed where
+        // the refusal can be told again.
+        Err(ClientError::NodeTooOld { what, node, needs }) => {
+            let too_old = || ClientError::NodeTooOld { what, node, needs };
+            return copy.items.iter().map(|_| Err(too_old())).collect();
+        }
         Err(refused) => (Vec::new(), format!("not copied: {refused}")),
     };
     let rest = copy.items.get(answers.len()..).unwrap_or_default();

@@ -326,6 +326,7 @@ impl Plan<'_> {
         let Some(tcp) = pull_from.tcp.as_deref().filter(|_| !keys.is_empty()) else {
             return self.node_copy(from, keys).run_in_lanes(lanes).await;
         };
+        // The probe runs alone, on the first lane: the others wait for one tensor's pull.
         let first = &keys[..1];
         let probe = lanes.get_mut(..1).unwrap_or_default();
         let mut answers = self.node_copy(from, first).run_in_lanes(probe).await;
@@ -339,7 +340,9 @@ impl Plan<'_> {
         let rest = &keys[1..];
         answers.extend(self.node_copy(from, rest).run_in_lanes(lanes).await);
         let again: Vec<usize> = (0..keys.len()).filter(|&i| unserved(&answers[i])).collect();
-        if !again.is_empty() {
+        // Over connections still in step: a lane that failed carries nothing more, and the
+        // unserved answers say why better than a retry that cannot run.
+        if !again.is_empty() && lanes.iter().any(Lane::in_step) {
             eprintln!(
                 "{} did not serve {} pulls; pulling those over {tcp}",
                 pull_from.addr,
