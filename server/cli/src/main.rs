@@ -658,6 +658,13 @@ fn cluster_config(
     })
 }
 
+/// Whether any of `devices` (none: the default, Flex) would draw receive buffers from a pool:
+/// Flex devices keep them as their tensors' memory, GPU devices stage through them; NdArray
+/// takes only plain allocations over without a copy.
+fn draws_from_a_pool(devices: &[DeviceSpec]) -> bool {
+    devices.is_empty() || devices.iter().any(|d| !matches!(d, DeviceSpec::NdArray))
+}
+
 /// Reserves the receive pool `--pool` asks for, logging what it took.
 fn reserve_pool(args: &Args) -> anyhow::Result<Option<ferry_io::Pool>> {
     if args.pool_ready.is_some() && args.pool != PoolSize::Auto {
@@ -665,13 +672,7 @@ fn reserve_pool(args: &Args) -> anyhow::Result<Option<ferry_io::Pool>> {
             "--pool-ready sizes the automatic pool: it goes with --pool auto, not --pool 0 or a fixed size"
         );
     }
-    // Flex devices receive into pooled buffers and keep them, GPU devices stage through them;
-    // NdArray takes only plain allocations over without a copy (the default devices are Flex).
-    let receives_on_host = args.devices.is_empty()
-        || args
-            .devices
-            .iter()
-            .any(|d| !matches!(d, DeviceSpec::NdArray));
+    let receives_on_host = draws_from_a_pool(&args.devices);
     let size = match args.pool {
         PoolSize::Off => return Ok(None),
         PoolSize::Auto if !receives_on_host => return Ok(None),
@@ -766,4 +767,24 @@ fn read_secret(path: &std::path::Path) -> anyhow::Result<String> {
         );
     }
     std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The automatic pool is for nodes with a device that draws from it: Flex (the default) or
+    /// a GPU, not NdArray alone.
+    #[test]
+    fn a_node_gets_a_pool_where_a_device_draws_from_one() {
+        let spec = |s: &str| s.parse::<DeviceSpec>().unwrap();
+        assert!(draws_from_a_pool(&[]), "the default devices are Flex");
+        assert!(draws_from_a_pool(&[spec("flex")]));
+        assert!(
+            draws_from_a_pool(&[spec("gl:cpu")]),
+            "a GPU stages through it"
+        );
+        assert!(draws_from_a_pool(&[spec("ndarray"), spec("vulkan:0")]));
+        assert!(!draws_from_a_pool(&[spec("ndarray"), spec("ndarray")]));
+    }
 }
