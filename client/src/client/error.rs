@@ -124,8 +124,8 @@ pub enum ClientError {
         .0.cause
     )]
     CopyInterrupted(Box<InterruptedCopy>),
-    /// A tensor of a copy over several lanes ([`NodeCopy::run_in_lanes`](crate::NodeCopy::run_in_lanes))
-    /// that got no answer of its own: its lane's connection failed during the copy (it may have
+    /// A tensor of a copy over several lanes
+    /// ([`NodeCopy::run_in_lanes`](crate::NodeCopy::run_in_lanes)) that got no answer of its own: its lane's connection failed during the copy (it may have
     /// been copied, or moved: its source deleted once the target held it), or before anything
     /// was asked (it was not). `reason` says which; copying it again with
     /// [`IfExists::Replace`](ferry_proto::IfExists::Replace) is safe.

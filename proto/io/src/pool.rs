@@ -18,10 +18,11 @@
 //! untouched range as the ready ones fill), then, once nothing was drawn for
 //! [`Readiness::idle_after`], gives the ready bytes above the idle amount back to the kernel
 //! (`MADV_DONTNEED`). Where the memory the pool serves is bounded (a device budget,
-//! [`Pool::bound_ready_by`]), it keeps no more ready than that bound has room for, idle or not:
-//! no receive could draw the rest. A payload that finds no ready range big enough is not the elastic pool's
-//! to serve: it goes to new memory as without a pool (which gets huge pages where the pool's
-//! untouched memory would fault page by page), and is no miss.
+//! [`Pool::bound_ready_by`]), it makes no more ready than that bound has room for, and gives
+//! back what is above it once no receive is arriving: no receive could draw it. A payload that
+//! finds no ready range big enough is not the elastic pool's to serve: it goes to new memory as
+//! without a pool (which gets huge pages where the pool's untouched memory would fault page by
+//! page), and is no miss.
 //!
 //! Invariant: every byte of the mapping is in exactly one place: the ready free list, the
 //! untouched free list, one live buffer, or the background thread's hands while it touches or
@@ -354,8 +355,8 @@ impl Pool {
 
     /// Bounds an elastic pool's ready memory by `bound`'s room, from now on: its thread makes
     /// no more ready than the room, and gives ready bytes above it back as soon as no receive
-    /// is arriving (within [`BUSY_SPELL`] of the last). Set once: a later call, or one on a fixed pool (all of it ready for good), does
-    /// nothing and returns false.
+    /// is arriving (within [`BUSY_SPELL`] of the last). Set once: a later call, or one on a
+    /// fixed pool (all of it ready for good), does nothing and returns false.
     pub fn bound_ready_by(&self, bound: Arc<dyn ReadyBound>) -> bool {
         let set = self.inner.elastic && self.inner.bound.set(bound).is_ok();
         // Under the lock: the thread either waits already, and wakes, or has yet to look.
@@ -740,8 +741,9 @@ mod tests {
         assert_eq!(pool.misses(), 0);
     }
 
-    /// A bound's room caps the ready memory, idle or busy: above it, ready bytes go back to the
-    /// kernel at once; as the room grows again, the idle amount is made ready again.
+    /// A bound's room caps the ready memory: none is made ready above it, and what is above it
+    /// goes back to the kernel once no receive is arriving; as the room grows again, the idle
+    /// amount is made ready again.
     #[test]
     fn an_elastic_pool_keeps_no_more_ready_than_its_bound_has_room_for() {
         use std::sync::atomic::AtomicUsize;

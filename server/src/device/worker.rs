@@ -584,8 +584,9 @@ impl<B: Backend> Worker<B> {
                 let content_hash = match hash {
                     // Trusted as is: `KnownHash` is crate-private, and the places that make a
                     // `Computed` (a pull's receiver, `peer.rs`; a put's, `service/session.rs`)
-                    // hashed these very bytes as they arrived. No embedder or peer can state a hash that lands here; a stated
-                    // one is `Stated` below, and verified from the registered bytes.
+                    // hashed these very bytes as they arrived. No embedder or peer can state a
+                    // hash that lands here; a stated one is `Stated` below, and verified from
+                    // the registered bytes.
                     KnownHash::Computed(hash) => HashState::Verified(hash),
                     KnownHash::Stated(hash) if later => HashState::Stated(hash),
                     KnownHash::Stated(stated) => {
