@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 
-use ferry::client::{Client, ErrorCode};
+use ferry::client::{Client, ErrorCode, Grant};
 use ferry::io::RegionUse;
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
@@ -344,6 +344,18 @@ async fn a_transient_drop_is_retried_and_resumes_from_the_last_verified_chunk() 
     assert_eq!(stats.pulls, 1);
 }
 
+/// A capability on `a`'s "big" bound to `b`, with the connection that was granted it (its
+/// capabilities end with it: keep it), `b`'s node id, and a client of `b` to pull with.
+async fn big_granted_to(a: &TestNode, b: &TestNode) -> (Grant, Client, NodeId, Client) {
+    let mut source = a.client().await;
+    let b_id = b.client().await.identify().await.unwrap();
+    let grant = source
+        .grant(&TensorKey::new(0, "big"), &b_id)
+        .await
+        .unwrap();
+    (grant, source, b_id, b.client().await)
+}
+
 /// Noise on a link in clear (one bit flipped, the chunk's checksum left as the source sent it):
 /// the pull's receiver reads each byte once, for the whole payload's hash, not for the chunk
 /// checksums too, and that hash catches it: `Integrity`, nothing registered.
@@ -363,13 +375,7 @@ async fn a_flipped_byte_fails_the_pull_and_registers_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_that_fails_its_hash_leaves_the_capability_for_another_fetch() {
     let (a, b, via, data) = faulty_pair(Fault::FlipAt(3 << 19)).await;
-    let mut source = a.client().await;
-    let b_id = b.client().await.identify().await.unwrap();
-    let grant = source
-        .grant(&TensorKey::new(0, "big"), &b_id)
-        .await
-        .unwrap();
-    let mut target = b.client().await;
+    let (grant, _source, _, mut target) = big_granted_to(&a, &b).await;
     let dst = grant.info.key.on(0);
     let failed = target.pull(&via, &grant, &dst, IfExists::Refuse).await;
     assert_eq!(code_of(failed), ErrorCode::Integrity);
@@ -393,13 +399,7 @@ async fn a_target_that_goes_away_mid_stream_costs_the_source_nothing() {
     // The source sees its reader vanish mid-stream (the proxy cuts both ways and stays down):
     // the source keeps its tensor, and the capability lapses after the resume window.
     let (a, b, via, data) = faulty_pair(Fault::DieAfter(1 << 20)).await;
-    let mut source = a.client().await;
-    let b_id = b.client().await.identify().await.unwrap();
-    let grant = source
-        .grant(&TensorKey::new(0, "big"), &b_id)
-        .await
-        .unwrap();
-    let mut target = b.client().await;
+    let (grant, _source, b_id, mut target) = big_granted_to(&a, &b).await;
     assert!(
         target
             .pull(&via, &grant, &grant.info.key.on(0), IfExists::Refuse)

@@ -43,8 +43,8 @@ pub struct TensorAssembler {
     /// The content hash where the receiver wants it ([`hashing`](Self::hashing)). Declared
     /// before `buf`, so that a hashing thread is joined before the buffer it reads is freed.
     hash: HashState,
-    /// What the hash is for, where there is one.
-    hash_use: HashUse,
+    /// What the hash is for, where the receiver hashes ([`hashing`](Self::hashing)).
+    hash_use: Option<HashUse>,
     meta: TensorMeta,
     buf: Bytes,
     received: usize,
@@ -152,7 +152,7 @@ impl TensorAssembler {
     fn with_buffer(meta: TensorMeta, buf: Bytes, backing: Backing) -> Self {
         Self {
             hash: HashState::None,
-            hash_use: HashUse::Check,
+            hash_use: None,
             meta,
             buf,
             received: 0,
@@ -233,7 +233,7 @@ impl TensorAssembler {
         if self.received != 0 || !matches!(self.hash, HashState::None) {
             return self;
         }
-        self.hash_use = hash_use;
+        self.hash_use = Some(hash_use);
         let hasher = Box::new(content_hasher(&self.meta));
         self.hash = if self.buf.len() >= TRAILING_HASH_MIN {
             HashState::TrailingSoon(hasher)
@@ -273,7 +273,7 @@ impl TensorAssembler {
     }
 
     /// What the content hash is computed for, where it is ([`hashing`](Self::hashing)).
-    pub fn hash_use(&self) -> HashUse {
+    pub fn hash_use(&self) -> Option<HashUse> {
         self.hash_use
     }
 
@@ -281,7 +281,7 @@ impl TensorAssembler {
     /// authenticate every byte itself): unless the payload's hash is computed as it arrives to
     /// be checked ([`HashUse::Check`]), which catches whatever they would.
     pub fn checks_chunks(&self) -> bool {
-        matches!(self.hash, HashState::None) || self.hash_use == HashUse::Record
+        matches!(self.hash, HashState::None) || self.hash_use != Some(HashUse::Check)
     }
 
     /// What is being received.
@@ -415,7 +415,7 @@ impl TensorAssembler {
             });
         }
         // A payload that came whole is not hashed only to be recorded: its handoff stays O(1).
-        if self.hash_use == HashUse::Record {
+        if self.hash_use == Some(HashUse::Record) {
             self.hash = HashState::None;
         }
         // A hashing thread reads the old buffer: it is done with it before the buffer goes.

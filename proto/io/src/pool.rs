@@ -746,14 +746,7 @@ mod tests {
     /// amount is made ready again.
     #[test]
     fn an_elastic_pool_keeps_no_more_ready_than_its_bound_has_room_for() {
-        use std::sync::atomic::AtomicUsize;
         const MIB: usize = 1 << 20;
-        struct Room(AtomicUsize);
-        impl ReadyBound for Room {
-            fn room(&self) -> usize {
-                self.0.load(Ordering::Relaxed)
-            }
-        }
         let readiness = Readiness {
             idle: 8 * MIB,
             ahead: 24 * MIB,
@@ -762,7 +755,7 @@ mod tests {
         };
         let pool = Pool::elastic(128 * MIB, readiness).unwrap();
         until(&pool, "ready at start", |p| p.ready_bytes() == 8 * MIB);
-        let room = Arc::new(Room(AtomicUsize::new(3 * MIB - 100)));
+        let room = Arc::new(Room((3 * MIB - 100).into()));
         assert!(pool.bound_ready_by(room.clone()));
         assert!(!pool.bound_ready_by(room.clone()), "set once");
         until(&pool, "given back to the room", |p| {
@@ -784,20 +777,30 @@ mod tests {
         assert!(!fixed.bound_ready_by(room));
     }
 
-    #[test]
-    fn an_elastic_pool_racing_its_thread_keeps_every_byte_in_one_place() {
+    /// A bound whose room a test sets.
+    struct Room(std::sync::atomic::AtomicUsize);
+
+    impl ReadyBound for Room {
+        fn room(&self) -> usize {
+            self.0.load(Ordering::Relaxed)
+        }
+    }
+
+    /// A random history of takes and drops (seeded) racing the pool's thread, which touches and
+    /// releases between them; where `room` is given, its room is set anew at every step. Every
+    /// byte stays in one place (a buffer's marks survive, and free plus drawn is the capacity),
+    /// and everything comes back at the end.
+    fn race_against_its_thread(pool: &Pool, seed: u64, room: Option<&Room>) {
         use rand::{Rng, SeedableRng};
         const MIB: usize = 1 << 20;
         const PAGE: usize = 4096;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(30);
-        let readiness = Readiness {
-            idle: 4 * MIB,
-            ahead: 16 * MIB,
-            idle_after: Duration::from_millis(2),
-        };
-        let pool = Pool::elastic(64 * MIB, readiness).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut live: Vec<(u8, Bytes)> = Vec::new();
         for step in 0..3000u32 {
+            if let Some(room) = room {
+                room.0
+                    .store(rng.random_range(0..48 * MIB), Ordering::Relaxed);
+            }
             if rng.random_bool(0.5) {
                 let len = rng.random_range(POOL_MIN..6 * POOL_MIN);
                 if let Ok(Some(mut buf)) = pool.take(len) {
@@ -827,8 +830,37 @@ mod tests {
             assert!(kept, "a buffer was touched or released");
         }
         live.clear();
-        until(&pool, "everything back", |p| p.free_bytes() == p.capacity());
-        until(&pool, "idle again", |p| p.ready_bytes() == 4 * MIB);
+        until(pool, "everything back", |p| p.free_bytes() == p.capacity());
+    }
+
+    fn racing_readiness() -> Readiness {
+        const MIB: usize = 1 << 20;
+        Readiness {
+            idle: 4 * MIB,
+            ahead: 16 * MIB,
+            idle_after: Duration::from_millis(2),
+        }
+    }
+
+    #[test]
+    fn an_elastic_pool_racing_its_thread_keeps_every_byte_in_one_place() {
+        let pool = Pool::elastic(64 << 20, racing_readiness()).unwrap();
+        race_against_its_thread(&pool, 30, None);
+        until(&pool, "idle again", |p| p.ready_bytes() == 4 << 20);
+    }
+
+    /// The same race with the bound's room shifting at every step (as budgets fill and empty):
+    /// no byte is lost or shared, and once the room stays small the ready memory fits it.
+    #[test]
+    fn an_elastic_pool_racing_its_thread_under_a_shifting_bound_keeps_every_byte_in_one_place() {
+        let pool = Pool::elastic(64 << 20, racing_readiness()).unwrap();
+        let room = Arc::new(Room(usize::MAX.into()));
+        assert!(pool.bound_ready_by(room.clone()));
+        race_against_its_thread(&pool, 31, Some(&room));
+        room.0.store(2 << 20, Ordering::Relaxed);
+        until(&pool, "within the room", |p| p.ready_bytes() <= 2 << 20);
+        room.0.store(usize::MAX, Ordering::Relaxed);
+        until(&pool, "idle again", |p| p.ready_bytes() == 4 << 20);
     }
 
     #[test]

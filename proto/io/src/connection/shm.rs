@@ -222,7 +222,8 @@ async fn adopt_region(
     let keep = regions != RegionUse::Map && expected >= KEEP_REGION_MIN;
     // Hashed here only for a receiver that checks the hash before the bytes are used: one that
     // only records it (a put) or a caller that verifies later leaves the handoff O(1).
-    let hash_now = regions != RegionUse::KeepUnhashed && assembler.hash_use() == HashUse::Check;
+    let hash_now =
+        regions != RegionUse::KeepUnhashed && assembler.hash_use() == Some(HashUse::Check);
     let hasher = assembler.take_hasher().filter(|_| hash_now);
     let Some(hasher) = hasher else {
         let (bytes, kept) = crate::region::adopt(fd, declared, expected, keep)?;
