@@ -14,8 +14,9 @@
 //!   started 10 s before; timed from spawn to exit of the CLI;
 //! - `copy`: `ferry cp A/0 B/0`, B started like A 10 s before, the whole device at once;
 //! - `raw TCP`: the model's total bytes over one loopback TCP connection into a buffer touched
-//!   before (the ceiling), and into fresh memory (what a process that just started pays), best
-//!   of three each; every command's ratio to both is printed;
+//!   before (the ceiling), and into fresh memory (what a process that just started pays: each
+//!   run after a pause as long as the nodes' warm-up), best of three each; every command's
+//!   ratio to both is printed;
 //! - each node's peak resident memory (VmHWM) and the CPU it spent on the command;
 //! - the same, for comparison, with nodes that keep the whole model's size ready
 //!   (`--pool-ready 2600MiB`) and with nodes that make none ready (`--pool 0`).
@@ -130,9 +131,15 @@ fn main() {
             .min()
             .unwrap();
         drop(touched);
-        // Best of three as well, each into memory never touched before.
+        // Best of three as well, each into memory never touched before, after as long a pause
+        // as the nodes get: memory freed a moment before is cheap to touch again, and on a VM
+        // whose freed memory goes back to its host (measured here: within 5 s), memory a
+        // process gets after a pause costs what a freshly started node pays.
         let fresh = (0..3)
-            .map(|_| raw_tcp_once(&src, &mut vec![0u8; bytes]))
+            .map(|_| {
+                std::thread::sleep(WARM_UP);
+                raw_tcp_once(&src, &mut vec![0u8; bytes])
+            })
             .min()
             .unwrap();
         let raw = RawTcp {
