@@ -162,6 +162,9 @@ pub enum Fault {
     /// writes the frame's checksum anew, as an attacker on the path would: every frame checks,
     /// only the end-to-end content hash can tell.
     FlipAndReframe,
+    /// Passes this many whole frames from upstream on the first connection (its `Welcome`
+    /// first), then cuts it; later connections pass.
+    CutAfterFrames(usize),
 }
 
 /// A TCP proxy on loopback in front of `upstream` that applies `fault`; returns its address.
@@ -180,9 +183,18 @@ pub async fn proxy(upstream: SocketAddr, fault: Fault) -> SocketAddr {
             };
             let fault_now = first;
             first = false;
-            if fault_now && matches!(fault, Fault::FlipAndReframe) {
-                tokio::spawn(reframe(down, up));
-                continue;
+            if fault_now {
+                match fault {
+                    Fault::FlipAndReframe => {
+                        tokio::spawn(relay_frames(down, up, flip_and_reframe));
+                        continue;
+                    }
+                    Fault::CutAfterFrames(frames) => {
+                        tokio::spawn(relay_frames(down, up, move |n, _, _| n < frames));
+                        continue;
+                    }
+                    _ => {}
+                }
             }
             let (mut down_r, mut down_w) = down.split();
             let (mut up_r, mut up_w) = up.split();
@@ -229,28 +241,38 @@ pub async fn proxy(upstream: SocketAddr, fault: Fault) -> SocketAddr {
     addr
 }
 
-/// Relays one connection, rewriting every chunk frame from upstream: one payload bit flipped,
-/// the frame's CRC-32C computed again over the altered body.
-async fn reframe(mut down: tokio::net::TcpStream, mut up: tokio::net::TcpStream) {
+/// One bit of a chunk frame's first payload byte flipped and the frame's CRC-32C computed again
+/// over the altered body: every frame still checks.
+fn flip_and_reframe(_: usize, header: &mut [u8; 16], body: &mut [u8]) -> bool {
+    // Kind 2 is a chunk: an 8-byte offset, then payload.
+    if header[5] == 2 && body.len() > 8 {
+        body[8] ^= 0x01;
+        header[12..16].copy_from_slice(&crc32c::crc32c(body).to_le_bytes());
+    }
+    true
+}
+
+/// Relays one connection, frame by frame from upstream: `edit` sees each frame (its number
+/// from 0, header and body) and may rewrite it, or end the connection before it (false).
+async fn relay_frames(
+    mut down: tokio::net::TcpStream,
+    mut up: tokio::net::TcpStream,
+    mut edit: impl FnMut(usize, &mut [u8; 16], &mut [u8]) -> bool,
+) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (mut down_r, mut down_w) = down.split();
     let (mut up_r, mut up_w) = up.split();
     let to_upstream = tokio::io::copy(&mut down_r, &mut up_w);
     let from_upstream = async {
-        loop {
+        for n in 0.. {
             let mut header = [0u8; 16];
             if up_r.read_exact(&mut header).await.is_err() {
                 return;
             }
             let len = u32::from_le_bytes(header[8..12].try_into().unwrap()) as usize;
             let mut body = vec![0u8; len];
-            if up_r.read_exact(&mut body).await.is_err() {
+            if up_r.read_exact(&mut body).await.is_err() || !edit(n, &mut header, &mut body) {
                 return;
-            }
-            // Kind 2 is a chunk: an 8-byte offset, then payload.
-            if header[5] == 2 && body.len() > 8 {
-                body[8] ^= 0x01;
-                header[12..16].copy_from_slice(&crc32c::crc32c(&body).to_le_bytes());
             }
             if down_w.write_all(&header).await.is_err() || down_w.write_all(&body).await.is_err() {
                 return;

@@ -1,6 +1,6 @@
 //! Calls cancelled half-way (a dropped future): a node-to-node copy or move stopped between its
-//! pulls, and a download stopped in the middle of its payload; and a move whose target goes
-//! away half-way. The invariant: a connection whose exchange did not finish refuses every later
+//! pulls, and a download stopped in the middle of its payload; a move whose target goes away
+//! half-way; and copies and puts over several connections, one of them failed. The invariant: a connection whose exchange did not finish refuses every later
 //! call (`OutOfStep`) instead of reading another call's answer as its own; the nodes hold only
 //! whole tensors, a move never loses one, new connections carry on, and a copy that loses its
 //! connection still reports what it did.
@@ -10,7 +10,7 @@ use std::time::Duration;
 use ferry::client::{Client, ClientError, IfExists, InterruptedCopy, Lane, NodeCopy, Transfer};
 use ferry::proto::{DType, ErrorCode, TensorData, TensorKey};
 use ferry::samples;
-use ferry::testing::{TestNode, assert_same, start_with};
+use ferry::testing::{Fault, TestNode, assert_same, proxy, start_with};
 
 /// How many tensors a cancelled copy is asked to move, and how large each is: large enough
 /// that the copy is still running when it is cancelled after its first pull.
@@ -294,6 +294,98 @@ async fn a_move_over_lanes_whose_target_goes_away_loses_and_misreports_nothing()
     })
     .await;
     assert!(moved >= 1 && kept >= 1, "{moved} moved, {kept} kept");
+}
+
+/// A put over three connections, one of them out of step before it starts (a download cut on
+/// it), and one tensor the node refuses (its key is taken): that connection is left out, the
+/// other two carry every tensor, and the answers come in order, the refusal at its tensor's
+/// place, each stored tensor bit-exact on the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_over_lanes_leaves_a_lane_out_of_step_out_and_answers_in_order() {
+    let node = start_with(&["flex"]).await;
+    let mut tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
+        .map(|i| {
+            let key = TensorKey::new(0, format!("layer{i}.w"));
+            (key, samples::plain(DType::F32, &SHAPE, i as u64))
+        })
+        .collect();
+    let taken = TensorKey::new(0, "taken");
+    tensors.insert(5, (taken.clone(), samples::plain(DType::F32, &[8], 99)));
+    let mut lanes = Vec::new();
+    for _ in 0..3 {
+        lanes.push(node.client().await);
+    }
+    let before = samples::plain(DType::BF16, &[8], 98);
+    lanes[0].put(&taken, &before).await.unwrap();
+    // 64 MiB, far more than a socket holds.
+    let big = TensorKey::new(0, "big");
+    lanes[1]
+        .put(&big, &samples::plain(DType::F32, &[4096, 4096], 4))
+        .await
+        .unwrap();
+    cut_mid_payload(&mut lanes[1], &big).await;
+    assert!(!lanes[1].in_step());
+    let answers = Client::put_batch_in_lanes(&mut lanes, &tensors, IfExists::Refuse).await;
+    assert_eq!(answers.len(), tensors.len());
+    let mut check = node.client().await;
+    for (answer, (key, data)) in answers.iter().zip(&tensors) {
+        if *key == taken {
+            let refused = answer.as_ref().unwrap_err();
+            assert_eq!(refused.code(), Some(ErrorCode::AlreadyExists), "{refused}");
+            assert_same(
+                &check.get(key).await.unwrap(),
+                &before,
+                "the taken key's own",
+            );
+            continue;
+        }
+        let info = answer.as_ref().unwrap_or_else(|e| panic!("{key}: {e}"));
+        assert_eq!(info.key, *key, "answers in order");
+        assert_same(&check.get(key).await.unwrap(), data, &key.name);
+    }
+    assert!(lanes[0].in_step() && lanes[2].in_step());
+}
+
+/// A put over three connections, one of which is cut after the node answered two of its
+/// tensors: that connection keeps those two answers and answers each of its later tensors with
+/// `NoAnswer` (none of them stored: the cut came before their payloads), while the other two
+/// carry theirs; every answer in order, every stored tensor bit-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_over_lanes_whose_connection_fails_keeps_its_answers_and_the_others_go_on() {
+    let node = start_with(&["flex"]).await;
+    let tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
+        .map(|i| {
+            let key = TensorKey::new(0, format!("layer{i}.w"));
+            (key, samples::plain(DType::F32, &SHAPE, i as u64))
+        })
+        .collect();
+    // The node's frames to the middle connection: its `Welcome`, then `Ready` and `Stored` for
+    // each of two tensors; the cut takes the third's `Ready`.
+    let cut = proxy(node.addr, Fault::CutAfterFrames(1 + 2 * 2)).await;
+    let mut lanes = vec![
+        node.client().await,
+        Client::connect(cut.to_string()).await.unwrap(),
+        node.client().await,
+    ];
+    let answers = Client::put_batch_in_lanes(&mut lanes, &tensors, IfExists::Refuse).await;
+    assert_eq!(answers.len(), TENSORS);
+    let mut check = node.client().await;
+    for (i, (answer, (key, data))) in answers.iter().zip(&tensors).enumerate() {
+        // Tensor i went over connection i % 3, as its (i / 3)th.
+        if i % 3 == 1 && i / 3 >= 2 {
+            assert!(
+                matches!(answer, Err(ClientError::NoAnswer { key: k, .. }) if k == key),
+                "{key}: {answer:?}"
+            );
+            let held = check.get(key).await.unwrap_err();
+            assert_eq!(held.code(), Some(ErrorCode::NotFound), "{key}: {held}");
+            continue;
+        }
+        let info = answer.as_ref().unwrap_or_else(|e| panic!("{key}: {e}"));
+        assert_eq!(info.key, *key, "answers in order");
+        assert_same(&check.get(key).await.unwrap(), data, &key.name);
+    }
+    assert!(!lanes[1].in_step() && lanes[0].in_step() && lanes[2].in_step());
 }
 
 /// Shuts `b` down once it holds a tensor on device 0: a target going away half-way through a

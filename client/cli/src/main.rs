@@ -123,6 +123,9 @@ enum Command {
         /// Replace tensors that already exist.
         #[arg(long)]
         overwrite: bool,
+        /// Tensors in flight at once, each over a connection of its own to the node.
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=8))]
+        lanes: u8,
     },
     /// Download one tensor, or a whole device, into FILE (.bpk or .safetensors).
     Get {
@@ -278,7 +281,8 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             target,
             prefix,
             overwrite,
-        } => commands::put::put(cli, file, target, prefix, *overwrite).await,
+            lanes,
+        } => commands::put::put(cli, file, target, prefix, *overwrite, *lanes).await,
         Command::Get { source, output } => commands::get::get(cli, source, output).await,
         Command::Cp {
             source,

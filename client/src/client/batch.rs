@@ -30,9 +30,28 @@ impl Client {
         tensors: &[(TensorKey, TensorData)],
         if_exists: IfExists,
     ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
-        let mut step = self.exchange.begin()?;
         let mut results: Vec<Option<Result<TensorInfo, ClientError>>> =
             (0..tensors.len()).map(|_| None).collect();
+        let tensors: Vec<&(TensorKey, TensorData)> = tensors.iter().collect();
+        self.put_batch_into(&tensors, if_exists, &mut results)
+            .await?;
+        Ok(results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(ClientError::Unexpected("no answer".into()))))
+            .collect())
+    }
+
+    /// [`put_batch`](Self::put_batch), each answer written to `results` (one slot per tensor)
+    /// as it comes: where the connection fails, the answers before the failure are kept, and
+    /// the slots still `None` are the tensors the node did not answer for.
+    pub(super) async fn put_batch_into(
+        &mut self,
+        tensors: &[&(TensorKey, TensorData)],
+        if_exists: IfExists,
+        results: &mut [Option<Result<TensorInfo, ClientError>>],
+    ) -> Result<(), ClientError> {
+        debug_assert_eq!(tensors.len(), results.len());
+        let mut step = self.exchange.begin()?;
         // The upload whose `Stored` (or refusal) the node still owes.
         let mut owed: Option<usize> = None;
         for (i, (key, data)) in tensors.iter().enumerate() {
@@ -65,10 +84,7 @@ impl Client {
             results[prev] = Some(per_tensor(step.answer(stored).await)?);
         }
         step.finish();
-        Ok(results
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(ClientError::Unexpected("no answer".into()))))
-            .collect())
+        Ok(())
     }
 
     /// Downloads many tensors in one pipelined exchange: requests go out a window ahead of the

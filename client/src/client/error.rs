@@ -124,14 +124,16 @@ pub enum ClientError {
         .0.cause
     )]
     CopyInterrupted(Box<InterruptedCopy>),
-    /// A tensor of a copy over several lanes
-    /// ([`NodeCopy::run_in_lanes`](crate::NodeCopy::run_in_lanes)) that got no answer of its own: its lane's connection failed during the copy (it may have
-    /// been copied, or moved: its source deleted once the target held it), or before anything
-    /// was asked (it was not). `reason` says which; copying it again with
+    /// A tensor of a copy or a put over several lanes
+    /// ([`NodeCopy::run_in_lanes`](crate::NodeCopy::run_in_lanes),
+    /// [`Client::put_batch_in_lanes`](crate::Client::put_batch_in_lanes)) that got no answer of
+    /// its own: its lane's connection failed during the transfer (it may have been copied, or
+    /// moved: its source deleted once the target held it, or stored), or before anything was
+    /// asked (it was not). `reason` says which; sending it again with
     /// [`IfExists::Replace`](ferry_proto::IfExists::Replace) is safe.
     #[error("{reason}")]
     NoAnswer {
-        /// The source key.
+        /// The tensor's key: a copy's source key, a put's key.
         key: TensorKey,
         /// What became of its lane.
         reason: String,

@@ -111,7 +111,8 @@ fn answers_per_tensor(
     answers
 }
 
-fn no_answer(key: &TensorKey, reason: &str) -> Result<TensorInfo, ClientError> {
+/// A tensor a lane gave no answer for, and why.
+pub(super) fn no_answer(key: &TensorKey, reason: &str) -> Result<TensorInfo, ClientError> {
     Err(ClientError::NoAnswer {
         key: key.clone(),
         reason: reason.to_string(),

@@ -10,6 +10,7 @@ mod connect;
 mod error;
 mod lanes;
 mod node_copy;
+mod put_lanes;
 
 pub use connect::{Connect, ConnectOptions};
 pub use error::{ClientError, InterruptedCopy};

@@ -4,12 +4,12 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use ferry_client::address::Address;
-use ferry_client::{IfExists, TensorData, TensorKey};
+use ferry_client::{Client, IfExists, TensorData, TensorKey};
 use ferry_files::read_tensors;
 
 use super::BATCH;
 use crate::Cli;
-use crate::connect::connect;
+use crate::connect::{connect_to, reach};
 use crate::progress::progress;
 use crate::report::check_all;
 
@@ -19,6 +19,7 @@ pub(crate) async fn put(
     target: &str,
     prefix: &str,
     overwrite: bool,
+    lanes: u8,
 ) -> anyhow::Result<()> {
     let address = Address::parse(target)?;
     let device = address.device("put")?;
@@ -33,12 +34,28 @@ pub(crate) async fn put(
         .collect();
     let total: u64 = tensors.iter().map(|(_, d)| d.as_bytes().len() as u64).sum();
     let bar = progress(total);
-    let mut client = connect(&address.node, cli).await?;
+    let node = reach(&address.node, cli).await?;
+    let wanted = usize::from(lanes).min(tensors.len()).max(1);
+    let mut clients = vec![connect_to(&node, cli).await?];
+    while clients.len() < wanted {
+        // A connection that cannot be opened (a node's per-address limit, say) leaves the put
+        // to those that could.
+        match connect_to(&node, cli).await {
+            Ok(client) => clients.push(client),
+            Err(e) => {
+                eprintln!(
+                    "warning: putting over {} lanes of {wanted}: {e:#}",
+                    clients.len()
+                );
+                break;
+            }
+        }
+    }
     let mut results = Vec::with_capacity(tensors.len());
-    for batch in tensors.chunks(BATCH) {
-        let answers = client
-            .put_batch(batch, IfExists::from_overwrite(overwrite))
-            .await?;
+    for batch in tensors.chunks(BATCH * clients.len()) {
+        let answers =
+            Client::put_batch_in_lanes(&mut clients, batch, IfExists::from_overwrite(overwrite))
+                .await;
         for ((key, data), answer) in batch.iter().zip(answers) {
             if let Some(bar) = &bar {
                 bar.inc(data.as_bytes().len() as u64);
