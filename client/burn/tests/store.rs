@@ -1,7 +1,8 @@
 //! A whole module through a ferry node with burn-store's `ModuleStore`: every parameter of a
 //! quantized model back bytes-exact (and as burnpack keeps it), filters and renaming, a missing,
 //! extra, mis-shaped or unholdable tensor, a node gone halfway (the module left exactly as it
-//! was), and a model applied from an embedded node sharing the node's buffers.
+//! was), a collect over several connections (lanes), and a model applied from an embedded node
+//! sharing the node's buffers.
 // Test code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
@@ -472,6 +473,117 @@ fn a_store_refuses_on_an_async_tasks_thread_and_works_from_spawn_blocking() {
         .unwrap()
         .unwrap();
     assert_same_params(&params(&applied), &params(&sent));
+}
+
+/// A connection over the node's Unix socket that sends every payload through shared memory:
+/// what it carried shows in the node's `shm_payloads_received`.
+fn through_shared_memory(unix: &str) -> BlockingClient {
+    BlockingClient::connect(unix)
+        .limits(ferry::client::ConnectionLimits {
+            region_min: 1,
+            ..Default::default()
+        })
+        .blocking()
+        .unwrap()
+}
+
+/// A collect over a store's connection and two lanes: the tensors are dealt to the three in
+/// turn (the lanes' share came through shared memory, the first connection's over TCP), and
+/// the model comes back bytes-exact over a single connection.
+#[test]
+fn a_model_collected_over_lanes_is_dealt_to_each_and_arrives_bytes_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = NodeConfig {
+        devices: vec![DeviceSpec::Flex],
+        ..NodeConfig::default()
+    };
+    let node = BackgroundNode::start(
+        config,
+        ServiceConfig::default(),
+        Some(&dir.path().join("node.sock")),
+    );
+    let unix = node.unix.clone().unwrap();
+    let device = Device::flex();
+    let sent = quantized(TinyLm::new(&device), Quantization::PerTensor);
+    let sent_params = params(&sent);
+    let lanes = vec![through_shared_memory(&unix), through_shared_memory(&unix)];
+    FerryStore::connected(client(&node.addr), 0, "laned")
+        .with_lanes(lanes)
+        .unwrap()
+        .collect_from(&sent)
+        .unwrap();
+
+    let mut stat = client(&node.addr);
+    let over_lanes = (0..sent_params.len()).filter(|i| i % 3 != 0).count();
+    assert_eq!(
+        stat.stat().unwrap().shm_payloads_received,
+        over_lanes as u64,
+        "tensor i went over connection i % 3: the lanes carried two in three"
+    );
+    let mut received = TinyLm::new(&device);
+    let result = FerryStore::connected(client(&node.addr), 0, "laned")
+        .apply_to(&mut received)
+        .unwrap();
+    assert_eq!(result.applied.len(), sent_params.len(), "{result}");
+    assert_same_params(&params(&received), &sent_params);
+}
+
+/// A lane that reaches another node is refused when it is given, before anything is sent.
+#[test]
+fn a_lane_to_another_node_is_refused() {
+    let (node, other) = (serve_flex(), serve_flex());
+    let refused = FerryStore::connected(client(&node.addr), 0, "m")
+        .with_lanes(vec![client(&node.addr), client(&other.addr)]);
+    assert!(
+        matches!(refused, Err(StoreError::LaneToAnotherNode { .. })),
+        "{refused:?}"
+    );
+    for at in [&node, &other] {
+        assert!(client(&at.addr).list(Some(0)).unwrap().is_empty());
+    }
+}
+
+/// A collect whose lanes the node has closed (idle past its keepalive) fails with their error,
+/// every sender stopping; the node holds only whole tensors, each as sent.
+#[test]
+fn a_collect_whose_lane_fails_stops_with_its_error_and_leaves_only_whole_tensors() {
+    let config = NodeConfig {
+        devices: vec![DeviceSpec::Flex],
+        ..NodeConfig::default()
+    };
+    let service = ServiceConfig {
+        keepalive: std::time::Duration::from_millis(300),
+        ..ServiceConfig::default()
+    };
+    let node = BackgroundNode::start(config, service, None);
+    let device = Device::flex();
+    let sent = Deep::new(&device);
+    let sent_params = params(&sent);
+    let mut store = FerryStore::connected(client(&node.addr), 0, "stale")
+        .with_lanes(vec![client(&node.addr), client(&node.addr)])
+        .unwrap();
+    // The store's own connection kept busy, its lanes left idle until the node closes them.
+    for _ in 0..8 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        store.keys().unwrap();
+    }
+    let failed = store.collect_from(&sent);
+    assert!(matches!(failed, Err(StoreError::Client(_))), "{failed:?}");
+    let mut check = client(&node.addr);
+    let held = check.list(Some(0)).unwrap();
+    assert!(
+        held.len() < sent_params.len(),
+        "the lanes' tensors are missing"
+    );
+    for info in held {
+        let path = info.key.name.strip_prefix("stale/").unwrap();
+        let data = check.get(&info.key).unwrap();
+        assert_eq!(
+            data.as_bytes(),
+            sent_params[path].as_bytes(),
+            "{path}: whole"
+        );
+    }
 }
 
 /// A node in this process with `devices`, and the runtime it runs on.

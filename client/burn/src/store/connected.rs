@@ -1,7 +1,9 @@
-//! [`Connected`]: a store's node reached over a connection. A collect reads parameters off
-//! their devices on one thread and sends them on another, a bounded window of host copies
-//! between the two.
+//! [`Connected`]: a store's node reached over a connection (or several: lanes). A collect
+//! reads parameters off their devices on one thread and sends them on one thread per
+//! connection, a bounded window of host copies between them.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn_core::tensor::{DType, TensorData};
@@ -17,16 +19,21 @@ use crate::store::window::Window;
 
 /// The node at the other end of a connection: a [`FerryStore`](crate::FerryStore) over it
 /// sends and fetches with the connection's own calls (`put`, `get`, `list`), so every byte is
-/// checked as a client's are.
+/// checked as a client's are. A collect also sends over the store's further connections to
+/// the same node, its lanes ([`FerryStore::with_lanes`](crate::FerryStore::with_lanes)), one
+/// tensor in flight on each.
 #[derive(Debug)]
 pub struct Connected {
     client: Mutex<BlockingClient>,
+    /// Further connections to the same node (checked by its id), for a collect's sends.
+    lanes: Mutex<Vec<BlockingClient>>,
 }
 
 impl Connected {
     pub(crate) fn new(client: BlockingClient) -> Self {
         Self {
             client: Mutex::new(client),
+            lanes: Mutex::new(Vec::new()),
         }
     }
 
@@ -35,6 +42,35 @@ impl Connected {
         self.client
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn lanes(&self) -> MutexGuard<'_, Vec<BlockingClient>> {
+        self.lanes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Adds `more` connections as lanes, each checked to reach the node the first one does
+    /// (the node's id): a lane to another node would scatter a model over two.
+    pub(crate) fn add_lanes(&self, more: Vec<BlockingClient>) -> Result<(), StoreError> {
+        if more.is_empty() {
+            return Ok(());
+        }
+        outside_runtime()?;
+        let node = self.client().identify()?;
+        let mut checked = Vec::with_capacity(more.len());
+        for mut lane in more {
+            let other = lane.identify()?;
+            if other != node {
+                return Err(StoreError::LaneToAnotherNode {
+                    store: node.to_string(),
+                    lane: other.to_string(),
+                });
+            }
+            checked.push(lane);
+        }
+        self.lanes().extend(checked);
+        Ok(())
     }
 }
 
@@ -113,45 +149,86 @@ impl Link for Connected {
         outside_runtime()?;
         // Lazy: each tensor is read off its device only when the reader thread reaches it.
         let tensors = module.collect(sending.filter.cloned(), None, false);
-        let window = &Window::new(sending.window);
-        let (copies, arrived) = std::sync::mpsc::channel();
+        let mut first = self.client();
+        let mut lanes = self.lanes();
+        let mut connections: Vec<&mut BlockingClient> = std::iter::once(&mut *first)
+            .chain(lanes.iter_mut())
+            .collect();
+        // The window bounds each connection's share: every lane can have a tensor in flight.
+        let n = u64::try_from(connections.len()).unwrap_or(u64::MAX);
+        let window = &Window::new(sending.window.saturating_mul(n));
+        // One channel and one sending thread per connection; tensor i goes to connection
+        // i % n, as its turn comes (a fixed deal: which connection carried a tensor is known).
+        let (copies, arrivals): (Vec<_>, Vec<_>) = connections
+            .iter()
+            .map(|_| std::sync::mpsc::channel::<HostCopy>())
+            .unzip();
+        let failed: Mutex<Option<StoreError>> = Mutex::new(None);
+        let sent = AtomicUsize::new(0);
+        let send_over = |client: &mut BlockingClient, arrived: Receiver<HostCopy>| {
+            // Closes the window as this sender leaves, however it leaves (done, failed or
+            // panicking): the reader must not wait for room this sender will not make.
+            let _close = CloseOnDrop(window);
+            for (path, data, bytes) in arrived {
+                // Another sender failed: the collect's error is its.
+                if lock(&failed).is_some() {
+                    return;
+                }
+                let put = data
+                    .map_err(|e| StoreError::ReadBack {
+                        path: path.clone(),
+                        message: e.to_string(),
+                    })
+                    .and_then(|data| {
+                        client.put_with(&sending.key(&path)?, &data, sending.if_exists)?;
+                        Ok(())
+                    });
+                window.give(bytes);
+                if let Err(e) = put {
+                    lock(&failed).get_or_insert(e);
+                    return;
+                }
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+        };
         std::thread::scope(|scope| {
-            // Owns the sender: the loop below ends when the reader is done.
+            // Owns the channels' senders: each sender's loop ends when the reader is done, and
+            // the reader stops once a sender has gone (its channel refuses) or closed the window.
             scope.spawn(move || {
-                for tensor in tensors {
+                for (i, tensor) in tensors.into_iter().enumerate() {
                     let bytes = tensor.byte_len() as u64;
                     if !window.take(bytes) {
                         return;
                     }
                     let path = tensor.name.clone();
-                    if copies
-                        .send((path, bridge::into_data(tensor), bytes))
-                        .is_err()
-                    {
+                    let copy = (path, bridge::into_data(tensor), bytes);
+                    if copies[i % copies.len()].send(copy).is_err() {
                         return;
                     }
                 }
             });
-            // Wakes the reader, which may wait for room, however this thread leaves.
-            let _close = CloseOnDrop(window);
-            let mut client = self.client();
-            let send_all = || {
-                let mut sent = 0;
-                for (path, data, bytes) in arrived {
-                    let data = data.map_err(|e| StoreError::ReadBack {
-                        path: path.clone(),
-                        message: e.to_string(),
-                    })?;
-                    client.put_with(&sending.key(&path)?, &data, sending.if_exists)?;
-                    drop(data);
-                    window.give(bytes);
-                    sent += 1;
-                }
-                Ok(sent)
-            };
-            send_all()
-        })
+            for (client, arrived) in connections.iter_mut().zip(arrivals) {
+                scope.spawn(move || send_over(client, arrived));
+            }
+        });
+        match failed
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            Some(e) => Err(e),
+            None => Ok(sent.into_inner()),
+        }
     }
+}
+
+/// A parameter's host copy on its way to a sender: its path, its data as read off its device,
+/// and the bytes it holds of the window.
+type HostCopy = (String, Result<TensorData, burn_pack::Error>, u64);
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Closes the window when dropped: the reader stops rather than wait for room that will not

@@ -37,6 +37,15 @@ pub enum StoreError {
     /// module was left as it was. The result says what would have been applied and why not.
     #[error("the module was left as it was: {0}")]
     NotApplied(Box<ApplyResult>),
+    /// A lane given to a store reaches another node than the store's connection
+    /// ([`FerryStore::with_lanes`](crate::FerryStore::with_lanes)).
+    #[error("a lane reaches node {lane}, not the store's node {store}")]
+    LaneToAnotherNode {
+        /// The node the store's connection reaches.
+        store: String,
+        /// The node the lane reaches.
+        lane: String,
+    },
     /// Called on a thread that drives an async runtime, where waiting for the node would stall
     /// it. Call it from `tokio::task::spawn_blocking` or a thread of its own.
     #[error(

@@ -98,6 +98,17 @@ impl FerryStore<Connected> {
     pub fn connected(client: BlockingClient, device: u32, prefix: &str) -> Self {
         Self::over(Connected::new(client), device, prefix)
     }
+
+    /// A collect also sends over `more` connections (lanes), each to the node the store's
+    /// connection reaches, one tensor in flight on each: while the node registers one tensor
+    /// (or faults in new memory for it), another arrives. Each is checked to reach that node
+    /// (its id, asked now): [`StoreError::LaneToAnotherNode`] where one does not, and the store
+    /// is then dropped with its connections. Fetches and listings keep to the first
+    /// connection.
+    pub fn with_lanes(self, more: Vec<BlockingClient>) -> Result<Self, StoreError> {
+        self.link.add_lanes(more)?;
+        Ok(self)
+    }
 }
 
 impl FerryStore<Embedded> {
@@ -161,8 +172,8 @@ impl<L: Link> FerryStore<L> {
         self
     }
 
-    /// The most bytes of host copies a collect over a connection keeps in flight (default
-    /// [`DEFAULT_WINDOW`]).
+    /// The most bytes of host copies a collect over a connection keeps in flight, per
+    /// connection where it has lanes (default [`DEFAULT_WINDOW`]).
     pub fn window(mut self, bytes: u64) -> Self {
         self.window = bytes;
         self
