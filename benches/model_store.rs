@@ -1,6 +1,6 @@
 //! A whole model through `FerryStore` over TCP to a `ferry-server` process, against a raw TCP
 //! copy of the same bytes in the same run: `collect_from` (read off the device, sent, held by
-//! the node) with two windows of host copies, and `apply_to` (fetched and applied), with this
+//! the node) with three windows of host copies and over two lanes, and `apply_to` (fetched and applied), with this
 //! process's resident size before and its peak (VmHWM) during each (growth only: memory freed
 //! earlier but kept by the allocator is reused without growing it). burn-store's own
 //! `BurnpackStore` into memory is timed too, as Burn's own way to serialize the same model.
@@ -100,17 +100,23 @@ fn main() {
             mib(peak)
         );
 
-        for window in [8 << 20, 32 << 20, 256 << 20] {
+        // Windows of host copies (each lane's), over one connection and over two lanes.
+        for (window, lanes) in [(8 << 20, 1), (32 << 20, 1), (256 << 20, 1), (32 << 20, 2)] {
             // A fresh node each time: what a model meets on a worker that just started.
             let node = NodeProcess::start(&binary, "model-store-bench", &[]);
-            let link = BlockingClient::connect(node.addr.as_str())
-                .blocking()
+            let connect = || {
+                BlockingClient::connect(node.addr.as_str())
+                    .blocking()
+                    .unwrap()
+            };
+            let mut store = FerryStore::connected(connect(), 0, "m")
+                .window(window)
+                .with_lanes((1..lanes).map(|_| connect()).collect())
                 .unwrap();
-            let mut store = FerryStore::connected(link, 0, "m").window(window);
             let ((), took, peak) = measured(|| store.collect_from(model).unwrap());
             println!(
-                "  collect_from, window {}: {:.0} ms, {:.2} GB/s = {:.2}x raw TCP ({:.2}x into \
-                 fresh memory); resident here +{} at peak, node resident {}",
+                "  collect_from, window {}, {lanes} lane(s): {:.0} ms, {:.2} GB/s = {:.2}x raw \
+                 TCP ({:.2}x into fresh memory); resident here +{} at peak, node resident {}",
                 mib(window),
                 took.as_secs_f64() * 1e3,
                 gbps(bytes, took),
