@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# benches/scale.sh: the node-to-node and model-load benchmarks on two of this machine's cores
-# and on all of them, side by side: what more cores buy ferry (content hashes computed on every
-# free core), each figure a ratio against raw TCP measured in the same run. Run it on a machine
-# with many cores; on two, both rows are the same machine.
+# benches/scale.sh: the node-to-node, model-load and model-store benchmarks on two of this
+# machine's cores and on all of them, side by side: what more cores buy ferry (content hashes
+# computed on every free core, tensors in flight over several lanes), each figure a ratio
+# against raw TCP measured in the same run. Run it on a machine with many cores; on two, both
+# rows are the same machine.
 #
-#   benches/scale.sh              # both benchmarks (about 10 minutes each, after the build)
+#   benches/scale.sh              # all three (about 10 minutes each, after the build)
 #   benches/scale.sh node_to_node # one of them
 #
 # Each run's whole output goes to target/scale/BENCH-CORES.log; the lines with ratios, CPU and
@@ -14,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 benches=("$@")
-[ ${#benches[@]} -gt 0 ] || benches=(node_to_node model_load)
+[ ${#benches[@]} -gt 0 ] || benches=(node_to_node model_load model_store)
 all=$(nproc)
 command -v taskset > /dev/null || { echo "scale.sh needs taskset (util-linux)" >&2; exit 1; }
 
