@@ -1,7 +1,7 @@
-//! A whole model through `FerryStore` over TCP to a `ferry-server` process, against a raw TCP
-//! copy of the same bytes in the same run: `collect_from` (read off the device, sent, held by
-//! the node) with three windows of host copies and over two lanes, and `apply_to` (fetched and applied), with this
-//! process's resident size before and its peak (VmHWM) during each (growth only: memory freed
+//! A whole model through `FerryStore` over TCP to a `ferry-server` process, against a raw TCP copy
+//! of the same bytes in the same run: `collect_from` (read off the device, sent, held by the node)
+//! with three windows of host copies and over two lanes, and `apply_to` (fetched and applied), with
+//! this process's resident size before and its peak (VmHWM) during each (growth only: memory freed
 //! earlier but kept by the allocator is reused without growing it). burn-store's own
 //! `BurnpackStore` into memory is timed too, as Burn's own way to serialize the same model.
 //!

@@ -543,40 +543,47 @@ fn a_lane_to_another_node_is_refused() {
     }
 }
 
-/// A collect whose lanes the node has closed (idle past its keepalive) fails with their error,
-/// every sender stopping; the node holds only whole tensors, each as sent.
+/// A lane through a proxy that passes `frames` frames from the node (its `Welcome` first,
+/// then the answer to `with_lanes`' check), then cuts it; and the runtime the proxy runs on,
+/// to be kept while the lane is used.
+fn lane_cut_after(
+    node: &BackgroundNode,
+    frames: usize,
+) -> (BlockingClient, tokio::runtime::Runtime) {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let cut = runtime.block_on(proxy(
+        node.addr.parse().unwrap(),
+        Fault::CutAfterFrames(frames),
+    ));
+    (BlockingClient::connect(cut).blocking().unwrap(), runtime)
+}
+
+/// A collect whose lane fails during it (cut at its first put) fails with that lane's error,
+/// every sender stopping; the node holds only whole tensors, each as sent. The failed lane is
+/// dropped: the next collect goes over the store's connection and the other lane, whole.
 #[test]
-fn a_collect_whose_lane_fails_stops_with_its_error_and_leaves_only_whole_tensors() {
-    let config = NodeConfig {
-        devices: vec![DeviceSpec::Flex],
-        ..NodeConfig::default()
-    };
-    let service = ServiceConfig {
-        keepalive: std::time::Duration::from_millis(300),
-        ..ServiceConfig::default()
-    };
-    let node = BackgroundNode::start(config, service, None);
+fn a_collect_whose_lane_fails_stops_with_its_error_and_the_next_goes_on_without_it() {
+    let node = serve_flex();
     let device = Device::flex();
     let sent = Deep::new(&device);
     let sent_params = params(&sent);
-    let mut store = FerryStore::connected(client(&node.addr), 0, "stale")
-        .with_lanes(vec![client(&node.addr), client(&node.addr)])
+    // Welcome, `with_lanes`' identity, the collect's identity check; the cut takes the first
+    // put's `Ready`.
+    let (cut, _proxy) = lane_cut_after(&node, 3);
+    let lanes = vec![cut, client(&node.addr)];
+    let mut store = FerryStore::connected(client(&node.addr), 0, "cut")
+        .with_lanes(lanes)
         .unwrap();
-    // The store's own connection kept busy, its lanes left idle until the node closes them.
-    for _ in 0..8 {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        store.keys().unwrap();
-    }
     let failed = store.collect_from(&sent);
     assert!(matches!(failed, Err(StoreError::Client(_))), "{failed:?}");
     let mut check = client(&node.addr);
     let held = check.list(Some(0)).unwrap();
     assert!(
         held.len() < sent_params.len(),
-        "the lanes' tensors are missing"
+        "the failed lane's tensors are missing"
     );
     for info in held {
-        let path = info.key.name.strip_prefix("stale/").unwrap();
+        let path = info.key.name.strip_prefix("cut/").unwrap();
         let data = check.get(&info.key).unwrap();
         assert_eq!(
             data.as_bytes(),
@@ -584,6 +591,56 @@ fn a_collect_whose_lane_fails_stops_with_its_error_and_leaves_only_whole_tensors
             "{path}: whole"
         );
     }
+
+    store.collect_from(&sent).unwrap();
+    let mut received = Deep::new(&device);
+    let result = FerryStore::connected(client(&node.addr), 0, "cut")
+        .apply_to(&mut received)
+        .unwrap();
+    assert_eq!(result.applied.len(), sent_params.len(), "{result}");
+    assert_same_params(&params(&received), &sent_params);
+}
+
+/// A lane the node closed before a collect (cut at the collect's identity check, as a node
+/// closes a connection idle past its keepalive) is dropped and the collect goes on without it:
+/// every tensor arrives, and the lane left carried its share.
+#[test]
+fn a_lane_closed_before_a_collect_is_dropped_and_the_collect_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = NodeConfig {
+        devices: vec![DeviceSpec::Flex],
+        ..NodeConfig::default()
+    };
+    let node = BackgroundNode::start(
+        config,
+        ServiceConfig::default(),
+        Some(&dir.path().join("node.sock")),
+    );
+    let unix = node.unix.clone().unwrap();
+    let device = Device::flex();
+    let sent = Deep::new(&device);
+    let sent_params = params(&sent);
+    // Welcome and `with_lanes`' identity pass; the collect's identity check is cut.
+    let (cut, _proxy) = lane_cut_after(&node, 2);
+    let lanes = vec![cut, through_shared_memory(&unix)];
+    FerryStore::connected(client(&node.addr), 0, "closed")
+        .with_lanes(lanes)
+        .unwrap()
+        .collect_from(&sent)
+        .unwrap();
+    let mut stat = client(&node.addr);
+    let over_the_lane = (0..sent_params.len()).filter(|i| i % 2 == 1).count();
+    assert_eq!(
+        stat.stat().unwrap().shm_payloads_received,
+        over_the_lane as u64,
+        "tensor i went over connection i % 2 of the two left"
+    );
+    let mut received = Deep::new(&device);
+    let result = FerryStore::connected(client(&node.addr), 0, "closed")
+        .apply_to(&mut received)
+        .unwrap();
+    assert_eq!(result.applied.len(), sent_params.len(), "{result}");
+    assert_same_params(&params(&received), &sent_params);
 }
 
 /// A node in this process with `devices`, and the runtime it runs on.

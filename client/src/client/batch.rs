@@ -21,6 +21,15 @@ pub(super) fn per_tensor<T>(
     }
 }
 
+/// A batch of uploads whose connection failed part way.
+pub(super) struct PutBroken {
+    /// Why.
+    pub(super) cause: ClientError,
+    /// The tensor whose payload went out whole and whose answer never came: the node may have
+    /// stored it. Every other unanswered tensor of the batch was not stored.
+    pub(super) in_doubt: Option<usize>,
+}
+
 impl Client {
     /// Uploads many tensors in one pipelined exchange (a whole model's weights): the next upload
     /// starts while the node registers the previous one. One answer per tensor, in order; a
@@ -34,7 +43,8 @@ impl Client {
             (0..tensors.len()).map(|_| None).collect();
         let tensors: Vec<&(TensorKey, TensorData)> = tensors.iter().collect();
         self.put_batch_into(&tensors, if_exists, &mut results)
-            .await?;
+            .await
+            .map_err(|broken| broken.cause)?;
         Ok(results
             .into_iter()
             .map(|r| r.unwrap_or_else(|| Err(ClientError::Unexpected("no answer".into()))))
@@ -42,17 +52,20 @@ impl Client {
     }
 
     /// [`put_batch`](Self::put_batch), each answer written to `results` (one slot per tensor)
-    /// as it comes: where the connection fails, the answers before the failure are kept, and
-    /// the slots still `None` are the tensors the node did not answer for.
+    /// as it comes: where the connection fails, the answers before the failure are kept, the
+    /// slots still `None` are the tensors the node did not answer for, and [`PutBroken`] says
+    /// which one of them (at most) may have been stored all the same.
     pub(super) async fn put_batch_into(
         &mut self,
         tensors: &[&(TensorKey, TensorData)],
         if_exists: IfExists,
         results: &mut [Option<Result<TensorInfo, ClientError>>],
-    ) -> Result<(), ClientError> {
+    ) -> Result<(), PutBroken> {
         debug_assert_eq!(tensors.len(), results.len());
-        let mut step = self.exchange.begin()?;
-        // The upload whose `Stored` (or refusal) the node still owes.
+        let broken = |cause: ClientError, in_doubt: Option<usize>| PutBroken { cause, in_doubt };
+        let mut step = self.exchange.begin().map_err(|e| broken(e.into(), None))?;
+        // The upload whose payload went out and whose `Stored` (or refusal) the node still owes:
+        // the one tensor a failure leaves in doubt.
         let mut owed: Option<usize> = None;
         for (i, (key, data)) in tensors.iter().enumerate() {
             let meta = match ferry_proto::tensor::meta_of(data) {
@@ -68,20 +81,28 @@ impl Client {
                 meta: meta.to_wire(),
                 overwrite: if_exists.overwrite(),
             };
-            step.send(&request).await?;
-            if let Some(prev) = owed.take() {
-                results[prev] = Some(per_tensor(step.answer(stored).await)?);
+            step.send(&request)
+                .await
+                .map_err(|e| broken(e.into(), owed))?;
+            if let Some(prev) = owed {
+                results[prev] =
+                    Some(per_tensor(step.answer(stored).await).map_err(|e| broken(e, owed))?);
+                owed = None;
             }
-            match per_tensor(step.answer(ready).await)? {
+            match per_tensor(step.answer(ready).await).map_err(|e| broken(e, None))? {
                 Ok(()) => {
-                    step.send_payload(data.as_bytes()).await?;
+                    // A payload cut part way is not stored; one whose last byte left may be.
+                    step.send_payload(data.as_bytes())
+                        .await
+                        .map_err(|e| broken(e.into(), Some(i)))?;
                     owed = Some(i);
                 }
                 Err(refused) => results[i] = Some(Err(refused)),
             }
         }
         if let Some(prev) = owed {
-            results[prev] = Some(per_tensor(step.answer(stored).await)?);
+            results[prev] =
+                Some(per_tensor(step.answer(stored).await).map_err(|e| broken(e, owed))?);
         }
         step.finish();
         Ok(())

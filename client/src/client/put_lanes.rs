@@ -7,6 +7,7 @@ use futures_util::future::join_all;
 
 use ferry_proto::{IfExists, TensorData, TensorInfo, TensorKey};
 
+use super::batch::PutBroken;
 use super::lanes::no_answer;
 use super::{Client, ClientError};
 
@@ -15,10 +16,12 @@ impl Client {
     /// node: tensor `i` goes over the `i % n`th of the `n` connections still in step (so each
     /// gets large and small tensors alike), each connection's share a batch of its own. One
     /// answer per tensor, in order. A connection that fails keeps the answers it had and answers
-    /// each tensor it had no answer for with [`ClientError::NoAnswer`] (the tensor may have been
-    /// stored all the same); the other connections go on. Where no connection is in step, every
-    /// tensor is answered so. Two tensors with one key should not share a batch over lanes:
-    /// which lands last is not fixed.
+    /// each tensor it had no answer for with [`ClientError::NoAnswer`], whose reason says
+    /// whether it may have been stored all the same (the one whose payload went out whole) or
+    /// was not; the other connections go on. Where no connection is in step, every
+    /// tensor is answered so. That every connection reaches one node is the caller's to check
+    /// ([`identify`](Self::identify)): an address behind a balancer may reach several. Two
+    /// tensors with one key should not share a batch over lanes: which lands last is not fixed.
     pub async fn put_batch_in_lanes(
         lanes: &mut [Client],
         tensors: &[(TensorKey, TensorData)],
@@ -46,17 +49,37 @@ impl Client {
             .map(|(client, share)| async move {
                 let mut answers: Vec<Option<Result<TensorInfo, ClientError>>> =
                     (0..share.len()).map(|_| None).collect();
-                let reason = match client.put_batch_into(share, if_exists, &mut answers).await {
-                    Ok(()) => "no answer".to_string(),
-                    Err(cause) => format!(
-                        "no answer, the connection failed ({cause}): it may have been stored all \
-                     the same"
-                    ),
+                let (unsure, sure) = match client
+                    .put_batch_into(share, if_exists, &mut answers)
+                    .await
+                {
+                    Ok(()) => (None, "no answer".to_string()),
+                    Err(PutBroken { cause, in_doubt }) => {
+                        let unsure = in_doubt.map(|at| {
+                            (
+                                at,
+                                format!(
+                                    "no answer, the connection failed ({cause}) after its \
+                                     payload went out: it may have been stored all the same"
+                                ),
+                            )
+                        });
+                        let sure = format!(
+                            "not put: the connection failed ({cause}) before its payload went out"
+                        );
+                        (unsure, sure)
+                    }
                 };
                 answers
                     .into_iter()
                     .zip(share)
-                    .map(|(answer, (key, _))| answer.unwrap_or_else(|| no_answer(key, &reason)))
+                    .enumerate()
+                    .map(|(at, (answer, (key, _)))| {
+                        answer.unwrap_or_else(|| match &unsure {
+                            Some((doubt, reason)) if *doubt == at => no_answer(key, reason),
+                            _ => no_answer(key, &sure),
+                        })
+                    })
                     .collect::<Vec<_>>()
                     .into_iter()
             });

@@ -310,7 +310,9 @@ impl Pool {
             None => {
                 #[cfg(target_os = "linux")]
                 let _ = map.advise(memmap2::Advice::HugePage);
-                populate(&map, base, 0, len);
+                // SAFETY: `base` is `map`'s first byte, `[0, len)` is all of it, and the pool is
+                // not shared yet.
+                unsafe { populate(&map, base, 0, len) };
                 free.ready.give(0, len);
             }
             // No huge-page advice: where the kernel defragments only advised memory (a common
@@ -550,7 +552,10 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
         };
         match job {
             Job::Touch(offset, len) => {
-                touch_by_writes(inner.base, offset, len);
+                // SAFETY: `[offset, offset + len)` lies inside the mapping `inner.base` points at
+                // (writable, and `base` was taken from it with write access), and this thread
+                // took it out of the untouched list: no buffer holds it, nobody reads it.
+                unsafe { touch_by_writes(inner.base, offset, len) };
                 let mut free = lock(&inner);
                 free.ready.give(offset, len);
                 free.in_hand = 0;
@@ -584,9 +589,12 @@ fn lock(inner: &Inner) -> MutexGuard<'_, Free> {
 /// Faults in `[offset, offset + len)` of `map` (whose first byte `base` points at, with write
 /// access) for writing, at once: `MADV_POPULATE_WRITE` where the kernel has it (Linux 5.14),
 /// else a write per page. For a fixed pool at its reservation only: the kernel holds the
-/// process's memory-map lock for the whole range meanwhile (see [`touch_by_writes`]). The range
-/// must be the caller's alone.
-fn populate(map: &MmapMut, base: NonNull<u8>, offset: usize, len: usize) {
+/// process's memory-map lock for the whole range meanwhile (see [`touch_by_writes`]).
+///
+/// # Safety
+/// As [`touch_by_writes`]: `base` is `map`'s first byte, and the range lies inside `map` and
+/// is the caller's alone.
+unsafe fn populate(map: &MmapMut, base: NonNull<u8>, offset: usize, len: usize) {
     #[cfg(target_os = "linux")]
     if map
         .advise_range(memmap2::Advice::PopulateWrite, offset, len)
@@ -594,7 +602,8 @@ fn populate(map: &MmapMut, base: NonNull<u8>, offset: usize, len: usize) {
     {
         return;
     }
-    touch_by_writes(base, offset, len);
+    // SAFETY: the caller's promise, passed on.
+    unsafe { touch_by_writes(base, offset, len) };
 }
 
 /// Faults in `[offset, offset + len)` (inside the mapping `base` points at, with write access)
@@ -602,15 +611,18 @@ fn populate(map: &MmapMut, base: NonNull<u8>, offset: usize, len: usize) {
 /// Not `MADV_POPULATE_WRITE`: that holds the process's memory-map lock for reading over the
 /// whole range, and every `mmap` and `munmap` of the receiving threads (the allocator's large
 /// blocks) queues behind it, then every fault behind them. A page fault takes only its
-/// mapping's own lock (Linux 6.4 on). Measured (2 cores, a 2.3 GiB model copied to a node
-/// started 10 s before, where first-touched memory costs the host's page faults): copies in
-/// 6.2-7.0 s populating 32 MiB ranges, 3.6-4.5 s writing. The range must be the caller's
-/// alone (one the background thread took out of the untouched list).
-fn touch_by_writes(base: NonNull<u8>, offset: usize, len: usize) {
+/// mapping's own lock (Linux 6.4 on). Measured: a 2.3 GiB model copied to a default node in
+/// 6.5-6.7 s populating 32 MiB ranges, 4.2-4.4 s writing (docs/benchmarks.md, `model_load`).
+///
+/// # Safety
+/// `base` points at a writable mapping (and carries write access to it) that holds
+/// `[offset, offset + len)`, and nobody else reads or writes that range meanwhile (a range the
+/// background thread took out of the untouched list, or a fixed pool's before it is shared).
+unsafe fn touch_by_writes(base: NonNull<u8>, offset: usize, len: usize) {
     const PAGE: usize = 4096;
     for at in (offset..offset + len).step_by(PAGE) {
-        // SAFETY: `at` is inside the mapping, which is writable, and `base` carries write
-        // access to it; nobody else reaches the range meanwhile (see above). A volatile write,
+        // SAFETY: `at` is inside the range, which the caller promises lies in a writable
+        // mapping `base` may write through and nobody else reaches meanwhile. A volatile write,
         // so that the compiler cannot skip a write of the zero the page already reads as.
         unsafe { base.as_ptr().add(at).write_volatile(0) };
     }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn_core::tensor::{DType, TensorData};
 use burn_store::{ApplyResult, ModuleSnapshot, PathFilter, bridge};
 use ferry_client::{BlockingClient, ClientError};
-use ferry_proto::TensorKey;
+use ferry_proto::{NodeId, TensorKey};
 
 use crate::StoreError;
 use crate::store::deferred_tensors;
@@ -27,6 +27,8 @@ pub struct Connected {
     client: Mutex<BlockingClient>,
     /// Further connections to the same node (checked by its id), for a collect's sends.
     lanes: Mutex<Vec<BlockingClient>>,
+    /// That node's id, once lanes were given: each lane is asked it again before a collect.
+    node: std::sync::OnceLock<NodeId>,
 }
 
 impl Connected {
@@ -34,6 +36,7 @@ impl Connected {
         Self {
             client: Mutex::new(client),
             lanes: Mutex::new(Vec::new()),
+            node: std::sync::OnceLock::new(),
         }
     }
 
@@ -69,8 +72,20 @@ impl Connected {
             }
             checked.push(lane);
         }
+        let _ = self.node.set(node);
         self.lanes().extend(checked);
         Ok(())
+    }
+
+    /// The lanes a collect can send over: each still in step and answering as the store's node
+    /// (one round trip each). A lane that failed an earlier collect, or that the node closed
+    /// meanwhile (idle past its keepalive), is dropped for good; the collect goes on without it.
+    fn lanes_ready(&self) -> MutexGuard<'_, Vec<BlockingClient>> {
+        let mut lanes = self.lanes();
+        if let Some(node) = self.node.get() {
+            lanes.retain_mut(|lane| lane.in_step() && lane.identify().is_ok_and(|id| id == *node));
+        }
+        lanes
     }
 }
 
@@ -150,7 +165,7 @@ impl Link for Connected {
         // Lazy: each tensor is read off its device only when the reader thread reaches it.
         let tensors = module.collect(sending.filter.cloned(), None, false);
         let mut first = self.client();
-        let mut lanes = self.lanes();
+        let mut lanes = self.lanes_ready();
         let mut connections: Vec<&mut BlockingClient> = std::iter::once(&mut *first)
             .chain(lanes.iter_mut())
             .collect();

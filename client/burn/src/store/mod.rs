@@ -103,8 +103,11 @@ impl FerryStore<Connected> {
     /// connection reaches, one tensor in flight on each: while the node registers one tensor
     /// (or faults in new memory for it), another arrives. Each is checked to reach that node
     /// (its id, asked now): [`StoreError::LaneToAnotherNode`] where one does not, and the store
-    /// is then dropped with its connections. Fetches and listings keep to the first
-    /// connection.
+    /// is then dropped with its connections. Before each collect every lane is asked the
+    /// node's id again (a round trip): one that failed an earlier collect, or that the node
+    /// closed meanwhile (idle past its keepalive), is dropped for good, and the collect goes
+    /// on over the rest; a lane failing during a collect fails it. Fetches and listings keep to
+    /// the first connection.
     pub fn with_lanes(self, more: Vec<BlockingClient>) -> Result<Self, StoreError> {
         self.link.add_lanes(more)?;
         Ok(self)
@@ -172,8 +175,8 @@ impl<L: Link> FerryStore<L> {
         self
     }
 
-    /// The most bytes of host copies a collect over a connection keeps in flight, per
-    /// connection where it has lanes (default [`DEFAULT_WINDOW`]).
+    /// The most bytes of host copies a collect over a connection keeps in flight (default
+    /// [`DEFAULT_WINDOW`]); with lanes, this times the connections, shared between them.
     pub fn window(mut self, bytes: u64) -> Self {
         self.window = bytes;
         self

@@ -1,5 +1,5 @@
 //! `Window`: a bound on the bytes of host copies in flight between the thread that reads a
-//! module's tensors off their device and the one that sends them.
+//! module's tensors off their device and the threads that send them (one per connection).
 
 use std::sync::{Condvar, Mutex, PoisonError};
 
@@ -28,7 +28,7 @@ impl Window {
         }
     }
 
-    /// Waits for room for `bytes`; false once the window is closed (the sender stopped).
+    /// Waits for room for `bytes`; false once the window is closed (a sender stopped).
     pub(crate) fn take(&self, bytes: u64) -> bool {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
@@ -54,7 +54,7 @@ impl Window {
         self.changed.notify_all();
     }
 
-    /// Wakes and refuses every take to come: the sender stopped.
+    /// Wakes and refuses every take to come: a sender stopped.
     pub(crate) fn close(&self) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         state.closed = true;

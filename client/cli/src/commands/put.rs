@@ -36,11 +36,30 @@ pub(crate) async fn put(
     let bar = progress(total);
     let node = reach(&address.node, cli).await?;
     let wanted = usize::from(lanes).min(tensors.len()).max(1);
-    let mut clients = vec![connect_to(&node, cli).await?];
-    while clients.len() < wanted {
+    let mut first = connect_to(&node, cli).await?;
+    // More connections only to a node that says who it is, each checked to be that node: an
+    // address behind a balancer may reach several, and the file would be scattered over them.
+    let node_id = if wanted > 1 {
+        first.identify().await.ok()
+    } else {
+        None
+    };
+    let mut clients = vec![first];
+    while let Some(node_id) = &node_id
+        && clients.len() < wanted
+    {
         // A connection that cannot be opened (a node's per-address limit, say) leaves the put
         // to those that could.
-        match connect_to(&node, cli).await {
+        let opened = async {
+            let mut client = connect_to(&node, cli).await?;
+            let reached = client.identify().await?;
+            anyhow::ensure!(
+                reached == *node_id,
+                "it reached node {reached}, not {node_id}"
+            );
+            Ok(client)
+        };
+        match opened.await {
             Ok(client) => clients.push(client),
             Err(e) => {
                 eprintln!(
@@ -62,12 +81,24 @@ pub(crate) async fn put(
             }
             results.push((key.name.clone(), answer));
         }
+        // Every connection failed: the rest is not tried, one tensor at a time.
+        if !clients.iter().any(Client::in_step) {
+            break;
+        }
     }
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
     let count = results.len();
-    check_all(results)?;
+    let unsent = tensors.len() - count;
+    let checked = check_all(results);
+    if unsent > 0 {
+        if let Err(e) = checked {
+            eprintln!("error: {e:#}");
+        }
+        bail!("{unsent} more tensors not sent: every connection to the node failed");
+    }
+    checked?;
     eprintln!(
         "put {count} tensors ({total} bytes) on {}/{device}",
         address.node
