@@ -346,48 +346,59 @@ async fn a_put_over_lanes_leaves_a_lane_out_of_step_out_and_answers_in_order() {
     assert!(lanes[0].in_step() && lanes[2].in_step());
 }
 
-/// A put over three connections, one of which is cut after the node answered two of its
-/// tensors: that connection keeps those two answers and answers each of its later tensors with
-/// `NoAnswer`, saying it was not put (none was stored: the cut came before their payloads),
-/// while the other two
-/// carry theirs; every answer in order, every stored tensor bit-exact.
+/// A put over three connections, one of which is cut: after the node's `Ready` and `Stored`
+/// for two of its tensors (the cut takes the third's `Ready`: its payload never goes), or after
+/// the second's `Ready` (the cut takes its `Stored`: its payload went out whole). That
+/// connection keeps the answers it had; the tensor whose payload went out is answered
+/// `NoAnswer`, may have been stored, and was; every later one `NoAnswer`, not put, and was not;
+/// the other two connections carry theirs. Every answer in order, every stored tensor
+/// bit-exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_over_lanes_whose_connection_fails_keeps_its_answers_and_the_others_go_on() {
-    let node = start_with(&["flex"]).await;
-    let tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
-        .map(|i| {
-            let key = TensorKey::new(0, format!("layer{i}.w"));
-            (key, samples::plain(DType::F32, &SHAPE, i as u64))
-        })
-        .collect();
-    // The node's frames to the middle connection: its `Welcome`, then `Ready` and `Stored` for
-    // each of two tensors; the cut takes the third's `Ready`.
-    let cut = proxy(node.addr, Fault::CutAfterFrames(1 + 2 * 2)).await;
-    let mut lanes = vec![
-        node.client().await,
-        Client::connect(cut.to_string()).await.unwrap(),
-        node.client().await,
-    ];
-    let answers = Client::put_batch_in_lanes(&mut lanes, &tensors, IfExists::Refuse).await;
-    assert_eq!(answers.len(), TENSORS);
-    let mut check = node.client().await;
-    for (i, (answer, (key, data))) in answers.iter().zip(&tensors).enumerate() {
-        // Tensor i went over connection i % 3, as its (i / 3)th.
-        if i % 3 == 1 && i / 3 >= 2 {
-            assert!(
-                matches!(answer, Err(ClientError::NoAnswer { key: k, reason })
-                    if k == key && reason.starts_with("not put")),
-                "{key}: {answer:?}"
-            );
-            let held = check.get(key).await.unwrap_err();
-            assert_eq!(held.code(), Some(ErrorCode::NotFound), "{key}: {held}");
-            continue;
+    // Frames passed before the cut (the `Welcome` first), the cut connection's tensors it
+    // answered, and the one left in doubt.
+    for (frames, answered, in_doubt) in [(1 + 2 * 2, 2, None), (1 + 2 + 1, 1, Some(1))] {
+        let node = start_with(&["flex"]).await;
+        let tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
+            .map(|i| {
+                let key = TensorKey::new(0, format!("layer{i}.w"));
+                (key, samples::plain(DType::F32, &SHAPE, i as u64))
+            })
+            .collect();
+        let cut = proxy(node.addr, Fault::CutAfterFrames(frames)).await;
+        let mut lanes = vec![
+            node.client().await,
+            Client::connect(cut.to_string()).await.unwrap(),
+            node.client().await,
+        ];
+        let answers = Client::put_batch_in_lanes(&mut lanes, &tensors, IfExists::Refuse).await;
+        assert_eq!(answers.len(), TENSORS);
+        let mut check = node.client().await;
+        for (i, (answer, (key, data))) in answers.iter().zip(&tensors).enumerate() {
+            // Tensor i went over connection i % 3, as its (i / 3)th.
+            let (lane, turn) = (i % 3, i / 3);
+            if lane == 1 && turn >= answered {
+                let stored = Some(turn) == in_doubt;
+                let said = if stored { "no answer" } else { "not put" };
+                assert!(
+                    matches!(answer, Err(ClientError::NoAnswer { key: k, reason })
+                        if k == key && reason.starts_with(said)
+                            && reason.contains("may have been stored") == stored),
+                    "{frames} frames, {key}: {answer:?}"
+                );
+                match check.get(key).await {
+                    Ok(held) if stored => assert_same(&held, data, &key.name),
+                    Err(e) if !stored => assert_eq!(e.code(), Some(ErrorCode::NotFound)),
+                    other => panic!("{frames} frames, {key}: {other:?}"),
+                }
+                continue;
+            }
+            let info = answer.as_ref().unwrap_or_else(|e| panic!("{key}: {e}"));
+            assert_eq!(info.key, *key, "answers in order");
+            assert_same(&check.get(key).await.unwrap(), data, &key.name);
         }
-        let info = answer.as_ref().unwrap_or_else(|e| panic!("{key}: {e}"));
-        assert_eq!(info.key, *key, "answers in order");
-        assert_same(&check.get(key).await.unwrap(), data, &key.name);
+        assert!(!lanes[1].in_step() && lanes[0].in_step() && lanes[2].in_step());
     }
-    assert!(!lanes[1].in_step() && lanes[0].in_step() && lanes[2].in_step());
 }
 
 /// Shuts `b` down once it holds a tensor on device 0: a target going away half-way through a

@@ -25,8 +25,9 @@ pub(super) fn per_tensor<T>(
 pub(super) struct PutBroken {
     /// Why.
     pub(super) cause: ClientError,
-    /// The tensor whose payload went out whole and whose answer never came: the node may have
-    /// stored it. Every other unanswered tensor of the batch was not stored.
+    /// The tensor whose payload was sent (or was being sent when the connection failed) and
+    /// whose answer never came: the node may have stored it. Every other unanswered tensor of
+    /// the batch was not stored.
     pub(super) in_doubt: Option<usize>,
 }
 

@@ -127,9 +127,10 @@ pub enum ClientError {
     /// A tensor of a copy or a put over several lanes
     /// ([`NodeCopy::run_in_lanes`](crate::NodeCopy::run_in_lanes),
     /// [`Client::put_batch_in_lanes`](crate::Client::put_batch_in_lanes)) that got no answer of
-    /// its own: its lane's connection failed during the transfer (it may have been copied, or
-    /// moved: its source deleted once the target held it, or stored), or before anything was
-    /// asked (it was not). `reason` says which; sending it again with
+    /// its own: its lane's connection failed during the transfer (a copy's tensor may have been
+    /// copied, or moved: its source deleted once the target held it; of a put's, only the one
+    /// whose payload was sent, or being sent, may have been stored, the others were not), or
+    /// before anything was asked (it was not). `reason` says which; sending it again with
     /// [`IfExists::Replace`](ferry_proto::IfExists::Replace) is safe.
     #[error("{reason}")]
     NoAnswer {

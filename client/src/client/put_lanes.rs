@@ -17,8 +17,8 @@ impl Client {
     /// gets large and small tensors alike), each connection's share a batch of its own. One
     /// answer per tensor, in order. A connection that fails keeps the answers it had and answers
     /// each tensor it had no answer for with [`ClientError::NoAnswer`], whose reason says
-    /// whether it may have been stored all the same (the one whose payload went out whole) or
-    /// was not; the other connections go on. Where no connection is in step, every
+    /// whether it may have been stored all the same (the one whose payload was sent, or being
+    /// sent, when the connection failed) or was not; the other connections go on. Where no connection is in step, every
     /// tensor is answered so. That every connection reaches one node is the caller's to check
     /// ([`identify`](Self::identify)): an address behind a balancer may reach several. Two
     /// tensors with one key should not share a batch over lanes: which lands last is not fixed.
@@ -59,8 +59,9 @@ impl Client {
                             (
                                 at,
                                 format!(
-                                    "no answer, the connection failed ({cause}) after its \
-                                     payload went out: it may have been stored all the same"
+                                    "no answer, the connection failed ({cause}) while or \
+                                     after its payload went out: it may have been stored all \
+                                     the same"
                                 ),
                             )
                         });

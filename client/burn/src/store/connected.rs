@@ -169,7 +169,8 @@ impl Link for Connected {
         let mut connections: Vec<&mut BlockingClient> = std::iter::once(&mut *first)
             .chain(lanes.iter_mut())
             .collect();
-        // The window bounds each connection's share: every lane can have a tensor in flight.
+        // The window, times the connections, shared between them: every lane can have a tensor
+        // in flight.
         let n = u64::try_from(connections.len()).unwrap_or(u64::MAX);
         let window = &Window::new(sending.window.saturating_mul(n));
         // One channel and one sending thread per connection; tensor i goes to connection

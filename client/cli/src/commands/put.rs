@@ -39,10 +39,17 @@ pub(crate) async fn put(
     let mut first = connect_to(&node, cli).await?;
     // More connections only to a node that says who it is, each checked to be that node: an
     // address behind a balancer may reach several, and the file would be scattered over them.
-    let node_id = if wanted > 1 {
-        first.identify().await.ok()
-    } else {
-        None
+    let node_id = match wanted {
+        1 => None,
+        _ => match first.identify().await {
+            Ok(id) => Some(id),
+            // Refused (a token without the read scope): one connection it is.
+            Err(e) if first.in_step() => {
+                eprintln!("warning: putting over one connection: the node did not say its id: {e}");
+                None
+            }
+            Err(e) => return Err(e).context("asking the node its id"),
+        },
     };
     let mut clients = vec![first];
     while let Some(node_id) = &node_id
