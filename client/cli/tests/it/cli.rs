@@ -415,6 +415,59 @@ fn the_token_comes_from_a_file_and_a_read_only_one_cannot_write() {
     fails(&["ls", &node.addr], "authentication refused");
 }
 
+/// `ferry put --lanes 3` carries a model bit-exact over three connections; with a token that
+/// may write but not read, the node will not say its id, and the put goes over one connection,
+/// with a warning that says so, bit-exact all the same.
+#[test]
+fn a_put_over_lanes_lands_bit_exact_and_falls_back_to_one_connection_where_the_node_is_not_identified()
+ {
+    let credentials =
+        ferry::io::credential::parse_token_file("read,write t0k\nwrite wr1t\n").unwrap();
+    let node = BackgroundNode::start(
+        node_config(),
+        ServiceConfig {
+            credentials,
+            ..ServiceConfig::default()
+        },
+        None,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = [("full", "t0k"), ("write-only", "wr1t")];
+    for (who, token) in tokens {
+        std::fs::write(dir.path().join(who), token).unwrap();
+    }
+    let file = dir.path().join("m.bpk");
+    let tensors = model();
+    write_tensors(&file, &tensors).unwrap();
+    let (full, write_only) = (dir.path().join("full"), dir.path().join("write-only"));
+    let (full, write_only, file) = (
+        full.to_str().unwrap(),
+        write_only.to_str().unwrap(),
+        file.to_str().unwrap(),
+    );
+    for (device, token, warned) in [(0, full, false), (1, write_only, true)] {
+        let target = format!("{}/{device}", node.addr);
+        let out = ferry(&["--token-file", token, "put", "--lanes", "3", file, &target]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert_eq!(
+            stderr.contains("warning: putting over one connection"),
+            warned,
+            "{stderr}"
+        );
+        let back = dir.path().join(format!("back{device}.bpk"));
+        ok(&[
+            "--token-file",
+            full,
+            "get",
+            &target,
+            "-o",
+            back.to_str().unwrap(),
+        ]);
+        assert_same_files(&back, &tensors);
+    }
+}
+
 /// `ferry certs` makes a first cluster's CA and certificates; two nodes serving them move a
 /// model over mutual TLS (put, node-to-node copy, get) bit-exact, and a command without the
 /// client's certificate is refused.
