@@ -475,6 +475,23 @@ fn a_store_refuses_on_an_async_tasks_thread_and_works_from_spawn_blocking() {
     assert_same_params(&params(&applied), &params(&sent));
 }
 
+/// A node of one Flex device, served on loopback and on a Unix socket (`unix:PATH`) in a
+/// temporary directory, kept while the node is used.
+fn serve_flex_on_a_unix_socket_too() -> (BackgroundNode, String, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = NodeConfig {
+        devices: vec![DeviceSpec::Flex],
+        ..NodeConfig::default()
+    };
+    let node = BackgroundNode::start(
+        config,
+        ServiceConfig::default(),
+        Some(&dir.path().join("node.sock")),
+    );
+    let unix = node.unix.clone().unwrap();
+    (node, unix, dir)
+}
+
 /// A connection over the node's Unix socket that sends every payload through shared memory:
 /// what it carried shows in the node's `shm_payloads_received`.
 fn through_shared_memory(unix: &str) -> BlockingClient {
@@ -492,17 +509,7 @@ fn through_shared_memory(unix: &str) -> BlockingClient {
 /// the model comes back bytes-exact over a single connection.
 #[test]
 fn a_model_collected_over_lanes_is_dealt_to_each_and_arrives_bytes_exact() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = NodeConfig {
-        devices: vec![DeviceSpec::Flex],
-        ..NodeConfig::default()
-    };
-    let node = BackgroundNode::start(
-        config,
-        ServiceConfig::default(),
-        Some(&dir.path().join("node.sock")),
-    );
-    let unix = node.unix.clone().unwrap();
+    let (node, unix, _dir) = serve_flex_on_a_unix_socket_too();
     let device = Device::flex();
     let sent = quantized(TinyLm::new(&device), Quantization::PerTensor);
     let sent_params = params(&sent);
@@ -606,17 +613,7 @@ fn a_collect_whose_lane_fails_stops_with_its_error_and_the_next_goes_on_without_
 /// every tensor arrives, and the lane left carried its share.
 #[test]
 fn a_lane_closed_before_a_collect_is_dropped_and_the_collect_goes_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = NodeConfig {
-        devices: vec![DeviceSpec::Flex],
-        ..NodeConfig::default()
-    };
-    let node = BackgroundNode::start(
-        config,
-        ServiceConfig::default(),
-        Some(&dir.path().join("node.sock")),
-    );
-    let unix = node.unix.clone().unwrap();
+    let (node, unix, _dir) = serve_flex_on_a_unix_socket_too();
     let device = Device::flex();
     let sent = Deep::new(&device);
     let sent_params = params(&sent);

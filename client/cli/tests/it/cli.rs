@@ -383,18 +383,22 @@ fn plain_dtypes_round_trip_through_safetensors() {
     );
 }
 
-#[test]
-fn the_token_comes_from_a_file_and_a_read_only_one_cannot_write() {
-    let credentials =
-        ferry::io::credential::parse_token_file("read,write t0k\nread r34d\n").unwrap();
-    let node = BackgroundNode::start(
+/// A node that asks for the tokens of `token_file` (a token file's text: scopes, then token).
+fn serve_with_tokens(token_file: &str) -> BackgroundNode {
+    let credentials = ferry::io::credential::parse_token_file(token_file).unwrap();
+    BackgroundNode::start(
         node_config(),
         ServiceConfig {
             credentials,
             ..ServiceConfig::default()
         },
         None,
-    );
+    )
+}
+
+#[test]
+fn the_token_comes_from_a_file_and_a_read_only_one_cannot_write() {
+    let node = serve_with_tokens("read,write t0k\nread r34d\n");
     let dir = tempfile::tempdir().unwrap();
     let writer = dir.path().join("writer");
     std::fs::write(&writer, "# the writer's token\nt0k\n").unwrap();
@@ -421,16 +425,7 @@ fn the_token_comes_from_a_file_and_a_read_only_one_cannot_write() {
 #[test]
 fn a_put_over_lanes_lands_bit_exact_and_falls_back_to_one_connection_where_the_node_is_not_identified()
  {
-    let credentials =
-        ferry::io::credential::parse_token_file("read,write t0k\nwrite wr1t\n").unwrap();
-    let node = BackgroundNode::start(
-        node_config(),
-        ServiceConfig {
-            credentials,
-            ..ServiceConfig::default()
-        },
-        None,
-    );
+    let node = serve_with_tokens("read,write t0k\nwrite wr1t\n");
     let dir = tempfile::tempdir().unwrap();
     let tokens = [("full", "t0k"), ("write-only", "wr1t")];
     for (who, token) in tokens {
