@@ -126,6 +126,17 @@ impl BlockingClient {
             .block_on(self.client.put_batch(tensors, if_exists))
     }
 
+    /// See [`Client::put_batch_in_lanes`]: the batch over every one of `lanes` at once (each a
+    /// connection to the same node). `Err` only where no runtime could be started.
+    pub fn put_batch_in_lanes(
+        lanes: &mut [BlockingClient],
+        tensors: &[(TensorKey, TensorData)],
+        if_exists: IfExists,
+    ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
+        let clients = lanes.iter_mut().map(|lane| &mut lane.client);
+        Ok(runtime()?.block_on(Client::put_batch_in_lanes(clients, tensors, if_exists)))
+    }
+
     /// See [`Client::get`].
     pub fn get(&mut self, key: &TensorKey) -> Result<TensorData, ClientError> {
         self.runtime.block_on(self.client.get(key))

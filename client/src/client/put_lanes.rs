@@ -22,15 +22,15 @@ impl Client {
     /// tensor is answered so. That every connection reaches one node is the caller's to check
     /// ([`identify`](Self::identify)): an address behind a balancer may reach several. Two
     /// tensors with one key should not share a batch over lanes: which lands last is not fixed.
-    pub async fn put_batch_in_lanes(
-        lanes: &mut [Client],
+    pub async fn put_batch_in_lanes<'a>(
+        lanes: impl IntoIterator<Item = &'a mut Client>,
         tensors: &[(TensorKey, TensorData)],
         if_exists: IfExists,
     ) -> Vec<Result<TensorInfo, ClientError>> {
         if tensors.is_empty() {
             return Vec::new();
         }
-        let mut usable: Vec<&mut Client> = lanes.iter_mut().filter(|c| c.in_step()).collect();
+        let mut usable: Vec<&mut Client> = lanes.into_iter().filter(|c| c.in_step()).collect();
         let n = usable.len().min(tensors.len());
         usable.truncate(n);
         if n == 0 {
