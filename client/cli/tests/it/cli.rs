@@ -463,6 +463,44 @@ fn a_put_over_lanes_lands_bit_exact_and_falls_back_to_one_connection_where_the_n
     }
 }
 
+/// A put whose only connection fails part way (cut after the node answered three tensors):
+/// the tensors of the batch under way are reported, each on its own line, and the rest of the
+/// file is not tried one tensor at a time but counted in one line; the node holds exactly the
+/// three answered tensors.
+#[test]
+fn a_put_whose_connection_fails_reports_its_batch_and_counts_the_rest_unsent() {
+    let node = server();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("m.safetensors");
+    let tensors: Vec<(String, TensorData)> = (0..40)
+        .map(|i| (format!("w{i:02}"), samples::plain(DType::F32, &[16], i)))
+        .collect();
+    write_tensors(&file, &tensors).unwrap();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    // `Welcome`, then `Ready` and `Stored` for each of three tensors.
+    let frames = 1 + 2 * 3;
+    let cut = runtime.block_on(ferry::testing::proxy(
+        node.addr.parse().unwrap(),
+        ferry::testing::Fault::CutAfterFrames(frames),
+    ));
+    let out = ferry(&[
+        "--no-shm",
+        "put",
+        "--lanes",
+        "1",
+        file.to_str().unwrap(),
+        &format!("{cut}/0"),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    // The first batch of 16: three stored, the other thirteen reported; 24 never sent.
+    let reported = stderr.lines().filter(|l| l.starts_with("error: w")).count();
+    assert_eq!(reported, 13, "{stderr}");
+    assert!(stderr.contains("24 more tensors not sent"), "{stderr}");
+    let listed = ok(&["ls", &format!("{}/0", node.addr)]);
+    assert_eq!(listed.lines().count(), 3, "{listed}");
+}
+
 /// `ferry certs` makes a first cluster's CA and certificates; two nodes serving them move a
 /// model over mutual TLS (put, node-to-node copy, get) bit-exact, and a command without the
 /// client's certificate is refused.
