@@ -2,9 +2,9 @@
 //! several pairs of connections ([`Lane`]) and runs them at once, so that a target waiting on one
 //! tensor (new memory faulted in, a hash) leaves the link and the nodes' other cores busy.
 
-use ferry_proto::{TensorInfo, TensorKey};
-use futures_util::future::join_all;
+use ferry_proto::TensorInfo;
 
+use super::deal::{deal, no_answer};
 use super::{Client, ClientError, InterruptedCopy, NodeCopy};
 
 /// A pair of connections a node-to-node copy runs over: one to the source node, one to the
@@ -35,50 +35,27 @@ impl NodeCopy {
     /// answers every tensor [`ClientError::NodeTooOld`]. Two tensors bound for one target key
     /// should not share a copy over lanes: which lands last is not fixed.
     pub async fn run_in_lanes(&self, lanes: &mut [Lane]) -> Vec<Result<TensorInfo, ClientError>> {
-        if self.items.is_empty() {
-            return Vec::new();
-        }
-        let mut usable: Vec<&mut Lane> = lanes.iter_mut().filter(|l| l.in_step()).collect();
-        let n = usable.len().min(self.items.len()).max(1);
-        usable.truncate(n);
-        if usable.is_empty() {
-            return self
-                .items
-                .iter()
-                .map(|item| {
-                    no_answer(
-                        &item.src,
-                        "not copied: no connection to copy over is in step",
-                    )
-                })
-                .collect();
-        }
-        let shares: Vec<NodeCopy> = (0..n)
-            .map(|lane| NodeCopy {
-                source_addr: self.source_addr.clone(),
-                items: self.items.iter().skip(lane).step_by(n).cloned().collect(),
-                transfer: self.transfer,
-                if_exists: self.if_exists,
-            })
-            .collect();
-        let runs = usable
-            .into_iter()
-            .zip(&shares)
-            .map(|(lane, share)| async move {
-                let answers = share.run(&mut lane.source, &mut lane.target).await;
-                answers_per_tensor(share, answers).into_iter()
-            });
-        let mut answers: Vec<_> = join_all(runs).await;
-        // Tensor i went to lane i % n, as its (i / n)th; every lane answers each of its own.
-        self.items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| {
-                answers[i % n]
-                    .next()
-                    .unwrap_or_else(|| no_answer(&item.src, "no answer: its lane gave none"))
-            })
-            .collect()
+        let none_in_step = "not copied: no connection to copy over is in step";
+        deal(
+            lanes,
+            Lane::in_step,
+            &self.items,
+            |item| &item.src,
+            none_in_step,
+            |lane, share| {
+                let copy = NodeCopy {
+                    source_addr: self.source_addr.clone(),
+                    items: share.into_iter().cloned().collect(),
+                    transfer: self.transfer,
+                    if_exists: self.if_exists,
+                };
+                async move {
+                    let answers = copy.run(&mut lane.source, &mut lane.target).await;
+                    answers_per_tensor(&copy, answers)
+                }
+            },
+        )
+        .await
     }
 }
 
@@ -109,12 +86,4 @@ fn answers_per_tensor(
     let rest = copy.items.get(answers.len()..).unwrap_or_default();
     answers.extend(rest.iter().map(|item| no_answer(&item.src, &reason)));
     answers
-}
-
-/// A tensor a lane gave no answer for, and why.
-pub(super) fn no_answer(key: &TensorKey, reason: &str) -> Result<TensorInfo, ClientError> {
-    Err(ClientError::NoAnswer {
-        key: key.clone(),
-        reason: reason.to_string(),
-    })
 }

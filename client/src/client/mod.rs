@@ -7,6 +7,7 @@
 
 mod batch;
 mod connect;
+mod deal;
 mod error;
 mod lanes;
 mod node_copy;

@@ -3,12 +3,10 @@
 //! [`put_batch`](Client::put_batch) on each, so that while the node registers one tensor (or
 //! faults in new memory for it) another is already arriving.
 
-use futures_util::future::join_all;
-
 use ferry_proto::{IfExists, TensorData, TensorInfo, TensorKey};
 
 use super::batch::PutBroken;
-use super::lanes::no_answer;
+use super::deal::{deal, no_answer};
 use super::{Client, ClientError};
 
 impl Client {
@@ -27,73 +25,49 @@ impl Client {
         tensors: &[(TensorKey, TensorData)],
         if_exists: IfExists,
     ) -> Vec<Result<TensorInfo, ClientError>> {
-        if tensors.is_empty() {
-            return Vec::new();
-        }
-        let mut usable: Vec<&mut Client> = lanes.into_iter().filter(|c| c.in_step()).collect();
-        let n = usable.len().min(tensors.len());
-        usable.truncate(n);
-        if n == 0 {
-            return tensors
-                .iter()
-                .map(|(key, _)| no_answer(key, "not put: no connection to put over is in step"))
-                .collect();
-        }
+        let none_in_step = "not put: no connection to put over is in step";
         // References: a tensor's bytes are sent from where they lie, never copied.
-        let shares: Vec<Vec<&(TensorKey, TensorData)>> = (0..n)
-            .map(|lane| tensors.iter().skip(lane).step_by(n).collect())
-            .collect();
-        let runs = usable
-            .into_iter()
-            .zip(&shares)
-            .map(|(client, share)| async move {
-                let mut answers: Vec<Option<Result<TensorInfo, ClientError>>> =
-                    (0..share.len()).map(|_| None).collect();
-                let (unsure, sure) = match client
-                    .put_batch_into(share, if_exists, &mut answers)
-                    .await
-                {
-                    Ok(()) => (None, "no answer".to_string()),
-                    Err(PutBroken { cause, in_doubt }) => {
-                        let unsure = in_doubt.map(|at| {
-                            (
-                                at,
-                                format!(
-                                    "no answer, the connection failed ({cause}) while or \
-                                     after its payload went out: it may have been stored all \
-                                     the same"
-                                ),
-                            )
-                        });
-                        let sure = format!(
-                            "not put: the connection failed ({cause}) before its payload went out"
-                        );
-                        (unsure, sure)
-                    }
-                };
-                answers
-                    .into_iter()
-                    .zip(share)
-                    .enumerate()
-                    .map(|(at, (answer, (key, _)))| {
-                        answer.unwrap_or_else(|| match &unsure {
-                            Some((doubt, reason)) if *doubt == at => no_answer(key, reason),
-                            _ => no_answer(key, &sure),
-                        })
-                    })
-                    .collect::<Vec<_>>()
-                    .into_iter()
-            });
-        let mut answers: Vec<_> = join_all(runs).await;
-        // Tensor i went to lane i % n, as its (i / n)th; every lane answers each of its own.
-        tensors
-            .iter()
-            .enumerate()
-            .map(|(i, (key, _))| {
-                answers[i % n]
-                    .next()
-                    .unwrap_or_else(|| no_answer(key, "no answer: its lane gave none"))
-            })
-            .collect()
+        deal(
+            lanes,
+            Client::in_step,
+            tensors,
+            |(key, _)| key,
+            none_in_step,
+            |client, share| async move {
+                let mut answers = (0..share.len()).map(|_| None).collect::<Vec<_>>();
+                let outcome = client.put_batch_into(&share, if_exists, &mut answers).await;
+                answers_per_tensor(&share, answers, outcome.err())
+            },
+        )
+        .await
     }
+}
+
+/// One answer per tensor of a connection's share: the node's where it gave one, else why not,
+/// after a failure saying whether the tensor may have been stored all the same.
+fn answers_per_tensor(
+    share: &[&(TensorKey, TensorData)],
+    answers: Vec<Option<Result<TensorInfo, ClientError>>>,
+    broken: Option<PutBroken>,
+) -> Vec<Result<TensorInfo, ClientError>> {
+    answers
+        .into_iter()
+        .zip(share)
+        .enumerate()
+        .map(|(at, (answer, (key, _)))| {
+            answer.unwrap_or_else(|| {
+                let reason = match &broken {
+                    Some(PutBroken { cause, in_doubt }) if *in_doubt == Some(at) => format!(
+                        "no answer, the connection failed ({cause}) while or after its payload \
+                         went out: it may have been stored all the same"
+                    ),
+                    Some(PutBroken { cause, .. }) => format!(
+                        "not put: the connection failed ({cause}) before its payload went out"
+                    ),
+                    None => "no answer".to_string(),
+                };
+                no_answer(key, &reason)
+            })
+        })
+        .collect()
 }
