@@ -373,6 +373,11 @@ impl LoggedServer {
         LoggedServer { child, addr }
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Stops it cleanly (SIGTERM, then its exit, so that every line it logged is written) and
     /// returns its log.
     pub fn stop(mut self) -> String {

@@ -89,6 +89,24 @@ pub struct Readiness {
     pub ahead: usize,
     /// How long without a take before ready bytes above `idle` go back to the kernel.
     pub idle_after: Duration,
+    /// Which CPU time the pool's thread touches memory in.
+    pub touching: Touching,
+}
+
+/// Which CPU time an elastic pool's thread touches (and releases) memory in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Touching {
+    /// Only time no other thread of the machine wants (Linux `SCHED_IDLE`; elsewhere, or where
+    /// the kernel refuses, as any thread): a node's choice. Touching ahead is work a receive
+    /// would otherwise do itself, never worth a core taken from a receive, a send or a hash
+    /// under way: at normal priority a copy's source node refilled its pool beside the send and
+    /// spent 40% more CPU on the copy, which took 20% longer (docs/benchmarks.md). On a machine
+    /// busy everywhere the thread waits, and a receive that finds nothing ready faults its own
+    /// pages, as without a pool.
+    InIdleTime,
+    /// As any other thread: for a pool whose ready memory is wanted within a bounded time
+    /// whatever else runs (the tests of its targets, on a machine their neighbours keep busy).
+    AlongsideOthers,
 }
 
 /// What bounds the receives an elastic pool serves beyond its own capacity (a device budget):
@@ -271,10 +289,15 @@ impl Pool {
             idle: granules(readiness.idle),
             ahead: granules(readiness.ahead),
             idle_after: readiness.idle_after.max(Duration::from_millis(1)),
+            touching: readiness.touching,
         };
         let weak = Arc::downgrade(&pool.inner);
+        let name = match readiness.touching {
+            Touching::InIdleTime => "ferry-pool-idle",
+            Touching::AlongsideOthers => "ferry-pool",
+        };
         std::thread::Builder::new()
-            .name("ferry-pool".into())
+            .name(name.into())
             .spawn(move || keep_ready(weak, readiness))
             .map_err(|source| PoolError::Map {
                 bytes: capacity,
@@ -475,6 +498,9 @@ impl Drop for PoolLease {
 /// lowest untouched range, a [`STEP`] at a time), and gives ready bytes above the idle target
 /// back once nothing was drawn for a while; ends when the pool is gone.
 fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
+    if readiness.touching == Touching::InIdleTime {
+        run_in_idle_time();
+    }
     loop {
         let Some(inner) = pool.upgrade() else {
             return;
@@ -578,6 +604,26 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                 }
                 free.in_hand = 0;
             }
+        }
+    }
+}
+
+/// Asks the kernel to run the calling thread on otherwise idle CPU time only (`SCHED_IDLE`,
+/// [`Touching::InIdleTime`]). The thread's lock holds are a few list operations: a receive
+/// blocked on one leaves its core idle, which is where the thread then runs. Best effort:
+/// where refused, or off Linux, normal priority.
+fn run_in_idle_time() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: a system call given a pointer to an initialized `sched_param` that outlives
+        // it; pid 0 names the calling thread, so no other thread's scheduling changes.
+        let refused = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0;
+        if refused {
+            tracing::debug!(
+                "the receive pool's thread runs at normal priority: {}",
+                std::io::Error::last_os_error()
+            );
         }
     }
 }
@@ -741,6 +787,7 @@ mod tests {
             idle: 8 * MIB,
             ahead: 24 * MIB,
             idle_after: Duration::from_millis(300),
+            touching: Touching::AlongsideOthers,
         };
         let pool = Pool::elastic(128 * MIB, readiness).unwrap();
         // Ready while nothing arrived: the idle amount, and no more.
@@ -778,6 +825,7 @@ mod tests {
             ahead: 24 * MIB,
             // Never idle within the test: only the bound gives memory back.
             idle_after: Duration::from_secs(600),
+            touching: Touching::AlongsideOthers,
         };
         let pool = Pool::elastic(128 * MIB, readiness).unwrap();
         until(&pool, "ready at start", |p| p.ready_bytes() == 8 * MIB);
@@ -865,6 +913,7 @@ mod tests {
             idle: 4 * MIB,
             ahead: 16 * MIB,
             idle_after: Duration::from_millis(2),
+            touching: Touching::AlongsideOthers,
         }
     }
 
@@ -889,12 +938,56 @@ mod tests {
         until(&pool, "idle again", |p| p.ready_bytes() == 4 << 20);
     }
 
+    /// A node's pool touches in idle time: its thread runs under `SCHED_IDLE`, and still makes
+    /// its memory ready on a machine with time to spare.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_pool_touching_in_idle_time_runs_its_thread_at_idle_priority() {
+        let readiness = Readiness {
+            idle: 4 << 20,
+            ahead: 4 << 20,
+            idle_after: Duration::from_secs(600),
+            touching: Touching::InIdleTime,
+        };
+        let pool = Pool::elastic(16 << 20, readiness).unwrap();
+        // The scheduling policy of each of this process's threads named as an idle-time pool's
+        // (field 41 of a task's `stat`, counted from its pid; the name in parentheses before
+        // it may hold spaces, so fields are counted after its closing one).
+        let policies = || -> Vec<i32> {
+            std::fs::read_dir("/proc/self/task")
+                .unwrap()
+                .filter_map(|task| {
+                    let dir = task.ok()?.path();
+                    let comm = std::fs::read_to_string(dir.join("comm")).ok()?;
+                    (comm.trim_end() == "ferry-pool-idle").then_some(())?;
+                    let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+                    let (_, after_name) = stat.rsplit_once(')')?;
+                    after_name.split_whitespace().nth(38)?.parse().ok()
+                })
+                .collect()
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let seen = policies();
+            if !seen.is_empty() && seen.iter().all(|&p| p == libc::SCHED_IDLE) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pool threads' policies: {seen:?}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        until(&pool, "ready", |p| p.ready_bytes() == 4 << 20);
+    }
+
     #[test]
     fn an_elastic_pool_keeps_whole_granules_ready_whatever_size_it_is_asked() {
         let readiness = Readiness {
             idle: 10_000_000,
             ahead: 3_000_001,
             idle_after: Duration::ZERO,
+            touching: Touching::AlongsideOthers,
         };
         let pool = Pool::elastic(64 << 20, readiness).unwrap();
         let rounded = 10_000_000usize.next_multiple_of(GRANULE);

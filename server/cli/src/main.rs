@@ -202,8 +202,9 @@ struct Args {
     /// once the tensor is on the GPU): new memory costs the kernel the zeroing of every page,
     /// more than the network copy into it. `auto` (the default): up to the device's
     /// --memory-limit or half the machine's memory, --pool-ready of it kept ready (made ready at
-    /// start and between receives, in the background; 64 MiB kept ahead of what is drawn while
-    /// tensors arrive), freed buffers above that given back after 30 s without a receive. A size: that much reserved and touched at
+    /// start and between receives, in the background on CPU time nothing else wants; 64 MiB
+    /// kept ahead of what is drawn while tensors arrive), freed buffers above that given back
+    /// after 30 s without a receive. A size: that much reserved and touched at
     /// start, kept (huge pages advised). 0: none (every receive into new or recycled memory). A payload
     /// the pool cannot hold goes to new memory, with a log line (`stat`: pool_bytes).
     #[arg(long, default_value = "auto", value_parser = parse_pool)]
@@ -720,6 +721,7 @@ fn reserve_pool(args: &Args) -> anyhow::Result<Option<ferry_io::Pool>> {
                 idle: ready,
                 ahead: POOL_AHEAD.min(capacity),
                 idle_after: POOL_IDLE_AFTER,
+                touching: ferry_io::pool::Touching::InIdleTime,
             };
             let pool = ferry_io::Pool::elastic(capacity, readiness).context("--pool auto")?;
             tracing::info!(
