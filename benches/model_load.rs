@@ -19,7 +19,9 @@
 //!   ratio to both is printed;
 //! - each node's peak resident memory (VmHWM) and the CPU it spent on the command;
 //! - the same, for comparison, with nodes that keep the whole model's size ready
-//!   (`--pool-ready 2600MiB`) and with nodes that make none ready (`--pool 0`).
+//!   (`--pool-ready 2600MiB`), with nodes that keep only the idle amount ready and make none
+//!   ready at start for a model (`--pool-ready 256MiB`), and with nodes that make none ready
+//!   (`--pool 0`).
 //!
 //! Goal (issue 30): put and copy each >= 0.7x raw TCP.
 // Test and example code: an unwrap that fails is the failure, with its location.
@@ -158,10 +160,12 @@ fn main() {
         );
 
         // A pair of nodes at a time, each pair run 10 s before its commands: no receive pool
-        // (`--pool 0`: every tensor into new memory), for comparison; default flags; and the
-        // whole model's size kept ready (`--pool-ready 2600MiB`).
-        let setups: [(&str, &[&str]); 3] = [
+        // (`--pool 0`: every tensor into new memory), for comparison; only the idle amount kept
+        // ready, none made ready at start for a model (`--pool-ready 256MiB`); default flags;
+        // and the whole model's size kept ready (`--pool-ready 2600MiB`).
+        let setups: [(&str, &[&str]); 4] = [
             ("--pool 0", &["--pool", "0"]),
+            ("--pool-ready 256MiB", &["--pool-ready", "256MiB"]),
             ("default", &[]),
             ("--pool-ready 2600MiB", &["--pool-ready", "2600MiB"]),
         ];

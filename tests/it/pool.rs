@@ -314,6 +314,7 @@ async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
         ahead: 8 * MIB,
         idle_after: Duration::from_secs(600),
         touching: ferry::io::pool::Touching::AlongsideOthers,
+        at_start: ferry::io::pool::AtStart::IDLE,
     };
     // Room for the pool to make its idle amount ready again beside the tensor, but for the bound.
     let pool = Pool::elastic(2 * LIMIT, readiness).unwrap();

@@ -24,6 +24,7 @@ pub mod refusal_log;
 #[cfg(target_os = "linux")]
 pub mod region;
 pub mod signed_record;
+pub mod spare_memory;
 pub mod tls;
 mod trailing;
 pub mod transport;

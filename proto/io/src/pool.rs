@@ -17,7 +17,9 @@
 //! and [`Readiness::ahead`] bytes ready beyond what is drawn while tensors do (touching the next
 //! untouched range as the ready ones fill, a write per page), then, once nothing was drawn for
 //! [`Readiness::idle_after`], gives the ready bytes above the idle amount back to the kernel
-//! (`MADV_DONTNEED`). Where the memory the pool serves is bounded (a device budget,
+//! (`MADV_DONTNEED`). From its start until its first take it keeps [`Readiness::at_start`]
+//! ready instead of the idle amount (a fresh node's model), made once. The thread touches on
+//! the CPU time [`Readiness::touching`] says (a node's: idle time only). Where the memory the pool serves is bounded (a device budget,
 //! [`Pool::bound_ready_by`]), it makes no more ready than that bound has room for, and gives
 //! back what is above it once no receive is arriving: no receive could draw it. A payload that
 //! finds no ready range big enough is not the elastic pool's to serve: it goes to new memory as
@@ -81,7 +83,8 @@ pub struct PoolMiss {
 /// How much of an elastic pool is kept ready (touched), and when it is given back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Readiness {
-    /// Bytes kept ready while nothing arrives (made ready at start, in the background).
+    /// Bytes kept ready while nothing arrives (in the background; from start until the first
+    /// take, [`Readiness::at_start`] if larger).
     pub idle: usize,
     /// Bytes kept ready beyond those drawn while tensors arrive (a take was made within the
     /// last [`BUSY_SPELL`]): the next ranges, touched beside the receives. Small: what is
@@ -91,6 +94,45 @@ pub struct Readiness {
     pub idle_after: Duration,
     /// Which CPU time the pool's thread touches memory in.
     pub touching: Touching,
+    /// What is kept ready from the pool's start until its first take.
+    pub at_start: AtStart,
+}
+
+/// Memory an elastic pool makes ready at its start for the first tensors it serves: a freshly
+/// started node's first tensors are most often a whole model, which then lands in ready memory
+/// with no page faulted while it arrives. Drawn once: from the first take on, the pool keeps its
+/// idle amount again (what is left above it goes back after [`Readiness::idle_after`] without a
+/// take), and so it does once [`kept_for`](AtStart::kept_for) has passed without a take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AtStart {
+    /// Bytes kept ready until the first take (never fewer than [`Readiness::idle`]).
+    pub bytes: usize,
+    /// How long they are kept without a take.
+    pub kept_for: Duration,
+    /// Whether the machine must have memory to spare for those above the idle amount.
+    pub spare: SpareCheck,
+}
+
+impl AtStart {
+    /// Nothing beyond the idle amount.
+    pub const IDLE: AtStart = AtStart {
+        bytes: 0,
+        kept_for: Duration::ZERO,
+        spare: SpareCheck::Unchecked,
+    };
+}
+
+/// What an elastic pool asks of the machine before it makes its start amount ready beyond its
+/// idle amount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpareCheck {
+    /// Each range is made ready only while at least half of the machine's memory, and of the
+    /// process's cgroup limit, is available ([`crate::spare_memory`]); what was made ready is
+    /// kept. A node's choice: nodes started together, or beside other work, stop at half the
+    /// machine between them.
+    HalfFree,
+    /// Whatever the machine has (the pool's own tests).
+    Unchecked,
 }
 
 /// Which CPU time an elastic pool's thread touches (and releases) memory in.
@@ -120,6 +162,9 @@ pub trait ReadyBound: Send + Sync {
 /// How often an elastic pool bounded by a [`ReadyBound`] looks at its room while nothing else
 /// wakes it (a budget fills as tensors land in new memory too, which the pool does not see).
 const BOUND_POLL: Duration = Duration::from_millis(200);
+
+/// How often a pool whose start amount the machine had no memory to spare for asks again.
+const SPARE_POLL: Duration = Duration::from_secs(1);
 
 /// How recent a take must be for tensors to count as arriving.
 pub const BUSY_SPELL: Duration = Duration::from_millis(250);
@@ -290,6 +335,10 @@ impl Pool {
             ahead: granules(readiness.ahead),
             idle_after: readiness.idle_after.max(Duration::from_millis(1)),
             touching: readiness.touching,
+            at_start: AtStart {
+                bytes: granules(readiness.at_start.bytes.max(readiness.idle)),
+                ..readiness.at_start
+            },
         };
         let weak = Arc::downgrade(&pool.inner);
         let name = match readiness.touching {
@@ -501,6 +550,7 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
     if readiness.touching == Touching::InIdleTime {
         run_in_idle_time();
     }
+    let started = Instant::now();
     loop {
         let Some(inner) = pool.upgrade() else {
             return;
@@ -516,29 +566,44 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                         .unwrap_or(usize::MAX)
                 });
                 let since = free.last_take.map(|at| at.elapsed());
-                // Arriving: only the next ranges; between arrivals: the idle amount, in idle
-                // time; long idle: nothing above it kept.
+                // Nothing drawn yet, within the start's time: the start amount.
+                let start_left = since
+                    .is_none()
+                    .then(|| readiness.at_start.kept_for.checked_sub(started.elapsed()))
+                    .flatten()
+                    .filter(|left| !left.is_zero());
+                let at_rest = match start_left {
+                    Some(_) => readiness.at_start.bytes,
+                    None => readiness.idle,
+                };
+                // Arriving: only the next ranges; between arrivals: the idle amount (at start,
+                // the start amount), in idle time; long idle: nothing above it kept.
                 let busy = since.is_some_and(|s| s < BUSY_SPELL);
                 let idle = !busy && since.is_none_or(|s| s >= readiness.idle_after);
-                let target = if busy {
-                    readiness.ahead
-                } else {
-                    readiness.idle
-                }
-                .min(room);
+                let target = if busy { readiness.ahead } else { at_rest }.min(room);
+                let mut short_of_spare = false;
                 if free.ready.free < target {
+                    // Above the idle amount, the start amount asks the machine first (under
+                    // the lock: a file read per 32 MiB range, while nothing is drawn yet).
+                    let spare = free.ready.free < readiness.idle
+                        || readiness.at_start.spare == SpareCheck::Unchecked
+                        || crate::spare_memory::half_or_more_now();
+                    short_of_spare = !spare;
                     let want = (target - free.ready.free).min(STEP);
                     let want = want.next_multiple_of(GRANULE);
-                    if let Some((offset, len)) = free.untouched.take_piece(want, Side::Lowest) {
+                    if spare
+                        && let Some((offset, len)) = free.untouched.take_piece(want, Side::Lowest)
+                    {
                         free.in_hand = len;
                         break Job::Touch(offset, len);
                     }
                 }
-                // Kept: the idle amount once idle, and no more than the room once no receive is
-                // arriving. (Not while one is: a receive admitted by its budget, whose room no
-                // longer counts it, may be about to draw the very range.)
+                // Kept: the idle amount (at start, the start amount) once idle, and no more than
+                // the room once no receive is arriving. (Not while one is: a receive admitted
+                // by its budget, whose room no longer counts it, may be about to draw the very
+                // range.)
                 let keep = if idle {
-                    readiness.idle.min(room)
+                    at_rest.min(room)
                 } else if busy {
                     usize::MAX
                 } else {
@@ -562,6 +627,12 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                 }
                 .min(if inner.bound.get().is_some() {
                     BOUND_POLL
+                } else {
+                    Duration::MAX
+                })
+                .min(start_left.unwrap_or(Duration::MAX))
+                .min(if short_of_spare {
+                    SPARE_POLL
                 } else {
                     Duration::MAX
                 })
@@ -788,6 +859,7 @@ mod tests {
             ahead: 24 * MIB,
             idle_after: Duration::from_millis(300),
             touching: Touching::AlongsideOthers,
+            at_start: AtStart::IDLE,
         };
         let pool = Pool::elastic(128 * MIB, readiness).unwrap();
         // Ready while nothing arrived: the idle amount, and no more.
@@ -826,6 +898,7 @@ mod tests {
             // Never idle within the test: only the bound gives memory back.
             idle_after: Duration::from_secs(600),
             touching: Touching::AlongsideOthers,
+            at_start: AtStart::IDLE,
         };
         let pool = Pool::elastic(128 * MIB, readiness).unwrap();
         until(&pool, "ready at start", |p| p.ready_bytes() == 8 * MIB);
@@ -914,6 +987,7 @@ mod tests {
             ahead: 16 * MIB,
             idle_after: Duration::from_millis(2),
             touching: Touching::AlongsideOthers,
+            at_start: AtStart::IDLE,
         }
     }
 
@@ -948,6 +1022,7 @@ mod tests {
             ahead: 4 << 20,
             idle_after: Duration::from_secs(600),
             touching: Touching::InIdleTime,
+            at_start: AtStart::IDLE,
         };
         let pool = Pool::elastic(16 << 20, readiness).unwrap();
         // The scheduling policy of each of this process's threads named as an idle-time pool's
@@ -981,6 +1056,65 @@ mod tests {
         until(&pool, "ready", |p| p.ready_bytes() == 4 << 20);
     }
 
+    fn starting(at_start: usize, kept_for: Duration) -> Readiness {
+        const MIB: usize = 1 << 20;
+        Readiness {
+            idle: 4 * MIB,
+            ahead: 8 * MIB,
+            idle_after: Duration::from_millis(300),
+            touching: Touching::AlongsideOthers,
+            at_start: AtStart {
+                bytes: at_start,
+                kept_for,
+                spare: SpareCheck::Unchecked,
+            },
+        }
+    }
+
+    /// A freshly started pool keeps its start amount ready for the first tensors, draws it
+    /// once, and then keeps its idle amount: what the first tensor left above it goes back, and
+    /// the start amount is never made ready again.
+    #[test]
+    fn an_elastic_pool_keeps_its_start_amount_until_the_first_take_and_never_again() {
+        const MIB: usize = 1 << 20;
+        let pool = Pool::elastic(128 * MIB, starting(40 * MIB, Duration::from_secs(600))).unwrap();
+        until(&pool, "the start amount ready", |p| {
+            p.ready_bytes() == 40 * MIB
+        });
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(pool.ready_bytes(), 40 * MIB, "kept while nothing is drawn");
+        // The first tensor draws from it (the ahead amount is ready already: 16 MiB left).
+        let first = pool.take(24 * MIB).unwrap().unwrap();
+        until(&pool, "back to the idle amount", |p| {
+            p.ready_bytes() == 4 * MIB
+        });
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(
+            pool.ready_bytes(),
+            4 * MIB,
+            "the start amount is not made again"
+        );
+        drop(first);
+        until(&pool, "the freed tensor given back", |p| {
+            p.ready_bytes() == 4 * MIB && p.free_bytes() == p.capacity()
+        });
+    }
+
+    /// A start amount nothing draws goes back once its time has passed: the idle amount stays.
+    #[test]
+    fn an_elastic_pool_gives_its_start_amount_back_when_no_tensor_came_in_time() {
+        const MIB: usize = 1 << 20;
+        let pool = Pool::elastic(128 * MIB, starting(40 * MIB, Duration::from_secs(1))).unwrap();
+        until(&pool, "the start amount ready", |p| {
+            p.ready_bytes() == 40 * MIB
+        });
+        until(&pool, "back to the idle amount", |p| {
+            p.ready_bytes() == 4 * MIB
+        });
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(pool.ready_bytes(), 4 * MIB);
+    }
+
     #[test]
     fn an_elastic_pool_keeps_whole_granules_ready_whatever_size_it_is_asked() {
         let readiness = Readiness {
@@ -988,6 +1122,7 @@ mod tests {
             ahead: 3_000_001,
             idle_after: Duration::ZERO,
             touching: Touching::AlongsideOthers,
+            at_start: AtStart::IDLE,
         };
         let pool = Pool::elastic(64 << 20, readiness).unwrap();
         let rounded = 10_000_000usize.next_multiple_of(GRANULE);

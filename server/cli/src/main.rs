@@ -258,6 +258,8 @@ const POOL_AHEAD: usize = 64 << 20;
 /// How long without a receive before an elastic pool gives its ready memory back to the idle
 /// amount.
 const POOL_IDLE_AFTER: Duration = Duration::from_secs(30);
+/// How long a freshly started node keeps its start amount ready for a first tensor.
+const POOL_START_KEPT_FOR: Duration = Duration::from_secs(600);
 
 /// Upper bounds of the transfer latency histogram, in seconds.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -666,6 +668,12 @@ fn draws_from_a_pool(devices: &[DeviceSpec]) -> bool {
     devices.is_empty() || devices.iter().any(|d| !matches!(d, DeviceSpec::NdArray))
 }
 
+/// Whether any of `devices` (none: the default, Flex) keeps its tensors in the receive pool's
+/// buffers (Flex), rather than staging through them (GPU).
+fn holds_tensors_in_the_pool(devices: &[DeviceSpec]) -> bool {
+    devices.is_empty() || devices.iter().any(|d| matches!(d, DeviceSpec::Flex))
+}
+
 /// Reserves the receive pool `--pool` asks for, logging what it took.
 fn reserve_pool(args: &Args) -> anyhow::Result<Option<ferry_io::Pool>> {
     if args.pool_ready.is_some() && args.pool != PoolSize::Auto {
@@ -717,15 +725,28 @@ fn reserve_pool(args: &Args) -> anyhow::Result<Option<ferry_io::Pool>> {
                     "--pool-ready is more than the pool may hold (the device's --memory-limit, or half this machine's memory): keeping that much ready"
                 );
             }
+            // A freshly started node that holds tensors in host memory expects a model: a
+            // quarter of the pool made ready for it, unless told how much to keep ready. (A GPU
+            // device's staging is reused tensor after tensor: the idle amount serves it.)
+            let at_start = match args.pool_ready {
+                None if holds_tensors_in_the_pool(&args.devices) => ferry_io::pool::AtStart {
+                    bytes: capacity / 4,
+                    kept_for: POOL_START_KEPT_FOR,
+                    spare: ferry_io::pool::SpareCheck::HalfFree,
+                },
+                _ => ferry_io::pool::AtStart::IDLE,
+            };
             let readiness = ferry_io::pool::Readiness {
                 idle: ready,
                 ahead: POOL_AHEAD.min(capacity),
                 idle_after: POOL_IDLE_AFTER,
                 touching: ferry_io::pool::Touching::InIdleTime,
+                at_start,
             };
             let pool = ferry_io::Pool::elastic(capacity, readiness).context("--pool auto")?;
             tracing::info!(
                 bytes = pool.capacity(),
+                ready_at_start = readiness.at_start.bytes.max(readiness.idle),
                 ready_idle = readiness.idle,
                 ready_ahead = readiness.ahead,
                 "elastic receive pool reserved; making memory ready in the background"
