@@ -99,6 +99,15 @@ async fn ferry_copy(binary: &Path, data: &TensorData, route: Route) -> Copies {
             }
         }
     };
+    // Only the idle amount ready: the start amount a default node makes for a model would be
+    // touched in the background while these copies are timed, and count in the nodes' peaks.
+    let args = |sock: &str| -> Vec<String> {
+        let mut args = args(sock);
+        if !matches!(route, Route::ShmShareable) {
+            args.extend(["--pool-ready".into(), "256MiB".into()]);
+        }
+        args
+    };
     let (a_args, b_args) = (args(&a_sock), args(&b_sock));
     fn as_strs(v: &[String]) -> Vec<&str> {
         v.iter().map(String::as_str).collect()

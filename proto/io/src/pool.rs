@@ -300,6 +300,8 @@ enum Side {
 enum Job {
     /// Touch an untouched range, then list it ready.
     Touch(usize, usize),
+    /// Nothing: ask the machine for spare memory again before deciding.
+    AskAgain,
     /// Give a ready range back to the kernel, then list it untouched.
     Release(usize, usize),
 }
@@ -555,6 +557,11 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
         let Some(inner) = pool.upgrade() else {
             return;
         };
+        // Whether the machine has memory to spare for the start amount, asked before the lock
+        // (a few file reads), while the start amount may still be made.
+        let spare = readiness.at_start.spare == SpareCheck::Unchecked
+            || started.elapsed() >= readiness.at_start.kept_for
+            || machine_has_spare_memory();
         let job = {
             let mut free = inner.free.lock().unwrap_or_else(|e| e.into_inner());
             loop {
@@ -576,24 +583,23 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                     Some(_) => readiness.at_start.bytes,
                     None => readiness.idle,
                 };
+                // Above the idle amount, the start amount is made only with memory to spare
+                // (what was made is kept: `keep` below).
+                let to_make = if spare {
+                    at_rest
+                } else {
+                    at_rest.min(readiness.idle)
+                };
                 // Arriving: only the next ranges; between arrivals: the idle amount (at start,
                 // the start amount), in idle time; long idle: nothing above it kept.
                 let busy = since.is_some_and(|s| s < BUSY_SPELL);
                 let idle = !busy && since.is_none_or(|s| s >= readiness.idle_after);
-                let target = if busy { readiness.ahead } else { at_rest }.min(room);
-                let mut short_of_spare = false;
+                let short_of_spare = !busy && to_make < at_rest;
+                let target = if busy { readiness.ahead } else { to_make }.min(room);
                 if free.ready.free < target {
-                    // Above the idle amount, the start amount asks the machine first (under
-                    // the lock: a file read per 32 MiB range, while nothing is drawn yet).
-                    let spare = free.ready.free < readiness.idle
-                        || readiness.at_start.spare == SpareCheck::Unchecked
-                        || crate::spare_memory::half_or_more_now();
-                    short_of_spare = !spare;
                     let want = (target - free.ready.free).min(STEP);
                     let want = want.next_multiple_of(GRANULE);
-                    if spare
-                        && let Some((offset, len)) = free.untouched.take_piece(want, Side::Lowest)
-                    {
+                    if let Some((offset, len)) = free.untouched.take_piece(want, Side::Lowest) {
                         free.in_hand = len;
                         break Job::Touch(offset, len);
                     }
@@ -645,9 +651,14 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                 if Arc::strong_count(&inner) == 1 {
                     return;
                 }
+                // Ask the machine again, outside the lock.
+                if short_of_spare {
+                    break Job::AskAgain;
+                }
             }
         };
         match job {
+            Job::AskAgain => {}
             Job::Touch(offset, len) => {
                 // SAFETY: `[offset, offset + len)` lies inside the mapping `inner.base` points at
                 // (writable, and `base` was taken from it with write access), and this thread
@@ -697,6 +708,15 @@ fn run_in_idle_time() {
             );
         }
     }
+}
+
+/// Whether the machine has memory to spare for a start amount ([`SpareCheck::HalfFree`]); the
+/// pool's own tests set the answer instead.
+fn machine_has_spare_memory() -> bool {
+    #[cfg(test)]
+    return tests::MACHINE_HAS_SPARE.load(Ordering::Relaxed);
+    #[cfg(not(test))]
+    crate::spare_memory::half_or_more_now()
 }
 
 fn lock(inner: &Inner) -> MutexGuard<'_, Free> {
@@ -754,6 +774,10 @@ impl RangeOwner for PoolLease {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What [`machine_has_spare_memory`] answers in these tests (only one test asks it).
+    pub(super) static MACHINE_HAS_SPARE: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(true);
 
     #[test]
     fn buffers_are_carved_disjoint_and_all_come_back() {
@@ -1071,6 +1095,31 @@ mod tests {
         }
     }
 
+    /// A start amount that asks the machine makes no more than the idle amount while the
+    /// machine has no memory to spare, asks again, and makes the rest once it has.
+    #[test]
+    fn an_elastic_pool_makes_its_start_amount_only_with_memory_to_spare() {
+        const MIB: usize = 1 << 20;
+        MACHINE_HAS_SPARE.store(false, Ordering::Relaxed);
+        let mut readiness = starting(40 * MIB, Duration::from_secs(600));
+        readiness.at_start.spare = SpareCheck::HalfFree;
+        let pool = Pool::elastic(128 * MIB, readiness).unwrap();
+        until(&pool, "the idle amount ready", |p| {
+            p.ready_bytes() == 4 * MIB
+        });
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(pool.ready_bytes(), 4 * MIB, "no more without spare memory");
+        MACHINE_HAS_SPARE.store(true, Ordering::Relaxed);
+        let asked = Instant::now();
+        until(&pool, "the start amount ready", |p| {
+            p.ready_bytes() == 40 * MIB
+        });
+        assert!(
+            asked.elapsed() < SPARE_POLL * 5,
+            "asked again within its poll"
+        );
+    }
+
     /// A freshly started pool keeps its start amount ready for the first tensors, draws it
     /// once, and then keeps its idle amount: what the first tensor left above it goes back, and
     /// the start amount is never made ready again.
@@ -1104,13 +1153,17 @@ mod tests {
     #[test]
     fn an_elastic_pool_gives_its_start_amount_back_when_no_tensor_came_in_time() {
         const MIB: usize = 1 << 20;
-        let pool = Pool::elastic(128 * MIB, starting(40 * MIB, Duration::from_secs(1))).unwrap();
+        let kept_for = Duration::from_secs(3);
+        let pool = Pool::elastic(128 * MIB, starting(40 * MIB, kept_for)).unwrap();
+        let started = Instant::now();
         until(&pool, "the start amount ready", |p| {
             p.ready_bytes() == 40 * MIB
         });
-        until(&pool, "back to the idle amount", |p| {
-            p.ready_bytes() == 4 * MIB
-        });
+        while pool.ready_bytes() != 4 * MIB {
+            // Given back when its time is up, not at some later wake-up.
+            assert!(started.elapsed() < kept_for + Duration::from_secs(2));
+            std::thread::sleep(Duration::from_millis(5));
+        }
         std::thread::sleep(Duration::from_millis(400));
         assert_eq!(pool.ready_bytes(), 4 * MIB);
     }

@@ -1,10 +1,12 @@
 //! Whether this process's machine has memory to spare: what a receive pool asks before it makes
 //! memory ready that no tensor has asked for yet (the readiness of a freshly started node).
 //!
-//! Two measures, each where the kernel gives it: the machine's (`MemAvailable` of `MemTotal` in
-//! `/proc/meminfo`, which counts reclaimable caches as available) and, for a process in a cgroup
-//! (v2) with a memory limit, that limit's (`memory.max` less `memory.current`, of
-//! `memory.max`): a container's limit is often far below its machine's memory.
+//! Measures, each where the kernel gives it: the machine's (`MemAvailable` of `MemTotal` in
+//! `/proc/meminfo`, which counts reclaimable caches as available) and each memory limit over
+//! this process: in cgroup v2, every `memory.max` from its own cgroup up to the root of the
+//! mount (a limit set on a parent, a systemd slice's, binds as well), less `memory.current`;
+//! in cgroup v1, `memory.limit_in_bytes` less `memory.usage_in_bytes` of the memory
+//! controller's mount. A container's limit is often far below its machine's memory.
 
 /// Memory that could still be taken, against the total it is part of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,12 +29,29 @@ pub fn now() -> Vec<Spare> {
     let machine = std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|text| machine(&text));
-    let cgroup = cgroup_dir().and_then(|dir| {
-        let max = std::fs::read_to_string(dir.join("memory.max")).ok()?;
-        let current = std::fs::read_to_string(dir.join("memory.current")).ok()?;
-        limited(&max, &current)
+    let mut measures: Vec<Spare> = machine.into_iter().collect();
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    // cgroup v2: this process's cgroup and every parent up to the mount's root.
+    let v2 = std::path::Path::new("/sys/fs/cgroup");
+    let v2_path = cgroups.lines().find_map(|l| l.strip_prefix("0::"));
+    measures.extend(limits_up_from(v2, v2_path, "memory.max", "memory.current"));
+    // cgroup v1's memory controller: the same walk in its own mount.
+    let v1 = v2.join("memory");
+    let v1_path = cgroups.lines().find_map(|l| {
+        let mut fields = l.splitn(3, ':');
+        let (_, controllers) = (fields.next()?, fields.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then(|| fields.next())?
     });
-    machine.into_iter().chain(cgroup).collect()
+    measures.extend(limits_up_from(
+        &v1,
+        v1_path,
+        "memory.limit_in_bytes",
+        "memory.usage_in_bytes",
+    ));
+    measures
 }
 
 /// At least half of every measure that can be read is available; false where none can (no
@@ -60,10 +79,14 @@ fn machine(meminfo: &str) -> Option<Spare> {
     (total > 0).then_some(Spare { available, total })
 }
 
-/// A cgroup's room under its limit from the text of its `memory.max` and `memory.current`;
-/// `None` without a limit (`max`) or with one that does not parse.
+/// A cgroup's room under its limit from the text of its limit and its usage; `None` without a
+/// limit (v2's `max`, or v1's page-rounded 2^63 - 1 and anything that large) or with one that
+/// does not parse.
 fn limited(max: &str, current: &str) -> Option<Spare> {
     let total: u64 = max.trim().parse().ok()?;
+    if total >= 1 << 62 {
+        return None;
+    }
     let used: u64 = current.trim().parse().ok()?;
     (total > 0).then_some(Spare {
         available: total.saturating_sub(used),
@@ -71,16 +94,34 @@ fn limited(max: &str, current: &str) -> Option<Spare> {
     })
 }
 
-/// This process's cgroup (v2) directory, from `/proc/self/cgroup`'s `0::PATH` line.
-fn cgroup_dir() -> Option<std::path::PathBuf> {
-    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
-    // A path that climbs out of the cgroup mount is nothing this reads.
-    let relative = path.trim().trim_start_matches('/');
-    if relative.split('/').any(|part| part == "..") {
-        return None;
+/// The limits (as [`limited`] reads `limit` and `usage`) of the cgroup at `path` under the
+/// mount `root` and of every parent up to `root`; where the path is not there (a container that
+/// shares its host's cgroup namespace names a path outside its mount), `root`'s own.
+fn limits_up_from(
+    root: &std::path::Path,
+    path: Option<&str>,
+    limit: &str,
+    usage: &str,
+) -> Vec<Spare> {
+    let relative = path.map(|p| p.trim().trim_start_matches('/'));
+    // A path that climbs out of the mount is nothing this reads.
+    let inside = relative.filter(|r| !r.split('/').any(|part| part == ".."));
+    let mut dir = inside.map(|r| root.join(r)).filter(|d| d.is_dir());
+    if dir.is_none() && root.is_dir() {
+        dir = Some(root.to_path_buf());
     }
-    Some(std::path::Path::new("/sys/fs/cgroup").join(relative))
+    let mut found = Vec::new();
+    while let Some(d) = dir {
+        let read = |name: &str| std::fs::read_to_string(d.join(name)).ok();
+        if let (Some(max), Some(used)) = (read(limit), read(usage)) {
+            found.extend(limited(&max, &used));
+        }
+        dir = d
+            .parent()
+            .filter(|p| p.starts_with(root))
+            .map(|p| p.to_path_buf());
+    }
+    found
 }
 
 #[cfg(test)]
@@ -113,6 +154,7 @@ mod tests {
         assert!(!spare.half_or_more());
         assert_eq!(limited("1000\n", "2000\n").unwrap().available, 0);
         assert_eq!(limited("0\n", "0\n"), None);
+        assert_eq!(limited("9223372036854771712\n", "100\n"), None, "v1's none");
     }
 
     #[cfg(target_os = "linux")]

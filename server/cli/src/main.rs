@@ -201,17 +201,21 @@ struct Args {
     /// on Flex devices (the tensor's memory) and GPU devices (host staging, back in the pool
     /// once the tensor is on the GPU): new memory costs the kernel the zeroing of every page,
     /// more than the network copy into it. `auto` (the default): up to the device's
-    /// --memory-limit or half the machine's memory, --pool-ready of it kept ready (made ready at
-    /// start and between receives, in the background on CPU time nothing else wants; 64 MiB
-    /// kept ahead of what is drawn while tensors arrive), freed buffers above that given back
-    /// after 30 s without a receive. A size: that much reserved and touched at
+    /// --memory-limit or half the machine's memory; with a Flex device and no --pool-ready, a
+    /// quarter of it made ready at start for the first tensors (a model), until the first
+    /// receive of 1 MiB or more or for 10 minutes, and only while half the machine's memory
+    /// (and of its cgroup limits) is free; then --pool-ready of it kept ready (made ready
+    /// between receives, in the background at the lowest CPU priority; 64 MiB kept ahead of
+    /// what is drawn while tensors arrive), freed buffers above that given back after 30 s
+    /// without a receive. A size: that much reserved and touched at
     /// start, kept (huge pages advised). 0: none (every receive into new or recycled memory). A payload
     /// the pool cannot hold goes to new memory, with a log line (`stat`: pool_bytes).
     #[arg(long, default_value = "auto", value_parser = parse_pool)]
     pool: PoolSize,
-    /// With `--pool auto`: how much receive memory to keep ready (suffixes work). A worker that
-    /// waits for a model of known size makes it that size, and the whole model lands in ready
-    /// memory; it is resident while the node is idle.
+    /// With `--pool auto`: how much receive memory to keep ready (suffixes work), from the start:
+    /// given, no start amount is made. A worker that waits for a model larger than the start
+    /// amount makes it that size, and the whole model lands in ready memory; it is resident
+    /// while the node is idle.
     /// [default: 256MiB]
     #[arg(long)]
     pool_ready: Option<bytesize::ByteSize>,
