@@ -361,3 +361,46 @@ async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
     .await;
     node.shutdown().await;
 }
+
+/// A node's first tensor ends its pool's start amount even when it draws nothing from the pool
+/// (a tensor under the pool's minimum): what is left goes back after the idle wait, and the
+/// tensor is held bit-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_tensor_too_small_for_the_pool_ends_its_start_amount() {
+    let readiness = ferry::io::pool::Readiness {
+        idle: 8 * MIB,
+        ahead: 8 * MIB,
+        idle_after: Duration::from_millis(300),
+        touching: ferry::io::pool::Touching::AlongsideOthers,
+        at_start: ferry::io::pool::AtStart {
+            bytes: 48 * MIB,
+            kept_for: Duration::from_secs(600),
+            spare: ferry::io::pool::SpareCheck::Unchecked,
+        },
+    };
+    let pool = Pool::elastic(128 * MIB, readiness).unwrap();
+    let node = start(
+        NodeConfig {
+            devices: devices(&["flex"]),
+            receive_buffers: ReceiveBuffers::Pool(pool.clone()),
+            ..NodeConfig::default()
+        },
+        ServiceConfig::default(),
+    )
+    .await;
+    eventually("the start amount ready", Duration::from_secs(10), || {
+        pool.ready_bytes() == 48 * MIB
+    })
+    .await;
+    let mut client = node.client().await;
+    let key = TensorKey::new(0, "small");
+    let data = samples::plain(DType::F32, &[1024], 51);
+    client.put(&key, &data).await.unwrap();
+    eventually("back to the idle amount", Duration::from_secs(10), || {
+        pool.ready_bytes() == 8 * MIB
+    })
+    .await;
+    assert_eq!(pool.free_bytes(), pool.capacity(), "nothing drawn");
+    assert_same(&client.get(&key).await.unwrap(), &data, "the tensor");
+    node.shutdown().await;
+}

@@ -100,8 +100,8 @@ pub struct Readiness {
 
 /// Memory an elastic pool makes ready at its start for the first tensors it serves: a freshly
 /// started node's first tensors are most often a whole model, which then lands in ready memory
-/// with no page faulted while it arrives. Drawn once: from the first take on, the pool keeps its
-/// idle amount again (what is left above it goes back after [`Readiness::idle_after`] without a
+/// with no page faulted while it arrives. Drawn once: from the first take (or arrival,
+/// [`Pool::note_arrival`]) on, the pool keeps its idle amount again (what is left above it goes back after [`Readiness::idle_after`] without a
 /// take), and so it does once [`kept_for`](AtStart::kept_for) has passed without a take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AtStart {
@@ -190,6 +190,8 @@ struct Inner {
     /// Wakes the background thread of an elastic pool (a take, a pool dropped).
     wake: Condvar,
     misses: AtomicU64,
+    /// Whether anything was drawn or arrived yet (once true, [`Pool::note_arrival`] is a load).
+    arrived: std::sync::atomic::AtomicBool,
     /// Payloads under this size do not draw.
     min_payload: usize,
     /// An elastic pool (served from ready memory only, no misses).
@@ -402,6 +404,7 @@ impl Pool {
                 free: Mutex::new(free),
                 wake: Condvar::new(),
                 misses: AtomicU64::new(0),
+                arrived: std::sync::atomic::AtomicBool::new(false),
                 min_payload,
                 elastic: readiness.is_some(),
                 bound: std::sync::OnceLock::new(),
@@ -441,6 +444,22 @@ impl Pool {
         set
     }
 
+    /// Counts a tensor that arrived without drawing from the pool (under its minimum, or in
+    /// shared memory) as a take: the start amount's time ends with it, as with a take, and what
+    /// is left of that amount goes back after [`Readiness::idle_after`] without another. A node
+    /// calls it for every tensor it receives; after the first it costs one atomic load.
+    pub fn note_arrival(&self) {
+        if self.inner.arrived.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut free = self.free_list();
+        self.inner.arrived.store(true, Ordering::Relaxed);
+        if free.last_take.is_none() {
+            free.last_take = Some(Instant::now());
+            self.inner.wake.notify_one();
+        }
+    }
+
     /// Payloads that could not draw from the pool (too large, or the pool too full) and went to
     /// fresh memory.
     pub fn misses(&self) -> u64 {
@@ -474,6 +493,7 @@ impl Pool {
         let (offset, cap) = {
             let mut free = self.free_list();
             free.last_take = Some(Instant::now());
+            self.inner.arrived.store(true, Ordering::Relaxed);
             // Ready memory only: a fixed pool is all ready; an elastic pool's untouched memory
             // would fault page by page, slower than new memory.
             let taken = len
@@ -1147,6 +1167,27 @@ mod tests {
         until(&pool, "the freed tensor given back", |p| {
             p.ready_bytes() == 4 * MIB && p.free_bytes() == p.capacity()
         });
+    }
+
+    /// A tensor that arrived without drawing from the pool ends the start amount's time as a
+    /// take does: what is left goes back after the idle wait, and is not made again.
+    #[test]
+    fn an_arrival_that_draws_nothing_ends_the_start_amount_as_a_take_does() {
+        const MIB: usize = 1 << 20;
+        let pool = Pool::elastic(128 * MIB, starting(40 * MIB, Duration::from_secs(600))).unwrap();
+        until(&pool, "the start amount ready", |p| {
+            p.ready_bytes() == 40 * MIB
+        });
+        pool.note_arrival();
+        until(&pool, "back to the idle amount", |p| {
+            p.ready_bytes() == 4 * MIB
+        });
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(
+            pool.ready_bytes(),
+            4 * MIB,
+            "the start amount is not made again"
+        );
     }
 
     /// A start amount nothing draws goes back once its time has passed: the idle amount stays.

@@ -203,7 +203,7 @@ struct Args {
     /// more than the network copy into it. `auto` (the default): up to the device's
     /// --memory-limit or half the machine's memory; with a Flex device and no --pool-ready, a
     /// quarter of it made ready at start for the first tensors (a model), until the first
-    /// receive of 1 MiB or more or for 10 minutes, and only while half the machine's memory
+    /// tensor arrives or for 10 minutes, and only while half the machine's memory
     /// (and of its cgroup limits) is free; then --pool-ready of it kept ready (made ready
     /// between receives, in the background at the lowest CPU priority; 64 MiB kept ahead of
     /// what is drawn while tensors arrive), freed buffers above that given back after 30 s
@@ -813,5 +813,22 @@ mod tests {
         );
         assert!(draws_from_a_pool(&[spec("ndarray"), spec("vulkan:0")]));
         assert!(!draws_from_a_pool(&[spec("ndarray"), spec("ndarray")]));
+    }
+
+    /// A start amount for a model is made where a device keeps its tensors in the pool (Flex,
+    /// the default), not where the pool is only a GPU's staging.
+    #[test]
+    fn a_start_amount_is_for_nodes_with_a_flex_device() {
+        let spec = |s: &str| s.parse::<DeviceSpec>().unwrap();
+        assert!(
+            holds_tensors_in_the_pool(&[]),
+            "the default devices are Flex"
+        );
+        assert!(holds_tensors_in_the_pool(&[spec("vulkan:0"), spec("flex")]));
+        assert!(!holds_tensors_in_the_pool(&[spec("gl:cpu")]));
+        assert!(!holds_tensors_in_the_pool(&[
+            spec("ndarray"),
+            spec("vulkan:0")
+        ]));
     }
 }

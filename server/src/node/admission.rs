@@ -171,6 +171,10 @@ impl Node {
             existing,
             reservation,
         } = admission;
+        // An arrival, whether or not it drew from the pool: the start amount's time is over.
+        if let Some(pool) = self.config().receive_buffers.pool() {
+            pool.note_arrival();
+        }
         self.device(key.device)?
             .call(|reply| Command::Insert {
                 name: key.name,

@@ -223,6 +223,33 @@ async fn a_default_node_makes_receive_memory_ready_before_the_tensor_arrives() {
     assert!(log.contains("ready_at_start=536870912"), "{log}");
 }
 
+/// A node told how much to keep ready keeps that from the start: no larger start amount for a
+/// model; nor does a node without a Flex device make one.
+#[test]
+fn a_node_given_pool_ready_or_without_a_flex_device_makes_no_start_amount() {
+    let told = LoggedServer::start(
+        ferry_server(),
+        &[
+            "--device",
+            "flex",
+            "--memory-limit",
+            "2GiB",
+            "--pool-ready",
+            "64MiB",
+        ],
+        &[],
+    );
+    let log = told.stop();
+    assert!(log.contains("ready_at_start=67108864"), "{log}");
+    let flex = LoggedServer::start(
+        ferry_server(),
+        &["--device", "flex", "--memory-limit", "2GiB"],
+        &[],
+    );
+    let log = flex.stop();
+    assert!(log.contains("ready_at_start=536870912"), "{log}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receive_pool_is_reserved_at_start_and_shown_in_stat_and_metrics() {
     const MIB: u64 = 1 << 20;
