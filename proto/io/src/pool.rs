@@ -17,7 +17,7 @@
 //! and [`Readiness::ahead`] bytes ready beyond what is drawn while tensors do (touching the next
 //! untouched range as the ready ones fill, a write per page), then, once nothing was drawn for
 //! [`Readiness::idle_after`], gives the ready bytes above the idle amount back to the kernel
-//! (`MADV_DONTNEED`). From its start until its first take it keeps [`Readiness::at_start`]
+//! (`MADV_DONTNEED`). From its start until its first take or arrival it keeps [`Readiness::at_start`]
 //! ready instead of the idle amount (a fresh node's model), made once. The thread touches on
 //! the CPU time [`Readiness::touching`] says (a node's: idle time only). Where the memory the pool serves is bounded (a device budget,
 //! [`Pool::bound_ready_by`]), it makes no more ready than that bound has room for, and gives
@@ -94,7 +94,7 @@ pub struct Readiness {
     pub idle_after: Duration,
     /// Which CPU time the pool's thread touches memory in.
     pub touching: Touching,
-    /// What is kept ready from the pool's start until its first take.
+    /// What is kept ready from the pool's start until its first take or arrival.
     pub at_start: AtStart,
 }
 
@@ -105,7 +105,7 @@ pub struct Readiness {
 /// take), and so it does once [`kept_for`](AtStart::kept_for) has passed without a take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AtStart {
-    /// Bytes kept ready until the first take (never fewer than [`Readiness::idle`]).
+    /// Bytes kept ready until the first take or arrival (never fewer than [`Readiness::idle`]).
     pub bytes: usize,
     /// How long they are kept without a take.
     pub kept_for: Duration,
@@ -126,9 +126,9 @@ impl AtStart {
 /// idle amount.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SpareCheck {
-    /// Each range is made ready only while at least half of the machine's memory, and of the
-    /// process's cgroup limit, is available ([`crate::spare_memory`]); what was made ready is
-    /// kept. A node's choice: nodes started together, or beside other work, stop at half the
+    /// Each range above the idle amount is made ready only while at least half of the machine's
+    /// memory, and of every cgroup limit over the process, is available
+    /// ([`crate::spare_memory`]); what was made ready is kept. A node's choice: nodes started together, or beside other work, stop at half the
     /// machine between them.
     HalfFree,
     /// Whatever the machine has (the pool's own tests).
@@ -578,9 +578,11 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
             return;
         };
         // Whether the machine has memory to spare for the start amount, asked before the lock
-        // (a few file reads), while the start amount may still be made.
+        // (a few file reads), while the start amount may still be made: within its time and
+        // before anything was drawn or arrived (after which the answer is not used).
         let spare = readiness.at_start.spare == SpareCheck::Unchecked
             || started.elapsed() >= readiness.at_start.kept_for
+            || inner.arrived.load(Ordering::Relaxed)
             || machine_has_spare_memory();
         let job = {
             let mut free = inner.free.lock().unwrap_or_else(|e| e.into_inner());
@@ -614,7 +616,14 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                 // the start amount), in idle time; long idle: nothing above it kept.
                 let busy = since.is_some_and(|s| s < BUSY_SPELL);
                 let idle = !busy && since.is_none_or(|s| s >= readiness.idle_after);
-                let short_of_spare = !busy && to_make < at_rest;
+                // Something left to make that spare memory would allow: ask again after the wait.
+                let short_of_spare = to_make < at_rest && free.ready.free < at_rest.min(room);
+                // A yes is asked again after a wait too: it may be old by then.
+                let ask_again = short_of_spare
+                    || (spare
+                        && start_left.is_some()
+                        && readiness.at_start.spare == SpareCheck::HalfFree
+                        && at_rest > readiness.idle);
                 let target = if busy { readiness.ahead } else { to_make }.min(room);
                 if free.ready.free < target {
                     let want = (target - free.ready.free).min(STEP);
@@ -672,7 +681,7 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                     return;
                 }
                 // Ask the machine again, outside the lock.
-                if short_of_spare {
+                if ask_again {
                     break Job::AskAgain;
                 }
             }
@@ -768,8 +777,8 @@ unsafe fn populate(map: &MmapMut, base: NonNull<u8>, offset: usize, len: usize) 
 /// Not `MADV_POPULATE_WRITE`: that holds the process's memory-map lock for reading over the
 /// whole range, and every `mmap` and `munmap` of the receiving threads (the allocator's large
 /// blocks) queues behind it, then every fault behind them. A page fault takes only its
-/// mapping's own lock (Linux 6.4 on). Measured: a 2.3 GiB model copied to a default node in
-/// 6.5-6.7 s populating 32 MiB ranges, 4.2-4.4 s writing (docs/benchmarks.md, `model_load`).
+/// mapping's own lock (Linux 6.4 on). Measured: a 2.3 GiB model copied to a node with 256 MiB
+/// ready in 6.5-6.7 s populating 32 MiB ranges, 4.2-4.4 s writing (docs/benchmarks.md, `model_load`).
 ///
 /// # Safety
 /// `base` points at a writable mapping (and carries write access to it) that holds
@@ -1179,9 +1188,12 @@ mod tests {
             p.ready_bytes() == 40 * MIB
         });
         pool.note_arrival();
-        until(&pool, "back to the idle amount", |p| {
-            p.ready_bytes() == 4 * MIB
-        });
+        let noted = Instant::now();
+        while pool.ready_bytes() != 4 * MIB {
+            // Woken by the arrival, not by some later timeout: the idle wait (300 ms) after it.
+            assert!(noted.elapsed() < Duration::from_secs(3));
+            std::thread::sleep(Duration::from_millis(5));
+        }
         std::thread::sleep(Duration::from_millis(400));
         assert_eq!(
             pool.ready_bytes(),

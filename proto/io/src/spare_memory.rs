@@ -34,7 +34,13 @@ pub fn now() -> Vec<Spare> {
     // cgroup v2: this process's cgroup and every parent up to the mount's root.
     let v2 = std::path::Path::new("/sys/fs/cgroup");
     let v2_path = cgroups.lines().find_map(|l| l.strip_prefix("0::"));
-    measures.extend(limits_up_from(v2, v2_path, "memory.max", "memory.current"));
+    measures.extend(limits_up_from(
+        v2,
+        v2_path,
+        "memory.max",
+        "memory.current",
+        "inactive_file",
+    ));
     // cgroup v1's memory controller: the same walk in its own mount.
     let v1 = v2.join("memory");
     let v1_path = cgroups.lines().find_map(|l| {
@@ -50,6 +56,7 @@ pub fn now() -> Vec<Spare> {
         v1_path,
         "memory.limit_in_bytes",
         "memory.usage_in_bytes",
+        "total_inactive_file",
     ));
     measures
 }
@@ -94,19 +101,23 @@ fn limited(max: &str, current: &str) -> Option<Spare> {
     })
 }
 
-/// The limits (as [`limited`] reads `limit` and `usage`) of the cgroup at `path` under the
-/// mount `root` and of every parent up to `root`; where the path is not there (a container that
-/// shares its host's cgroup namespace names a path outside its mount), `root`'s own.
+/// The limits (as [`limited`] reads `limit` and `usage`, less the reclaimable page cache that
+/// `memory.stat` counts as `inactive`, as `MemAvailable` does) of the cgroup at `path` under
+/// the mount `root` and of every parent up to `root`; where the path is not there (a container
+/// that shares its host's cgroup namespace names a path outside its mount), `root`'s own.
 fn limits_up_from(
     root: &std::path::Path,
     path: Option<&str>,
     limit: &str,
     usage: &str,
+    inactive: &str,
 ) -> Vec<Spare> {
     let relative = path.map(|p| p.trim().trim_start_matches('/'));
     // A path that climbs out of the mount is nothing this reads.
-    let inside = relative.filter(|r| !r.split('/').any(|part| part == ".."));
-    let mut dir = inside.map(|r| root.join(r)).filter(|d| d.is_dir());
+    if relative.is_some_and(|r| r.split('/').any(|part| part == "..")) {
+        return Vec::new();
+    }
+    let mut dir = relative.map(|r| root.join(r)).filter(|d| d.is_dir());
     if dir.is_none() && root.is_dir() {
         dir = Some(root.to_path_buf());
     }
@@ -114,6 +125,12 @@ fn limits_up_from(
     while let Some(d) = dir {
         let read = |name: &str| std::fs::read_to_string(d.join(name)).ok();
         if let (Some(max), Some(used)) = (read(limit), read(usage)) {
+            let cache = read("memory.stat").and_then(|stat| stat_field(&stat, inactive));
+            let used = used
+                .trim()
+                .parse::<u64>()
+                .map(|u| u.saturating_sub(cache.unwrap_or(0)).to_string())
+                .unwrap_or(used);
             found.extend(limited(&max, &used));
         }
         dir = d
@@ -122,6 +139,14 @@ fn limits_up_from(
             .map(|p| p.to_path_buf());
     }
     found
+}
+
+/// The value of `name` in the text of a cgroup's `memory.stat` (`name value` lines).
+fn stat_field(stat: &str, name: &str) -> Option<u64> {
+    stat.lines().find_map(|line| {
+        let (key, value) = line.split_once(' ')?;
+        (key == name).then(|| value.trim().parse().ok())?
+    })
 }
 
 #[cfg(test)]
@@ -155,6 +180,46 @@ mod tests {
         assert_eq!(limited("1000\n", "2000\n").unwrap().available, 0);
         assert_eq!(limited("0\n", "0\n"), None);
         assert_eq!(limited("9223372036854771712\n", "100\n"), None, "v1's none");
+    }
+
+    #[test]
+    fn a_cgroup_walk_reads_each_limit_up_to_the_root_less_its_inactive_cache() {
+        let root = tempfile::tempdir().unwrap();
+        let leaf = root.path().join("a/b");
+        std::fs::create_dir_all(&leaf).unwrap();
+        let write = |dir: &std::path::Path, max: &str, current: &str, inactive: u64| {
+            std::fs::write(dir.join("memory.max"), max).unwrap();
+            std::fs::write(dir.join("memory.current"), current).unwrap();
+            let stat = format!("anon 1\ninactive_file {inactive}\nactive_file 2\n");
+            std::fs::write(dir.join("memory.stat"), stat).unwrap();
+        };
+        write(&leaf, "max\n", "500\n", 0);
+        write(&root.path().join("a"), "1000\n", "900\n", 600);
+        write(root.path(), "4000\n", "1000\n", 0);
+        let walk = |path| {
+            limits_up_from(
+                root.path(),
+                path,
+                "memory.max",
+                "memory.current",
+                "inactive_file",
+            )
+        };
+        let found = walk(Some("/a/b"));
+        let spares: Vec<(u64, u64)> = found.iter().map(|s| (s.available, s.total)).collect();
+        assert_eq!(spares, [(700, 1000), (3000, 4000)], "the leaf has no limit");
+        assert_eq!(walk(Some("/a/../..")), []);
+        let outside: Vec<u64> = walk(Some("/elsewhere")).iter().map(|s| s.total).collect();
+        assert_eq!(
+            outside,
+            [4000],
+            "a path not under the mount: the root's own"
+        );
+        assert_eq!(
+            stat_field("total_inactive_file 7\n", "total_inactive_file"),
+            Some(7)
+        );
+        assert_eq!(stat_field("inactive_file x\n", "inactive_file"), None);
     }
 
     #[cfg(target_os = "linux")]

@@ -178,10 +178,13 @@ async fn a_default_node_makes_receive_memory_ready_before_the_tensor_arrives() {
         &[],
     );
     // Made ready at the lowest CPU priority: the other tests running beside this one may leave
-    // little CPU to it.
+    // little CPU to it. Its idle amount at least: the rest of its start amount (512 MiB, a
+    // quarter of the pool, in the log below) is made only while the machine has half its
+    // memory free, which the nodes of other tests may take.
     tokio::task::spawn_blocking(move || {
-        eventually_blocking("512 MiB ready", 6 * WAIT, || {
-            sample(&scrape(port), &["ferry_pool_ready_bytes "]) == Some((512 * MIB) as f64)
+        eventually_blocking("256 MiB ready", 6 * WAIT, || {
+            sample(&scrape(port), &["ferry_pool_ready_bytes "])
+                .is_some_and(|ready| ready >= (256 * MIB) as f64)
         });
     })
     .await
@@ -200,7 +203,7 @@ async fn a_default_node_makes_receive_memory_ready_before_the_tensor_arrives() {
     let mut client = Client::connect(node.addr.as_str()).await.unwrap();
     let stats = client.stat().await.unwrap();
     assert_eq!(stats.pool_bytes, 2048 * MIB, "up to the device budget");
-    assert!(stats.resident_bytes >= 512 * MIB, "ready means touched");
+    assert!(stats.resident_bytes >= 256 * MIB, "ready means touched");
     let data = samples::plain(DType::F32, &[4096, 1024], 3);
     client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let stats = client.stat().await.unwrap();
@@ -224,9 +227,9 @@ async fn a_default_node_makes_receive_memory_ready_before_the_tensor_arrives() {
 }
 
 /// A node told how much to keep ready keeps that from the start: no larger start amount for a
-/// model; nor does a node without a Flex device make one.
+/// model (which devices get one: `a_start_amount_is_for_nodes_with_a_flex_device`).
 #[test]
-fn a_node_given_pool_ready_or_without_a_flex_device_makes_no_start_amount() {
+fn a_node_given_pool_ready_makes_no_start_amount() {
     let told = LoggedServer::start(
         ferry_server(),
         &[
@@ -241,13 +244,6 @@ fn a_node_given_pool_ready_or_without_a_flex_device_makes_no_start_amount() {
     );
     let log = told.stop();
     assert!(log.contains("ready_at_start=67108864"), "{log}");
-    let flex = LoggedServer::start(
-        ferry_server(),
-        &["--device", "flex", "--memory-limit", "2GiB"],
-        &[],
-    );
-    let log = flex.stop();
-    assert!(log.contains("ready_at_start=536870912"), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
