@@ -13,13 +13,14 @@ impl Client {
     /// [`put_batch`](Self::put_batch) over `lanes` at once, every one a connection to the same
     /// node: tensor `i` goes over the `i % n`th of the `n` connections still in step (so each
     /// gets large and small tensors alike), each connection's share a batch of its own. One
-    /// answer per tensor, in order. A connection that fails keeps the answers it had and answers
-    /// each tensor it had no answer for with [`ClientError::NoAnswer`], whose reason says
-    /// whether it may have been stored all the same (the one whose payload was sent, or being
-    /// sent, when the connection failed) or was not; the other connections go on. Where no connection is in step, every
-    /// tensor is answered so. That every connection reaches one node is the caller's to check
-    /// ([`identify`](Self::identify)): an address behind a balancer may reach several. Two
-    /// tensors with one key should not share a batch over lanes: which lands last is not fixed.
+    /// answer per tensor, in order. A connection that fails keeps the answers it had and
+    /// answers each tensor it had no answer for with [`ClientError::NoAnswer`], whose reason
+    /// says whether it may have been stored all the same (the one whose payload was sent, or
+    /// being sent, when the connection failed) or was not; the other connections go on. Where
+    /// no connection is in step, every tensor is answered so. That every connection reaches one
+    /// node is the caller's to check ([`identify`](Self::identify)): an address behind a
+    /// balancer may reach several. Two tensors with one key should not share a batch over
+    /// lanes: which lands last is not fixed.
     pub async fn put_batch_in_lanes<'a>(
         lanes: impl IntoIterator<Item = &'a mut Client>,
         tensors: &[(TensorKey, TensorData)],

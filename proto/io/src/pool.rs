@@ -14,17 +14,17 @@
 //! Two kinds: a fixed pool ([`Pool::reserve`], `--pool SIZE`) touches all of it at once; an
 //! elastic pool ([`Pool::elastic`], a node's default) reserves its capacity as address space
 //! only, and a background thread keeps [`Readiness::idle`] bytes ready while nothing arrives,
-//! and [`Readiness::ahead`] bytes ready beyond what is drawn while tensors do (touching the next
-//! untouched range as the ready ones fill, a write per page), then, once nothing was drawn for
-//! [`Readiness::idle_after`], gives the ready bytes above the idle amount back to the kernel
-//! (`MADV_DONTNEED`). From its start until its first take or arrival it keeps [`Readiness::at_start`]
-//! ready instead of the idle amount (a fresh node's model), made once. The thread touches on
-//! the CPU time [`Readiness::touching`] says (a node's: idle time only). Where the memory the pool serves is bounded (a device budget,
-//! [`Pool::bound_ready_by`]), it makes no more ready than that bound has room for, and gives
-//! back what is above it once no receive is arriving: no receive could draw it. A payload that
-//! finds no ready range big enough is not the elastic pool's to serve: it goes to new memory as
-//! without a pool (which gets huge pages where the pool's untouched memory would fault page by
-//! page), and is no miss.
+//! and [`Readiness::ahead`] bytes ready beyond what is drawn while tensors do (touching the
+//! next untouched range as the ready ones fill, a write per page), then, once nothing was drawn
+//! for [`Readiness::idle_after`], gives the ready bytes above the idle amount back to the
+//! kernel (`MADV_DONTNEED`). From its start until its first take or arrival it keeps
+//! [`Readiness::at_start`] ready instead of the idle amount (a fresh node's model), made once.
+//! The thread touches on the CPU time [`Readiness::touching`] says (a node's: idle time only).
+//! Where the memory the pool serves is bounded (a device budget, [`Pool::bound_ready_by`]), it
+//! makes no more ready than that bound has room for, and gives back what is above it once no
+//! receive is arriving: no receive could draw it. A payload that finds no ready range big
+//! enough is not the elastic pool's to serve: it goes to new memory as without a pool (which
+//! gets huge pages where the pool's untouched memory would fault page by page), and is no miss.
 //!
 //! Invariant: every byte of the mapping is in exactly one place: the ready free list, the
 //! untouched free list, one live buffer, or the background thread's hands while it touches or
@@ -101,8 +101,9 @@ pub struct Readiness {
 /// Memory an elastic pool makes ready at its start for the first tensors it serves: a freshly
 /// started node's first tensors are most often a whole model, which then lands in ready memory
 /// with no page faulted while it arrives. Drawn once: from the first take (or arrival,
-/// [`Pool::note_arrival`]) on, the pool keeps its idle amount again (what is left above it goes back after [`Readiness::idle_after`] without a
-/// take), and so it does once [`kept_for`](AtStart::kept_for) has passed without a take.
+/// [`Pool::note_arrival`]) on, the pool keeps its idle amount again (what is left above it goes
+/// back after [`Readiness::idle_after`] without a take), and so it does once
+/// [`kept_for`](AtStart::kept_for) has passed without a take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AtStart {
     /// Bytes kept ready until the first take or arrival (never fewer than [`Readiness::idle`]).
@@ -128,8 +129,8 @@ impl AtStart {
 pub enum SpareCheck {
     /// Each range above the idle amount is made ready only while at least half of the machine's
     /// memory, and of every cgroup limit over the process, is available
-    /// ([`crate::spare_memory`]); what was made ready is kept. A node's choice: nodes started together, or beside other work, stop at half the
-    /// machine between them.
+    /// ([`crate::spare_memory`]); what was made ready is kept. A node's choice: nodes started
+    /// together, or beside other work, stop at half the machine between them.
     HalfFree,
     /// Whatever the machine has (the pool's own tests).
     Unchecked,
@@ -142,7 +143,8 @@ pub enum Touching {
     /// the kernel refuses, as any thread): a node's choice. Touching ahead is work a receive
     /// would otherwise do itself, never worth a core taken from a receive, a send or a hash
     /// under way: at normal priority a copy's source node refilled its pool beside the send and
-    /// spent 40% more CPU on the copy, which took 20% longer (docs/benchmarks.md). On a machine
+    /// spent 2.03-2.39 s of CPU on a 2.3 GiB copy that took 1.77-1.96 s, against 1.43-1.50 s
+    /// and 1.44-1.50 s in idle time (docs/benchmarks.md, `model_load`). On a machine
     /// busy everywhere the thread waits, and a receive that finds nothing ready faults its own
     /// pages, as without a pool.
     InIdleTime,
@@ -773,12 +775,12 @@ unsafe fn populate(map: &MmapMut, base: NonNull<u8>, offset: usize, len: usize) 
 }
 
 /// Faults in `[offset, offset + len)` (inside the mapping `base` points at, with write access)
-/// by writing one byte per page: how an elastic pool's thread touches while tensors arrive.
-/// Not `MADV_POPULATE_WRITE`: that holds the process's memory-map lock for reading over the
-/// whole range, and every `mmap` and `munmap` of the receiving threads (the allocator's large
-/// blocks) queues behind it, then every fault behind them. A page fault takes only its
-/// mapping's own lock (Linux 6.4 on). Measured: a 2.3 GiB model copied to a node with 256 MiB
-/// ready in 6.5-6.7 s populating 32 MiB ranges, 4.2-4.4 s writing (docs/benchmarks.md, `model_load`).
+/// by writing one byte per page: how an elastic pool's thread touches while tensors arrive. Not
+/// `MADV_POPULATE_WRITE`: that holds the process's memory-map lock for reading over the whole
+/// range, and every `mmap` and `munmap` of the receiving threads (the allocator's large blocks)
+/// queues behind it, then every fault behind them. A page fault takes only its mapping's own
+/// lock (Linux 6.4 on). Measured: a 2.3 GiB model copied to a node with 256 MiB ready in
+/// 6.5-6.7 s populating 32 MiB ranges, 4.2-4.4 s writing (docs/benchmarks.md, `model_load`).
 ///
 /// # Safety
 /// `base` points at a writable mapping (and carries write access to it) that holds

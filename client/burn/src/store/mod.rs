@@ -104,10 +104,10 @@ impl FerryStore<Connected> {
     /// (or faults in new memory for it), another arrives. Each is checked to reach that node
     /// (its id, asked now): [`StoreError::LaneToAnotherNode`] where one does not, and the store
     /// is then dropped with its connections. Before each collect every lane still in step is
-    /// asked the node's id again (a round trip): one that failed an earlier collect, or that the node
-    /// closed meanwhile (idle past its keepalive), is dropped for good, and the collect goes
-    /// on over the rest; a lane failing during a collect fails it. Fetches and listings keep to
-    /// the first connection.
+    /// asked the node's id again (a round trip): one that failed an earlier collect, or that
+    /// the node closed meanwhile (idle past its keepalive), is dropped for good, and the
+    /// collect goes on over the rest; a lane failing during a collect fails it. Fetches and
+    /// listings keep to the first connection.
     pub fn with_lanes(self, more: Vec<BlockingClient>) -> Result<Self, StoreError> {
         self.link.add_lanes(more)?;
         Ok(self)
