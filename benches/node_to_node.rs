@@ -29,6 +29,11 @@
 //! - `ferry A->B, cold, pool`: the same first pushes, with B started with a receive pool
 //!   (`--pool`, the tensor's size plus 64 MiB) reserved and touched at start: the goal is >= 0.9x
 //!   raw TCP at 256 MiB;
+//! - `ferry A->B, 1 conn` and `4 conns`: the steady state again, on pairs whose B spreads a
+//!   pull over at most that many connections (`--pull-connections`; a default node uses one per
+//!   four cores, up to 8, one below 8 cores): a tensor over 16 MiB comes in 16 MiB stripes
+//!   fetched side by side, each hashed as it arrives. Where the cores are few these only show
+//!   what striping costs; on many cores, what it gains;
 //! - `ferry A->B, mTLS`: the steady state again, on a pair of nodes serving mutual TLS
 //!   (certificates from `ferry_certs`, the client's too): every byte of the pull crosses a
 //!   rustls stream (AES-GCM); the goal is >= 0.6x raw TCP at 256 MiB;
@@ -89,6 +94,11 @@ const NAME: &str = "bench.w";
 
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The connections a default node spreads one pull over here (`--pull-connections`' default).
+fn default_connections() -> usize {
+    ferry_server::Striping::for_this_machine().connections()
 }
 
 /// One measured tensor.
@@ -218,6 +228,38 @@ async fn cold_copies(binary: &Path, data: &TensorData, runs: usize, pool: Option
         source: memory.0,
         target: memory.1,
     }
+}
+
+/// Steady-state copies as the plain ones are measured (an untimed warm-up, then each timed copy
+/// deleted on B, its hash verified, outside the timing), on a pair whose B pulls over at most
+/// `connections` connections per tensor (`--pull-connections`: 1 fetches over one, more stripe a
+/// tensor larger than 16 MiB over them).
+async fn striped_copies(binary: &Path, data: &TensorData, runs: usize, connections: u16) -> Rate {
+    let bytes = data.as_bytes().len();
+    let n = connections.to_string();
+    let a = NodeProcess::start(binary, "bench-striped-a", &[]);
+    let b = NodeProcess::start(binary, "bench-striped-b", &["--pull-connections", &n]);
+    let (mut source, mut target) = clients(&a, &b).await;
+    let key = TensorKey::new(0, NAME);
+    source.put(&key, data).await.expect("put on A");
+    let mut times = Vec::with_capacity(runs);
+    for run in 0..=runs {
+        let started = Instant::now();
+        pull_once(&mut source, &mut target, &key, &a.addr, bytes).await;
+        let elapsed = started.elapsed();
+        if run == 0 {
+            let back = target.get(&key).await.expect("get from B");
+            assert!(
+                back.as_bytes() == data.as_bytes(),
+                "bytes after a striped pull"
+            );
+        } else {
+            times.push(elapsed);
+        }
+        verified_since(&mut target, started).await;
+        target.delete(&key).await.expect("delete on B");
+    }
+    Rate::of(bytes, &mut times)
 }
 
 /// Steady-state copies between two nodes that serve mutual TLS, as the plain ones are measured:
@@ -404,6 +446,8 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
     let cold = cold_copies(binary, &data, runs, None).await;
     let pooled = cold_copies(binary, &data, runs, Some(bytes + 64 * MIB)).await;
     let tls = tls_copies(binary, &data, runs).await;
+    let one_connection = striped_copies(binary, &data, runs, 1).await;
+    let four_connections = striped_copies(binary, &data, runs, 4).await;
     drop(data);
     let ferry = Rate::of(bytes, &mut times);
     let ratio = ferry.median / tcp.median;
@@ -414,6 +458,8 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
     println!("  ferry A->B, cold, pool {}", pooled.rate);
     println!("    hash verified     {}", pooled.verified);
     println!("  ferry A->B, mTLS    {tls}");
+    println!("  ferry A->B, 1 conn  {one_connection}");
+    println!("  ferry A->B, 4 conns {four_connections}");
     println!("  raw TCP             {tcp}");
     println!("  raw mTLS            {raw_tls}");
     println!("  memcpy              {memcpy}");
@@ -440,6 +486,12 @@ async fn measure(binary: &Path, case: &Case, peaks_resettable: &mut bool) -> Out
         tls.median / ferry.median,
         tls.median / raw_tls.median,
         raw_tls.median / tcp.median
+    );
+    println!(
+        "  ferry/raw TCP, 1 connection {:.2}, 4 connections {:.2} (medians; default here: {} per pull)",
+        one_connection.median / tcp.median,
+        four_connections.median / tcp.median,
+        default_connections()
     );
     // What a pull cannot avoid: the stream's own CPU (a send and a receive copy) and the
     // receiver's BLAKE3 over every byte (it checks no chunk checksum; the source reuses its

@@ -172,5 +172,6 @@ fn response_since(response: &Response) -> (&'static str, u16) {
         Response::Released => ("released", 0),
         Response::Page { .. } => ("page", 3),
         Response::Holds { .. } => ("holds", 5),
+        Response::TensorPart { .. } => ("tensor-part", crate::message::FETCH_RANGE_MINOR),
     }
 }

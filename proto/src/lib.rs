@@ -20,6 +20,7 @@ pub mod message;
 pub mod meta;
 pub mod scales;
 pub mod secret;
+pub mod stripes;
 pub mod tensor;
 pub mod transfer_path;
 pub mod untrusted;

@@ -16,6 +16,10 @@ use crate::transfer_path::TransferPath;
 /// The minor that added [`Request::DeleteIf`], which a move between nodes ends with.
 pub const DELETE_IF_MINOR: u16 = 3;
 
+/// The minor that added [`Request::FetchRange`] and [`Response::TensorPart`], which a pull
+/// spread over several connections asks and is answered with.
+pub const FETCH_RANGE_MINOR: u16 = 8;
+
 /// The longest tensor name accepted, in bytes.
 pub const MAX_NAME_LEN: usize = 1024;
 
@@ -247,6 +251,21 @@ pub enum Request {
         /// Which device.
         device: u32,
     },
+    /// From one node to another: send the part of the tensor a capability names that lies at
+    /// `from..to` of its content hash's input (PROTOCOL.md §7.2: the meta's bytes, then the
+    /// payload), so that a node asks for a stripe before it knows the meta. Answered by
+    /// [`Response::TensorPart`] and chunk frames covering the payload range it names. Added in
+    /// minor 8.
+    FetchRange {
+        /// The capability.
+        capability: CapabilityToken,
+        /// The node id of the node fetching.
+        node_id: NodeId,
+        /// The first byte of the hash input wanted.
+        from: u64,
+        /// One past the last byte of the hash input wanted.
+        to: u64,
+    },
 }
 
 impl Request {
@@ -272,6 +291,7 @@ impl Request {
             Request::ListPage { .. } => "list",
             Request::DeleteIf { .. } => "delete",
             Request::Holds { .. } => "holds",
+            Request::FetchRange { .. } => "fetch-range",
         }
     }
 
@@ -296,6 +316,7 @@ impl Request {
             Request::ListPage { .. } => 3,
             Request::DeleteIf { .. } => DELETE_IF_MINOR,
             Request::Holds { .. } => 5,
+            Request::FetchRange { .. } => FETCH_RANGE_MINOR,
         }
     }
 
@@ -308,6 +329,7 @@ impl Request {
                 | Request::Copy { .. }
                 | Request::Pull { .. }
                 | Request::Fetch { .. }
+                | Request::FetchRange { .. }
         )
     }
 }
@@ -373,6 +395,20 @@ pub enum Response {
         /// Each probed dtype and what came of it.
         dtypes: Vec<HeldDtype>,
     },
+    /// Part of a tensor follows as chunk frames, covering payload bytes `start..end` exactly
+    /// (never a region): the answer to [`Request::FetchRange`]. `end` reaches past the part asked
+    /// for, to the payload's end, where the source sends the rest on this connection instead (a
+    /// tensor it would have to copy out of its device for every part). Added in minor 8.
+    TensorPart {
+        /// Where it is and what it is.
+        info: TensorInfo,
+        /// The whole tensor's meta.
+        meta: WireMeta,
+        /// The first payload byte that follows.
+        start: u64,
+        /// One past the last payload byte that follows.
+        end: u64,
+    },
 }
 
 impl Response {
@@ -392,6 +428,7 @@ impl Response {
             Response::Released => "released",
             Response::Page { .. } => "page",
             Response::Holds { .. } => "holds",
+            Response::TensorPart { .. } => "tensor-part",
         }
     }
 }

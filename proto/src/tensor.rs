@@ -120,10 +120,19 @@ pub fn content_hash_parts(
 /// A BLAKE3 hasher primed with `meta`'s part of the content hash; feed it the payload in order.
 pub fn content_hasher(meta: &TensorMeta) -> blake3::Hasher {
     let mut hasher = blake3::Hasher::new();
+    hasher.update(&content_hash_prefix(meta));
+    hasher
+}
+
+/// `meta`'s part of the content hash's input, which the payload follows (PROTOCOL.md §7.2): the
+/// dtype tag, a quantized dtype's scheme codes and block extents, the rank and each dimension.
+/// At most 1 + 7 + 5 + 8 + 16 × 8 = 149 bytes.
+pub fn content_hash_prefix(meta: &TensorMeta) -> Vec<u8> {
     let wire = crate::WireDType::from(meta.dtype());
-    hasher.update(&[wire.tag]);
+    let mut prefix = Vec::with_capacity(16 + 8 * meta.shape().len());
+    prefix.push(wire.tag);
     if let Some(q) = &wire.quant {
-        hasher.update(&[
+        prefix.extend_from_slice(&[
             q.value,
             q.store,
             q.packing_dim,
@@ -132,13 +141,13 @@ pub fn content_hasher(meta: &TensorMeta) -> blake3::Hasher {
             q.block_scale,
             q.block_size.len() as u8,
         ]);
-        hasher.update(&q.block_size);
+        prefix.extend_from_slice(&q.block_size);
     }
-    hasher.update(&(meta.shape().len() as u64).to_le_bytes());
+    prefix.extend_from_slice(&(meta.shape().len() as u64).to_le_bytes());
     for &dim in meta.shape() {
-        hasher.update(&(dim as u64).to_le_bytes());
+        prefix.extend_from_slice(&(dim as u64).to_le_bytes());
     }
-    hasher
+    prefix
 }
 
 #[cfg(test)]

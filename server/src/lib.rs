@@ -41,7 +41,7 @@ pub use ferry_proto::{NodeId, Token, Transfer};
 pub use holds::HoldsTable;
 pub use node::{
     ClusterMembers, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, Node, NodeConfig, NodeLimits, Peer,
-    PeerPolicy, PullConfig, ReceiveBuffers,
+    PeerPolicy, PullConfig, ReceiveBuffers, Striping,
 };
 pub use service::{
     DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, Service, ServiceConfig,

@@ -759,7 +759,8 @@ async fn a_stat_answer_crosses_minors_both_ways() {
         };
         assert_eq!(got, expected, "minor {older}");
         assert_eq!(got.agent, sent.agent, "minor {older}");
-        assert_eq!(got.uptime_ms, 0, "minor {older} has no uptime");
+        let uptime = if older >= 7 { sent.uptime_ms } else { 0 };
+        assert_eq!(got.uptime_ms, uptime, "minor {older}: uptime since minor 7");
         assert_eq!(
             got.devices[0].largest_tensor,
             (older >= 6).then_some(9),

@@ -20,4 +20,5 @@ mod node;
 mod peers;
 mod pool;
 mod shareable;
+mod stripes;
 mod tls;

@@ -899,7 +899,7 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_re
     let mut fresh = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
     fetch.payload(&mut fresh, RegionUse::Map).await.unwrap();
 
-    // Released only by the connection of the latest fetch: not by a third party that knows the
+    // Released only by a connection that fetched under it: not by a third party that knows the
     // token and the audience, nor by the client it was granted to once a fetch began.
     let mut third = source_connection(&a).await;
     assert_eq!(

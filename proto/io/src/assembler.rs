@@ -66,6 +66,20 @@ enum Backing {
     Region(crate::region::RegionBuffer),
 }
 
+/// A receiver without its buffer and hash, while stripes fill the buffer (`crate::striped`).
+pub(crate) struct Shell {
+    hash_use: Option<HashUse>,
+    meta: TensorMeta,
+    backing: Backing,
+}
+
+impl Shell {
+    /// What is being received.
+    pub(crate) fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+}
+
 /// Where a new receiver's own buffer comes from.
 enum Source<'a> {
     /// New memory, aligned for the dtype.
@@ -439,6 +453,49 @@ impl TensorAssembler {
         }
         self.received = total;
         Ok(())
+    }
+
+    /// Takes the receiver apart for a striped receive (`crate::striped`): its buffer, and the
+    /// rest to rebuild it from ([`from_striped`](Self::from_striped)). Only before any byte
+    /// arrived; `Err` gives it back otherwise.
+    pub(crate) fn take_apart(self) -> Result<(Shell, Bytes), Box<Self>> {
+        if self.received != 0 || matches!(self.hash, HashState::Trailing(_)) {
+            return Err(Box::new(self));
+        }
+        let Self {
+            hash: _,
+            hash_use,
+            meta,
+            buf,
+            received: _,
+            backing,
+        } = self;
+        Ok((
+            Shell {
+                hash_use,
+                meta,
+                backing,
+            },
+            buf,
+        ))
+    }
+
+    /// The receiver [`take_apart`](Self::take_apart) took apart, as it was, without its hash.
+    pub(crate) fn from_shell(shell: Shell, buf: Bytes) -> Self {
+        Self::with_buffer(shell.meta, buf, shell.backing)
+    }
+
+    /// A receiver whose every byte arrived by stripes into `buf`, hashed to `hash` as they did.
+    pub(crate) fn from_striped(shell: Shell, buf: Bytes, hash: ContentHash) -> Self {
+        let received = buf.len();
+        Self {
+            hash: HashState::Done(hash),
+            hash_use: shell.hash_use,
+            meta: shell.meta,
+            buf,
+            received,
+            backing: shell.backing,
+        }
     }
 
     /// Copies a verified chunk in.

@@ -2,9 +2,9 @@
 //! passing), the [`Connection`] that moves frames and payloads over them, shared-memory regions,
 //! host memory for received tensors, and the handshake both sides run.
 //!
-//! Every `unsafe` block of ferry lives in this crate (`allocator`, `assembler`, `host`, `pool`, `region`,
-//! `trailing`, `transport`), each minimal and with its SAFETY reason; `ferry-proto` is the
-//! sans-IO wire underneath and forbids `unsafe`.
+//! Every `unsafe` block of ferry lives in this crate (`allocator`, `assembler`, `host`, `pool`,
+//! `region`, `split_buffer`, `trailing`, `transport`), each minimal and with its SAFETY reason;
+//! `ferry-proto` is the sans-IO wire underneath and forbids `unsafe`.
 // The one crate allowed `unsafe` (the workspace denies it); every block says why it is sound.
 #![allow(unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -25,12 +25,16 @@ pub mod refusal_log;
 pub mod region;
 pub mod signed_record;
 pub mod spare_memory;
+pub mod split_buffer;
+pub mod striped;
 pub mod tls;
 mod trailing;
 pub mod transport;
 
 pub use assembler::{HashUse, TRAILING_HASH_MIN, TensorAssembler};
-pub use connection::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse};
+pub use connection::{
+    ChunkSink, Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse,
+};
 pub use exchange::{Dial, Exchange, ExchangeError, PeerCheck, SharedMemory, Step};
 pub use pool::{Pool, PoolError, ReadyBound};
 pub use signed_record::{RecordCheck, RecordError, RecordSigner};

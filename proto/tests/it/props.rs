@@ -272,6 +272,14 @@ fn arb_request() -> BoxedStrategy<Request> {
         (arb_key(), arb_hash())
             .prop_map(|(key, content_hash)| Request::DeleteIf { key, content_hash }),
         any::<u32>().prop_map(|device| Request::Holds { device }),
+        (arb_text(), arb_text(), any::<u64>(), any::<u64>()).prop_map(
+            |(capability, node_id, from, to)| Request::FetchRange {
+                capability: capability.into(),
+                node_id: node_id.into(),
+                from,
+                to,
+            }
+        ),
     ]
     .boxed()
 }
@@ -416,6 +424,14 @@ fn arb_response() -> BoxedStrategy<Response> {
                     })
                     .collect(),
             }),
+        (arb_info(), arb_wire_meta(), any::<u64>(), any::<u64>()).prop_map(
+            |(info, meta, start, end)| Response::TensorPart {
+                info,
+                meta,
+                start,
+                end,
+            }
+        ),
     ]
     .boxed()
 }

@@ -9,6 +9,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use ferry_io::credential::{Credential, parse_token_file, token_from_file};
 use ferry_io::{ConnectionLimits, SharedMemory};
+use ferry_proto::stripes::StripeLen;
 use ferry_server::{
     DeviceSpec, Node, NodeConfig, PeerPolicy, ReceiveBuffers, Service, ServiceConfig,
     TransferPolicy,
@@ -184,6 +185,11 @@ struct Args {
     /// Reconnections of a pull after a transient drop.
     #[arg(long, default_value_t = 3)]
     pull_retries: u32,
+    /// Connections one pull of a tensor larger than a stripe (16 MiB) spreads over, each
+    /// fetching whole stripes (1 to 16; 1 fetches every tensor over one connection). Default: a
+    /// connection per four cores, up to 8, so 1 (off) on fewer than 8 cores.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
+    pull_connections: Option<u16>,
     /// Serve Prometheus metrics over HTTP on this address (any path answers). Clear HTTP with no
     /// credential: an address beyond loopback needs --insecure.
     #[arg(long, value_name = "ADDR")]
@@ -558,6 +564,7 @@ async fn serve() -> anyhow::Result<()> {
             peer_token: peer_token.map(ferry_proto::Token::from),
             retries: args.pull_retries,
             peer_limits: limits,
+            striping: striping(args.pull_connections),
             ..PullConfig::default()
         },
         ..NodeConfig::default()
@@ -796,9 +803,34 @@ fn read_secret(path: &std::path::Path) -> anyhow::Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
 }
 
+/// How a pull spreads over connections: `--pull-connections N` where given, else by the cores
+/// this machine has.
+fn striping(pull_connections: Option<u16>) -> ferry_server::Striping {
+    match pull_connections {
+        Some(n) => ferry_server::Striping::new(usize::from(n), StripeLen::DEFAULT),
+        None => ferry_server::Striping::for_this_machine(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--pull-connections` takes 1 to 16; 1 turns striping off, more stripes over that many;
+    /// without it the machine decides (off below 8 cores).
+    #[test]
+    fn pull_connections_are_one_to_sixteen_and_default_by_cores() {
+        let parse = |n: &str| Args::try_parse_from(["ferry-server", "--pull-connections", n]);
+        for refused in ["0", "17", "-1", "many"] {
+            assert!(parse(refused).is_err(), "{refused}");
+        }
+        let four = parse("4").unwrap().pull_connections;
+        assert_eq!(striping(four).connections(), 4);
+        assert!(!striping(parse("1").unwrap().pull_connections).spreads());
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(striping(None).spreads(), cores >= 8);
+        assert_eq!(striping(None).stripe_len(), StripeLen::DEFAULT);
+    }
 
     /// The automatic pool is for nodes with a device that draws from it: Flex (the default) or
     /// a GPU, not NdArray alone.

@@ -135,6 +135,12 @@ impl HostBytes {
         }
     }
 
+    /// Whether these are the registered tensor's own bytes, lent without a copy (so that sending
+    /// them in parts costs no more than sending them whole).
+    pub(crate) fn lent(&self) -> bool {
+        matches!(self, HostBytes::Shared { .. })
+    }
+
     /// The payload's length.
     pub(crate) fn len(&self) -> usize {
         match self {

@@ -20,7 +20,7 @@ use crate::device::{Command, Version};
 /// Crate-private, as is [`Arrived`](crate::device::Arrived) that carries it: the worker registers
 /// a [`Computed`](KnownHash::Computed) hash as verified without looking at the bytes again, so
 /// only code of this node that hashed the very bytes it hands over may make one (a pull's
-/// receiver, `peer.rs`, after comparing its hash with the grant; a put's to a device that cannot
+/// receiver, `peer/`, after comparing its hash with the grant; a put's to a device that cannot
 /// lend its registered bytes, `service/session.rs`, whose chunks came through their checksums or
 /// TLS). Nothing outside the crate can hand the
 /// node a hash it is to trust.

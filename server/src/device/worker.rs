@@ -583,7 +583,7 @@ impl<B: Backend> Worker<B> {
                 let later = self.kind.shares_registered_bytes(&dtype);
                 let content_hash = match hash {
                     // Trusted as is: `KnownHash` is crate-private, and the places that make a
-                    // `Computed` (a pull's receiver, `peer.rs`; a put's, `service/session.rs`)
+                    // `Computed` (a pull's receiver, `peer/`; a put's, `service/session.rs`)
                     // hashed these very bytes as they arrived. No embedder or peer can state a
                     // hash that lands here; a stated one is `Stated` below, and verified from
                     // the registered bytes.

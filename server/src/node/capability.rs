@@ -26,36 +26,73 @@ pub(crate) struct ClientId(u64);
 
 /// A capability this node issued.
 ///
-/// Its life: granted to a client (for one audience node) → fetched by that audience, perhaps
-/// resumed → released by the connection that fetched it (every byte arrived and verified), or by
-/// the client it was granted to before any fetch began (a dedup never fetched). It also ends
-/// when it expires, when a fetch ended and no release or resume came within one idle timeout,
-/// or, before any fetch, when the connection that asked for it closes.
+/// Its life: granted to a client (for one audience node) → fetched by that audience, whole or a
+/// stripe per fetch over several connections at once, perhaps resumed → released by a
+/// connection that fetched it (every byte arrived and verified), or by the client it was granted
+/// to before any fetch began (a dedup never fetched). It also ends when it expires, when its
+/// last fetch under way ended and no release or further fetch came within one idle timeout, or,
+/// before any fetch, when the connection that asked for it closes.
 #[derive(Debug)]
 pub(super) struct Capability {
     key: TensorKey,
     /// The version it grants: a fetch of anything else (the tensor was replaced) is refused, so
     /// a resumed transfer can never join two versions.
     version: Version,
+    /// That version's payload length, which its fetches are charged against.
+    bytes: u64,
     audience: NodeId,
     expires: Instant,
     /// The connection that asked for it.
     granted_to: ClientId,
-    /// The connection of the latest fetch, once one began.
-    fetcher: Option<ClientId>,
-    /// Counts fetches; only the latest may touch the capability when it ends, so a resume can
-    /// take over from a fetch whose connection has not noticed it is dead.
-    generation: u64,
-    /// A fetch is under way now (its lease is alive).
-    in_flight: bool,
-    /// The connection it was granted to closed while a fetch was under way: it ends with that
-    /// fetch.
+    /// The connections that began a fetch under it, the latest [`MAX_FETCHERS`]: any of them
+    /// may release it (a striped pull fetches over several).
+    fetchers: Vec<ClientId>,
+    /// What its fetches were charged so far ([`fetch_charge`]), bounded by
+    /// [`MAX_FETCHES`] times the payload.
+    charged: u64,
+    /// Fetches under way now (their leases alive): the capability lapses one idle timeout after
+    /// the last one ends, unless it is released or fetched again.
+    in_flight: u32,
+    /// The connection it was granted to closed while a fetch was under way: it ends with the last
+    /// one.
     orphaned: bool,
 }
 
-/// The most fetches one capability serves: the first and its resumes (a pull retries three
-/// times by default), so that a capability cannot be fetched again and again until it expires.
+/// How many times over one capability serves its payload, so that it cannot be fetched again
+/// and again until it expires: 16 fetches (the first and its resumes: a pull retries three times
+/// by default), or the stripes of striped pulls worth 16 payloads ([`fetch_charge`]).
 const MAX_FETCHES: u64 = 16;
+
+/// The least share of a payload a ranged fetch is charged (1/1024 of it), so that ranges of
+/// nothing are bounded too.
+const MIN_RANGE_SHARE: u64 = 1024;
+
+/// The most connections a capability remembers as its fetchers.
+const MAX_FETCHERS: usize = 64;
+
+/// What a fetch is charged, against [`MAX_FETCHES`] times the payload's `bytes` (at least 1): a
+/// fetch from any offset a whole payload, a ranged one what it asks for (a range of the hash
+/// input covers at most as many payload bytes), at least 1/[`MIN_RANGE_SHARE`] of the payload.
+fn fetch_charge(bytes: u64, wants: &FetchWants) -> u64 {
+    let whole = bytes.max(1);
+    match wants {
+        FetchWants::From(_) => whole,
+        FetchWants::Input(range) => range
+            .end
+            .saturating_sub(range.start)
+            .min(whole)
+            .max(whole.div_ceil(MIN_RANGE_SHARE)),
+    }
+}
+
+/// What a fetch asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum FetchWants {
+    /// The payload from this offset to its end (`Fetch`).
+    From(u64),
+    /// The payload bytes in this range of the content hash's input (`FetchRange`: a stripe).
+    Input(std::ops::Range<u64>),
+}
 
 /// The longest node id or audience accepted.
 const MAX_NODE_ID_LEN: usize = 256;
@@ -75,7 +112,7 @@ impl Node {
                 return true;
             }
             c.orphaned = true;
-            c.in_flight
+            c.in_flight > 0
         });
     }
 
@@ -118,12 +155,13 @@ impl Node {
             Capability {
                 key: key.clone(),
                 version: desc.version,
+                bytes: desc.bytes,
                 audience: audience.clone(),
                 expires: now + ttl,
                 granted_to: client,
-                fetcher: None,
-                generation: 0,
-                in_flight: false,
+                fetchers: Vec::new(),
+                charged: 0,
+                in_flight: 0,
                 orphaned: false,
             },
         );
@@ -144,9 +182,10 @@ impl Node {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Starts serving a fetch (from any offset): the capability must exist, be unexpired, be
-    /// bound to `node_id` and have served fewer than [`MAX_FETCHES`]. A new fetch takes over
-    /// from an earlier one still under way. A fetch that sent every byte does not use the
+    /// Starts serving a fetch of what `wants` asks: the capability must exist, be unexpired, be
+    /// bound to `node_id` and have served less than [`MAX_FETCHES`] times its payload. Fetches
+    /// may run side by side (the stripes of one pull, or a resume beside a fetch whose
+    /// connection has not noticed it is dead). A fetch that sent every byte does not use the
     /// capability up: only the target's release does, once it verified them, so that a target
     /// whose only chunk was lost in flight may fetch it again from offset 0.
     pub(crate) fn begin_fetch(
@@ -154,6 +193,7 @@ impl Node {
         token: &CapabilityToken,
         node_id: &NodeId,
         client: ClientId,
+        wants: &FetchWants,
     ) -> Result<FetchLease, NodeError> {
         let now = Instant::now();
         let mut capabilities = self.capabilities();
@@ -168,18 +208,25 @@ impl Node {
         if capability.audience != *node_id {
             return Err(refused(Refusal::OtherNode));
         }
-        if capability.generation >= MAX_FETCHES {
+        let charge = fetch_charge(capability.bytes, wants);
+        let allowance = MAX_FETCHES.saturating_mul(capability.bytes.max(1));
+        let charged = capability.charged.saturating_add(charge);
+        if charged > allowance {
             return Err(refused(Refusal::FetchedTooOften));
         }
-        capability.generation += 1;
-        capability.fetcher = Some(client);
-        capability.in_flight = true;
+        capability.charged = charged;
+        if !capability.fetchers.contains(&client) {
+            if capability.fetchers.len() == MAX_FETCHERS {
+                capability.fetchers.remove(0);
+            }
+            capability.fetchers.push(client);
+        }
+        capability.in_flight += 1;
         Ok(FetchLease {
             node: self.clone(),
             token: token.clone(),
             key: capability.key.clone(),
             version: capability.version,
-            generation: capability.generation,
         })
     }
 
@@ -189,7 +236,7 @@ impl Node {
         self.capabilities().remove(token);
     }
 
-    /// Uses a capability up: by the connection of its latest fetch once every byte arrived, or
+    /// Uses a capability up: by a connection that fetched under it once every byte arrived, or
     /// by the client it was granted to before any fetch began (handing back one it did not
     /// need). Nobody else may release it.
     pub(crate) fn release(
@@ -201,9 +248,10 @@ impl Node {
         let mut capabilities = self.capabilities();
         let allowed = capabilities.get(token).is_some_and(|c| {
             c.audience == *node_id
-                && match c.fetcher {
-                    Some(fetcher) => fetcher == client,
-                    None => c.granted_to == client,
+                && if c.fetchers.is_empty() {
+                    c.granted_to == client
+                } else {
+                    c.fetchers.contains(&client)
                 }
         });
         if !allowed {
@@ -223,15 +271,14 @@ pub(crate) struct Granted {
     pub(crate) content_hash: ContentHash,
 }
 
-/// A fetch in progress under a capability; when it ends, the capability waits one idle timeout
-/// for the fetching node's release or a resume, and then lapses.
+/// A fetch in progress under a capability; when the last one under it ends, the capability waits
+/// one idle timeout for the fetching node's release or another fetch, and then lapses.
 #[derive(Debug)]
 pub(crate) struct FetchLease {
     node: Node,
     token: CapabilityToken,
     key: TensorKey,
     version: Version,
-    generation: u64,
 }
 
 impl FetchLease {
@@ -252,14 +299,15 @@ impl Drop for FetchLease {
         // enough for the same node to release it or resume.
         let window = self.node.inner.config.pulls.peer_limits.idle_timeout;
         let mut capabilities = self.node.capabilities();
-        if let Some(capability) = capabilities.get_mut(&self.token)
-            && capability.generation == self.generation
-        {
+        if let Some(capability) = capabilities.get_mut(&self.token) {
+            capability.in_flight = capability.in_flight.saturating_sub(1);
+            if capability.in_flight > 0 {
+                return;
+            }
             if capability.orphaned {
                 capabilities.remove(&self.token);
                 return;
             }
-            capability.in_flight = false;
             capability.expires = capability.expires.min(Instant::now() + window);
         }
     }

@@ -71,6 +71,65 @@ pub struct PullConfig {
     pub retries: u32,
     /// The wait before the first reconnection; it doubles with each further one.
     pub retry_backoff: Duration,
+    /// How a pull of a large tensor spreads over several connections to its source.
+    pub striping: Striping,
+}
+
+/// How a pull of a tensor larger than one stripe spreads over several connections to its
+/// source, each fetching whole stripes (aligned pieces of the content hash's input, hashed as
+/// they arrive and merged: PROTOCOL.md §3, item 6.3) while there are any left.
+///
+/// It pays where one connection is the limit: a core each end copying and hashing while other
+/// cores idle, on a link faster than that. On a machine with few cores the nodes' other work
+/// already fills them, so [`for_this_machine`](Self::for_this_machine) keeps it off there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Striping {
+    connections: std::num::NonZeroUsize,
+    stripe_len: ferry_proto::stripes::StripeLen,
+}
+
+impl Striping {
+    /// The most connections one pull spreads over.
+    pub const MAX_CONNECTIONS: usize = 16;
+
+    /// One connection per pull: no stripes.
+    pub const OFF: Striping = Striping {
+        connections: std::num::NonZeroUsize::MIN,
+        stripe_len: ferry_proto::stripes::StripeLen::DEFAULT,
+    };
+
+    /// Up to `connections` per pull (1 turns striping off; at most
+    /// [`MAX_CONNECTIONS`](Self::MAX_CONNECTIONS)), in stripes of `stripe_len`.
+    pub fn new(connections: usize, stripe_len: ferry_proto::stripes::StripeLen) -> Striping {
+        let connections = connections.clamp(1, Self::MAX_CONNECTIONS);
+        Striping {
+            connections: std::num::NonZeroUsize::new(connections)
+                .unwrap_or(std::num::NonZeroUsize::MIN),
+            stripe_len,
+        }
+    }
+
+    /// A connection per four cores, up to 8: off on fewer than 8 cores, where a pull's one
+    /// connection and the hashing and registering around it already keep every core busy.
+    pub fn for_this_machine() -> Striping {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        Striping::new((cores / 4).min(8), ferry_proto::stripes::StripeLen::DEFAULT)
+    }
+
+    /// The most connections one pull spreads over.
+    pub fn connections(&self) -> usize {
+        self.connections.get()
+    }
+
+    /// Whether a pull may spread over more than one connection.
+    pub fn spreads(&self) -> bool {
+        self.connections.get() > 1
+    }
+
+    /// The stripe length.
+    pub fn stripe_len(&self) -> ferry_proto::stripes::StripeLen {
+        self.stripe_len
+    }
 }
 
 /// Where a node's large receives on Flex devices (puts and pulls, by any link but a sealed
@@ -142,6 +201,7 @@ impl Default for PullConfig {
             peer_limits: ConnectionLimits::default(),
             retries: 3,
             retry_backoff: Duration::from_millis(100),
+            striping: Striping::for_this_machine(),
         }
     }
 }

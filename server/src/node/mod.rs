@@ -26,9 +26,11 @@ use crate::error::NodeError;
 
 pub(crate) use admission::Admission;
 use capability::Capability;
-pub(crate) use capability::ClientId;
 pub use capability::DEFAULT_MAX_GRANTS;
-pub use config::{DEFAULT_MAX_TENSORS, NodeConfig, NodeLimits, PullConfig, ReceiveBuffers};
+pub(crate) use capability::{ClientId, FetchWants};
+pub use config::{
+    DEFAULT_MAX_TENSORS, NodeConfig, NodeLimits, PullConfig, ReceiveBuffers, Striping,
+};
 pub(crate) use peer_policy::PeerTerms;
 pub use peer_policy::{ClusterMembers, Peer, PeerPolicy};
 pub(crate) use recorder::{Direction, Recorder, Refused};

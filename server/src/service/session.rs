@@ -19,7 +19,7 @@ use super::{HANDSHAKE_MAX_BODY, MAX_REQUEST_BODY, ServiceConfig, idle_for};
 use crate::device::{Arrived, IfExists, KnownHash};
 use crate::error::{NodeError, Refusal};
 use crate::holds::Held;
-use crate::node::{AGENT, ClientId, Direction, MAX_PAGE, Node, Refused};
+use crate::node::{AGENT, ClientId, Direction, FetchWants, MAX_PAGE, Node, Refused};
 use crate::peer::{PeerLink, PullRequest};
 
 /// A connection's state: the node it serves, who is on the other end, and the session's own
@@ -50,7 +50,7 @@ fn scopes_needed(request: &Request) -> &'static [Scope] {
         | Request::Delete { .. }
         | Request::DeleteIf { .. }
         | Request::Pull { .. } => &[Scope::Write],
-        Request::Fetch { .. } => &[Scope::Peer],
+        Request::Fetch { .. } | Request::FetchRange { .. } => &[Scope::Peer],
         // The node that fetched a capability releases it, and so does the client it was granted
         // to when the target did not need it (a dedup): who may is checked per capability.
         Request::Release { .. } => &[Scope::Peer, Scope::Read],
@@ -309,7 +309,19 @@ impl Session<'_> {
                 capability,
                 node_id,
                 offset,
-            } => return self.fetch(conn, &capability, &node_id, offset).await,
+            } => {
+                let wants = FetchWants::From(offset);
+                return self.fetch(conn, &capability, &node_id, wants).await;
+            }
+            Request::FetchRange {
+                capability,
+                node_id,
+                from,
+                to,
+            } => {
+                let wants = FetchWants::Input(from..to);
+                return self.fetch(conn, &capability, &node_id, wants).await;
+            }
             Request::Release {
                 capability,
                 node_id,
@@ -408,17 +420,21 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Serves a node-to-node fetch under a capability, from `offset` on.
+    /// Serves a node-to-node fetch under a capability: from an offset to the end (`Fetch`), or
+    /// the part of the payload in a range of the content hash's input (`FetchRange`, a stripe),
+    /// which is sent from where it starts to the payload's end instead where the bytes are a
+    /// copy read out of the device for this fetch (a copy per stripe would cost more than the
+    /// stripes gain).
     async fn fetch<S: Transport>(
         &mut self,
         conn: &mut Connection<S>,
         capability: &CapabilityToken,
         node_id: &NodeId,
-        offset: u64,
+        wants: FetchWants,
     ) -> Result<(), ConnectionError> {
         let lease = match self
             .speaks_for(node_id)
-            .and_then(|node_id| self.node.begin_fetch(capability, node_id, self.id))
+            .and_then(|node_id| self.node.begin_fetch(capability, node_id, self.id, &wants))
         {
             Ok(lease) => lease,
             Err(error) => {
@@ -440,24 +456,46 @@ impl Session<'_> {
             }
             Err(error) => return conn.write_response(&Response::Error(error.reply())).await,
         };
-        let Ok(start) = usize::try_from(offset).map(|o| o.min(bytes.len())) else {
-            let error = NodeError::OffsetOutOfRange {
-                offset,
-                bytes: bytes.len() as u64,
-            };
-            return conn.write_response(&Response::Error(error.reply())).await;
-        };
-        conn.write_response(&Response::Tensor {
-            info: desc.to_wire(),
-            meta: meta.to_wire(),
-        })
-        .await?;
-        // A failed write drops the lease (the capability waits briefly for a resume) and the
-        // host copy read for it.
-        let route = conn
-            .write_payload_known(&bytes.parts(), start, bytes.known())
-            .await?;
-        self.count_sent(route, bytes.len());
+        let len = bytes.len();
+        match wants {
+            FetchWants::From(offset) => {
+                let Ok(start) = usize::try_from(offset).map(|o| o.min(len)) else {
+                    let error = NodeError::OffsetOutOfRange {
+                        offset,
+                        bytes: len as u64,
+                    };
+                    return conn.write_response(&Response::Error(error.reply())).await;
+                };
+                conn.write_response(&Response::Tensor {
+                    info: desc.to_wire(),
+                    meta: meta.to_wire(),
+                })
+                .await?;
+                // A failed write drops the lease (the capability waits briefly for a resume) and
+                // the host copy read for it.
+                let route = conn
+                    .write_payload_known(&bytes.parts(), start, bytes.known())
+                    .await?;
+                self.count_sent(route, len - start);
+            }
+            FetchWants::Input(input) => {
+                let prefix = ferry_proto::tensor::content_hash_prefix(&meta).len() as u64;
+                let part = ferry_proto::stripes::payload_part(prefix, len as u64, input);
+                // Within the payload, so within a `usize`.
+                let start = part.start as usize;
+                let end = if bytes.lent() { part.end as usize } else { len };
+                conn.write_response(&Response::TensorPart {
+                    info: desc.to_wire(),
+                    meta: meta.to_wire(),
+                    start: start as u64,
+                    end: end as u64,
+                })
+                .await?;
+                conn.write_payload_part(&bytes.parts(), start..end, bytes.known())
+                    .await?;
+                self.count_sent(PayloadRoute::Chunks, end - start);
+            }
+        }
         self.node.recorder().fetch_served();
         drop(lease);
         Ok(())

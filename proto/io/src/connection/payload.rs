@@ -3,8 +3,8 @@
 //! each whole payload within its deadline.
 
 use bytes::Buf;
-use ferry_proto::FrameError;
 use ferry_proto::frame::{self, CHUNK_PREFIX_LEN, FrameHeader, FrameKind, HEADER_LEN};
+use ferry_proto::{FrameError, StreamError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{Connection, ConnectionError, Known, RegionUse, SealedRegion};
@@ -25,7 +25,91 @@ pub enum PayloadRoute {
     Region,
 }
 
+/// Where a payload's chunk frames are written as they arrive: a whole tensor's receiver
+/// ([`TensorAssembler`]) or one stripe's ([`StripeReceiver`](crate::striped::StripeReceiver)).
+pub trait ChunkSink {
+    /// The place for `len` bytes at payload offset `offset`: the next bytes expected, within
+    /// what is expected, and not empty.
+    fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError>;
+    /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received.
+    fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError>;
+    /// Whether each chunk's checksum must be checked (see [`TensorAssembler::checks_chunks`]).
+    fn checks_chunks(&self) -> bool;
+    /// Whether every byte expected has arrived.
+    fn is_complete(&self) -> bool;
+    /// Bytes still expected, for the payload's deadline.
+    fn remaining(&self) -> u64;
+}
+
+impl ChunkSink for TensorAssembler {
+    fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError> {
+        TensorAssembler::slot(self, offset, len)
+    }
+
+    fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError> {
+        TensorAssembler::commit(self, offset, len)
+    }
+
+    fn checks_chunks(&self) -> bool {
+        TensorAssembler::checks_chunks(self)
+    }
+
+    fn is_complete(&self) -> bool {
+        TensorAssembler::is_complete(self)
+    }
+
+    fn remaining(&self) -> u64 {
+        (self.meta().byte_len() - self.received()) as u64
+    }
+}
+
+/// Whether a payload written whole may travel as one shared-memory region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Whole {
+    /// Where shared memory was agreed and the payload is large enough to gain from it.
+    MayGoAsRegion,
+    /// Never: the receiver reads chunk frames (a part of a payload).
+    AsChunks,
+}
+
 impl<S: Transport> Connection<S> {
+    /// Reads chunk frames into `sink` until it is complete (one stripe of a tensor, say): chunk
+    /// frames only, never a region, within the deadline of what it still expects.
+    pub async fn read_chunks<K: ChunkSink>(&mut self, sink: &mut K) -> Result<(), ConnectionError> {
+        let bytes = sink.remaining();
+        let deadline = self.limits.payload_deadline(bytes);
+        let read = async {
+            while !sink.is_complete() {
+                let header = self.next_chunk_header().await?;
+                self.read_chunk(header, sink).await?;
+            }
+            Ok(())
+        };
+        match deadline {
+            None => read.await,
+            Some(deadline) => tokio::time::timeout(deadline, read)
+                .await
+                .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?,
+        }
+    }
+
+    /// The next frame's header, which must be a chunk's.
+    async fn next_chunk_header(&mut self) -> Result<FrameHeader, ConnectionError> {
+        self.fill_to(HEADER_LEN).await?;
+        let head = self
+            .buffer
+            .first_chunk::<HEADER_LEN>()
+            .ok_or(FrameError::TruncatedFrame)?;
+        let header = FrameHeader::decode(head, self.limits.max_body)?;
+        match header.kind {
+            FrameKind::Chunk => Ok(header),
+            got => Err(ConnectionError::UnexpectedFrame {
+                expected: "chunk",
+                got,
+            }),
+        }
+    }
+
     /// Reads chunk frames into `assembler` until the whole payload has arrived. Each chunk's
     /// payload goes straight into its place in the preallocated buffer and counts only once its
     /// checksum matches (on a link that authenticates every byte itself, TLS, once it has
@@ -88,55 +172,67 @@ impl<S: Transport> Connection<S> {
                     });
                 }
             }
-            let body_len = header.body_len as usize;
-            let len = body_len
-                .checked_sub(CHUNK_PREFIX_LEN)
-                .ok_or(FrameError::ShortChunk { len: body_len })?;
-            self.fill_to(HEADER_LEN + CHUNK_PREFIX_LEN).await?;
-            self.buffer.advance(HEADER_LEN);
-            let offset_bytes = self.buffer.get_u64_le().to_le_bytes();
-            let offset = u64::from_le_bytes(offset_bytes);
-            let checks_chunks = assembler.checks_chunks();
-            let slot = assembler.slot(offset, len)?;
-            let buffered = self.buffer.len().min(len);
-            slot[..buffered].copy_from_slice(&self.buffer[..buffered]);
-            self.buffer.advance(buffered);
-            // A chunk's checksum catches noise on a link in clear. On a link that authenticates
-            // every byte (TLS) neither noise nor a tampered chunk gets here, and a payload hashed
-            // as it arrives to be checked (a pull, whose hash is compared with its grant before
-            // it is answered) is checked by that hash, which catches whatever the checksum would:
-            // in both the checksum is not computed, so each byte is read once after the kernel
-            // wrote it (by the hash, where there is one). A hash only recorded (a put's) trails
-            // the checksum by a chunk, reading what the checksum left in cache.
-            let check = !self.stream.get_ref().authenticated() && checks_chunks;
-            let mut crc = if check {
-                crc32c::crc32c_append(crc32c::crc32c(&offset_bytes), &slot[..buffered])
-            } else {
-                0
-            };
-            // Read the rest in cache-sized pieces and checksum each while it is still hot, so
-            // the payload costs one pass over memory rather than two.
-            for piece in slot[buffered..].chunks_mut(CHECKSUM_PIECE) {
-                let idle = self.limits.idle_timeout;
-                match tokio::time::timeout(idle, self.stream.read_exact(piece)).await {
-                    Err(_) => return Err(ConnectionError::IdleTimeout(idle)),
-                    Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                        return Err(ConnectionError::Closed);
-                    }
-                    Ok(result) => {
-                        result?;
-                    }
+            self.read_chunk(header, assembler).await?;
+        }
+        Ok((PayloadRoute::Chunks, None))
+    }
+
+    /// Reads the body of the chunk frame whose header is `header` into `sink`, straight into its
+    /// place there, and commits it once it arrived whole and (where checked) its checksum
+    /// matched.
+    async fn read_chunk<K: ChunkSink>(
+        &mut self,
+        header: FrameHeader,
+        sink: &mut K,
+    ) -> Result<(), ConnectionError> {
+        let body_len = header.body_len as usize;
+        let len = body_len
+            .checked_sub(CHUNK_PREFIX_LEN)
+            .ok_or(FrameError::ShortChunk { len: body_len })?;
+        self.fill_to(HEADER_LEN + CHUNK_PREFIX_LEN).await?;
+        self.buffer.advance(HEADER_LEN);
+        let offset_bytes = self.buffer.get_u64_le().to_le_bytes();
+        let offset = u64::from_le_bytes(offset_bytes);
+        let checks_chunks = sink.checks_chunks();
+        let slot = sink.slot(offset, len)?;
+        let buffered = self.buffer.len().min(len);
+        slot[..buffered].copy_from_slice(&self.buffer[..buffered]);
+        self.buffer.advance(buffered);
+        // A chunk's checksum catches noise on a link in clear. On a link that authenticates
+        // every byte (TLS) neither noise nor a tampered chunk gets here, and a payload hashed
+        // as it arrives to be checked (a pull, whose hash is compared with its grant before
+        // it is answered) is checked by that hash, which catches whatever the checksum would:
+        // in both the checksum is not computed, so each byte is read once after the kernel
+        // wrote it (by the hash, where there is one). A hash only recorded (a put's) trails
+        // the checksum by a chunk, reading what the checksum left in cache.
+        let check = !self.stream.get_ref().authenticated() && checks_chunks;
+        let mut crc = if check {
+            crc32c::crc32c_append(crc32c::crc32c(&offset_bytes), &slot[..buffered])
+        } else {
+            0
+        };
+        // Read the rest in cache-sized pieces and checksum each while it is still hot, so
+        // the payload costs one pass over memory rather than two.
+        for piece in slot[buffered..].chunks_mut(CHECKSUM_PIECE) {
+            let idle = self.limits.idle_timeout;
+            match tokio::time::timeout(idle, self.stream.read_exact(piece)).await {
+                Err(_) => return Err(ConnectionError::IdleTimeout(idle)),
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    return Err(ConnectionError::Closed);
                 }
-                if check {
-                    crc = crc32c::crc32c_append(crc, piece);
+                Ok(result) => {
+                    result?;
                 }
             }
             if check {
-                header.verify_crc(crc)?;
+                crc = crc32c::crc32c_append(crc, piece);
             }
-            assembler.commit(offset, len)?;
         }
-        Ok((PayloadRoute::Chunks, None))
+        if check {
+            header.verify_crc(crc)?;
+        }
+        sink.commit(offset, len)?;
+        Ok(())
     }
 
     /// Writes `payload` and flushes: as one shared-memory region where that was agreed and the
@@ -174,26 +270,58 @@ impl<S: Transport> Connection<S> {
         known: Known<'_>,
     ) -> Result<PayloadRoute, ConnectionError> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
-        let bytes = total.saturating_sub(start) as u64;
-        match self.limits.payload_deadline(bytes) {
-            None => self.write_payload_unbounded(parts, start, known).await,
-            Some(deadline) => {
-                tokio::time::timeout(deadline, self.write_payload_unbounded(parts, start, known))
-                    .await
-                    .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?
-            }
+        let range = start.min(total)..total;
+        self.write_payload_within(parts, range, known, Whole::MayGoAsRegion)
+            .await
+    }
+
+    /// [`write_payload_known`](Self::write_payload_known) for payload bytes `range` only (one
+    /// stripe of a tensor), always as chunk frames. A `range` past the payload is cut to it.
+    pub async fn write_payload_part(
+        &mut self,
+        parts: &[&[u8]],
+        range: std::ops::Range<usize>,
+        known: Known<'_>,
+    ) -> Result<(), ConnectionError> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let end = range.end.min(total);
+        let range = range.start.min(end)..end;
+        self.write_payload_within(parts, range, known, Whole::AsChunks)
+            .await
+            .map(|_| ())
+    }
+
+    async fn write_payload_within(
+        &mut self,
+        parts: &[&[u8]],
+        range: std::ops::Range<usize>,
+        known: Known<'_>,
+        whole: Whole,
+    ) -> Result<PayloadRoute, ConnectionError> {
+        let bytes = range.len() as u64;
+        let deadline = self.limits.payload_deadline(bytes);
+        let write = self.write_payload_unbounded(parts, range, known, whole);
+        match deadline {
+            None => write.await,
+            Some(deadline) => tokio::time::timeout(deadline, write)
+                .await
+                .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?,
         }
     }
 
+    /// Writes payload bytes `range` (within the payload), then flushes.
     async fn write_payload_unbounded(
         &mut self,
         parts: &[&[u8]],
-        start: usize,
+        range: std::ops::Range<usize>,
         known: Known<'_>,
+        whole: Whole,
     ) -> Result<PayloadRoute, ConnectionError> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
-        if self.shared_memory
-            && start == 0
+        let everything = range == (0..total);
+        if whole == Whole::MayGoAsRegion
+            && self.shared_memory
+            && everything
             && total >= self.limits.region_min.max(1)
             && self.write_region(parts, total, known.region).await?
         {
@@ -201,17 +329,21 @@ impl<S: Transport> Connection<S> {
         }
         let idle = self.limits.idle_timeout;
         let chunk = self.limits.chunk_size.max(1);
-        let mut offset = start.min(total);
+        let mut offset = range.start;
         let cached = known.checksums.and_then(|c| c.for_chunk_size(chunk));
         // A whole send with nothing cached yet records what it computes, for the next one.
         let mut computed =
-            (offset == 0 && cached.is_none() && known.checksums.is_some()).then(Vec::new);
-        while offset < total {
-            let end = offset.saturating_add(chunk).min(total);
+            (everything && cached.is_none() && known.checksums.is_some()).then(Vec::new);
+        while offset < range.end {
+            // Chunks end on multiples of the chunk size, so that a send from anywhere (a resume,
+            // a stripe) reuses the checksums cached for those chunks after its first.
+            let aligned_end = (offset / chunk).saturating_add(1).saturating_mul(chunk);
+            let end = aligned_end.min(range.end);
             let pieces = frame::slices_in(parts, offset..end);
+            let whole_chunk = offset.is_multiple_of(chunk) && end == aligned_end.min(total);
             let known_crc = cached
                 .as_ref()
-                .filter(|_| offset.is_multiple_of(chunk))
+                .filter(|_| whole_chunk)
                 .and_then(|crcs| crcs.get(offset / chunk));
             let prefix = match known_crc {
                 Some(&crc) => frame::chunk_prefix_checked(offset as u64, end - offset, crc),

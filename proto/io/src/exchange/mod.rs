@@ -81,6 +81,11 @@ impl Exchange {
         self.conn.shared_memory()
     }
 
+    /// The protocol minor this connection speaks with the node: the lower of the two.
+    pub fn node_minor(&self) -> u16 {
+        self.conn.peer_minor()
+    }
+
     /// Whether every exchange so far finished, so that the connection can take another.
     pub fn in_step(&self) -> bool {
         self.state == State::InStep
@@ -166,6 +171,15 @@ impl Step<'_> {
     pub async fn send_payload(&mut self, payload: &[u8]) -> Result<PayloadRoute, ExchangeError> {
         self.used = true;
         Ok(self.exchange.conn.write_payload(payload).await?)
+    }
+
+    /// Reads chunk frames the node announced into `sink` until it is complete.
+    pub async fn read_chunks<K: crate::ChunkSink>(
+        &mut self,
+        sink: &mut K,
+    ) -> Result<(), ExchangeError> {
+        self.used = true;
+        Ok(self.exchange.conn.read_chunks(sink).await?)
     }
 
     /// Reads a payload the node announced into `assembler`, doing with a payload that comes as a
@@ -346,5 +360,83 @@ mod tests {
             exchange.in_step(),
             "a step that touched nothing changes nothing"
         );
+    }
+
+    /// A source that answers a ranged fetch with a part that is not the one asked for (another
+    /// start, or an end that is neither the part's nor the payload's) is refused before any
+    /// payload byte is read, the connection out of step; the part asked for, or the rest of the
+    /// payload from its start, is taken.
+    #[tokio::test]
+    async fn a_ranged_fetch_takes_only_the_part_asked_for_or_the_rest_of_the_payload() {
+        // A [4, 1000] f32 tensor: 16000 payload bytes after a 25-byte prefix (tag, rank, 2 dims).
+        fn part(start: u64, end: u64) -> Option<Response> {
+            let meta =
+                ferry_proto::TensorMeta::new(vec![4, 1000], ferry_proto::DType::F32).unwrap();
+            Some(Response::TensorPart {
+                info: ferry_proto::TensorInfo {
+                    key: ferry_proto::TensorKey::new(0, "w"),
+                    dtype: ferry_proto::DType::F32.into(),
+                    shape: vec![4, 1000],
+                    bytes: 16_000,
+                    path: ferry_proto::TransferPath::Put,
+                },
+                meta: meta.to_wire(),
+                start,
+                end,
+            })
+        }
+        type Answer = fn(&Request) -> Option<Response>;
+        let cases: [(Answer, bool); 5] = [
+            (|_| part(1024 - 25, 2048 - 25), true),
+            (|_| part(1024 - 25, 16_000), true),
+            (|_| part(1024 - 24, 2048 - 25), false),
+            (|_| part(1024 - 25, 2048), false),
+            (|_| part(1024 - 25, 16_001), false),
+        ];
+        for (i, (answer, taken)) in cases.into_iter().enumerate() {
+            let endpoint = node(PROTOCOL_MINOR, answer).await;
+            let mut exchange = open(&endpoint).await;
+            let fetch = exchange
+                .fetch_range(&"cap".into(), &"node-b".into(), 1024..2048)
+                .await
+                .map(|fetch| fetch.range);
+            match fetch {
+                Ok(range) => assert!(taken, "case {i}: {range:?} taken"),
+                Err(error) => {
+                    assert!(!taken, "case {i}: {error}");
+                    assert!(
+                        matches!(error, ExchangeError::Unexpected(_)),
+                        "case {i}: {error}"
+                    );
+                    assert!(!exchange.in_step(), "case {i}");
+                }
+            }
+        }
+    }
+
+    /// A source of minor 7 is never asked for a range: nothing is sent, the connection stays in
+    /// step (a pull then fetches the tensor whole).
+    #[tokio::test]
+    async fn a_ranged_fetch_is_not_sent_to_a_source_of_minor_7() {
+        let endpoint = node(7, |_| Some(Response::Released)).await;
+        let mut exchange = open(&endpoint).await;
+        exchange.conn.set_peer_minor(7);
+        assert_eq!(exchange.node_minor(), 7);
+        let fetch = exchange
+            .fetch_range(&"cap".into(), &"node-b".into(), 0..4096)
+            .await
+            .map(|f| f.range);
+        assert!(
+            matches!(
+                fetch,
+                Err(ExchangeError::NodeTooOld {
+                    node: 7,
+                    needs: 8,
+                    ..
+                })
+            ),
+            "{fetch:?}"
+        );
+        assert!(exchange.in_step());
     }
 }

@@ -1,10 +1,15 @@
 //! Node-to-node pulls: the target connects to the source with a capability and streams the
-//! tensor straight into one preallocated buffer, resuming after a transient drop.
+//! tensor straight into one preallocated buffer, resuming after a transient drop; a tensor
+//! larger than a stripe may come over several connections at once (`striped`).
+
+mod striped;
 
 use std::time::Instant;
 
+use ferry_io::striped::StripedReceive;
 use ferry_io::{ConnectionError, Dial, Exchange, ExchangeError, PayloadRoute, RegionUse};
 use ferry_io::{HashUse, TensorAssembler};
+use ferry_proto::message::FETCH_RANGE_MINOR;
 use ferry_proto::{CapabilityToken, ContentHash, ErrorCode};
 use ferry_proto::{TensorKey, Untrusted, dtype_name};
 
@@ -35,10 +40,11 @@ pub(crate) struct PullRequest {
 }
 
 /// A pull's connection to its source, kept across the pulls of one session (a batch goes over
-/// one connection).
+/// one connection), and the helper connections its striped pulls opened beside it.
 #[derive(Debug, Default)]
 pub(crate) struct PeerLink {
     source: Option<OpenLink>,
+    helpers: Vec<OpenLink>,
 }
 
 /// A connection to a source, with the terms it was opened on.
@@ -242,7 +248,22 @@ impl Node {
             Ok(source) => source,
             Err(error) => return Err(Failed { error, resume }),
         };
-        let begin = source.fetch(&req.capability, self.node_id(), offset);
+        // A first fetch from a source that answers in parts asks for the first stripe only: a
+        // tensor that fits it comes whole, a larger one over several connections from there on.
+        let striping = self.config().pulls.striping;
+        let first_stripe = resume.is_none()
+            && striping.spreads()
+            && source.node_minor() >= FETCH_RANGE_MINOR
+            && !source.shared_memory();
+        let node_id = self.node_id();
+        let begin = async {
+            if first_stripe {
+                let input = 0..striping.stripe_len().get();
+                source.fetch_range(&req.capability, node_id, input).await
+            } else {
+                source.fetch(&req.capability, node_id, offset).await
+            }
+        };
         let fetch = match tokio::time::timeout(idle, begin).await {
             Ok(Ok(fetch)) => fetch,
             Ok(Err(e)) => {
@@ -275,23 +296,65 @@ impl Node {
                 .start_receiving(req, name, fetch.meta.clone())
                 .map_err(Failed::fatal)?,
         };
-        let (route, region) = match fetch
-            .payload(&mut r.assembler, RegionUse::KeepUnhashed)
-            .await
-        {
-            Ok(done) => done,
-            Err(e) => {
-                let error = classify(&req.source, e);
-                return Err(Failed {
-                    error,
-                    resume: Some(r),
-                });
+        if fetch.range.end < fetch.meta.byte_len() as u64 {
+            // The source answered the first stripe only: the rest comes over several
+            // connections, and what the whole hashes to is settled once every stripe is in.
+            let Receiving {
+                assembler,
+                admission,
+                ..
+            } = r;
+            let stripe_len = striping.stripe_len();
+            let (striped, mut stripes) =
+                StripedReceive::new(assembler, stripe_len).map_err(|_| {
+                    Failed::fatal(NodeError::Backend("a receive cut in stripes".into()))
+                })?;
+            let mut first = stripes.remove(0);
+            let meta = fetch.meta.clone();
+            let mut done = Vec::with_capacity(stripes.len() + 1);
+            match fetch.stripe(&mut first).await {
+                Ok(()) => done.push(first),
+                Err(e) => match classify(&req.source, e) {
+                    AttemptError::Fatal(error) => return Err(Failed::fatal(error)),
+                    AttemptError::Transient(why) => {
+                        tracing::warn!(source = %Untrusted(&req.source), why = %Untrusted(&why), "a pull's first stripe dropped; resuming it");
+                        link.source = None;
+                        stripes.insert(0, first);
+                    }
+                },
             }
-        };
-        r.route = route;
-        r.region = region;
+            let stripes = self
+                .fetch_stripes(link, req, &meta, stripes, done)
+                .await
+                .map_err(Failed::fatal)?;
+            let assembler = striped
+                .join(stripes)
+                .map_err(|e| Failed::fatal(NodeError::Received(e.into())))?;
+            r = Receiving {
+                assembler,
+                admission,
+                route: PayloadRoute::Chunks,
+                region: None,
+            };
+        } else {
+            let (route, region) = match fetch
+                .payload(&mut r.assembler, RegionUse::KeepUnhashed)
+                .await
+            {
+                Ok(done) => done,
+                Err(e) => {
+                    let error = classify(&req.source, e);
+                    return Err(Failed {
+                        error,
+                        resume: Some(r),
+                    });
+                }
+            };
+            r.route = route;
+            r.region = region;
+        }
         let bytes = r.assembler.meta().byte_len() as u64;
-        self.recorder().payload(Direction::Received, route, bytes);
+        self.recorder().payload(Direction::Received, r.route, bytes);
         // Chunks are checked by the whole payload's hash (in clear the link vouches for nothing,
         // and a pull checks no chunk CRC: the hash catches noise and a proxy alike; over mutual
         // TLS the hash compared is the one the client relayed from the grant, so a wrong one
@@ -315,7 +378,11 @@ impl Node {
             }
         }
         // Every byte is here and verified: the transfer stands even if the release is lost (the
-        // capability then lapses at the source on its own).
+        // capability then lapses at the source on its own, as it does where a striped pull lost
+        // the connection its fetches went over: a new one fetched nothing and may not release).
+        let Some(source) = link.source.as_mut().map(|open| &mut open.conn) else {
+            return Ok(r);
+        };
         let release = source.release(&req.capability, self.node_id());
         match tokio::time::timeout(idle, release).await {
             Ok(Ok(())) => {}
@@ -366,18 +433,7 @@ impl Node {
         link: &'a mut PeerLink,
         source: &str,
     ) -> Result<&'a mut Exchange, AttemptError> {
-        let config = self.config();
-        // Decided on every pull, a reused link included: the cluster's member list may have
-        // changed since the link was opened (or since this pull was admitted).
-        let terms = config
-            .pulls
-            .peers
-            .terms(
-                source,
-                config.tls.is_some(),
-                config.pulls.peer_token.as_ref(),
-            )
-            .ok_or_else(|| AttemptError::Fatal(NodeError::NotAllowedPeer(source.to_string())))?;
+        let terms = self.terms_for(source)?;
         // A connection left out of step (a fetch abandoned before its payload) is never reused,
         // nor one opened on other terms (another identity checked, another token sent).
         let kept = link
@@ -386,31 +442,49 @@ impl Node {
             .filter(|kept| kept.addr == source && kept.terms == terms && kept.conn.in_step());
         let current = match kept {
             Some(current) => current,
-            None => {
-                let dial = Dial {
-                    token: terms.token.as_ref(),
-                    agent: crate::node::AGENT,
-                    tls: config.tls.as_ref().map(|tls| tls.client()),
-                    check: &terms.check,
-                    shared_memory: config.shared_memory,
-                    limits: config.pulls.peer_limits,
-                };
-                let endpoint = ferry_io::Endpoint::parse(source);
-                let connect = dial.open(&endpoint);
-                let conn = tokio::time::timeout(config.pulls.peer_limits.idle_timeout, connect)
-                    .await
-                    .map_err(|_| {
-                        AttemptError::Transient(format!("connecting to {source} timed out"))
-                    })?
-                    .map_err(|e| opening_failed(source, e))?;
-                OpenLink {
-                    addr: source.to_string(),
-                    terms,
-                    conn,
-                }
-            }
+            None => self.dial(source, terms).await?,
         };
         Ok(&mut link.source.insert(current).conn)
+    }
+
+    /// The terms this node connects to `source` on, decided on every pull, a reused link
+    /// included: the cluster's member list may have changed since the link was opened (or since
+    /// this pull was admitted).
+    fn terms_for(&self, source: &str) -> Result<PeerTerms, AttemptError> {
+        let config = self.config();
+        config
+            .pulls
+            .peers
+            .terms(
+                source,
+                config.tls.is_some(),
+                config.pulls.peer_token.as_ref(),
+            )
+            .ok_or_else(|| AttemptError::Fatal(NodeError::NotAllowedPeer(source.to_string())))
+    }
+
+    /// A new connection to `source`, on `terms`.
+    async fn dial(&self, source: &str, terms: PeerTerms) -> Result<OpenLink, AttemptError> {
+        let config = self.config();
+        let dial = Dial {
+            token: terms.token.as_ref(),
+            agent: crate::node::AGENT,
+            tls: config.tls.as_ref().map(|tls| tls.client()),
+            check: &terms.check,
+            shared_memory: config.shared_memory,
+            limits: config.pulls.peer_limits,
+        };
+        let endpoint = ferry_io::Endpoint::parse(source);
+        let connect = dial.open(&endpoint);
+        let conn = tokio::time::timeout(config.pulls.peer_limits.idle_timeout, connect)
+            .await
+            .map_err(|_| AttemptError::Transient(format!("connecting to {source} timed out")))?
+            .map_err(|e| opening_failed(source, e))?;
+        Ok(OpenLink {
+            addr: source.to_string(),
+            terms,
+            conn,
+        })
     }
 
     /// Registers a copy of a tensor this node already holds (the verified version `held`

@@ -1,0 +1,246 @@
+//! Pulls spread over several connections (stripes): every kind of tensor bit-exact, a tensor
+//! that fits one stripe fetched once, a stripe cut mid-way resumed where it stopped, a flipped
+//! byte in a stripe caught by the merged hash, a source that would copy its tensor out for every
+//! stripe sending the rest whole, and the capability's bound on what its fetches are charged.
+
+use std::time::Duration;
+
+use ferry::client::ErrorCode;
+use ferry::io::striped::StripedReceive;
+use ferry::io::{HashUse, TensorAssembler};
+use ferry::proto::stripes::StripeLen;
+use ferry::proto::{DType, TensorData, TensorKey};
+use ferry::samples;
+use ferry::server::{NodeConfig, PullConfig, ServiceConfig, Striping};
+use ferry::testing::{
+    Fault, TestNode, assert_same, copy_keys, devices, how, proxy, source_code_of,
+    source_connection, start,
+};
+
+/// Stripes of 64 KiB: a tensor of a few MiB is dozens of them.
+const STRIPE: u64 = 64 << 10;
+
+/// A target that spreads a pull over up to four connections, in 64 KiB stripes, and gives a
+/// silent source one second and retries twice.
+async fn striping_target() -> TestNode {
+    let mut config = NodeConfig {
+        devices: devices(&["flex"]),
+        pulls: PullConfig {
+            retries: 2,
+            retry_backoff: Duration::from_millis(20),
+            striping: Striping::new(4, StripeLen::new(STRIPE).unwrap()),
+            ..PullConfig::default()
+        },
+        ..NodeConfig::default()
+    };
+    config.pulls.peer_limits.idle_timeout = Duration::from_secs(1);
+    start(config, ServiceConfig::default()).await
+}
+
+/// A source on `device` that sends 16 KiB chunks (several per stripe) and keeps a broken
+/// fetch's capability for half a second.
+async fn source(device: &str) -> TestNode {
+    let mut service = ServiceConfig::default();
+    service.limits.chunk_size = 16 * 1024;
+    let mut config = NodeConfig {
+        devices: devices(&[device]),
+        ..NodeConfig::default()
+    };
+    config.pulls.peer_limits.idle_timeout = Duration::from_millis(500);
+    start(config, service).await
+}
+
+/// Puts `tensors` on `a` as "t0", "t1", ... and pulls them all to `b` through `via` in one batch;
+/// each answer.
+async fn pull_all(
+    a: &TestNode,
+    b: &TestNode,
+    via: &str,
+    tensors: &[TensorData],
+) -> Vec<Result<ferry::proto::TensorInfo, ferry::client::ClientError>> {
+    let mut source = a.client().await;
+    let keys: Vec<TensorKey> = (0..tensors.len())
+        .map(|i| TensorKey::new(0, format!("t{i}")))
+        .collect();
+    for (key, data) in keys.iter().zip(tensors) {
+        source.put(key, data).await.unwrap();
+    }
+    let mut target = b.client().await;
+    copy_keys(&mut source, &mut target, &keys, &how(via, 0))
+        .await
+        .unwrap()
+}
+
+/// Every answer stored, and what `b` holds under each key is the tensor put, bit for bit.
+async fn all_landed(
+    b: &TestNode,
+    answers: Vec<Result<ferry::proto::TensorInfo, ferry::client::ClientError>>,
+    tensors: &[TensorData],
+) {
+    let mut target = b.client().await;
+    for (answer, data) in answers.into_iter().zip(tensors) {
+        let info = answer.unwrap();
+        assert_eq!(info.path, ferry::proto::TransferPath::Pull);
+        assert_same(&target.get(&info.key).await.unwrap(), data, &info.key.name);
+    }
+}
+
+/// How many stripes of `STRIPE` a tensor's hash input makes (none where it fits one).
+fn stripes_of(data: &TensorData) -> u64 {
+    let meta = ferry::proto::tensor::meta_of(data).unwrap();
+    ferry::proto::stripes::StripePlan::new(&meta, StripeLen::new(STRIPE).unwrap())
+        .map_or(0, |plan| plan.count() as u64)
+}
+
+/// A plain tensor, a quantized one with its scales and a bf16 one, each dozens of stripes, and
+/// one that fits a stripe: all land bit-exact, each striped one in a fetch per stripe (its first
+/// over the pull's connection, the rest over up to four), the small one in one fetch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tensors_larger_than_a_stripe_come_over_several_connections_bit_exact() {
+    let a = source("flex").await;
+    let b = striping_target().await;
+    let q8s = samples::schemes()
+        .into_iter()
+        .find(|(name, _)| name.starts_with("Q8S-block"))
+        .map(|(_, scheme)| scheme)
+        .unwrap();
+    let tensors = vec![
+        samples::plain(DType::F32, &[700, 900], 1),
+        samples::quantized(&q8s, &[1024, 1536], 2),
+        samples::plain(DType::BF16, &[333, 2049], 3),
+        samples::plain(DType::F32, &[100, 100], 4),
+    ];
+    let striped: u64 = tensors.iter().map(stripes_of).sum();
+    assert!(stripes_of(&tensors[0]) > 30 && stripes_of(&tensors[3]) == 0);
+    let before = a.node.stats().await.unwrap().fetches_served;
+    let answers = pull_all(&a, &b, &a.addr.to_string(), &tensors).await;
+    all_landed(&b, answers, &tensors).await;
+    let fetches = a.node.stats().await.unwrap().fetches_served - before;
+    assert_eq!(
+        fetches,
+        striped + 1,
+        "a fetch per stripe, and one for the small tensor"
+    );
+    let stats = b.client().await.stat().await.unwrap();
+    assert_eq!((stats.pulls, stats.pull_retries), (4, 0));
+}
+
+/// The pull's own connection cut in the middle of a stripe: that stripe is resumed from its
+/// last byte in (over a new connection, or a helper takes it), and the tensor lands bit-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stripe_cut_mid_way_is_resumed_where_it_stopped() {
+    let a = source("flex").await;
+    let b = striping_target().await;
+    let via = proxy(a.addr, Fault::CutOnceAfter(200 << 10))
+        .await
+        .to_string();
+    let tensors = vec![samples::plain(DType::F32, &[1024, 1024], 5)];
+    let answers = pull_all(&a, &b, &via, &tensors).await;
+    all_landed(&b, answers, &tensors).await;
+    let stats = b.client().await.stat().await.unwrap();
+    assert!(stats.pull_retries >= 1, "{}", stats.pull_retries);
+}
+
+/// One bit flipped in a stripe on the wire (its chunk's checksum left as sent, which a striped
+/// receive does not check): the merged hash is not the grant's, the pull fails `Integrity` and
+/// nothing is registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flipped_byte_in_a_stripe_fails_the_pull_and_registers_nothing() {
+    let a = source("flex").await;
+    let b = striping_target().await;
+    let via = proxy(a.addr, Fault::FlipAt(50 << 10)).await.to_string();
+    let tensors = vec![samples::plain(DType::F32, &[1024, 1024], 6)];
+    let answers = pull_all(&a, &b, &via, &tensors).await;
+    let error = answers.into_iter().next().unwrap().unwrap_err();
+    assert_eq!(error.code(), Some(ErrorCode::Integrity), "{error}");
+    assert!(b.client().await.list(None).await.unwrap().is_empty());
+    let stats = b.node.stats().await.unwrap();
+    assert_eq!(stats.devices[0].bytes_held, 0, "nothing held");
+}
+
+/// A source whose device cannot lend its tensor's bytes (NdArray: every read is a copy) answers
+/// the first stripe with the whole payload instead: one fetch, bit-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_source_that_would_copy_for_every_stripe_sends_the_tensor_whole() {
+    let a = source("ndarray").await;
+    let b = striping_target().await;
+    let tensors = vec![samples::plain(DType::F32, &[1024, 512], 7)];
+    let answers = pull_all(&a, &b, &a.addr.to_string(), &tensors).await;
+    all_landed(&b, answers, &tensors).await;
+    assert_eq!(a.node.stats().await.unwrap().fetches_served, 1);
+}
+
+/// Stripes fetched by hand over two connections at once (as a striping node's do) merge into
+/// the tensor; a range asked of a part that is not the one answered is refused by the fetcher;
+/// and a capability serves 16 times its payload in stripes, then refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stripes_fetched_side_by_side_merge_and_a_capability_bounds_them() {
+    let a = source("flex").await;
+    let data = samples::plain(DType::F32, &[512, 512], 8);
+    let key = TensorKey::new(0, "w");
+    let mut granter = a.client().await;
+    granter.put(&key, &data).await.unwrap();
+    let b_id = ferry::proto::NodeId::new("node-b");
+    let grant = granter.grant(&key, &b_id).await.unwrap();
+    let (meta, _) = ferry::proto::tensor::into_parts(data.clone()).unwrap();
+    let assembler = TensorAssembler::new(meta.clone(), u64::MAX)
+        .unwrap()
+        .hashing(HashUse::Check);
+    let len = StripeLen::new(STRIPE).unwrap();
+    let (striped, stripes) = StripedReceive::new(assembler, len).unwrap();
+    let prefix = ferry::proto::tensor::content_hash_prefix(&meta).len() as u64;
+    let count = stripes.len();
+    let (evens, odds): (Vec<_>, Vec<_>) = stripes.into_iter().partition(|s| s.index() % 2 == 0);
+    let fetch_all = |mut stripes: Vec<ferry::io::striped::StripeReceiver>| {
+        let (token, b_id, a) = (grant.token.clone(), b_id.clone(), &a);
+        async move {
+            let mut conn = source_connection(a).await;
+            for stripe in &mut stripes {
+                let range = stripe.payload_range();
+                let input = range.start + prefix..range.end + prefix;
+                let fetch = conn.fetch_range(&token, &b_id, input).await.unwrap();
+                assert_eq!(fetch.range, range);
+                fetch.stripe(stripe).await.unwrap();
+            }
+            stripes
+        }
+    };
+    let (mut done, odd) = tokio::join!(fetch_all(evens), fetch_all(odds));
+    done.extend(odd);
+    let mut whole = striped.join(done).unwrap();
+    assert_eq!(whole.settle_hash().unwrap(), grant.content_hash);
+    assert_same(&whole.finish().unwrap(), &data, "merged");
+
+    // 1 MiB of payload, charged a stripe at a time: 16 MiB in all, so 256 stripes of 64 KiB
+    // (count of them fetched above), then refused.
+    let mut conn = source_connection(&a).await;
+    let mut served = count;
+    loop {
+        match conn.fetch_range(&grant.token, &b_id, 0..STRIPE).await {
+            Ok(fetch) => {
+                let (asm, mut stripes) = StripedReceive::new(
+                    TensorAssembler::new(meta.clone(), u64::MAX)
+                        .unwrap()
+                        .hashing(HashUse::Check),
+                    len,
+                )
+                .unwrap();
+                fetch.stripe(&mut stripes[0]).await.unwrap();
+                drop(asm);
+                served += 1;
+            }
+            Err(error) => {
+                assert_eq!(
+                    source_code_of::<()>(Err(error)),
+                    ErrorCode::CapabilityRefused
+                );
+                break;
+            }
+        }
+        assert!(
+            served <= 16 * 16,
+            "served {served} stripes of 64 KiB of a 1 MiB tensor"
+        );
+    }
+    assert_eq!(served, 16 * 16);
+}
