@@ -159,7 +159,8 @@ async fn a_flipped_byte_in_a_stripe_fails_the_pull_and_registers_nothing() {
 }
 
 /// A source whose device cannot lend its tensor's bytes (NdArray: every read is a copy) answers
-/// the first stripe with the whole payload instead: one fetch, bit-exact.
+/// the first stripe with the whole payload instead: one fetch, bit-exact. Each such answer is
+/// charged as a whole fetch, so a capability serves 16 of them however little each asks for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_source_that_would_copy_for_every_stripe_sends_the_tensor_whole() {
     let a = source("ndarray").await;
@@ -168,6 +169,85 @@ async fn a_source_that_would_copy_for_every_stripe_sends_the_tensor_whole() {
     let answers = pull_all(&a, &b, &a.addr.to_string(), &tensors).await;
     all_landed(&b, answers, &tensors).await;
     assert_eq!(a.node.stats().await.unwrap().fetches_served, 1);
+
+    let mut granter = a.client().await;
+    let b_id = ferry::proto::NodeId::new("node-b");
+    let grant = granter
+        .grant(&TensorKey::new(0, "t0"), &b_id)
+        .await
+        .unwrap();
+    let mut conn = source_connection(&a).await;
+    for served in 0..=16 {
+        // Nothing asked for but the first byte's place: the whole payload comes.
+        let fetch = conn.fetch_range(&grant.token, &b_id, 0..1).await;
+        if served == 16 {
+            let refused = fetch.map(|f| f.range);
+            assert_eq!(source_code_of(refused), ErrorCode::CapabilityRefused);
+            break;
+        }
+        let fetch = fetch.unwrap();
+        assert_eq!(fetch.range, 0..tensors[0].as_bytes().len() as u64);
+        let mut whole = TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+        fetch
+            .payload(&mut whole, ferry::io::RegionUse::Map)
+            .await
+            .unwrap();
+        assert_same(&whole.finish().unwrap(), &tensors[0], "whole");
+    }
+}
+
+/// A capability's time to live bounds when a first fetch may begin; once fetched, it lives
+/// while fetches follow one another (a striped pull's next stripe may begin after the time to
+/// live) and lapses one idle timeout of the source after the last one ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fetched_capability_lapses_from_its_last_fetch_not_from_its_grant() {
+    let mut config = NodeConfig {
+        devices: devices(&["flex"]),
+        limits: ferry::server::NodeLimits {
+            capability_ttl: Duration::from_millis(300),
+            ..Default::default()
+        },
+        ..NodeConfig::default()
+    };
+    config.pulls.peer_limits.idle_timeout = Duration::from_millis(700);
+    let a = start(config, ServiceConfig::default()).await;
+    let data = samples::plain(DType::F32, &[256, 256], 9);
+    let key = TensorKey::new(0, "w");
+    let mut granter = a.client().await;
+    granter.put(&key, &data).await.unwrap();
+    let b_id = ferry::proto::NodeId::new("node-b");
+    let (meta, _) = ferry::proto::tensor::into_parts(data.clone()).unwrap();
+    let len = StripeLen::new(STRIPE).unwrap();
+    let mut conn = source_connection(&a).await;
+    let stripe_fetch = async |conn: &mut ferry::io::Exchange,
+                              token: &ferry::proto::CapabilityToken,
+                              index: usize| {
+        let fresh = TensorAssembler::new(meta.clone(), u64::MAX)
+            .unwrap()
+            .hashing(HashUse::Check);
+        let (_striped, mut stripes) = StripedReceive::new(fresh, len).unwrap();
+        let stripe = &mut stripes[index];
+        let input = STRIPE * index as u64..STRIPE * (index as u64 + 1);
+        let fetch = conn.fetch_range(token, &b_id, input).await?;
+        fetch.stripe(stripe).await
+    };
+
+    // Never fetched: gone after its time to live.
+    let unused = granter.grant(&key, &b_id).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let late = stripe_fetch(&mut conn, &unused.token, 0).await;
+    assert_eq!(source_code_of(late), ErrorCode::CapabilityRefused);
+
+    // Fetched at once: its next stripes come past the time to live, each within the window.
+    let grant = granter.grant(&key, &b_id).await.unwrap();
+    for index in 0..3 {
+        stripe_fetch(&mut conn, &grant.token, index).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // Past the window after the last fetch: lapsed.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let lapsed = stripe_fetch(&mut conn, &grant.token, 3).await;
+    assert_eq!(source_code_of(lapsed), ErrorCode::CapabilityRefused);
 }
 
 /// Stripes fetched by hand over two connections at once (as a striping node's do) merge into

@@ -41,6 +41,9 @@ pub(super) struct Capability {
     /// That version's payload length, which its fetches are charged against.
     bytes: u64,
     audience: NodeId,
+    /// When it ends unless a fetch is under way: its time to live from the grant until a first
+    /// fetch ends, then one idle timeout after the last fetch under way ended (for the next
+    /// stripe, a resume or the release).
     expires: Instant,
     /// The connection that asked for it.
     granted_to: ClientId,
@@ -63,25 +66,30 @@ pub(super) struct Capability {
 /// by default), or the stripes of striped pulls worth 16 payloads ([`fetch_charge`]).
 const MAX_FETCHES: u64 = 16;
 
-/// The least share of a payload a ranged fetch is charged (1/1024 of it), so that ranges of
-/// nothing are bounded too.
+/// The least share of a payload a ranged fetch is charged (1/1024 of it, and no more than
+/// [`MIN_RANGE_CHARGE_CAP`]), so that ranges of nothing are bounded too.
 const MIN_RANGE_SHARE: u64 = 1024;
+
+/// The most a ranged fetch's least charge is: stripes of any tensor, however large, fit in its
+/// allowance (a stripe is at least 1 KiB, and is charged what it asks beyond this).
+const MIN_RANGE_CHARGE_CAP: u64 = 1 << 20;
 
 /// The most connections a capability remembers as its fetchers.
 const MAX_FETCHERS: usize = 64;
 
 /// What a fetch is charged, against [`MAX_FETCHES`] times the payload's `bytes` (at least 1): a
 /// fetch from any offset a whole payload, a ranged one what it asks for (a range of the hash
-/// input covers at most as many payload bytes), at least 1/[`MIN_RANGE_SHARE`] of the payload.
+/// input covers at most as many payload bytes), at least 1/[`MIN_RANGE_SHARE`] of the payload
+/// up to [`MIN_RANGE_CHARGE_CAP`]. A ranged fetch the source answers with the whole rest of the
+/// payload is charged the rest of a whole one on top ([`FetchLease::charge_whole`]).
 fn fetch_charge(bytes: u64, wants: &FetchWants) -> u64 {
     let whole = bytes.max(1);
     match wants {
         FetchWants::From(_) => whole,
-        FetchWants::Input(range) => range
-            .end
-            .saturating_sub(range.start)
-            .min(whole)
-            .max(whole.div_ceil(MIN_RANGE_SHARE)),
+        FetchWants::Input(range) => {
+            let least = whole.div_ceil(MIN_RANGE_SHARE).min(MIN_RANGE_CHARGE_CAP);
+            range.end.saturating_sub(range.start).min(whole).max(least)
+        }
     }
 }
 
@@ -104,8 +112,9 @@ impl Node {
     }
 
     /// A client's connection closed: the capabilities it asked for are revoked (nobody is left
-    /// to wait for the copy they were for), those with a fetch under way once it ends; so a
-    /// client that reconnects cannot pile up capabilities past its cap.
+    /// to wait for the copy they were for), those with fetches under way once the last of them
+    /// ends (the rest of a striped pull is then refused); so a client that reconnects cannot
+    /// pile up capabilities past its cap.
     pub(crate) fn client_gone(&self, client: ClientId) {
         self.capabilities().retain(|_, c| {
             if c.granted_to != client {
@@ -136,7 +145,7 @@ impl Node {
         let token = CapabilityToken::new(format!("{:032x}", rand::random::<u128>()));
         let now = Instant::now();
         let mut capabilities = self.capabilities();
-        capabilities.retain(|_, c| c.expires > now);
+        capabilities.retain(|_, c| c.in_flight > 0 || c.expires > now);
         let cap = self.inner.config.limits.max_grants_per_client;
         let held = capabilities
             .values()
@@ -201,7 +210,7 @@ impl Node {
         let capability = capabilities
             .get_mut(token)
             .ok_or(refused(Refusal::Unknown))?;
-        if capability.expires <= now {
+        if capability.in_flight == 0 && capability.expires <= now {
             capabilities.remove(token);
             return Err(refused(Refusal::Expired));
         }
@@ -227,6 +236,7 @@ impl Node {
             token: token.clone(),
             key: capability.key.clone(),
             version: capability.version,
+            charged: charge,
         })
     }
 
@@ -279,6 +289,8 @@ pub(crate) struct FetchLease {
     token: CapabilityToken,
     key: TensorKey,
     version: Version,
+    /// What this fetch was charged.
+    charged: u64,
 }
 
 impl FetchLease {
@@ -290,6 +302,25 @@ impl FetchLease {
     /// The version it grants.
     pub(crate) fn version(&self) -> Version {
         self.version
+    }
+
+    /// Charges this fetch as a whole payload, for a ranged fetch the source answers with the
+    /// whole rest of it (a copy out of the device each time); refused, and nothing sent, where
+    /// that takes the capability past its allowance.
+    pub(crate) fn charge_whole(&mut self) -> Result<(), NodeError> {
+        let mut capabilities = self.node.capabilities();
+        let Some(capability) = capabilities.get_mut(&self.token) else {
+            return Err(NodeError::CapabilityRefused(Refusal::Unknown));
+        };
+        let whole = capability.bytes.max(1);
+        let more = whole.saturating_sub(self.charged);
+        let charged = capability.charged.saturating_add(more);
+        if charged > MAX_FETCHES.saturating_mul(whole) {
+            return Err(NodeError::CapabilityRefused(Refusal::FetchedTooOften));
+        }
+        capability.charged = charged;
+        self.charged += more;
+        Ok(())
     }
 }
 
@@ -308,7 +339,10 @@ impl Drop for FetchLease {
                 capabilities.remove(&self.token);
                 return;
             }
-            capability.expires = capability.expires.min(Instant::now() + window);
+            // From the last fetch's end, not from the grant: a striped pull's next stripe, a
+            // resume or the release may come after the time to live, which bounds only when a
+            // first fetch may begin.
+            capability.expires = Instant::now() + window;
         }
     }
 }

@@ -108,10 +108,16 @@ impl Node {
             meta: meta.clone(),
             prefix: ferry_proto::tensor::content_hash_prefix(meta).len() as u64,
         });
-        // Helper connections kept from the session's earlier pulls of this source are reused.
+        // Helper connections kept from the session's earlier pulls of this source are reused,
+        // if opened on the terms the node's policy gives the source now.
+        let terms = self.terms_for(&req.source).ok();
         let mut kept: Vec<OpenLink> = std::mem::take(&mut link.helpers)
             .into_iter()
-            .filter(|kept| kept.addr == req.source && kept.conn.in_step())
+            .filter(|kept| {
+                kept.addr == req.source
+                    && terms.as_ref() == Some(&kept.terms)
+                    && kept.conn.in_step()
+            })
             .collect();
         let mut tasks = tokio::task::JoinSet::new();
         for _ in 0..helpers {
@@ -173,11 +179,12 @@ impl StripeFetcher {
     ) -> (Result<(), NodeError>, Option<OpenLink>) {
         let mut failures = 0u32;
         loop {
-            // Connected before taking a stripe: one that cannot connect takes none.
-            let mut open = match conn.take() {
-                Some(open) => open,
+            // Connected before taking a stripe, so that no stripe waits in the hands of a
+            // connection still being opened while the others run out of work.
+            let (mut open, new) = match conn.take() {
+                Some(open) => (open, false),
                 None => match self.connect().await {
-                    Ok(open) => open,
+                    Ok(open) => (open, true),
                     // A connection refused (the source's per-address limit, say) only means one
                     // connection fewer: its stripes are left to the others, and a pull whose
                     // every connection failed reports the stripes not fetched.
@@ -194,7 +201,9 @@ impl StripeFetcher {
                 },
             };
             let Some(mut stripe) = queue.take() else {
-                return (Ok(()), Some(open));
+                // A connection opened here that fetched nothing is not given back: the pull's
+                // release goes on a connection that fetched under the capability.
+                return (Ok(()), (!new).then_some(open));
             };
             match self.fetch(&mut open, &mut stripe).await {
                 Ok(()) => {
@@ -208,8 +217,10 @@ impl StripeFetcher {
                         return (Ok(()), None);
                     }
                 }
+                // No retry mends it: every other connection stops taking stripes.
                 Err(AttemptError::Fatal(error)) => {
                     queue.give_back(stripe);
+                    queue.fail();
                     return (Err(error), None);
                 }
             }

@@ -432,7 +432,7 @@ impl Session<'_> {
         node_id: &NodeId,
         wants: FetchWants,
     ) -> Result<(), ConnectionError> {
-        let lease = match self
+        let mut lease = match self
             .speaks_for(node_id)
             .and_then(|node_id| self.node.begin_fetch(capability, node_id, self.id, &wants))
         {
@@ -483,7 +483,15 @@ impl Session<'_> {
                 let part = ferry_proto::stripes::payload_part(prefix, len as u64, input);
                 // Within the payload, so within a `usize`.
                 let start = part.start as usize;
-                let end = if bytes.lent() { part.end as usize } else { len };
+                let end = if bytes.lent() {
+                    part.end as usize
+                } else {
+                    // The whole rest, charged as a whole payload: it cost a copy of it.
+                    if let Err(error) = lease.charge_whole() {
+                        return conn.write_response(&Response::Error(error.reply())).await;
+                    }
+                    len
+                };
                 conn.write_response(&Response::TensorPart {
                     info: desc.to_wire(),
                     meta: meta.to_wire(),
