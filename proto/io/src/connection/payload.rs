@@ -93,14 +93,19 @@ impl<S: Transport> Connection<S> {
         }
     }
 
-    /// The next frame's header, which must be a chunk's.
-    async fn next_chunk_header(&mut self) -> Result<FrameHeader, ConnectionError> {
+    /// The next frame's header (its body not read yet), checked against the body limit.
+    async fn next_header(&mut self) -> Result<FrameHeader, ConnectionError> {
         self.fill_to(HEADER_LEN).await?;
         let head = self
             .buffer
             .first_chunk::<HEADER_LEN>()
             .ok_or(FrameError::TruncatedFrame)?;
-        let header = FrameHeader::decode(head, self.limits.max_body)?;
+        Ok(FrameHeader::decode(head, self.limits.max_body)?)
+    }
+
+    /// The next frame's header, which must be a chunk's.
+    async fn next_chunk_header(&mut self) -> Result<FrameHeader, ConnectionError> {
+        let header = self.next_header().await?;
         match header.kind {
             FrameKind::Chunk => Ok(header),
             got => Err(ConnectionError::UnexpectedFrame {
@@ -153,12 +158,7 @@ impl<S: Transport> Connection<S> {
         regions: RegionUse,
     ) -> Result<(PayloadRoute, Option<SealedRegion>), ConnectionError> {
         while !assembler.is_complete() {
-            self.fill_to(HEADER_LEN).await?;
-            let head = self
-                .buffer
-                .first_chunk::<HEADER_LEN>()
-                .ok_or(FrameError::TruncatedFrame)?;
-            let header = FrameHeader::decode(head, self.limits.max_body)?;
+            let header = self.next_header().await?;
             match header.kind {
                 FrameKind::Chunk => {}
                 FrameKind::Region => {
