@@ -324,3 +324,106 @@ async fn stripes_fetched_side_by_side_merge_and_a_capability_bounds_them() {
     }
     assert_eq!(served, 16 * 16);
 }
+
+/// Striped pulls racing a writer that overwrites the source tensor with other values (and
+/// sometimes deletes it), for a few seconds with random sizes: every stripe is a fetch of its
+/// own, and the capability pins the version granted, so each pull either lands one version
+/// whole, bit for bit, or fails with nothing registered (the version was replaced before all
+/// its stripes were fetched); never stripes of two versions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn striped_pulls_racing_overwrites_land_one_version_whole_or_nothing() {
+    use rand::{Rng, SeedableRng};
+    let a = source("flex").await;
+    let b = striping_target().await;
+    let seed: u64 = rand::random();
+    eprintln!("seed {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    // Versions of several sizes (each dozens of stripes), every one told apart by its bytes.
+    let versions: Vec<TensorData> = (0..6)
+        .map(|i| {
+            samples::plain(
+                DType::F32,
+                &[256 + 64 * rng.random_range(0..8), 1024],
+                100 + i,
+            )
+        })
+        .collect();
+    let key = TensorKey::new(0, "w");
+    a.client().await.put(&key, &versions[0]).await.unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (stop, versions) = (stop.clone(), versions.clone());
+        let mut client = a.client().await;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 1);
+        tokio::spawn(async move {
+            let mut writes = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if rng.random_ratio(1, 8) {
+                    let _ = client.delete(&key).await;
+                } else {
+                    let value = &versions[rng.random_range(0..versions.len())];
+                    client
+                        .put_with(&key, value, ferry::proto::IfExists::Replace)
+                        .await
+                        .unwrap();
+                }
+                writes += 1;
+                tokio::time::sleep(Duration::from_millis(rng.random_range(0..15))).await;
+            }
+            writes
+        })
+    };
+    let mut source = a.client().await;
+    let mut target = b.client().await;
+    let addr = a.addr.to_string();
+    let mut again = how(&addr, 0);
+    again.if_exists = ferry::proto::IfExists::Replace;
+    let started = std::time::Instant::now();
+    let (mut landed, mut failed) = (0u32, 0u32);
+    while started.elapsed() < Duration::from_secs(4) {
+        let key = TensorKey::new(0, "w");
+        let answer =
+            match copy_keys(&mut source, &mut target, std::slice::from_ref(&key), &again).await {
+                Ok(mut answers) => answers.remove(0),
+                // The grant itself found nothing to grant (deleted meanwhile).
+                Err(_) => continue,
+            };
+        match answer {
+            Ok(info) => {
+                landed += 1;
+                let got = target.get(&info.key).await.unwrap();
+                let whole = versions.iter().any(|v| {
+                    v.as_bytes() == got.as_bytes()
+                        && v.shape() == got.shape()
+                        && v.dtype() == got.dtype()
+                });
+                assert!(
+                    whole,
+                    "seed {seed}: a pull answered Stored holds no version whole"
+                );
+                target.delete(&info.key).await.unwrap();
+            }
+            Err(error) => {
+                failed += 1;
+                let code = error.code();
+                assert!(
+                    matches!(
+                        code,
+                        Some(
+                            ErrorCode::CapabilityRefused | ErrorCode::NotFound | ErrorCode::Changed
+                        )
+                    ),
+                    "seed {seed}: {error}"
+                );
+                assert!(target.list(None).await.unwrap().is_empty(), "seed {seed}");
+            }
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let writes = writer.await.unwrap();
+    eprintln!("{landed} pulls landed, {failed} failed, against {writes} racing writes");
+    assert!(
+        landed > 0 && writes > 0,
+        "seed {seed}: the race was never run"
+    );
+}
