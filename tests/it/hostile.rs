@@ -795,7 +795,9 @@ async fn a_stat_answer_crosses_minors_both_ways() {
     };
     assert_eq!(stats.devices.len(), 1);
     assert_eq!(stats.node_id, real.node.node_id().as_str());
-    assert_eq!(stats.uptime_ms, 0, "minor {older} has no uptime");
+    if older < 7 {
+        assert_eq!(stats.uptime_ms, 0, "minor {older} has no uptime");
+    }
     // A client of this minor reads it.
     tokio::time::sleep(Duration::from_millis(5)).await;
     let now = real.client().await.stat().await.unwrap();
