@@ -3,6 +3,8 @@
 //! byte in a stripe caught by the merged hash, a source that would copy its tensor out for every
 //! stripe sending the rest whole, and the capability's bound on what its fetches are charged.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use ferry::client::ErrorCode;
@@ -85,6 +87,28 @@ async fn all_landed(
     }
 }
 
+/// A loopback forwarder to `upstream`, each connection relayed on its own task, that counts the
+/// connections it accepted; its address and the count.
+async fn counting_proxy(upstream: std::net::SocketAddr) -> (String, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut down, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await else {
+                    return;
+                };
+                let _ = (down.set_nodelay(true), up.set_nodelay(true));
+                let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+            });
+        }
+    });
+    (addr, accepted)
+}
+
 /// How many stripes of `STRIPE` a tensor's hash input makes (none where it fits one).
 fn stripes_of(data: &TensorData) -> u64 {
     let meta = ferry::proto::tensor::meta_of(data).unwrap();
@@ -113,7 +137,8 @@ async fn tensors_larger_than_a_stripe_come_over_several_connections_bit_exact() 
     let striped: u64 = tensors.iter().map(stripes_of).sum();
     assert!(stripes_of(&tensors[0]) > 30 && stripes_of(&tensors[3]) == 0);
     let before = a.node.stats().await.unwrap().fetches_served;
-    let answers = pull_all(&a, &b, &a.addr.to_string(), &tensors).await;
+    let (via, accepted) = counting_proxy(a.addr).await;
+    let answers = pull_all(&a, &b, &via, &tensors).await;
     all_landed(&b, answers, &tensors).await;
     let fetches = a.node.stats().await.unwrap().fetches_served - before;
     assert_eq!(
@@ -121,6 +146,8 @@ async fn tensors_larger_than_a_stripe_come_over_several_connections_bit_exact() 
         striped + 1,
         "a fetch per stripe, and one for the small tensor"
     );
+    let connections = accepted.load(Ordering::SeqCst);
+    assert!(connections >= 2, "{connections} connection(s): no helper");
     let stats = b.client().await.stat().await.unwrap();
     assert_eq!((stats.pulls, stats.pull_retries), (4, 0));
 }
@@ -198,18 +225,19 @@ async fn a_source_that_would_copy_for_every_stripe_sends_the_tensor_whole() {
 
 /// A capability's time to live bounds when a first fetch may begin; once fetched, it lives
 /// while fetches follow one another (a striped pull's next stripe may begin after the time to
-/// live) and lapses one idle timeout of the source after the last one ended.
+/// live) and lapses one idle timeout of the source after the last one ended. Once the client it
+/// was granted to is gone, no fetch begins, even beside one under way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_fetched_capability_lapses_from_its_last_fetch_not_from_its_grant() {
+async fn a_fetched_capability_lapses_from_its_last_fetch_and_none_begins_once_its_client_left() {
     let mut config = NodeConfig {
         devices: devices(&["flex"]),
         limits: ferry::server::NodeLimits {
-            capability_ttl: Duration::from_millis(300),
+            capability_ttl: Duration::from_millis(500),
             ..Default::default()
         },
         ..NodeConfig::default()
     };
-    config.pulls.peer_limits.idle_timeout = Duration::from_millis(700);
+    config.pulls.peer_limits.idle_timeout = Duration::from_millis(1500);
     let a = start(config, ServiceConfig::default()).await;
     let data = samples::plain(DType::F32, &[256, 256], 9);
     let key = TensorKey::new(0, "w");
@@ -234,20 +262,49 @@ async fn a_fetched_capability_lapses_from_its_last_fetch_not_from_its_grant() {
 
     // Never fetched: gone after its time to live.
     let unused = granter.grant(&key, &b_id).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
     let late = stripe_fetch(&mut conn, &unused.token, 0).await;
     assert_eq!(source_code_of(late), ErrorCode::CapabilityRefused);
 
     // Fetched at once: its next stripes come past the time to live, each within the window.
     let grant = granter.grant(&key, &b_id).await.unwrap();
-    for index in 0..3 {
+    let first = std::time::Instant::now();
+    for index in 0..4 {
         stripe_fetch(&mut conn, &grant.token, index).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(700)).await;
     }
+    // The fetches spanned more than the window: it runs from the last one.
+    assert!(first.elapsed() > Duration::from_millis(2000));
     // Past the window after the last fetch: lapsed.
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    let lapsed = stripe_fetch(&mut conn, &grant.token, 3).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let lapsed = stripe_fetch(&mut conn, &grant.token, 4).await;
     assert_eq!(source_code_of(lapsed), ErrorCode::CapabilityRefused);
+
+    // The client it was granted to gone while a fetch is under way (its payload not read: 8 MiB
+    // the source is still writing): no fetch begins after, though one is under way.
+    let big = samples::plain(DType::F32, &[2048, 1024], 10);
+    let big_key = TensorKey::new(0, "big");
+    granter.put(&big_key, &big).await.unwrap();
+    let grant = granter.grant(&big_key, &b_id).await.unwrap();
+    let mut stalled = source_connection(&a).await;
+    let under_way = stalled
+        .fetch_range(&grant.token, &b_id, 0..(8 << 20))
+        .await
+        .unwrap();
+    let before = a.node.stats().await.unwrap().connections;
+    drop(granter);
+    for _ in 0..200 {
+        if a.node.stats().await.unwrap().connections < before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let after = conn.fetch_range(&grant.token, &b_id, 0..STRIPE).await;
+    assert_eq!(
+        source_code_of(after.map(|f| f.range)),
+        ErrorCode::CapabilityRefused
+    );
+    drop(under_way);
 }
 
 /// Stripes fetched by hand over two connections at once (as a striping node's do) merge into
@@ -368,7 +425,7 @@ async fn striped_pulls_racing_overwrites_land_one_version_whole_or_nothing() {
                         .unwrap();
                 }
                 writes += 1;
-                tokio::time::sleep(Duration::from_millis(rng.random_range(0..15))).await;
+                tokio::time::sleep(Duration::from_millis(rng.random_range(5..40))).await;
             }
             writes
         })

@@ -217,6 +217,10 @@ impl Node {
         if capability.audience != *node_id {
             return Err(refused(Refusal::OtherNode));
         }
+        // The client it was granted to is gone: the fetches under way end it, and none begins.
+        if capability.orphaned {
+            return Err(refused(Refusal::Unknown));
+        }
         let charge = fetch_charge(capability.bytes, wants);
         let allowance = MAX_FETCHES.saturating_mul(capability.bytes.max(1));
         let charged = capability.charged.saturating_add(charge);
@@ -314,8 +318,12 @@ impl FetchLease {
         };
         let whole = capability.bytes.max(1);
         let more = whole.saturating_sub(self.charged);
+        let allowance = MAX_FETCHES.saturating_mul(whole);
         let charged = capability.charged.saturating_add(more);
-        if charged > MAX_FETCHES.saturating_mul(whole) {
+        if charged > allowance {
+            // The copy was made all the same: nothing more is served, so that refusals cannot
+            // cost a copy each.
+            capability.charged = allowance;
             return Err(NodeError::CapabilityRefused(Refusal::FetchedTooOften));
         }
         capability.charged = charged;
