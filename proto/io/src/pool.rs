@@ -19,7 +19,9 @@
 //! for [`Readiness::idle_after`], gives the ready bytes above the idle amount back to the
 //! kernel (`MADV_DONTNEED`). From its start until its first take or arrival it keeps
 //! [`Readiness::at_start`] ready instead of the idle amount (a fresh node's model), made once.
-//! The thread touches on the CPU time [`Readiness::touching`] says (a node's: idle time only).
+//! The thread that touches runs on the CPU time [`Readiness::touching`] says (a node's: idle
+//! time only); a second thread gives ready bytes back, at normal priority, so that a machine
+//! busy everywhere, where the first may never run, still gets them back.
 //! Where the memory the pool serves is bounded (a device budget, [`Pool::bound_ready_by`]), it
 //! makes no more ready than that bound has room for, and gives back what is above it once no
 //! receive is arriving: no receive could draw it. A payload that finds no ready range big
@@ -27,10 +29,10 @@
 //! gets huge pages where the pool's untouched memory would fault page by page), and is no miss.
 //!
 //! Invariant: every byte of the mapping is in exactly one place: the ready free list, the
-//! untouched free list, one live buffer, or the background thread's hands while it touches or
+//! untouched free list, one live buffer, or a background thread's hands while it touches or
 //! releases it; a buffer goes back to the ready list when its `Bytes` is dropped, whatever path
 //! it took (registered tensor, failed receive, deleted tensor). `free_bytes() == capacity()`
-//! once nothing drawn from the pool is alive and the thread holds nothing. Resident memory is at
+//! once nothing drawn from the pool is alive and the threads hold nothing. Resident memory is at
 //! most what is drawn plus what is ready (plus the range being touched).
 
 use std::collections::BTreeMap;
@@ -136,7 +138,8 @@ pub enum SpareCheck {
     Unchecked,
 }
 
-/// Which CPU time an elastic pool's thread touches (and releases) memory in.
+/// Which CPU time an elastic pool's thread touches memory in (the one that gives memory back runs
+/// at normal priority whatever this says).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Touching {
     /// Only time no other thread of the machine wants (Linux `SCHED_IDLE`; elsewhere, or where
@@ -176,10 +179,18 @@ pub const BUSY_SPELL: Duration = Duration::from_millis(250);
 const STEP: usize = 32 << 20;
 
 /// A node's receive pool. Cheap to clone; the memory is unmapped when the last clone and the
-/// last buffer drawn from it are gone.
-#[derive(Clone)]
+/// last buffer drawn from it are gone (and an elastic pool's threads have seen it).
 pub struct Pool {
     inner: Arc<Inner>,
+}
+
+impl Clone for Pool {
+    fn clone(&self) -> Self {
+        self.inner.handles.fetch_add(1, Ordering::Relaxed);
+        Pool {
+            inner: self.inner.clone(),
+        }
+    }
 }
 
 struct Inner {
@@ -189,8 +200,11 @@ struct Inner {
     base: NonNull<u8>,
     len: usize,
     free: Mutex<Free>,
-    /// Wakes the background thread of an elastic pool (a take, a pool dropped).
+    /// Wakes the background threads of an elastic pool (a take, a pool dropped).
     wake: Condvar,
+    /// Pool handles and buffers drawn alive: an elastic pool's threads end once there are none
+    /// (they hold the pool themselves meanwhile, so its count of owners cannot tell).
+    handles: std::sync::atomic::AtomicUsize,
     misses: AtomicU64,
     /// Whether anything was drawn or arrived yet (once true, [`Pool::note_arrival`] is a load).
     arrived: std::sync::atomic::AtomicBool,
@@ -207,15 +221,17 @@ struct Inner {
 struct Free {
     ready: FreeList,
     untouched: FreeList,
-    /// Bytes the background thread took out of a list to touch or release, not yet back.
-    in_hand: usize,
+    /// Bytes the touching thread took out of the untouched list, not yet listed ready.
+    touching: usize,
+    /// Bytes the releasing thread took out of the ready list, not yet listed untouched.
+    releasing: usize,
     last_take: Option<Instant>,
 }
 
 // SAFETY: `base` points into `map`, which `Inner` owns for its whole life; the bytes behind it
 // are only reached through disjoint ranges, each owned by one buffer, or by the free lists
-// (which nobody reads through), or by the pool's thread while it touches or releases a range it
-// took out of them; so sharing `Inner` between threads shares no byte.
+// (which nobody reads through), or by one of the pool's threads while it touches or releases a
+// range it took out of them; so sharing `Inner` between threads shares no byte.
 unsafe impl Send for Inner {}
 // SAFETY: as above; the free list is behind a mutex.
 unsafe impl Sync for Inner {}
@@ -300,7 +316,19 @@ enum Side {
     Highest,
 }
 
-/// What the background thread does next, with the range it took out of a free list.
+/// Which of an elastic pool's two threads: each decides from the same targets, and does only
+/// its own half.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keeper {
+    /// Touches untouched ranges to make them ready, in the CPU time [`Readiness::touching`]
+    /// says.
+    Toucher,
+    /// Gives ready ranges above the targets back to the kernel, at normal priority: memory the
+    /// node does not need goes back even while the machine is too busy for the toucher to run.
+    Releaser,
+}
+
+/// What a background thread does next, with the range it took out of a free list.
 enum Job {
     /// Touch an untouched range, then list it ready.
     Touch(usize, usize),
@@ -346,18 +374,24 @@ impl Pool {
                 ..readiness.at_start
             },
         };
-        let weak = Arc::downgrade(&pool.inner);
-        let name = match readiness.touching {
+        let started = Instant::now();
+        let toucher = match readiness.touching {
             Touching::InIdleTime => "ferry-pool-idle",
             Touching::AlongsideOthers => "ferry-pool",
         };
-        std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || keep_ready(weak, readiness))
-            .map_err(|source| PoolError::Map {
-                bytes: capacity,
-                source,
-            })?;
+        for (keeper, name) in [
+            (Keeper::Toucher, toucher),
+            (Keeper::Releaser, "ferry-pool-back"),
+        ] {
+            let weak = Arc::downgrade(&pool.inner);
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || keep_ready(weak, readiness, keeper, started))
+                .map_err(|source| PoolError::Map {
+                    bytes: capacity,
+                    source,
+                })?;
+        }
         Ok(pool)
     }
 
@@ -379,7 +413,8 @@ impl Pool {
         let mut free = Free {
             ready: FreeList::default(),
             untouched: FreeList::default(),
-            in_hand: 0,
+            touching: 0,
+            releasing: 0,
             last_take: None,
         };
         let base = NonNull::new(map.as_mut_ptr()).ok_or(PoolError::Size(bytes))?;
@@ -405,6 +440,7 @@ impl Pool {
                 len,
                 free: Mutex::new(free),
                 wake: Condvar::new(),
+                handles: std::sync::atomic::AtomicUsize::new(1),
                 misses: AtomicU64::new(0),
                 arrived: std::sync::atomic::AtomicBool::new(false),
                 min_payload,
@@ -423,10 +459,10 @@ impl Pool {
         self.inner.len
     }
 
-    /// Bytes not drawn now (ready or not, and those the background thread holds).
+    /// Bytes not drawn now (ready or not, and those the background threads hold).
     pub fn free_bytes(&self) -> usize {
         let free = self.free_list();
-        free.ready.free + free.untouched.free + free.in_hand
+        free.ready.free + free.untouched.free + free.touching + free.releasing
     }
 
     /// Bytes not drawn and ready (touched): what a receive can draw with no page fault.
@@ -440,9 +476,9 @@ impl Pool {
     /// fixed pool (all of it ready for good), does nothing and returns false.
     pub fn bound_ready_by(&self, bound: Arc<dyn ReadyBound>) -> bool {
         let set = self.inner.elastic && self.inner.bound.set(bound).is_ok();
-        // Under the lock: the thread either waits already, and wakes, or has yet to look.
+        // Under the lock: the threads either wait already, and wake, or have yet to look.
         let _free = self.free_list();
-        self.inner.wake.notify_one();
+        self.inner.wake.notify_all();
         set
     }
 
@@ -458,7 +494,7 @@ impl Pool {
         self.inner.arrived.store(true, Ordering::Relaxed);
         if free.last_take.is_none() {
             free.last_take = Some(Instant::now());
-            self.inner.wake.notify_one();
+            self.inner.wake.notify_all();
         }
     }
 
@@ -502,8 +538,8 @@ impl Pool {
                 .max(1)
                 .checked_next_multiple_of(GRANULE)
                 .and_then(|cap| Some((free.ready.take(cap)?, cap)));
-            // The background thread tops the ready bytes up (a fixed pool has none).
-            self.inner.wake.notify_one();
+            // The background threads top the ready bytes up (a fixed pool has none).
+            self.inner.wake.notify_all();
             let Some(taken) = taken else {
                 if self.inner.elastic {
                     return Ok(None);
@@ -517,6 +553,7 @@ impl Pool {
             };
             taken
         };
+        self.inner.handles.fetch_add(1, Ordering::Relaxed);
         let controller = RangeController {
             owner: PoolLease {
                 pool: self.inner.clone(),
@@ -538,8 +575,13 @@ impl Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        // An elastic pool's thread ends once nothing holds the pool: let it look now.
-        self.inner.wake.notify_one();
+        let left = self.inner.handles.fetch_sub(1, Ordering::AcqRel) - 1;
+        if left == 0 {
+            // An elastic pool's threads end once nothing holds the pool: under the lock, so
+            // that a thread about to wait sees the count or is woken.
+            let _free = lock(&self.inner);
+            self.inner.wake.notify_all();
+        }
     }
 }
 
@@ -563,26 +605,37 @@ struct PoolLease {
 impl Drop for PoolLease {
     fn drop(&mut self) {
         // Written by its tensor: ready for the next.
-        lock(&self.pool).ready.give(self.offset, self.cap);
+        let mut free = lock(&self.pool);
+        free.ready.give(self.offset, self.cap);
+        if self.pool.handles.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // The pool's last handle went before this buffer: its threads may end now.
+            self.pool.wake.notify_all();
+        }
     }
 }
 
-/// An elastic pool's background thread: tops the ready bytes up to the target (touching the
-/// lowest untouched range, a [`STEP`] at a time), and gives ready bytes above the idle target
-/// back once nothing was drawn for a while; ends when the pool is gone.
-fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
-    if readiness.touching == Touching::InIdleTime {
+/// One of an elastic pool's background threads (`keeper` says which half it does): tops the
+/// ready bytes up to the target (touching the lowest untouched range, a [`STEP`] at a time), or
+/// gives ready bytes above the idle target back once nothing was drawn for a while (and above
+/// the bound's room once nothing arrives); ends when the pool is gone. Both count the start
+/// amount's time from `started`.
+fn keep_ready(pool: Weak<Inner>, readiness: Readiness, keeper: Keeper, started: Instant) {
+    if keeper == Keeper::Toucher && readiness.touching == Touching::InIdleTime {
         run_in_idle_time();
     }
-    let started = Instant::now();
     loop {
         let Some(inner) = pool.upgrade() else {
             return;
         };
+        if inner.handles.load(Ordering::Acquire) == 0 {
+            return;
+        }
         // Whether the machine has memory to spare for the start amount, asked before the lock
         // (a few file reads), while the start amount may still be made: within its time and
         // before anything was drawn or arrived (after which the answer is not used).
-        let spare = readiness.at_start.spare == SpareCheck::Unchecked
+        // (Only the toucher makes anything: the releaser never asks.)
+        let spare = keeper == Keeper::Releaser
+            || readiness.at_start.spare == SpareCheck::Unchecked
             || started.elapsed() >= readiness.at_start.kept_for
             || inner.arrived.load(Ordering::Relaxed)
             || machine_has_spare_memory();
@@ -619,19 +672,22 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                 let busy = since.is_some_and(|s| s < BUSY_SPELL);
                 let idle = !busy && since.is_none_or(|s| s >= readiness.idle_after);
                 // Something left to make that spare memory would allow: ask again after the wait.
-                let short_of_spare = to_make < at_rest && free.ready.free < at_rest.min(room);
+                let short_of_spare = keeper == Keeper::Toucher
+                    && to_make < at_rest
+                    && free.ready.free < at_rest.min(room);
                 // A yes is asked again after a wait too: it may be old by then.
                 let ask_again = short_of_spare
-                    || (spare
+                    || (keeper == Keeper::Toucher
+                        && spare
                         && start_left.is_some()
                         && readiness.at_start.spare == SpareCheck::HalfFree
                         && at_rest > readiness.idle);
                 let target = if busy { readiness.ahead } else { to_make }.min(room);
-                if free.ready.free < target {
+                if keeper == Keeper::Toucher && free.ready.free < target {
                     let want = (target - free.ready.free).min(STEP);
                     let want = want.next_multiple_of(GRANULE);
                     if let Some((offset, len)) = free.untouched.take_piece(want, Side::Lowest) {
-                        free.in_hand = len;
+                        free.touching = len;
                         break Job::Touch(offset, len);
                     }
                 }
@@ -646,12 +702,13 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                 } else {
                     room
                 };
-                if free.ready.free > keep {
+                // (Never below the target the toucher makes: `keep` is at least it.)
+                if keeper == Keeper::Releaser && free.ready.free > keep {
                     let excess = (free.ready.free - keep) / GRANULE * GRANULE;
                     if let Some((offset, len)) =
                         free.ready.take_piece(excess.min(STEP), Side::Highest)
                     {
-                        free.in_hand = len;
+                        free.releasing = len;
                         break Job::Release(offset, len);
                     }
                 }
@@ -679,7 +736,7 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                     .wait_timeout(free, wait)
                     .unwrap_or_else(|e| e.into_inner())
                     .0;
-                if Arc::strong_count(&inner) == 1 {
+                if inner.handles.load(Ordering::Acquire) == 0 {
                     return;
                 }
                 // Ask the machine again, outside the lock.
@@ -697,7 +754,7 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                 unsafe { touch_by_writes(inner.base, offset, len) };
                 let mut free = lock(&inner);
                 free.ready.give(offset, len);
-                free.in_hand = 0;
+                free.touching = 0;
             }
             Job::Release(offset, len) => {
                 // SAFETY: `[offset, offset + len)` lies inside the mapping and was taken out of
@@ -715,7 +772,7 @@ fn keep_ready(pool: Weak<Inner>, readiness: Readiness) {
                     Ok(()) => free.untouched.give(offset, len),
                     Err(_) => free.ready.give(offset, len),
                 }
-                free.in_hand = 0;
+                free.releasing = 0;
             }
         }
     }
@@ -1071,7 +1128,7 @@ mod tests {
     /// its memory ready on a machine with time to spare.
     #[cfg(target_os = "linux")]
     #[test]
-    fn a_pool_touching_in_idle_time_runs_its_thread_at_idle_priority() {
+    fn a_pool_touching_in_idle_time_runs_its_toucher_at_idle_priority_and_its_releaser_not() {
         let readiness = Readiness {
             idle: 4 << 20,
             ahead: 4 << 20,
@@ -1080,16 +1137,16 @@ mod tests {
             at_start: AtStart::IDLE,
         };
         let pool = Pool::elastic(16 << 20, readiness).unwrap();
-        // The scheduling policy of each of this process's threads named as an idle-time pool's
-        // (field 41 of a task's `stat`, counted from its pid; the name in parentheses before
-        // it may hold spaces, so fields are counted after its closing one).
-        let policies = || -> Vec<i32> {
+        // The scheduling policy of each of this process's threads named `name` (field 41 of a
+        // task's `stat`, counted from its pid; the name in parentheses before it may hold
+        // spaces, so fields are counted after its closing one).
+        let policies = |name: &str| -> Vec<i32> {
             std::fs::read_dir("/proc/self/task")
                 .unwrap()
                 .filter_map(|task| {
                     let dir = task.ok()?.path();
                     let comm = std::fs::read_to_string(dir.join("comm")).ok()?;
-                    (comm.trim_end() == "ferry-pool-idle").then_some(())?;
+                    (comm.trim_end() == name).then_some(())?;
                     let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
                     let (_, after_name) = stat.rsplit_once(')')?;
                     after_name.split_whitespace().nth(38)?.parse().ok()
@@ -1098,7 +1155,7 @@ mod tests {
         };
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let seen = policies();
+            let seen = policies("ferry-pool-idle");
             if !seen.is_empty() && seen.iter().all(|&p| p == libc::SCHED_IDLE) {
                 break;
             }
@@ -1108,7 +1165,41 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(5));
         }
+        // Every pool's releaser (this test's and its neighbours') at normal priority.
+        let releasers = policies("ferry-pool-back");
+        assert!(!releasers.is_empty());
+        assert!(
+            releasers.iter().all(|&p| p == libc::SCHED_OTHER),
+            "{releasers:?}"
+        );
         until(&pool, "ready", |p| p.ready_bytes() == 4 << 20);
+    }
+
+    /// An elastic pool's threads end, and its memory is unmapped, once its last handle and its
+    /// last buffer are gone, whichever goes last.
+    #[test]
+    fn an_elastic_pool_is_freed_once_its_handles_and_buffers_are_gone() {
+        for buffer_last in [false, true] {
+            let pool = Pool::elastic(16 << 20, racing_readiness()).unwrap();
+            let clone = pool.clone();
+            until(&pool, "ready", |p| p.ready_bytes() >= 2 << 20);
+            let buffer = pool.take(2 << 20).unwrap().unwrap();
+            let inner = Arc::downgrade(&pool.inner);
+            if buffer_last {
+                drop((pool, clone));
+                std::thread::sleep(Duration::from_millis(50));
+                assert!(inner.upgrade().is_some(), "a buffer keeps the pool");
+                drop(buffer);
+            } else {
+                drop(buffer);
+                drop((pool, clone));
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while inner.upgrade().is_some() {
+                assert!(Instant::now() < deadline, "the pool's threads kept it");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
     }
 
     fn starting(at_start: usize, kept_for: Duration) -> Readiness {

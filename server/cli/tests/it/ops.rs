@@ -189,17 +189,19 @@ async fn a_default_node_makes_receive_memory_ready_before_the_tensor_arrives() {
     })
     .await
     .unwrap();
-    // Its thread is the one touching in idle time (named so by the pool; the policy itself is
-    // checked by the pool's own tests).
+    // Its threads: one touching in idle time, one giving back (named so by the pool; their
+    // policies are checked by the pool's own tests).
     let threads: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", node.pid()))
         .unwrap()
         .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
         .map(|comm| comm.trim_end().to_string())
         .collect();
-    assert!(
-        threads.iter().any(|name| name == "ferry-pool-idle"),
-        "{threads:?}"
-    );
+    for pool_thread in ["ferry-pool-idle", "ferry-pool-back"] {
+        assert!(
+            threads.iter().any(|name| name == pool_thread),
+            "{threads:?}"
+        );
+    }
     let mut client = Client::connect(node.addr.as_str()).await.unwrap();
     let stats = client.stat().await.unwrap();
     assert_eq!(stats.pool_bytes, 2048 * MIB, "up to the device budget");
