@@ -59,6 +59,13 @@ struct OpenLink {
 /// The longest wait between two reconnections.
 const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// The wait before reconnection number `attempt` (from 1): the configured backoff, doubled with
+/// each further one, at most [`MAX_BACKOFF`].
+fn backoff(first: std::time::Duration, attempt: u32) -> std::time::Duration {
+    let doubling = 1u32 << attempt.saturating_sub(1).min(16);
+    first.saturating_mul(doubling).min(MAX_BACKOFF)
+}
+
 /// How one attempt failed, and what it had received (to resume from).
 struct Failed {
     error: AttemptError,
@@ -176,9 +183,7 @@ impl Node {
                         "pull dropped; reconnecting"
                     );
                     link.source = None;
-                    let doubling = 1u32 << (attempt - 1).min(16);
-                    let backoff = config.pulls.retry_backoff.saturating_mul(doubling);
-                    tokio::time::sleep(backoff.min(MAX_BACKOFF)).await;
+                    tokio::time::sleep(backoff(config.pulls.retry_backoff, attempt)).await;
                 }
                 AttemptError::Transient(why) => {
                     link.source = None;

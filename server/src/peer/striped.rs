@@ -241,9 +241,7 @@ impl StripeFetcher {
             source = %Untrusted(&self.source), key = %self.src, attempt = *failures, why = %Untrusted(why),
             "a stripe's connection dropped; reconnecting"
         );
-        let doubling = 1u32 << (*failures - 1).min(16);
-        let backoff = config.pulls.retry_backoff.saturating_mul(doubling);
-        tokio::time::sleep(backoff.min(super::MAX_BACKOFF)).await;
+        tokio::time::sleep(super::backoff(config.pulls.retry_backoff, *failures)).await;
         true
     }
 

@@ -63,6 +63,20 @@ impl ChunkSink for TensorAssembler {
     }
 }
 
+/// Runs `io`, the move of a payload of `bytes`, within its `deadline` (none: unbounded).
+async fn within<T>(
+    deadline: Option<std::time::Duration>,
+    bytes: u64,
+    io: impl std::future::Future<Output = Result<T, ConnectionError>>,
+) -> Result<T, ConnectionError> {
+    match deadline {
+        None => io.await,
+        Some(deadline) => tokio::time::timeout(deadline, io)
+            .await
+            .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?,
+    }
+}
+
 /// Whether a payload written whole may travel as one shared-memory region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Whole {
@@ -85,12 +99,7 @@ impl<S: Transport> Connection<S> {
             }
             Ok(())
         };
-        match deadline {
-            None => read.await,
-            Some(deadline) => tokio::time::timeout(deadline, read)
-                .await
-                .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?,
-        }
+        within(deadline, bytes, read).await
     }
 
     /// The next frame's header (its body not read yet), checked against the body limit.
@@ -142,14 +151,13 @@ impl<S: Transport> Connection<S> {
         regions: RegionUse,
     ) -> Result<(PayloadRoute, Option<SealedRegion>), ConnectionError> {
         let bytes = assembler.meta().byte_len() as u64;
-        match self.limits.payload_deadline(bytes) {
-            None => self.read_payload_unbounded(assembler, regions).await,
-            Some(deadline) => {
-                tokio::time::timeout(deadline, self.read_payload_unbounded(assembler, regions))
-                    .await
-                    .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?
-            }
-        }
+        let deadline = self.limits.payload_deadline(bytes);
+        within(
+            deadline,
+            bytes,
+            self.read_payload_unbounded(assembler, regions),
+        )
+        .await
     }
 
     async fn read_payload_unbounded(
@@ -300,13 +308,12 @@ impl<S: Transport> Connection<S> {
     ) -> Result<PayloadRoute, ConnectionError> {
         let bytes = range.len() as u64;
         let deadline = self.limits.payload_deadline(bytes);
-        let write = self.write_payload_unbounded(parts, range, known, whole);
-        match deadline {
-            None => write.await,
-            Some(deadline) => tokio::time::timeout(deadline, write)
-                .await
-                .map_err(|_| ConnectionError::PayloadDeadline { bytes, deadline })?,
-        }
+        within(
+            deadline,
+            bytes,
+            self.write_payload_unbounded(parts, range, known, whole),
+        )
+        .await
     }
 
     /// Writes payload bytes `range` (within the payload), then flushes.
