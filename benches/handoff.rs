@@ -31,7 +31,7 @@ fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let node = Node::start(NodeConfig {
         devices: vec![DeviceSpec::Flex],
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     })
     .unwrap();
     let device = Device::flex();

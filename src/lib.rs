@@ -3,7 +3,8 @@
 //! This root crate re-exports the libraries ([`proto`], [`io`], [`server`], [`client`],
 //! [`files`], [`certs`], [`etcd`]) and
 //! holds what the integration tests and benchmarks of every package share: [`samples`], the
-//! dtype and quantization matrix, and [`testing`], nodes and helpers to test against.
+//! dtype and quantization matrix, [`testing`], nodes and helpers to test against, and
+//! [`squatter`], a loopback port another local user holds.
 
 pub use ferry_certs as certs;
 pub use ferry_client as client;
@@ -14,6 +15,7 @@ pub use ferry_proto as proto;
 pub use ferry_server as server;
 
 pub mod samples;
+pub mod squatter;
 pub mod testing;
 
 /// The README's and the docs' Rust examples, compiled and run as doc tests

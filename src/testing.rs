@@ -97,7 +97,7 @@ pub async fn start_with(specs: &[&str]) -> TestNode {
     start(
         NodeConfig {
             devices: devices(specs),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )
@@ -140,6 +140,7 @@ pub async fn source_connection(node: &TestNode) -> Exchange {
         agent: "ferry-tests",
         tls: None,
         check: &PeerCheck::Any,
+        clear_tokens: Default::default(),
         shared_memory: SharedMemory::Decline,
         limits: Default::default(),
     };

@@ -16,7 +16,10 @@ use ferry_io::transport::Endpoint;
 
 /// The runtime every blocking client's calls run on: one worker thread that drives their
 /// sockets, shared so that a copy between two blocking clients can drive both connections.
+/// Handed out only to a thread that may block on it (see [`outside_runtime`]): every blocking
+/// call comes through here, so none can forget the check.
 fn runtime() -> Result<&'static Runtime, ClientError> {
+    outside_runtime()?;
     static RUNTIME: OnceLock<Result<Runtime, String>> = OnceLock::new();
     RUNTIME
         .get_or_init(|| {
@@ -31,11 +34,28 @@ fn runtime() -> Result<&'static Runtime, ClientError> {
         .map_err(|e| ClientError::Connection(ConnectionError::Io(std::io::Error::other(e.clone()))))
 }
 
-/// A [`Client`] whose calls block until the node answered. Do not use it from inside an async
-/// runtime; use [`Client`] there.
+/// Refuses to block on a thread that drives an async runtime (a task's thread), where tokio
+/// would panic ("Cannot start a runtime from within a runtime") and waiting would stall the
+/// runtime that has to answer. A thread that merely has a runtime's context, such as one of
+/// `spawn_blocking`'s, may block: tokio's own check decides, probed with an empty future (its
+/// refusal is a panic, contained and quiet here).
+fn outside_runtime() -> Result<(), ClientError> {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return Ok(());
+    };
+    let _quiet = ferry_proto::contain::QuietPanics::enter();
+    ferry_proto::contained(|| handle.block_on(async {})).map_err(|_| ClientError::InsideRuntime)
+}
+
+/// Runs `work` to its end on the shared runtime, or refuses where this thread may not block.
+fn block_on<T>(work: impl Future<Output = Result<T, ClientError>>) -> Result<T, ClientError> {
+    runtime()?.block_on(work)
+}
+
+/// A [`Client`] whose calls block until the node answered. Inside an async runtime (on a task's
+/// thread) every call returns [`ClientError::InsideRuntime`]; use [`Client`] there.
 #[derive(Debug)]
 pub struct BlockingClient {
-    runtime: &'static Runtime,
     client: Client,
 }
 
@@ -55,20 +75,18 @@ impl BlockingClient {
         name: &str,
         options: crate::ConnectOptions,
     ) -> Result<(Self, ferry_proto::cluster::MemberRecord), crate::cluster::ReachError> {
-        let runtime = runtime()?;
-        let (client, member) = runtime.block_on(async {
+        let (client, member) = runtime()?.block_on(async {
             let mut directory =
                 crate::cluster::Directory::connect_with(cluster, options.tls.as_ref()).await?;
             directory.reach(name, options).await
         })?;
-        Ok((Self { runtime, client }, member))
+        Ok((Self { client }, member))
     }
 
     /// Opens what `connect` describes.
     pub(crate) fn open(connect: Connect) -> Result<Self, ClientError> {
-        let runtime = runtime()?;
-        let client = runtime.block_on(connect.open())?;
-        Ok(Self { runtime, client })
+        let client = block_on(connect.open())?;
+        Ok(Self { client })
     }
 
     /// The async client underneath.
@@ -93,7 +111,7 @@ impl BlockingClient {
 
     /// See [`Client::put`].
     pub fn put(&mut self, key: &TensorKey, data: &TensorData) -> Result<TensorInfo, ClientError> {
-        self.runtime.block_on(self.client.put(key, data))
+        block_on(self.client.put(key, data))
     }
 
     /// See [`Client::put_with`].
@@ -103,8 +121,7 @@ impl BlockingClient {
         data: &TensorData,
         if_exists: IfExists,
     ) -> Result<TensorInfo, ClientError> {
-        self.runtime
-            .block_on(self.client.put_with(key, data, if_exists))
+        block_on(self.client.put_with(key, data, if_exists))
     }
 
     /// See [`Client::put_unnamed`].
@@ -113,7 +130,7 @@ impl BlockingClient {
         device: u32,
         data: &TensorData,
     ) -> Result<TensorInfo, ClientError> {
-        self.runtime.block_on(self.client.put_unnamed(device, data))
+        block_on(self.client.put_unnamed(device, data))
     }
 
     /// See [`Client::put_batch`].
@@ -122,12 +139,12 @@ impl BlockingClient {
         tensors: &[(TensorKey, TensorData)],
         if_exists: IfExists,
     ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
-        self.runtime
-            .block_on(self.client.put_batch(tensors, if_exists))
+        block_on(self.client.put_batch(tensors, if_exists))
     }
 
     /// See [`Client::put_batch_in_lanes`]: the batch over every one of `lanes` at once (each a
-    /// connection to the same node). `Err` only where no runtime could be started.
+    /// connection to the same node). `Err` only where no runtime could be started, or on a
+    /// thread that may not block ([`ClientError::InsideRuntime`]).
     pub fn put_batch_in_lanes(
         lanes: &mut [BlockingClient],
         tensors: &[(TensorKey, TensorData)],
@@ -139,7 +156,7 @@ impl BlockingClient {
 
     /// See [`Client::get`].
     pub fn get(&mut self, key: &TensorKey) -> Result<TensorData, ClientError> {
-        self.runtime.block_on(self.client.get(key))
+        block_on(self.client.get(key))
     }
 
     /// See [`Client::get_with_info`].
@@ -147,7 +164,7 @@ impl BlockingClient {
         &mut self,
         key: &TensorKey,
     ) -> Result<(TensorInfo, TensorData), ClientError> {
-        self.runtime.block_on(self.client.get_with_info(key))
+        block_on(self.client.get_with_info(key))
     }
 
     /// See [`Client::get_batch`].
@@ -155,7 +172,7 @@ impl BlockingClient {
         &mut self,
         keys: &[TensorKey],
     ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
-        self.runtime.block_on(self.client.get_batch(keys))
+        block_on(self.client.get_batch(keys))
     }
 
     /// See [`Client::get_batch_into`].
@@ -164,8 +181,7 @@ impl BlockingClient {
         keys: &[TensorKey],
         buffer_for: impl FnMut(usize, &TensorMeta) -> Option<Bytes>,
     ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
-        self.runtime
-            .block_on(self.client.get_batch_into(keys, buffer_for))
+        block_on(self.client.get_batch_into(keys, buffer_for))
     }
 
     /// See [`Client::put_tensor`].
@@ -174,7 +190,7 @@ impl BlockingClient {
         key: &TensorKey,
         tensor: burn_tensor::Tensor<D, K>,
     ) -> Result<TensorInfo, ClientError> {
-        self.runtime.block_on(self.client.put_tensor(key, tensor))
+        block_on(self.client.put_tensor(key, tensor))
     }
 
     /// See [`Client::get_tensor`].
@@ -183,17 +199,17 @@ impl BlockingClient {
         key: &TensorKey,
         device: &burn_tensor::Device,
     ) -> Result<burn_tensor::Tensor<D, K>, ClientError> {
-        self.runtime.block_on(self.client.get_tensor(key, device))
+        block_on(self.client.get_tensor(key, device))
     }
 
     /// See [`Client::copy`].
     pub fn copy(&mut self, src: &TensorKey, dst: &TensorKey) -> Result<TensorInfo, ClientError> {
-        self.runtime.block_on(self.client.copy(src, dst))
+        block_on(self.client.copy(src, dst))
     }
 
     /// See [`Client::move_to`].
     pub fn move_to(&mut self, src: &TensorKey, dst: &TensorKey) -> Result<TensorInfo, ClientError> {
-        self.runtime.block_on(self.client.move_to(src, dst))
+        block_on(self.client.move_to(src, dst))
     }
 
     /// See [`Client::transfer`].
@@ -204,13 +220,12 @@ impl BlockingClient {
         transfer: Transfer,
         if_exists: IfExists,
     ) -> Result<TensorInfo, ClientError> {
-        self.runtime
-            .block_on(self.client.transfer(src, dst, transfer, if_exists))
+        block_on(self.client.transfer(src, dst, transfer, if_exists))
     }
 
     /// See [`Client::delete`].
     pub fn delete(&mut self, key: &TensorKey) -> Result<TensorInfo, ClientError> {
-        self.runtime.block_on(self.client.delete(key))
+        block_on(self.client.delete(key))
     }
 
     /// See [`Client::delete_if`].
@@ -219,12 +234,12 @@ impl BlockingClient {
         key: &TensorKey,
         version: &ContentHash,
     ) -> Result<TensorInfo, ClientError> {
-        self.runtime.block_on(self.client.delete_if(key, version))
+        block_on(self.client.delete_if(key, version))
     }
 
     /// See [`Client::list`].
     pub fn list(&mut self, device: Option<u32>) -> Result<Vec<TensorInfo>, ClientError> {
-        self.runtime.block_on(self.client.list(device))
+        block_on(self.client.list(device))
     }
 
     /// See [`Client::list_page`].
@@ -234,28 +249,27 @@ impl BlockingClient {
         after: Option<TensorKey>,
         limit: u32,
     ) -> Result<(Vec<TensorInfo>, Option<TensorKey>), ClientError> {
-        self.runtime
-            .block_on(self.client.list_page(device, after, limit))
+        block_on(self.client.list_page(device, after, limit))
     }
 
     /// See [`Client::holds`].
     pub fn holds(&mut self, device: u32) -> Result<Vec<HeldProbe>, ClientError> {
-        self.runtime.block_on(self.client.holds(device))
+        block_on(self.client.holds(device))
     }
 
     /// See [`Client::stat`].
     pub fn stat(&mut self) -> Result<NodeStats, ClientError> {
-        self.runtime.block_on(self.client.stat())
+        block_on(self.client.stat())
     }
 
     /// See [`Client::identify`].
     pub fn identify(&mut self) -> Result<NodeId, ClientError> {
-        self.runtime.block_on(self.client.identify())
+        block_on(self.client.identify())
     }
 
     /// See [`Client::grant`].
     pub fn grant(&mut self, key: &TensorKey, audience: &NodeId) -> Result<Grant, ClientError> {
-        self.runtime.block_on(self.client.grant(key, audience))
+        block_on(self.client.grant(key, audience))
     }
 
     /// See [`Client::pull`].
@@ -266,13 +280,12 @@ impl BlockingClient {
         dst: &TensorKey,
         if_exists: IfExists,
     ) -> Result<TensorInfo, ClientError> {
-        self.runtime
-            .block_on(self.client.pull(source, grant, dst, if_exists))
+        block_on(self.client.pull(source, grant, dst, if_exists))
     }
 
     /// See [`Client::release`].
     pub fn release(&mut self, grant: &Grant) -> Result<(), ClientError> {
-        self.runtime.block_on(self.client.release(grant))
+        block_on(self.client.release(grant))
     }
 }
 
@@ -283,8 +296,6 @@ impl NodeCopy {
         source: &mut BlockingClient,
         target: &mut BlockingClient,
     ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
-        target
-            .runtime
-            .block_on(self.run(&mut source.client, &mut target.client))
+        block_on(self.run(&mut source.client, &mut target.client))
     }
 }

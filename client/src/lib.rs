@@ -13,7 +13,8 @@ pub use client::{
     Client, ClientError, Connect, ConnectOptions, Grant, HeldProbe, InterruptedCopy, Lane, NodeCopy,
 };
 pub use ferry_io::{
-    ClientTls, ConnectionError, ConnectionLimits, Endpoint, PeerCheck, SharedMemory,
+    ClearTokens, ClientTls, ConnectionError, ConnectionLimits, Endpoint, LocalServer, PeerCheck,
+    SharedMemory, TokenWithheld,
 };
 pub use ferry_proto::{
     CapabilityToken, ContentHash, ErrorCode, IfExists, NodeId, TensorData, TensorInfo, TensorKey,

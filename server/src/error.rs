@@ -179,6 +179,12 @@ pub enum NodeError {
          --tls-cert/--tls-key/--tls-ca and the peer a TCP address, or list it without a name"
     )]
     UncheckablePeerName(String),
+    /// The receive pool the configuration asks for cannot be planned.
+    #[error("receive buffers: {0}")]
+    ReceivePlan(#[from] crate::node::ReceivePlanError),
+    /// The receive pool could not be reserved (address space, or memory to touch).
+    #[error("reserving the receive pool: {0}")]
+    ReceivePool(std::io::Error),
     /// A transfer whose source and target are one key.
     #[error("source and target are the same tensor {0}")]
     SameTensor(TensorKey),
@@ -254,6 +260,8 @@ impl NodeError {
             | NodeError::InvalidNodeId { .. }
             | NodeError::NodeIdNotCertified { .. }
             | NodeError::UncheckablePeerName(_)
+            | NodeError::ReceivePlan(_)
+            | NodeError::ReceivePool(_)
             | NodeError::SameTensor(_)
             | NodeError::PullWithoutHash
             | NodeError::InvalidSource(_)

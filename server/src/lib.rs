@@ -1,10 +1,15 @@
 //! A ferry node: device workers that own each hosted device's tensors, the transfer engine that
 //! moves tensors between them, and the TCP service that serves them to clients.
 //!
-//! Embed a [`Node`] to share tensors in process; wrap it in a [`Service`] to serve it on TCP and
-//! on a Unix socket. What a node does for a client it does through the same `Node` methods.
+//! [`Server::builder`] builds a node with its door exactly as the `ferry-server` binary does
+//! (the binary is a command-line front over it): the same defaults (a receive pool with memory
+//! kept ready) and the same refusals (beyond loopback only under TLS with a credential and a
+//! peer list, unless the program says [`ServerBuilder::insecure`]). Underneath, [`Node`] shares
+//! tensors in process and a [`Service`] serves it on TCP and on a Unix socket; what a node does
+//! for a client it does through the same `Node` methods.
 //!
-//! The public surface is what an embedding application needs: the node and its configuration
+//! The public surface is what an embedding application needs: the server builder, the node and
+//! its configuration
 //! ([`NodeConfig`], the devices it hosts as [`DeviceSpec`]s, its [`TransferPolicy`],
 //! [`PeerPolicy`] and [`ReceiveBuffers`]), the service, the typed errors, what a device holds
 //! ([`TensorDesc`], [`HoldsTable`]) and what can be read of a device ([`DeviceHandle`]), and the
@@ -26,6 +31,7 @@ mod engine;
 mod error;
 pub mod gpu;
 pub mod holds;
+mod launch;
 pub mod metrics;
 mod node;
 mod peer;
@@ -38,11 +44,22 @@ pub use device::{
 pub use engine::{TransferPath, TransferPolicy};
 pub use error::{NodeError, Refusal};
 pub use ferry_proto::{NodeId, Token, Transfer};
+// What a `ServerBuilder` is given, so that a program embedding a node needs no other crate.
+pub use ferry_io::credential::{Credential, Scopes};
+pub use ferry_io::grant::Grant;
+pub use ferry_io::{
+    ClearTokens, ConnectionLimits, LocalServer, NodeTls, Pool, SharedMemory, TlsFiles,
+};
 pub use holds::HoldsTable;
+pub use launch::{
+    ClusterJoin, DEFAULT_RECYCLE, PeerToken, ProcessTuning, Server, ServerBuilder, StartError,
+    tune_allocator,
+};
 pub use node::{
     ClusterMembers, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, Node, NodeConfig, NodeLimits, Peer,
-    PeerPolicy, PullConfig, ReceiveBuffers, Striping,
+    PeerPolicy, PullConfig, ReadyMemory, ReceiveBuffers, ReceivePlanError, Striping,
 };
 pub use service::{
-    DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, Service, ServiceConfig,
+    BindError, DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, Exposure, ExposureError,
+    Missing, Service, ServiceConfig,
 };

@@ -25,7 +25,8 @@ pub const CONNECTIONS: &str = "ferry_connections";
 /// Connections refused before they were served, by `reason`: `node_limit` (every slot held by
 /// a connection that said hello), `address_limit` (the peer's address holds its share),
 /// `tls_handshake` (no valid certificate, or not TLS), `hello_deadline` (no hello, or no TLS
-/// handshake, in time), `local_user` (a peer of another Unix user of this host).
+/// handshake, in time), `local_user` (a peer of another Unix user of this host),
+/// `identity_share` (the identity its hello showed holds its share).
 pub const CONNECTIONS_REFUSED: &str = "ferry_connections_refused_total";
 /// Reconnections of node-to-node pulls after a transient drop.
 pub const PULL_RETRIES: &str = "ferry_pull_retries_total";

@@ -321,7 +321,7 @@ async fn member_node_with(
                 },
                 ..PullConfig::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )
@@ -520,7 +520,7 @@ async fn under_tls_only_what_a_member_sealed_counts_and_a_member_must_show_its_i
         NodeConfig {
             devices: devices(&["flex"]),
             tls: Some(c_tls.clone()),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )

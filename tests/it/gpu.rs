@@ -171,7 +171,7 @@ async fn a_gpu_device_stages_its_receives_through_the_pool_and_gives_each_buffer
         NodeConfig {
             devices: ferry::testing::devices(&["gl:cpu"]),
             receive_buffers: ferry::server::ReceiveBuffers::Pool(pool.clone()),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ferry::server::ServiceConfig::default(),
     )
@@ -287,7 +287,7 @@ fn a_gpu_device_that_is_not_there_is_refused_at_start_with_its_name() {
     let spec: DeviceSpec = "vulkan:57".parse().unwrap();
     let refused = Node::start(NodeConfig {
         devices: vec![DeviceSpec::Flex, spec],
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     });
     let Err(refused) = refused else {
         panic!("a node started with a 57th discrete GPU");

@@ -108,7 +108,7 @@ async fn flex_node(service: ServiceConfig) -> TestNode {
     start(
         NodeConfig {
             devices: ferry::testing::devices(&["flex"]),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service,
     )
@@ -364,7 +364,7 @@ async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told
                 memory_limit: Some(1500 + TENSOR_OVERHEAD),
                 ..NodeLimits::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig {
             max_connections: 2,
@@ -504,7 +504,7 @@ async fn thousands_of_corrupted_frames_leave_the_node_serving_and_empty() {
     let node = start(
         NodeConfig {
             devices: ferry::testing::devices(&["flex", "flex"]),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service,
     )
@@ -647,7 +647,7 @@ async fn many_clients_together_cannot_push_a_device_past_its_budget() {
                 memory_limit: Some(BUDGET),
                 ..NodeLimits::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )
@@ -824,7 +824,7 @@ async fn budget_node(specs: &[&str], limit: u64, service: ServiceConfig) -> Test
                 memory_limit: Some(limit),
                 ..NodeLimits::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service,
     )
@@ -1022,7 +1022,7 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
                 max_tensors: Some(10),
                 ..NodeLimits::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )
@@ -1361,7 +1361,7 @@ async fn a_pull_told_busy_by_a_source_whose_share_of_copies_is_taken_tries_again
     let source = budget_node(&["ndarray"], 160 * MIB, service).await;
     let mut config = NodeConfig {
         devices: ferry::testing::devices(&["flex"]),
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     // Up to 50 + 100 + ... + 1600 ms of waiting between fetches.
     config.pulls.retries = 6;

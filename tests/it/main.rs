@@ -9,16 +9,21 @@
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
+mod blocking;
 mod cancel;
 mod cluster;
 mod concurrency;
 mod etcd;
+mod fair;
 mod gpu;
 mod holds;
 mod hostile;
 mod node;
 mod peers;
 mod pool;
+mod remote_host;
+mod server;
 mod shareable;
+mod squatter;
 mod stripes;
 mod tls;

@@ -13,7 +13,7 @@ async fn copy_matrix(policy: TransferPolicy, expected_path: TransferPath) {
         NodeConfig {
             devices: devices(&["flex", "flex"]),
             policy,
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )

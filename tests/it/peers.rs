@@ -171,7 +171,7 @@ async fn capabilities_are_single_use_bound_expiring_and_unforgeable() {
                 capability_ttl: Duration::from_millis(300),
                 ..NodeLimits::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )
@@ -264,7 +264,7 @@ async fn faulty_pair(fault: Fault) -> (TestNode, TestNode, String, TensorData) {
                 peer_limits: resume_window,
                 ..PullConfig::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service,
     )
@@ -276,7 +276,7 @@ async fn faulty_pair(fault: Fault) -> (TestNode, TestNode, String, TensorData) {
             retry_backoff: Duration::from_millis(20),
             ..PullConfig::default()
         },
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     target_config.pulls.peer_limits.idle_timeout = Duration::from_secs(1);
     let b = start(target_config, ServiceConfig::default()).await;
@@ -495,7 +495,7 @@ async fn a_false_hash_relayed_through_shared_memory_is_replaced_by_the_computed_
     let unix_node = async |specs: &[&str]| {
         let config = NodeConfig {
             devices: devices(specs),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         };
         ferry::testing::start_unix(config, ServiceConfig::default()).await
     };
@@ -701,7 +701,7 @@ async fn a_grant_states_only_a_verified_hash_after_a_false_statement_through_sha
     // afterwards: a grant of that tensor waits for the verification, and states the truth.
     let config = || NodeConfig {
         devices: devices(&["flex"]),
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     let _serial = ferry::testing::REGIONS.lock().await;
     let a = ferry::testing::start_unix(config(), ServiceConfig::default()).await;
@@ -936,7 +936,7 @@ async fn outstanding_grants_are_capped_per_client_and_revoked_with_its_connectio
                 max_grants_per_client: 8,
                 ..NodeLimits::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )
@@ -1073,7 +1073,7 @@ async fn a_node_pulls_only_from_its_listed_peers() {
                 peers: PeerPolicy::Listed(vec![Peer::at(a.addr.to_string())]),
                 ..PullConfig::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )
@@ -1154,7 +1154,7 @@ async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
     let a = start(
         NodeConfig {
             devices: devices(&["flex"]),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service(),
     )
@@ -1167,7 +1167,7 @@ async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
                 peers: PeerPolicy::Listed(vec![Peer::at(a.addr.to_string())]),
                 ..PullConfig::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service(),
     )
@@ -1218,7 +1218,7 @@ async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_cho
     let a = start(
         NodeConfig {
             devices: devices(&["flex"]),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service(),
     )
@@ -1233,7 +1233,7 @@ async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_cho
                 peers: PeerPolicy::Any,
                 ..PullConfig::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service(),
     )
@@ -1318,7 +1318,7 @@ async fn a_pull_whose_only_chunk_is_lost_after_it_was_sent_resumes_from_the_star
             retry_backoff: Duration::from_millis(20),
             ..PullConfig::default()
         },
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     config.pulls.peer_limits.idle_timeout = Duration::from_secs(1);
     let b = start(config, ServiceConfig::default()).await;

@@ -34,7 +34,7 @@ async fn pooled_node(pool: &Pool, pull_retries: u32) -> TestNode {
             retry_backoff: Duration::from_millis(20),
             ..PullConfig::default()
         },
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     config.pulls.peer_limits.idle_timeout = Duration::from_secs(1);
     start(config, ServiceConfig::default()).await
@@ -115,7 +115,7 @@ async fn source_of_32_mib() -> (TestNode, TensorData) {
     let a = start(
         NodeConfig {
             devices: devices(&["flex"]),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service,
     )
@@ -326,7 +326,7 @@ async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
                 memory_limit: Some(LIMIT as u64),
                 ..ferry::server::NodeLimits::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )
@@ -383,7 +383,7 @@ async fn a_first_tensor_too_small_for_the_pool_ends_its_start_amount() {
         NodeConfig {
             devices: devices(&["flex"]),
             receive_buffers: ReceiveBuffers::Pool(pool.clone()),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )

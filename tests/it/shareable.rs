@@ -22,7 +22,7 @@ async fn shareable_node(min_bytes: usize) -> TestNode {
     let config = NodeConfig {
         devices: devices(&["flex"]),
         receive_buffers: ReceiveBuffers::Shareable { min_bytes },
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     start_unix(config, ServiceConfig::default()).await
 }
@@ -30,7 +30,7 @@ async fn shareable_node(min_bytes: usize) -> TestNode {
 async fn plain_unix_node() -> TestNode {
     let config = NodeConfig {
         devices: devices(&["flex"]),
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     start_unix(config, ServiceConfig::default()).await
 }

@@ -33,7 +33,7 @@ async fn striping_target() -> TestNode {
             striping: Striping::new(4, StripeLen::new(STRIPE).unwrap()),
             ..PullConfig::default()
         },
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     config.pulls.peer_limits.idle_timeout = Duration::from_secs(1);
     start(config, ServiceConfig::default()).await
@@ -46,7 +46,7 @@ async fn source(device: &str) -> TestNode {
     service.limits.chunk_size = 16 * 1024;
     let mut config = NodeConfig {
         devices: devices(&[device]),
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     config.pulls.peer_limits.idle_timeout = Duration::from_millis(500);
     start(config, service).await
@@ -235,7 +235,7 @@ async fn a_fetched_capability_lapses_from_its_last_fetch_and_none_begins_once_it
             capability_ttl: Duration::from_millis(500),
             ..Default::default()
         },
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     config.pulls.peer_limits.idle_timeout = Duration::from_millis(1500);
     let a = start(config, ServiceConfig::default()).await;

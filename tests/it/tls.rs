@@ -41,7 +41,7 @@ async fn tls_node(tls: NodeTls, peers: PeerPolicy, pull_retries: u32) -> TestNod
                 retry_backoff: Duration::from_millis(20),
                 ..PullConfig::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service,
     )
@@ -116,7 +116,7 @@ async fn a_striped_pull_crosses_mutual_tls_bit_exact() {
                 ),
                 ..PullConfig::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         service,
     )
@@ -143,7 +143,7 @@ async fn a_node_id_that_is_not_the_certificates_is_refused_at_start() {
         devices: devices(&["flex"]),
         tls: Some(pki.node("node-a")),
         node_id: Some("someone-else".into()),
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     let error = ferry::server::Node::start(config).err().unwrap();
     assert!(error.to_string().contains("someone-else"), "{error}");
@@ -336,6 +336,7 @@ async fn a_capability_serves_only_the_node_its_certificate_names() {
             agent: "tls-test",
             tls: Some(tls),
             check: &PeerCheck::Any,
+            clear_tokens: Default::default(),
             shared_memory: SharedMemory::Decline,
             limits: Default::default(),
         };
@@ -511,7 +512,7 @@ async fn a_peer_listed_by_name_is_pulled_from_only_if_its_certificate_carries_th
             peers: PeerPolicy::Listed(vec![Peer::named("node-a", addr.clone())]),
             ..PullConfig::default()
         },
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     let error = ferry::server::Node::start(config).err().unwrap();
     assert!(error.to_string().contains("listed with a name"), "{error}");
@@ -540,7 +541,7 @@ async fn under_tls_the_certificate_is_the_credential_and_no_token_travels() {
         NodeConfig {
             devices: devices(&["flex"]),
             tls: Some(pki.node("node-a")),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         granted,
     )
@@ -612,7 +613,7 @@ async fn under_tls_the_certificate_is_the_credential_and_no_token_travels() {
                 ]),
                 ..PullConfig::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )

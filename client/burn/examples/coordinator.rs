@@ -3,9 +3,13 @@
 //! bit-exact the coordinator's own.
 //!
 //! ```text
-//! cargo run --example coordinator -- ADDR
+//! cargo run --example coordinator -- ADDR [--token-file PATH]
 //! cargo run --example coordinator -- --cluster etcd://HOST:PORT --name NAME
 //! ```
+//!
+//! With `--token-file`, the token (the file's first line that is not blank or a comment) goes to
+//! the worker over loopback, or beyond it only under TLS: the client library keeps it back from
+//! any other address, and from a loopback port another user holds.
 
 #[path = "shared/coordinator.rs"]
 mod coordinator;
@@ -24,7 +28,22 @@ fn main() -> anyhow::Result<()> {
                 Ok(BlockingClient::reach(cluster, name, ConnectOptions::default())?.0)
             }
             [addr] => Ok(BlockingClient::connect(addr.as_str()).blocking()?),
-            _ => anyhow::bail!("usage: coordinator ADDR | --cluster etcd://HOST:PORT --name NAME"),
+            [addr, flag, path] if flag == "--token-file" => {
+                let text = std::fs::read_to_string(path)?;
+                let token = text
+                    .lines()
+                    .map(str::trim)
+                    .find(|l| !l.is_empty() && !l.starts_with('#'))
+                    .ok_or_else(|| anyhow::anyhow!("{path} holds no token"))?;
+                // A token file of the node's form (`SCOPES TOKEN`) holds the token last.
+                let token = token.rsplit(' ').next().unwrap_or(token);
+                Ok(BlockingClient::connect(addr.as_str())
+                    .token(token)
+                    .blocking()?)
+            }
+            _ => anyhow::bail!(
+                "usage: coordinator ADDR [--token-file PATH] | --cluster etcd://HOST:PORT --name NAME"
+            ),
         }
     };
     for quantization in [Quantization::PerTensor, Quantization::PerBlock] {

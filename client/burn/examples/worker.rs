@@ -5,8 +5,15 @@
 //! buffers.
 //!
 //! ```text
-//! cargo run --example worker -- [--listen 127.0.0.1:0] [--cluster etcd://HOST:PORT --name NAME]
+//! cargo run --example worker -- [--listen 127.0.0.1:0] [--token-file PATH]
+//!     [--tls DIR/NAME --grant NAME=SCOPES] [--cluster etcd://HOST:PORT --name NAME]
 //! ```
+//!
+//! Across machines it listens beyond loopback, which the node library allows only behind a
+//! credential: a token file (`SCOPES TOKEN` lines; the coordinator presents the token), or
+//! mutual TLS from `ferry certs` (`DIR/NAME.pem`, `DIR/NAME.key`, `DIR/ca.pem`) with a grant
+//! for the coordinator's certificate name. A batch it cannot take (a tensor of another
+//! kind) is reported on stderr and the worker goes on.
 //!
 //! It prints `listening on ADDR` first, then serves until it is killed or its standard input
 //! closes.
@@ -16,15 +23,14 @@
 mod tiny_lm;
 
 use std::io::{BufRead, Write};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context;
 use burn_core::tensor::{Device, Int, Tensor};
 use burn_store::ModuleStore;
 use ferry_burn::{FerryStore, HandoffError, NodeTensors};
 use ferry_proto::{IfExists, TensorKey};
-use ferry_server::cluster::{ClusterConfig, Membership};
-use ferry_server::{DeviceSpec, Node, NodeConfig, NodeError, Service, ServiceConfig};
+use ferry_server::{ClusterJoin, DeviceSpec, NodeError, Server};
 use tiny_lm::TinyLm;
 
 fn main() -> anyhow::Result<()> {
@@ -40,37 +46,35 @@ fn main() -> anyhow::Result<()> {
     // The node runs on a runtime of its own threads; the model runs on this one.
     let runtime = tokio::runtime::Runtime::new()?;
     let _entered = runtime.enter();
-    let node = Node::start(NodeConfig {
-        devices: vec![DeviceSpec::Flex],
-        ..NodeConfig::default()
-    })?;
-    let service = runtime
-        .block_on(Service::bind(
-            node.clone(),
-            listen.parse()?,
-            ServiceConfig::default(),
-        ))
-        .with_context(|| format!("binding {listen}"))?;
-    let addr = service.local_addr()?;
-    println!("listening on {addr}");
+    let mut server = Server::builder()
+        .listen(listen.parse()?)
+        .devices(vec![DeviceSpec::Flex]);
+    if let Some(path) = flag("--token-file") {
+        server = server.token_file(path);
+    }
+    if let Some(holder) = flag("--tls").map(PathBuf::from) {
+        let dir = holder.parent().map(PathBuf::from).unwrap_or_default();
+        server = server.tls_files(ferry_server::TlsFiles {
+            cert: holder.with_extension("pem"),
+            key: holder.with_extension("key"),
+            ca: dir.join("ca.pem"),
+        });
+    }
+    if let Some(grant) = flag("--grant") {
+        server = server.grants([grant.parse().map_err(anyhow::Error::msg)?]);
+    }
+    if let (Some(cluster), Some(name)) = (flag("--cluster"), flag("--name")) {
+        // Registered (`@NAME`) for as long as the process lives.
+        server = server.cluster(ClusterJoin {
+            ttl: Duration::from_secs(10),
+            ..ClusterJoin::new(cluster, name)
+        });
+    }
+    let server = runtime.block_on(server.start())?;
+    let node = server.node().clone();
+    println!("listening on {}", server.local_addr()?);
     std::io::stdout().flush()?;
-    // Registered (`@NAME`) for as long as the process lives.
-    let _membership = match (flag("--cluster"), flag("--name")) {
-        (Some(cluster), Some(name)) => Some(Membership::join(
-            node.clone(),
-            ClusterConfig {
-                endpoints: ferry_proto::cluster::endpoints(&cluster)
-                    .map_err(|e| anyhow::anyhow!("--cluster {cluster:?}: {e}"))?,
-                name,
-                advertise: addr.to_string(),
-                unix: None,
-                ttl: Duration::from_secs(10),
-                etcd_user: None,
-            },
-        )),
-        _ => None,
-    };
-    runtime.spawn(service.run(std::future::pending()));
+    runtime.spawn(server.run(std::future::pending()));
     // The one who started the worker is gone once its standard input closes.
     std::thread::spawn(|| {
         for _ in std::io::stdin().lock().lines() {}
@@ -89,11 +93,21 @@ fn main() -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_millis(2));
                 continue;
             }
-            Err(e) => return Err(e.into()),
+            // A batch of another kind (or shape) is the sender's mistake, not the worker's end:
+            // reported, and cleared so that the next batch can come.
+            Err(e) => {
+                eprintln!("worker: batch refused: {e}");
+                let _ = runtime.block_on(node.remove(&batch));
+                continue;
+            }
         };
         // The model the coordinator sent before the batch, applied from this node.
-        FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "model")
-            .apply_to(&mut model)?;
+        let applied = FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "model")
+            .apply_to(&mut model);
+        if let Err(e) = applied {
+            eprintln!("worker: the model could not be applied: {e}");
+            continue;
+        }
         let output = model.forward(tokens);
         runtime.block_on(node.insert_tensor(
             &TensorKey::new(0, "output"),

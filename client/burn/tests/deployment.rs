@@ -110,6 +110,44 @@ fn a_quantized_model_shipped_to_a_worker_process_computes_bit_exact_what_the_coo
     });
 }
 
+/// A worker behind a token survives a batch of the wrong kind (an f32 tensor where it takes
+/// token ids): it reports it and serves the next batch, bit-exact.
+#[test]
+fn a_worker_behind_a_token_reports_a_wrong_batch_and_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, "all s3cret-worker-token\n").unwrap();
+    let worker = Worker::start(&["--token-file", tokens.to_str().unwrap()]);
+    let connect = || {
+        BlockingClient::connect(worker.addr.as_str())
+            .token("s3cret-worker-token")
+            .blocking()
+    };
+    // Without the token: refused.
+    let mut stranger = BlockingClient::connect(worker.addr.as_str()).blocking();
+    let refused = match stranger.as_mut() {
+        Ok(client) => client.list(None).is_err(),
+        Err(_) => true,
+    };
+    assert!(refused, "a client without the token was served");
+    // A batch of floats where the model takes token ids: taken off the node and refused there.
+    let mut client = connect().unwrap();
+    let wrong = ferry::proto::TensorData::new(vec![0.5f32; 8], [2, 4]);
+    client
+        .put(&ferry::proto::TensorKey::new(0, "batch"), &wrong)
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while client
+        .get(&ferry::proto::TensorKey::new(0, "batch"))
+        .is_ok()
+    {
+        assert!(Instant::now() < deadline, "the worker never took the batch");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Still there, and still right.
+    run_both(|| connect().unwrap());
+}
+
 #[test]
 fn the_worker_is_reached_by_its_cluster_name_through_etcd() {
     let runtime = tokio::runtime::Runtime::new().unwrap();

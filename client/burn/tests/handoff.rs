@@ -236,7 +236,7 @@ async fn a_view_is_counted_at_the_buffer_it_keeps_alive() {
                 memory_limit: Some((1 << 20) + ferry::server::TENSOR_OVERHEAD),
                 ..NodeLimits::default()
             },
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )

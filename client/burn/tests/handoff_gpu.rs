@@ -105,7 +105,7 @@ fn a_quantized_model_sent_to_a_worker_nodes_gpu_is_applied_there_sharing_its_buf
         let _entered = runtime.enter();
         Node::start(NodeConfig {
             devices: devices(&["wgpu:cpu"]),
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         })
         .unwrap()
     };

@@ -32,7 +32,7 @@ use tiny_lm::{Quantization, TinyLm, batch, quantized};
 fn serve_flex() -> BackgroundNode {
     let config = NodeConfig {
         devices: vec![DeviceSpec::Flex],
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     BackgroundNode::start(config, ServiceConfig::default(), None)
 }
@@ -376,7 +376,7 @@ fn a_model_applied_from_an_embedded_node_shares_the_nodes_buffers() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let config = NodeConfig {
         devices: vec![DeviceSpec::Flex],
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     let node = {
         let _entered = runtime.enter();
@@ -481,7 +481,7 @@ fn serve_flex_on_a_unix_socket_too() -> (BackgroundNode, String, tempfile::TempD
     let dir = tempfile::tempdir().unwrap();
     let config = NodeConfig {
         devices: vec![DeviceSpec::Flex],
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     let node = BackgroundNode::start(
         config,
@@ -647,7 +647,7 @@ fn embedded(devices: Vec<DeviceSpec>) -> (tokio::runtime::Runtime, Node) {
         let _entered = runtime.enter();
         Node::start(NodeConfig {
             devices,
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         })
         .unwrap()
     };

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, bail};
 use ferry_client::cluster::{Directory, EtcdUser, address_for, connect_nearest};
-use ferry_client::{Client, ConnectOptions, Endpoint, SharedMemory, Token};
+use ferry_client::{ClearTokens, Client, ConnectOptions, LocalServer, SharedMemory, Token};
 use ferry_proto::NodeId;
 use ferry_proto::cluster::MemberRecord;
 
@@ -97,45 +97,12 @@ pub(crate) async fn connect(node: &str, cli: &Cli) -> anyhow::Result<Client> {
 /// ([`connect_nearest`]).
 pub(crate) async fn connect_to(reached: &Reached, cli: &Cli) -> anyhow::Result<Client> {
     let options = connect_options(cli)?;
-    check_token_stays_private(&reached.addr, &options, cli)?;
     let connected = match &reached.member {
         // A token in clear over TCP to a member is refused there (`UncheckedMember`).
         Some(member) => connect_nearest(member, options).await,
         None => options.to(reached.addr.as_str()).await,
     };
     connected.with_context(|| format!("connecting to {}", reached.label()))
-}
-
-/// A token sent over TCP in clear to a host beyond loopback can be read by anyone on the path:
-/// refused unless TLS is on or the user said `--insecure`.
-pub(crate) fn check_token_stays_private(
-    node: &str,
-    options: &ConnectOptions,
-    cli: &Cli,
-) -> anyhow::Result<()> {
-    let Endpoint::Tcp(addr) = Endpoint::parse(node) else {
-        return Ok(());
-    };
-    if !options.has_token() || options.has_tls() || cli.insecure || is_loopback(&addr) {
-        return Ok(());
-    }
-    anyhow::bail!(
-        "refusing to send a token to {addr} in clear: give --tls-ca, --tls-cert and --tls-key \
-         (or FERRY_TLS_*), or pass --insecure on a network you trust"
-    )
-}
-
-/// Whether `HOST:PORT` names this machine's loopback (`localhost`, `127.0.0.0/8`, `::1`).
-fn is_loopback(addr: &str) -> bool {
-    let host = addr.rsplit_once(':').map_or(addr, |(host, _)| host);
-    let host = host
-        .strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host);
-    host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// This command's TLS, where its flags give it.
@@ -151,7 +118,9 @@ pub(crate) fn client_tls(cli: &Cli) -> anyhow::Result<Option<ferry_io::ClientTls
     })
 }
 
-/// How every connection of this command connects: the token, TLS and shared-memory flags.
+/// How every connection of this command connects: the token, TLS, `--insecure` and
+/// shared-memory flags. The library keeps a token in clear to loopback ports this user or root
+/// holds; `--insecure` lets it go in clear beyond loopback too.
 pub(crate) fn connect_options(cli: &Cli) -> anyhow::Result<ConnectOptions> {
     let token = match &cli.token_file {
         Some(path) => {
@@ -181,9 +150,19 @@ pub(crate) fn connect_options(cli: &Cli) -> anyhow::Result<ConnectOptions> {
     } else {
         SharedMemory::Offer
     };
+    let clear_tokens = if cli.insecure {
+        ClearTokens::Anywhere {
+            server: LocalServer::ThisUserOrRoot,
+        }
+    } else {
+        ClearTokens::LoopbackOnly {
+            server: LocalServer::ThisUserOrRoot,
+        }
+    };
     Ok(ConnectOptions::default()
         .token_if_any(token)
         .tls_if_any(tls)
+        .clear_tokens(clear_tokens)
         .shared_memory(shared_memory)
         .limits(ferry_client::ConnectionLimits {
             region_min: usize::try_from(cli.shm_min.as_u64()).unwrap_or(usize::MAX),

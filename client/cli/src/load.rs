@@ -236,6 +236,10 @@ pub async fn run(config: LoadConfig) -> Result<LoadReport, LoadError> {
         ));
     }
     let connect = || config.connect.clone().open();
+    // The node's figures are read over client 0's connection, between its rounds: the run
+    // opens `clients` connections and no more, so that `--clients N` fits a node that takes N
+    // from one address.
+    let shared = Arc::new(Mutex::new(connect().await?));
     let mut warmup_errors = 0;
     if config.warmup_rounds > 0 {
         // A first pass sets up what the node keeps for good (connection buffers, worker and
@@ -246,38 +250,38 @@ pub async fn run(config: LoadConfig) -> Result<LoadReport, LoadError> {
             seed: config.seed.wrapping_add(WARMUP_SEED),
             ..config.clone()
         };
-        let (totals, _, _) = pass(&warmup).await;
+        let (totals, _, _) = pass(&warmup, &shared).await;
         warmup_errors =
             totals.errors.load(Ordering::Relaxed) + totals.mismatches.load(Ordering::Relaxed);
         tokio::time::sleep(SETTLE).await;
     }
-    // Closed during the run, so that the node's connection limit counts only the clients and
-    // the memory sampler.
-    let before = connect().await?.stat().await?.resident_bytes;
+    let before = shared.lock().await.stat().await?.resident_bytes;
     let peak = Arc::new(AtomicU64::new(before));
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = {
-        let (peak, stop) = (peak.clone(), stop.clone());
-        let connect = config.connect.clone();
+        let (peak, stop, shared) = (peak.clone(), stop.clone(), shared.clone());
         tokio::spawn(async move {
-            let Ok(mut node) = connect.open().await else {
-                return;
-            };
             while !stop.load(Ordering::Relaxed) {
-                if let Ok(stats) = node.stat().await {
+                // Borrowed between two of client 0's rounds (the lock is fair: the sampler
+                // waits for one round at most).
+                if let Ok(stats) = shared.lock().await.stat().await {
                     peak.fetch_max(stats.resident_bytes, Ordering::Relaxed);
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         })
     };
-    let (totals, mut samples, seconds) = pass(&config).await;
+    let (totals, mut samples, seconds) = pass(&config, &shared).await;
     stop.store(true, Ordering::Relaxed);
     let _ = sampler.await;
 
     // What the run made is gone; give the node a moment to hand freed memory back (it trims its
-    // allocator every few seconds), then read its memory.
-    let mut monitor = connect().await?;
+    // allocator every few seconds), then read its memory. Client 0's connection, unless the run
+    // broke it (the others are closed by now, which leaves room for a new one).
+    let mut monitor = match Arc::try_unwrap(shared).map(Mutex::into_inner) {
+        Ok(client) if client.in_step() => client,
+        _ => connect().await?,
+    };
     let tensors_left = count_left(&mut monitor, &config).await?;
     tokio::time::sleep(SETTLE).await;
     let after = monitor.stat().await?.resident_bytes;
@@ -307,8 +311,8 @@ const WARMUP_SEED: u64 = 0x5741_524d;
 /// How long the node gets to hand freed memory back before its memory is read.
 const SETTLE: Duration = Duration::from_secs(6);
 
-/// One pass of every client; its totals, latency samples and wall time.
-async fn pass(config: &LoadConfig) -> (Arc<Totals>, Samples, f64) {
+/// One pass of every client, client 0 on `shared`; its totals, latency samples and wall time.
+async fn pass(config: &LoadConfig, shared: &Arc<Mutex<Client>>) -> (Arc<Totals>, Samples, f64) {
     // Permits are MiB of tensor held by the generator at once.
     let budget_mib = (config.max_in_flight_bytes >> 20).max(1);
     let budget = Arc::new(Semaphore::new(budget_mib));
@@ -320,8 +324,15 @@ async fn pass(config: &LoadConfig) -> (Arc<Totals>, Samples, f64) {
     for id in 0..config.clients {
         let config = config.clone();
         let (budget, totals, samples) = (budget.clone(), totals.clone(), samples.clone());
+        let lent = (id == 0).then(|| shared.clone());
         tasks.push(tokio::spawn(async move {
-            client_loop(id, config, deadline, budget_mib, budget, totals, samples).await
+            let gauges = Gauges {
+                budget_mib,
+                budget,
+                totals,
+                samples,
+            };
+            client_loop(id, config, deadline, lent, gauges).await
         }));
     }
     for task in tasks {
@@ -357,23 +368,41 @@ async fn count_left(node: &mut Client, config: &LoadConfig) -> Result<u64, LoadE
     Ok(left)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What the clients of a pass share: the bytes they may hold, and what they count.
+struct Gauges {
+    /// MiB of tensor held at once by the generator.
+    budget_mib: usize,
+    /// Its permits.
+    budget: Arc<Semaphore>,
+    totals: Arc<Totals>,
+    samples: Arc<Mutex<Samples>>,
+}
+
+/// One client's rounds, on a connection of its own or on `lent`, which it holds a round at a
+/// time (the memory sampler reads the node's figures over it in between).
 async fn client_loop(
     id: usize,
     config: LoadConfig,
     deadline: Option<Instant>,
-    budget_mib: usize,
-    budget: Arc<Semaphore>,
-    totals: Arc<Totals>,
-    samples: Arc<Mutex<Samples>>,
+    lent: Option<Arc<Mutex<Client>>>,
+    gauges: Gauges,
 ) {
+    let Gauges {
+        budget_mib,
+        budget,
+        totals,
+        samples,
+    } = gauges;
     let fail = |what: String| {
         totals.errors.fetch_add(1, Ordering::Relaxed);
         eprintln!("error: client {id}: {what}");
     };
-    let mut client = match config.connect.clone().open().await {
-        Ok(client) => client,
-        Err(e) => return fail(format!("connect: {e}")),
+    let connection = match lent {
+        Some(lent) => lent,
+        None => match config.connect.clone().open().await {
+            Ok(client) => Arc::new(Mutex::new(client)),
+            Err(e) => return fail(format!("connect: {e}")),
+        },
     };
     let mut rng = Rng::new(config.seed ^ (id as u64).wrapping_mul(0xA24B_AED4_963E_E407));
     let (lo, hi) = (
@@ -394,6 +423,7 @@ async fn client_loop(
         let Ok(_permit) = budget.acquire_many(mib).await else {
             break;
         };
+        let mut client = connection.lock().await;
         let which = rng.below(MIX.len() as u64) as usize;
         let data = make(&mut rng, which, bytes);
         let payload = data.as_bytes().len() as u64;

@@ -41,7 +41,8 @@ pub(crate) struct Cli {
     #[arg(long, global = true, default_value = "256KiB")]
     pub(crate) shm_min: bytesize::ByteSize,
     /// Send a token over TCP in clear to a host beyond loopback, where anyone on the path can
-    /// read it: refused without this flag (under TLS no token is sent at all).
+    /// read it: refused without this flag (under TLS no token is sent at all). A loopback port
+    /// held by another local user gets no token either way.
     #[arg(long, global = true)]
     pub(crate) insecure: bool,
     /// The CA certificate (PEM) a node's certificate must chain to: connections over TCP then
@@ -328,11 +329,8 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             let to_usize =
                 |b: &bytesize::ByteSize| usize::try_from(b.as_u64()).unwrap_or(usize::MAX);
             let config = LoadConfig {
-                connect: {
-                    let options = connect::connect_options(cli)?;
-                    connect::check_token_stays_private(node, &options, cli)?;
-                    options.to(Endpoint::parse(&Address::parse(node)?.node))
-                },
+                connect: connect::connect_options(cli)?
+                    .to(Endpoint::parse(&Address::parse(node)?.node)),
                 clients: *clients,
                 rounds: *rounds,
                 duration: seconds.map(std::time::Duration::from_secs),

@@ -5,19 +5,21 @@
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
 
-use ferry_io::{ClientTls, ConnectionLimits, Dial, Endpoint, PeerCheck, SharedMemory};
+use ferry_io::{ClearTokens, ClientTls, ConnectionLimits, Dial, Endpoint, PeerCheck, SharedMemory};
 use ferry_proto::{NodeId, Token};
 
 use super::{AGENT, Client, ClientError};
 use crate::BlockingClient;
 
 /// How a client connects, whatever the address: the defaults are no token, TCP in clear, any
-/// node, shared memory offered on a Unix socket, default limits, no bound on a tensor received.
+/// node, a token in clear to loopback only (to a port this user or root holds), shared memory
+/// offered on a Unix socket, default limits, no bound on a tensor received.
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {
     pub(crate) token: Option<Token>,
     pub(crate) tls: Option<ClientTls>,
     pub(crate) check: PeerCheck,
+    pub(crate) clear_tokens: ClearTokens,
     pub(crate) shared_memory: SharedMemory,
     pub(crate) limits: ConnectionLimits,
     pub(crate) max_tensor_bytes: u64,
@@ -29,6 +31,7 @@ impl Default for ConnectOptions {
             token: None,
             tls: None,
             check: PeerCheck::Any,
+            clear_tokens: ClearTokens::default(),
             shared_memory: SharedMemory::Offer,
             limits: ConnectionLimits::default(),
             max_tensor_bytes: u64::MAX,
@@ -56,7 +59,10 @@ macro_rules! setters {
     ($options:ident) => {
         /// Presents the node's shared token, over TCP in clear: under TLS the certificate is the
         /// credential and on a Unix socket the kernel's word on this user is, so no token is
-        /// sent there (none reaches a node that could replay it).
+        /// sent there (none reaches a node that could replay it). In clear it goes to loopback
+        /// only, to a port this user or root holds, unless
+        /// [`clear_tokens`](Self::clear_tokens) says otherwise: elsewhere the connection is
+        /// refused ([`ClientError::TokenWithheld`]) before any byte is sent.
         pub fn token(mut self, token: impl Into<Token>) -> Self {
             self.$options().token = Some(token.into());
             self
@@ -93,6 +99,15 @@ macro_rules! setters {
         /// ([`expect_node`](Self::expect_node) is the usual choice).
         pub fn check(mut self, check: PeerCheck) -> Self {
             self.$options().check = check;
+            self
+        }
+
+        /// Where the token may go over TCP in clear, and who may hold a loopback port it goes
+        /// to; the default, [`ClearTokens::LoopbackOnly`] with this user or root, keeps it off
+        /// the network and from other local users. [`ClearTokens::Anywhere`] is the opt-in for
+        /// a network one trusts.
+        pub fn clear_tokens(mut self, clear_tokens: ClearTokens) -> Self {
+            self.$options().clear_tokens = clear_tokens;
             self
         }
 
@@ -164,6 +179,7 @@ impl Connect {
             agent: AGENT,
             tls: options.tls.as_ref(),
             check: &options.check,
+            clear_tokens: options.clear_tokens,
             shared_memory: options.shared_memory,
             limits: options.limits,
         };

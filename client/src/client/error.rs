@@ -1,7 +1,7 @@
 //! `ClientError`: why a client call failed, and how the failures of the layers below become one.
 
-use ferry_io::ExchangeError;
 use ferry_io::connection::ConnectionError;
+use ferry_io::{ExchangeError, TokenWithheld};
 use ferry_proto::{
     ContentHash, ErrorCode, ErrorReply, MetaError, NodeId, ProtoError, TensorInfo, TensorKey,
 };
@@ -139,6 +139,11 @@ pub enum ClientError {
         /// What became of its lane.
         reason: String,
     },
+    /// The token may not go where the connection leads: beyond loopback in clear (without
+    /// [`ClearTokens::Anywhere`](ferry_io::ClearTokens::Anywhere)), or to a loopback port a
+    /// user other than this one or root holds. Nothing was sent, not even the hello.
+    #[error(transparent)]
+    TokenWithheld(#[from] TokenWithheld),
     /// The node speaks a protocol minor older than a request needs.
     #[error("the node speaks protocol minor {node}; {what} needs minor {needs} or later")]
     NodeTooOld {
@@ -149,6 +154,15 @@ pub enum ClientError {
         /// The minor the request needs.
         needs: u16,
     },
+    /// A [`BlockingClient`](crate::BlockingClient) call (or
+    /// [`NodeCopy::run_blocking`](crate::NodeCopy::run_blocking)) on a thread that drives an
+    /// async runtime, where waiting for the node would stall it. Use [`Client`](crate::Client)
+    /// there, or call from `tokio::task::spawn_blocking` or a thread of its own.
+    #[error(
+        "a BlockingClient blocks until the node answers: call it from spawn_blocking or a thread \
+         of its own, or use the async Client inside a runtime"
+    )]
+    InsideRuntime,
 }
 
 /// What a node-to-node copy had done when its connection failed.
@@ -202,6 +216,7 @@ impl From<ExchangeError> for ClientError {
                 expected,
                 certified,
             },
+            ExchangeError::TokenWithheld(withheld) => ClientError::TokenWithheld(withheld),
             ExchangeError::NodeTooOld { what, node, needs } => {
                 ClientError::NodeTooOld { what, node, needs }
             }

@@ -165,15 +165,24 @@ pub fn scopes_for(accepted: &[Credential], given: Option<&str>) -> Option<Scopes
     if accepted.is_empty() {
         return Some(Scopes::ALL);
     }
+    matching(accepted, given)
+        .and_then(|index| accepted.get(index))
+        .map(Credential::scopes)
+}
+
+/// Which of `accepted` `given` (a `Hello`'s token, if any) is: its place in the list, which
+/// tells one credential's holders from another's without keeping the token. Every credential
+/// is compared (in constant time, over digests), whichever matches.
+pub fn matching(accepted: &[Credential], given: Option<&str>) -> Option<usize> {
     let digest = blake3::hash(given.unwrap_or("").as_bytes());
-    let mut earned = None;
-    for credential in accepted {
+    let mut found = None;
+    for (index, credential) in accepted.iter().enumerate() {
         // `blake3::Hash` compares in constant time.
         if credential.digest == digest && given.is_some() {
-            earned = Some(credential.scopes);
+            found = Some(index);
         }
     }
-    earned
+    found
 }
 
 /// Reads a token file: one credential per line, `SCOPES TOKEN` (scopes comma-separated, or
@@ -262,6 +271,25 @@ mod tests {
         assert_eq!(
             Scopes::of(&[Scope::Read, Scope::Peer]).to_string(),
             "read,peer"
+        );
+    }
+
+    #[test]
+    fn a_token_is_matched_to_its_place_among_the_credentials() {
+        let accepted = parse_token_file("read reader-token\nall admin\n").unwrap();
+        for (given, expected) in [
+            (Some("reader-token"), Some(0)),
+            (Some("admin"), Some(1)),
+            (Some("admin "), None),
+            (Some(""), None),
+            (None, None),
+        ] {
+            assert_eq!(matching(&accepted, given), expected, "{given:?}");
+        }
+        assert_eq!(
+            matching(&[], Some("any")),
+            None,
+            "no credentials: none matches"
         );
     }
 

@@ -129,6 +129,18 @@ pub enum Greeting {
     Closed,
 }
 
+/// What a peer's `Hello` showed, before it is welcomed.
+#[derive(Debug)]
+pub enum Heard {
+    /// A `Hello` the policy accepts, with what its credential allows: the caller answers it,
+    /// with [`welcome`] or a refusal of its own (a limit on who holds how many connections).
+    Credited(Hello, Scopes),
+    /// Refused with a reply the peer has been sent (another major version, a wrong token).
+    Refused(ErrorCode),
+    /// The peer closed before saying anything.
+    Closed,
+}
+
 /// Reads the peer's `Hello` (the first frame, within `policy.deadline`), checks its major version
 /// and token, and answers `Welcome` with the features both sides speak. From the `Hello` on,
 /// `conn` talks as of the lower of the two minors.
@@ -136,10 +148,27 @@ pub async fn accept<S: Transport>(
     conn: &mut Connection<S>,
     policy: Policy<'_>,
 ) -> Result<Greeting, ConnectionError> {
+    Ok(match hear(conn, &policy).await? {
+        Heard::Credited(hello, scopes) => {
+            welcome(conn, &policy, &hello).await?;
+            Greeting::Welcomed(hello, scopes)
+        }
+        Heard::Refused(code) => Greeting::Refused(code),
+        Heard::Closed => Greeting::Closed,
+    })
+}
+
+/// The first half of [`accept`]: reads the peer's `Hello` (within `policy.deadline`) and checks
+/// its major version and credential, refusing it where they fail; a `Hello` that passes is
+/// left unanswered. From the `Hello` on, `conn` talks as of the lower of the two minors.
+pub async fn hear<S: Transport>(
+    conn: &mut Connection<S>,
+    policy: &Policy<'_>,
+) -> Result<Heard, ConnectionError> {
     let first = match tokio::time::timeout(policy.deadline, conn.read_request()).await {
         Err(_) => return Err(ConnectionError::IdleTimeout(policy.deadline)),
         Ok(Ok(Some(request))) => request,
-        Ok(Ok(None)) => return Ok(Greeting::Closed),
+        Ok(Ok(None)) => return Ok(Heard::Closed),
         Ok(Err(error)) => return Err(refuse(conn, error).await),
     };
     let Request::Hello(hello) = first else {
@@ -155,7 +184,7 @@ pub async fn accept<S: Transport>(
             ),
         };
         conn.write_response(&Response::Error(reply)).await?;
-        return Ok(Greeting::Refused(ErrorCode::VersionMismatch));
+        return Ok(Heard::Refused(ErrorCode::VersionMismatch));
     }
     conn.set_peer_minor(hello.minor);
     // Compared as fixed-length digests, in constant time: neither how much of a guess matched
@@ -181,8 +210,18 @@ pub async fn accept<S: Transport>(
             message,
         };
         conn.write_response(&Response::Error(reply)).await?;
-        return Ok(Greeting::Refused(ErrorCode::AuthRefused));
+        return Ok(Heard::Refused(ErrorCode::AuthRefused));
     };
+    Ok(Heard::Credited(hello, scopes))
+}
+
+/// The second half of [`accept`]: answers a `Hello` that [`hear`] credited with `Welcome`, the
+/// features both sides speak.
+pub async fn welcome<S: Transport>(
+    conn: &mut Connection<S>,
+    policy: &Policy<'_>,
+    hello: &Hello,
+) -> Result<(), ConnectionError> {
     let mut features: Vec<String> = FEATURES
         .iter()
         .filter(|f| hello.features.iter().any(|g| g == *f))
@@ -205,7 +244,7 @@ pub async fn accept<S: Transport>(
     }))
     .await?;
     conn.set_shared_memory(shared_memory);
-    Ok(Greeting::Welcomed(hello, scopes))
+    Ok(())
 }
 
 /// A protocol violation by the peer, as a connection error.

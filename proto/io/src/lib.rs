@@ -35,7 +35,10 @@ pub use assembler::{HashUse, TRAILING_HASH_MIN, TensorAssembler};
 pub use connection::{
     ChunkSink, Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse,
 };
-pub use exchange::{Dial, Exchange, ExchangeError, PeerCheck, SharedMemory, Step};
+pub use exchange::{
+    ClearTokens, Dial, Exchange, ExchangeError, LocalServer, PeerCheck, SharedMemory, Step,
+    TokenWithheld,
+};
 pub use pool::{Pool, PoolError, ReadyBound};
 pub use signed_record::{RecordCheck, RecordError, RecordSigner};
 pub use tls::{ClientTls, Identity, NodeTls, TlsError, TlsFiles};

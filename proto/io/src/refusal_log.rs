@@ -1,7 +1,8 @@
 //! A log line per kind of refusal, bounded in rate: one line per [`INTERVAL`], carrying how many
 //! refusals went unlogged since the last. A peer that is refused over and over (guessing tokens,
 //! flooding sockets, sending garbage) is refused every time, but cannot fill the node's log or
-//! disk: every line a connection can cause before its hello goes through one of these.
+//! disk: every line a connection can cause before its hello goes through one of these, and so
+//! does every line a welcomed client can cause per request by failing it.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,6 +40,16 @@ impl RefusalLog {
     /// Notes one refusal of `peer`, with `detail` (what it called itself, or why its
     /// certificate failed; escaped, as the peer chose it): logged if none was this interval.
     pub fn note(&self, peer: &str, detail: &str) {
+        self.note_of(Some(peer), detail);
+    }
+
+    /// Notes one refused or failed request, with `detail` (escaped and truncated, as for
+    /// [`note`](Self::note)), where the request's span names the peer.
+    pub fn note_in_request(&self, detail: &str) {
+        self.note_of(None, detail);
+    }
+
+    fn note_of(&self, peer: Option<&str>, detail: &str) {
         static EPOCH: OnceLock<Instant> = OnceLock::new();
         let now = EPOCH
             .get_or_init(std::time::Instant::now)
@@ -55,14 +66,23 @@ impl RefusalLog {
                 .is_ok()
         {
             let unlogged = self.unlogged.swap(0, Ordering::Relaxed);
-            tracing::warn!(
-                peer = %peer,
-                stage = self.stage,
-                detail = %Untrusted(detail),
-                refused_since_last_line = unlogged,
-                "{}",
-                self.message
-            );
+            match peer {
+                Some(peer) => tracing::warn!(
+                    peer = %peer,
+                    stage = self.stage,
+                    detail = %Untrusted(detail),
+                    refused_since_last_line = unlogged,
+                    "{}",
+                    self.message
+                ),
+                None => tracing::warn!(
+                    stage = self.stage,
+                    detail = %Untrusted(detail),
+                    refused_since_last_line = unlogged,
+                    "{}",
+                    self.message
+                ),
+            }
         } else {
             self.unlogged.fetch_add(1, Ordering::Relaxed);
         }

@@ -233,13 +233,17 @@ pub(super) fn note_mismatch(
     computed: ContentHash,
 ) {
     count.fetch_add(1, Ordering::Relaxed);
-    tracing::error!(
-        %key,
-        %stated,
-        %computed,
-        "a stated content hash is not the bytes'; the tensor answers to the computed one"
-    );
+    // A client can state a wrong hash with every put: one line a second at most (the count
+    // above has them all).
+    STATED_HASH_WRONG.note_in_request(&format!("{key}: stated {stated}, computed {computed}"));
 }
+
+/// Stated content hashes that were not the bytes'.
+static STATED_HASH_WRONG: ferry_io::refusal_log::RefusalLog =
+    ferry_io::refusal_log::RefusalLog::new(
+        "verify",
+        "a stated content hash is not the bytes'; the tensor answers to the computed one",
+    );
 
 #[cfg(test)]
 mod tests {

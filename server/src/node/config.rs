@@ -35,7 +35,8 @@ pub struct NodeConfig {
     /// Shared memory for payloads on Unix-socket connections whose other side agrees (clients,
     /// and peers this node pulls from): agreed to and offered, or declined.
     pub shared_memory: SharedMemory,
-    /// Where large receives on Flex devices land.
+    /// Where large receives land: by default an elastic pool that keeps memory ready
+    /// ([`ReceiveBuffers::Elastic`]), as `ferry-server` does.
     pub receive_buffers: ReceiveBuffers,
 }
 
@@ -64,6 +65,11 @@ pub struct PullConfig {
     /// The token this node presents to the nodes it pulls from over TCP in clear (under TLS its
     /// certificate is its credential and no token is sent; its `Debug` never shows it).
     pub peer_token: Option<Token>,
+    /// Where the peer token may go over TCP in clear: by default to loopback only, and there to
+    /// a port this node's user or root holds (another local user who bound a source's port
+    /// while it was down gets nothing). [`ClearTokens::Anywhere`](ferry_io::ClearTokens::Anywhere)
+    /// is the opt-in for a network one trusts (`ferry-server --insecure`).
+    pub clear_tokens: ferry_io::ClearTokens,
     /// Frame, chunk and idle limits of the connections this node opens to peers; the idle
     /// timeout is how long a silent source may stall a pull.
     pub peer_limits: ConnectionLimits,
@@ -132,18 +138,27 @@ impl Striping {
     }
 }
 
-/// Where a node's large receives on Flex devices (puts and pulls, by any link but a sealed
-/// region, which is adopted as it is) land. One choice per node: a pool's memory is reused, so
-/// it can never be sealed and shared; a shareable region is sealed for good, so it can never go
-/// back to a pool.
-#[derive(Debug, Clone, Default)]
+/// Where a node's large receives (puts and pulls, by any link but a sealed region, which is
+/// adopted as it is) land: on Flex devices the tensor's memory, on GPU devices the host staging.
+/// One choice per node: a pool's memory is reused, so it can never be sealed and shared; a
+/// shareable region is sealed for good, so it can never go back to a pool.
+///
+/// The default is what `ferry-server` does: an elastic pool that keeps memory ready, since new
+/// memory costs the kernel the zeroing of every page, more than the network copy into it.
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum ReceiveBuffers {
-    /// New memory, or a freed buffer the process recycles (`--recycle`).
-    #[default]
+    /// An elastic pool, made by [`Node::start`](crate::Node::start): address space up to the
+    /// device's memory limit or half the machine's memory, `ReadyMemory` of it made ready in the
+    /// background at the lowest CPU priority, more ahead of the receives while tensors arrive,
+    /// freed buffers above the ready amount given back after 30 s without a receive. None for a
+    /// node of NdArray devices only (they take no pooled memory over without a copy).
+    Elastic(ReadyMemory),
+    /// A pool of this many bytes, reserved and touched (huge pages advised) at start and kept.
+    Reserved(u64),
+    /// New memory, or a freed buffer the process recycles (`--recycle`): nothing kept ready.
     Fresh,
-    /// The node's receive pool (`--pool`), reserved and touched by whoever starts the node:
-    /// payloads it cannot hold go to fresh memory.
+    /// A pool reserved by whoever starts the node: payloads it cannot hold go to fresh memory.
     Pool(ferry_io::Pool),
     /// A new shared-memory region each for payloads of `min_bytes` and more (the command line
     /// uses [`KEEP_REGION_MIN`](ferry_io::connection::KEEP_REGION_MIN), the size from which a
@@ -156,12 +171,35 @@ pub enum ReceiveBuffers {
     },
 }
 
+impl Default for ReceiveBuffers {
+    fn default() -> Self {
+        ReceiveBuffers::Elastic(ReadyMemory::ForAModel)
+    }
+}
+
+/// How much receive memory an elastic pool keeps ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadyMemory {
+    /// 256 MiB; and on a node with a Flex device, a quarter of the pool made ready at start for
+    /// the first tensors (a model), until the first tensor arrives or for 10 minutes, and only
+    /// while half the machine's memory (and of its cgroup limits) is free.
+    #[default]
+    ForAModel,
+    /// This many bytes, from the start (no start amount): a worker that waits for a model larger
+    /// than the start amount makes it that size, and the whole model lands in ready memory; it
+    /// is resident while the node is idle.
+    Kept(u64),
+}
+
 impl ReceiveBuffers {
     /// The pool, where there is one.
     pub fn pool(&self) -> Option<&ferry_io::Pool> {
         match self {
             ReceiveBuffers::Pool(pool) => Some(pool),
-            ReceiveBuffers::Fresh | ReceiveBuffers::Shareable { .. } => None,
+            ReceiveBuffers::Elastic(_)
+            | ReceiveBuffers::Reserved(_)
+            | ReceiveBuffers::Fresh
+            | ReceiveBuffers::Shareable { .. } => None,
         }
     }
 }
@@ -176,7 +214,19 @@ impl Default for NodeConfig {
             tls: None,
             pulls: PullConfig::default(),
             shared_memory: SharedMemory::Offer,
+            receive_buffers: ReceiveBuffers::default(),
+        }
+    }
+}
+
+impl NodeConfig {
+    /// The defaults, less the memory kept ready for receives: every receive goes to new (or
+    /// recycled) memory. For a process that hosts many small nodes (tests, examples), or where
+    /// an idle node's resident memory matters more than how fast a first model lands.
+    pub fn light() -> Self {
+        Self {
             receive_buffers: ReceiveBuffers::Fresh,
+            ..Self::default()
         }
     }
 }
@@ -198,6 +248,7 @@ impl Default for PullConfig {
         Self {
             peers: PeerPolicy::Any,
             peer_token: None,
+            clear_tokens: ferry_io::ClearTokens::default(),
             peer_limits: ConnectionLimits::default(),
             retries: 3,
             retry_backoff: Duration::from_millis(100),

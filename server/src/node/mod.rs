@@ -10,6 +10,7 @@ mod config;
 mod native;
 mod peer_policy;
 mod ready_bound;
+mod receive_plan;
 mod recorder;
 mod stats;
 mod tensors;
@@ -29,11 +30,12 @@ use capability::Capability;
 pub use capability::DEFAULT_MAX_GRANTS;
 pub(crate) use capability::{ClientId, FetchWants};
 pub use config::{
-    DEFAULT_MAX_TENSORS, NodeConfig, NodeLimits, PullConfig, ReceiveBuffers, Striping,
+    DEFAULT_MAX_TENSORS, NodeConfig, NodeLimits, PullConfig, ReadyMemory, ReceiveBuffers, Striping,
 };
 pub(crate) use peer_policy::PeerTerms;
 pub use peer_policy::{ClusterMembers, Peer, PeerPolicy};
-pub(crate) use recorder::{Direction, Recorder, Refused};
+pub use receive_plan::ReceivePlanError;
+pub(crate) use recorder::{Direction, FAILED_TRANSFERS, Recorder, Refused};
 pub(crate) use stats::process_memory;
 pub(crate) use tensors::MAX_PAGE;
 
@@ -83,10 +85,31 @@ impl std::fmt::Debug for Node {
 }
 
 impl Node {
-    /// Starts one worker thread per configured device.
-    pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
+    /// Starts one worker thread per configured device, and makes the receive pool
+    /// [`NodeConfig::receive_buffers`] asks for (by default an elastic one, as `ferry-server`
+    /// has: [`ReceiveBuffers::Elastic`]).
+    pub fn start(mut config: NodeConfig) -> Result<Node, NodeError> {
         if config.devices.is_empty() {
             return Err(NodeError::NoDevices);
+        }
+        // Planned first (a pure decision), made before the devices start, and from then on the
+        // node holds the pool itself: every receive and `stat` reads `ReceiveBuffers::Pool`.
+        let planned = receive_plan::plan(
+            &config.receive_buffers,
+            &config.devices,
+            config.limits.memory_limit,
+            receive_plan::machine_bytes(),
+        )?;
+        match receive_plan::reserve(planned).map_err(NodeError::ReceivePool)? {
+            Some(pool) => config.receive_buffers = ReceiveBuffers::Pool(pool),
+            None if matches!(
+                config.receive_buffers,
+                ReceiveBuffers::Elastic(_) | ReceiveBuffers::Reserved(_)
+            ) =>
+            {
+                config.receive_buffers = ReceiveBuffers::Fresh;
+            }
+            None => {}
         }
         // A peer's name can be checked only against a certificate: over TCP, under TLS.
         if let Some(peer) = config.pulls.peers.named().find(|p| {

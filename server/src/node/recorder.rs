@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ferry_io::PayloadRoute;
+use ferry_io::refusal_log::RefusalLog;
 use ferry_proto::{TensorKey, Untrusted, dtype_name};
 
 use crate::device::TensorDesc;
@@ -27,6 +28,9 @@ pub(crate) enum Refused {
     /// A peer of another Unix user of this host, on the Unix socket or, where the node asks no
     /// credential, over TCP.
     LocalUser,
+    /// The identity its hello showed (a token credential, a certificate) held its share of the
+    /// node's connections.
+    IdentityShare,
 }
 
 impl Refused {
@@ -37,6 +41,7 @@ impl Refused {
             Refused::TlsHandshake => "tls_handshake",
             Refused::HelloDeadline => "hello_deadline",
             Refused::LocalUser => "local_user",
+            Refused::IdentityShare => "identity_share",
         }
     }
 }
@@ -201,6 +206,10 @@ impl Recorder {
     }
 }
 
+/// Failed transfers (a get, put, copy, move or pull): logged at most once a second, with how many
+/// went unlogged, as every line a client can cause by failing requests.
+pub(crate) static FAILED_TRANSFERS: RefusalLog = RefusalLog::new("request", "transfer failed");
+
 impl Node {
     /// The node's counters.
     pub(crate) fn recorder(&self) -> &Recorder {
@@ -245,15 +254,9 @@ impl Node {
                     "transfer done"
                 );
             }
-            Err(error) => {
-                tracing::warn!(
-                    op,
-                    key = %Untrusted(&key.to_string()),
-                    error = %Untrusted(&error.to_string()),
-                    elapsed_ms,
-                    "transfer failed"
-                );
-            }
+            // A client can fail request after request (a missing name, a refused copy): at a
+            // bounded rate, the key and error escaped and cut short.
+            Err(error) => FAILED_TRANSFERS.note_in_request(&format!("{op} {key}: {error}")),
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::node::{Node, NodeConfig};
 fn node(devices: &[DeviceSpec]) -> Node {
     Node::start(NodeConfig {
         devices: devices.to_vec(),
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     })
     .unwrap()
 }

@@ -6,6 +6,7 @@ mod striped;
 
 use std::time::Instant;
 
+use ferry_io::refusal_log::RefusalLog;
 use ferry_io::striped::StripedReceive;
 use ferry_io::{ConnectionError, Dial, Exchange, ExchangeError, PayloadRoute, RegionUse};
 use ferry_io::{HashUse, TensorAssembler};
@@ -17,7 +18,7 @@ use crate::device::{Arrived, IfExists, KnownHash, Payload, TensorDesc};
 use crate::engine::TransferPath;
 use crate::error::{NodeError, Refusal};
 use crate::node::PeerTerms;
-use crate::node::{Admission, Direction, Node};
+use crate::node::{Admission, Direction, FAILED_TRANSFERS, Node};
 
 /// What a client asks a target node to pull.
 #[derive(Debug, Clone)]
@@ -130,7 +131,8 @@ impl Node {
                 )
             }
             Err(error) => {
-                tracing::warn!(op = "pull", source = %Untrusted(&req.source), key = %Untrusted(&req.src.to_string()), error = %Untrusted(&error.to_string()), "transfer failed");
+                let detail = format!("pull {} from {}: {error}", req.src, req.source);
+                FAILED_TRANSFERS.note_in_request(&detail);
             }
         }
         result
@@ -178,10 +180,10 @@ impl Node {
                     attempt += 1;
                     self.recorder().pull_retry();
                     let resume_at = resume.as_ref().map_or(0, |r| r.assembler.received());
-                    tracing::warn!(
-                        source = %Untrusted(&req.source), key = %req.src, attempt, resume_at, why = %Untrusted(&why),
-                        "pull dropped; reconnecting"
+                    let detail = format!(
+                        "pull dropped; reconnecting (attempt {attempt}, at byte {resume_at}): {why}"
                     );
+                    SOURCE_TROUBLE.note(&Untrusted(&req.source).to_string(), &detail);
                     link.source = None;
                     tokio::time::sleep(backoff(config.pulls.retry_backoff, attempt)).await;
                 }
@@ -190,10 +192,8 @@ impl Node {
                     // What exactly failed stays in this node's log: a client that names the
                     // source learns only that it could not be reached, never what answered there
                     // (no probing of other services through a node).
-                    tracing::warn!(
-                        source = %Untrusted(&req.source), attempt, why = %Untrusted(&why),
-                        "pull gave up: peer unreachable"
-                    );
+                    let detail = format!("pull gave up after {attempt} retries: {why}");
+                    SOURCE_TROUBLE.note(&Untrusted(&req.source).to_string(), &detail);
                     return Err(NodeError::Peer {
                         source_addr: req.source.clone(),
                         message: format!("{UNREACHABLE} (after {attempt} retries)"),
@@ -322,7 +322,8 @@ impl Node {
                 Err(e) => match classify(&req.source, e) {
                     AttemptError::Fatal(error) => return Err(Failed::fatal(error)),
                     AttemptError::Transient(why) => {
-                        tracing::warn!(source = %Untrusted(&req.source), why = %Untrusted(&why), "a pull's first stripe dropped; resuming it");
+                        let detail = format!("a pull's first stripe dropped; resuming it: {why}");
+                        SOURCE_TROUBLE.note(&Untrusted(&req.source).to_string(), &detail);
                         link.source = None;
                         stripes.insert(0, first);
                     }
@@ -392,10 +393,12 @@ impl Node {
         match tokio::time::timeout(idle, release).await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
-                tracing::warn!(source = %Untrusted(&req.source), error = %Untrusted(&error.to_string()), "release after a complete pull failed");
+                let detail = format!("release after a complete pull failed: {error}");
+                SOURCE_TROUBLE.note(&Untrusted(&req.source).to_string(), &detail);
             }
             Err(_) => {
-                tracing::warn!(source = %Untrusted(&req.source), "release after a complete pull timed out");
+                let detail = "release after a complete pull timed out";
+                SOURCE_TROUBLE.note(&Untrusted(&req.source).to_string(), detail);
                 self.drop_link_after_timeout(link);
             }
         }
@@ -476,6 +479,7 @@ impl Node {
             agent: crate::node::AGENT,
             tls: config.tls.as_ref().map(|tls| tls.client()),
             check: &terms.check,
+            clear_tokens: config.pulls.clear_tokens,
             shared_memory: config.shared_memory,
             limits: config.pulls.peer_limits,
         };
@@ -522,6 +526,13 @@ impl Node {
 /// one, nor what answered there.
 const UNREACHABLE: &str = "peer unreachable or not a ferry node";
 
+/// What went wrong with a pull's source (a drop, a retry, a source that is no ferry node, a
+/// failed release): a client with the write scope can point pull after pull at a source that
+/// fails, so one line a second at most, each naming the source and carrying how many went
+/// unlogged.
+pub(super) static SOURCE_TROUBLE: RefusalLog =
+    RefusalLog::new("pull", "trouble with a pull's source");
+
 /// The longest source address a pull accepts.
 const MAX_SOURCE_LEN: usize = 1024;
 
@@ -540,11 +551,8 @@ fn check_source(source: &str) -> Result<(), NodeError> {
 fn opening_failed(source: &str, error: ExchangeError) -> AttemptError {
     match error {
         ExchangeError::Connection(ConnectionError::Proto(_)) | ExchangeError::Unexpected(_) => {
-            tracing::warn!(
-                source = %Untrusted(source),
-                error = %Untrusted(&error.to_string()),
-                "pull: the source did not answer hello as a ferry node"
-            );
+            let detail = format!("the source did not answer hello as a ferry node: {error}");
+            SOURCE_TROUBLE.note(&Untrusted(source).to_string(), &detail);
             AttemptError::Fatal(NodeError::Peer {
                 source_addr: source.to_string(),
                 message: UNREACHABLE.into(),
@@ -552,23 +560,29 @@ fn opening_failed(source: &str, error: ExchangeError) -> AttemptError {
         }
         // A source whose certificate names another node than the one listed there.
         ExchangeError::NotTheNode { .. } => {
-            tracing::warn!(
-                source = %Untrusted(source),
-                error = %Untrusted(&error.to_string()),
-                "pull refused: the source is not the peer listed at its address"
-            );
+            let detail =
+                format!("refused: the source is not the peer listed at its address: {error}");
+            SOURCE_TROUBLE.note(&Untrusted(source).to_string(), &detail);
             AttemptError::Fatal(NodeError::NotAllowedPeer(source.to_string()))
+        }
+        // The peer token may not go there (beyond loopback in clear, or to a loopback port
+        // another local user holds): nothing was sent, and no retry changes that. The client
+        // that named the source hears why; the address is one this node was told to pull from.
+        ExchangeError::TokenWithheld(withheld) => {
+            let detail = format!("the peer token was withheld: {withheld}");
+            SOURCE_TROUBLE.note(&Untrusted(source).to_string(), &detail);
+            AttemptError::Fatal(NodeError::Peer {
+                source_addr: source.to_string(),
+                message: withheld.to_string(),
+            })
         }
         // A certificate that fails (the source's, or ours as it judged it) or a Unix socket
         // served by another user: no retry changes that, so none is made.
         ExchangeError::Connection(ConnectionError::Io(e))
             if e.kind() == std::io::ErrorKind::PermissionDenied =>
         {
-            tracing::warn!(
-                source = %Untrusted(source),
-                error = %Untrusted(&e.to_string()),
-                "pull: the source's identity did not check"
-            );
+            let detail = format!("the source's identity did not check: {e}");
+            SOURCE_TROUBLE.note(&Untrusted(source).to_string(), &detail);
             AttemptError::Fatal(NodeError::Peer {
                 source_addr: source.to_string(),
                 message: UNREACHABLE.into(),

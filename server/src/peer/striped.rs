@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use ferry_io::striped::StripeReceiver;
 use ferry_proto::{CapabilityToken, TensorKey, TensorMeta, Untrusted};
 
-use super::{AttemptError, OpenLink, PeerLink, PullRequest, UNREACHABLE, classify};
+use super::{AttemptError, OpenLink, PeerLink, PullRequest, SOURCE_TROUBLE, UNREACHABLE, classify};
 use crate::error::NodeError;
 use crate::node::Node;
 
@@ -189,7 +189,8 @@ impl StripeFetcher {
                     // connection fewer: its stripes are left to the others, and a pull whose
                     // every connection failed reports the stripes not fetched.
                     Err(AttemptError::Fatal(error)) => {
-                        tracing::warn!(source = %Untrusted(&self.source), %error, "a stripe connection could not be opened");
+                        let detail = format!("a stripe connection could not be opened: {error}");
+                        SOURCE_TROUBLE.note(&Untrusted(&self.source).to_string(), &detail);
                         return (Ok(()), None);
                     }
                     Err(AttemptError::Transient(why)) => {
@@ -232,15 +233,15 @@ impl StripeFetcher {
     async fn wait_to_retry(&self, failures: &mut u32, why: &str) -> bool {
         let config = self.node.config();
         if *failures >= config.pulls.retries {
-            tracing::warn!(source = %Untrusted(&self.source), why = %Untrusted(why), "a stripe connection gave up");
+            let detail = format!("a stripe connection gave up: {why}");
+            SOURCE_TROUBLE.note(&Untrusted(&self.source).to_string(), &detail);
             return false;
         }
         *failures += 1;
         self.node.recorder().pull_retry();
-        tracing::warn!(
-            source = %Untrusted(&self.source), key = %self.src, attempt = *failures, why = %Untrusted(why),
-            "a stripe's connection dropped; reconnecting"
-        );
+        let detail =
+            format!("a stripe's connection dropped; reconnecting (attempt {failures}): {why}");
+        SOURCE_TROUBLE.note(&Untrusted(&self.source).to_string(), &detail);
         tokio::time::sleep(super::backoff(config.pulls.retry_backoff, *failures)).await;
         true
     }

@@ -27,11 +27,17 @@ use awaiting_hello::{AwaitingHello, Place};
 use ferry_io::refusal_log::RefusalLog;
 use local_users::{OTHER_LOCAL_USER, TcpDoor, refuse_stranger, unix_stranger};
 use per_address::{PerAddress, counted_as};
+use per_identity::{PerIdentity, default_share};
 use session::Session;
 
+pub use exposure::{Exposure, ExposureError, Missing};
+pub(crate) use exposure::{Protections, metrics_door, service_door};
+
 mod awaiting_hello;
+mod exposure;
 mod local_users;
 mod per_address;
+mod per_identity;
 mod session;
 
 /// How long a connection has waited for its hello at least before it is closed to make room: a
@@ -76,6 +82,16 @@ pub struct ServiceConfig {
     /// apart), counted from accept: one host cannot take every slot. Clients behind one NAT, and
     /// a node's pulls from this one, share their address's.
     pub max_connections_per_address: NonZeroUsize,
+    /// Connections served at once of one identity (a token credential, a certificate's
+    /// identity, the node's own user on its Unix socket), counted from its hello: one
+    /// credential's holder cannot take every slot, from however many addresses. `None` for
+    /// three quarters of `max_connections` (a quarter kept for the others). A node that asks no
+    /// credential has one kind of client only, and no such limit.
+    pub max_connections_per_identity: Option<NonZeroUsize>,
+    /// Whether it may listen beyond loopback without TLS, a credential or a peer list
+    /// ([`Exposure::Guarded`], the default, refuses; `ferry-server --insecure` is
+    /// [`Exposure::Insecure`]).
+    pub exposure: Exposure,
 }
 
 /// The default [`ServiceConfig::max_connections_per_address`]: a quarter of the default
@@ -98,7 +114,55 @@ impl Default for ServiceConfig {
             keepalive: Duration::from_secs(300),
             hello_timeout: DEFAULT_HELLO_TIMEOUT,
             max_connections_per_address: DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+            max_connections_per_identity: None,
+            exposure: Exposure::Guarded,
         }
+    }
+}
+
+/// Why a service would not bind.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BindError {
+    /// Tokens beside TLS.
+    #[error(
+        "tokens are not taken under TLS (a token sent to a node can be replayed by it anywhere; a \
+         certificate cannot): grant certificate names their scopes (--grant NAME=SCOPES, \
+         ServiceConfig::grants) instead"
+    )]
+    TokensUnderTls,
+    /// Grants without TLS.
+    #[error(
+        "grants name certificate identities, which only TLS proves (NodeConfig::tls); without it \
+         they would leave the node open to everyone"
+    )]
+    GrantsWithoutTls,
+    /// Beyond loopback without what keeps strangers out.
+    #[error(transparent)]
+    Exposed(#[from] ExposureError),
+    /// A node that asks no credential cannot tell who connects.
+    #[error("{0}")]
+    Door(std::io::Error),
+    /// The address could not be bound.
+    #[error("binding {addr}: {source}")]
+    Io {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+impl From<BindError> for std::io::Error {
+    fn from(error: BindError) -> Self {
+        let kind = match &error {
+            BindError::Io { source, .. } | BindError::Door(source) => source.kind(),
+            BindError::Exposed(_) => std::io::ErrorKind::PermissionDenied,
+            BindError::TokensUnderTls | BindError::GrantsWithoutTls => {
+                std::io::ErrorKind::InvalidInput
+            }
+        };
+        std::io::Error::new(kind, error.to_string())
     }
 }
 
@@ -157,32 +221,38 @@ fn bind_unix(path: &Path) -> std::io::Result<UnixSocket> {
 impl Service {
     /// Binds `addr` (`127.0.0.1:0` picks a free port). A node that asks no credential (no
     /// token, no TLS) serves only its own Unix user and root among this host's users, over TCP
-    /// as on its Unix socket; it does not bind where the kernel cannot say who connects. Tokens
-    /// with TLS, and grants without it, are refused (`InvalidInput`).
+    /// as on its Unix socket; it does not bind where the kernel cannot say who connects.
+    ///
+    /// Refused ([`BindError`]): tokens with TLS and grants without it; beyond loopback, under
+    /// [`Exposure::Guarded`] (the default), a listener without TLS, without a credential, or
+    /// over a node that pulls from any address a client names ([`PeerPolicy::Any`]).
+    ///
+    /// [`PeerPolicy::Any`]: crate::PeerPolicy::Any
     pub async fn bind(
         node: Node,
         addr: SocketAddr,
         config: ServiceConfig,
-    ) -> std::io::Result<Self> {
+    ) -> Result<Self, BindError> {
         let tls = node.config().tls.is_some();
         if tls && !config.credentials.is_empty() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "tokens are not taken under TLS (a token sent to a node can be replayed by it \
-                 anywhere; a certificate cannot): grant certificate identities their scopes \
-                 (ServiceConfig::grants) instead",
-            ));
+            return Err(BindError::TokensUnderTls);
         }
         if !tls && !config.grants.is_empty() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "grants name certificate identities, which only TLS proves (NodeConfig::tls); \
-                 without it they would leave the node open to everyone",
-            ));
+            return Err(BindError::GrantsWithoutTls);
+        }
+        let protections = Protections {
+            tls,
+            credential: !config.credentials.is_empty() || !config.grants.is_empty(),
+            listed_peers: !matches!(node.config().pulls.peers, crate::PeerPolicy::Any),
+        };
+        if let Some(missing) = service_door(addr, protections, config.exposure)? {
+            tracing::warn!(%addr, %missing, "Exposure::Insecure: serving beyond loopback with {missing}");
         }
         let credentialed = !config.credentials.is_empty() || tls;
-        let door = TcpDoor::of(credentialed)?;
-        let listener = TcpListener::bind(addr).await?;
+        let door = TcpDoor::of(credentialed).map_err(BindError::Door)?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| BindError::Io { addr, source })?;
         Ok(Self {
             node,
             listener,
@@ -248,6 +318,7 @@ async fn accept_loop(
 ) -> std::io::Result<()> {
     let awaiting = Arc::new(AwaitingHello::new(SILENT_BEFORE_EVICTION));
     let per_address = PerAddress::new(service.config.max_connections_per_address);
+    let per_identity = PerIdentity::new(per_identity_share(&service.config));
     loop {
         let accepted = tokio::select! {
             tcp = service.listener.accept() => tcp.map(|(socket, peer)| {
@@ -340,6 +411,7 @@ async fn accept_loop(
         let permits = permits.clone();
         let awaiting = awaiting.clone();
         let per_address = per_address.clone();
+        let per_identity = per_identity.clone();
         // Queued here, in accept order, if it holds its slots already; a newcomer waiting for a
         // slot it made room for queues once it holds that slot (only a connection that holds
         // its slots can be evicted to free one).
@@ -412,11 +484,12 @@ async fn accept_loop(
                 scopes: Scopes::of(&[]),
                 hello_by,
                 door,
+                per_identity: &per_identity,
             }
             .serve(&mut conn, place)
             .await;
             if let Err(error) = result {
-                tracing::info!(%peer, %error, "connection closed on error");
+                CLOSED_ON_ERROR.note(&peer, &error.to_string());
             }
             node.client_gone(id);
             drop(open);
@@ -438,6 +511,9 @@ static AT_NODE_LIMIT: RefusalLog =
 /// Closed before its hello: silent past the deadline, evicted, or not speaking the protocol.
 pub(super) static CLOSED_BEFORE_HELLO: RefusalLog =
     RefusalLog::new("hello", "connection closed before its hello");
+/// Closed on an error after its hello (a malformed request, a broken upload): a client that
+/// connects again and again cannot fill the log either.
+static CLOSED_ON_ERROR: RefusalLog = RefusalLog::new("session", "connection closed on error");
 
 /// A new connection's place in its address's count.
 enum AddressSlotFor {
@@ -485,6 +561,14 @@ async fn secure(
             Err(Unsecured::Evicted)
         }
     }
+}
+
+/// The most connections one identity holds at once: as configured, or three quarters of the
+/// node's.
+fn per_identity_share(config: &ServiceConfig) -> usize {
+    config
+        .max_connections_per_identity
+        .map_or_else(|| default_share(config.max_connections), NonZeroUsize::get)
 }
 
 /// Completes after `keepalive`; never, where it is zero.

@@ -1,9 +1,10 @@
 //! Connections per peer address: at most so many from one IP address at once (an IPv6 host by
-//! its /64, which it is usually given whole), counted from accept (before any TLS handshake or
-//! hello), so that one host cannot take every slot of the node, whether it speaks or not.
+//! its /64, which it is usually given whole; every loopback address as one, this host), counted
+//! from accept (before any TLS handshake or hello), so that one host cannot take every slot of
+//! the node, whether it speaks or not.
 
 use std::collections::{HashMap, VecDeque};
-use std::net::{IpAddr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -11,9 +12,12 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// The address a connection from `ip` is counted under: an IPv4 address as it is (also when it
-/// arrives mapped into IPv6), an IPv6 address by its /64 prefix.
+/// arrives mapped into IPv6), an IPv6 address by its /64 prefix, and every loopback address
+/// (127.0.0.0/8, `::1`, mapped or not) as `127.0.0.1`: they are all this host, and a local
+/// client may pick any of the 16 million source addresses of 127.0.0.0/8.
 pub(super) fn counted_as(ip: IpAddr) -> IpAddr {
     match ip.to_canonical() {
+        loopback if loopback.is_loopback() => IpAddr::V4(Ipv4Addr::LOCALHOST),
         IpAddr::V4(v4) => IpAddr::V4(v4),
         IpAddr::V6(v6) => {
             let prefix = u128::from(v6) & !((1u128 << 64) - 1);
@@ -209,6 +213,39 @@ mod tests {
         assert!(
             counts.enter("::ffff:192.0.2.7".parse().unwrap()).is_none(),
             "the same IPv4 host, mapped"
+        );
+    }
+
+    #[test]
+    fn every_loopback_address_is_counted_as_one_and_others_as_before() {
+        let localhost: IpAddr = "127.0.0.1".parse().unwrap();
+        for (peer, counted) in [
+            ("127.0.0.1", "127.0.0.1"),
+            ("127.0.0.5", "127.0.0.1"),
+            ("127.0.0.200", "127.0.0.1"),
+            ("127.255.255.254", "127.0.0.1"),
+            ("::1", "127.0.0.1"),
+            ("::ffff:127.0.0.1", "127.0.0.1"),
+            ("::ffff:127.9.8.7", "127.0.0.1"),
+            ("192.0.2.7", "192.0.2.7"),
+            ("::ffff:192.0.2.7", "192.0.2.7"),
+            ("128.0.0.1", "128.0.0.1"),
+            ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::"),
+            ("::2", "::"),
+        ] {
+            let peer: IpAddr = peer.parse().unwrap();
+            let counted: IpAddr = counted.parse().unwrap();
+            assert_eq!(counted_as(peer), counted, "{peer}");
+        }
+        let counts = PerAddress::new(NonZeroUsize::new(1).unwrap());
+        let _held = counts.enter("127.0.0.2".parse().unwrap()).unwrap();
+        assert!(
+            counts.enter(localhost).is_none(),
+            "another loopback address"
+        );
+        assert!(
+            counts.enter("::1".parse().unwrap()).is_none(),
+            "IPv6's loopback"
         );
     }
 

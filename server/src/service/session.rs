@@ -3,6 +3,7 @@
 
 use ferry_io::credential::{Scope, Scopes};
 use ferry_io::handshake::{self, protocol_error, refuse as fail};
+use ferry_io::refusal_log::RefusalLog;
 use ferry_io::{
     Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse, Transport, tls,
 };
@@ -15,6 +16,7 @@ use tracing::Instrument;
 
 use super::CLOSED_BEFORE_HELLO;
 use super::awaiting_hello::Place;
+use super::per_identity::{Holder, IdentitySlot, PerIdentity};
 use super::{HANDSHAKE_MAX_BODY, MAX_REQUEST_BODY, ServiceConfig, idle_for};
 use crate::device::{Arrived, IfExists, KnownHash};
 use crate::error::{NodeError, Refusal};
@@ -40,7 +42,22 @@ pub(super) struct Session<'a> {
     /// How it came in: the Unix socket (its user checked at accept), TLS (with the identity its
     /// certificate proved) or TCP in clear.
     pub(super) door: handshake::Door,
+    /// The connections each identity holds: this one's, once its hello said who it is.
+    pub(super) per_identity: &'a std::sync::Arc<PerIdentity>,
 }
+
+// Every line a welcomed client can cause per request by failing it, each kind bounded in rate:
+// one line a second at most, carrying how many went unlogged (a client that fails request after
+// request, or connects again and again, cannot fill the log).
+/// A hello refused because its identity holds its share of the connections.
+static AT_IDENTITY_SHARE: RefusalLog =
+    RefusalLog::new("hello", "connection refused: its identity holds its share");
+/// A put refused before its payload (its meta, its device, its budget).
+static PUT_REFUSED: RefusalLog = RefusalLog::new("put", "put refused");
+/// A put whose payload broke off or failed its checks.
+static UPLOAD_FAILED: RefusalLog = RefusalLog::new("put", "upload failed");
+/// A fetch refused (its capability, the identity it speaks for).
+static FETCH_REFUSED: RefusalLog = RefusalLog::new("fetch", "fetch refused");
 
 /// The scopes of which a request needs its connection's credential to allow one.
 fn scopes_needed(request: &Request) -> &'static [Scope] {
@@ -100,7 +117,8 @@ impl Session<'_> {
             }
         };
         drop(place);
-        let Some(scopes) = welcomed else {
+        // Held for the connection's life: given back as the session ends.
+        let Some((scopes, _identity_slot)) = welcomed else {
             return Ok(());
         };
         self.scopes = scopes;
@@ -140,11 +158,12 @@ impl Session<'_> {
     }
 
     /// The first frame must be a `Hello` with the right major version and a token the node
-    /// accepts; what that token allows, or `None` where the peer was refused or left.
+    /// accepts, of an identity that holds less than its share of the connections; what that
+    /// token allows and the identity's slot, or `None` where the peer was refused or left.
     async fn handshake<S: Transport>(
         &self,
         conn: &mut Connection<S>,
-    ) -> Result<Option<Scopes>, ConnectionError> {
+    ) -> Result<Option<(Scopes, IdentitySlot)>, ConnectionError> {
         let policy = handshake::Policy {
             door: &self.door,
             credentials: &self.config.credentials,
@@ -158,10 +177,39 @@ impl Session<'_> {
             // What the connection takes once welcomed, not the small frames it takes until then.
             max_body: self.config.limits.max_body,
         };
-        Ok(match handshake::accept(conn, policy).await? {
-            handshake::Greeting::Welcomed(_, scopes) => Some(scopes),
-            handshake::Greeting::Refused(_) | handshake::Greeting::Closed => None,
-        })
+        let (hello, scopes) = match handshake::hear(conn, &policy).await? {
+            handshake::Heard::Credited(hello, scopes) => (hello, scopes),
+            handshake::Heard::Refused(_) | handshake::Heard::Closed => return Ok(None),
+        };
+        let asks_credentials =
+            !self.config.credentials.is_empty() || self.node.config().tls.is_some();
+        let holder = Holder::of(
+            &self.door,
+            &hello,
+            &self.config.credentials,
+            asks_credentials,
+        );
+        let slot = match self.per_identity.enter(holder.clone()) {
+            Ok(slot) => slot,
+            Err(share) => {
+                AT_IDENTITY_SHARE.note(self.client, &holder.to_string());
+                self.node
+                    .recorder()
+                    .connection_refused(Refused::IdentityShare);
+                let reply = ErrorReply {
+                    code: ErrorCode::LimitExceeded,
+                    message: format!(
+                        "the node serves at most {share} connections of one credential at once \
+                         ({holder} holds them; the rest are kept for others): close some or try \
+                         again later"
+                    ),
+                };
+                conn.write_response(&Response::Error(reply)).await?;
+                return Ok(None);
+            }
+        };
+        handshake::welcome(conn, &policy, &hello).await?;
+        Ok(Some((scopes, slot)))
     }
 
     /// The node a fetch speaks for, which its capability must be bound to: on a TLS link the
@@ -367,7 +415,7 @@ impl Session<'_> {
             Err(error) => {
                 node.recorder()
                     .transfer_ended("put", "-", false, started.elapsed());
-                tracing::warn!(device, name = %Untrusted(&name), %error, "put refused");
+                PUT_REFUSED.note_in_request(&format!("{device}/{name}: {error}"));
                 conn.write_response(&Response::Error(error.reply())).await?;
                 return Ok(());
             }
@@ -390,7 +438,7 @@ impl Session<'_> {
                 drop(admission);
                 node.recorder()
                     .transfer_ended("put", "-", false, started.elapsed());
-                tracing::warn!(device, name = %Untrusted(&name), %error, "upload failed");
+                UPLOAD_FAILED.note_in_request(&format!("{device}/{name}: {error}"));
                 return Err(fail(conn, error).await);
             }
         };
@@ -438,7 +486,7 @@ impl Session<'_> {
         {
             Ok(lease) => lease,
             Err(error) => {
-                tracing::warn!(node_id = %Untrusted(node_id.as_str()), %error, "fetch refused");
+                FETCH_REFUSED.note_in_request(&format!("for {}: {error}", node_id.as_str()));
                 return conn.write_response(&Response::Error(error.reply())).await;
             }
         };

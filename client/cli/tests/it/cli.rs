@@ -52,7 +52,7 @@ fn unix_server(path: &Path) -> BackgroundNode {
 fn node_config() -> NodeConfig {
     NodeConfig {
         devices: devices(&["flex", "flex"]),
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     }
 }
 
@@ -1135,4 +1135,41 @@ fn a_load_run_checks_every_transfer_and_leaves_nothing_behind() {
     let listed: Vec<serde_json::Value> =
         serde_json::from_str(&ok(&["ls", &node.addr, "--json"])).expect("ls --json parses");
     assert!(listed.is_empty(), "{listed:?}");
+}
+
+/// `ferry load --clients N` against a node that takes N connections from one address (the
+/// default, 256): the node's memory is read over a client's connection, so no client is
+/// refused.
+#[test]
+fn a_load_run_of_as_many_clients_as_one_address_may_hold_has_no_error() {
+    let node = server();
+    let clients = ServiceConfig::default()
+        .max_connections_per_address
+        .to_string();
+    let out = ferry(&[
+        "load",
+        &node.addr,
+        "--clients",
+        &clients,
+        "--seconds",
+        "2",
+        "--min-size",
+        "1KiB",
+        "--max-size",
+        "16KiB",
+        "--seed",
+        "11",
+        "--warmup-rounds",
+        "0",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("errors 0,"),
+        "{stdout}\n{stderr}"
+    );
+    assert!(
+        stdout.starts_with(&format!("{clients} clients")),
+        "{stdout}"
+    );
 }

@@ -16,7 +16,7 @@ fn free_port() -> u16 {
 fn the_health_check_says_ok_for_a_live_node_and_fails_for_a_dead_one() {
     let config = NodeConfig {
         devices: devices(&["flex"]),
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     };
     let node = BackgroundNode::start(config, ServiceConfig::default(), None);
     let out = Command::new(crate::ferry_cli())

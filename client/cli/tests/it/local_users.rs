@@ -65,7 +65,7 @@ fn needs_root() {
 fn node_config() -> NodeConfig {
     NodeConfig {
         devices: devices(&["flex"]),
-        ..NodeConfig::default()
+        ..NodeConfig::light()
     }
 }
 

@@ -2,6 +2,7 @@
 
 use ferry_proto::{ErrorCode, ErrorReply, NodeId, ProtoError};
 
+use super::TokenWithheld;
 use crate::connection::ConnectionError;
 use crate::handshake::HelloError;
 
@@ -38,6 +39,10 @@ pub enum ExchangeError {
         /// The identity the certificate showed, if any.
         certified: Option<String>,
     },
+    /// The token may not go where the link leads (beyond loopback in clear, or to a loopback
+    /// port another local user holds); nothing was sent, not even the hello.
+    #[error(transparent)]
+    TokenWithheld(#[from] TokenWithheld),
     /// The node speaks a protocol minor older than a request needs; nothing was sent.
     #[error("the node speaks protocol minor {node}; {what} needs minor {needs} or later")]
     NodeTooOld {

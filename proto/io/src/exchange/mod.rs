@@ -15,7 +15,7 @@ mod dial;
 mod error;
 mod fetch;
 
-pub use dial::{Dial, PeerCheck, SharedMemory};
+pub use dial::{ClearTokens, Dial, LocalServer, PeerCheck, SharedMemory, TokenWithheld};
 pub use error::ExchangeError;
 pub use fetch::Fetch;
 
@@ -273,6 +273,7 @@ mod tests {
             agent: "test client",
             tls: None,
             check: &PeerCheck::Any,
+            clear_tokens: Default::default(),
             shared_memory: SharedMemory::Decline,
             limits: ConnectionLimits::default(),
         };

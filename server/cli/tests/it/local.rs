@@ -89,7 +89,7 @@ async fn round_trip_matrix(client: &mut Client) -> u64 {
 async fn every_dtype_and_scheme_goes_through_shared_memory_bit_exact_and_leaves_no_region() {
     let _serial = REGIONS.lock().await;
     let node = start_unix(
-        NodeConfig::default(),
+        NodeConfig::light(),
         ServiceConfig {
             limits: every_payload_shared(),
             ..ServiceConfig::default()
@@ -128,7 +128,7 @@ async fn every_dtype_and_scheme_goes_through_shared_memory_bit_exact_and_leaves_
 async fn every_dtype_and_scheme_goes_over_a_unix_socket_without_shared_memory() {
     let _serial = REGIONS.lock().await;
     let node = start_unix(
-        NodeConfig::default(),
+        NodeConfig::light(),
         ServiceConfig {
             limits: every_payload_shared(),
             ..ServiceConfig::default()
@@ -152,7 +152,7 @@ async fn a_node_without_shared_memory_is_still_reached_over_its_unix_socket() {
     let node = start_unix(
         NodeConfig {
             shared_memory: ferry::io::SharedMemory::Decline,
-            ..NodeConfig::default()
+            ..NodeConfig::light()
         },
         ServiceConfig::default(),
     )
