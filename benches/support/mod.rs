@@ -6,7 +6,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -45,6 +45,8 @@ pub struct NodeProcess {
     pub unix: Option<String>,
     // Held so that the node never writes into a closed pipe.
     _stdout: BufReader<ChildStdout>,
+    // Held open: a worker (the deployment example) serves until its standard input closes.
+    _stdin: ChildStdin,
 }
 
 impl NodeProcess {
@@ -58,11 +60,12 @@ impl NodeProcess {
             .env("RUST_LOG", "warn")
             .env_remove("FERRY_TOKEN")
             .env_remove("FERRY_PEER_TOKEN")
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap_or_else(|e| panic!("starting {}: {e}", binary.display()));
+        let stdin = child.stdin.take().expect("piped stdin");
         let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
         let mut read_address = || {
             let mut line = String::new();
@@ -81,6 +84,7 @@ impl NodeProcess {
             addr,
             unix,
             _stdout: stdout,
+            _stdin: stdin,
         }
     }
 

@@ -237,6 +237,18 @@ pub enum NodeError {
         "tensor {0} changed meanwhile (another version is registered now); nothing was changed"
     )]
     Changed(TensorKey),
+    /// A move registered its copy, but the version it copied was replaced or removed meanwhile
+    /// by another operation, so the move removed nothing: it did what a copy does.
+    #[error(
+        "{copy} holds a copy of {moved}, but {moved} was replaced or removed meanwhile by \
+         another operation, so this move removed nothing"
+    )]
+    SourceKept {
+        /// The key moved from.
+        moved: TensorKey,
+        /// Where the copy is registered.
+        copy: TensorKey,
+    },
     /// A capability that is unknown, used, expired or bound to another node.
     #[error("capability refused: {0}")]
     CapabilityRefused(Refusal),
@@ -289,7 +301,7 @@ impl NodeError {
             NodeError::DeviceGone(_) | NodeError::ShuttingDown => ErrorCode::ShuttingDown,
             NodeError::CapabilityRefused(_) => ErrorCode::CapabilityRefused,
             NodeError::Peer { .. } => ErrorCode::PeerFailed,
-            NodeError::Changed(_) => ErrorCode::Changed,
+            NodeError::Changed(_) | NodeError::SourceKept { .. } => ErrorCode::Changed,
             NodeError::Integrity { .. } => ErrorCode::Integrity,
         }
     }

@@ -170,7 +170,7 @@ enum Op {
 
 /// One random operation on one of the nodes, and whether it was applied. Every answer is
 /// checked: a success describes the tensor asked for; a refusal is one the race explains (the
-/// name taken, or gone, meanwhile); anything else fails the test.
+/// name taken, gone or replaced meanwhile); anything else fails the test.
 async fn random_op(rng: &mut rand::rngs::StdRng, clients: &mut [(&str, Client)]) -> (Op, bool) {
     let n = rng.random_range(0..clients.len());
     let client = &mut clients[n].1;
@@ -188,14 +188,24 @@ async fn random_op(rng: &mut rand::rngs::StdRng, clients: &mut [(&str, Client)])
             });
             (Op::Put, answer, &key, &[ErrorCode::AlreadyExists])
         }
+        // `Changed`: the source was replaced again and again while the node tried to copy it,
+        // or (a move) after its copy was registered, so the move removed nothing.
         1 => {
             let answer = client.copy(&key, &other).await;
-            let refusals = &[ErrorCode::NotFound, ErrorCode::AlreadyExists];
+            let refusals = &[
+                ErrorCode::NotFound,
+                ErrorCode::AlreadyExists,
+                ErrorCode::Changed,
+            ];
             (Op::Copy, answer, &other, refusals)
         }
         2 => {
             let answer = client.move_to(&key, &other).await;
-            let refusals = &[ErrorCode::NotFound, ErrorCode::AlreadyExists];
+            let refusals = &[
+                ErrorCode::NotFound,
+                ErrorCode::AlreadyExists,
+                ErrorCode::Changed,
+            ];
             (Op::Move, answer, &other, refusals)
         }
         _ => {

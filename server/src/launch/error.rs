@@ -22,8 +22,16 @@ pub enum StartError {
     #[error("the hello timeout must be at least 1 second")]
     HelloTimeoutZero,
     /// A chunk size outside 1 byte to a frame's body less its header.
-    #[error("the chunk size must be between 1 byte and 16 MiB, not {0}")]
-    ChunkSize(usize),
+    #[error(
+        "the chunk size (--chunk-size, ConnectionLimits::chunk_size) must be between 1 and \
+         {largest} bytes, not {given}"
+    )]
+    ChunkSize {
+        /// As given.
+        given: usize,
+        /// The largest a frame's body carries beside a chunk's header.
+        largest: usize,
+    },
     /// A file of secrets that could not be read.
     #[error("reading {path}: {source}")]
     Secret {

@@ -90,9 +90,14 @@ impl ServerBuilder {
         if self.service.hello_timeout.is_zero() {
             return Err(StartError::HelloTimeoutZero);
         }
+        // A chunk travels in one frame beside its header (at most 64 bytes).
         let chunk = self.service.limits.chunk_size;
-        if chunk == 0 || chunk > ferry_proto::frame::DEFAULT_MAX_BODY - 64 {
-            return Err(StartError::ChunkSize(chunk));
+        let largest = ferry_proto::frame::DEFAULT_MAX_BODY - 64;
+        if chunk == 0 || chunk > largest {
+            return Err(StartError::ChunkSize {
+                given: chunk,
+                largest,
+            });
         }
         // An empty token would silently turn authentication off: refused, so that a variable
         // that expanded to nothing cannot open the node.
@@ -163,13 +168,6 @@ impl ServerBuilder {
             process::tune(self.recycle, self.service.max_connections);
         }
         let node = Node::start(self.node)?;
-        if let Some(addr) = self.metrics {
-            metrics_endpoint::serve(
-                addr,
-                exposure,
-                node.config().receive_buffers.pool().cloned(),
-            )?;
-        }
         let mut service = Service::bind(node.clone(), self.listen, self.service).await?;
         if let Some(path) = &self.unix {
             service = service
@@ -191,6 +189,15 @@ impl ServerBuilder {
             }
             None => None,
         };
+        // Last: the exporter becomes the process's recorder for good, so a node
+        // that fails to start must not have installed it.
+        if let Some(addr) = self.metrics {
+            metrics_endpoint::serve(
+                addr,
+                exposure,
+                node.config().receive_buffers.pool().cloned(),
+            )?;
+        }
         Ok(Server {
             node,
             service,

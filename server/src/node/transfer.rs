@@ -24,14 +24,23 @@ impl Node {
     ) -> Result<TensorDesc, NodeError> {
         let started = Instant::now();
         let mut path = None;
-        // The version described here is the one copied (and, for a move, removed): one
-        // replaced meanwhile is `Changed`, and nothing is copied or removed.
-        let result = match self.describe(src).await {
-            Ok(desc) => {
-                self.transfer(&desc, dst, mode, existing, None, &mut path)
-                    .await
+        // The version described here is the one copied (and, for a move, removed). One
+        // replaced before its bytes were handed out is `Changed` with nothing done: the request
+        // is for whatever the key holds, so the newer version is described and tried in turn
+        // (a few times at most; then the replacements win and the answer is `Changed`).
+        let mut tries = 0;
+        let result = loop {
+            let attempt = match self.describe(src).await {
+                Ok(desc) => {
+                    self.transfer(&desc, dst, mode, existing, None, &mut path)
+                        .await
+                }
+                Err(error) => Err(error),
+            };
+            match attempt {
+                Err(NodeError::Changed(_)) if tries < 3 => tries += 1,
+                done => break done,
             }
-            Err(error) => Err(error),
         };
         let op = match mode {
             Transfer::Copy => "copy",
@@ -105,7 +114,18 @@ impl Node {
         drop(copy_held);
         self.recorder().path_taken(path);
         if mode == Transfer::Move {
-            self.remove_pinned(src, Some(source.version)).await?;
+            // The copy stands either way; a source replaced or removed after its bytes were
+            // handed out belongs to whoever did that, and is left to them.
+            match self.remove_pinned(src, Some(source.version)).await {
+                Ok(_) => {}
+                Err(NodeError::Changed(_) | NodeError::NotFound(_)) => {
+                    return Err(NodeError::SourceKept {
+                        moved: src.clone(),
+                        copy: registered.key,
+                    });
+                }
+                Err(other) => return Err(other),
+            }
         }
         Ok(registered)
     }
