@@ -45,7 +45,7 @@ impl ModuleMapper for ToBf16 {
 /// How long a node runs before the model is sent: as a worker waits for its model.
 const STARTED_BEFORE: Duration = Duration::from_secs(10);
 /// Rounds, each a fresh process of each kind, in alternating order.
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 
 /// `target/release/examples/worker`, which `cargo build --release -p ferry-burn --examples`
 /// makes.

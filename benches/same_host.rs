@@ -210,7 +210,7 @@ fn main() {
         drop(dst);
         let new_region = Rate::measure(bytes, RUNS, || {
             let started = Instant::now();
-            let region = ferry_io::region::OutgoingRegion::create(src)
+            let region = ferry_memory::region::OutgoingRegion::create(src)
                 .expect("a sealed shared-memory region");
             let elapsed = started.elapsed();
             drop(region);

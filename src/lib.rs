@@ -1,7 +1,7 @@
 //! ferry: move any Burn tensor between devices, processes and machines, bit-exact.
 //!
-//! This root crate re-exports the libraries ([`proto`], [`io`], [`server`], [`client`],
-//! [`files`], [`certs`], [`etcd`]) and
+//! This root crate re-exports the libraries ([`proto`], [`io`], [`memory`], [`server`],
+//! [`client`], [`files`], [`certs`], [`etcd`]) and
 //! holds what the integration tests and benchmarks of every package share: [`samples`], the
 //! dtype and quantization matrix, [`testing`], nodes and helpers to test against, and
 //! [`squatter`], a loopback port another local user holds.
@@ -11,6 +11,7 @@ pub use ferry_client as client;
 pub use ferry_etcd as etcd;
 pub use ferry_files as files;
 pub use ferry_io as io;
+pub use ferry_memory as memory;
 pub use ferry_proto as proto;
 pub use ferry_server as server;
 
@@ -26,6 +27,8 @@ mod docs_examples {
     mod readme {}
     #[doc = include_str!("../docs/library.md")]
     mod library {}
+    #[doc = include_str!("../docs/deployment.md")]
+    mod deployment {}
     #[doc = include_str!("../docs/node.md")]
     mod node {}
     #[doc = include_str!("../docs/cli.md")]

@@ -10,7 +10,7 @@ use ferry_proto::{
 };
 use tokio::runtime::{Builder, Runtime};
 
-use crate::client::{Client, ClientError, Connect, Grant, HeldProbe, NodeCopy};
+use crate::client::{Client, ClientError, Connect, HeldProbe, IssuedCapability, NodeCopy};
 use ferry_io::connection::ConnectionError;
 use ferry_io::transport::Endpoint;
 
@@ -268,7 +268,11 @@ impl BlockingClient {
     }
 
     /// See [`Client::grant`].
-    pub fn grant(&mut self, key: &TensorKey, audience: &NodeId) -> Result<Grant, ClientError> {
+    pub fn grant(
+        &mut self,
+        key: &TensorKey,
+        audience: &NodeId,
+    ) -> Result<IssuedCapability, ClientError> {
         block_on(self.client.grant(key, audience))
     }
 
@@ -276,7 +280,7 @@ impl BlockingClient {
     pub fn pull(
         &mut self,
         source: &str,
-        grant: &Grant,
+        grant: &IssuedCapability,
         dst: &TensorKey,
         if_exists: IfExists,
     ) -> Result<TensorInfo, ClientError> {
@@ -284,7 +288,7 @@ impl BlockingClient {
     }
 
     /// See [`Client::release`].
-    pub fn release(&mut self, grant: &Grant) -> Result<(), ClientError> {
+    pub fn release(&mut self, grant: &IssuedCapability) -> Result<(), ClientError> {
         block_on(self.client.release(grant))
     }
 }

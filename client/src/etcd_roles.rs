@@ -6,7 +6,7 @@
 //! operator's CLI, a coordinator) reads it. Every step is idempotent: run again, it adds what
 //! is missing and grants again what is there (an existing user keeps its password).
 
-use ferry_etcd::{Access, Etcd, EtcdError, Grant, Keys};
+use ferry_etcd::{Access, Etcd, EtcdError, Keys, Permission};
 use ferry_proto::cluster::{self as keys, PREFIX};
 
 /// Why a role could not be set up.
@@ -46,15 +46,15 @@ pub async fn add_member(
     let record = keys::member_key(name);
     let tensors = keys::member_tensors(name);
     let grants = [
-        Grant {
+        Permission {
             access: Access::Read,
             keys: Keys::Prefix(PREFIX.as_bytes()),
         },
-        Grant {
+        Permission {
             access: Access::ReadWrite,
             keys: Keys::Exact(record.as_bytes()),
         },
-        Grant {
+        Permission {
             access: Access::ReadWrite,
             keys: Keys::Prefix(tensors.as_bytes()),
         },
@@ -71,7 +71,7 @@ pub async fn add_reader(
     password: Option<&str>,
 ) -> Result<(), RoleError> {
     not_root(user)?;
-    let grants = [Grant {
+    let grants = [Permission {
         access: Access::Read,
         keys: Keys::Prefix(PREFIX.as_bytes()),
     }];
@@ -96,7 +96,7 @@ fn not_root(name: &str) -> Result<(), RoleError> {
 }
 
 /// Adds `role` where missing and grants it each of `grants` (again, where it was there).
-async fn add_role(etcd: &mut Etcd, role: &str, grants: &[Grant<'_>]) -> Result<(), RoleError> {
+async fn add_role(etcd: &mut Etcd, role: &str, grants: &[Permission<'_>]) -> Result<(), RoleError> {
     match etcd.role_add(role).await {
         Ok(()) => {}
         Err(e) if already_exists(&e) => {}

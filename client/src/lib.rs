@@ -10,7 +10,8 @@ pub mod tensor;
 
 pub use blocking::BlockingClient;
 pub use client::{
-    Client, ClientError, Connect, ConnectOptions, Grant, HeldProbe, InterruptedCopy, Lane, NodeCopy,
+    Client, ClientError, Connect, ConnectOptions, HeldProbe, InterruptedCopy, IssuedCapability,
+    Lane, NodeCopy,
 };
 pub use ferry_io::{
     ClearTokens, ClientTls, ConnectionError, ConnectionLimits, Endpoint, LocalServer, PeerCheck,

@@ -3,9 +3,7 @@
 //! One table, one place: the log line of every transfer and `stat` report the path taken, and
 //! the `round-trip` policy forces the host round trip so both paths stay tested.
 
-use burn_backend::DType;
-
-use crate::backend::BackendKind;
+use ferry_backend::BackendKind;
 
 /// Which paths a node may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -43,18 +41,14 @@ impl TransferPolicy {
 
 pub use ferry_proto::TransferPath;
 
-/// The path a tensor of `dtype` takes from a device of `src` to one of `dst`.
+/// The path a tensor takes from a device of `src` to one of `dst`, whatever its dtype.
 ///
 /// Native only between devices of one backend: a primitive means nothing to another backend.
 /// Flex and NdArray implement `float/int/bool_to_device` and `q_to_device` for every dtype they
-/// hold (both are single-device backends, so the move keeps the handle), so within one of them
-/// every dtype goes native. A backend whose `to_device` lacks a dtype gets an arm here.
-pub fn choose_path(
-    policy: TransferPolicy,
-    src: BackendKind,
-    dst: BackendKind,
-    _dtype: &DType,
-) -> TransferPath {
+/// hold (both are single-device backends, so the move keeps the handle), as does wgpu between
+/// its devices (cubecl's own copy), so within one backend every dtype goes native. A backend
+/// whose `to_device` lacked a dtype would make this a function of the dtype too.
+pub fn choose_path(policy: TransferPolicy, src: BackendKind, dst: BackendKind) -> TransferPath {
     match policy {
         TransferPolicy::RoundTrip => TransferPath::RoundTrip,
         TransferPolicy::Auto if src == dst => TransferPath::Native,
@@ -69,20 +63,26 @@ mod tests {
     #[test]
     fn the_table() {
         use BackendKind::*;
-        use TransferPolicy::*;
-        let f32 = DType::F32;
-        assert_eq!(choose_path(Auto, Flex, Flex, &f32), TransferPath::Native);
-        assert_eq!(
-            choose_path(Auto, NdArray, NdArray, &f32),
-            TransferPath::Native
-        );
-        assert_eq!(
-            choose_path(Auto, Flex, NdArray, &f32),
-            TransferPath::RoundTrip
-        );
-        assert_eq!(
-            choose_path(RoundTrip, Flex, Flex, &f32),
-            TransferPath::RoundTrip
-        );
+        use TransferPath::{Native, RoundTrip as Host};
+        use TransferPolicy::{Auto, RoundTrip as Forced};
+        let table = [
+            (Auto, Flex, Flex, Native),
+            (Auto, NdArray, NdArray, Native),
+            (Auto, Wgpu, Wgpu, Native),
+            (Auto, Flex, NdArray, Host),
+            (Auto, NdArray, Flex, Host),
+            (Auto, Flex, Wgpu, Host),
+            (Auto, Wgpu, NdArray, Host),
+            (Forced, Flex, Flex, Host),
+            (Forced, Wgpu, Wgpu, Host),
+            (Forced, Flex, NdArray, Host),
+        ];
+        for (policy, src, dst, path) in table {
+            assert_eq!(
+                choose_path(policy, src, dst),
+                path,
+                "{policy:?} {src:?} -> {dst:?}"
+            );
+        }
     }
 }

@@ -262,6 +262,14 @@ pub enum NodeError {
     },
 }
 
+/// A backend call that failed or panicked (ferry-backend's `Primitive` calls) is the node's
+/// [`NodeError::Backend`], with the same message.
+impl From<ferry_backend::BackendError> for NodeError {
+    fn from(e: ferry_backend::BackendError) -> Self {
+        NodeError::Backend(e.0)
+    }
+}
+
 impl NodeError {
     /// The wire code for this error.
     pub fn code(&self) -> ErrorCode {

@@ -24,32 +24,29 @@
 //! has recomputed it from the registered bytes. Only a hash the node computed answers dedup, is
 //! granted, or matches a conditional delete.
 
-mod backend;
 pub mod cluster;
 mod device;
 mod engine;
 mod error;
-pub mod gpu;
-pub mod holds;
 mod launch;
 pub mod metrics;
 mod node;
 mod peer;
 mod service;
 
-pub use backend::{BackendKind, DeviceSpec, Primitive};
 pub use device::{
     DeviceHandle, DeviceSummary, HashState, IfExists, TENSOR_OVERHEAD, TensorDesc, Version,
 };
 pub use engine::{TransferPath, TransferPolicy};
 pub use error::{NodeError, Refusal};
+// What a device's backend is, holds and does, shared with ferry-burn (ferry-backend), at the paths
+// it had when it lived here.
+pub use ferry_backend::{BackendKind, DeviceSpec, Primitive};
+pub use ferry_backend::{gpu, holds};
 pub use ferry_proto::{NodeId, Token, Transfer};
 // What a `ServerBuilder` is given, so that a program embedding a node needs no other crate.
-pub use ferry_io::credential::{Credential, Scopes};
-pub use ferry_io::grant::Grant;
-pub use ferry_io::{
-    ClearTokens, ConnectionLimits, LocalServer, NodeTls, Pool, SharedMemory, TlsFiles,
-};
+pub use ferry_io::{ClearTokens, ConnectionLimits, LocalServer, NodeTls, SharedMemory, TlsFiles};
+pub use ferry_memory::Pool;
 pub use holds::HoldsTable;
 pub use launch::{
     ClusterJoin, DEFAULT_RECYCLE, PeerToken, ProcessTuning, Server, ServerBuilder, StartError,
@@ -59,6 +56,11 @@ pub use node::{
     ClusterMembers, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, Node, NodeConfig, NodeLimits, Peer,
     PeerPolicy, PullConfig, ReadyMemory, ReceiveBuffers, ReceivePlanError, Striping,
 };
+// The node's door (service/door/): the credentials it accepts and the scopes it grants to
+// certificates, what a `ServerBuilder` is given (so that a program embedding a node needs no
+// other crate), with what can be wrong with them.
+pub use service::door::certificate_grant::{CertificateGrant, CertificateGrantError};
+pub use service::door::credential::{Credential, CredentialError, Scope, Scopes, parse_token_file};
 pub use service::{
     BindError, DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, Exposure, ExposureError,
     Missing, Service, ServiceConfig,

@@ -160,7 +160,7 @@ pub fn sample_resident_memory() -> Option<u64> {
 }
 
 /// The receive pool's size, free and ready bytes and misses now, for the gauges.
-pub fn sample_pool(pool: &ferry_io::Pool) {
+pub fn sample_pool(pool: &ferry_memory::Pool) {
     gauge!(POOL_BYTES).set(pool.capacity() as f64);
     gauge!(POOL_FREE_BYTES).set(pool.free_bytes() as f64);
     gauge!(POOL_READY_BYTES).set(pool.ready_bytes() as f64);

@@ -9,14 +9,13 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use ferry::client::ErrorCode;
-use ferry::io::credential::parse_token_file;
 use ferry::proto::frame::{self, FrameKind};
 use ferry::proto::{
     CapabilityToken, DType, ErrorReply, FEATURES, Hello, NodeId, PROTOCOL_MINOR, PROTOCOL_VERSION,
     Request, Response, TensorKey, Token, WireDType, control, tensor,
 };
 use ferry::samples;
-use ferry::server::{NodeConfig, ServiceConfig};
+use ferry::server::{NodeConfig, ServiceConfig, parse_token_file};
 use ferry::testing::{TestNode, start};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};

@@ -166,7 +166,7 @@ async fn a_node_pulls_into_a_gpu_device_from_another_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_device_stages_its_receives_through_the_pool_and_gives_each_buffer_back() {
     const MIB: usize = 1 << 20;
-    let pool = ferry::io::Pool::reserve(8 * MIB).unwrap();
+    let pool = ferry::memory::Pool::reserve(8 * MIB).unwrap();
     let node = ferry::testing::start(
         NodeConfig {
             devices: ferry::testing::devices(&["gl:cpu"]),

@@ -326,7 +326,7 @@ async fn a_silent_peer_mid_frame_is_dropped_after_the_idle_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_token_is_refused_before_any_command_runs() {
     let node = flex_node(ServiceConfig {
-        credentials: vec![ferry::io::credential::Credential::full("s3cret").unwrap()],
+        credentials: vec![ferry::server::Credential::full("s3cret").unwrap()],
         ..ServiceConfig::default()
     })
     .await;

@@ -331,3 +331,97 @@ async fn burn_tensors_go_in_and_come_back_with_their_dtype_quantized_included() 
     assert!(wrong_kind.unwrap_err().to_string().contains("Int tensor"));
     node.shutdown().await;
 }
+
+/// `Node::wait_for` answers once a tensor is registered under its key, by whichever way it came
+/// (a put over TCP from racing clients, an insert in process), never before and never missed:
+/// waiters on every key start first, the arrivals race in a seeded random order, and each waiter
+/// then reads exactly its tensor's bytes. A key that holds a tensor answers at once; one that
+/// never gets one waits until the caller stops waiting; a device the node lacks is an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_hears_of_its_tensor_however_it_arrives_and_never_misses_one() {
+    use rand::{Rng, SeedableRng, seq::SliceRandom};
+    let seed: u64 = rand::random();
+    println!("seed {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let node = start_with(&["flex", "flex"]).await;
+    let dtypes = [DType::F32, DType::BF16, DType::I8, DType::U16];
+    let arrivals: Vec<(TensorKey, ferry::proto::TensorData)> = (0..32)
+        .map(|i| {
+            let key = TensorKey::new(i % 2, format!("arrival-{i}"));
+            let data = samples::plain(dtypes[i as usize % 4], &[1 + i as usize % 5, 7], i.into());
+            (key, data)
+        })
+        .collect();
+    let waiters: Vec<_> = arrivals
+        .iter()
+        .map(|(key, data)| {
+            let (node, key, data) = (node.node.clone(), key.clone(), data.clone());
+            tokio::spawn(async move {
+                let desc =
+                    tokio::time::timeout(std::time::Duration::from_secs(20), node.wait_for(&key))
+                        .await
+                        .unwrap_or_else(|_| panic!("{key}: never heard of"))
+                        .unwrap();
+                assert_eq!(desc.key, key);
+                assert_eq!(desc.bytes, data.as_bytes().len() as u64, "{key}");
+                assert_same(&node.get(&key).await.unwrap(), &data, "waited for");
+            })
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..arrivals.len()).collect();
+    order.shuffle(&mut rng);
+    let mut senders = Vec::new();
+    for lane in order.chunks(8) {
+        let mut client = node.client().await;
+        let in_process = node.node.clone();
+        let lane: Vec<_> = lane
+            .iter()
+            .map(|&i| {
+                (
+                    arrivals[i].clone(),
+                    rng.random_bool(0.25),
+                    rng.random_range(0..3u64),
+                )
+            })
+            .collect();
+        senders.push(tokio::spawn(async move {
+            for ((key, data), inserted, pause) in lane {
+                tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+                if inserted {
+                    in_process
+                        .insert(&key, data, IfExists::Refuse)
+                        .await
+                        .unwrap();
+                } else {
+                    client.put(&key, &data).await.unwrap();
+                }
+            }
+        }));
+    }
+    for sender in senders {
+        sender.await.unwrap();
+    }
+    for waiter in waiters {
+        waiter.await.unwrap();
+    }
+    // Already there: at once.
+    let (key, _) = &arrivals[0];
+    let desc = tokio::time::timeout(std::time::Duration::from_secs(1), node.node.wait_for(key))
+        .await
+        .expect("a registered key answers at once")
+        .unwrap();
+    assert_eq!(&desc.key, key);
+    // Never there: waits until the caller stops.
+    let missing = TensorKey::new(0, "never");
+    let waited = tokio::time::timeout(
+        std::time::Duration::from_millis(200),
+        node.node.wait_for(&missing),
+    )
+    .await;
+    assert!(waited.is_err(), "answered for a key nothing was put under");
+    match node.node.wait_for(&TensorKey::new(9, "x")).await {
+        Err(ferry::server::NodeError::NoSuchDevice { index: 9, count: 2 }) => {}
+        other => panic!("a device the node lacks: {other:?}"),
+    }
+    node.shutdown().await;
+}

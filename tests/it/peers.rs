@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 
-use ferry::client::{Client, ErrorCode, Grant};
+use ferry::client::{Client, ErrorCode, IssuedCapability};
 use ferry::io::RegionUse;
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
@@ -346,7 +346,7 @@ async fn a_transient_drop_is_retried_and_resumes_from_the_last_verified_chunk() 
 
 /// A capability on `a`'s "big" bound to `b`, with the connection that was granted it (its
 /// capabilities end with it: keep it), `b`'s node id, and a client of `b` to pull with.
-async fn big_granted_to(a: &TestNode, b: &TestNode) -> (Grant, Client, NodeId, Client) {
+async fn big_granted_to(a: &TestNode, b: &TestNode) -> (IssuedCapability, Client, NodeId, Client) {
     let mut source = a.client().await;
     let b_id = b.client().await.identify().await.unwrap();
     let grant = source
@@ -1146,7 +1146,7 @@ async fn a_failed_pull_tells_the_client_nothing_about_what_answered_there() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
-    use ferry::io::credential::parse_token_file;
+    use ferry::server::parse_token_file;
     let service = || ServiceConfig {
         credentials: parse_token_file("read,write client-token\npeer node-token\n").unwrap(),
         ..ServiceConfig::default()
@@ -1212,7 +1212,7 @@ async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_chose() {
     let service = || ServiceConfig {
-        credentials: vec![ferry::io::credential::Credential::full("shared").unwrap()],
+        credentials: vec![ferry::server::Credential::full("shared").unwrap()],
         ..ServiceConfig::default()
     };
     let a = start(

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 
 use ferry::client::ErrorCode;
-use ferry::io::Pool;
+use ferry::memory::Pool;
 use ferry::proto::{DType, Response, TensorData, TensorKey, frame, tensor};
 use ferry::samples;
 use ferry::server::{NodeConfig, ReceiveBuffers, ServiceConfig};
@@ -309,12 +309,12 @@ async fn racing_clients_on_a_pool_smaller_than_their_tensors_read_only_what_they
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
     const LIMIT: usize = 64 * MIB;
-    let readiness = ferry::io::pool::Readiness {
+    let readiness = ferry::memory::pool::Readiness {
         idle: 48 * MIB,
         ahead: 8 * MIB,
         idle_after: Duration::from_secs(600),
-        touching: ferry::io::pool::Touching::AlongsideOthers,
-        at_start: ferry::io::pool::AtStart::IDLE,
+        touching: ferry::memory::pool::Touching::AlongsideOthers,
+        at_start: ferry::memory::pool::AtStart::IDLE,
     };
     // Room for the pool to make its idle amount ready again beside the tensor, but for the bound.
     let pool = Pool::elastic(2 * LIMIT, readiness).unwrap();
@@ -341,7 +341,7 @@ async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
     client.put(&key, &data).await.unwrap();
     // The budget's room, up to a whole granule of the pool.
     let room = (LIMIT - 40 * MIB - ferry::server::TENSOR_OVERHEAD as usize)
-        .next_multiple_of(ferry::io::pool::GRANULE);
+        .next_multiple_of(ferry::memory::pool::GRANULE);
     eventually("ready within the room", Duration::from_secs(10), || {
         pool.ready_bytes() <= room
     })
@@ -367,15 +367,15 @@ async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
 /// tensor is held bit-exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_tensor_too_small_for_the_pool_ends_its_start_amount() {
-    let readiness = ferry::io::pool::Readiness {
+    let readiness = ferry::memory::pool::Readiness {
         idle: 8 * MIB,
         ahead: 8 * MIB,
         idle_after: Duration::from_millis(300),
-        touching: ferry::io::pool::Touching::AlongsideOthers,
-        at_start: ferry::io::pool::AtStart {
+        touching: ferry::memory::pool::Touching::AlongsideOthers,
+        at_start: ferry::memory::pool::AtStart {
             bytes: 48 * MIB,
             kept_for: Duration::from_secs(600),
-            spare: ferry::io::pool::SpareCheck::Unchecked,
+            spare: ferry::memory::pool::SpareCheck::Unchecked,
         },
     };
     let pool = Pool::elastic(128 * MIB, readiness).unwrap();

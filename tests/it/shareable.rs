@@ -39,7 +39,7 @@ async fn plain_unix_node() -> TestNode {
 fn region_inodes() -> BTreeSet<u64> {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
     maps.lines()
-        .filter(|l| l.contains(&format!("memfd:{}", ferry::io::region::REGION_NAME)))
+        .filter(|l| l.contains(&format!("memfd:{}", ferry::memory::region::REGION_NAME)))
         .filter_map(|l| l.split_whitespace().nth(4)?.parse().ok())
         .collect()
 }
@@ -59,7 +59,7 @@ fn writable_mappings_of(inode: u64) -> usize {
 async fn no_region_left(what: &str) {
     let pid = std::process::id();
     eventually(what, Duration::from_secs(10), || {
-        ferry::io::region::count_regions(pid).unwrap() == (0, 0)
+        ferry::memory::region::count_regions(pid).unwrap() == (0, 0)
     })
     .await;
 }
@@ -212,7 +212,7 @@ async fn a_put_cut_halfway_into_a_shareable_node_leaves_no_region() {
     eventually(
         "the put receives into a region",
         Duration::from_secs(10),
-        || ferry::io::region::count_regions(pid).unwrap().0 > 0,
+        || ferry::memory::region::count_regions(pid).unwrap().0 > 0,
     )
     .await;
     drop(raw);

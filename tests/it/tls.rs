@@ -527,13 +527,13 @@ async fn a_peer_listed_by_name_is_pulled_from_only_if_its_certificate_carries_th
 /// one, since no token is sent under TLS.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_tls_the_certificate_is_the_credential_and_no_token_travels() {
-    use ferry::io::grant::Grant;
     use ferry::proto::Request;
+    use ferry::server::CertificateGrant;
     let pki = TestPki::new();
     let granted = ServiceConfig {
         grants: vec![
-            "reader=read".parse::<Grant>().unwrap(),
-            "writer=read,write".parse::<Grant>().unwrap(),
+            "reader=read".parse::<CertificateGrant>().unwrap(),
+            "writer=read,write".parse::<CertificateGrant>().unwrap(),
         ],
         ..ServiceConfig::default()
     };
@@ -571,8 +571,8 @@ async fn under_tls_the_certificate_is_the_credential_and_no_token_travels() {
     let evil_addr = listener.local_addr().unwrap().to_string();
     let (heard, mut hellos) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
-        while let Ok((socket, peer)) = listener.accept().await {
-            let Ok(link) = evil_tls.accept(socket, &peer.to_string()).await else {
+        while let Ok((socket, _)) = listener.accept().await {
+            let Ok(link) = evil_tls.accept(socket).await else {
                 continue;
             };
             let mut conn = Connection::new(

@@ -34,6 +34,9 @@ use ferry_server::{ClusterJoin, DeviceSpec, NodeError, Server};
 use tiny_lm::TinyLm;
 
 fn main() -> anyhow::Result<()> {
+    // First, before any other thread allocates: the node's allocator policy holds whole only
+    // then (one arena), as in `ferry-server`.
+    ferry_server::tune_allocator();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let flag = |name: &str| {
         args.iter()
@@ -87,12 +90,12 @@ fn main() -> anyhow::Result<()> {
     let mut model = TinyLm::new(&device);
     let batch = TensorKey::new(0, "batch");
     loop {
+        // Woken by the batch's arrival, not by polling.
+        runtime.block_on(node.wait_for(&batch))?;
         let tokens: Tensor<2, Int> = match runtime.block_on(node.take_tensor(&batch)) {
             Ok(tokens) => tokens,
-            Err(HandoffError::Node(NodeError::NotFound(_))) => {
-                std::thread::sleep(Duration::from_millis(2));
-                continue;
-            }
+            // Taken or removed between the wake-up and the take: wait again.
+            Err(HandoffError::Node(NodeError::NotFound(_))) => continue,
             // A batch of another kind (or shape) is the sender's mistake, not the worker's end:
             // reported, and cleared so that the next batch can come.
             Err(e) => {

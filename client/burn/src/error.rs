@@ -51,6 +51,6 @@ pub enum HandoffError {
         /// The node's device index.
         device: u32,
         /// Its backend.
-        backend: ferry_server::BackendKind,
+        backend: ferry_backend::BackendKind,
     },
 }

@@ -8,8 +8,8 @@ use burn_backend::{Backend, DType, DTypeUsage, TensorMetadata};
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 use burn_tensor::kind::Basic;
 use burn_tensor::{Bool, Float, Int, Tensor};
+use ferry_backend::Primitive;
 use ferry_proto::dtype_name;
-use ferry_server::Primitive;
 
 use crate::HandoffError;
 

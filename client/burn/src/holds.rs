@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use burn_dispatch::DispatchDevice;
 use burn_tensor::{DType, Device};
-use ferry_server::{BackendKind, HoldsTable};
+use ferry_backend::{BackendKind, HoldsTable};
 
 /// What `device` holds, as measured by ferry (once per backend, or per GPU device, and
 /// process); `None` for a device ferry does not measure here (a remote or capture device).
@@ -25,7 +25,7 @@ pub(crate) fn holds_of(device: &Device) -> Option<Arc<HoldsTable>> {
             let cube = cube.clone();
             Some(HoldsTable::cached(
                 &format!("program's cubecl device {cube:?}"),
-                move || HoldsTable::measure::<ferry_server::gpu::Backend>(&cube),
+                move || HoldsTable::measure::<ferry_backend::gpu::Backend>(&cube),
             ))
         }
         _ => None,

@@ -10,8 +10,9 @@ use burn_dispatch::{DispatchKindConversion, DispatchTensor};
 use burn_flex::Flex;
 use burn_tensor::Tensor;
 use burn_tensor::kind::Basic;
+use ferry_backend::BackendKind;
 use ferry_proto::{IfExists, TensorKey};
-use ferry_server::{BackendKind, Node, TensorDesc};
+use ferry_server::{Node, TensorDesc};
 
 use crate::HandoffError;
 use crate::handoff::{from_backend, into_backend};

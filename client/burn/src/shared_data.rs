@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use burn_core::tensor::{AllocationProperty, Bytes, TensorData};
 use burn_flex::{Flex, FlexTensor};
-use ferry_server::{NodeError, Primitive};
+use ferry_backend::Primitive;
+use ferry_server::NodeError;
 
 /// The node's buffer, kept alive by the data built over it.
 struct NodeBuffer(Arc<Bytes>);
@@ -34,7 +35,7 @@ pub(crate) fn shared_data(primitive: Primitive<Flex>) -> Result<TensorData, Node
         );
         return Ok(TensorData::from_bytes(bytes, shape, flex.dtype()));
     }
-    primitive.to_data()
+    Ok(primitive.to_data()?)
 }
 
 /// Whether `tensor`'s elements are its whole buffer, in order.

@@ -16,7 +16,7 @@ mod put_lanes;
 pub use connect::{Connect, ConnectOptions};
 pub use error::{ClientError, InterruptedCopy};
 pub use lanes::Lane;
-pub use node_copy::{Grant, NodeCopy};
+pub use node_copy::{IssuedCapability, NodeCopy};
 
 use burn_std::Bytes;
 use ferry_io::{Endpoint, Exchange, RegionUse, Step, TensorAssembler};

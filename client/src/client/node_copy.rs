@@ -24,7 +24,7 @@ const GRANT_BUSY_RETRIES: u32 = 30;
 
 /// A capability a source node issued: hand it to the target node's [`Client::pull`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Grant {
+pub struct IssuedCapability {
     /// The secret (its `Debug` never shows it).
     pub token: CapabilityToken,
     /// The only node that may use it.
@@ -37,7 +37,7 @@ pub struct Grant {
     pub content_hash: ContentHash,
 }
 
-impl Grant {
+impl IssuedCapability {
     /// The request that asks a target node to pull this grant's tensor from the node at
     /// `source` (as the target reaches it) and register it under `dst`.
     fn pull_request(&self, source: &str, dst: &TensorKey, if_exists: IfExists) -> Request {
@@ -70,14 +70,14 @@ fn grant_request(key: &TensorKey, audience: &NodeId) -> Request {
 }
 
 /// The answer that carries a capability bound to `audience`.
-fn capability_for(audience: &NodeId) -> impl FnOnce(Response) -> Option<Grant> + '_ {
+fn capability_for(audience: &NodeId) -> impl FnOnce(Response) -> Option<IssuedCapability> + '_ {
     move |answer| match answer {
         Response::Capability {
             token,
             expires_in_ms,
             info,
             content_hash,
-        } => Some(Grant {
+        } => Some(IssuedCapability {
             token,
             audience: audience.clone(),
             expires_in_ms,
@@ -271,7 +271,7 @@ async fn grant_window(
     from: &mut Step<'_>,
     window: &[CopyItem],
     audience: &NodeId,
-) -> Result<Vec<Result<Grant, ClientError>>, ClientError> {
+) -> Result<Vec<Result<IssuedCapability, ClientError>>, ClientError> {
     for item in window {
         from.send(&grant_request(&item.src, audience)).await?;
     }
@@ -318,7 +318,7 @@ async fn grant_window(
 /// Gives a capability back within a running exchange; the inner `Err` is the node's refusal.
 async fn release(
     from: &mut Step<'_>,
-    grant: &Grant,
+    grant: &IssuedCapability,
 ) -> Result<Result<(), ClientError>, ClientError> {
     from.send(&grant.release_request()).await?;
     per_tensor(from.answer(released).await)
@@ -333,7 +333,7 @@ async fn release(
 ///   source meanwhile stays, and the move says so ([`ClientError::SourceChanged`]).
 async fn settle(
     from: &mut Step<'_>,
-    grant: Grant,
+    grant: IssuedCapability,
     pulled: Result<TensorInfo, ClientError>,
     transfer: Transfer,
 ) -> Result<Result<TensorInfo, ClientError>, ClientError> {
@@ -388,7 +388,7 @@ impl Client {
         &mut self,
         key: &TensorKey,
         audience: &NodeId,
-    ) -> Result<Grant, ClientError> {
+    ) -> Result<IssuedCapability, ClientError> {
         let request = grant_request(key, audience);
         Ok(self
             .exchange
@@ -402,7 +402,7 @@ impl Client {
     pub async fn pull(
         &mut self,
         source: &str,
-        grant: &Grant,
+        grant: &IssuedCapability,
         dst: &TensorKey,
         if_exists: IfExists,
     ) -> Result<TensorInfo, ClientError> {
@@ -412,7 +412,7 @@ impl Client {
 
     /// Gives back a capability this connection was granted and no node fetched, which uses it
     /// up.
-    pub async fn release(&mut self, grant: &Grant) -> Result<(), ClientError> {
+    pub async fn release(&mut self, grant: &IssuedCapability) -> Result<(), ClientError> {
         Ok(self
             .exchange
             .call(&grant.release_request(), released)

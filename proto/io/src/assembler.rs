@@ -6,7 +6,7 @@ use burn_std::{Bytes, DType, TensorData};
 use ferry_proto::tensor::{content_hash, content_hasher, from_parts, hash_more};
 use ferry_proto::{ContentHash, MetaError, ProtoError, StreamError, TensorMeta};
 
-use crate::pool::Pool;
+use ferry_memory::pool::Pool;
 
 /// A zeroed buffer of `len` bytes, allocated with the alignment of `dtype`'s elements so that
 /// backends can use it in place (NdArray panics on misaligned buffers; Flex would copy), and from
@@ -20,7 +20,7 @@ fn alloc_for(dtype: DType, len: usize) -> Result<Bytes, MetaError> {
     ) -> Result<Bytes, MetaError> {
         let elems = bytemuck::allocation::try_zeroed_vec::<T>(n)
             .map_err(|()| MetaError::AllocationFailed { bytes: len as u64 })?;
-        crate::host::advise_huge_pages(bytemuck::cast_slice(&elems));
+        ferry_memory::host::advise_huge_pages(bytemuck::cast_slice(&elems));
         Ok(Bytes::from_elems(elems))
     }
     match dtype {
@@ -63,7 +63,7 @@ enum Backing {
     /// A mapping of this new region ([`new_in_region`](TensorAssembler::new_in_region)), sealed
     /// when the tensor is handed out.
     #[cfg(target_os = "linux")]
-    Region(crate::region::RegionBuffer),
+    Region(ferry_memory::region::RegionBuffer),
 }
 
 /// A receiver without its buffer and hash, while stripes fill the buffer (`crate::striped`).
@@ -147,8 +147,8 @@ impl TensorAssembler {
     }
 
     /// [`new`](Self::new), in a recycled buffer where the process keeps one of about the size
-    /// ([`crate::host::receive_buffer`]). For a receiver whose backend keeps the buffer as the
-    /// tensor's memory as it is (Flex): one that wants a `Vec` would copy it.
+    /// ([`ferry_memory::host::receive_buffer`]). For a receiver whose backend keeps the buffer as
+    /// the tensor's memory as it is (Flex): one that wants a `Vec` would copy it.
     pub fn new_recycled(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
         Self::allocate(meta, max_bytes, Source::Recycled)
     }
@@ -193,7 +193,7 @@ impl TensorAssembler {
     pub fn new_in_region(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
         let len = Self::check_size(&meta, max_bytes)?;
         #[cfg(target_os = "linux")]
-        match crate::region::RegionBuffer::new(len) {
+        match ferry_memory::region::RegionBuffer::new(len) {
             Ok((region, buf)) => return Ok(Self::with_buffer(meta, buf, Backing::Region(region))),
             Err(error) => {
                 tracing::info!(bytes = len, %error, "no region for this receive; it goes to fresh memory");
@@ -225,7 +225,7 @@ impl TensorAssembler {
         };
         let recycled = || match source {
             Source::Fresh => None,
-            Source::Recycled | Source::Pool(_) => crate::host::receive_buffer(len),
+            Source::Recycled | Source::Pool(_) => ferry_memory::host::receive_buffer(len),
         };
         let buf = match pooled.or_else(recycled) {
             Some(buf) => buf,

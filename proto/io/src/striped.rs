@@ -10,7 +10,7 @@ use ferry_proto::stripes::{StripeDigest, StripeHasher, StripeLen, StripePlan};
 
 use crate::assembler::{HashUse, Shell, TensorAssembler};
 use crate::connection::ChunkSink;
-use crate::split_buffer::{BufferPiece, SplitBuffer};
+use ferry_memory::split_buffer::{BufferPiece, SplitBuffer};
 
 /// A receive cut into stripes: what is left of the receiver while its stripes are out.
 #[derive(Debug)]

@@ -18,7 +18,6 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
-use crate::refusal_log::RefusalLog;
 use crate::signed_record::{RecordCheck, RecordSigner};
 use crate::transport::TlsLink;
 
@@ -157,15 +156,6 @@ impl Identity {
     /// What its holder may act as.
     pub fn role(&self) -> Role {
         self.role
-    }
-
-    /// An identity no handshake proved, for unit tests of what is made of one.
-    #[cfg(test)]
-    pub(crate) fn for_tests(name: &str, role: Role) -> Identity {
-        Identity {
-            name: name.to_string(),
-            role,
-        }
     }
 }
 
@@ -360,20 +350,13 @@ impl NodeTls {
         &self.connector
     }
 
-    /// Runs the server side of the handshake on a socket accepted from `peer` (as logs name
-    /// it); the peer's certificate has been verified against the CA when this returns. Failures
-    /// are logged at a bounded rate: anyone can open a socket and fail a handshake.
-    pub async fn accept(&self, socket: TcpStream, peer: &str) -> io::Result<TlsLink> {
-        let accepted = async {
-            let stream = self.acceptor.accept(socket).await?;
-            let identity = peer_identity(stream.get_ref().1)?;
-            Ok::<_, io::Error>(TlsLink::new(stream.into(), identity))
-        }
-        .await;
-        if let Err(error) = &accepted {
-            TLS_REFUSALS.note(peer, &error.to_string());
-        }
-        accepted
+    /// Runs the server side of the handshake on an accepted socket; the peer's certificate has
+    /// been verified against the CA when this returns. Anyone can open a socket and fail a
+    /// handshake: the node logs failures at a bounded rate.
+    pub async fn accept(&self, socket: TcpStream) -> io::Result<TlsLink> {
+        let stream = self.acceptor.accept(socket).await?;
+        let identity = peer_identity(stream.get_ref().1)?;
+        Ok(TlsLink::new(stream.into(), identity))
     }
 }
 
@@ -429,9 +412,6 @@ impl ClientTls {
         Ok(TlsLink::new(stream.into(), identity))
     }
 }
-
-/// Failed TLS handshakes, logged at a bounded rate.
-static TLS_REFUSALS: RefusalLog = RefusalLog::new("TLS handshake", "authentication refused");
 
 /// The identity in the certificate a finished handshake verified.
 fn peer_identity(state: &rustls::CommonState) -> io::Result<Identity> {

@@ -52,7 +52,7 @@ pub(crate) struct Args {
     /// the CA may fetch (`peer`). Under TLS no token is asked or sent: the certificate is the
     /// credential. With no grant, every certificate of the CA may do everything.
     #[arg(long = "grant", value_name = "NAME=SCOPES", requires = "tls_cert")]
-    grants: Vec<ferry_io::grant::Grant>,
+    grants: Vec<ferry_server::CertificateGrant>,
     /// A node this node may pull from, as clients name it (`HOST:PORT` or `unix:PATH`), or
     /// `NAME=HOST:PORT` for one whose TLS certificate must name NAME (checked before anything
     /// is sent to it); repeat for more. A pull from any other source is refused without

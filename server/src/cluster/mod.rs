@@ -344,8 +344,8 @@ impl MemberWatch {
 /// Member records refused (under TLS: not sealed by their member), logged at a bounded rate: an
 /// etcd writer chooses how many there are, and a member gone from the list (an expired
 /// certificate, a node of another version) should say why.
-static REFUSED_RECORDS: ferry_io::refusal_log::RefusalLog =
-    ferry_io::refusal_log::RefusalLog::new("cluster", "a member record was not taken");
+static REFUSED_RECORDS: crate::service::door::refusal_log::RefusalLog =
+    crate::service::door::refusal_log::RefusalLog::new("cluster", "a member record was not taken");
 
 /// The member record stored under `key`, if `records` takes it; a refusal is logged.
 fn taken(records: &Records, key: &[u8], value: &[u8]) -> Option<MemberRecord> {

@@ -20,10 +20,11 @@ const CONTESTED_WITHIN: Duration = Duration::from_secs(10);
 use super::ClusterError;
 
 /// Lines about the record rewritten: at most one a second, whoever writes how often.
-static REWRITTEN: ferry_io::refusal_log::RefusalLog = ferry_io::refusal_log::RefusalLog::new(
-    "cluster",
-    "the node's member record was rewritten by someone else; put back",
-);
+static REWRITTEN: crate::service::door::refusal_log::RefusalLog =
+    crate::service::door::refusal_log::RefusalLog::new(
+        "cluster",
+        "the node's member record was rewritten by someone else; put back",
+    );
 
 /// The node's own record in etcd, and the watch on its key.
 pub(super) struct OwnRecord {

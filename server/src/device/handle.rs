@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn_backend::DType;
+use ferry_backend::BackendKind;
 use ferry_proto::dtype_name;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::backend::BackendKind;
 use crate::device::{Budget, Command, Reply};
 use crate::error::NodeError;
 use crate::holds::HoldsTable;

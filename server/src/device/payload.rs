@@ -7,9 +7,9 @@ use std::any::Any;
 use std::sync::Arc;
 
 use burn_backend::{DType, TensorData};
-use ferry_io::connection::{Known, SealedRegion};
+use ferry_backend::SharedPayload;
+use ferry_io::connection::{ChunkChecksums, Known, SealedRegion};
 
-use crate::backend::SharedPayload;
 use crate::device::{HashState, KnownHash, Reservation};
 
 /// A backend primitive handed between two workers of the same backend (the native path).
@@ -99,6 +99,11 @@ pub(crate) enum HostBytes {
     Shared {
         /// The registered tensor's payload.
         payload: SharedPayload,
+        /// The sealed shared-memory region holding the same payload, where the tensor arrived
+        /// in one and it was kept.
+        region: Option<Arc<SealedRegion>>,
+        /// The payload's chunk checksums, filled by the first send that computes them.
+        checksums: Arc<ChunkChecksums>,
         /// The tensor's room in the budget, held until the send ends.
         _held: Arc<Reservation>,
     },
@@ -127,9 +132,11 @@ impl HostBytes {
     /// its chunk checksums, once a send computed them (the registered tensor never changes).
     pub(crate) fn known(&self) -> Known<'_> {
         match self {
-            HostBytes::Shared { payload, .. } => Known {
-                region: payload.region.as_deref(),
-                checksums: payload.checksums.as_deref(),
+            HostBytes::Shared {
+                region, checksums, ..
+            } => Known {
+                region: region.as_deref(),
+                checksums: Some(checksums.as_ref()),
             },
             HostBytes::Owned { .. } => Known::default(),
         }

@@ -239,8 +239,8 @@ pub(super) fn note_mismatch(
 }
 
 /// Stated content hashes that were not the bytes'.
-static STATED_HASH_WRONG: ferry_io::refusal_log::RefusalLog =
-    ferry_io::refusal_log::RefusalLog::new(
+static STATED_HASH_WRONG: crate::service::door::refusal_log::RefusalLog =
+    crate::service::door::refusal_log::RefusalLog::new(
         "verify",
         "a stated content hash is not the bytes'; the tensor answers to the computed one",
     );

@@ -7,15 +7,15 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ferry_io::credential::Credential;
-use ferry_io::grant::Grant;
+use ferry_backend::DeviceSpec;
 use ferry_io::{ConnectionLimits, NodeTls, SharedMemory, TlsFiles};
 use ferry_proto::NodeId;
 
 use super::{ClusterJoin, PeerToken};
-use crate::backend::DeviceSpec;
 use crate::engine::TransferPolicy;
 use crate::node::{NodeConfig, NodeLimits, Peer, ReceiveBuffers, Striping};
+use crate::service::door::certificate_grant::CertificateGrant;
+use crate::service::door::credential::Credential;
 use crate::service::{Exposure, ServiceConfig};
 
 /// The recycled receive buffers a server keeps by default.
@@ -144,7 +144,7 @@ impl ServerBuilder {
     /// Under TLS, what the certificates of a name may do (every node certificate of the CA may
     /// fetch). With none, every certificate of the CA may do everything (so beyond loopback
     /// the node needs one, unless [`insecure`](Self::insecure)).
-    pub fn grants(mut self, grants: impl IntoIterator<Item = Grant>) -> Self {
+    pub fn grants(mut self, grants: impl IntoIterator<Item = CertificateGrant>) -> Self {
         self.service.grants.extend(grants);
         self
     }

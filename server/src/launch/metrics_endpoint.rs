@@ -18,7 +18,7 @@ const LATENCY_BUCKETS: &[f64] = &[
 pub(crate) fn serve(
     addr: SocketAddr,
     exposure: Exposure,
-    pool: Option<ferry_io::Pool>,
+    pool: Option<ferry_memory::Pool>,
 ) -> Result<(), StartError> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
     if let Some(missing) = metrics_door(addr, exposure).map_err(StartError::MetricsExposed)? {

@@ -22,7 +22,6 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use ferry_io::NodeTls;
-use ferry_io::credential::{Credential, parse_token_file};
 use ferry_proto::Token;
 
 pub use builder::{DEFAULT_RECYCLE, ProcessTuning, ServerBuilder};
@@ -36,6 +35,7 @@ use pulls::{PullInputs, pull_policy};
 
 use crate::cluster::Membership;
 use crate::node::Node;
+use crate::service::door::credential::{Credential, parse_token_file};
 use crate::service::{Exposure, Service};
 
 /// A started node with its door: bound, its receive pool made, its metrics served; serving once

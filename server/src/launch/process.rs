@@ -10,18 +10,18 @@ use std::time::Duration;
 /// How long a recycled receive buffer may wait unused before it is freed.
 const RECYCLED_IDLE: Duration = Duration::from_secs(2);
 
-/// Makes the allocator give freed tensor memory back ([`ferry_io::allocator::tune`]), once per
+/// Makes the allocator give freed tensor memory back ([`ferry_memory::allocator::tune`]), once per
 /// process. Its one-arena setting holds only where no second thread allocated yet (first thing
 /// in `main`, as `ferry-server` does); the thresholds and the trims hold whenever it is called.
 pub fn tune_allocator() {
     static TUNED: Once = Once::new();
-    TUNED.call_once(|| ferry_io::allocator::tune(RECYCLED_IDLE));
+    TUNED.call_once(|| ferry_memory::allocator::tune(RECYCLED_IDLE));
 }
 
 /// Keeps up to `bytes` of freed receive buffers for reuse, and tunes the allocator.
 pub(crate) fn tune(recycle: usize, max_connections: usize) {
     tune_allocator();
-    ferry_io::host::set_recycle_limit(recycle);
+    ferry_memory::host::set_recycle_limit(recycle);
     raise_fd_limit(max_connections);
 }
 

@@ -4,11 +4,11 @@
 use std::time::Instant;
 
 use burn_backend::TensorData;
+use ferry_backend::BackendKind;
 use ferry_io::{HashUse, TensorAssembler};
 use ferry_proto::message::validate_name;
 use ferry_proto::{TensorKey, TensorMeta};
 
-use crate::backend::BackendKind;
 use crate::device::{Arrived, Command, IfExists, Payload, Reservation, TensorDesc};
 use crate::engine::TransferPath;
 use crate::error::NodeError;
@@ -175,7 +175,8 @@ impl Node {
         if let Some(pool) = self.config().receive_buffers.pool() {
             pool.note_arrival();
         }
-        self.device(key.device)?
+        let registered = self
+            .device(key.device)?
             .call(|reply| Command::Insert {
                 name: key.name,
                 payload,
@@ -184,6 +185,8 @@ impl Node {
                 reservation,
                 reply,
             })
-            .await
+            .await?;
+        self.inner.arrivals.note();
+        Ok(registered)
     }
 }

@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
+use ferry_backend::DeviceSpec;
 use ferry_io::{ConnectionLimits, NodeTls, SharedMemory};
 use ferry_proto::{NodeId, Token};
 
-use crate::backend::DeviceSpec;
 use crate::engine::TransferPolicy;
 use crate::node::{DEFAULT_MAX_GRANTS, PeerPolicy};
 
@@ -159,7 +159,7 @@ pub enum ReceiveBuffers {
     /// New memory, or a freed buffer the process recycles (`--recycle`): nothing kept ready.
     Fresh,
     /// A pool reserved by whoever starts the node: payloads it cannot hold go to fresh memory.
-    Pool(ferry_io::Pool),
+    Pool(ferry_memory::Pool),
     /// A new shared-memory region each for payloads of `min_bytes` and more (the command line
     /// uses [`KEEP_REGION_MIN`](ferry_io::connection::KEEP_REGION_MIN), the size from which a
     /// region that arrived sealed is kept), sealed once complete (`--shareable-receives`): every
@@ -193,7 +193,7 @@ pub enum ReadyMemory {
 
 impl ReceiveBuffers {
     /// The pool, where there is one.
-    pub fn pool(&self) -> Option<&ferry_io::Pool> {
+    pub fn pool(&self) -> Option<&ferry_memory::Pool> {
         match self {
             ReceiveBuffers::Pool(pool) => Some(pool),
             ReceiveBuffers::Elastic(_)

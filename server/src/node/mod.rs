@@ -5,6 +5,7 @@
 //! both share one set of device workers and one set of rules.
 
 mod admission;
+mod arrivals;
 mod capability;
 mod config;
 mod native;
@@ -54,6 +55,8 @@ struct Inner {
     threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// When the node started, for `stat`'s uptime.
     started: std::time::Instant,
+    /// Registrations, for [`Node::wait_for`].
+    arrivals: arrivals::Arrivals,
 }
 
 impl Drop for Inner {
@@ -167,6 +170,7 @@ impl Node {
                 unix_socket: Mutex::new(None),
                 threads: std::sync::Mutex::new(threads),
                 started: std::time::Instant::now(),
+                arrivals: arrivals::Arrivals::new(),
             }),
         })
     }

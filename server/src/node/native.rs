@@ -4,9 +4,9 @@
 use std::time::Instant;
 
 use burn_backend::Backend;
+use ferry_backend::Primitive;
 use ferry_proto::{IfExists, TensorKey, TensorMeta};
 
-use crate::backend::Primitive;
 use crate::device::{Command, Exported, NativeTensor, Payload, TensorDesc, Version};
 use crate::engine::TransferPath;
 use crate::error::NodeError;

@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use ferry_io::ReadyBound;
+use ferry_backend::BackendKind;
+use ferry_memory::ReadyBound;
 
-use crate::backend::BackendKind;
 use crate::device::{Budget, DeviceHandle};
 
 /// The room left in the budgets of the devices that draw receive buffers from the pool (Flex

@@ -9,10 +9,10 @@
 
 use std::time::Duration;
 
-use ferry_io::Pool;
-use ferry_io::pool::{AtStart, Readiness, SpareCheck, Touching};
+use ferry_backend::DeviceSpec;
+use ferry_memory::Pool;
+use ferry_memory::pool::{AtStart, Readiness, SpareCheck, Touching};
 
-use crate::backend::DeviceSpec;
 use crate::node::{ReadyMemory, ReceiveBuffers};
 
 /// What an elastic pool keeps ready unless told otherwise.

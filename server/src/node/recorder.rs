@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ferry_io::PayloadRoute;
-use ferry_io::refusal_log::RefusalLog;
 use ferry_proto::{TensorKey, Untrusted, dtype_name};
 
 use crate::device::TensorDesc;
@@ -13,6 +12,7 @@ use crate::engine::TransferPath;
 use crate::error::NodeError;
 use crate::metrics;
 use crate::node::Node;
+use crate::service::door::refusal_log::RefusalLog;
 
 /// Why a connection was refused before it was served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,9 +7,9 @@
 use std::time::Duration;
 
 use burn_backend::{DType, TensorData};
+use ferry_backend::DeviceSpec;
 use ferry_proto::{ContentHash, IfExists, NodeStats, TensorKey};
 
-use crate::backend::DeviceSpec;
 use crate::device::{Arrived, HashState, HostBytes, KnownHash, TensorDesc};
 use crate::node::{Node, NodeConfig};
 

@@ -84,7 +84,7 @@ impl Node {
             peak_resident_bytes: memory.map_or(0, |m| m.peak),
             hashes_pending,
             hash_mismatches,
-            recycled_bytes: ferry_io::host::recycled_bytes() as u64,
+            recycled_bytes: ferry_memory::host::recycled_bytes() as u64,
             regions_kept: regions_kept(),
             pool_bytes: pool.as_ref().map_or(0, |p| p.capacity() as u64),
             pool_free_bytes: pool.as_ref().map_or(0, |p| p.free_bytes() as u64),
@@ -121,7 +121,7 @@ pub(crate) fn process_memory() -> Option<ProcessMemory> {
 
 #[cfg(target_os = "linux")]
 fn regions_in_flight() -> u64 {
-    ferry_io::region::regions_in_flight()
+    ferry_memory::region::regions_in_flight()
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -131,7 +131,7 @@ fn regions_in_flight() -> u64 {
 
 #[cfg(target_os = "linux")]
 fn regions_kept() -> u64 {
-    ferry_io::region::regions_kept()
+    ferry_memory::region::regions_kept()
 }
 
 #[cfg(not(target_os = "linux"))]

@@ -77,12 +77,7 @@ impl Node {
             source.bytes,
             existing,
         )?;
-        let path = choose_path(
-            self.inner.config.policy,
-            from.kind(),
-            target.kind(),
-            &source.dtype,
-        );
+        let path = choose_path(self.inner.config.policy, from.kind(), target.kind());
         *path_taken = Some(path);
         let exported = from
             .call(|reply| Command::Export {

@@ -1,7 +1,8 @@
 //! A pull spread over several connections to its source: once the source answered the first
 //! stripe of a tensor larger than one, the pull's own connection and helper connections fetch
 //! the other stripes side by side, each stripe resumed where it stopped after a drop, until every
-//! stripe is in.
+//! stripe is in. The hand-off: `first_stripe` cuts the pull's receiver in stripes and receives
+//! the one answered, `other_stripes` fetches the rest and joins them.
 //!
 //! Invariants: each stripe is in exactly one place at a time (the queue, one connection's hands,
 //! or the done list), so no two connections write the same bytes; a stripe a connection gave
@@ -12,12 +13,19 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use ferry_io::striped::StripeReceiver;
+use ferry_io::PayloadRoute;
+use ferry_io::exchange::Fetch;
+use ferry_io::striped::{StripeReceiver, StripedReceive};
+use ferry_proto::stripes::StripeLen;
 use ferry_proto::{CapabilityToken, TensorKey, TensorMeta, Untrusted};
 
-use super::{AttemptError, OpenLink, PeerLink, PullRequest, SOURCE_TROUBLE, UNREACHABLE, classify};
+use super::failure::{AttemptError, Failed, SOURCE_TROUBLE, UNREACHABLE, classify};
+use super::link::{OpenLink, PeerLink};
+use super::plan::{self, RetryPolicy};
+use super::receive::Receiving;
+use super::request::PullRequest;
 use crate::error::NodeError;
-use crate::node::Node;
+use crate::node::{Admission, Node};
 
 /// The stripes of one pull: those waiting for a connection and those in.
 #[derive(Debug)]
@@ -79,11 +87,91 @@ struct StripeFetcher {
     prefix: u64,
 }
 
+/// A receive cut in stripes once the source answered the first: the stripes still due and those
+/// in, for the striped fetch to complete.
+pub(super) struct Cut {
+    striped: StripedReceive,
+    waiting: Vec<StripeReceiver>,
+    done: Vec<StripeReceiver>,
+    admission: Admission,
+    meta: TensorMeta,
+    /// The pull's own connection dropped during the first stripe.
+    dropped: bool,
+}
+
+/// Cuts the receiver in stripes and receives the first, which the source answered on `fetch`;
+/// a first stripe dropped goes back to the others, to be resumed.
+pub(super) async fn first_stripe(
+    source: &str,
+    stripe_len: StripeLen,
+    fetch: Fetch<'_>,
+    r: Receiving,
+) -> Result<Cut, Failed> {
+    let Receiving {
+        assembler,
+        admission,
+        ..
+    } = r;
+    let (striped, mut waiting) = StripedReceive::new(assembler, stripe_len)
+        .map_err(|_| Failed::fatal(NodeError::Backend("a receive cut in stripes".into())))?;
+    let mut first = waiting.remove(0);
+    let meta = fetch.meta.clone();
+    let mut done = Vec::with_capacity(waiting.len() + 1);
+    let mut dropped = false;
+    match fetch.stripe(&mut first).await {
+        Ok(()) => done.push(first),
+        Err(e) => match classify(source, e) {
+            AttemptError::Fatal(error) => return Err(Failed::fatal(error)),
+            AttemptError::Transient(why) => {
+                let detail = format!("a pull's first stripe dropped; resuming it: {why}");
+                SOURCE_TROUBLE.note(&Untrusted(source).to_string(), &detail);
+                dropped = true;
+                waiting.insert(0, first);
+            }
+        },
+    }
+    Ok(Cut {
+        striped,
+        waiting,
+        done,
+        admission,
+        meta,
+        dropped,
+    })
+}
+
 impl Node {
+    /// The stripes after the first, over the pull's own connection and its helpers, joined
+    /// into the whole tensor's receiver.
+    pub(super) async fn other_stripes(
+        &self,
+        link: &mut PeerLink,
+        req: &PullRequest,
+        cut: Cut,
+    ) -> Result<Receiving, Failed> {
+        if cut.dropped {
+            link.source = None;
+        }
+        let stripes = self
+            .fetch_stripes(link, req, &cut.meta, cut.waiting, cut.done)
+            .await
+            .map_err(Failed::fatal)?;
+        let assembler = cut
+            .striped
+            .join(stripes)
+            .map_err(|e| Failed::fatal(NodeError::Received(e.into())))?;
+        Ok(Receiving {
+            assembler,
+            admission: cut.admission,
+            route: PayloadRoute::Chunks,
+            region: None,
+        })
+    }
+
     /// Fetches every stripe in `waiting` over the pull's own connection (in `link`) and up to
     /// the configured number of helper connections, `done` holding those already in; all the
     /// stripes once each is complete.
-    pub(super) async fn fetch_stripes(
+    async fn fetch_stripes(
         &self,
         link: &mut PeerLink,
         req: &PullRequest,
@@ -92,7 +180,7 @@ impl Node {
         done: Vec<StripeReceiver>,
     ) -> Result<Vec<StripeReceiver>, NodeError> {
         let striping = self.config().pulls.striping;
-        let helpers = (striping.connections() - 1).min(waiting.len().saturating_sub(1));
+        let helpers = plan::helper_connections(striping.connections(), waiting.len());
         let queue = Arc::new(StripeQueue {
             state: Mutex::new(QueueState {
                 waiting: waiting.into(),
@@ -231,18 +319,17 @@ impl StripeFetcher {
     /// Counts a transient failure and waits the backoff before the next try; `false` once the
     /// pull's retries are spent.
     async fn wait_to_retry(&self, failures: &mut u32, why: &str) -> bool {
-        let config = self.node.config();
-        if *failures >= config.pulls.retries {
+        let Some(retry) = RetryPolicy::of(&self.node.config().pulls).retry(*failures) else {
             let detail = format!("a stripe connection gave up: {why}");
             SOURCE_TROUBLE.note(&Untrusted(&self.source).to_string(), &detail);
             return false;
-        }
-        *failures += 1;
+        };
+        *failures = retry.attempt;
         self.node.recorder().pull_retry();
         let detail =
             format!("a stripe's connection dropped; reconnecting (attempt {failures}): {why}");
         SOURCE_TROUBLE.note(&Untrusted(&self.source).to_string(), &detail);
-        tokio::time::sleep(super::backoff(config.pulls.retry_backoff, *failures)).await;
+        tokio::time::sleep(retry.wait).await;
         true
     }
 

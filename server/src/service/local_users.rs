@@ -12,9 +12,10 @@ use ferry_io::Connection;
 use ferry_io::ConnectionLimits;
 use ferry_io::Stream;
 use ferry_io::local_peer::{TcpPeer, tcp_peer, tcp_peers_visible};
-use ferry_io::refusal_log::RefusalLog;
 use ferry_proto::{ErrorCode, ErrorReply, Response};
 use tokio::net::{TcpStream, UnixStream};
+
+use super::door::refusal_log::RefusalLog;
 
 /// Who may open a TCP connection, settled when the service binds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

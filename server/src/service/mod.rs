@@ -12,9 +12,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_io::credential::{Credential, Scopes};
-use ferry_io::grant::Grant;
-use ferry_io::handshake;
 use ferry_io::transport::UnixTransport;
 use ferry_io::{Connection, ConnectionLimits, NodeTls, Stream};
 use ferry_proto::{ErrorCode, ErrorReply, Response};
@@ -24,16 +21,22 @@ use tokio::sync::{Semaphore, broadcast, mpsc};
 use crate::node::{Node, Refused};
 use crate::peer::PeerLink;
 use awaiting_hello::{AwaitingHello, Place};
-use ferry_io::refusal_log::RefusalLog;
+use door::certificate_grant::CertificateGrant;
+use door::credential::{Credential, Scopes};
+use door::handshake;
+use door::refusal_log::RefusalLog;
 use local_users::{OTHER_LOCAL_USER, TcpDoor, refuse_stranger, unix_stranger};
 use per_address::{PerAddress, counted_as};
 use per_identity::{PerIdentity, default_share};
 use session::Session;
 
+pub use bind_error::BindError;
 pub use exposure::{Exposure, ExposureError, Missing};
 pub(crate) use exposure::{Protections, metrics_door, service_door};
 
 mod awaiting_hello;
+mod bind_error;
+pub(crate) mod door;
 mod exposure;
 mod local_users;
 mod per_address;
@@ -65,7 +68,7 @@ pub struct ServiceConfig {
     /// Under TLS, the scopes granted to certificate identities (and `peer` to every node
     /// certificate); with none, every certificate of the CA may do everything. Without TLS
     /// there is no identity to grant to (`Service::bind` refuses them).
-    pub grants: Vec<Grant>,
+    pub grants: Vec<CertificateGrant>,
     /// Connections served at once.
     pub max_connections: usize,
     /// Frame, chunk and idle limits.
@@ -117,52 +120,6 @@ impl Default for ServiceConfig {
             max_connections_per_identity: None,
             exposure: Exposure::Guarded,
         }
-    }
-}
-
-/// Why a service would not bind.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum BindError {
-    /// Tokens beside TLS.
-    #[error(
-        "tokens are not taken under TLS (a token sent to a node can be replayed by it anywhere; a \
-         certificate cannot): grant certificate names their scopes (--grant NAME=SCOPES, \
-         ServiceConfig::grants) instead"
-    )]
-    TokensUnderTls,
-    /// Grants without TLS.
-    #[error(
-        "grants name certificate identities, which only TLS proves (NodeConfig::tls); without it \
-         they would leave the node open to everyone"
-    )]
-    GrantsWithoutTls,
-    /// Beyond loopback without what keeps strangers out.
-    #[error(transparent)]
-    Exposed(#[from] ExposureError),
-    /// A node that asks no credential cannot tell who connects.
-    #[error("{0}")]
-    Door(std::io::Error),
-    /// The address could not be bound.
-    #[error("binding {addr}: {source}")]
-    Io {
-        /// The address.
-        addr: SocketAddr,
-        /// Why.
-        source: std::io::Error,
-    },
-}
-
-impl From<BindError> for std::io::Error {
-    fn from(error: BindError) -> Self {
-        let kind = match &error {
-            BindError::Io { source, .. } | BindError::Door(source) => source.kind(),
-            BindError::Exposed(_) => std::io::ErrorKind::PermissionDenied,
-            BindError::TokensUnderTls | BindError::GrantsWithoutTls => {
-                std::io::ErrorKind::InvalidInput
-            }
-        };
-        std::io::Error::new(kind, error.to_string())
     }
 }
 
@@ -514,6 +471,8 @@ pub(super) static CLOSED_BEFORE_HELLO: RefusalLog =
 /// Closed on an error after its hello (a malformed request, a broken upload): a client that
 /// connects again and again cannot fill the log either.
 static CLOSED_ON_ERROR: RefusalLog = RefusalLog::new("session", "connection closed on error");
+/// A failed TLS handshake: anyone can open a socket and fail one.
+static TLS_REFUSALS: RefusalLog = RefusalLog::new("TLS handshake", "authentication refused");
 
 /// A new connection's place in its address's count.
 enum AddressSlotFor {
@@ -526,7 +485,7 @@ enum AddressSlotFor {
 
 /// Why a connection was not put under TLS.
 enum Unsecured {
-    /// The handshake failed (logged by the handshake, at a bounded rate).
+    /// The handshake failed (logged at a bounded rate, by [`secure`]).
     Refused,
     /// No handshake by the hello deadline.
     TooSlow,
@@ -535,7 +494,8 @@ enum Unsecured {
 }
 
 /// Puts a TCP connection under the node's TLS, by the hello deadline and unless its slot goes to
-/// a newer connection first; a Unix socket, or any stream of a node without TLS, as it is.
+/// a newer connection first; a Unix socket, or any stream of a node without TLS, as it is. A
+/// failed handshake is logged at a bounded rate.
 async fn secure(
     socket: Stream,
     tls: Option<&NodeTls>,
@@ -548,9 +508,12 @@ async fn secure(
         (_, other) => return Ok(other),
     };
     tokio::select! {
-        accepted = tokio::time::timeout_at(hello_by, tls.accept(tcp, peer)) => match accepted {
+        accepted = tokio::time::timeout_at(hello_by, tls.accept(tcp)) => match accepted {
             Ok(Ok(link)) => Ok(Stream::Tls(Box::new(link))),
-            Ok(Err(_)) => Err(Unsecured::Refused),
+            Ok(Err(error)) => {
+                TLS_REFUSALS.note(peer, &error.to_string());
+                Err(Unsecured::Refused)
+            }
             Err(_) => {
                 CLOSED_BEFORE_HELLO.note(peer, "no TLS handshake by the hello deadline");
                 Err(Unsecured::TooSlow)

@@ -7,10 +7,11 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use ferry_io::credential;
-use ferry_io::handshake::Door;
 use ferry_io::tls::Identity;
 use ferry_proto::Hello;
+
+use super::door::credential;
+use super::door::handshake::Door;
 
 /// Who holds a connection, as far as sharing the node's connections goes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

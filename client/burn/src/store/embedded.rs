@@ -9,8 +9,9 @@ use std::sync::Arc;
 use burn_core::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_flex::Flex;
 use burn_store::{ApplyResult, ModuleSnapshot, PathFilter};
+use ferry_backend::BackendKind;
 use ferry_proto::TensorKey;
-use ferry_server::{BackendKind, Node, NodeError};
+use ferry_server::{Node, NodeError};
 use tokio::runtime::Handle;
 
 use crate::handoff::{into_backend, of_kind};

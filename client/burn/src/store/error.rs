@@ -3,6 +3,7 @@
 use burn_store::ApplyResult;
 use ferry_client::ClientError;
 use ferry_proto::message::NameError;
+#[cfg(feature = "node")]
 use ferry_server::NodeError;
 
 /// Why a [`FerryStore`](crate::FerryStore) call failed. An apply that fails changed nothing in
@@ -14,7 +15,9 @@ pub enum StoreError {
     /// The node, reached over a connection, refused or could not be reached.
     #[error(transparent)]
     Client(#[from] ClientError),
-    /// The embedded node refused.
+    /// The embedded node refused (with the `node` feature only: an embedded node is its only
+    /// source).
+    #[cfg(feature = "node")]
     #[error(transparent)]
     Node(#[from] NodeError),
     /// A parameter's key is no tensor name (the prefix and the path together).

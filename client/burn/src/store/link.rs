@@ -44,11 +44,12 @@ impl Sending<'_> {
 mod sealed {
     pub trait Sealed {}
     impl Sealed for crate::Connected {}
+    #[cfg(feature = "node")]
     impl Sealed for crate::Embedded {}
 }
 
-/// The node at a store's other end. Sealed: [`Connected`](crate::Connected) and
-/// [`Embedded`](crate::Embedded) are the two there are.
+/// The node at a store's other end. Sealed: [`Connected`](crate::Connected) and, with the
+/// `node` feature, `Embedded` are the two there are.
 pub trait Link: sealed::Sealed + Send + Sync + 'static {
     /// Every tensor on `device` whose name starts with `prefix`.
     #[doc(hidden)]

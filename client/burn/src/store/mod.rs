@@ -8,10 +8,13 @@
 //! parameter's device), `embedded.rs` one in this process (applied by `handoff_apply.rs`,
 //! tensors handed over on the node's device); `window.rs` bounds a collect's host copies;
 //! `module_path.rs` names where a walk over a module is, as burn-store names and filters paths.
+//! `embedded.rs` and `handoff_apply.rs` are built with the `node` feature only.
 
 mod connected;
+#[cfg(feature = "node")]
 mod embedded;
 mod error;
+#[cfg(feature = "node")]
 mod handoff_apply;
 mod link;
 mod module_path;
@@ -26,9 +29,11 @@ use burn_pack::{Error as PackError, Tensor as PackTensor};
 use burn_store::{ApplyResult, KeyRemapper, ModuleSnapshot, ModuleStore, PathFilter, bridge};
 use ferry_client::BlockingClient;
 use ferry_proto::IfExists;
+#[cfg(feature = "node")]
 use ferry_server::Node;
 
 pub use connected::Connected;
+#[cfg(feature = "node")]
 pub use embedded::Embedded;
 pub use error::StoreError;
 pub use link::Link;
@@ -114,6 +119,7 @@ impl FerryStore<Connected> {
     }
 }
 
+#[cfg(feature = "node")]
 impl FerryStore<Embedded> {
     /// A store on device `device` of `node`, which runs on `runtime`, under `prefix`. A module
     /// collected into it hands a Flex device its own buffers; one applied from it is handed the

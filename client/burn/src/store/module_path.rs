@@ -1,6 +1,7 @@
 //! `ModulePath`: where a walk over a module is, named as burn-store names a parameter's path
 //! (field names joined by `.`) and matched by its `PathFilter` (with the containers' types).
 
+#[cfg(feature = "node")]
 use burn_store::PathFilter;
 
 /// The fields entered so far, with the type of each container entered.
@@ -28,12 +29,15 @@ impl ModulePath {
         self.names.join(".")
     }
 
-    /// The containers' types, as burn-store's `ApplyResult::missing` lists them.
+    /// The containers' types, as burn-store's `ApplyResult::missing` lists them (the embedded
+    /// store's apply; the connected one's is burn-store's own).
+    #[cfg(feature = "node")]
     pub(crate) fn containers_joined(&self) -> String {
         self.containers.join(".")
     }
 
-    /// Whether `filter` lets the parameter here through.
+    /// Whether `filter` lets the parameter here through (the embedded store's walks).
+    #[cfg(feature = "node")]
     pub(crate) fn passes(&self, filter: Option<&PathFilter>) -> bool {
         filter.is_none_or(|f| f.matches_with_container_path(&self.names, &self.containers))
     }

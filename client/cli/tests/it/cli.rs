@@ -22,7 +22,7 @@ fn server() -> BackgroundNode {
 /// A node that requires `token`.
 fn server_with_token(token: &str) -> BackgroundNode {
     let service = ServiceConfig {
-        credentials: vec![ferry::io::credential::Credential::full(token).unwrap()],
+        credentials: vec![ferry::server::Credential::full(token).unwrap()],
         ..ServiceConfig::default()
     };
     BackgroundNode::start(node_config(), service, None)
@@ -385,7 +385,7 @@ fn plain_dtypes_round_trip_through_safetensors() {
 
 /// A node that asks for the tokens of `token_file` (a token file's text: scopes, then token).
 fn serve_with_tokens(token_file: &str) -> BackgroundNode {
-    let credentials = ferry::io::credential::parse_token_file(token_file).unwrap();
+    let credentials = ferry::server::parse_token_file(token_file).unwrap();
     BackgroundNode::start(
         node_config(),
         ServiceConfig {

@@ -135,7 +135,7 @@ fn a_token_is_what_lets_another_local_user_in() {
     let cli = CliForEveryone::new();
     let token = "a-token-of-thirty-two-characters-at-least";
     let service = ServiceConfig {
-        credentials: vec![ferry::io::credential::Credential::full(token).unwrap()],
+        credentials: vec![ferry::server::Credential::full(token).unwrap()],
         ..ServiceConfig::default()
     };
     let node = BackgroundNode::start(node_config(), service, None);

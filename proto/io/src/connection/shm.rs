@@ -13,9 +13,9 @@ use crate::assembler::{HashUse, TensorAssembler};
 use crate::transport::Transport;
 
 #[cfg(target_os = "linux")]
-use crate::region::OutgoingRegion;
+use ferry_memory::region::OutgoingRegion;
 #[cfg(target_os = "linux")]
-pub use crate::region::SealedRegion;
+pub use ferry_memory::region::SealedRegion;
 
 /// Payloads smaller than this go as chunks by default even where regions are agreed: creating,
 /// sealing and mapping a region costs more than copying a few pages through the socket.
@@ -226,12 +226,12 @@ async fn adopt_region(
         regions != RegionUse::KeepUnhashed && assembler.hash_use() == Some(HashUse::Check);
     let hasher = assembler.take_hasher().filter(|_| hash_now);
     let Some(hasher) = hasher else {
-        let (bytes, kept) = crate::region::adopt(fd, declared, expected, keep)?;
+        let (bytes, kept) = ferry_memory::region::adopt(fd, declared, expected, keep)?;
         assembler.adopt_hashed(bytes, None)?;
         return Ok(kept);
     };
     let (bytes, kept, hasher) = tokio::task::spawn_blocking(move || {
-        let (bytes, kept) = crate::region::adopt(fd, declared, expected, keep)?;
+        let (bytes, kept) = ferry_memory::region::adopt(fd, declared, expected, keep)?;
         let mut hasher = hasher;
         ferry_proto::tensor::hash_more(&mut hasher, &bytes);
         Ok::<_, StreamError>((bytes, kept, hasher))

@@ -228,12 +228,11 @@ impl Step<'_> {
 mod tests {
     use std::time::Duration;
 
-    use ferry_proto::{ErrorCode, ErrorReply, PROTOCOL_MINOR};
+    use ferry_proto::{ErrorCode, ErrorReply, FEATURES, PROTOCOL_MINOR, PROTOCOL_VERSION};
     use tokio::net::{TcpListener, TcpStream};
 
     use super::*;
     use crate::connection::ConnectionLimits;
-    use crate::handshake::{self, Policy};
     use crate::transport::Endpoint;
 
     /// A node that welcomes one client at `minor` and answers each request with what `answer`
@@ -245,17 +244,29 @@ mod tests {
             let (socket, _) = listener.accept().await.unwrap();
             let mut conn: Connection<TcpStream> =
                 Connection::new(socket, ConnectionLimits::default());
-            let policy = Policy {
-                door: &handshake::Door::Clear,
-                credentials: &[],
-                grants: &[],
-                agent: "test node",
-                shared_memory: false,
-                peer: "test",
-                deadline: Duration::from_secs(5),
-                max_body: ConnectionLimits::default().max_body,
+            // Welcomed as a node welcomes a client with no credential asked (the node's half of
+            // the handshake is ferry-server's): the features both speak, and from the `Hello`
+            // on, the lower of the two minors.
+            let Ok(Some(Request::Hello(hello))) = conn.read_request().await else {
+                panic!("the client's first message is its Hello");
             };
-            handshake::accept(&mut conn, policy).await.unwrap();
+            conn.set_peer_minor(hello.minor);
+            let limits = ConnectionLimits::default();
+            let welcome = Welcome {
+                major: PROTOCOL_VERSION,
+                minor: PROTOCOL_MINOR,
+                features: FEATURES
+                    .iter()
+                    .filter(|f| hello.features.iter().any(|g| g == *f))
+                    .map(|f| f.to_string())
+                    .collect(),
+                agent: "test node".to_string(),
+                max_body: limits.max_body as u64,
+                chunk_size: limits.chunk_size as u64,
+            };
+            conn.write_response(&Response::Welcome(welcome))
+                .await
+                .unwrap();
             // Answered as a node of `minor` would, whatever the client speaks.
             conn.set_peer_minor(minor.min(conn.peer_minor()));
             while let Ok(Some(request)) = conn.read_request().await {

@@ -12,9 +12,9 @@ use ferry::testing::{
 use crate::ferry_server;
 use ferry::client::{Client, ConnectionLimits, SharedMemory};
 use ferry::io::connection::{DEFAULT_REGION_MIN, PayloadRoute};
-use ferry::io::region::{OutgoingRegion, count_regions, regions_in_flight};
 use ferry::io::transport::Endpoint;
 use ferry::io::{Connection, Stream, Transport};
+use ferry::memory::region::{OutgoingRegion, count_regions, regions_in_flight};
 use ferry::proto::{
     FEATURE_SHM, FEATURES, Hello, IfExists, NodeStats, PROTOCOL_MINOR, PROTOCOL_VERSION, Request,
     Response, TensorData, TensorKey, TransferPath,

@@ -1,8 +1,8 @@
-//! The Burn backends a node can host, what each can hold, and the calls into them.
+//! The Burn backends a device can be, what each can hold, and the calls into them.
 //!
-//! Burn's backends fail by panicking: every call into one is contained ([`contain`]). What a
-//! device stores bit-exact is measured by the device itself ([`HoldsTable`]) and consulted before
-//! any byte moves.
+//! Burn's backends fail by panicking: every call into one is contained ([`contain`]) into a
+//! [`BackendError`]. What a device stores bit-exact is measured by the device itself
+//! ([`HoldsTable`]) and consulted before any byte moves.
 
 use std::fmt;
 use std::str::FromStr;
@@ -11,7 +11,6 @@ use burn_backend::quantization::QuantStore;
 use burn_backend::{Backend, DType, TensorData, TensorMetadata, read_sync};
 use ferry_proto::dtype_name;
 
-use crate::error::NodeError;
 use crate::gpu::GpuSpec;
 use crate::holds::HoldsTable;
 
@@ -35,7 +34,7 @@ impl BackendKind {
     /// Whether a registered tensor of `dtype` on this backend can be read without a copy (what
     /// [`Primitive::shared_host_bytes`] gives): Flex, for plain dtypes and for quantized ones of
     /// one scale level stored one value per byte.
-    pub(crate) fn shares_registered_bytes(self, dtype: &DType) -> bool {
+    pub fn shares_registered_bytes(self, dtype: &DType) -> bool {
         use burn_backend::quantization::global_scale_dtype;
         self == BackendKind::Flex
             && match dtype {
@@ -79,8 +78,10 @@ impl fmt::Display for BackendKind {
 
 /// A device to host, as given on the command line: `flex` (or `cpu`), `ndarray`, or a GPU
 /// (`wgpu:0`, `vulkan:cpu`, `gl:default`...: see [`GpuSpec`]).
+///
+/// Not `#[non_exhaustive]`, on purpose, as [`BackendKind`] (one variant per backend): the node,
+/// in another crate, opens each with an exhaustive match, which a new backend must reach.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum DeviceSpec {
     /// burn-flex's device.
     Flex,
@@ -134,26 +135,24 @@ impl fmt::Display for DeviceSpec {
 }
 
 /// A registered tensor's payload as its backend keeps it: a shared buffer, then (for a quantized
-/// tensor) the scale bytes that follow it on the wire.
-pub(crate) struct SharedPayload {
+/// tensor) the scale bytes that follow it on the wire. (What a node knows beside it, the region
+/// the bytes arrived in and their chunk checksums, its worker keeps.)
+#[derive(Debug)]
+pub struct SharedPayload {
     /// The buffer, shared with the tensor (nothing writes to a buffer that is shared).
-    pub(crate) values: std::sync::Arc<burn_backend::Bytes>,
+    pub values: std::sync::Arc<burn_backend::Bytes>,
     /// What follows it: a quantized tensor's scales as `into_data` lays them out; else empty.
-    pub(crate) tail: Vec<u8>,
+    pub tail: Vec<u8>,
     /// The dtype the payload is of.
-    pub(crate) dtype: DType,
+    pub dtype: DType,
     /// The shape.
-    pub(crate) shape: Vec<usize>,
-    /// The sealed shared-memory region holding the same payload, where the tensor arrived in one
-    /// and it was kept (set by the worker, which knows).
-    pub(crate) region: Option<std::sync::Arc<ferry_io::connection::SealedRegion>>,
-    /// The payload's chunk checksums once a send computed them (set by the worker).
-    pub(crate) checksums: Option<std::sync::Arc<ferry_io::connection::ChunkChecksums>>,
+    pub shape: Vec<usize>,
 }
 
 impl SharedPayload {
     /// The payload's length in bytes.
-    pub(crate) fn len(&self) -> usize {
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
         self.values.len() + self.tail.len()
     }
 }
@@ -201,8 +200,6 @@ fn flex_quantized_payload(q: &dyn std::any::Any) -> Option<SharedPayload> {
         tail,
         dtype: DType::QFloat(scheme),
         shape,
-        region: None,
-        checksums: None,
     };
     // Only where the result is exactly what the byte-length rule says `into_data` gives.
     let expected = ferry_proto::meta::expected_byte_len(&payload.shape, &payload.dtype).ok()?;
@@ -225,17 +222,17 @@ fn is_flex_quantized<B: Backend>(dtype: &DType) -> bool {
 /// over the payload's own memory instead: the values are the payload's first bytes (shared, not
 /// copied), the scales are decoded by Burn's own decoder from the bytes after them, exactly as
 /// `q_from_data` decodes them.
-fn flex_quantized_from_data(data: TensorData) -> Result<burn_flex::FlexQTensor, NodeError> {
+fn flex_quantized_from_data(data: TensorData) -> Result<burn_flex::FlexQTensor, BackendError> {
     use burn_backend::SplitPolicy;
     use burn_backend::quantization::QuantizedBytes;
     let (bytes, shape, dtype) = data.into_parts();
     let DType::QFloat(scheme) = dtype else {
-        return Err(NodeError::Backend(format!("{dtype:?} is not quantized")));
+        return Err(BackendError(format!("{dtype:?} is not quantized")));
     };
     let values_len = shape.num_elements();
     let scales = bytes
         .get(values_len..)
-        .ok_or_else(|| NodeError::Backend("a quantized payload shorter than its values".into()))?
+        .ok_or_else(|| BackendError("a quantized payload shorter than its values".into()))?
         .to_vec();
     // A buffer from the global allocator becomes the values as it is (as `q_from_data` would
     // take it over); any other (a mapping) is shared between values and scales, not copied.
@@ -247,7 +244,7 @@ fn flex_quantized_from_data(data: TensorData) -> Result<burn_flex::FlexQTensor, 
         Err(bytes) => {
             bytes
                 .split(values_len, SplitPolicy::Shared)
-                .map_err(|(_, e)| NodeError::Backend(format!("splitting off the scales: {e:?}")))?
+                .map_err(|(_, e)| BackendError(format!("splitting off the scales: {e:?}")))?
                 .0
         }
     };
@@ -300,11 +297,17 @@ impl<B: Backend> Clone for Primitive<B> {
     }
 }
 
+/// A backend call that failed or panicked: what was asked and what the backend said, for a
+/// person. (ferry-server answers it as its `NodeError::Backend`.)
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BackendError(pub String);
+
 /// Runs a backend call, turning a panic into an error so that one bad tensor never takes a
-/// device worker (or the node) down.
-pub fn contain<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, NodeError> {
+/// device worker (or the node, or the program) down.
+pub(crate) fn contain<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, BackendError> {
     ferry_proto::contained(f)
-        .map_err(|panic| NodeError::Backend(format!("{what}: backend panicked: {panic}")))
+        .map_err(|panic| BackendError(format!("{what}: backend panicked: {panic}")))
 }
 
 impl<B: Backend> Primitive<B> {
@@ -333,7 +336,7 @@ impl<B: Backend> Primitive<B> {
 
     /// The host bytes the tensor keeps alive, where the backend says (Flex): a view (a slice, a
     /// narrow) keeps its whole parent buffer, more than its own payload.
-    pub(crate) fn held_host_bytes(&self) -> Option<u64> {
+    pub fn held_host_bytes(&self) -> Option<u64> {
         let any: &dyn std::any::Any = match self {
             Primitive::Float(t) => t,
             Primitive::Int(t) => t,
@@ -351,7 +354,7 @@ impl<B: Backend> Primitive<B> {
 
     /// Builds the tensor on `device`. The caller has validated `data` against the byte-length
     /// rule and checked the device's [`HoldsTable`].
-    pub fn from_data(data: TensorData, device: &B::Device) -> Result<Self, NodeError> {
+    pub fn from_data(data: TensorData, device: &B::Device) -> Result<Self, BackendError> {
         let dtype = data.dtype();
         if is_flex_quantized::<B>(&dtype) {
             let flex = flex_quantized_from_data(data)?;
@@ -359,7 +362,7 @@ impl<B: Backend> Primitive<B> {
             return boxed
                 .downcast::<B::QuantizedTensorPrimitive>()
                 .map(|q| Primitive::Quantized(*q))
-                .map_err(|_| NodeError::Backend("a Flex tensor for another backend".into()));
+                .map_err(|_| BackendError("a Flex tensor for another backend".into()));
         }
         contain(
             &format!("from_data({})", dtype_name(&dtype)),
@@ -378,7 +381,7 @@ impl<B: Backend> Primitive<B> {
     /// then the few scale bytes `into_data` would append). A source serving a download or a pull
     /// then sends straight from the registered tensor: no host copy of the tensor at all. `None`
     /// means: take [`to_data`](Self::to_data).
-    pub(crate) fn shared_host_bytes(&self) -> Option<SharedPayload> {
+    pub fn shared_host_bytes(&self) -> Option<SharedPayload> {
         let any: &dyn std::any::Any = match self {
             Primitive::Float(t) => t,
             Primitive::Int(t) => t,
@@ -392,13 +395,11 @@ impl<B: Backend> Primitive<B> {
             tail: Vec::new(),
             dtype: flex.dtype(),
             shape,
-            region: None,
-            checksums: None,
         })
     }
 
     /// Reads the tensor back to host bytes; the tensor itself stays where it is.
-    pub fn to_data(&self) -> Result<TensorData, NodeError> {
+    pub fn to_data(&self) -> Result<TensorData, BackendError> {
         let this = self.clone();
         contain("into_data", move || match this {
             Primitive::Float(t) => read_sync(B::float_into_data(t)),
@@ -406,14 +407,14 @@ impl<B: Backend> Primitive<B> {
             Primitive::Bool(t) => read_sync(B::bool_into_data(t)),
             Primitive::Quantized(t) => read_sync(B::q_into_data(t)),
         })?
-        .map_err(|e| NodeError::Backend(format!("into_data failed: {e:?}")))
+        .map_err(|e| BackendError(format!("into_data failed: {e:?}")))
     }
 
     /// Asks the device whether the tensor's memory was allocated and written: a GPU runtime
     /// (cubecl) defers a failed allocation to the first read of the buffer, so a `from_data`
     /// that returned is not yet a tensor the device holds. Host backends fail (or panic) at
     /// the call itself: nothing to ask.
-    pub fn confirm_written(&self) -> Result<(), NodeError> {
+    pub fn confirm_written(&self) -> Result<(), BackendError> {
         let any: &dyn std::any::Any = match self {
             Primitive::Float(t) => t,
             Primitive::Int(t) => t,
@@ -423,7 +424,7 @@ impl<B: Backend> Primitive<B> {
         #[cfg(feature = "wgpu")]
         if let Some(written) = contain("sync", || crate::gpu::confirm_written(any))? {
             return written.map_err(|e| {
-                NodeError::Backend(format!("the device did not take the tensor's bytes: {e}"))
+                BackendError(format!("the device did not take the tensor's bytes: {e}"))
             });
         }
         let _ = any;
@@ -431,7 +432,7 @@ impl<B: Backend> Primitive<B> {
     }
 
     /// Moves the tensor to `device` with the backend's own `*_to_device` (the native path).
-    pub fn to_device(self, device: &B::Device) -> Result<Self, NodeError> {
+    pub fn to_device(self, device: &B::Device) -> Result<Self, BackendError> {
         contain("to_device", move || match self {
             Primitive::Float(t) => Primitive::Float(B::float_to_device(t, device)),
             Primitive::Int(t) => Primitive::Int(B::int_to_device(t, device)),

@@ -19,7 +19,7 @@ mod user;
 mod watch;
 mod wire;
 
-pub use auth::{Access, Grant, Keys};
+pub use auth::{Access, Keys, Permission};
 pub use client::{Etcd, Lease, LeaseId, Range, TxnOp};
 pub use error::EtcdError;
 pub use link::{MAX_ANSWER, MAX_WATCH_MESSAGE};

@@ -266,9 +266,8 @@ fn probes() -> &'static [Probe] {
 }
 
 /// Every probe tensor that could be made (every plain dtype and every scheme family in a native
-/// store, on one shape of each class): a dtype matrix for the crate's own tests.
-#[cfg(test)]
-pub(crate) fn probe_tensors() -> impl Iterator<Item = &'static TensorData> {
+/// store, on one shape of each class): a dtype matrix for tests (ferry-server's own).
+pub fn probe_tensors() -> impl Iterator<Item = &'static TensorData> {
     probes().iter().filter_map(|probe| probe.data.as_ref().ok())
 }
 
@@ -309,11 +308,9 @@ fn probe_tensor(dtype: &DType, shape: &[usize]) -> Result<TensorData, String> {
     Ok(TensorData::from_bytes_vec(bytes, shape, *dtype))
 }
 
-/// A tensor quantized by Flex with `scheme`, as Flex's `q_into_data` gives it.
-pub(crate) fn quantized_probe(
-    scheme: &QuantScheme,
-    shape: Vec<usize>,
-) -> Result<TensorData, String> {
+/// A tensor quantized by Flex with `scheme`, as Flex's `q_into_data` gives it; `Err` says why
+/// Flex could not make one, for a person.
+pub fn quantized_probe(scheme: &QuantScheme, shape: Vec<usize>) -> Result<TensorData, String> {
     use burn_backend::ops::{FloatTensorOps, QTensorOps};
     use burn_flex::{Flex, FlexDevice};
     let n: usize = shape.iter().product();

@@ -8,7 +8,7 @@ use crate::client::Etcd;
 use crate::error::EtcdError;
 use crate::wire::{self, base64};
 
-/// What a role may do with the keys of a [`Grant`].
+/// What a role may do with the keys of a [`Permission`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
     /// Read them (ranges, watches).
@@ -30,7 +30,7 @@ pub enum Keys<'a> {
 
 /// One permission of a role: an access to some keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Grant<'a> {
+pub struct Permission<'a> {
     /// What may be done.
     pub access: Access,
     /// To which keys.
@@ -51,11 +51,12 @@ struct RoleAdd<'a> {
 #[derive(Serialize)]
 struct RoleGrant<'a> {
     name: &'a str,
-    perm: Permission,
+    perm: WirePermission,
 }
 
+/// A [`Permission`] as the gateway's JSON spells it.
 #[derive(Serialize)]
-struct Permission {
+struct WirePermission {
     #[serde(rename = "permType")]
     kind: &'static str,
     key: String,
@@ -86,9 +87,13 @@ impl Etcd {
         Ok(())
     }
 
-    /// Gives role `role` the permission `grant`.
-    pub async fn role_grant(&mut self, role: &str, grant: Grant<'_>) -> Result<(), EtcdError> {
-        let (key, range_end) = match grant.keys {
+    /// Gives role `role` the permission `permission`.
+    pub async fn role_grant(
+        &mut self,
+        role: &str,
+        permission: Permission<'_>,
+    ) -> Result<(), EtcdError> {
+        let (key, range_end) = match permission.keys {
             Keys::Exact(key) => (key, None),
             Keys::Prefix(prefix) => {
                 // An empty prefix would be etcd's "every key": said as it is, not guessed.
@@ -98,8 +103,8 @@ impl Etcd {
                 (prefix, Some(base64(&wire::prefix_end(prefix))))
             }
         };
-        let perm = Permission {
-            kind: match grant.access {
+        let perm = WirePermission {
+            kind: match permission.access {
                 Access::Read => "READ",
                 Access::Write => "WRITE",
                 Access::ReadWrite => "READWRITE",

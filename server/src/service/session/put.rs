@@ -1,0 +1,103 @@
+//! Put: a tensor uploaded to a device, checked and its budget claimed before its payload is
+//! read, registered once the payload arrived whole.
+
+use ferry_io::{Connection, ConnectionError, RegionUse, Transport};
+use ferry_proto::{Response, TensorMeta, WireMeta};
+
+use super::{Session, answer};
+use crate::device::{Arrived, IfExists, KnownHash};
+use crate::error::NodeError;
+use crate::node::Direction;
+use crate::service::door::handshake::refuse as fail;
+use crate::service::door::refusal_log::RefusalLog;
+
+/// A put refused before its payload (its meta, its device, its budget).
+static PUT_REFUSED: RefusalLog = RefusalLog::new("put", "put refused");
+/// A put whose payload broke off or failed its checks.
+static UPLOAD_FAILED: RefusalLog = RefusalLog::new("put", "upload failed");
+
+impl Session<'_> {
+    /// Answers a put: [`Response::Ready`] once the tensor is admitted, then its payload is read,
+    /// then [`Response::Stored`] once registered; an error instead where it is refused (and no
+    /// payload follows). A payload that broke off closes the connection.
+    pub(super) async fn put<S: Transport>(
+        &mut self,
+        conn: &mut Connection<S>,
+        device: u32,
+        name: Option<String>,
+        wire: &WireMeta,
+        overwrite: bool,
+    ) -> Result<(), ConnectionError> {
+        let node = self.node;
+        let existing = IfExists::from_overwrite(overwrite);
+        let started = std::time::Instant::now();
+        let name = name.unwrap_or_else(|| node.fresh_name());
+        // Everything about the tensor is checked, and its budget claimed, before one byte of it
+        // is read or its buffer allocated.
+        let admitted = TensorMeta::try_from(wire)
+            .map_err(NodeError::from)
+            .and_then(|meta| {
+                let bytes = meta.byte_len() as u64;
+                let admission =
+                    node.admit(device, &name, &meta.dtype(), meta.shape(), bytes, existing)?;
+                // Hashed as it arrives (trailing the chunk checksums) only where the device
+                // would otherwise hash it before registering; else after the answer (see
+                // `put_receiver`). A region is not hashed here: its handoff stays O(1).
+                let assembler = node.put_receiver(device, meta)?;
+                Ok((assembler, admission))
+            });
+        let (mut assembler, admission) = match admitted {
+            Ok(admitted) => admitted,
+            Err(error) => {
+                node.recorder()
+                    .transfer_ended("put", "-", false, started.elapsed());
+                PUT_REFUSED.note_in_request(&format!("{device}/{name}: {error}"));
+                return answer(conn, Err(error)).await;
+            }
+        };
+        conn.write_response(&Response::Ready).await?;
+        let region = match conn
+            .read_payload_keeping(&mut assembler, RegionUse::Keep)
+            .await
+        {
+            Ok((route, region)) => {
+                let bytes = assembler.meta().byte_len() as u64;
+                node.recorder().payload(Direction::Received, route, bytes);
+                region
+            }
+            Err(error) => {
+                // The rest of the stream cannot be trusted to line up with frames: report and
+                // close. Nothing was registered; the buffer and the reservation go first, not
+                // after the report (which may wait on the peer).
+                drop(assembler);
+                drop(admission);
+                node.recorder()
+                    .transfer_ended("put", "-", false, started.elapsed());
+                UPLOAD_FAILED.note_in_request(&format!("{device}/{name}: {error}"));
+                return Err(fail(conn, error).await);
+            }
+        };
+        // Off the runtime: the hashing thread's last chunk is waited for, and sealing a region
+        // it was received into reads it once (its checksum) and asks the kernel to seal it.
+        let finished = tokio::task::spawn_blocking(move || assembler.finish_recorded())
+            .await
+            .map_err(|e| NodeError::Backend(format!("finishing a put: {e}")))
+            .and_then(|finished| finished.map_err(NodeError::Received));
+        let reply = match finished {
+            Ok((data, hash, sealed)) => {
+                let arrived = Arrived {
+                    data,
+                    hash: hash.map_or(KnownHash::Unknown, KnownHash::Computed),
+                    // The region it came in, or the one it was received into
+                    // (`--shareable-receives`).
+                    region: region.or(sealed),
+                };
+                node.register(admission, arrived)
+                    .await
+                    .map(|desc| Response::Stored(desc.to_wire()))
+            }
+            Err(error) => Err(error),
+        };
+        answer(conn, reply).await
+    }
+}
