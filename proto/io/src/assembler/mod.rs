@@ -1,0 +1,243 @@
+//! Receiving one tensor: a buffer sized from the validated meta, written in place chunk by
+//! chunk (or adopted whole from a region), its content hash computed as the bytes arrive.
+//!
+//! Here the receiver and the bytes' way in; `buffer` holds where its buffer comes from (the
+//! constructors), `hashing` the content hash computed as the bytes arrive, `finish` the
+//! handing out of the tensor.
+
+mod buffer;
+mod finish;
+mod hashing;
+#[cfg(test)]
+mod tests;
+
+use burn_std::Bytes;
+
+use ferry_proto::tensor::hash_more;
+use ferry_proto::{ContentHash, StreamError, TensorMeta};
+
+use hashing::RunningHash;
+pub use hashing::{HashUse, TRAILING_HASH_MIN};
+
+/// Receives one tensor's payload in order, into one buffer sized from the validated meta.
+///
+/// Bytes are written in place ([`slot`](Self::slot), then [`commit`](Self::commit) once their
+/// chunk arrived whole, its checksum verified where one is checked), so a receiver never holds
+/// a second copy of the tensor.
+pub struct TensorAssembler {
+    /// The content hash where the receiver wants it ([`hashing`](Self::hashing)). Declared
+    /// before `buf`, so that a hashing thread is joined before the buffer it reads is freed.
+    hash: RunningHash,
+    /// What the hash is for, where the receiver hashes ([`hashing`](Self::hashing)).
+    hash_use: Option<HashUse>,
+    meta: TensorMeta,
+    buf: Bytes,
+    received: usize,
+    /// What `buf` is, beyond plain memory of this receiver's.
+    backing: Backing,
+}
+
+/// What a receiver's buffer is.
+enum Backing {
+    /// Memory of the receiver's own (new, recycled or from a pool): a payload that comes as a
+    /// region replaces it.
+    Own,
+    /// The caller's ([`into_buffer`](TensorAssembler::into_buffer), a range of a file being
+    /// written): the bytes must end up in it, whichever route they came by.
+    Provided,
+    /// A mapping of this new region ([`new_in_region`](TensorAssembler::new_in_region)), sealed
+    /// when the tensor is handed out.
+    #[cfg(target_os = "linux")]
+    Region(ferry_memory::region::RegionBuffer),
+}
+
+/// A receiver without its buffer and hash, while stripes fill the buffer (`crate::striped`).
+pub(crate) struct Shell {
+    hash_use: Option<HashUse>,
+    meta: TensorMeta,
+    backing: Backing,
+}
+
+impl Shell {
+    /// What is being received.
+    pub(crate) fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+}
+
+/// Where a tensor was received into a region, that region sealed, to pass the tensor on to a
+/// same-host peer without a copy (never off Linux).
+pub type Sealed = Option<crate::connection::SealedRegion>;
+
+impl std::fmt::Debug for TensorAssembler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorAssembler")
+            .field("meta", &self.meta)
+            .field("received", &self.received)
+            .finish()
+    }
+}
+
+impl TensorAssembler {
+    /// What is being received.
+    pub fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+
+    /// Bytes received and committed so far.
+    pub fn received(&self) -> usize {
+        self.received
+    }
+
+    /// Whether every byte has arrived.
+    pub fn is_complete(&self) -> bool {
+        self.received == self.meta.byte_len()
+    }
+
+    fn check_range(&self, offset: u64, len: usize) -> Result<std::ops::Range<usize>, StreamError> {
+        let total = self.meta.byte_len();
+        if offset != self.received as u64 {
+            return Err(StreamError::OutOfOrder {
+                offset,
+                expected: self.received as u64,
+            });
+        }
+        if len == 0 {
+            return Err(StreamError::EmptyChunk { offset });
+        }
+        let end = self.received.checked_add(len).filter(|&end| end <= total);
+        match end {
+            Some(end) => Ok(self.received..end),
+            None => Err(StreamError::PastEnd {
+                offset,
+                len: len as u64,
+                total: total as u64,
+            }),
+        }
+    }
+
+    /// The place in the buffer for `len` bytes at `offset`: the next bytes expected, within the
+    /// declared length, and not empty. Nothing counts as received until [`commit`](Self::commit).
+    pub fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError> {
+        let range = self.check_range(offset, len)?;
+        self.start_trailing();
+        match &mut self.hash {
+            RunningHash::Trailing(trailing) => {
+                trailing.slot(range).ok_or(StreamError::OutOfOrder {
+                    offset,
+                    expected: self.received as u64,
+                })
+            }
+            _ => Ok(&mut self.buf[range]),
+        }
+    }
+
+    /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received.
+    pub fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError> {
+        let range = self.check_range(offset, len)?;
+        match &mut self.hash {
+            RunningHash::None => {}
+            // `slot` started the thread; bytes committed without it are hashed here.
+            RunningHash::Inline(hasher) | RunningHash::TrailingSoon(hasher) => {
+                hash_more(hasher, &self.buf[range.clone()]);
+            }
+            RunningHash::Trailing(trailing) => trailing.commit(range.end),
+            // Settled only once every byte arrived: nothing is committed after.
+            RunningHash::Done(_) => {}
+        }
+        self.received = range.end;
+        Ok(())
+    }
+
+    /// Copies a verified chunk in.
+    pub fn accept(&mut self, offset: u64, data: &[u8]) -> Result<(), StreamError> {
+        self.slot(offset, data.len())?.copy_from_slice(data);
+        self.commit(offset, data.len())
+    }
+
+    /// Takes a whole, already verified payload in place of the preallocated buffer (a
+    /// shared-memory region the sender filled), instead of receiving it in chunks.
+    pub fn adopt(&mut self, payload: Bytes) -> Result<(), StreamError> {
+        let total = self.meta.byte_len();
+        if self.received != 0 {
+            return Err(StreamError::OutOfOrder {
+                offset: 0,
+                expected: self.received as u64,
+            });
+        }
+        if payload.len() != total {
+            return Err(StreamError::RegionSize {
+                len: payload.len() as u64,
+                total: total as u64,
+            });
+        }
+        // A payload that came whole is not hashed only to be recorded: its handoff stays O(1).
+        if self.hash_use == Some(HashUse::Record) {
+            self.hash = RunningHash::None;
+        }
+        // A hashing thread reads the old buffer: it is done with it before the buffer goes.
+        if let RunningHash::Trailing(_) = self.hash {
+            self.hash = self
+                .take_hasher()
+                .map_or(RunningHash::None, |h| RunningHash::Inline(Box::new(h)));
+        }
+        if let RunningHash::Inline(hasher) | RunningHash::TrailingSoon(hasher) = &mut self.hash {
+            hash_more(hasher, &payload);
+        }
+        match self.backing {
+            // The caller's buffer is where the bytes must land (a file being written): copied
+            // out of the region, which is then let go.
+            Backing::Provided => self.buf.copy_from_slice(&payload),
+            // A region that came sealed replaces the buffer (and a region prepared for chunks).
+            _ => {
+                self.buf = payload;
+                self.backing = Backing::Own;
+            }
+        }
+        self.received = total;
+        Ok(())
+    }
+
+    /// Takes the receiver apart for a striped receive (`crate::striped`): its buffer, and the
+    /// rest to rebuild it from ([`from_striped`](Self::from_striped)). Only before any byte
+    /// arrived; `Err` gives it back otherwise.
+    pub(crate) fn take_apart(self) -> Result<(Shell, Bytes), Box<Self>> {
+        if self.received != 0 || matches!(self.hash, RunningHash::Trailing(_)) {
+            return Err(Box::new(self));
+        }
+        let Self {
+            hash: _,
+            hash_use,
+            meta,
+            buf,
+            received: _,
+            backing,
+        } = self;
+        Ok((
+            Shell {
+                hash_use,
+                meta,
+                backing,
+            },
+            buf,
+        ))
+    }
+
+    /// The receiver [`take_apart`](Self::take_apart) took apart, as it was, without its hash.
+    pub(crate) fn from_shell(shell: Shell, buf: Bytes) -> Self {
+        Self::with_buffer(shell.meta, buf, shell.backing)
+    }
+
+    /// A receiver whose every byte arrived by stripes into `buf`, hashed to `hash` as they did.
+    pub(crate) fn from_striped(shell: Shell, buf: Bytes, hash: ContentHash) -> Self {
+        let received = buf.len();
+        Self {
+            hash: RunningHash::Done(hash),
+            hash_use: shell.hash_use,
+            meta: shell.meta,
+            buf,
+            received,
+            backing: shell.backing,
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! The receiver's tests: order and bounds, the hash in line, on its own thread and taken
+//! mid-way, and what comes whole.
+
+use burn_std::{DType, TensorData};
+
+use ferry_proto::frame::chunks;
+use ferry_proto::tensor::{content_hash, into_parts};
+use ferry_proto::{ContentHash, MetaError, StreamError, TensorMeta};
+
+use super::{HashUse, RunningHash, TRAILING_HASH_MIN, TensorAssembler};
+
+#[test]
+fn assembles_in_order_and_refuses_the_rest() {
+    let data = TensorData::new((0..10).map(|i| i as f32).collect::<Vec<_>>(), [2, 5]);
+    let (meta, payload) = into_parts(data.clone()).unwrap();
+    let mut asm = TensorAssembler::new(meta.clone(), 1 << 20).unwrap();
+    assert!(matches!(
+        asm.accept(4, &payload[4..8]),
+        Err(StreamError::OutOfOrder { .. })
+    ));
+    assert!(matches!(
+        asm.accept(0, &[]),
+        Err(StreamError::EmptyChunk { .. })
+    ));
+    for (offset, piece) in chunks(&payload, 12) {
+        asm.accept(offset, piece).unwrap();
+    }
+    assert!(matches!(
+        asm.accept(40, &[0]),
+        Err(StreamError::PastEnd { .. })
+    ));
+    let (back, hash) = asm.finish_hashed().unwrap();
+    assert_eq!(hash, content_hash(&meta, data.as_bytes()));
+    assert_eq!(back.as_bytes(), data.as_bytes());
+    assert_eq!(back.dtype(), data.dtype());
+    assert_eq!(back.shape(), data.shape());
+}
+
+#[test]
+fn a_large_payload_hashed_on_its_own_thread_hashes_as_in_line() {
+    let n = TRAILING_HASH_MIN; // 4 MiB of f32
+    let data = TensorData::new((0..n).map(|i| i as f32).collect::<Vec<_>>(), [n]);
+    let (meta, payload) = into_parts(data.clone()).unwrap();
+    let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
+        .unwrap()
+        .hashing(HashUse::Check);
+    assert!(matches!(asm.hash, RunningHash::TrailingSoon(_)));
+    for (offset, piece) in chunks(&payload, 300_001) {
+        asm.accept(offset, piece).unwrap();
+        assert!(matches!(asm.hash, RunningHash::Trailing(_)));
+    }
+    let (back, hash) = asm.finish_hashed().unwrap();
+    assert_eq!(hash, content_hash(&meta, data.as_bytes()));
+    assert_eq!(back.as_bytes(), data.as_bytes());
+}
+
+#[test]
+fn a_payload_that_comes_whole_starts_no_hashing_thread() {
+    let n = TRAILING_HASH_MIN;
+    let data = TensorData::new((0..n).map(|i| (i % 253) as u8).collect::<Vec<_>>(), [n]);
+    let (meta, payload) = into_parts(data.clone()).unwrap();
+    let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
+        .unwrap()
+        .hashing(HashUse::Check);
+    assert!(matches!(asm.hash, RunningHash::TrailingSoon(_)));
+    asm.adopt(payload).unwrap();
+    assert!(!matches!(asm.hash, RunningHash::Trailing(_)));
+    let (back, hash) = asm.finish_hashed().unwrap();
+    assert_eq!(hash, content_hash(&meta, data.as_bytes()));
+    assert_eq!(back.as_bytes(), data.as_bytes());
+}
+
+/// A put's receiver records the hash of chunks as they arrive (in line and on a trailing
+/// thread), and none for a payload that comes whole, which its registration hashes later.
+#[test]
+fn a_recorded_hash_comes_with_chunks_but_not_with_a_payload_that_came_whole() {
+    for n in [3000, 2 * TRAILING_HASH_MIN] {
+        let data = TensorData::new((0..n).map(|i| (i % 241) as u8).collect::<Vec<_>>(), [n]);
+        let (meta, payload) = into_parts(data.clone()).unwrap();
+        let truth = content_hash(&meta, data.as_bytes());
+        let recording = || {
+            TensorAssembler::new(meta.clone(), u64::MAX)
+                .unwrap()
+                .hashing(HashUse::Record)
+        };
+        let mut asm = recording();
+        for (offset, piece) in chunks(&payload, 200_003) {
+            asm.accept(offset, piece).unwrap();
+        }
+        let (back, hash, _) = asm.finish_recorded().unwrap();
+        assert_eq!(hash, Some(truth), "{n}");
+        assert_eq!(back.as_bytes(), data.as_bytes());
+
+        let mut whole = recording();
+        whole.adopt(payload.clone()).unwrap();
+        let (back, hash, _) = whole.finish_recorded().unwrap();
+        assert_eq!(hash, None, "{n}: not hashed at its handoff");
+        assert_eq!(back.as_bytes(), data.as_bytes());
+
+        // A receiver that hashes to check does hash what came whole.
+        let mut checked = TensorAssembler::new(meta.clone(), u64::MAX)
+            .unwrap()
+            .hashing(HashUse::Check);
+        checked.adopt(payload).unwrap();
+        assert_eq!(checked.finish_recorded().unwrap().1, Some(truth));
+    }
+}
+
+#[test]
+fn a_receive_dropped_half_way_stops_its_hashing_thread() {
+    let n = TRAILING_HASH_MIN;
+    let data = TensorData::new(vec![7u8; n], [n]);
+    let (meta, payload) = into_parts(data).unwrap();
+    let mut asm = TensorAssembler::new(meta, u64::MAX)
+        .unwrap()
+        .hashing(HashUse::Check);
+    asm.accept(0, &payload[..n / 2]).unwrap();
+    // Out of order is still refused through the hashing thread's view of the buffer.
+    assert!(asm.accept(0, &payload[..8]).is_err());
+    drop(asm); // joins the thread; a hang here fails the test by timing out
+}
+
+#[test]
+fn a_hasher_taken_mid_way_carries_the_committed_bytes() {
+    let n = 2 * TRAILING_HASH_MIN;
+    let data = TensorData::new((0..n).map(|i| (i % 251) as u8).collect::<Vec<_>>(), [n]);
+    let (meta, payload) = into_parts(data.clone()).unwrap();
+    let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
+        .unwrap()
+        .hashing(HashUse::Check);
+    asm.accept(0, &payload[..n / 3]).unwrap();
+    let mut hasher = asm.take_hasher().unwrap();
+    hasher.update(&payload[n / 3..]);
+    assert_eq!(
+        ContentHash::from(hasher.finalize()),
+        content_hash(&meta, data.as_bytes())
+    );
+}
+
+#[test]
+fn an_early_end_is_an_error() {
+    let data = TensorData::new(vec![1u8, 2, 3], [3]);
+    let (meta, payload) = into_parts(data).unwrap();
+    let mut asm = TensorAssembler::new(meta, 100).unwrap();
+    asm.accept(0, &payload[..2]).unwrap();
+    assert!(asm.finish().is_err());
+}
+
+#[test]
+fn too_large_is_refused_before_allocating() {
+    let meta = TensorMeta::new(vec![1 << 40], DType::F32).unwrap();
+    assert!(matches!(
+        TensorAssembler::new(meta, 1 << 30),
+        Err(MetaError::TooLarge { .. })
+    ));
+}
