@@ -3,70 +3,26 @@
 //! cannot grow the node's log by a line per request.
 
 use std::io::Write;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
 use ferry::client::ErrorCode;
-use ferry::proto::frame::{self, FrameKind};
 use ferry::proto::{
-    CapabilityToken, DType, ErrorReply, FEATURES, Hello, NodeId, PROTOCOL_MINOR, PROTOCOL_VERSION,
-    Request, Response, TensorKey, Token, WireDType, control, tensor,
+    CapabilityToken, DType, ErrorReply, NodeId, Request, Response, TensorKey, WireDType, tensor,
 };
 use ferry::samples;
 use ferry::server::{NodeConfig, ServiceConfig, parse_token_file};
 use ferry::testing::{TestNode, start};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpSocket, TcpStream};
 
-/// A connection from a chosen source address that speaks frames by hand.
-struct RawFromSource {
-    stream: TcpStream,
-    buf: BytesMut,
-}
+use crate::hostile::Raw;
 
-impl RawFromSource {
-    /// Connects to `node` from `source` (any port) and says hello with `token`; the answer.
-    async fn hello(node: SocketAddr, source: Ipv4Addr, token: &str) -> (RawFromSource, Response) {
-        let socket = TcpSocket::new_v4().unwrap();
-        socket.bind(SocketAddr::new(IpAddr::V4(source), 0)).unwrap();
-        let mut from = RawFromSource {
-            stream: socket.connect(node).await.unwrap(),
-            buf: BytesMut::new(),
-        };
-        let hello = Request::Hello(Hello {
-            major: PROTOCOL_VERSION,
-            minor: PROTOCOL_MINOR,
-            features: FEATURES.iter().map(|f| f.to_string()).collect(),
-            token: Some(Token::from(token)),
-            agent: "fair-test".into(),
-        });
-        let answer = from.ask(&hello).await.expect("an answer to hello");
-        (from, answer)
-    }
-
-    /// Sends `request`; the answer, or `None` once the node closed the connection.
-    async fn ask(&mut self, request: &Request) -> Option<Response> {
-        self.stream
-            .write_all(&control::encode_request(request).unwrap())
-            .await
-            .unwrap();
-        loop {
-            if let Some(frame) = frame::parse(&mut self.buf, 1 << 24).unwrap() {
-                assert_eq!(frame.kind, FrameKind::Control);
-                return Some(control::decode_response(&frame.body).unwrap());
-            }
-            let read =
-                tokio::time::timeout(Duration::from_secs(10), self.stream.read_buf(&mut self.buf))
-                    .await
-                    .expect("the node answers or closes");
-            match read {
-                Ok(0) | Err(_) => return None,
-                Ok(_) => {}
-            }
-        }
-    }
+/// Connects to `node` from `source` and says hello with `token`; the answer.
+async fn hello_from(node: SocketAddr, source: Ipv4Addr, token: &str) -> (Raw, Response) {
+    Raw::connect_from(node, source)
+        .await
+        .say_hello(Some(token))
+        .await
 }
 
 /// A node with one flex device, the reader's and the admin's tokens, and `max_connections`.
@@ -97,7 +53,7 @@ async fn one_token_from_many_loopback_addresses_leaves_slots_to_other_credential
         assert!(held.len() < SLOTS, "the reader took every slot");
         // 127.0.0.1 to 127.0.0.5 in turn: all this host's, counted as one address.
         let source = Ipv4Addr::new(127, 0, 0, 1 + (held.len() % 5) as u8);
-        match RawFromSource::hello(node.addr, source, "reader-token").await {
+        match hello_from(node.addr, source, "reader-token").await {
             (from, Response::Welcome(_)) => held.push(from),
             (_, Response::Error(reply)) => break reply,
             (_, other) => panic!("a hello answered {other:?}"),
@@ -112,7 +68,7 @@ async fn one_token_from_many_loopback_addresses_leaves_slots_to_other_credential
     assert_eq!(held.len(), SLOTS - SLOTS / 4, "three quarters, by default");
 
     for source in [Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(127, 0, 0, 200)] {
-        let (mut admin, welcome) = RawFromSource::hello(node.addr, source, "admin-token").await;
+        let (mut admin, welcome) = hello_from(node.addr, source, "admin-token").await;
         assert!(
             matches!(welcome, Response::Welcome(_)),
             "the admin from {source}: {welcome:?}"
@@ -127,7 +83,7 @@ async fn one_token_from_many_loopback_addresses_leaves_slots_to_other_credential
         Duration::from_secs(5),
         || async {
             matches!(
-                RawFromSource::hello(node.addr, Ipv4Addr::LOCALHOST, "reader-token")
+                hello_from(node.addr, Ipv4Addr::LOCALHOST, "reader-token")
                     .await
                     .1,
                 Response::Welcome(_)
@@ -174,8 +130,7 @@ async fn a_client_failing_request_after_request_cannot_grow_the_log_by_a_line_ea
     let _logging = tracing::subscriber::set_default(subscriber);
 
     let node = node_with_tokens(64).await;
-    let (mut client, welcome) =
-        RawFromSource::hello(node.addr, Ipv4Addr::LOCALHOST, "writer-token").await;
+    let (mut client, welcome) = hello_from(node.addr, Ipv4Addr::LOCALHOST, "writer-token").await;
     assert!(matches!(welcome, Response::Welcome(_)), "{welcome:?}");
     let long_name = "n".repeat(1024);
     let missing = Request::Get {

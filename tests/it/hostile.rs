@@ -33,21 +33,43 @@ impl Raw {
         }
     }
 
+    /// Connects to `node` from `source` (any port): a connection from one of loopback's many
+    /// addresses.
+    pub(crate) async fn connect_from(
+        node: std::net::SocketAddr,
+        source: std::net::Ipv4Addr,
+    ) -> Raw {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind((source, 0).into()).unwrap();
+        Raw {
+            stream: socket.connect(node).await.unwrap(),
+            buf: BytesMut::new(),
+        }
+    }
+
     pub(crate) async fn hello(node: &TestNode, token: Option<&str>) -> (Raw, Response) {
-        let mut raw = Raw::connect(node).await;
-        raw.send(
-            &control::encode_request(&Request::Hello(Hello {
+        Raw::connect(node).await.say_hello(token).await
+    }
+
+    /// Says hello with `token`; the connection and the node's reply.
+    pub(crate) async fn say_hello(mut self, token: Option<&str>) -> (Raw, Response) {
+        let welcome = self
+            .ask(&Request::Hello(Hello {
                 major: PROTOCOL_VERSION,
                 minor: PROTOCOL_MINOR,
                 features: FEATURES.iter().map(|f| f.to_string()).collect(),
                 token: token.map(Token::from),
                 agent: "hostile-test".into(),
             }))
-            .unwrap(),
-        )
-        .await;
-        let welcome = raw.response().await.expect("a reply to hello");
-        (raw, welcome)
+            .await
+            .expect("a reply to hello");
+        (self, welcome)
+    }
+
+    /// Sends `request`; the answer, or `None` once the node closed the connection.
+    pub(crate) async fn ask(&mut self, request: &Request) -> Option<Response> {
+        self.send(&control::encode_request(request).unwrap()).await;
+        self.response().await
     }
 
     pub(crate) async fn send(&mut self, bytes: &[u8]) {

@@ -1,7 +1,7 @@
 //! Copy and Pull: a tensor copied (or moved) between two devices of this node, or pulled from
 //! another node under a capability that node granted.
 
-use ferry_proto::{CapabilityToken, ContentHash, Response, TensorKey, Transfer};
+use ferry_proto::{Response, TensorKey, Transfer};
 
 use super::Session;
 use crate::device::IfExists;
@@ -35,26 +35,5 @@ impl Session<'_> {
             .pull(&mut self.peer, request)
             .await
             .map(|desc| Response::Stored(desc.to_wire()))
-    }
-}
-
-/// A `Pull`'s fields as the node takes them.
-pub(super) fn pull_request(
-    source: String,
-    capability: CapabilityToken,
-    src: TensorKey,
-    dst_device: u32,
-    dst_name: Option<String>,
-    overwrite: bool,
-    content_hash: Option<ContentHash>,
-) -> PullRequest {
-    PullRequest {
-        source,
-        capability,
-        src,
-        dst_device,
-        dst_name,
-        existing: IfExists::from_overwrite(overwrite),
-        content_hash,
     }
 }

@@ -16,10 +16,11 @@ use super::door::credential::{Scope, Scopes};
 use super::door::handshake::{Door, refuse as fail};
 use super::per_identity::PerIdentity;
 use super::{HANDSHAKE_MAX_BODY, MAX_REQUEST_BODY, ServiceConfig, idle_for};
+use crate::device::IfExists;
 use crate::error::NodeError;
 use crate::node::{ClientId, Direction, Node, Refused};
 use crate::peer::PeerLink;
-use copy::pull_request;
+use crate::peer::PullRequest;
 
 mod copy;
 mod delete;
@@ -229,16 +230,17 @@ impl Session<'_> {
                 overwrite,
                 content_hash,
             } => {
-                let pull = pull_request(
+                let existing = IfExists::from_overwrite(overwrite);
+                self.pull(&PullRequest {
                     source,
                     capability,
                     src,
                     dst_device,
                     dst_name,
-                    overwrite,
+                    existing,
                     content_hash,
-                );
-                self.pull(&pull).await
+                })
+                .await
             }
             Request::Delete { key } => self.delete(&key).await,
             Request::DeleteIf { key, content_hash } => self.delete_if(&key, &content_hash).await,
