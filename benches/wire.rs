@@ -33,7 +33,7 @@ use burn_std::quantization::{QuantScheme, QuantStore, QuantValue, ScaleDtype};
 use burn_std::{Bytes, TensorData};
 use bytes::BytesMut;
 use criterion::{BatchSize, Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
-use ferry_io::TensorAssembler;
+use ferry_io::{BufferFrom, HashUse, TensorAssembler};
 use ferry_proto::TensorMeta;
 use ferry_proto::frame::{
     self, CHUNK_PREFIX_LEN, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BODY, FrameHeader, HEADER_LEN,
@@ -115,7 +115,9 @@ fn encode_copy(payload: &[u8], socket: &mut [u8]) {
 
 /// An assembler for `meta` with every page of its buffer already touched.
 fn touched_assembler(meta: &TensorMeta) -> TensorAssembler {
-    let mut assembler = TensorAssembler::new(meta.clone(), u64::MAX).expect("no limit");
+    let mut assembler =
+        TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Skip)
+            .expect("no limit");
     if meta.byte_len() > 0 {
         // Written through the slot, never committed: the stream still starts at offset 0.
         assembler.slot(0, meta.byte_len()).expect("slot").fill(1);
@@ -130,7 +132,7 @@ fn decode(mut stream: BytesMut, mut assembler: TensorAssembler) -> TensorData {
             .accept(chunk.offset, &chunk.data)
             .expect("in order");
     }
-    assembler.finish().expect("complete")
+    assembler.finish().expect("complete").data
 }
 
 /// The receive path of `Connection::read_payload`, reading from `stream` instead of a socket.
@@ -149,7 +151,7 @@ fn decode_in_place(stream: &[u8], mut assembler: TensorAssembler) -> TensorData 
         assembler.commit(offset, data.len()).expect("in order");
         at += HEADER_LEN + header.body_len as usize;
     }
-    assembler.finish().expect("complete")
+    assembler.finish().expect("complete").data
 }
 
 /// Bytes copied (one simulated socket read) before they are checksummed, in `decode_fused`.
@@ -174,7 +176,7 @@ fn decode_fused(stream: &[u8], mut assembler: TensorAssembler) -> TensorData {
         assembler.commit(offset, data.len()).expect("in order");
         at += HEADER_LEN + header.body_len as usize;
     }
-    assembler.finish().expect("complete")
+    assembler.finish().expect("complete").data
 }
 
 /// Median wall time of `runs` runs of `f` (after one warm-up), `setup` untimed before each and
@@ -224,7 +226,9 @@ fn report(s: &Subject) {
         RUNS,
         || BytesMut::from(&s.stream[..]),
         |stream| {
-            let assembler = TensorAssembler::new(s.meta.clone(), u64::MAX).expect("no limit");
+            let assembler =
+                TensorAssembler::new(s.meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Skip)
+                    .expect("no limit");
             decode(stream, assembler)
         },
     );

@@ -143,6 +143,14 @@ pub enum MetaError {
         /// What was declared or received.
         actual: u64,
     },
+    /// A buffer provided to receive into is not the payload's length.
+    #[error("a buffer of {len} bytes was provided for a payload of {expected} bytes")]
+    BufferLength {
+        /// The buffer's length.
+        len: u64,
+        /// The payload's.
+        expected: u64,
+    },
     /// The receiver could not allocate the tensor's buffer.
     #[error("cannot allocate {bytes} bytes for the tensor")]
     AllocationFailed {

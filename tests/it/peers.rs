@@ -866,26 +866,50 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_re
     // fetcher releases it: its only chunk may have been lost in flight.
     let mut fetcher = source_connection(&a).await;
     let fetch = fetcher.fetch(&grant.token, &b_id, 0).await.unwrap();
-    let mut assembler = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+    let mut assembler = ferry::io::TensorAssembler::new(
+        fetch.meta.clone(),
+        u64::MAX,
+        ferry::io::BufferFrom::Fresh,
+        ferry::io::HashUse::Skip,
+    )
+    .unwrap();
     fetch.payload(&mut assembler, RegionUse::Map).await.unwrap();
-    assert_same(&assembler.finish().unwrap(), &data, "fetched");
+    assert_same(&assembler.finish().unwrap().data, &data, "fetched");
     let mut other = source_connection(&a).await;
     let fetch = other.fetch(&grant.token, &b_id, 0).await.unwrap();
-    let mut again = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+    let mut again = ferry::io::TensorAssembler::new(
+        fetch.meta.clone(),
+        u64::MAX,
+        ferry::io::BufferFrom::Fresh,
+        ferry::io::HashUse::Skip,
+    )
+    .unwrap();
     fetch.payload(&mut again, RegionUse::Map).await.unwrap();
-    assert_same(&again.finish().unwrap(), &data, "fetched whole again");
+    assert_same(&again.finish().unwrap().data, &data, "fetched whole again");
 
     // A resume (a later offset) by the audience is served.
     let fetch = other.fetch(&grant.token, &b_id, 1024).await.unwrap();
-    let mut tail = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+    let mut tail = ferry::io::TensorAssembler::new(
+        fetch.meta.clone(),
+        u64::MAX,
+        ferry::io::BufferFrom::Fresh,
+        ferry::io::HashUse::Skip,
+    )
+    .unwrap();
     tail.accept(0, &data.as_bytes()[..1024]).unwrap();
     fetch.payload(&mut tail, RegionUse::Map).await.unwrap();
-    assert_same(&tail.finish().unwrap(), &data, "resumed");
+    assert_same(&tail.finish().unwrap().data, &data, "resumed");
 
     // But not again and again: 16 fetches in all (3 so far), then refused.
     for _ in 3..16 {
         let fetch = other.fetch(&grant.token, &b_id, 0).await.unwrap();
-        let mut whole = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+        let mut whole = ferry::io::TensorAssembler::new(
+            fetch.meta.clone(),
+            u64::MAX,
+            ferry::io::BufferFrom::Fresh,
+            ferry::io::HashUse::Skip,
+        )
+        .unwrap();
         fetch.payload(&mut whole, RegionUse::Map).await.unwrap();
     }
     let too_often = other.fetch(&grant.token, &b_id, 0).await.map(|f| f.meta);
@@ -896,7 +920,13 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_re
     );
     let grant = source.grant(&key, &b_id).await.unwrap();
     let fetch = other.fetch(&grant.token, &b_id, 0).await.unwrap();
-    let mut fresh = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+    let mut fresh = ferry::io::TensorAssembler::new(
+        fetch.meta.clone(),
+        u64::MAX,
+        ferry::io::BufferFrom::Fresh,
+        ferry::io::HashUse::Skip,
+    )
+    .unwrap();
     fetch.payload(&mut fresh, RegionUse::Map).await.unwrap();
 
     // Released only by a connection that fetched under it: not by a third party that knows the
@@ -1007,13 +1037,18 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_ends_with_its_clien
         let offset = if served == 0 { 0 } else { 4 };
         match fetcher.fetch(&grant.token, audience, offset).await {
             Ok(fetch) => {
-                let mut assembler =
-                    ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+                let mut assembler = ferry::io::TensorAssembler::new(
+                    fetch.meta.clone(),
+                    u64::MAX,
+                    ferry::io::BufferFrom::Fresh,
+                    ferry::io::HashUse::Skip,
+                )
+                .unwrap();
                 if offset > 0 {
                     assembler.accept(0, &data.as_bytes()[..4]).unwrap();
                 }
                 fetch.payload(&mut assembler, RegionUse::Map).await.unwrap();
-                assert_same(&assembler.finish().unwrap(), &data, "fetched");
+                assert_same(&assembler.finish().unwrap().data, &data, "fetched");
                 served += 1;
             }
             Err(e) => {
@@ -1028,7 +1063,13 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_ends_with_its_clien
     // A capability ends with the connection that asked for it, fetched or not.
     let grant = granter.grant(&key, audience).await.unwrap();
     let fetch = fetcher.fetch(&grant.token, audience, 0).await.unwrap();
-    let mut assembler = ferry::io::TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+    let mut assembler = ferry::io::TensorAssembler::new(
+        fetch.meta.clone(),
+        u64::MAX,
+        ferry::io::BufferFrom::Fresh,
+        ferry::io::HashUse::Skip,
+    )
+    .unwrap();
     fetch.payload(&mut assembler, RegionUse::Map).await.unwrap();
     let before = a.node.stats().await.unwrap().connections;
     drop(granter);

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ferry::client::ErrorCode;
 use ferry::io::striped::StripedReceive;
-use ferry::io::{HashUse, TensorAssembler};
+use ferry::io::{BufferFrom, HashUse, TensorAssembler};
 use ferry::proto::stripes::StripeLen;
 use ferry::proto::{DType, TensorData, TensorKey};
 use ferry::samples;
@@ -214,12 +214,18 @@ async fn a_source_that_would_copy_for_every_stripe_sends_the_tensor_whole() {
         }
         let fetch = fetch.unwrap();
         assert_eq!(fetch.range, 0..tensors[0].as_bytes().len() as u64);
-        let mut whole = TensorAssembler::new(fetch.meta.clone(), u64::MAX).unwrap();
+        let mut whole = TensorAssembler::new(
+            fetch.meta.clone(),
+            u64::MAX,
+            BufferFrom::Fresh,
+            HashUse::Skip,
+        )
+        .unwrap();
         fetch
             .payload(&mut whole, ferry::io::RegionUse::Map)
             .await
             .unwrap();
-        assert_same(&whole.finish().unwrap(), &tensors[0], "whole");
+        assert_same(&whole.finish().unwrap().data, &tensors[0], "whole");
     }
 }
 
@@ -250,9 +256,8 @@ async fn a_fetched_capability_lapses_from_its_last_fetch_and_none_begins_once_it
     let stripe_fetch = async |conn: &mut ferry::io::Exchange,
                               token: &ferry::proto::CapabilityToken,
                               index: usize| {
-        let fresh = TensorAssembler::new(meta.clone(), u64::MAX)
-            .unwrap()
-            .hashing(HashUse::Check);
+        let fresh = TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Check)
+            .unwrap();
         let (_striped, mut stripes) = StripedReceive::new(fresh, len).unwrap();
         let stripe = &mut stripes[index];
         let input = STRIPE * index as u64..STRIPE * (index as u64 + 1);
@@ -320,9 +325,8 @@ async fn stripes_fetched_side_by_side_merge_and_a_capability_bounds_them() {
     let b_id = ferry::proto::NodeId::new("node-b");
     let grant = granter.grant(&key, &b_id).await.unwrap();
     let (meta, _) = ferry::proto::tensor::into_parts(data.clone()).unwrap();
-    let assembler = TensorAssembler::new(meta.clone(), u64::MAX)
-        .unwrap()
-        .hashing(HashUse::Check);
+    let assembler =
+        TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Check).unwrap();
     let len = StripeLen::new(STRIPE).unwrap();
     let (striped, stripes) = StripedReceive::new(assembler, len).unwrap();
     let prefix = ferry::proto::tensor::content_hash_prefix(&meta).len() as u64;
@@ -346,7 +350,7 @@ async fn stripes_fetched_side_by_side_merge_and_a_capability_bounds_them() {
     done.extend(odd);
     let mut whole = striped.join(done).unwrap();
     assert_eq!(whole.settle_hash().unwrap(), grant.content_hash);
-    assert_same(&whole.finish().unwrap(), &data, "merged");
+    assert_same(&whole.finish().unwrap().data, &data, "merged");
 
     // 1 MiB of payload, charged a stripe at a time: 16 MiB in all, so 256 stripes of 64 KiB
     // (count of them fetched above), then refused.
@@ -356,9 +360,8 @@ async fn stripes_fetched_side_by_side_merge_and_a_capability_bounds_them() {
         match conn.fetch_range(&grant.token, &b_id, 0..STRIPE).await {
             Ok(fetch) => {
                 let (asm, mut stripes) = StripedReceive::new(
-                    TensorAssembler::new(meta.clone(), u64::MAX)
-                        .unwrap()
-                        .hashing(HashUse::Check),
+                    TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Check)
+                        .unwrap(),
                     len,
                 )
                 .unwrap();

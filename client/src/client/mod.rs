@@ -19,7 +19,9 @@ pub use lanes::Lane;
 pub use node_copy::{IssuedCapability, NodeCopy};
 
 use burn_std::Bytes;
-use ferry_io::{Endpoint, Exchange, RegionUse, Step, TensorAssembler};
+use ferry_io::{
+    BufferFrom, Endpoint, Exchange, HashUse, Purpose, RegionUse, Step, TensorAssembler,
+};
 use ferry_proto::{
     ContentHash, DType, IfExists, NodeStats, ProtoError, Request, Response, TensorData, TensorInfo,
     TensorKey, TensorMeta, Transfer, Welcome, WireMeta,
@@ -389,16 +391,16 @@ async fn read_tensor_payload(
     buffer_for: impl FnOnce(&TensorMeta) -> Option<Bytes>,
 ) -> Result<TensorData, ClientError> {
     let meta = TensorMeta::try_from(wire).map_err(ProtoError::from)?;
-    // The limit holds whoever's buffer it is.
-    let given = (meta.byte_len() as u64 <= max)
+    // The limit holds whoever's buffer it is; a buffer of the wrong length is dropped, and the
+    // payload goes to new memory.
+    let from = (meta.byte_len() as u64 <= max)
         .then(|| buffer_for(&meta))
         .flatten()
-        .map(|buf| TensorAssembler::into_buffer(meta.clone(), buf));
-    let mut assembler = match given {
-        Some(Ok(assembler)) => assembler,
-        // A buffer of the wrong length is dropped: the payload goes to new memory.
-        Some(Err(_)) | None => TensorAssembler::new(meta, max).map_err(ProtoError::from)?,
-    };
+        .filter(|buf| buf.len() == meta.byte_len())
+        .map_or(BufferFrom::Fresh, BufferFrom::Provided);
+    let hash_use = HashUse::for_purpose(Purpose::Read);
+    let mut assembler =
+        TensorAssembler::new(meta, max, from, hash_use).map_err(ProtoError::from)?;
     step.read_payload(&mut assembler, RegionUse::Map).await?;
-    Ok(assembler.finish()?)
+    Ok(assembler.finish()?.data)
 }

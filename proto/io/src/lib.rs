@@ -17,6 +17,7 @@ pub mod connection;
 pub mod credential;
 pub mod exchange;
 pub mod handshake;
+pub mod hash_plan;
 pub mod local_peer;
 pub mod machine;
 pub mod signed_record;
@@ -25,7 +26,7 @@ pub mod tls;
 mod trailing;
 pub mod transport;
 
-pub use assembler::{HashUse, TRAILING_HASH_MIN, TensorAssembler};
+pub use assembler::{Assembled, BufferFrom, TRAILING_HASH_MIN, TensorAssembler};
 pub use connection::{
     ChunkSink, Connection, ConnectionError, ConnectionLimits, PayloadRoute, RegionUse,
 };
@@ -33,6 +34,7 @@ pub use exchange::{
     ClearTokens, Dial, Exchange, ExchangeError, LocalServer, PeerCheck, SharedMemory, Step,
     TokenWithheld,
 };
+pub use hash_plan::{HashUse, Purpose};
 pub use signed_record::{RecordCheck, RecordError, RecordSigner};
 pub use tls::{ClientTls, Identity, NodeTls, TlsError, TlsFiles};
 pub use transport::{Endpoint, Stream, Transport};

@@ -46,7 +46,7 @@ impl StripedReceive {
         assembler: TensorAssembler,
         stripe_len: StripeLen,
     ) -> Result<(StripedReceive, Vec<StripeReceiver>), Box<TensorAssembler>> {
-        if assembler.hash_use() != Some(HashUse::Check) {
+        if assembler.hash_use() != HashUse::Check {
             return Err(Box::new(assembler));
         }
         let Some(plan) = StripePlan::new(assembler.meta(), stripe_len) else {
@@ -64,7 +64,7 @@ impl StripedReceive {
             // Not reached: a plan's stripes tile the payload, each part non-empty.
             Err(buf) => {
                 debug_assert!(false, "the stripes of a plan did not tile its payload");
-                let assembler = TensorAssembler::from_shell(shell, buf).hashing(HashUse::Check);
+                let assembler = TensorAssembler::from_shell(shell, buf);
                 return Err(Box::new(assembler));
             }
         };
@@ -87,8 +87,7 @@ impl StripedReceive {
     }
 
     /// The receiver whole again, given every stripe, each complete: every byte arrived, the
-    /// content hash (merged from the stripes') settled for
-    /// [`finish_hashed_sealed`](TensorAssembler::finish_hashed_sealed) and its kind.
+    /// content hash (merged from the stripes') settled for [`finish`](TensorAssembler::finish).
     pub fn join(self, mut stripes: Vec<StripeReceiver>) -> Result<TensorAssembler, StreamError> {
         let total = self.shell.meta().byte_len() as u64;
         let received: u64 = stripes.iter().map(|s| s.received as u64).sum();
@@ -186,12 +185,11 @@ mod tests {
     use ferry_proto::tensor::{content_hash, into_parts};
 
     use super::*;
+    use crate::assembler::BufferFrom;
 
     fn receiver(data: &TensorData) -> TensorAssembler {
         let (meta, _) = into_parts(data.clone()).unwrap();
-        TensorAssembler::new(meta, u64::MAX)
-            .unwrap()
-            .hashing(HashUse::Check)
+        TensorAssembler::new(meta, u64::MAX, BufferFrom::Fresh, HashUse::Check).unwrap()
     }
 
     /// Stripes filled on their own threads, in chunks of any size, out of order with each
@@ -229,8 +227,9 @@ mod tests {
             .into_iter()
             .map(|t| t.join().unwrap())
             .collect();
-        let (back, hash) = striped.join(filled).unwrap().finish_hashed().unwrap();
-        assert_eq!(hash, content_hash(&meta, &payload));
+        let back = striped.join(filled).unwrap().finish().unwrap();
+        assert_eq!(back.hash, Some(content_hash(&meta, &payload)));
+        let back = back.data;
         assert_eq!(back.as_bytes(), data.as_bytes());
         assert_eq!(back.dtype(), data.dtype());
         assert_eq!(back.shape(), data.shape());
@@ -280,9 +279,9 @@ mod tests {
         assert!(StripedReceive::new(receiver(&data), big).is_err());
         let small = StripeLen::new(1024).unwrap();
         let (meta, payload) = into_parts(data.clone()).unwrap();
-        let recording = TensorAssembler::new(meta.clone(), u64::MAX)
-            .unwrap()
-            .hashing(HashUse::Record);
+        let recording =
+            TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Record)
+                .unwrap();
         assert!(StripedReceive::new(recording, small).is_err());
         let mut started = receiver(&data);
         started.accept(0, &payload[..10]).unwrap();

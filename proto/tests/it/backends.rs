@@ -24,7 +24,7 @@ use burn_std::quantization::{
 };
 use burn_std::{BoolStore, Bytes, DType, TensorData};
 use bytes::BytesMut;
-use ferry_io::TensorAssembler;
+use ferry_io::{BufferFrom, HashUse, TensorAssembler};
 use ferry_proto::control::{decode_request, encode_request};
 use ferry_proto::frame::{self, DEFAULT_MAX_BODY, Frame, FrameKind};
 use ferry_proto::tensor::into_parts;
@@ -156,7 +156,8 @@ fn receive(stream: &[u8], read_size: usize) -> TensorData {
     };
     let meta = TensorMeta::try_from(&wire).expect("the receiver accepts the sender's meta");
     assert_eq!(meta.to_wire(), wire, "the meta decodes to what was sent");
-    let mut assembler = TensorAssembler::new(meta, u64::MAX).expect("no limit");
+    let mut assembler =
+        TensorAssembler::new(meta, u64::MAX, BufferFrom::Fresh, HashUse::Skip).expect("no limit");
     while !assembler.is_complete() {
         let frame = next_frame(&mut buf);
         assert_eq!(frame.kind, FrameKind::Chunk);
@@ -167,7 +168,7 @@ fn receive(stream: &[u8], read_size: usize) -> TensorData {
     }
     assert!(buf.is_empty(), "bytes left after the last chunk");
     assert!(reads.next().is_none(), "reads left after the last chunk");
-    assembler.finish().expect("complete")
+    assembler.finish().expect("complete").data
 }
 
 /// `data` through the wire: sender's stream, receiver's assembled `TensorData`.
@@ -533,10 +534,11 @@ fn empty_quantized_tensors() {
     let dtype = DType::QFloat(scheme);
     let meta = TensorMeta::new(vec![0, 32], dtype).expect("the wire admits it");
     assert_eq!(meta.byte_len(), 0);
-    let assembled = TensorAssembler::new(meta, 1 << 20)
+    let assembled = TensorAssembler::new(meta, 1 << 20, BufferFrom::Fresh, HashUse::Skip)
         .unwrap()
         .finish()
-        .expect("zero bytes is complete");
+        .expect("zero bytes is complete")
+        .data;
     assert_eq!(assembled.dtype(), dtype);
     assert!(assembled.as_bytes().is_empty());
     let err = catch(|| load::<Flex>(assembled.clone(), &flex())).expect_err("Flex panics");
@@ -876,7 +878,8 @@ fn a_quantized_payload_one_byte_off_is_refused_with_the_facts() {
         }
         // A stream whose chunks add up to one byte more or less than the meta is refused too.
         let payload = source.as_bytes();
-        let mut assembler = TensorAssembler::new(meta.clone(), 1 << 20).unwrap();
+        let mut assembler =
+            TensorAssembler::new(meta.clone(), 1 << 20, BufferFrom::Fresh, HashUse::Skip).unwrap();
         assembler.accept(0, &payload[..payload.len() - 1]).unwrap();
         assert_eq!(
             assembler.accept(payload.len() as u64 - 1, &[0, 0]),

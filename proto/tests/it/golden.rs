@@ -28,7 +28,7 @@ use burn_flex::{Flex, FlexDevice};
 use burn_std::quantization::{QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype};
 use burn_std::{BoolStore, DType, TensorData};
 use bytes::BytesMut;
-use ferry_io::TensorAssembler;
+use ferry_io::{BufferFrom, HashUse, TensorAssembler};
 use ferry_proto::control::{
     decode_request_from, decode_response_from, encode_request_for, encode_response_for,
 };
@@ -833,7 +833,8 @@ fn the_golden_tensor_arrives_exactly() {
         panic!("not a put")
     };
     let meta = TensorMeta::try_from(&wire).unwrap();
-    let mut assembler = TensorAssembler::new(meta, 1 << 20).unwrap();
+    let mut assembler =
+        TensorAssembler::new(meta, 1 << 20, BufferFrom::Fresh, HashUse::Skip).unwrap();
     let mut chunks = 0;
     while let Some(frame) = frame::parse(&mut buf, DEFAULT_MAX_BODY).unwrap() {
         let chunk = frame.into_chunk().unwrap();
@@ -841,7 +842,7 @@ fn the_golden_tensor_arrives_exactly() {
         chunks += 1;
     }
     assert_eq!(chunks, 3);
-    let arrived = assembler.finish().unwrap();
+    let arrived = assembler.finish().unwrap().data;
     let want = q8s_block4();
     assert_eq!(arrived.as_bytes(), want.as_bytes());
     assert_eq!(arrived.dtype(), want.dtype());

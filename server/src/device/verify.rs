@@ -37,6 +37,18 @@ pub(crate) enum KnownHash {
     Stated(ContentHash),
 }
 
+impl KnownHash {
+    /// What is known, without the hash (what `ferry_io::hash_plan::at_register` decides on).
+    pub(crate) fn known(self) -> ferry_io::hash_plan::HashKnown {
+        use ferry_io::hash_plan::HashKnown;
+        match self {
+            Self::Unknown => HashKnown::Unknown,
+            Self::Computed(_) => HashKnown::Computed,
+            Self::Stated(_) => HashKnown::Stated,
+        }
+    }
+}
+
 /// A stated hash to check against a registered tensor's bytes.
 pub(super) struct VerifyJob {
     pub(super) name: String,

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use burn_backend::TensorData;
 use ferry_backend::BackendKind;
-use ferry_io::{HashUse, TensorAssembler};
+use ferry_io::{BufferFrom, HashUse, Purpose, TensorAssembler};
 use ferry_proto::message::validate_name;
 use ferry_proto::{TensorKey, TensorMeta};
 
@@ -25,6 +25,16 @@ pub(crate) struct Admission {
     existing: IfExists,
     /// Held while the bytes arrive and then by the registered tensor.
     reservation: Reservation,
+}
+
+/// Why this node receives a tensor: with the device, what decides the hash its receiver
+/// computes ([`HashUse::for_purpose`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Receive {
+    /// A client's put.
+    Put,
+    /// A pull from a peer, checked against its grant.
+    Pull,
 }
 
 impl Node {
@@ -96,51 +106,37 @@ impl Node {
     ///   fresh host memory tensor after tensor.
     /// - NdArray takes a plain allocation over as its own without a copy, and would keep any
     ///   other as borrowed storage that every operation copies: a plain one.
+    ///
+    /// It hashes what arrives as [`HashUse::for_purpose`] decides for `purpose`.
     pub(crate) fn receiver(
         &self,
         device: u32,
         meta: TensorMeta,
+        purpose: Receive,
     ) -> Result<TensorAssembler, NodeError> {
         let max = self.config().limits.max_tensor_bytes;
         let buffers = &self.config().receive_buffers;
-        let receiver = match (self.device(device)?.kind(), buffers) {
+        let kind = self.device(device)?.kind();
+        let from = match (kind, buffers) {
             (BackendKind::Flex | BackendKind::Wgpu, ReceiveBuffers::Pool(pool)) => {
-                TensorAssembler::new_pooled(meta, max, pool)
+                BufferFrom::Pool(pool)
             }
             (BackendKind::Flex, ReceiveBuffers::Shareable { min_bytes })
                 if meta.byte_len() >= *min_bytes =>
             {
-                TensorAssembler::new_in_region(meta, max)
+                BufferFrom::Region
             }
-            (BackendKind::Flex, _) => TensorAssembler::new_recycled(meta, max),
-            (BackendKind::Wgpu | BackendKind::NdArray, _) => TensorAssembler::new(meta, max),
+            (BackendKind::Flex, _) => BufferFrom::Recycled,
+            (BackendKind::Wgpu | BackendKind::NdArray, _) => BufferFrom::Fresh,
         };
-        Ok(receiver?)
-    }
-
-    /// A receiver for a put of `meta` to `device`: [`receiver`](Self::receiver), hashing the
-    /// payload as it arrives, trailing its chunk checks ([`HashUse::Record`]), where the device
-    /// cannot lend the registered tensor's bytes to its verifier (a GPU, NdArray, a Flex
-    /// quantized layout it repacks): there the hash would otherwise take a pass of its own over
-    /// the bytes before the tensor is registered. Where it can (Flex), the put is answered first
-    /// and hashed after, by the verifier at a lower priority: hashing as it arrived made a 256
-    /// MiB put's answer a third to a half later on the 2-core development VM (the `files`
-    /// bench: 115-141 ms against 84-89 ms), the hash's CPU moved onto the answer's path.
-    pub(crate) fn put_receiver(
-        &self,
-        device: u32,
-        meta: TensorMeta,
-    ) -> Result<TensorAssembler, NodeError> {
-        let lends_bytes = self
-            .device(device)?
-            .kind()
-            .shares_registered_bytes(&meta.dtype());
-        let receiver = self.receiver(device, meta)?;
-        Ok(if lends_bytes {
-            receiver
-        } else {
-            receiver.hashing(HashUse::Record)
-        })
+        let purpose = match purpose {
+            Receive::Put => Purpose::Put {
+                device_lends_bytes: kind.shares_registered_bytes(&meta.dtype()),
+            },
+            Receive::Pull => Purpose::Pull,
+        };
+        let hash_use = HashUse::for_purpose(purpose);
+        Ok(TensorAssembler::new(meta, max, from, hash_use)?)
     }
 
     /// Registers validated bytes where [`admit`](Self::admit) gave `admission`, logged as one

@@ -26,7 +26,7 @@ use ferry_proto::NodeId;
 use crate::device::{self, DeviceHandle, DeviceLimits};
 use crate::error::NodeError;
 
-pub(crate) use admission::Admission;
+pub(crate) use admission::{Admission, Receive};
 use capability::Capability;
 pub use capability::DEFAULT_MAX_GRANTS;
 pub(crate) use capability::{ClientId, FetchWants};

@@ -1,13 +1,12 @@
 //! A pull's decisions, as pure functions of what it knows: what an attempt asks its source for,
 //! how the answer comes in (whole or in stripes), how many helper connections a striped pull
-//! opens, when the content hash is checked, and whether a failure is retried (after what wait)
-//! or ends the pull. [`Pull`](super::pull::Pull) and the stripe fetchers carry them out; nothing
+//! opens, and whether a failure is retried (after what wait) or ends the pull (when its content
+//! hash is checked is `ferry_io::hash_plan`'s). [`Pull`](super::pull::Pull) and the stripe fetchers carry them out; nothing
 //! here does I/O.
 
 use std::ops::Range;
 use std::time::Duration;
 
-use ferry_io::PayloadRoute;
 use ferry_proto::message::FETCH_RANGE_MINOR;
 
 use crate::node::{PullConfig, Striping};
@@ -79,26 +78,6 @@ pub(super) fn receive(answered: &Range<u64>, byte_len: u64) -> Receive {
 /// at most `connections` in all: never one more than there are stripes for it.
 pub(super) fn helper_connections(connections: usize, waiting: usize) -> usize {
     connections.saturating_sub(1).min(waiting.saturating_sub(1))
-}
-
-/// When the bytes that arrived are checked against the granted hash.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum HashCheck {
-    /// Chunks: hashed as they arrived; the hash is settled and compared with the grant before
-    /// the release (bytes that are not the ones granted never use the capability up), and the
-    /// tensor registered under the hash computed.
-    BeforeRelease,
-    /// A sealed region from a peer of this host (its bytes cannot change): registered under the
-    /// granted hash, which the worker verifies off the critical path.
-    ByWorker,
-}
-
-/// When a payload that came by `route` is checked.
-pub(super) fn hash_check(route: PayloadRoute) -> HashCheck {
-    match route {
-        PayloadRoute::Chunks => HashCheck::BeforeRelease,
-        PayloadRoute::Region => HashCheck::ByWorker,
-    }
 }
 
 /// How an attempt failed: `W` says why a transient failure happened, `E` is the error a fatal
@@ -296,17 +275,6 @@ mod tests {
                 want,
                 "{connections} connections, {waiting} stripes"
             );
-        }
-    }
-
-    #[test]
-    fn hash_check_table() {
-        let table = [
-            (PayloadRoute::Chunks, HashCheck::BeforeRelease),
-            (PayloadRoute::Region, HashCheck::ByWorker),
-        ];
-        for (route, want) in table {
-            assert_eq!(hash_check(route), want, "{route:?}");
         }
     }
 

@@ -5,13 +5,14 @@
 use std::time::Instant;
 
 use ferry_io::exchange::Fetch;
-use ferry_io::{Exchange, ExchangeError, RegionUse};
+use ferry_io::hash_plan::{PulledCheck, pulled_check};
+use ferry_io::{Assembled, Exchange, ExchangeError, RegionUse};
 use ferry_proto::{ContentHash, NodeId, TensorKey, Untrusted, dtype_name};
 
 use super::failure::{AttemptError, Failed, SOURCE_TROUBLE, UNREACHABLE, classify};
 use super::link::PeerLink;
-use super::plan::{self, AfterFailure, HashCheck, Receive, Request, RetryPolicy};
-use super::receive::{Receiving, finish_hashed, settle_hash};
+use super::plan::{self, AfterFailure, Receive, Request, RetryPolicy};
+use super::receive::{Receiving, finish, settle_hash};
 use super::request::{PullRequest, check_source};
 use super::striped::first_stripe;
 use crate::device::{Arrived, KnownHash, Payload, TensorDesc};
@@ -201,25 +202,20 @@ impl<'a> Pull<'a> {
                 let cut = first_stripe(&req.source, striping.stripe_len(), fetch, r).await?;
                 node.other_stripes(self.link, req, cut).await?
             }
-            Receive::Payload => {
-                match fetch
-                    .payload(&mut r.assembler, RegionUse::KeepUnhashed)
-                    .await
-                {
-                    Ok((route, region)) => {
-                        r.route = route;
-                        r.region = region;
-                        r
-                    }
-                    Err(e) => {
-                        let error = classify(&req.source, e);
-                        return Err(Failed {
-                            error,
-                            resume: Some(r),
-                        });
-                    }
+            Receive::Payload => match fetch.payload(&mut r.assembler, RegionUse::Keep).await {
+                Ok((route, region)) => {
+                    r.route = route;
+                    r.region = region;
+                    r
                 }
-            }
+                Err(e) => {
+                    let error = classify(&req.source, e);
+                    return Err(Failed {
+                        error,
+                        resume: Some(r),
+                    });
+                }
+            },
         };
         let bytes = r.assembler.meta().byte_len() as u64;
         node.recorder().payload(Direction::Received, r.route, bytes);
@@ -236,9 +232,9 @@ impl<'a> Pull<'a> {
     /// lapse, or a fetch from 0 may try again). The hash trailed the receive on another
     /// thread, so this waits for its last chunk only.
     async fn verify(&self, r: Receiving, granted: ContentHash) -> Result<Receiving, Failed> {
-        match plan::hash_check(r.route) {
-            HashCheck::ByWorker => Ok(r),
-            HashCheck::BeforeRelease => {
+        match pulled_check(r.route) {
+            PulledCheck::ByDevice => Ok(r),
+            PulledCheck::BeforeRelease => {
                 let (back, computed) = settle_hash(r).await.map_err(Failed::fatal)?;
                 if computed != granted {
                     self.node.recorder().integrity_failure();
@@ -289,24 +285,22 @@ impl<'a> Pull<'a> {
             route,
             region,
         } = received;
-        let (data, hash, region) = match plan::hash_check(route) {
+        let Assembled { data, hash, sealed } = finish(assembler).await?;
+        let hash = match (pulled_check(route), hash) {
             // Chunks: hashed while they arrived and compared with the grant by `verify`, before
             // the release; the hash is the one it settled.
-            HashCheck::BeforeRelease => {
-                let (data, computed, sealed) = finish_hashed(assembler).await?;
+            (PulledCheck::BeforeRelease, Some(computed)) => {
                 debug_assert_eq!(computed, granted, "`verify` compared it with the grant");
-                // The region it was received into, where the node shares its receives.
-                (data, KnownHash::Computed(computed), sealed)
+                KnownHash::Computed(computed)
             }
-            // A sealed region from a peer of this host: its bytes cannot change, so the worker
+            // A sealed region from a peer of this host: its bytes cannot change, so the device
             // registers it under the granted hash and verifies that off the critical path; until
             // it has, the tensor is granted, matched and deduped on by nothing.
-            HashCheck::ByWorker => (
-                assembler.finish().map_err(NodeError::Received)?,
-                KnownHash::Stated(granted),
-                region,
-            ),
+            _ => KnownHash::Stated(granted),
         };
+        // The region it came in, or the one it was received into, where the node shares its
+        // receives.
+        let region = region.or(sealed);
         let payload = Payload::Data(Arrived { data, hash, region });
         let desc = self
             .node

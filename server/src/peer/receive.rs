@@ -1,11 +1,11 @@
 //! A pull's receiver, kept across its attempts: the admitted tensor's buffer with the bytes it
 //! holds, hashed as they arrive, and the hash settled off the runtime.
 
-use ferry_io::{HashUse, PayloadRoute, TensorAssembler};
+use ferry_io::{Assembled, PayloadRoute, TensorAssembler};
 
 use super::request::PullRequest;
 use crate::error::NodeError;
-use crate::node::{Admission, Node};
+use crate::node::{Admission, Node, Receive};
 
 /// The receiver's state across attempts: the buffer with its verified bytes, the admission (with
 /// its budget), how the payload completed, and the region it came in (kept, to pass the tensor
@@ -33,8 +33,8 @@ impl Node {
             meta.byte_len() as u64,
             req.existing,
         )?;
-        // Hashed while it arrives, a chunk behind, on another thread.
-        let assembler = self.receiver(req.dst_device, meta)?.hashing(HashUse::Check);
+        // Hashed while it arrives, a chunk behind, on another thread, to be checked.
+        let assembler = self.receiver(req.dst_device, meta, Receive::Pull)?;
         Ok(Receiving {
             assembler,
             admission,
@@ -58,19 +58,10 @@ pub(super) async fn settle_hash(
     Ok((received, hash.map_err(NodeError::Received)?))
 }
 
-/// The assembled tensor, its content hash (settled before the release, or computed now) and the
-/// region it was received into (sealed), off the runtime.
-pub(super) async fn finish_hashed(
-    assembler: ferry_io::TensorAssembler,
-) -> Result<
-    (
-        burn_backend::TensorData,
-        ferry_proto::ContentHash,
-        ferry_io::assembler::Sealed,
-    ),
-    NodeError,
-> {
-    tokio::task::spawn_blocking(move || assembler.finish_hashed_sealed())
+/// The assembled tensor, with its content hash where it was computed (settled before the
+/// release) and the region it was received into (sealed), off the runtime.
+pub(super) async fn finish(assembler: TensorAssembler) -> Result<Assembled, NodeError> {
+    tokio::task::spawn_blocking(move || assembler.finish())
         .await
         .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))?
         .map_err(NodeError::Received)

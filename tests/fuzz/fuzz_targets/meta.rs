@@ -5,8 +5,8 @@
 #![no_main]
 
 use burn_std::TensorData;
+use ferry_io::{BufferFrom, HashUse, TensorAssembler};
 use ferry_proto::dtype::{WireDType, WireQuantScheme};
-use ferry_io::TensorAssembler;
 use ferry_proto::{TensorMeta, WireMeta};
 use ferry_server::BackendKind;
 use ferry_server::Primitive;
@@ -46,7 +46,11 @@ fuzz_target!(|data: &[u8]| {
     let Ok(meta) = TensorMeta::try_from(&wire) else {
         return;
     };
-    assert_eq!(meta.byte_len() as u64, declared, "accepted only with the exact length");
+    assert_eq!(
+        meta.byte_len() as u64,
+        declared,
+        "accepted only with the exact length"
+    );
     let len = meta.byte_len();
     if len > ROUND_TRIP_MAX {
         return;
@@ -57,20 +61,29 @@ fuzz_target!(|data: &[u8]| {
     } else {
         payload.iter().copied().cycle().take(len).collect()
     };
-    let mut assembler = TensorAssembler::new(meta.clone(), u64::MAX).expect("small");
+    let mut assembler =
+        TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Skip)
+            .expect("small");
     if len > 0 {
         assembler.accept(0, &filled).expect("in order, in bounds");
     }
     // A payload whose stored scales Burn would not give back unchanged is refused here, with
     // its typed error (the first finding of this target); everything else must reach Flex.
     let tensor: TensorData = match assembler.finish() {
-        Ok(tensor) => tensor,
-        Err(ferry_proto::ProtoError::Meta(ferry_proto::MetaError::NonCanonicalScale { .. })) => {
+        Ok(assembled) => assembled.data,
+        Err(ferry_proto::ProtoError::Meta(ferry_proto::MetaError::NonCanonicalScale {
+            ..
+        })) => {
             return;
         }
         Err(other) => panic!("a complete, valid payload was refused: {other}"),
     };
-    if BackendKind::Flex.measured_holds().expect("a CPU backend").check(&meta.dtype(), meta.shape()).is_err() {
+    if BackendKind::Flex
+        .measured_holds()
+        .expect("a CPU backend")
+        .check(&meta.dtype(), meta.shape())
+        .is_err()
+    {
         return;
     }
     let device = burn_flex::FlexDevice;

@@ -1,5 +1,6 @@
-//! Where a receiver's buffer comes from: new memory aligned for the dtype, a recycled buffer,
-//! the receive pool, a new shared-memory region, or the caller's; its size checked first.
+//! The receiver's one constructor, and where its buffer comes from ([`BufferFrom`]): new memory
+//! aligned for the dtype, a recycled buffer, the receive pool, a new shared-memory region, or the
+//! caller's; its size checked first.
 
 use burn_std::{Bytes, DType};
 
@@ -7,7 +8,7 @@ use ferry_proto::{MetaError, TensorMeta};
 
 use ferry_memory::pool::Pool;
 
-use super::{Backing, RunningHash, TensorAssembler};
+use super::{Backing, HashUse, RunningHash, TensorAssembler};
 
 /// A zeroed buffer of `len` bytes, allocated with the alignment of `dtype`'s elements so that
 /// backends can use it in place (NdArray panics on misaligned buffers; Flex would copy), and from
@@ -35,52 +36,57 @@ fn alloc_for(dtype: DType, len: usize) -> Result<Bytes, MetaError> {
     }
 }
 
-/// Where a new receiver's own buffer comes from.
-enum Source<'a> {
+/// Where a receiver's buffer comes from.
+pub enum BufferFrom<'a> {
     /// New memory, aligned for the dtype.
     Fresh,
-    /// A recycled buffer where the process keeps one of about the size, else new memory.
+    /// A recycled buffer where the process keeps one of about the size
+    /// ([`ferry_memory::host::receive_buffer`]), else new memory. For a receiver whose backend
+    /// keeps the buffer as the tensor's memory as it is (Flex): one that wants a `Vec` would copy
+    /// it.
     Recycled,
-    /// The pool, else as [`Source::Recycled`].
+    /// The pool first: a payload the pool cannot hold (too large, or the pool too full) goes to
+    /// [`Recycled`](Self::Recycled) memory, with a log line that says so and the pool's miss
+    /// counter raised.
     Pool(&'a Pool),
+    /// A new shared-memory region, sealed when the tensor is handed out, so that a tensor that
+    /// arrived by any link can go on to a same-host peer as is. Where no region can be made (or
+    /// off Linux), [`Recycled`](Self::Recycled) memory, with a log line.
+    Region,
+    /// The caller's (a range of a file being written, say): exactly the payload's length, else
+    /// [`MetaError::BufferLength`]. Its bytes are overwritten whole before the tensor is handed
+    /// out.
+    Provided(Bytes),
+}
+
+impl std::fmt::Debug for BufferFrom<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Fresh => f.write_str("Fresh"),
+            Self::Recycled => f.write_str("Recycled"),
+            Self::Pool(_) => f.write_str("Pool"),
+            Self::Region => f.write_str("Region"),
+            Self::Provided(buf) => write!(f, "Provided({} bytes)", buf.len()),
+        }
+    }
 }
 
 impl TensorAssembler {
-    /// Preallocates for `meta`, refusing a payload over `max_bytes` before allocating.
-    pub fn new(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
-        Self::allocate(meta, max_bytes, Source::Fresh)
-    }
-
-    /// [`new`](Self::new), in a recycled buffer where the process keeps one of about the size
-    /// ([`ferry_memory::host::receive_buffer`]). For a receiver whose backend keeps the buffer as
-    /// the tensor's memory as it is (Flex): one that wants a `Vec` would copy it.
-    pub fn new_recycled(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
-        Self::allocate(meta, max_bytes, Source::Recycled)
-    }
-
-    /// Receives into `buf`, which the caller provides (a range of a file being written, say):
-    /// `None`, giving the buffer back, unless it is exactly the payload's length. Its bytes are
-    /// overwritten whole before the tensor is handed out.
-    pub fn into_buffer(meta: TensorMeta, buf: Bytes) -> Result<Self, Bytes> {
-        if buf.len() != meta.byte_len() {
-            return Err(buf);
-        }
-        Ok(Self::with_buffer(meta, buf, Backing::Provided))
-    }
-
-    pub(super) fn with_buffer(meta: TensorMeta, buf: Bytes, backing: Backing) -> Self {
-        Self {
-            hash: RunningHash::None,
-            hash_use: None,
-            meta,
-            buf,
-            received: 0,
-            backing,
-        }
-    }
-
-    /// Refuses a payload over `max_bytes` before anything is allocated for it.
-    fn check_size(meta: &TensorMeta, max_bytes: u64) -> Result<usize, MetaError> {
+    /// A receiver for `meta`, its buffer from `from`, computing the content hash for
+    /// `hash_use` as the bytes arrive ([`HashUse::for_purpose`] says which). A payload over
+    /// `max_bytes` is refused before anything is allocated for it.
+    ///
+    /// A payload of [`TRAILING_HASH_MIN`](super::TRAILING_HASH_MIN) bytes or more is hashed on
+    /// another thread while it arrives, so that finishing waits only for the last chunk. A
+    /// connection reading into a receiver whose hash is a [`HashUse::Check`] checks no chunk
+    /// checksum ([`checks_chunks`](Self::checks_chunks)): the caller must compare the hash with
+    /// one it trusts (a pull, with its grant), which catches whatever the checksums would.
+    pub fn new(
+        meta: TensorMeta,
+        max_bytes: u64,
+        from: BufferFrom<'_>,
+        hash_use: HashUse,
+    ) -> Result<Self, MetaError> {
         let len = meta.byte_len();
         if len as u64 > max_bytes {
             return Err(MetaError::TooLarge {
@@ -88,54 +94,71 @@ impl TensorAssembler {
                 limit: max_bytes,
             });
         }
-        Ok(len)
-    }
-
-    /// [`new_recycled`](Self::new_recycled), received into a new shared-memory region that is
-    /// sealed when the tensor is handed out ([`finish_sealed`](Self::finish_sealed)), so that a
-    /// tensor that arrived by any link can go on to a same-host peer as is. Where no region can
-    /// be made (or off Linux), fresh or recycled memory, with a log line.
-    pub fn new_in_region(meta: TensorMeta, max_bytes: u64) -> Result<Self, MetaError> {
-        let len = Self::check_size(&meta, max_bytes)?;
-        #[cfg(target_os = "linux")]
-        match ferry_memory::region::RegionBuffer::new(len) {
-            Ok((region, buf)) => return Ok(Self::with_buffer(meta, buf, Backing::Region(region))),
-            Err(error) => {
-                tracing::info!(bytes = len, %error, "no region for this receive; it goes to fresh memory");
+        let (buf, backing) = match from {
+            BufferFrom::Provided(buf) if buf.len() == len => (buf, Backing::Provided),
+            BufferFrom::Provided(buf) => {
+                return Err(MetaError::BufferLength {
+                    len: buf.len() as u64,
+                    expected: len as u64,
+                });
             }
+            BufferFrom::Region => region_or_recycled(&meta)?,
+            BufferFrom::Pool(pool) => {
+                let pooled = pool.take(len).unwrap_or_else(|miss| {
+                    tracing::info!(
+                        bytes = miss.wanted,
+                        pool_free = miss.free,
+                        pool_largest_free = miss.largest_free,
+                        "the receive pool cannot hold this payload; it goes to fresh memory"
+                    );
+                    None
+                });
+                match pooled {
+                    Some(buf) => (buf, Backing::Own),
+                    None => (recycled_or_fresh(&meta)?, Backing::Own),
+                }
+            }
+            BufferFrom::Recycled => (recycled_or_fresh(&meta)?, Backing::Own),
+            BufferFrom::Fresh => (alloc_for(meta.dtype(), len)?, Backing::Own),
+        };
+        Ok(Self::with_buffer(meta, buf, backing, hash_use))
+    }
+
+    pub(super) fn with_buffer(
+        meta: TensorMeta,
+        buf: Bytes,
+        backing: Backing,
+        hash_use: HashUse,
+    ) -> Self {
+        let hash = RunningHash::for_use(hash_use, &meta, buf.len());
+        Self {
+            hash,
+            hash_use,
+            meta,
+            buf,
+            received: 0,
+            backing,
         }
-        Self::new_recycled(meta, max_bytes)
     }
+}
 
-    /// [`new_recycled`](Self::new_recycled), drawing the buffer from `pool` first: a payload the
-    /// pool cannot hold (too large, or the pool too full) goes to fresh memory, with a log line
-    /// that says so and the pool's miss counter raised.
-    pub fn new_pooled(meta: TensorMeta, max_bytes: u64, pool: &Pool) -> Result<Self, MetaError> {
-        Self::allocate(meta, max_bytes, Source::Pool(pool))
+/// A recycled buffer of the payload's size where the process keeps one, else new memory.
+fn recycled_or_fresh(meta: &TensorMeta) -> Result<Bytes, MetaError> {
+    let len = meta.byte_len();
+    match ferry_memory::host::receive_buffer(len) {
+        Some(buf) => Ok(buf),
+        None => alloc_for(meta.dtype(), len),
     }
+}
 
-    fn allocate(meta: TensorMeta, max_bytes: u64, source: Source<'_>) -> Result<Self, MetaError> {
-        let len = Self::check_size(&meta, max_bytes)?;
-        let pooled = match source {
-            Source::Pool(pool) => pool.take(len).unwrap_or_else(|miss| {
-                tracing::info!(
-                    bytes = miss.wanted,
-                    pool_free = miss.free,
-                    pool_largest_free = miss.largest_free,
-                    "the receive pool cannot hold this payload; it goes to fresh memory"
-                );
-                None
-            }),
-            Source::Fresh | Source::Recycled => None,
-        };
-        let recycled = || match source {
-            Source::Fresh => None,
-            Source::Recycled | Source::Pool(_) => ferry_memory::host::receive_buffer(len),
-        };
-        let buf = match pooled.or_else(recycled) {
-            Some(buf) => buf,
-            None => alloc_for(meta.dtype(), len)?,
-        };
-        Ok(Self::with_buffer(meta, buf, Backing::Own))
+/// A new shared-memory region of the payload's size, else (or off Linux) recycled memory.
+fn region_or_recycled(meta: &TensorMeta) -> Result<(Bytes, Backing), MetaError> {
+    #[cfg(target_os = "linux")]
+    match ferry_memory::region::RegionBuffer::new(meta.byte_len()) {
+        Ok((region, buf)) => return Ok((buf, Backing::Region(region))),
+        Err(error) => {
+            tracing::info!(bytes = meta.byte_len(), %error, "no region for this receive; it goes to fresh memory");
+        }
     }
+    Ok((recycled_or_fresh(meta)?, Backing::Own))
 }

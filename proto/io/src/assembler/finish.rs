@@ -8,6 +8,19 @@ use ferry_proto::{ContentHash, ProtoError, StreamError};
 
 use super::{Backing, RunningHash, Sealed, TensorAssembler};
 
+/// A received tensor, handed out by [`TensorAssembler::finish`].
+#[derive(Debug)]
+pub struct Assembled {
+    /// The tensor, bit-exact as it arrived.
+    pub data: TensorData,
+    /// Its content hash, where the receiver computed it: never for a receiver that does not
+    /// hash ([`HashUse::Skip`](super::HashUse::Skip)), nor for a payload that came whole and was
+    /// not settled since.
+    pub hash: Option<ContentHash>,
+    /// The region it was received into, sealed, to pass on to a same-host peer without a copy.
+    pub sealed: Sealed,
+}
+
 impl TensorAssembler {
     pub(super) fn check_complete(&self) -> Result<(), ProtoError> {
         if !self.is_complete() {
@@ -20,53 +33,24 @@ impl TensorAssembler {
         Ok(())
     }
 
-    /// The assembled tensor, once every declared byte has arrived (no content hash computed).
-    pub fn finish(self) -> Result<TensorData, ProtoError> {
-        self.finish_sealed().map(|(data, _)| data)
-    }
-
-    /// [`finish`](Self::finish), with the region the tensor was received into, sealed (see
-    /// [`new_in_region`](Self::new_in_region)).
-    pub fn finish_sealed(mut self) -> Result<(TensorData, Sealed), ProtoError> {
-        self.check_complete()?;
-        // Joined (and its thread done with the buffer) before the buffer is handed out.
-        self.hash = RunningHash::None;
-        let sealed = self.seal();
-        Ok((from_parts(&self.meta, self.buf)?, sealed))
-    }
-
-    /// The assembled tensor and its content hash
-    /// ([`content_hash`](ferry_proto::tensor::content_hash)), once every declared byte has
-    /// arrived.
-    pub fn finish_hashed(self) -> Result<(TensorData, ContentHash), ProtoError> {
-        self.finish_hashed_sealed()
-            .map(|(data, hash, _)| (data, hash))
-    }
-
-    /// [`finish_hashed`](Self::finish_hashed), with the region the tensor was received into,
-    /// sealed.
-    pub fn finish_hashed_sealed(mut self) -> Result<(TensorData, ContentHash, Sealed), ProtoError> {
-        let hash = self.settle_hash()?;
-        let sealed = self.seal();
-        Ok((from_parts(&self.meta, self.buf)?, hash, sealed))
-    }
-
-    /// [`finish_sealed`](Self::finish_sealed), with the content hash where it was computed as
-    /// the bytes arrived ([`hashing`](Self::hashing)); `None` where it was not (a receiver that
-    /// does not hash, or a payload recorded that came whole: see
-    /// [`HashUse::Record`](super::HashUse::Record)). The hashing thread is waited for: call it
-    /// off an async runtime.
-    pub fn finish_recorded(
-        mut self,
-    ) -> Result<(TensorData, Option<ContentHash>, Sealed), ProtoError> {
+    /// The assembled tensor, once every declared byte has arrived, with its content hash where
+    /// it was computed as the bytes arrived or settled ([`settle_hash`](Self::settle_hash)), and
+    /// the region it was received into, sealed ([`BufferFrom::Region`](super::BufferFrom)). A
+    /// hashing thread is waited for: call it off an async runtime where the receiver hashes.
+    pub fn finish(mut self) -> Result<Assembled, ProtoError> {
         self.check_complete()?;
         let hash = match self.hash {
             RunningHash::None => None,
             _ => Some(self.settle_hash()?),
         };
+        // Joined (and its thread done with the buffer) before the buffer is handed out.
         self.hash = RunningHash::None;
         let sealed = self.seal();
-        Ok((from_parts(&self.meta, self.buf)?, hash, sealed))
+        Ok(Assembled {
+            data: from_parts(&self.meta, self.buf)?,
+            hash,
+            sealed,
+        })
     }
 
     /// Seals the region the bytes were received into, if any, and makes its sealed mapping the

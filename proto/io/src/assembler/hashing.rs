@@ -1,27 +1,11 @@
-//! The content hash computed as the bytes arrive: what it is for ([`HashUse`]), and where it
-//! runs (in line, or on a thread trailing the receiver: [`TRAILING_HASH_MIN`]).
-
-use burn_std::Bytes;
+//! The content hash computed as the bytes arrive (what it is for: [`HashUse`], decided in
+//! [`crate::hash_plan`]), and where it runs: in line, or on a thread trailing the receiver
+//! ([`TRAILING_HASH_MIN`]).
 
 use ferry_proto::tensor::{content_hash, content_hasher, hash_more};
-use ferry_proto::{ContentHash, ProtoError, StreamError};
+use ferry_proto::{ContentHash, ProtoError, TensorMeta};
 
-use super::TensorAssembler;
-
-/// What a receiver computes the content hash for ([`TensorAssembler::hashing`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HashUse {
-    /// Compared with a hash the receiver trusts (a pull's grant) before the bytes are used: it
-    /// catches whatever a chunk checksum would, so none is checked, and each byte is read once
-    /// after the kernel wrote it, by the hash.
-    Check,
-    /// Recorded as the tensor's hash (a put, which has none to compare it with): chunk
-    /// checksums still catch noise on a link in clear, each checked while its piece is in
-    /// cache, and the hash trails a chunk behind, so the bytes are read from memory once. A
-    /// payload that comes whole (a shared-memory region) is not hashed at all: its handoff
-    /// stays O(1), and whoever registers it hashes it later.
-    Record,
-}
+use super::{HashUse, TensorAssembler};
 
 /// Payloads at least this large are hashed on their own thread while they arrive; smaller ones
 /// as each chunk is committed, on the receiving thread (a thread costs more than their hash).
@@ -45,30 +29,23 @@ pub(super) enum RunningHash {
     Done(ContentHash),
 }
 
-impl TensorAssembler {
-    /// Also computes the content hash while the payload arrives, for `hash_use` (see
-    /// [`finish_hashed`](Self::finish_hashed), [`finish_recorded`](Self::finish_recorded)).
-    ///
-    /// A payload of [`TRAILING_HASH_MIN`] bytes or more is hashed on another thread while it
-    /// arrives, so that finishing waits only for the last chunk.
-    ///
-    /// A connection reading into a receiver whose hash is a [`HashUse::Check`] checks no chunk
-    /// checksum ([`checks_chunks`](Self::checks_chunks)): the caller must compare the hash with
-    /// one it trusts (a pull, with its grant), which catches whatever the checksums would.
-    pub fn hashing(mut self, hash_use: HashUse) -> Self {
-        if self.received != 0 || !matches!(self.hash, RunningHash::None) {
-            return self;
+impl RunningHash {
+    /// How a receiver of `len` bytes of `meta` hashes them for `hash_use`: not at all, in line
+    /// where a thread costs more than the hash, else on a thread started with the first chunk.
+    pub(super) fn for_use(hash_use: HashUse, meta: &TensorMeta, len: usize) -> Self {
+        if hash_use == HashUse::Skip {
+            return Self::None;
         }
-        self.hash_use = Some(hash_use);
-        let hasher = Box::new(content_hasher(&self.meta));
-        self.hash = if self.buf.len() >= TRAILING_HASH_MIN {
-            RunningHash::TrailingSoon(hasher)
+        let hasher = Box::new(content_hasher(meta));
+        if len >= TRAILING_HASH_MIN {
+            Self::TrailingSoon(hasher)
         } else {
-            RunningHash::Inline(hasher)
-        };
-        self
+            Self::Inline(hasher)
+        }
     }
+}
 
+impl TensorAssembler {
     /// Starts the trailing hash thread a [`RunningHash::TrailingSoon`] waits for (before any byte
     /// is written: `slot` calls it first).
     pub(super) fn start_trailing(&mut self) {
@@ -88,7 +65,7 @@ impl TensorAssembler {
         let (base, len) = (self.buf.as_mut_ptr(), self.buf.len());
         // SAFETY: `buf` is `len` bytes that live as long as `self`; `hash` is declared before
         // it (dropped, and its thread joined, first), is finished before `buf` is handed out or
-        // replaced (`finish*`, `take_hasher`, `adopt`), and while it lives every access to `buf`
+        // replaced (`finish`, `take_hasher`, `adopt`), and while it lives every access to `buf`
         // goes through it (`slot`).
         let started = unsafe { crate::trailing::TrailingHash::start(base, len, (*hasher).clone()) };
         // Without a thread to be had (out of threads or memory), hashed in line instead.
@@ -98,8 +75,8 @@ impl TensorAssembler {
         };
     }
 
-    /// What the content hash is computed for, where it is ([`hashing`](Self::hashing)).
-    pub fn hash_use(&self) -> Option<HashUse> {
+    /// What the content hash is computed for.
+    pub fn hash_use(&self) -> HashUse {
         self.hash_use
     }
 
@@ -107,12 +84,12 @@ impl TensorAssembler {
     /// authenticate every byte itself): unless the payload's hash is computed as it arrives to
     /// be checked ([`HashUse::Check`]), which catches whatever they would.
     pub fn checks_chunks(&self) -> bool {
-        matches!(self.hash, RunningHash::None) || self.hash_use != Some(HashUse::Check)
+        matches!(self.hash, RunningHash::None) || self.hash_use.checks_chunks()
     }
 
-    /// The content hasher, to feed elsewhere (off an async runtime) and give back with
-    /// [`adopt_hashed`](Self::adopt_hashed); `None` where this receiver does not hash.
-    pub fn take_hasher(&mut self) -> Option<blake3::Hasher> {
+    /// The content hasher, with every byte committed so far fed to it; `None` where this
+    /// receiver does not hash.
+    pub(super) fn take_hasher(&mut self) -> Option<blake3::Hasher> {
         match std::mem::take(&mut self.hash) {
             // A settled hash has no hasher left to feed.
             RunningHash::None | RunningHash::Done(_) => None,
@@ -128,8 +105,8 @@ impl TensorAssembler {
     }
 
     /// The content hash of every byte, once all have arrived: the hashing thread finished
-    /// (this waits for it: call it off an async runtime), or, for a receiver that does not hash,
-    /// the bytes hashed now; kept for [`finish_hashed`](Self::finish_hashed).
+    /// (this waits for it: call it off an async runtime), or, where the bytes were not hashed as
+    /// they arrived, the bytes hashed now; kept for [`finish`](Self::finish).
     pub fn settle_hash(&mut self) -> Result<ContentHash, ProtoError> {
         self.check_complete()?;
         let hash = match &self.hash {
@@ -141,18 +118,5 @@ impl TensorAssembler {
         };
         self.hash = RunningHash::Done(hash);
         Ok(hash)
-    }
-
-    /// [`adopt`](Self::adopt) for a payload already fed to the hasher taken with
-    /// [`take_hasher`](Self::take_hasher).
-    pub fn adopt_hashed(
-        &mut self,
-        payload: Bytes,
-        hasher: Option<blake3::Hasher>,
-    ) -> Result<(), StreamError> {
-        self.hash = RunningHash::None;
-        self.adopt(payload)?;
-        self.hash = hasher.map_or(RunningHash::None, |h| RunningHash::Inline(Box::new(h)));
-        Ok(())
     }
 }

@@ -2,8 +2,8 @@
 //! chunk (or adopted whole from a region), its content hash computed as the bytes arrive.
 //!
 //! Here the receiver and the bytes' way in; `buffer` holds where its buffer comes from (the
-//! constructors), `hashing` the content hash computed as the bytes arrive, `finish` the
-//! handing out of the tensor.
+//! constructor), `hashing` the content hash computed as the bytes arrive (what it is for is
+//! decided in [`crate::hash_plan`]), `finish` the handing out of the tensor.
 
 mod buffer;
 mod finish;
@@ -16,8 +16,11 @@ use burn_std::Bytes;
 use ferry_proto::tensor::hash_more;
 use ferry_proto::{ContentHash, StreamError, TensorMeta};
 
+pub use crate::hash_plan::HashUse;
+pub use buffer::BufferFrom;
+pub use finish::Assembled;
 use hashing::RunningHash;
-pub use hashing::{HashUse, TRAILING_HASH_MIN};
+pub use hashing::TRAILING_HASH_MIN;
 
 /// Receives one tensor's payload in order, into one buffer sized from the validated meta.
 ///
@@ -25,11 +28,11 @@ pub use hashing::{HashUse, TRAILING_HASH_MIN};
 /// chunk arrived whole, its checksum verified where one is checked), so a receiver never holds
 /// a second copy of the tensor.
 pub struct TensorAssembler {
-    /// The content hash where the receiver wants it ([`hashing`](Self::hashing)). Declared
-    /// before `buf`, so that a hashing thread is joined before the buffer it reads is freed.
+    /// The content hash, where the receiver computes one. Declared before `buf`, so that a
+    /// hashing thread is joined before the buffer it reads is freed.
     hash: RunningHash,
-    /// What the hash is for, where the receiver hashes ([`hashing`](Self::hashing)).
-    hash_use: Option<HashUse>,
+    /// What the hash is for.
+    hash_use: HashUse,
     meta: TensorMeta,
     buf: Bytes,
     received: usize,
@@ -42,18 +45,18 @@ enum Backing {
     /// Memory of the receiver's own (new, recycled or from a pool): a payload that comes as a
     /// region replaces it.
     Own,
-    /// The caller's ([`into_buffer`](TensorAssembler::into_buffer), a range of a file being
-    /// written): the bytes must end up in it, whichever route they came by.
+    /// The caller's ([`BufferFrom::Provided`], a range of a file being written): the bytes must
+    /// end up in it, whichever route they came by.
     Provided,
-    /// A mapping of this new region ([`new_in_region`](TensorAssembler::new_in_region)), sealed
-    /// when the tensor is handed out.
+    /// A mapping of this new region ([`BufferFrom::Region`]), sealed when the tensor is handed
+    /// out.
     #[cfg(target_os = "linux")]
     Region(ferry_memory::region::RegionBuffer),
 }
 
 /// A receiver without its buffer and hash, while stripes fill the buffer (`crate::striped`).
 pub(crate) struct Shell {
-    hash_use: Option<HashUse>,
+    hash_use: HashUse,
     meta: TensorMeta,
     backing: Backing,
 }
@@ -156,7 +159,9 @@ impl TensorAssembler {
     }
 
     /// Takes a whole, already verified payload in place of the preallocated buffer (a
-    /// shared-memory region the sender filled), instead of receiving it in chunks.
+    /// shared-memory region the sender filled), instead of receiving it in chunks. It is not
+    /// hashed here, so that its handoff stays O(1) ([`crate::hash_plan`]): whoever needs its hash
+    /// settles it ([`settle_hash`](Self::settle_hash)) or has the device verify it.
     pub fn adopt(&mut self, payload: Bytes) -> Result<(), StreamError> {
         let total = self.meta.byte_len();
         if self.received != 0 {
@@ -171,19 +176,8 @@ impl TensorAssembler {
                 total: total as u64,
             });
         }
-        // A payload that came whole is not hashed only to be recorded: its handoff stays O(1).
-        if self.hash_use == Some(HashUse::Record) {
-            self.hash = RunningHash::None;
-        }
-        // A hashing thread reads the old buffer: it is done with it before the buffer goes.
-        if let RunningHash::Trailing(_) = self.hash {
-            self.hash = self
-                .take_hasher()
-                .map_or(RunningHash::None, |h| RunningHash::Inline(Box::new(h)));
-        }
-        if let RunningHash::Inline(hasher) | RunningHash::TrailingSoon(hasher) = &mut self.hash {
-            hash_more(hasher, &payload);
-        }
+        // A hashing thread reads the old buffer: dropping it joins it before the buffer goes.
+        self.hash = RunningHash::None;
         match self.backing {
             // The caller's buffer is where the bytes must land (a file being written): copied
             // out of the region, which is then let go.
@@ -223,9 +217,9 @@ impl TensorAssembler {
         ))
     }
 
-    /// The receiver [`take_apart`](Self::take_apart) took apart, as it was, without its hash.
+    /// The receiver [`take_apart`](Self::take_apart) took apart, as it was before any byte.
     pub(crate) fn from_shell(shell: Shell, buf: Bytes) -> Self {
-        Self::with_buffer(shell.meta, buf, shell.backing)
+        Self::with_buffer(shell.meta, buf, shell.backing, shell.hash_use)
     }
 
     /// A receiver whose every byte arrived by stripes into `buf`, hashed to `hash` as they did.

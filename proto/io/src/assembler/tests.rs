@@ -7,13 +7,14 @@ use ferry_proto::frame::chunks;
 use ferry_proto::tensor::{content_hash, into_parts};
 use ferry_proto::{ContentHash, MetaError, StreamError, TensorMeta};
 
-use super::{HashUse, RunningHash, TRAILING_HASH_MIN, TensorAssembler};
+use super::{BufferFrom, HashUse, RunningHash, TRAILING_HASH_MIN, TensorAssembler};
 
 #[test]
 fn assembles_in_order_and_refuses_the_rest() {
     let data = TensorData::new((0..10).map(|i| i as f32).collect::<Vec<_>>(), [2, 5]);
     let (meta, payload) = into_parts(data.clone()).unwrap();
-    let mut asm = TensorAssembler::new(meta.clone(), 1 << 20).unwrap();
+    let mut asm =
+        TensorAssembler::new(meta.clone(), 1 << 20, BufferFrom::Fresh, HashUse::Record).unwrap();
     assert!(matches!(
         asm.accept(4, &payload[4..8]),
         Err(StreamError::OutOfOrder { .. })
@@ -29,8 +30,9 @@ fn assembles_in_order_and_refuses_the_rest() {
         asm.accept(40, &[0]),
         Err(StreamError::PastEnd { .. })
     ));
-    let (back, hash) = asm.finish_hashed().unwrap();
-    assert_eq!(hash, content_hash(&meta, data.as_bytes()));
+    let back = asm.finish().unwrap();
+    assert_eq!(back.hash, Some(content_hash(&meta, data.as_bytes())));
+    let back = back.data;
     assert_eq!(back.as_bytes(), data.as_bytes());
     assert_eq!(back.dtype(), data.dtype());
     assert_eq!(back.shape(), data.shape());
@@ -41,17 +43,16 @@ fn a_large_payload_hashed_on_its_own_thread_hashes_as_in_line() {
     let n = TRAILING_HASH_MIN; // 4 MiB of f32
     let data = TensorData::new((0..n).map(|i| i as f32).collect::<Vec<_>>(), [n]);
     let (meta, payload) = into_parts(data.clone()).unwrap();
-    let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
-        .unwrap()
-        .hashing(HashUse::Check);
+    let mut asm =
+        TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Check).unwrap();
     assert!(matches!(asm.hash, RunningHash::TrailingSoon(_)));
     for (offset, piece) in chunks(&payload, 300_001) {
         asm.accept(offset, piece).unwrap();
         assert!(matches!(asm.hash, RunningHash::Trailing(_)));
     }
-    let (back, hash) = asm.finish_hashed().unwrap();
-    assert_eq!(hash, content_hash(&meta, data.as_bytes()));
-    assert_eq!(back.as_bytes(), data.as_bytes());
+    let back = asm.finish().unwrap();
+    assert_eq!(back.hash, Some(content_hash(&meta, data.as_bytes())));
+    assert_eq!(back.data.as_bytes(), data.as_bytes());
 }
 
 #[test]
@@ -59,50 +60,57 @@ fn a_payload_that_comes_whole_starts_no_hashing_thread() {
     let n = TRAILING_HASH_MIN;
     let data = TensorData::new((0..n).map(|i| (i % 253) as u8).collect::<Vec<_>>(), [n]);
     let (meta, payload) = into_parts(data.clone()).unwrap();
-    let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
-        .unwrap()
-        .hashing(HashUse::Check);
+    let mut asm =
+        TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Check).unwrap();
     assert!(matches!(asm.hash, RunningHash::TrailingSoon(_)));
     asm.adopt(payload).unwrap();
-    assert!(!matches!(asm.hash, RunningHash::Trailing(_)));
-    let (back, hash) = asm.finish_hashed().unwrap();
-    assert_eq!(hash, content_hash(&meta, data.as_bytes()));
-    assert_eq!(back.as_bytes(), data.as_bytes());
+    assert!(
+        matches!(asm.hash, RunningHash::None),
+        "not hashed at its handoff"
+    );
+    // Settled from the bytes by whoever needs it.
+    assert_eq!(
+        asm.settle_hash().unwrap(),
+        content_hash(&meta, data.as_bytes())
+    );
+    let back = asm.finish().unwrap();
+    assert_eq!(back.hash, Some(content_hash(&meta, data.as_bytes())));
+    assert_eq!(back.data.as_bytes(), data.as_bytes());
 }
 
-/// A put's receiver records the hash of chunks as they arrive (in line and on a trailing
-/// thread), and none for a payload that comes whole, which its registration hashes later.
+/// A receiver that hashes does so for chunks as they arrive (in line and on a trailing thread),
+/// and not for a payload that comes whole, whose handoff stays O(1): its registration (a put) or
+/// its device (a pull) hashes it later.
 #[test]
-fn a_recorded_hash_comes_with_chunks_but_not_with_a_payload_that_came_whole() {
+fn a_hash_comes_with_chunks_but_not_with_a_payload_that_came_whole() {
     for n in [3000, 2 * TRAILING_HASH_MIN] {
         let data = TensorData::new((0..n).map(|i| (i % 241) as u8).collect::<Vec<_>>(), [n]);
         let (meta, payload) = into_parts(data.clone()).unwrap();
         let truth = content_hash(&meta, data.as_bytes());
         let recording = || {
-            TensorAssembler::new(meta.clone(), u64::MAX)
+            TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Record)
                 .unwrap()
-                .hashing(HashUse::Record)
         };
         let mut asm = recording();
         for (offset, piece) in chunks(&payload, 200_003) {
             asm.accept(offset, piece).unwrap();
         }
-        let (back, hash, _) = asm.finish_recorded().unwrap();
-        assert_eq!(hash, Some(truth), "{n}");
-        assert_eq!(back.as_bytes(), data.as_bytes());
+        let back = asm.finish().unwrap();
+        assert_eq!(back.hash, Some(truth), "{n}");
+        assert_eq!(back.data.as_bytes(), data.as_bytes());
 
         let mut whole = recording();
         whole.adopt(payload.clone()).unwrap();
-        let (back, hash, _) = whole.finish_recorded().unwrap();
-        assert_eq!(hash, None, "{n}: not hashed at its handoff");
-        assert_eq!(back.as_bytes(), data.as_bytes());
+        let back = whole.finish().unwrap();
+        assert_eq!(back.hash, None, "{n}: not hashed at its handoff");
+        assert_eq!(back.data.as_bytes(), data.as_bytes());
 
-        // A receiver that hashes to check does hash what came whole.
-        let mut checked = TensorAssembler::new(meta.clone(), u64::MAX)
-            .unwrap()
-            .hashing(HashUse::Check);
+        // Nor by a receiver that hashes to check it: it settles the hash when it needs it.
+        let mut checked =
+            TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Check)
+                .unwrap();
         checked.adopt(payload).unwrap();
-        assert_eq!(checked.finish_recorded().unwrap().1, Some(truth));
+        assert_eq!(checked.settle_hash().unwrap(), truth, "{n}");
     }
 }
 
@@ -111,9 +119,7 @@ fn a_receive_dropped_half_way_stops_its_hashing_thread() {
     let n = TRAILING_HASH_MIN;
     let data = TensorData::new(vec![7u8; n], [n]);
     let (meta, payload) = into_parts(data).unwrap();
-    let mut asm = TensorAssembler::new(meta, u64::MAX)
-        .unwrap()
-        .hashing(HashUse::Check);
+    let mut asm = TensorAssembler::new(meta, u64::MAX, BufferFrom::Fresh, HashUse::Check).unwrap();
     asm.accept(0, &payload[..n / 2]).unwrap();
     // Out of order is still refused through the hashing thread's view of the buffer.
     assert!(asm.accept(0, &payload[..8]).is_err());
@@ -125,9 +131,8 @@ fn a_hasher_taken_mid_way_carries_the_committed_bytes() {
     let n = 2 * TRAILING_HASH_MIN;
     let data = TensorData::new((0..n).map(|i| (i % 251) as u8).collect::<Vec<_>>(), [n]);
     let (meta, payload) = into_parts(data.clone()).unwrap();
-    let mut asm = TensorAssembler::new(meta.clone(), u64::MAX)
-        .unwrap()
-        .hashing(HashUse::Check);
+    let mut asm =
+        TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Check).unwrap();
     asm.accept(0, &payload[..n / 3]).unwrap();
     let mut hasher = asm.take_hasher().unwrap();
     hasher.update(&payload[n / 3..]);
@@ -141,7 +146,7 @@ fn a_hasher_taken_mid_way_carries_the_committed_bytes() {
 fn an_early_end_is_an_error() {
     let data = TensorData::new(vec![1u8, 2, 3], [3]);
     let (meta, payload) = into_parts(data).unwrap();
-    let mut asm = TensorAssembler::new(meta, 100).unwrap();
+    let mut asm = TensorAssembler::new(meta, 100, BufferFrom::Fresh, HashUse::Skip).unwrap();
     asm.accept(0, &payload[..2]).unwrap();
     assert!(asm.finish().is_err());
 }
@@ -150,7 +155,33 @@ fn an_early_end_is_an_error() {
 fn too_large_is_refused_before_allocating() {
     let meta = TensorMeta::new(vec![1 << 40], DType::F32).unwrap();
     assert!(matches!(
-        TensorAssembler::new(meta, 1 << 30),
+        TensorAssembler::new(meta, 1 << 30, BufferFrom::Fresh, HashUse::Skip),
         Err(MetaError::TooLarge { .. })
     ));
+}
+
+#[test]
+fn a_provided_buffer_of_another_length_is_refused() {
+    let data = TensorData::new(vec![1u8, 2, 3], [3]);
+    let (meta, payload) = into_parts(data).unwrap();
+    let short = burn_std::Bytes::from_bytes_vec(vec![0u8; 2]);
+    assert!(matches!(
+        TensorAssembler::new(
+            meta.clone(),
+            100,
+            BufferFrom::Provided(short),
+            HashUse::Skip
+        ),
+        Err(MetaError::BufferLength {
+            len: 2,
+            expected: 3
+        })
+    ));
+    let exact = burn_std::Bytes::from_bytes_vec(vec![0u8; 3]);
+    let mut asm =
+        TensorAssembler::new(meta, 100, BufferFrom::Provided(exact), HashUse::Skip).unwrap();
+    asm.accept(0, &payload).unwrap();
+    let back = asm.finish().unwrap();
+    assert_eq!(back.data.as_bytes(), &payload[..]);
+    assert_eq!(back.hash, None);
 }

@@ -54,7 +54,7 @@ impl ChunkChecksums {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::assembler::{HashUse, TensorAssembler};
+    use crate::assembler::{BufferFrom, HashUse, TensorAssembler};
     use crate::connection::{Connection, ConnectionError, ConnectionLimits};
     use ferry_proto::{TensorData, tensor::into_parts};
 
@@ -71,9 +71,10 @@ mod tests {
         payload: &[u8],
         known: Known<'_>,
     ) -> Result<Vec<u8>, ConnectionError> {
-        let assembler = TensorAssembler::new(meta.clone(), 1 << 30).unwrap();
+        let assembler =
+            TensorAssembler::new(meta.clone(), 1 << 30, BufferFrom::Fresh, HashUse::Skip).unwrap();
         let assembler = send_into(assembler, payload, known).await?;
-        Ok(assembler.finish().unwrap().as_bytes().to_vec())
+        Ok(assembler.finish().unwrap().data.as_bytes().to_vec())
     }
 
     /// Sends `payload` with `known` through an in-memory pipe into `assembler`.
@@ -117,12 +118,13 @@ mod tests {
             wrong[7] ^= 1;
             checksums.remember(1000, wrong);
 
-            let recording = TensorAssembler::new(meta.clone(), 1 << 30)
-                .unwrap()
-                .hashing(HashUse::Record);
+            let recording =
+                TensorAssembler::new(meta.clone(), 1 << 30, BufferFrom::Fresh, HashUse::Record)
+                    .unwrap();
             for (receiver, what) in [
                 (
-                    TensorAssembler::new(meta.clone(), 1 << 30).unwrap(),
+                    TensorAssembler::new(meta.clone(), 1 << 30, BufferFrom::Fresh, HashUse::Skip)
+                        .unwrap(),
                     "does not hash",
                 ),
                 (recording, "records its hash"),
@@ -139,19 +141,19 @@ mod tests {
                     "{n}: a receiver that {what} checks each chunk: {checked:?}"
                 );
             }
-            let hashing = TensorAssembler::new(meta.clone(), 1 << 30)
-                .unwrap()
-                .hashing(HashUse::Check);
+            let hashing =
+                TensorAssembler::new(meta.clone(), 1 << 30, BufferFrom::Fresh, HashUse::Check)
+                    .unwrap();
             assert!(!hashing.checks_chunks());
-            let (back, hash) = send_into(hashing, &payload, known)
+            let back = send_into(hashing, &payload, known)
                 .await
                 .expect("a hashing receiver does not check chunk checksums")
-                .finish_hashed()
+                .finish()
                 .unwrap();
-            assert_eq!(back.as_bytes(), &payload[..], "{n}");
+            assert_eq!(back.data.as_bytes(), &payload[..], "{n}");
             assert_eq!(
-                hash,
-                ferry_proto::tensor::content_hash(&meta, &payload),
+                back.hash,
+                Some(ferry_proto::tensor::content_hash(&meta, &payload)),
                 "{n}"
             );
         }

@@ -9,7 +9,7 @@ use ferry_proto::{FrameError, StreamError};
 use tokio::io::AsyncWriteExt;
 
 use super::{Connection, ConnectionError};
-use crate::assembler::{HashUse, TensorAssembler};
+use crate::assembler::TensorAssembler;
 use crate::transport::Transport;
 
 #[cfg(target_os = "linux")]
@@ -37,10 +37,6 @@ pub enum RegionUse {
     /// Keep the sealed region (a payload of at least [`KEEP_REGION_MIN`] bytes), to pass the
     /// tensor on without a copy.
     Keep,
-    /// Keep it, and leave its content hash to be verified later by whoever registers it: the
-    /// seals vouch that the bytes cannot change, so the check need not hold up the answer (a
-    /// pull between nodes of one host). The assembler's hash, if any, is not computed.
-    KeepUnhashed,
 }
 
 /// Whether this build can move payloads through shared memory (Linux `memfd`).
@@ -208,9 +204,8 @@ impl SealedRegion {
     }
 }
 
-/// Checks and maps a region (a few system calls, whatever its size), and hashes it where the
-/// receiver wants the content hash now: that reads every byte, so it runs on a blocking thread,
-/// not on a runtime thread that serves other connections.
+/// Checks and maps a region (a few system calls, whatever its size) and makes it the payload,
+/// unhashed: its handoff stays O(1) ([`crate::hash_plan`]).
 #[cfg(target_os = "linux")]
 async fn adopt_region(
     fd: std::os::fd::OwnedFd,
@@ -219,26 +214,9 @@ async fn adopt_region(
     regions: RegionUse,
 ) -> Result<Option<SealedRegion>, ConnectionError> {
     let expected = assembler.meta().byte_len();
-    let keep = regions != RegionUse::Map && expected >= KEEP_REGION_MIN;
-    // Hashed here only for a receiver that checks the hash before the bytes are used: one that
-    // only records it (a put) or a caller that verifies later leaves the handoff O(1).
-    let hash_now =
-        regions != RegionUse::KeepUnhashed && assembler.hash_use() == Some(HashUse::Check);
-    let hasher = assembler.take_hasher().filter(|_| hash_now);
-    let Some(hasher) = hasher else {
-        let (bytes, kept) = ferry_memory::region::adopt(fd, declared, expected, keep)?;
-        assembler.adopt_hashed(bytes, None)?;
-        return Ok(kept);
-    };
-    let (bytes, kept, hasher) = tokio::task::spawn_blocking(move || {
-        let (bytes, kept) = ferry_memory::region::adopt(fd, declared, expected, keep)?;
-        let mut hasher = hasher;
-        ferry_proto::tensor::hash_more(&mut hasher, &bytes);
-        Ok::<_, StreamError>((bytes, kept, hasher))
-    })
-    .await
-    .map_err(|e| std::io::Error::other(format!("region task: {e}")))??;
-    assembler.adopt_hashed(bytes, Some(hasher))?;
+    let keep = regions == RegionUse::Keep && expected >= KEEP_REGION_MIN;
+    let (bytes, kept) = ferry_memory::region::adopt(fd, declared, expected, keep)?;
+    assembler.adopt(bytes)?;
     Ok(kept)
 }
 
@@ -280,26 +258,27 @@ async fn adopt_region(
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
+    use crate::assembler::{BufferFrom, HashUse};
     use crate::connection::{ConnectionLimits, PayloadRoute};
     use crate::transport::UnixTransport;
     use ferry_proto::TensorData;
     use ferry_proto::tensor::{content_hash, into_parts};
 
-    /// A payload that comes whole as a sealed region is hashed at its handoff only by a
-    /// receiver that checks the hash before using the bytes (a pull); one that only records it
-    /// (a put) takes the region as it is, O(1), and leaves the hash to whoever registers it.
+    /// A payload that comes whole as a sealed region is not hashed at its handoff, whatever its
+    /// receiver hashes for: the handoff stays O(1), and the hash is settled (or verified by the
+    /// device) by whoever needs it.
     #[tokio::test]
-    async fn a_region_is_hashed_at_its_handoff_only_where_the_hash_is_checked() {
+    async fn a_region_is_never_hashed_at_its_handoff() {
         // Over a megabyte: received in chunks, it would be hashed on a trailing thread.
         let n = 2 << 20;
         let data = TensorData::new((0..n).map(|i| (i % 239) as u8).collect::<Vec<_>>(), [n]);
         let (meta, payload) = into_parts(data).unwrap();
         let truth = content_hash(&meta, &payload);
-        for (hash_use, regions, expected) in [
-            (HashUse::Record, RegionUse::Keep, None),
-            (HashUse::Record, RegionUse::Map, None),
-            (HashUse::Check, RegionUse::Keep, Some(truth)),
-            (HashUse::Check, RegionUse::KeepUnhashed, None),
+        for (hash_use, regions) in [
+            (HashUse::Record, RegionUse::Keep),
+            (HashUse::Record, RegionUse::Map),
+            (HashUse::Check, RegionUse::Keep),
+            (HashUse::Skip, RegionUse::Map),
         ] {
             let (a, b) = tokio::net::UnixStream::pair().unwrap();
             let limits = ConnectionLimits {
@@ -310,9 +289,8 @@ mod tests {
             let mut reader = Connection::new(UnixTransport::new(b), limits);
             writer.set_shared_memory(true);
             reader.set_shared_memory(true);
-            let mut assembler = TensorAssembler::new(meta.clone(), u64::MAX)
-                .unwrap()
-                .hashing(hash_use);
+            let mut assembler =
+                TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, hash_use).unwrap();
             let parts = [&payload[..]];
             let (sent, received) = tokio::join!(
                 writer.write_payload_parts(&parts, 0),
@@ -320,9 +298,10 @@ mod tests {
             );
             assert_eq!(sent.unwrap(), PayloadRoute::Region, "{hash_use:?}");
             assert_eq!(received.unwrap().0, PayloadRoute::Region);
-            let (back, hash, _) = assembler.finish_recorded().unwrap();
-            assert_eq!(hash, expected, "{hash_use:?} {regions:?}");
-            assert_eq!(back.as_bytes(), &payload[..]);
+            let assembled = assembler.finish().unwrap();
+            assert_eq!(assembled.hash, None, "{hash_use:?} {regions:?}");
+            assert_eq!(assembled.data.as_bytes(), &payload[..]);
+            assert_eq!(content_hash(&meta, assembled.data.as_bytes()), truth);
         }
     }
 }

@@ -679,9 +679,15 @@ async fn a_peer_that_does_not_read_is_sent_no_new_regions() {
             panic!("expected a tensor");
         };
         let meta = ferry::proto::TensorMeta::try_from(&meta).unwrap();
-        let mut assembler = ferry::io::TensorAssembler::new(meta, 1 << 30).unwrap();
+        let mut assembler = ferry::io::TensorAssembler::new(
+            meta,
+            1 << 30,
+            ferry::io::BufferFrom::Fresh,
+            ferry::io::HashUse::Skip,
+        )
+        .unwrap();
         routes.push(conn.read_payload(&mut assembler).await.unwrap());
-        assert_same(&assembler.finish().unwrap(), &data, "w");
+        assert_same(&assembler.finish().unwrap().data, &data, "w");
     }
     let bounded = bounded as usize;
     assert!(routes[..bounded].iter().all(|r| *r == PayloadRoute::Region));

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn_backend::{Backend, DType};
 use ferry_backend::Primitive;
 use ferry_io::connection::SealedRegion;
+use ferry_io::hash_plan::{AtRegister, at_register};
 use ferry_proto::TensorMeta;
 
 use super::Worker;
@@ -145,21 +146,22 @@ impl<B: Backend> Worker<B> {
                 let meta = ferry_proto::tensor::meta_of(&data)?;
                 let compute = || ferry_proto::tensor::content_hash(&meta, data.as_bytes());
                 // Checked or computed later only where the verifier can read the registered
-                // bytes without a copy; elsewhere that would take a second host copy, so now.
+                // bytes without a copy; elsewhere that would take a second host copy, so now
+                // (`ferry_io::hash_plan::at_register`).
                 let later = self.kind.shares_registered_bytes(&dtype);
-                let content_hash = match hash {
+                let content_hash = match (hash, at_register(hash.known(), later)) {
                     // Trusted as is: `KnownHash` is crate-private, and the places that make a
-                    // `Computed` (a pull's receiver, `peer/`; a put's, `service/session.rs`)
+                    // `Computed` (a pull's receiver, `peer/`; a put's, `service/session/put.rs`)
                     // hashed these very bytes as they arrived. No embedder or peer can state a
                     // hash that lands here; a stated one is `Stated` below, and verified from
                     // the registered bytes.
-                    KnownHash::Computed(hash) => HashState::Verified(hash),
-                    KnownHash::Stated(hash) if later => HashState::Stated(hash),
-                    KnownHash::Stated(stated) => {
+                    (KnownHash::Computed(hash), _) => HashState::Verified(hash),
+                    (KnownHash::Stated(hash), AtRegister::VerifyLater) => HashState::Stated(hash),
+                    (KnownHash::Stated(stated), _) => {
                         HashState::Verified(self.settle(name, stated, compute()))
                     }
-                    KnownHash::Unknown if later => HashState::Computing,
-                    KnownHash::Unknown => HashState::Verified(compute()),
+                    (KnownHash::Unknown, AtRegister::ComputeLater) => HashState::Computing,
+                    (KnownHash::Unknown, _) => HashState::Verified(compute()),
                 };
                 let origin = data.as_bytes().as_ptr();
                 let primitive = Primitive::<B>::from_data(data, &self.device)?;

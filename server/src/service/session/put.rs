@@ -1,13 +1,13 @@
 //! Put: a tensor uploaded to a device, checked and its budget claimed before its payload is
 //! read, registered once the payload arrived whole.
 
-use ferry_io::{Connection, ConnectionError, RegionUse, Transport};
+use ferry_io::{Assembled, Connection, ConnectionError, RegionUse, Transport};
 use ferry_proto::{Response, TensorMeta, WireMeta};
 
 use super::{Session, answer};
 use crate::device::{Arrived, IfExists, KnownHash};
 use crate::error::NodeError;
-use crate::node::Direction;
+use crate::node::{Direction, Receive};
 use crate::service::door::handshake::refuse as fail;
 use crate::service::door::refusal_log::RefusalLog;
 
@@ -40,10 +40,9 @@ impl Session<'_> {
                 let bytes = meta.byte_len() as u64;
                 let admission =
                     node.admit(device, &name, &meta.dtype(), meta.shape(), bytes, existing)?;
-                // Hashed as it arrives (trailing the chunk checksums) only where the device
-                // would otherwise hash it before registering; else after the answer (see
-                // `put_receiver`). A region is not hashed here: its handoff stays O(1).
-                let assembler = node.put_receiver(device, meta)?;
+                // Hashed as it arrives only where the device would otherwise hash it before
+                // registering; else after the answer (`ferry_io::hash_plan`).
+                let assembler = node.receiver(device, meta, Receive::Put)?;
                 Ok((assembler, admission))
             });
         let (mut assembler, admission) = match admitted {
@@ -79,12 +78,12 @@ impl Session<'_> {
         };
         // Off the runtime: the hashing thread's last chunk is waited for, and sealing a region
         // it was received into reads it once (its checksum) and asks the kernel to seal it.
-        let finished = tokio::task::spawn_blocking(move || assembler.finish_recorded())
+        let finished = tokio::task::spawn_blocking(move || assembler.finish())
             .await
             .map_err(|e| NodeError::Backend(format!("finishing a put: {e}")))
             .and_then(|finished| finished.map_err(NodeError::Received));
         let reply = match finished {
-            Ok((data, hash, sealed)) => {
+            Ok(Assembled { data, hash, sealed }) => {
                 let arrived = Arrived {
                     data,
                     hash: hash.map_or(KnownHash::Unknown, KnownHash::Computed),
