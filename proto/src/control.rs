@@ -173,5 +173,6 @@ fn response_since(response: &Response) -> (&'static str, u16) {
         Response::Page { .. } => ("page", 3),
         Response::Holds { .. } => ("holds", 5),
         Response::TensorPart { .. } => ("tensor-part", crate::message::FETCH_RANGE_MINOR),
+        Response::Arrived(_) => ("arrived", crate::message::WAIT_MINOR),
     }
 }

@@ -36,7 +36,7 @@ pub use frame::{
 };
 pub use message::{
     DeviceStats, ErrorCode, ErrorReply, HeldDtype, Hello, NodeStats, Request, Response, TensorInfo,
-    TensorKey, Welcome,
+    TensorKey, WaitFor, Welcome,
 };
 pub use meta::{TensorMeta, WireMeta};
 pub use secret::{CapabilityToken, NodeId, Token};

@@ -205,6 +205,16 @@ pub enum NodeError {
          the bytes are checked against it end to end"
     )]
     PullWithoutHash,
+    /// A wait longer than one request may ask for.
+    #[error(
+        "a wait of {asked_ms} ms is longer than one request may ask ({max_ms} ms): ask again after it"
+    )]
+    WaitTooLong {
+        /// The wait asked for.
+        asked_ms: u32,
+        /// The longest.
+        max_ms: u32,
+    },
     /// A fetch resumed from beyond the end of the tensor.
     #[error("offset {offset} is beyond the tensor's {bytes} bytes")]
     OffsetOutOfRange {
@@ -287,6 +297,7 @@ impl NodeError {
             | NodeError::InvalidSource(_)
             | NodeError::NotAllowedPeer(_)
             | NodeError::OffsetOutOfRange { .. }
+            | NodeError::WaitTooLong { .. }
             | NodeError::Name(_) => ErrorCode::BadRequest,
             NodeError::Meta(MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. })
             | NodeError::Received(ProtoError::Meta(

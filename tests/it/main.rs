@@ -27,3 +27,4 @@ mod shareable;
 mod squatter;
 mod stripes;
 mod tls;
+mod wait;

@@ -12,6 +12,7 @@ mod error;
 mod lanes;
 mod node_copy;
 mod put_lanes;
+mod wait;
 
 pub use connect::{Connect, ConnectOptions};
 pub use error::{ClientError, InterruptedCopy};

@@ -18,6 +18,6 @@ mod stats;
 pub use error_code::{ErrorCode, ErrorReply};
 pub use handshake::{Hello, Welcome};
 pub use key::{MAX_NAME_LEN, NameError, TensorKey, validate_name};
-pub use request::{DELETE_IF_MINOR, FETCH_RANGE_MINOR, Request};
+pub use request::{DELETE_IF_MINOR, FETCH_RANGE_MINOR, MAX_WAIT_MS, Request, WAIT_MINOR, WaitFor};
 pub use response::{HeldDtype, Response, TensorInfo};
 pub use stats::{DeviceStats, NodeStats};

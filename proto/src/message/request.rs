@@ -16,6 +16,20 @@ pub const DELETE_IF_MINOR: u16 = 3;
 /// spread over several connections asks and is answered with.
 pub const FETCH_RANGE_MINOR: u16 = 8;
 
+/// The minor that added [`Request::Wait`] and [`Response::Arrived`].
+pub const WAIT_MINOR: u16 = 9;
+
+/// The longest one [`Request::Wait`] may ask to wait; a client that waits longer asks again.
+pub const MAX_WAIT_MS: u32 = 15 * 60 * 1000;
+
+/// What a [`Request::Wait`] waits for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WaitFor {
+    /// A tensor registered under the key (a put, a copy, a pull or an insert by the node's own
+    /// program).
+    Tensor(TensorKey),
+}
+
 /// What a client asks of a node.
 // Exhaustive on purpose: a node must answer every request it can decode (PROTOCOL.md §4.1 says
 // how a request a peer's minor lacks is kept from it).
@@ -160,6 +174,15 @@ pub enum Request {
         /// One past the last byte of the hash input wanted.
         to: u64,
     },
+    /// Waits until what `target` names is there, at most `timeout_ms` milliseconds (at most
+    /// [`MAX_WAIT_MS`]): answered by [`Response::Arrived`] at once if it is there already,
+    /// else as soon as it arrives, or with nothing at the timeout. Added in minor 9.
+    Wait {
+        /// What to wait for.
+        target: WaitFor,
+        /// The longest wait, in milliseconds.
+        timeout_ms: u32,
+    },
 }
 
 impl Request {
@@ -186,6 +209,7 @@ impl Request {
             Request::DeleteIf { .. } => "delete",
             Request::Holds { .. } => "holds",
             Request::FetchRange { .. } => "fetch-range",
+            Request::Wait { .. } => "wait",
         }
     }
 
@@ -211,6 +235,7 @@ impl Request {
             Request::DeleteIf { .. } => DELETE_IF_MINOR,
             Request::Holds { .. } => 5,
             Request::FetchRange { .. } => FETCH_RANGE_MINOR,
+            Request::Wait { .. } => WAIT_MINOR,
         }
     }
 

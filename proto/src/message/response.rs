@@ -86,6 +86,9 @@ pub enum Response {
         /// One past the last payload byte that follows.
         end: u64,
     },
+    /// What a [`Request::Wait`] waited for, once there; `None` where the wait timed out first.
+    /// Added in minor 9.
+    Arrived(Option<TensorInfo>),
 }
 
 impl Response {
@@ -106,6 +109,7 @@ impl Response {
             Response::Page { .. } => "page",
             Response::Holds { .. } => "holds",
             Response::TensorPart { .. } => "tensor-part",
+            Response::Arrived(_) => "arrived",
         }
     }
 }

@@ -33,7 +33,7 @@ use ferry_proto::control::{
     decode_request_from, decode_response_from, encode_request_for, encode_response_for,
 };
 use ferry_proto::frame::{self, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BODY, FrameKind, HEADER_LEN};
-use ferry_proto::message::FETCH_RANGE_MINOR;
+use ferry_proto::message::{FETCH_RANGE_MINOR, WAIT_MINOR, WaitFor};
 use ferry_proto::tensor::into_parts;
 use ferry_proto::{
     ContentHash, DeviceStats, ErrorCode, ErrorReply, FEATURES, HeldDtype, Hello, NodeStats,
@@ -44,7 +44,7 @@ use ferry_proto::{
 /// The minors whose frames are kept, oldest first, the current one last: minor 6 holds every
 /// vector, each later one what it changed. A peer of each may still be running while a cluster
 /// is upgraded one node at a time.
-const GOLDEN_MINORS: [u16; 3] = [6, 7, 8];
+const GOLDEN_MINORS: [u16; 4] = [6, 7, 8, 9];
 
 /// One frame of a vector.
 enum Item {
@@ -523,6 +523,27 @@ fn vectors(minor: u16) -> Vec<Vector> {
                     start: 0,
                     end: 24,
                 }),
+            ],
+        });
+    }
+    if minor >= WAIT_MINOR {
+        vectors.push(Vector {
+            name: "wait",
+            about: "Request::Wait for 0/w for up to a minute, answered Response::Arrived with \
+                    the [2, 3] f32 tensor that arrived, then a second wait answered with \
+                    nothing at its timeout.",
+            items: vec![
+                Item::Request(Request::Wait {
+                    target: WaitFor::Tensor(key(0, "w")),
+                    timeout_ms: 60_000,
+                }),
+                Item::Response(Response::Arrived(Some(info(
+                    key(0, "w"),
+                    &[2, 3],
+                    DType::F32,
+                    TransferPath::Put,
+                )))),
+                Item::Response(Response::Arrived(None)),
             ],
         });
     }

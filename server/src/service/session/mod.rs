@@ -2,8 +2,8 @@
 //! connection. Here the session and its loop, and the dispatch: the scopes a request needs, one
 //! line per request kind calling that request's function, and a result's answer on the wire.
 //! Each request lives in its own file: the handshake (`handshake.rs`), put, get, fetch (of a
-//! capability), copy and pull, delete, listings, what the node says of itself (`stat.rs`), and
-//! capabilities granted and released (`grant.rs`).
+//! capability), copy and pull, delete, listings, what the node says of itself (`stat.rs`),
+//! capabilities granted and released (`grant.rs`), and waiting for a tensor (`wait.rs`).
 
 use ferry_io::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, Transport};
 use ferry_proto::{ErrorCode, ErrorReply, Request, Response};
@@ -31,6 +31,7 @@ mod handshake;
 mod list;
 mod put;
 mod stat;
+mod wait;
 
 /// A connection's state: the node it serves, who is on the other end, and the session's own
 /// link to a source node (a batch of pulls goes over one).
@@ -77,6 +78,7 @@ fn scopes_needed(request: &Request) -> &'static [Scope] {
         | Request::Stat
         | Request::Holds { .. }
         | Request::Identify
+        | Request::Wait { .. }
         | Request::Grant { .. } => &[Scope::Read],
     }
 }
@@ -210,6 +212,10 @@ impl Session<'_> {
                     .fetch_range(conn, &capability, &node_id, from, to)
                     .await;
             }
+            // It watches the connection while it waits: a peer gone ends it.
+            Request::Wait { target, timeout_ms } => {
+                return self.wait(conn, target, timeout_ms).await;
+            }
             // Those answered by one response, or an error: written below.
             Request::Copy {
                 src,
@@ -273,7 +279,7 @@ impl Session<'_> {
 #[cfg(test)]
 mod tests {
     use ferry_proto::{
-        CapabilityToken, ContentHash, DType, Hello, NodeId, Request, TensorKey, TensorMeta,
+        CapabilityToken, ContentHash, DType, Hello, NodeId, Request, TensorKey, TensorMeta, WaitFor,
     };
 
     use super::scopes_needed;
@@ -382,6 +388,13 @@ mod tests {
                 },
                 &[Peer],
             ),
+            (
+                Request::Wait {
+                    target: WaitFor::Tensor(key.clone()),
+                    timeout_ms: 1,
+                },
+                &[Read],
+            ),
         ];
         let mut seen = [false; KINDS];
         for (request, scopes) in &table {
@@ -395,7 +408,7 @@ mod tests {
     }
 
     /// How many kinds of request there are.
-    const KINDS: usize = 16;
+    const KINDS: usize = 17;
 
     /// A request's kind, by variant: a variant added later fails to compile here until the table
     /// above names its scopes.
@@ -417,6 +430,7 @@ mod tests {
             Request::DeleteIf { .. } => 13,
             Request::Holds { .. } => 14,
             Request::FetchRange { .. } => 15,
+            Request::Wait { .. } => 16,
         }
     }
 }
