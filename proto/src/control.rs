@@ -174,5 +174,8 @@ fn response_since(response: &Response) -> (&'static str, u16) {
         Response::Holds { .. } => ("holds", 5),
         Response::TensorPart { .. } => ("tensor-part", crate::message::FETCH_RANGE_MINOR),
         Response::Arrived(_) => ("arrived", crate::message::WAIT_MINOR),
+        Response::ModelBegun { .. } => ("model-begun", crate::message::WAIT_MINOR),
+        Response::Model(_) => ("model", crate::message::WAIT_MINOR),
+        Response::Models(_) => ("models", crate::message::WAIT_MINOR),
     }
 }

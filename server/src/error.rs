@@ -1,5 +1,6 @@
 //! The node's typed errors, each mapped to the wire's error code.
 
+use crate::node::models::ModelError;
 use ferry_proto::message::NameError;
 use ferry_proto::{ErrorCode, ErrorReply, MetaError, ProtoError, TensorKey};
 use thiserror::Error;
@@ -205,6 +206,40 @@ pub enum NodeError {
          the bytes are checked against it end to end"
     )]
     PullWithoutHash,
+    /// A model operation refused (its message says what the model holds).
+    #[error(transparent)]
+    Model(#[from] crate::node::models::ModelError),
+    /// A model version whose tensors are not those its collect sent.
+    #[error(
+        "version {version} of model {model} was not committed: it holds {held} tensors, and {sent} were sent{}; nothing of it was kept",
+        if held == sent { " under other paths" } else { "" }
+    )]
+    ModelIncomplete {
+        /// The model.
+        model: crate::node::models::ModelId,
+        /// The version.
+        version: u64,
+        /// How many tensors it held.
+        held: u64,
+        /// How many the collect sent.
+        sent: u64,
+    },
+    /// A connection at its bound of model versions it writes or holds.
+    #[error("this connection has {max} {what}: commit, abort or close one first")]
+    TooManyOpen {
+        /// What.
+        what: &'static str,
+        /// The bound.
+        max: usize,
+    },
+    /// A close of a version this connection does not hold.
+    #[error("this connection holds no version {version} of model {model}")]
+    NotOpen {
+        /// The model.
+        model: crate::node::models::ModelId,
+        /// The version.
+        version: u64,
+    },
     /// A wait longer than one request may ask for.
     #[error(
         "a wait of {asked_ms} ms is longer than one request may ask ({max_ms} ms): ask again after it"
@@ -298,7 +333,17 @@ impl NodeError {
             | NodeError::NotAllowedPeer(_)
             | NodeError::OffsetOutOfRange { .. }
             | NodeError::WaitTooLong { .. }
+            | NodeError::ModelIncomplete { .. }
+            | NodeError::NotOpen { .. }
+            | NodeError::Model(
+                ModelError::Sealed { .. }
+                | ModelError::NotWriting { .. }
+                | ModelError::BadPrefix { .. },
+            )
             | NodeError::Name(_) => ErrorCode::BadRequest,
+            NodeError::Model(ModelError::NoModel { .. }) => ErrorCode::NotFound,
+            NodeError::Model(ModelError::Exists { .. }) => ErrorCode::AlreadyExists,
+            NodeError::Model(ModelError::Superseded { .. }) => ErrorCode::Changed,
             NodeError::Meta(MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. })
             | NodeError::Received(ProtoError::Meta(
                 MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. },
@@ -314,6 +359,7 @@ impl NodeError {
             | NodeError::TooManyTensors { .. }
             | NodeError::TooManyGrants { .. }
             | NodeError::CapabilitiesFull { .. }
+            | NodeError::TooManyOpen { .. }
             | NodeError::ListingTooLarge { .. } => ErrorCode::LimitExceeded,
             NodeError::StillVerifying(_) | NodeError::SendingShareFull { .. } => ErrorCode::Busy,
             NodeError::Backend(_) => ErrorCode::Backend,

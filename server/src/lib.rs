@@ -52,6 +52,9 @@ pub use launch::{
     ClusterJoin, DEFAULT_RECYCLE, PeerToken, ProcessTuning, Server, ServerBuilder, StartError,
     tune_allocator,
 };
+pub use node::models::{
+    Manifest, ManifestTensor, ModelError, ModelId, ModelPin, ModelWriter, Replace,
+};
 pub use node::{
     ClusterMembers, DEFAULT_MAX_GRANTS, DEFAULT_MAX_TENSORS, Node, NodeConfig, NodeLimits, Peer,
     PeerPolicy, PullConfig, ReadyMemory, ReceiveBuffers, ReceivePlanError, Striping,

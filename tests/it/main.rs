@@ -18,6 +18,7 @@ mod fair;
 mod gpu;
 mod holds;
 mod hostile;
+mod models;
 mod node;
 mod peers;
 mod pool;

@@ -10,6 +10,7 @@ mod connect;
 mod deal;
 mod error;
 mod lanes;
+mod model;
 mod node_copy;
 mod put_lanes;
 mod wait;

@@ -6,11 +6,12 @@
 //!
 //! One concept per file: the tensor key and name rule (`key`), the handshake (`handshake`), the
 //! requests (`request`), the responses (`response`), the error codes (`error_code`) and the
-//! statistics that grow by minor (`stats`). Everything is re-exported here.
+//! statistics that grow by minor (`stats`), models' manifests (`model`). Everything is re-exported here.
 
 mod error_code;
 mod handshake;
 mod key;
+mod model;
 mod request;
 mod response;
 mod stats;
@@ -18,6 +19,7 @@ mod stats;
 pub use error_code::{ErrorCode, ErrorReply};
 pub use handshake::{Hello, Welcome};
 pub use key::{MAX_NAME_LEN, NameError, TensorKey, validate_name};
+pub use model::{ManifestEntry, ModelManifest, ModelSummary, PathsDigest};
 pub use request::{DELETE_IF_MINOR, FETCH_RANGE_MINOR, MAX_WAIT_MS, Request, WAIT_MINOR, WaitFor};
 pub use response::{HeldDtype, Response, TensorInfo};
 pub use stats::{DeviceStats, NodeStats};

@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(doc)]
 use super::{ErrorCode, Response};
-use super::{Hello, TensorKey};
+use super::{Hello, PathsDigest, TensorKey};
 use crate::content_hash::ContentHash;
 use crate::meta::WireMeta;
 use crate::secret::{CapabilityToken, NodeId};
@@ -16,7 +16,9 @@ pub const DELETE_IF_MINOR: u16 = 3;
 /// spread over several connections asks and is answered with.
 pub const FETCH_RANGE_MINOR: u16 = 8;
 
-/// The minor that added [`Request::Wait`] and [`Response::Arrived`].
+/// The minor that added [`Request::Wait`] and [`Response::Arrived`], and models: the requests
+/// `Model*`, and the responses [`Response::ModelBegun`], [`Response::Model`] and
+/// [`Response::Models`].
 pub const WAIT_MINOR: u16 = 9;
 
 /// The longest one [`Request::Wait`] may ask to wait; a client that waits longer asks again.
@@ -26,8 +28,18 @@ pub const MAX_WAIT_MS: u32 = 15 * 60 * 1000;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum WaitFor {
     /// A tensor registered under the key (a put, a copy, a pull or an insert by the node's own
-    /// program).
+    /// program): answered [`Response::Arrived`].
     Tensor(TensorKey),
+    /// A committed version of the model `prefix` on `device`, newer than `newer_than` (any,
+    /// where absent): answered [`Response::Model`].
+    Model {
+        /// The device.
+        device: u32,
+        /// The model's prefix.
+        prefix: String,
+        /// The version it must be newer than.
+        newer_than: Option<u64>,
+    },
 }
 
 /// What a client asks of a node.
@@ -175,13 +187,86 @@ pub enum Request {
         to: u64,
     },
     /// Waits until what `target` names is there, at most `timeout_ms` milliseconds (at most
-    /// [`MAX_WAIT_MS`]): answered by [`Response::Arrived`] at once if it is there already,
-    /// else as soon as it arrives, or with nothing at the timeout. Added in minor 9.
+    /// [`MAX_WAIT_MS`]): answered at once if it is there already, else as soon as it arrives
+    /// (see [`WaitFor`]), or by [`Response::Arrived`] with nothing at the timeout. Added in
+    /// minor 9.
     Wait {
         /// What to wait for.
         target: WaitFor,
         /// The longest wait, in milliseconds.
         timeout_ms: u32,
+    },
+    /// Begins writing a new version of the model `prefix` on `device`: answered by
+    /// [`Response::ModelBegun`] with its number, under which its tensors are then put (as
+    /// `PREFIX/.vVERSION/PATH`, over any connection) until this connection commits or aborts it;
+    /// the connection's end aborts it. Refused with `AlreadyExists` where the device holds the
+    /// model and `replace` is false. Added in minor 9.
+    ModelBegin {
+        /// The device.
+        device: u32,
+        /// The model's prefix.
+        prefix: String,
+        /// Replace the model's current version at the commit.
+        replace: bool,
+    },
+    /// Commits a version this connection began: no more puts into it are taken, those in flight
+    /// are waited for, every tensor's content hash is verified, and the version must hold
+    /// exactly the paths `sent` names; then it becomes the model's current version at once.
+    /// Answered by [`Response::Model`] with its manifest; refused (and the version deleted)
+    /// otherwise. Added in minor 9.
+    ModelCommit {
+        /// The device.
+        device: u32,
+        /// The model's prefix.
+        prefix: String,
+        /// The version.
+        version: u64,
+        /// The paths the collect sent.
+        sent: PathsDigest,
+        /// Key-value pairs kept with the version.
+        metadata: Vec<(String, String)>,
+    },
+    /// Gives up a version this connection began: what was put into it is deleted. Answered by
+    /// [`Response::Released`]. Added in minor 9.
+    ModelAbort {
+        /// The device.
+        device: u32,
+        /// The model's prefix.
+        prefix: String,
+        /// The version.
+        version: u64,
+    },
+    /// Holds the current version of the model `prefix` on `device` for an apply: answered by
+    /// [`Response::Model`] with its manifest; its tensors stay as they are until this connection
+    /// closes it or ends. Added in minor 9.
+    ModelOpen {
+        /// The device.
+        device: u32,
+        /// The model's prefix.
+        prefix: String,
+    },
+    /// Lets go a version this connection opened: answered by [`Response::Released`]. Added in
+    /// minor 9.
+    ModelClose {
+        /// The device.
+        device: u32,
+        /// The model's prefix.
+        prefix: String,
+        /// The version.
+        version: u64,
+    },
+    /// The models on one device, or on all: answered by [`Response::Models`]. Added in minor 9.
+    ModelList {
+        /// One device, or every device when absent.
+        device: Option<u32>,
+    },
+    /// Deletes the model `prefix` on `device`: its current version goes now, or once no apply
+    /// holds it. Answered by [`Response::Model`] with the version deleted. Added in minor 9.
+    ModelDelete {
+        /// The device.
+        device: u32,
+        /// The model's prefix.
+        prefix: String,
     },
 }
 
@@ -210,6 +295,13 @@ impl Request {
             Request::Holds { .. } => "holds",
             Request::FetchRange { .. } => "fetch-range",
             Request::Wait { .. } => "wait",
+            Request::ModelBegin { .. } => "model-begin",
+            Request::ModelCommit { .. } => "model-commit",
+            Request::ModelAbort { .. } => "model-abort",
+            Request::ModelOpen { .. } => "model-open",
+            Request::ModelClose { .. } => "model-close",
+            Request::ModelList { .. } => "model-list",
+            Request::ModelDelete { .. } => "model-delete",
         }
     }
 
@@ -235,7 +327,14 @@ impl Request {
             Request::DeleteIf { .. } => DELETE_IF_MINOR,
             Request::Holds { .. } => 5,
             Request::FetchRange { .. } => FETCH_RANGE_MINOR,
-            Request::Wait { .. } => WAIT_MINOR,
+            Request::Wait { .. }
+            | Request::ModelBegin { .. }
+            | Request::ModelCommit { .. }
+            | Request::ModelAbort { .. }
+            | Request::ModelOpen { .. }
+            | Request::ModelClose { .. }
+            | Request::ModelList { .. }
+            | Request::ModelDelete { .. } => WAIT_MINOR,
         }
     }
 

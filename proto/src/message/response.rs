@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(doc)]
 use super::Request;
-use super::{ErrorReply, NodeStats, TensorKey, Welcome};
+use super::{ErrorReply, ModelManifest, ModelSummary, NodeStats, TensorKey, Welcome};
 use crate::content_hash::ContentHash;
 use crate::dtype::WireDType;
 use crate::meta::WireMeta;
@@ -86,9 +86,18 @@ pub enum Response {
         /// One past the last payload byte that follows.
         end: u64,
     },
-    /// What a [`Request::Wait`] waited for, once there; `None` where the wait timed out first.
-    /// Added in minor 9.
+    /// What a [`Request::Wait`] for a tensor waited for, once there; `None` where the wait
+    /// timed out first (whatever it waited for). Added in minor 9.
     Arrived(Option<TensorInfo>),
+    /// A version began: its number ([`Request::ModelBegin`]). Added in minor 9.
+    ModelBegun {
+        /// The version.
+        version: u64,
+    },
+    /// A model version: committed, opened, deleted, or waited for. Added in minor 9.
+    Model(ModelManifest),
+    /// The models ([`Request::ModelList`]), sorted by device and prefix. Added in minor 9.
+    Models(Vec<ModelSummary>),
 }
 
 impl Response {
@@ -110,6 +119,9 @@ impl Response {
             Response::Holds { .. } => "holds",
             Response::TensorPart { .. } => "tensor-part",
             Response::Arrived(_) => "arrived",
+            Response::ModelBegun { .. } => "model-begun",
+            Response::Model(_) => "model",
+            Response::Models(_) => "models",
         }
     }
 }

@@ -33,7 +33,9 @@ use ferry_proto::control::{
     decode_request_from, decode_response_from, encode_request_for, encode_response_for,
 };
 use ferry_proto::frame::{self, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BODY, FrameKind, HEADER_LEN};
-use ferry_proto::message::{FETCH_RANGE_MINOR, WAIT_MINOR, WaitFor};
+use ferry_proto::message::{
+    FETCH_RANGE_MINOR, ManifestEntry, ModelManifest, ModelSummary, PathsDigest, WAIT_MINOR, WaitFor,
+};
 use ferry_proto::tensor::into_parts;
 use ferry_proto::{
     ContentHash, DeviceStats, ErrorCode, ErrorReply, FEATURES, HeldDtype, Hello, NodeStats,
@@ -544,6 +546,77 @@ fn vectors(minor: u16) -> Vec<Vector> {
                     TransferPath::Put,
                 )))),
                 Item::Response(Response::Arrived(None)),
+            ],
+        });
+        let manifest = ModelManifest {
+            device: 0,
+            prefix: "net".into(),
+            version: 4,
+            tensors: vec![ManifestEntry {
+                path: "fc.weight".into(),
+                meta: meta(&[2, 3], DType::F32),
+                content_hash: ContentHash::from_digest([0xab; 32]),
+            }],
+            metadata: vec![("format".into(), "pt".into())],
+        };
+        vectors.push(Vector {
+            name: "model",
+            about: "A model's life: version 4 of net on device 0 begun (replacing), committed \
+                    with the digest of its one path and a metadata pair, answered by its \
+                    manifest; aborted; opened, closed; listed; waited for (newer than 3); \
+                    deleted.",
+            items: vec![
+                Item::Request(Request::ModelBegin {
+                    device: 0,
+                    prefix: "net".into(),
+                    replace: true,
+                }),
+                Item::Response(Response::ModelBegun { version: 4 }),
+                Item::Request(Request::ModelCommit {
+                    device: 0,
+                    prefix: "net".into(),
+                    version: 4,
+                    sent: PathsDigest::of(["fc.weight"]),
+                    metadata: vec![("format".into(), "pt".into())],
+                }),
+                Item::Response(Response::Model(manifest.clone())),
+                Item::Request(Request::ModelAbort {
+                    device: 0,
+                    prefix: "net".into(),
+                    version: 5,
+                }),
+                Item::Response(Response::Released),
+                Item::Request(Request::ModelOpen {
+                    device: 0,
+                    prefix: "net".into(),
+                }),
+                Item::Request(Request::ModelClose {
+                    device: 0,
+                    prefix: "net".into(),
+                    version: 4,
+                }),
+                Item::Request(Request::ModelList { device: Some(0) }),
+                Item::Response(Response::Models(vec![ModelSummary {
+                    device: 0,
+                    prefix: "net".into(),
+                    version: 4,
+                    tensors: 1,
+                    bytes: 24,
+                    applies: 2,
+                }])),
+                Item::Request(Request::Wait {
+                    target: WaitFor::Model {
+                        device: 0,
+                        prefix: "net".into(),
+                        newer_than: Some(3),
+                    },
+                    timeout_ms: 1000,
+                }),
+                Item::Request(Request::ModelDelete {
+                    device: 0,
+                    prefix: "net".into(),
+                }),
+                Item::Response(Response::Model(manifest)),
             ],
         });
     }

@@ -12,6 +12,7 @@ use ferry_proto::{TensorKey, TensorMeta};
 use crate::device::{Arrived, Command, IfExists, Payload, Reservation, TensorDesc};
 use crate::engine::TransferPath;
 use crate::error::NodeError;
+use crate::node::models::VersionWrite;
 use crate::node::{Node, ReceiveBuffers};
 
 /// A tensor admitted to a device: what [`Node::admit`] checked and claimed for it, carried to its
@@ -25,6 +26,9 @@ pub(crate) struct Admission {
     existing: IfExists,
     /// Held while the bytes arrive and then by the registered tensor.
     reservation: Reservation,
+    /// Counted in the model version it writes into, if any, until it is registered or dropped:
+    /// a commit waits for it.
+    version_write: Option<VersionWrite>,
 }
 
 /// Why this node receives a tensor: with the device, what decides the hash its receiver
@@ -60,6 +64,8 @@ impl Node {
         existing: IfExists,
     ) -> Result<Admission, NodeError> {
         validate_name(name)?;
+        let key = TensorKey::new(device, name);
+        let version_write = self.admit_version_write(&key)?;
         let limit = self.inner.config.limits.max_tensor_bytes;
         if bytes > limit {
             return Err(NodeError::TensorTooLarge { bytes, limit });
@@ -69,9 +75,10 @@ impl Node {
         handle.check_fits(bytes)?;
         let reservation = handle.budget().reserve_tensor(bytes, existing)?;
         Ok(Admission {
-            key: TensorKey::new(device, name),
+            key,
             existing,
             reservation,
+            version_write,
         })
     }
 
@@ -166,6 +173,7 @@ impl Node {
             key,
             existing,
             reservation,
+            version_write,
         } = admission;
         // An arrival, whether or not it drew from the pool: the start amount's time is over.
         if let Some(pool) = self.config().receive_buffers.pool() {
@@ -181,7 +189,10 @@ impl Node {
                 reservation,
                 reply,
             })
-            .await?;
+            .await;
+        // Registered (or refused): a commit of its model version no longer waits for it.
+        drop(version_write);
+        let registered = registered?;
         self.inner.arrivals.note();
         Ok(registered)
     }

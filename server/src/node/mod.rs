@@ -8,6 +8,7 @@ mod admission;
 mod arrivals;
 mod capability;
 mod config;
+pub(crate) mod models;
 mod native;
 mod peer_policy;
 mod ready_bound;
@@ -57,6 +58,8 @@ struct Inner {
     started: std::time::Instant,
     /// Registrations, for [`Node::wait_for`].
     arrivals: arrivals::Arrivals,
+    /// The models: their versions, being written, current and held.
+    models: models::Models,
 }
 
 impl Drop for Inner {
@@ -171,6 +174,7 @@ impl Node {
                 threads: std::sync::Mutex::new(threads),
                 started: std::time::Instant::now(),
                 arrivals: arrivals::Arrivals::new(),
+                models: models::Models::default(),
             }),
         })
     }

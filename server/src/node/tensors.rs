@@ -116,8 +116,20 @@ impl Node {
         self.remove_pinned(key, Some(desc.version)).await
     }
 
-    /// Unregisters the tensor under `key`, if it is still the version `pin` names.
+    /// Unregisters the tensor under `key`, if it is still the version `pin` names: never a
+    /// tensor of a committed model version, which only the node deletes
+    /// ([`unregister`](Self::unregister)), once replaced and unheld.
     pub(super) async fn remove_pinned(
+        &self,
+        key: &TensorKey,
+        pin: Option<Version>,
+    ) -> Result<TensorDesc, NodeError> {
+        self.check_version_delete(key)?;
+        self.unregister(key, pin).await
+    }
+
+    /// Unregisters the tensor under `key`, if it is still the version `pin` names, unchecked.
+    pub(super) async fn unregister(
         &self,
         key: &TensorKey,
         pin: Option<Version>,

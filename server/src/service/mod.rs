@@ -442,6 +442,7 @@ async fn accept_loop(
                 hello_by,
                 door,
                 per_identity: &per_identity,
+                models: session::SessionModels::default(),
             }
             .serve(&mut conn, place)
             .await;

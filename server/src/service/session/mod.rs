@@ -3,7 +3,8 @@
 //! line per request kind calling that request's function, and a result's answer on the wire.
 //! Each request lives in its own file: the handshake (`handshake.rs`), put, get, fetch (of a
 //! capability), copy and pull, delete, listings, what the node says of itself (`stat.rs`),
-//! capabilities granted and released (`grant.rs`), and waiting for a tensor (`wait.rs`).
+//! capabilities granted and released (`grant.rs`), waiting for a tensor or a model version
+//! (`wait.rs`), and models written, committed, opened and deleted (`model.rs`).
 
 use ferry_io::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, Transport};
 use ferry_proto::{ErrorCode, ErrorReply, Request, Response};
@@ -21,6 +22,7 @@ use crate::error::NodeError;
 use crate::node::{ClientId, Direction, Node, Refused};
 use crate::peer::PeerLink;
 use crate::peer::PullRequest;
+pub(super) use model::SessionModels;
 
 mod copy;
 mod delete;
@@ -29,6 +31,7 @@ mod get;
 mod grant;
 mod handshake;
 mod list;
+mod model;
 mod put;
 mod stat;
 mod wait;
@@ -53,6 +56,9 @@ pub(super) struct Session<'a> {
     pub(super) door: Door,
     /// The connections each identity holds: this one's, once its hello said who it is.
     pub(super) per_identity: &'a std::sync::Arc<PerIdentity>,
+    /// The model versions it writes and those it holds for applies: given up and let go when
+    /// it ends.
+    pub(super) models: SessionModels,
 }
 
 // Every line a welcomed client can cause per request by failing it is bounded in rate (one line
@@ -65,6 +71,10 @@ fn scopes_needed(request: &Request) -> &'static [Scope] {
         | Request::Copy { .. }
         | Request::Delete { .. }
         | Request::DeleteIf { .. }
+        | Request::ModelBegin { .. }
+        | Request::ModelCommit { .. }
+        | Request::ModelAbort { .. }
+        | Request::ModelDelete { .. }
         | Request::Pull { .. } => &[Scope::Write],
         Request::Fetch { .. } | Request::FetchRange { .. } => &[Scope::Peer],
         // The node that fetched a capability releases it, and so does the client it was granted
@@ -79,6 +89,9 @@ fn scopes_needed(request: &Request) -> &'static [Scope] {
         | Request::Holds { .. }
         | Request::Identify
         | Request::Wait { .. }
+        | Request::ModelOpen { .. }
+        | Request::ModelClose { .. }
+        | Request::ModelList { .. }
         | Request::Grant { .. } => &[Scope::Read],
     }
 }
@@ -216,6 +229,34 @@ impl Session<'_> {
             Request::Wait { target, timeout_ms } => {
                 return self.wait(conn, target, timeout_ms).await;
             }
+            Request::ModelBegin {
+                device,
+                prefix,
+                replace,
+            } => self.model_begin(device, &prefix, replace),
+            Request::ModelCommit {
+                device,
+                prefix,
+                version,
+                sent,
+                metadata,
+            } => {
+                self.model_commit(device, &prefix, version, sent, metadata)
+                    .await
+            }
+            Request::ModelAbort {
+                device,
+                prefix,
+                version,
+            } => self.model_abort(device, &prefix, version).await,
+            Request::ModelOpen { device, prefix } => self.model_open(device, &prefix),
+            Request::ModelClose {
+                device,
+                prefix,
+                version,
+            } => self.model_close(device, &prefix, version),
+            Request::ModelList { device } => Ok(self.model_list(device)),
+            Request::ModelDelete { device, prefix } => self.model_delete(device, &prefix).await,
             // Those answered by one response, or an error: written below.
             Request::Copy {
                 src,
@@ -278,6 +319,7 @@ impl Session<'_> {
 
 #[cfg(test)]
 mod tests {
+    use ferry_proto::message::PathsDigest;
     use ferry_proto::{
         CapabilityToken, ContentHash, DType, Hello, NodeId, Request, TensorKey, TensorMeta, WaitFor,
     };
@@ -395,6 +437,55 @@ mod tests {
                 },
                 &[Read],
             ),
+            (
+                Request::ModelBegin {
+                    device: 0,
+                    prefix: "m".into(),
+                    replace: false,
+                },
+                &[Write],
+            ),
+            (
+                Request::ModelCommit {
+                    device: 0,
+                    prefix: "m".into(),
+                    version: 0,
+                    sent: PathsDigest::of(["w"]),
+                    metadata: Vec::new(),
+                },
+                &[Write],
+            ),
+            (
+                Request::ModelAbort {
+                    device: 0,
+                    prefix: "m".into(),
+                    version: 0,
+                },
+                &[Write],
+            ),
+            (
+                Request::ModelOpen {
+                    device: 0,
+                    prefix: "m".into(),
+                },
+                &[Read],
+            ),
+            (
+                Request::ModelClose {
+                    device: 0,
+                    prefix: "m".into(),
+                    version: 0,
+                },
+                &[Read],
+            ),
+            (Request::ModelList { device: None }, &[Read]),
+            (
+                Request::ModelDelete {
+                    device: 0,
+                    prefix: "m".into(),
+                },
+                &[Write],
+            ),
         ];
         let mut seen = [false; KINDS];
         for (request, scopes) in &table {
@@ -408,7 +499,7 @@ mod tests {
     }
 
     /// How many kinds of request there are.
-    const KINDS: usize = 17;
+    const KINDS: usize = 24;
 
     /// A request's kind, by variant: a variant added later fails to compile here until the table
     /// above names its scopes.
@@ -431,6 +522,13 @@ mod tests {
             Request::Holds { .. } => 14,
             Request::FetchRange { .. } => 15,
             Request::Wait { .. } => 16,
+            Request::ModelBegin { .. } => 17,
+            Request::ModelCommit { .. } => 18,
+            Request::ModelAbort { .. } => 19,
+            Request::ModelOpen { .. } => 20,
+            Request::ModelClose { .. } => 21,
+            Request::ModelList { .. } => 22,
+            Request::ModelDelete { .. } => 23,
         }
     }
 }

@@ -13,7 +13,8 @@ use crate::error::NodeError;
 use crate::service::door::handshake::refuse as fail;
 
 impl Session<'_> {
-    /// Waits for `target`, at most `timeout_ms`: [`Response::Arrived`].
+    /// Waits for `target`, at most `timeout_ms`: [`Response::Arrived`] for a tensor (or nothing,
+    /// at the timeout), [`Response::Model`] for a model version.
     pub(super) async fn wait<S: Transport>(
         &mut self,
         conn: &mut Connection<S>,
@@ -27,10 +28,26 @@ impl Session<'_> {
             };
             return answer(conn, Err(too_long)).await;
         }
-        let WaitFor::Tensor(key) = target;
         let timeout = Duration::from_millis(timeout_ms.into());
+        let node = self.node;
+        let arrival = async move {
+            match target {
+                WaitFor::Tensor(key) => node
+                    .wait_for(&key)
+                    .await
+                    .map(|desc| Response::Arrived(Some(desc.to_wire()))),
+                WaitFor::Model {
+                    device,
+                    prefix,
+                    newer_than,
+                } => node
+                    .wait_for_model(device, &prefix, newer_than)
+                    .await
+                    .map(|manifest| Response::Model(manifest.to_wire())),
+            }
+        };
         let waited = tokio::select! {
-            waited = tokio::time::timeout(timeout, self.node.wait_for(&key)) => waited,
+            waited = tokio::time::timeout(timeout, arrival) => waited,
             // Nothing may come before the answer (one request at a time): a close ends the wait
             // and then the session; anything else is the peer breaking the protocol.
             frame = conn.read_frame() => {
@@ -46,11 +63,7 @@ impl Session<'_> {
             }
             _ = self.shutdown.recv() => Ok(Err(NodeError::ShuttingDown)),
         };
-        let reply = match waited {
-            Ok(Ok(desc)) => Ok(Response::Arrived(Some(desc.to_wire()))),
-            Ok(Err(error)) => Err(error),
-            Err(_elapsed) => Ok(Response::Arrived(None)),
-        };
+        let reply = waited.unwrap_or(Ok(Response::Arrived(None)));
         answer(conn, reply).await
     }
 }
