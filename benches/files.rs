@@ -54,7 +54,7 @@ fn main() {
         .block_on(Client::connect(node.addr.as_str()).open())
         .unwrap();
     runtime
-        .block_on(client.put(&TensorKey::new(0, "w"), &data))
+        .block_on(client.put(&TensorKey::new(0, "w"), &data).into_future())
         .unwrap();
     // The file, written by `ferry get` itself and read back once: in the page cache.
     let seed = format!("{}/0/w", node.addr);
@@ -81,7 +81,7 @@ fn main() {
         }
     }
     runtime
-        .block_on(client.put(&TensorKey::new(0, "w"), &data))
+        .block_on(client.put(&TensorKey::new(0, "w"), &data).into_future())
         .unwrap();
     let mut gets = Vec::with_capacity(RUNS);
     for run in 0..=RUNS {

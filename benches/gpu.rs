@@ -115,7 +115,11 @@ fn main() {
             let held = node.rss();
             let started = Instant::now();
             runtime
-                .block_on(client.put(&TensorKey::new(1, "bench.w"), &data))
+                .block_on(
+                    client
+                        .put(&TensorKey::new(1, "bench.w"), &data)
+                        .into_future(),
+                )
                 .expect("put to the GPU device");
             let put_took = started.elapsed();
             let started = Instant::now();

@@ -1,10 +1,11 @@
-//! `BlockingClient`: the client API for a program without an async runtime.
+//! `BlockingClient`: the client API for a program without an async runtime (each call
+//! `.wait()`ed in place of `.await`).
 //!
 //! `cargo run --example blocking`. A node runs in a background thread of this process.
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
-use ferry::client::{BlockingClient, TensorKey};
+use ferry::client::{BlockingClient, TensorKey, Wait};
 use ferry::proto::TensorData;
 use ferry::server::{Node, NodeConfig, Service, ServiceConfig};
 
@@ -27,13 +28,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut client = BlockingClient::connect(addr).blocking()?;
     let data = TensorData::new(vec![1u8, 2, 3, 4], [2, 2]);
-    client.put(&TensorKey::new(0, "mask"), &data)?;
-    client.copy(&TensorKey::new(0, "mask"), &TensorKey::new(0, "mask").on(1))?;
-    let back = client.get(&TensorKey::new(1, "mask"))?;
+    client.put(&TensorKey::new(0, "mask"), &data).wait()?;
+    client
+        .copy(&TensorKey::new(0, "mask"), &TensorKey::new(0, "mask").on(1))
+        .wait()?;
+    let back = client.get(&TensorKey::new(1, "mask")).wait()?;
     assert_eq!(back.as_bytes(), data.as_bytes());
-    for info in client.list(None)? {
+    for info in client.list(None).wait()? {
         println!("{} {:?} {} bytes", info.key, info.shape, info.bytes);
     }
-    println!("{} transfers done", client.stat()?.transfers_done);
+    println!("{} transfers done", client.stat().wait()?.transfers_done);
     Ok(())
 }

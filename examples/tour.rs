@@ -7,7 +7,7 @@
 
 use burn_tensor::quantization::{QuantScheme, QuantStore, QuantValue};
 use burn_tensor::{Device, Tensor};
-use ferry::client::{Client, ClientError, IfExists, NodeCopy, TensorKey, Transfer};
+use ferry::client::{Client, ClientError, IfExists, NodeCopy, PutTo, TensorKey, Transfer};
 use ferry::proto::{DType, TensorData};
 use ferry::server::{Node, NodeConfig, Service, ServiceConfig};
 
@@ -40,10 +40,11 @@ async fn main() -> Result<(), ClientError> {
         .await?;
     println!("put {} ({} bytes, {:?})", info.key, info.bytes, info.shape);
 
-    // put_unnamed / put_with: a node-chosen name, or replace an existing tensor.
-    let named = client.put_unnamed(0, &weights).await?;
+    // put's options: a node-chosen name, or replace an existing tensor.
+    let named = client.put(PutTo::Device(0), &weights).await?;
     client
-        .put_with(&TensorKey::new(0, "encoder.w"), &weights, IfExists::Replace)
+        .put(&TensorKey::new(0, "encoder.w"), &weights)
+        .if_exists(IfExists::Replace)
         .await?;
     println!("the node named the second upload {}", named.key);
 
@@ -63,7 +64,7 @@ async fn main() -> Result<(), ClientError> {
             )
         })
         .collect();
-    for answer in client.put_batch(&model, IfExists::Refuse).await? {
+    for answer in client.put_batch(&model).await? {
         answer?;
     }
     let keys: Vec<TensorKey> = model.iter().map(|(key, _)| key.clone()).collect();
@@ -71,14 +72,14 @@ async fn main() -> Result<(), ClientError> {
         assert_eq!(answer?.as_bytes(), data.as_bytes(), "{key}");
     }
 
-    // put_tensor / get_tensor: Burn tensors, quantized ones included, on a device you name.
+    // put / get_tensor: Burn tensors, quantized ones included, on a device you name.
     let device = Device::flex();
     let scheme = QuantScheme::default()
         .with_value(QuantValue::Q8S)
         .with_store(QuantStore::Native);
     let quantized = Tensor::<2>::from_data(weights.clone(), &device).quantize_dynamic(&scheme);
     client
-        .put_tensor(&TensorKey::new(0, "encoder.q"), quantized.clone())
+        .put(&TensorKey::new(0, "encoder.q"), quantized.clone())
         .await?;
     let fetched: Tensor<2> = client
         .get_tensor(&TensorKey::new(0, "encoder.q"), &device)

@@ -1,16 +1,18 @@
-//! `BlockingClient`: every call of [`Client`] for code without a runtime, and
-//! [`NodeCopy::run_blocking`].
+//! Blocking use of the client, for code without an async runtime: [`Wait`], which runs any call
+//! of [`Client`] to its answer on one shared runtime (`.wait()` in place of `.await`), and
+//! [`BlockingClient`], a connection opened on that runtime that derefs to its [`Client`].
+//!
+//! There is no blocking twin of each call: every call of [`Client`] (an `async fn` or a builder
+//! such as [`Put`](crate::Put)) is reached through a `BlockingClient` by deref and blocked on with
+//! `.wait()`, so a call added to [`Client`] is there at once, and every blocking call goes through
+//! one check that this thread may block ([`ClientError::InsideRuntime`]).
 
+use std::ops::{Deref, DerefMut};
 use std::sync::OnceLock;
 
-use burn_std::Bytes;
-use ferry_proto::{
-    ContentHash, IfExists, NodeId, NodeStats, TensorData, TensorInfo, TensorKey, TensorMeta,
-    Transfer, Welcome,
-};
 use tokio::runtime::{Builder, Runtime};
 
-use crate::client::{Client, ClientError, Connect, HeldProbe, IssuedCapability, NodeCopy};
+use crate::client::{Client, ClientError, Connect};
 use ferry_io::connection::ConnectionError;
 use ferry_io::transport::Endpoint;
 
@@ -48,12 +50,98 @@ fn outside_runtime() -> Result<(), ClientError> {
 }
 
 /// Runs `work` to its end on the shared runtime, or refuses where this thread may not block.
-fn block_on<T>(work: impl Future<Output = Result<T, ClientError>>) -> Result<T, ClientError> {
-    runtime()?.block_on(work)
+fn block_on<F: Future>(work: F) -> Result<F::Output, ClientError> {
+    Ok(runtime()?.block_on(work))
 }
 
-/// A [`Client`] whose calls block until the node answered. Inside an async runtime (on a task's
-/// thread) every call returns [`ClientError::InsideRuntime`]; use [`Client`] there.
+/// What a call of the client answers, as [`Wait::wait`] hands it back: a call that answers a
+/// `Result` is waited for as that `Result`; one that answers each tensor and never fails as a
+/// whole (a batch over lanes, [`NodeCopy::run_in_lanes`](crate::NodeCopy::run_in_lanes)) is
+/// waited for as `Ok` of its answers. Either way a thread that may not block gets
+/// `Err(ClientError::InsideRuntime)`.
+pub trait Answer: Sized + sealed::Sealed {
+    /// What [`Wait::wait`] returns.
+    type Waited;
+
+    /// The answer, arrived.
+    fn arrived(self) -> Self::Waited;
+
+    /// No answer: the call could not be waited for (`why`).
+    fn refused(why: ClientError) -> Self::Waited;
+}
+
+impl<T> Answer for Result<T, ClientError> {
+    type Waited = Self;
+
+    fn arrived(self) -> Self::Waited {
+        self
+    }
+
+    fn refused(why: ClientError) -> Self::Waited {
+        Err(why)
+    }
+}
+
+impl<T> Answer for Vec<Result<T, ClientError>> {
+    type Waited = Result<Self, ClientError>;
+
+    fn arrived(self) -> Self::Waited {
+        Ok(self)
+    }
+
+    fn refused(why: ClientError) -> Self::Waited {
+        Err(why)
+    }
+}
+
+/// Keeps [`Answer`] to the shapes above.
+mod sealed {
+    pub trait Sealed {}
+    impl<T> Sealed for Result<T, crate::ClientError> {}
+    impl<T> Sealed for Vec<Result<T, crate::ClientError>> {}
+}
+
+/// A call of the client run to its answer by blocking this thread: `.wait()` in place of
+/// `.await`, on every call of [`Client`] (any future or builder whose answer is an [`Answer`]).
+///
+/// ```no_run
+/// # fn run() -> Result<(), ferry_client::ClientError> {
+/// use ferry_client::{BlockingClient, TensorData, TensorKey, Wait};
+/// let mut client = BlockingClient::connect("127.0.0.1:7070").blocking()?;
+/// let key = TensorKey::new(0, "mask");
+/// client.put(&key, &TensorData::new(vec![1u8, 2, 3, 4], [2, 2])).wait()?;
+/// let back = client.get(&key).wait()?;
+/// # Ok(()) }
+/// ```
+///
+/// The calls run on one runtime thread shared by every blocking client, which drives their
+/// connections. Meant for a connection opened there ([`BlockingClient`]); a [`Client`] opened on
+/// a runtime of the caller's is driven by that runtime, which has to keep running meanwhile. On
+/// a thread that drives an async runtime (a task's thread) `.wait()` refuses with
+/// [`ClientError::InsideRuntime`] before the call starts: `.await` there.
+pub trait Wait: IntoFuture<Output: Answer> {
+    /// Blocks until the call is answered.
+    fn wait(self) -> <Self::Output as Answer>::Waited;
+}
+
+impl<F: IntoFuture<Output: Answer>> Wait for F {
+    fn wait(self) -> <F::Output as Answer>::Waited {
+        match block_on(self.into_future()) {
+            Ok(answer) => answer.arrived(),
+            Err(why) => F::Output::refused(why),
+        }
+    }
+}
+
+/// A connection for code without a runtime: a [`Client`] opened on the shared blocking runtime.
+/// It derefs to that [`Client`], so it has every call of it, each blocked on with
+/// [`.wait()`](Wait::wait) (the calls run on the shared runtime's thread). Inside an async runtime
+/// (on a task's thread) every `.wait()` returns [`ClientError::InsideRuntime`]; use [`Client`] and
+/// `.await` there.
+///
+/// Deref, for a type that is not a pointer, because a `BlockingClient` is a `Client` with one
+/// promise added (its connection lives on the runtime [`Wait`] blocks on), not a type of its own
+/// calls: a mirror of each call would drift from [`Client`], as it did.
 #[derive(Debug)]
 pub struct BlockingClient {
     client: Client,
@@ -85,7 +173,7 @@ impl BlockingClient {
 
     /// Opens what `connect` describes.
     pub(crate) fn open(connect: Connect) -> Result<Self, ClientError> {
-        let client = block_on(connect.open())?;
+        let client = block_on(connect.open())??;
         Ok(Self { client })
     }
 
@@ -93,213 +181,25 @@ impl BlockingClient {
     pub fn into_async(self) -> Client {
         self.client
     }
+}
 
-    /// See [`Client::welcome`].
-    pub fn welcome(&self) -> &Welcome {
-        self.client.welcome()
-    }
+impl Deref for BlockingClient {
+    type Target = Client;
 
-    /// See [`Client::shared_memory`].
-    pub fn shared_memory(&self) -> bool {
-        self.client.shared_memory()
-    }
-
-    /// See [`Client::in_step`].
-    pub fn in_step(&self) -> bool {
-        self.client.in_step()
-    }
-
-    /// See [`Client::put`].
-    pub fn put(&mut self, key: &TensorKey, data: &TensorData) -> Result<TensorInfo, ClientError> {
-        block_on(self.client.put(key, data))
-    }
-
-    /// See [`Client::put_with`].
-    pub fn put_with(
-        &mut self,
-        key: &TensorKey,
-        data: &TensorData,
-        if_exists: IfExists,
-    ) -> Result<TensorInfo, ClientError> {
-        block_on(self.client.put_with(key, data, if_exists))
-    }
-
-    /// See [`Client::put_unnamed`].
-    pub fn put_unnamed(
-        &mut self,
-        device: u32,
-        data: &TensorData,
-    ) -> Result<TensorInfo, ClientError> {
-        block_on(self.client.put_unnamed(device, data))
-    }
-
-    /// See [`Client::put_batch`].
-    pub fn put_batch(
-        &mut self,
-        tensors: &[(TensorKey, TensorData)],
-        if_exists: IfExists,
-    ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
-        block_on(self.client.put_batch(tensors, if_exists))
-    }
-
-    /// See [`Client::put_batch_in_lanes`]: the batch over every one of `lanes` at once (each a
-    /// connection to the same node). `Err` only where no runtime could be started, or on a
-    /// thread that may not block ([`ClientError::InsideRuntime`]).
-    pub fn put_batch_in_lanes(
-        lanes: &mut [BlockingClient],
-        tensors: &[(TensorKey, TensorData)],
-        if_exists: IfExists,
-    ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
-        let clients = lanes.iter_mut().map(|lane| &mut lane.client);
-        Ok(runtime()?.block_on(Client::put_batch_in_lanes(clients, tensors, if_exists)))
-    }
-
-    /// See [`Client::get`].
-    pub fn get(&mut self, key: &TensorKey) -> Result<TensorData, ClientError> {
-        block_on(self.client.get(key))
-    }
-
-    /// See [`Client::get_with_info`].
-    pub fn get_with_info(
-        &mut self,
-        key: &TensorKey,
-    ) -> Result<(TensorInfo, TensorData), ClientError> {
-        block_on(self.client.get_with_info(key))
-    }
-
-    /// See [`Client::get_batch`].
-    pub fn get_batch(
-        &mut self,
-        keys: &[TensorKey],
-    ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
-        block_on(self.client.get_batch(keys))
-    }
-
-    /// See [`Client::get_batch_into`].
-    pub fn get_batch_into(
-        &mut self,
-        keys: &[TensorKey],
-        buffer_for: impl FnMut(usize, &TensorMeta) -> Option<Bytes>,
-    ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
-        block_on(self.client.get_batch_into(keys, buffer_for))
-    }
-
-    /// See [`Client::put_tensor`].
-    pub fn put_tensor<const D: usize, K: burn_tensor::kind::Basic>(
-        &mut self,
-        key: &TensorKey,
-        tensor: burn_tensor::Tensor<D, K>,
-    ) -> Result<TensorInfo, ClientError> {
-        block_on(self.client.put_tensor(key, tensor))
-    }
-
-    /// See [`Client::get_tensor`].
-    pub fn get_tensor<const D: usize, K: burn_tensor::kind::Basic + 'static>(
-        &mut self,
-        key: &TensorKey,
-        device: &burn_tensor::Device,
-    ) -> Result<burn_tensor::Tensor<D, K>, ClientError> {
-        block_on(self.client.get_tensor(key, device))
-    }
-
-    /// See [`Client::copy`].
-    pub fn copy(&mut self, src: &TensorKey, dst: &TensorKey) -> Result<TensorInfo, ClientError> {
-        block_on(self.client.copy(src, dst))
-    }
-
-    /// See [`Client::move_to`].
-    pub fn move_to(&mut self, src: &TensorKey, dst: &TensorKey) -> Result<TensorInfo, ClientError> {
-        block_on(self.client.move_to(src, dst))
-    }
-
-    /// See [`Client::transfer`].
-    pub fn transfer(
-        &mut self,
-        src: &TensorKey,
-        dst: &TensorKey,
-        transfer: Transfer,
-        if_exists: IfExists,
-    ) -> Result<TensorInfo, ClientError> {
-        block_on(self.client.transfer(src, dst, transfer, if_exists))
-    }
-
-    /// See [`Client::delete`].
-    pub fn delete(&mut self, key: &TensorKey) -> Result<TensorInfo, ClientError> {
-        block_on(self.client.delete(key))
-    }
-
-    /// See [`Client::delete_if`].
-    pub fn delete_if(
-        &mut self,
-        key: &TensorKey,
-        version: &ContentHash,
-    ) -> Result<TensorInfo, ClientError> {
-        block_on(self.client.delete_if(key, version))
-    }
-
-    /// See [`Client::list`].
-    pub fn list(&mut self, device: Option<u32>) -> Result<Vec<TensorInfo>, ClientError> {
-        block_on(self.client.list(device))
-    }
-
-    /// See [`Client::list_page`].
-    pub fn list_page(
-        &mut self,
-        device: Option<u32>,
-        after: Option<TensorKey>,
-        limit: u32,
-    ) -> Result<(Vec<TensorInfo>, Option<TensorKey>), ClientError> {
-        block_on(self.client.list_page(device, after, limit))
-    }
-
-    /// See [`Client::holds`].
-    pub fn holds(&mut self, device: u32) -> Result<Vec<HeldProbe>, ClientError> {
-        block_on(self.client.holds(device))
-    }
-
-    /// See [`Client::stat`].
-    pub fn stat(&mut self) -> Result<NodeStats, ClientError> {
-        block_on(self.client.stat())
-    }
-
-    /// See [`Client::identify`].
-    pub fn identify(&mut self) -> Result<NodeId, ClientError> {
-        block_on(self.client.identify())
-    }
-
-    /// See [`Client::grant`].
-    pub fn grant(
-        &mut self,
-        key: &TensorKey,
-        audience: &NodeId,
-    ) -> Result<IssuedCapability, ClientError> {
-        block_on(self.client.grant(key, audience))
-    }
-
-    /// See [`Client::pull`].
-    pub fn pull(
-        &mut self,
-        source: &str,
-        grant: &IssuedCapability,
-        dst: &TensorKey,
-        if_exists: IfExists,
-    ) -> Result<TensorInfo, ClientError> {
-        block_on(self.client.pull(source, grant, dst, if_exists))
-    }
-
-    /// See [`Client::release`].
-    pub fn release(&mut self, grant: &IssuedCapability) -> Result<(), ClientError> {
-        block_on(self.client.release(grant))
+    fn deref(&self) -> &Client {
+        &self.client
     }
 }
 
-impl NodeCopy {
-    /// [`run`](Self::run) for blocking clients.
-    pub fn run_blocking(
-        &self,
-        source: &mut BlockingClient,
-        target: &mut BlockingClient,
-    ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
-        block_on(self.run(&mut source.client, &mut target.client))
+impl DerefMut for BlockingClient {
+    fn deref_mut(&mut self) -> &mut Client {
+        &mut self.client
+    }
+}
+
+/// So that blocking clients serve as lanes ([`PutBatch::lanes`](crate::PutBatch::lanes)).
+impl AsMut<Client> for BlockingClient {
+    fn as_mut(&mut self) -> &mut Client {
+        &mut self.client
     }
 }

@@ -363,9 +363,11 @@ pub async fn connect_nearest(
         return connect_member(member, &addr, options).await;
     }
     match connect_member(member, &addr, options.clone()).await {
-        Err(ClientError::Connection(_) | ClientError::NotTheMember { .. }) => {
-            connect_member(member, &member.tcp, options).await
-        }
+        Err(
+            ClientError::Connection(_)
+            | ClientError::Unreachable { .. }
+            | ClientError::NotTheMember { .. },
+        ) => connect_member(member, &member.tcp, options).await,
         other => other,
     }
 }

@@ -8,10 +8,10 @@ pub mod cluster;
 pub mod etcd_roles;
 pub mod tensor;
 
-pub use blocking::BlockingClient;
+pub use blocking::{Answer, BlockingClient, Wait};
 pub use client::{
     Client, ClientError, Connect, ConnectOptions, HeldProbe, InterruptedCopy, IssuedCapability,
-    Lane, NodeCopy,
+    Lane, ModelCopy, NodeCopy, Payload, Put, PutBatch, PutBatchInLanes, PutTo,
 };
 pub use ferry_io::{
     ClearTokens, ClientTls, ConnectionError, ConnectionLimits, Endpoint, LocalServer, PeerCheck,

@@ -343,7 +343,9 @@ impl NodeError {
             | NodeError::Name(_) => ErrorCode::BadRequest,
             NodeError::Model(ModelError::NoModel { .. }) => ErrorCode::NotFound,
             NodeError::Model(ModelError::Exists { .. }) => ErrorCode::AlreadyExists,
-            NodeError::Model(ModelError::Superseded { .. }) => ErrorCode::Changed,
+            NodeError::Model(ModelError::Superseded { .. } | ModelError::NotCurrent { .. }) => {
+                ErrorCode::Changed
+            }
             NodeError::Meta(MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. })
             | NodeError::Received(ProtoError::Meta(
                 MetaError::TooLarge { .. } | MetaError::AllocationFailed { .. },

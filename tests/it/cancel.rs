@@ -26,7 +26,7 @@ async fn fill(node: &TestNode) -> Vec<(TensorKey, TensorData)> {
         })
         .collect();
     let mut client = node.client().await;
-    for answer in client.put_batch(&tensors, IfExists::Refuse).await.unwrap() {
+    for answer in client.put_batch(&tensors).await.unwrap() {
         answer.unwrap();
     }
     tensors
@@ -325,7 +325,8 @@ async fn a_put_over_lanes_leaves_a_lane_out_of_step_out_and_answers_in_order() {
         .unwrap();
     cut_mid_payload(&mut lanes[1], &big).await;
     assert!(!lanes[1].in_step());
-    let answers = Client::put_batch_in_lanes(&mut lanes, &tensors, IfExists::Refuse).await;
+    let (first, others) = lanes.split_first_mut().unwrap();
+    let answers = first.put_batch(&tensors).lanes(others).await;
     assert_eq!(answers.len(), tensors.len());
     let mut check = node.client().await;
     for (answer, (key, data)) in answers.iter().zip(&tensors) {
@@ -366,12 +367,12 @@ async fn a_put_over_lanes_whose_connection_fails_keeps_its_answers_and_the_other
             })
             .collect();
         let cut = proxy(node.addr, Fault::CutAfterFrames(frames)).await;
-        let mut lanes = vec![
-            node.client().await,
+        let mut first = node.client().await;
+        let mut others = [
             Client::connect(cut.to_string()).await.unwrap(),
             node.client().await,
         ];
-        let answers = Client::put_batch_in_lanes(&mut lanes, &tensors, IfExists::Refuse).await;
+        let answers = first.put_batch(&tensors).lanes(&mut others).await;
         assert_eq!(answers.len(), TENSORS);
         let mut check = node.client().await;
         for (i, (answer, (key, data))) in answers.iter().zip(&tensors).enumerate() {
@@ -397,7 +398,7 @@ async fn a_put_over_lanes_whose_connection_fails_keeps_its_answers_and_the_other
             assert_eq!(info.key, *key, "answers in order");
             assert_same(&check.get(key).await.unwrap(), data, &key.name);
         }
-        assert!(!lanes[1].in_step() && lanes[0].in_step() && lanes[2].in_step());
+        assert!(!others[0].in_step() && first.in_step() && others[1].in_step());
     }
 }
 

@@ -244,7 +244,8 @@ async fn one_node(client: &mut Client, kind: &OpKind, node: usize) -> (Outcome, 
             let data = history::encode(value);
             Outcome::of(
                 client
-                    .put_with(&key.tensor_key(), &data, IfExists::Replace)
+                    .put(&key.tensor_key(), &data)
+                    .if_exists(IfExists::Replace)
                     .await,
             )
         }

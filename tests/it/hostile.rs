@@ -864,7 +864,8 @@ async fn concurrent_in_node_copies_never_push_a_device_past_its_budget() {
     let src = TensorKey::new(0, "src");
     let mut writer = node.client().await;
     writer
-        .put_with(&TensorKey::new(0, "src"), &small, IfExists::Replace)
+        .put(&TensorKey::new(0, "src"), &*small)
+        .if_exists(IfExists::Replace)
         .await
         .unwrap();
 
@@ -883,7 +884,8 @@ async fn concurrent_in_node_copies_never_push_a_device_past_its_budget() {
                 // it, and one large with one small fits device 0 (an in-node copy between two
                 // flex devices is native and reads no host copy out of the source).
                 writer
-                    .put_with(&TensorKey::new(0, "src"), data, IfExists::Replace)
+                    .put(&TensorKey::new(0, "src"), &**data)
+                    .if_exists(IfExists::Replace)
                     .await
                     .unwrap();
                 writes += 1;
@@ -1079,7 +1081,8 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     // existing name still go through.
     let newer = samples::plain(DType::F32, &[16], 4);
     client
-        .put_with(&TensorKey::new(0, "t0"), &newer, IfExists::Replace)
+        .put(&TensorKey::new(0, "t0"), &newer)
+        .if_exists(IfExists::Replace)
         .await
         .unwrap();
     client

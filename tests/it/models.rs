@@ -105,7 +105,7 @@ async fn racing_collects_applies_and_deletes_each_see_one_whole_version() {
                         }
                     }
                     4..9 => seen.extend(apply(&node).await),
-                    _ => match node.delete_model(0, "model").await {
+                    _ => match node.delete_model(0, "model", None).await {
                         Ok(_) | Err(NodeError::Model(ModelError::NoModel { .. })) => {}
                         Err(other) => panic!("delete: {other}"),
                     },
@@ -454,4 +454,114 @@ async fn a_client_waits_for_the_next_version() {
         .unwrap();
     assert_eq!(none, None, "no newer version within the timeout");
     node.shutdown().await;
+}
+
+/// Puts collect `n` as a new version of `prefix` on `client`'s node over the wire, committed.
+async fn collect_over(
+    client: &mut ferry::client::Client,
+    prefix: &str,
+    tensors: &[(String, TensorData)],
+    replace: bool,
+) -> u64 {
+    let version = client.begin_model(0, prefix, replace).await.unwrap();
+    for (path, data) in tensors {
+        let key = TensorKey::new(0, format!("{prefix}/.v{version}/{path}"));
+        client.put(&key, data).await.unwrap();
+    }
+    let paths = tensors.iter().map(|(p, _)| p.as_str());
+    let metadata = vec![("format".to_string(), "pt".to_string())];
+    client
+        .commit_model(0, prefix, version, paths, metadata)
+        .await
+        .unwrap()
+        .version
+}
+
+/// A model copied between nodes arrives whole, bit-exact (every dtype and quantization scheme),
+/// with the source's metadata, as a new version of the target's model; refused onto a model
+/// without replace; a tensor the target refuses gives its version up and leaves its model as it
+/// was; a move deletes the source's model once the target committed its copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_copies_between_nodes_whole_or_not_at_all() {
+    use ferry::client::{ClientError, ModelCopy};
+    use ferry::proto::Transfer;
+    let (a, b) = (
+        start_with(&["flex"]).await,
+        start_with(&["flex", "ndarray"]).await,
+    );
+    let tensors: Vec<(String, TensorData)> = samples::full_matrix()
+        .into_iter()
+        .map(|s| (s.name, s.data))
+        .collect();
+    let (mut source, mut target) = (a.client().await, b.client().await);
+    collect_over(&mut source, "net", &tensors, false).await;
+
+    let copied = ModelCopy::new(a.addr.to_string(), 0, "net")
+        .run(&mut source, &mut target)
+        .await
+        .unwrap();
+    assert_eq!(
+        copied.metadata,
+        vec![("format".to_string(), "pt".to_string())]
+    );
+    assert_eq!(copied.tensors.len(), tensors.len());
+    for (path, data) in &tensors {
+        let key = TensorKey::new(0, copied.name_of(path));
+        assert_same(&target.get(&key).await.unwrap(), data, path);
+    }
+    // Onto a model, only when asked.
+    let refused = ModelCopy::new(a.addr.to_string(), 0, "net")
+        .run(&mut source, &mut target)
+        .await;
+    assert_eq!(
+        refused.unwrap_err().code(),
+        Some(ferry::client::ErrorCode::AlreadyExists)
+    );
+    let again = ModelCopy::new(a.addr.to_string(), 0, "net")
+        .replace(true)
+        .run(&mut source, &mut target)
+        .await
+        .unwrap();
+    assert_eq!(again.version, copied.version + 1);
+
+    // NdArray on the target's device 1 holds no quantized tensor of Flex's layouts for every
+    // scheme: a refused tensor leaves nothing there, and no model.
+    let quantized: Vec<(String, TensorData)> = tensors
+        .iter()
+        .filter(|(_, d)| matches!(d.dtype(), DType::QFloat(_)))
+        .cloned()
+        .collect();
+    collect_over(&mut source, "q", &quantized, false).await;
+    match ModelCopy::new(a.addr.to_string(), 0, "q")
+        .to(1, "q")
+        .run(&mut source, &mut target)
+        .await
+    {
+        Err(ClientError::ModelNotCopied { path, .. }) => assert!(!path.is_empty()),
+        other => panic!("a copy onto a device that refuses a tensor: {other:?}"),
+    }
+    assert!(
+        target.open_model(1, "q").await.is_err(),
+        "no model where a tensor was refused"
+    );
+    let left: Vec<_> = target.list(Some(1)).await.unwrap();
+    assert!(
+        left.is_empty(),
+        "nothing left on the refusing device: {left:?}"
+    );
+
+    // A move: the source's model goes once the target committed.
+    let moved = ModelCopy::new(a.addr.to_string(), 0, "net")
+        .to(0, "moved")
+        .transfer(Transfer::Move)
+        .run(&mut source, &mut target)
+        .await
+        .unwrap();
+    assert_eq!(moved.prefix, "moved");
+    assert!(
+        source.open_model(0, "net").await.is_err(),
+        "the source's model went"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
 }

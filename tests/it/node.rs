@@ -233,7 +233,8 @@ async fn sixteen_clients_fifty_mixed_operations_each() {
                         let dtype = dtypes[((op + c) % 4) as usize];
                         let data = samples::plain(dtype, &[16, (op % 5 + 1) as usize], op + c);
                         client
-                            .put_with(&TensorKey::new(0, &name), &data, IfExists::Replace)
+                            .put(&TensorKey::new(0, &name), &data)
+                            .if_exists(IfExists::Replace)
                             .await
                             .unwrap();
                         model.insert(TensorKey::new(0, &name), data);
@@ -310,7 +311,7 @@ async fn burn_tensors_go_in_and_come_back_with_their_dtype_quantized_included() 
         let quantized = float.quantize_dynamic(&scheme);
         let expected = quantized.to_data();
         client
-            .put_tensor(&TensorKey::new(0, &label), quantized)
+            .put(&TensorKey::new(0, &label), quantized)
             .await
             .unwrap();
         let key = TensorKey::new(0, &label);

@@ -38,11 +38,7 @@ async fn every_dtype_goes_node_to_node_bit_exact_in_one_batch() {
         .iter()
         .map(|s| (s.name.clone(), s.data.clone()))
         .collect();
-    for answer in source
-        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
-        .await
-        .unwrap()
-    {
+    for answer in source.put_batch(&on_device(0, &tensors)).await.unwrap() {
         answer.unwrap();
     }
     let keys: Vec<TensorKey> = matrix.iter().map(|s| TensorKey::new(0, &s.name)).collect();
@@ -74,10 +70,7 @@ async fn a_64_tensor_batch_then_the_same_again_costs_no_transfer() {
             (format!("layer{i}.w"), data)
         })
         .collect();
-    source
-        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
-        .await
-        .unwrap();
+    source.put_batch(&on_device(0, &tensors)).await.unwrap();
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
     let addr = a.addr.to_string();
     for answer in copy_keys(&mut source, &mut target, &keys, &how(&addr, 1))
@@ -228,7 +221,8 @@ async fn capabilities_are_single_use_bound_expiring_and_unforgeable() {
     let early = source.grant(&key, &b_id).await.unwrap();
     let newer = samples::plain(DType::F32, &[64, 33], 2);
     source
-        .put_with(&TensorKey::new(0, "w"), &newer, IfExists::Replace)
+        .put(&TensorKey::new(0, "w"), &newer)
+        .if_exists(IfExists::Replace)
         .await
         .unwrap();
     let refused = target
@@ -604,7 +598,8 @@ async fn a_writer_racing_dedup_pulls_never_gets_the_other_value() {
                     &other
                 };
                 client
-                    .put_with(&TensorKey::new(0, "cand"), value, IfExists::Replace)
+                    .put(&TensorKey::new(0, "cand"), value)
+                    .if_exists(IfExists::Replace)
                     .await
                     .unwrap();
                 writes += 1;
@@ -787,7 +782,8 @@ async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
         .await
         .unwrap();
     source
-        .put_with(&TensorKey::new(0, "k"), &value(2), IfExists::Replace)
+        .put(&TensorKey::new(0, "k"), &value(2))
+        .if_exists(IfExists::Replace)
         .await
         .unwrap();
     let refused = source.delete_if(&key, &grant.content_hash).await;
@@ -813,7 +809,8 @@ async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
             let mut last = None;
             for i in first..first + 4 {
                 writer
-                    .put_with(&TensorKey::new(0, "k"), &value(i), IfExists::Replace)
+                    .put(&TensorKey::new(0, "k"), &value(i))
+                    .if_exists(IfExists::Replace)
                     .await
                     .unwrap();
                 last = Some(i);

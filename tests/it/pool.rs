@@ -67,11 +67,7 @@ async fn every_dtype_and_scheme_lands_in_the_pool_bit_exact_by_pull_and_by_put()
         .map(|s| (s.name.clone(), s.data.clone()))
         .collect();
     let bytes: usize = tensors.iter().map(|(_, d)| d.as_bytes().len()).sum();
-    for answer in source
-        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
-        .await
-        .unwrap()
-    {
+    for answer in source.put_batch(&on_device(0, &tensors)).await.unwrap() {
         answer.unwrap();
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
@@ -262,7 +258,8 @@ async fn racing_clients_on_a_pool_smaller_than_their_tensors_read_only_what_they
                         let data =
                             samples::plain(DType::F32, &[rows, 1024], seed ^ (c << 32) ^ step);
                         client
-                            .put_with(&TensorKey::new(0, &key.name), &data, IfExists::Replace)
+                            .put(&TensorKey::new(0, &key.name), &data)
+                            .if_exists(IfExists::Replace)
                             .await
                             .unwrap();
                         held[k] = Some(data);

@@ -3,7 +3,7 @@
 //! and goes on to a same-host peer as that very region, with no copy; every dtype and scheme
 //! bit-exact; no region outlives its tensors, a put cut halfway included.
 
-use ferry::proto::{IfExists, TransferPath};
+use ferry::proto::TransferPath;
 use ferry::testing::copy_keys;
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -137,19 +137,13 @@ async fn every_dtype_received_into_a_region_by_put_or_pull_is_bit_exact_on_and_p
     let mut a_by_unix = Client::connect(a_unix.as_str()).await.unwrap();
     for route in ["put", "pull"] {
         if route == "put" {
-            for answer in on_a
-                .put_batch(&on_device(0, &tensors), IfExists::Refuse)
-                .await
-                .unwrap()
-            {
+            for answer in on_a.put_batch(&on_device(0, &tensors)).await.unwrap() {
                 answer.unwrap();
             }
         } else {
             // Pulled over TCP from a node that holds them in its heap.
             let mut on_c = c.client().await;
-            on_c.put_batch(&on_device(0, &tensors), IfExists::Refuse)
-                .await
-                .unwrap();
+            on_c.put_batch(&on_device(0, &tensors)).await.unwrap();
             let c_addr = c.addr.to_string();
             for answer in copy_keys(&mut on_c, &mut on_a, &keys, &how(&c_addr, 0))
                 .await

@@ -423,7 +423,8 @@ async fn striped_pulls_racing_overwrites_land_one_version_whole_or_nothing() {
                 } else {
                     let value = &versions[rng.random_range(0..versions.len())];
                     client
-                        .put_with(&key, value, ferry::proto::IfExists::Replace)
+                        .put(&key, value)
+                        .if_exists(ferry::proto::IfExists::Replace)
                         .await
                         .unwrap();
                 }

@@ -3,7 +3,7 @@
 //! certificate can be wrong refused: another CA, expired, issued for another host, no
 //! certificate at all; and bytes altered on the path fail the connection, registering nothing.
 
-use ferry::proto::{IfExists, TransferPath};
+use ferry::proto::TransferPath;
 use ferry::server::PullConfig;
 use ferry::testing::copy_keys;
 use std::path::Path;
@@ -72,11 +72,7 @@ async fn every_dtype_crosses_mutual_tls_bit_exact_and_nodes_are_their_certificat
         .iter()
         .map(|s| (s.name.clone(), s.data.clone()))
         .collect();
-    for answer in source
-        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
-        .await
-        .unwrap()
-    {
+    for answer in source.put_batch(&on_device(0, &tensors)).await.unwrap() {
         answer.unwrap();
     }
     for sample in &matrix {

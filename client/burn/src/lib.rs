@@ -9,7 +9,8 @@
 //!   handle, not its bytes).
 //! - [`TryToDevice`]: any tensor to any device of this process, checked against what the
 //!   device holds before a byte moves: an error that names the dtype and the device, never a
-//!   panic.
+//!   panic. [`TryModuleToDevice`]: a whole module so, every parameter checked before any moves,
+//!   an error naming the parameter's path and dtype.
 //!
 //! Features:
 //!
@@ -29,7 +30,8 @@
 //! `store/` holds the store; `node.rs` the handoff, over `handoff.rs` (a tensor as a backend
 //! primitive and back, kind and rank checked first: Burn panics on either) and
 //! `shared_data.rs` (a node's buffer as data that shares it); `holds.rs` finds what a
-//! device of this process holds, which `to_device.rs` checks before a move; `error.rs` holds
+//! device of this process holds, which `to_device.rs` checks before a move (and
+//! `module_to_device.rs` before a module's); `error.rs` holds
 //! `HandoffError`. `node.rs`, `handoff.rs`, `shared_data.rs`, `error.rs` and the store's
 //! `embedded.rs` and `handoff_apply.rs` are built with `node` only.
 
@@ -38,6 +40,7 @@ mod error;
 #[cfg(feature = "node")]
 mod handoff;
 mod holds;
+mod module_to_device;
 #[cfg(feature = "node")]
 mod node;
 #[cfg(feature = "node")]
@@ -47,6 +50,7 @@ mod to_device;
 
 #[cfg(feature = "node")]
 pub use error::HandoffError;
+pub use module_to_device::{ModuleMoveError, TryModuleToDevice};
 #[cfg(feature = "node")]
 pub use node::NodeTensors;
 #[cfg(feature = "node")]

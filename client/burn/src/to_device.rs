@@ -50,12 +50,10 @@ pub trait TryToDevice: Sized {
 impl<const D: usize, K: Basic + 'static> TryToDevice for Tensor<D, K> {
     fn try_to_device(self, device: &Device) -> Result<Self, MoveError> {
         let from = self.device();
-        // Devices compare equal whatever their autodiff: a move onto or off an autodiff device
-        // is a move (through the data, which builds the target's kind of tensor).
-        let autodiff_alike = from.is_autodiff() == device.is_autodiff();
-        if from == *device && autodiff_alike {
+        if stays(&from, device) {
             return Ok(self);
         }
+        let autodiff_alike = from.is_autodiff() == device.is_autodiff();
         let dtype = self.dtype();
         let shape = self.shape().to_vec();
         check_held(device, &dtype, &shape)?;
@@ -77,6 +75,13 @@ impl<const D: usize, K: Basic + 'static> TryToDevice for Tensor<D, K> {
         contained(|| Tensor::<D, K>::from_data(data, (device, dtype)))
             .map_err(|p| failed(format!("building it panicked: {}", p.message)))
     }
+}
+
+/// Whether a tensor on `from` is already where a move to `to` would put it. Devices compare
+/// equal whatever their autodiff: a move onto or off an autodiff device is a move (through the
+/// data, which builds the target's kind of tensor).
+pub(crate) fn stays(from: &Device, to: &Device) -> bool {
+    from == to && from.is_autodiff() == to.is_autodiff()
 }
 
 /// Whether `device` holds `dtype` at `shape` ([`check_holds`]), as a [`MoveError`].

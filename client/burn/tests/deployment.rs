@@ -26,7 +26,7 @@ use burn_core::module::Module;
 use burn_core::tensor::Device;
 use burn_nn::{Linear, LinearConfig};
 use burn_store::ModuleStore;
-use ferry::client::{BlockingClient, ConnectOptions, SharedMemory};
+use ferry::client::{BlockingClient, ConnectOptions, SharedMemory, Wait};
 use ferry::testing::Etcd;
 use ferry_burn::{FerryStore, StoreError};
 use support::params;
@@ -126,7 +126,7 @@ fn a_worker_behind_a_token_reports_a_wrong_batch_and_goes_on() {
     // Without the token: refused.
     let mut stranger = BlockingClient::connect(worker.addr.as_str()).blocking();
     let refused = match stranger.as_mut() {
-        Ok(client) => client.list(None).is_err(),
+        Ok(client) => client.list(None).wait().is_err(),
         Err(_) => true,
     };
     assert!(refused, "a client without the token was served");
@@ -135,10 +135,12 @@ fn a_worker_behind_a_token_reports_a_wrong_batch_and_goes_on() {
     let wrong = ferry::proto::TensorData::new(vec![0.5f32; 8], [2, 4]);
     client
         .put(&ferry::proto::TensorKey::new(0, "batch"), &wrong)
+        .wait()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     while client
         .get(&ferry::proto::TensorKey::new(0, "batch"))
+        .wait()
         .is_ok()
     {
         assert!(Instant::now() < deadline, "the worker never took the batch");

@@ -20,9 +20,10 @@ use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 use burn_flex::Flex;
 use burn_nn::{Linear, LinearConfig};
 use burn_store::{ApplyError, BurnpackStore, KeyRemapper, ModuleStore, PathFilter};
-use ferry::client::BlockingClient;
+use ferry::client::{BlockingClient, Wait};
+use ferry::proto::message::PathsDigest;
 use ferry::proto::{IfExists, TensorKey};
-use ferry::server::{DeviceSpec, Node, NodeConfig, Primitive, ServiceConfig};
+use ferry::server::{DeviceSpec, Node, NodeConfig, Primitive, Replace, ServiceConfig};
 use ferry::testing::{BackgroundNode, Fault, proxy};
 use ferry_burn::{FerryStore, Missing, StoreError};
 use support::{assert_same_params, params};
@@ -39,6 +40,36 @@ fn serve_flex() -> BackgroundNode {
 
 fn client(addr: &str) -> BlockingClient {
     BlockingClient::connect(addr).blocking().unwrap()
+}
+
+/// The tensors of the model `prefix`'s current version, by path.
+fn model_tensors(admin: &mut BlockingClient, prefix: &str) -> BTreeMap<String, TensorData> {
+    let manifest = admin.open_model(0, prefix).wait().unwrap();
+    let tensors = manifest
+        .tensors
+        .iter()
+        .map(|t| {
+            let key = TensorKey::new(0, manifest.name_of(&t.path));
+            (t.path.clone(), admin.get(&key).wait().unwrap())
+        })
+        .collect();
+    admin.close_model(&manifest).wait().unwrap();
+    tensors
+}
+
+/// Replaces the model `prefix` with a version of `tensors`, written by hand (a model whose
+/// tensors another program made, missing, extra or mis-shaped ones included).
+fn write_version(admin: &mut BlockingClient, prefix: &str, tensors: &BTreeMap<String, TensorData>) {
+    let version = admin.begin_model(0, prefix, true).wait().unwrap();
+    for (path, data) in tensors {
+        let key = TensorKey::new(0, format!("{prefix}/.v{version}/{path}"));
+        admin.put(&key, data).wait().unwrap();
+    }
+    let paths = tensors.keys().map(String::as_str);
+    admin
+        .commit_model(0, prefix, version, paths, Vec::new())
+        .wait()
+        .unwrap();
 }
 
 #[test]
@@ -179,7 +210,10 @@ fn a_missing_extra_or_mis_shaped_tensor_is_reported_and_a_refused_apply_changes_
     let mut admin = client(&node.addr);
 
     // Missing: refused whole by default, the target untouched.
-    admin.delete(&TensorKey::new(0, "m/right.bias")).unwrap();
+    let whole = model_tensors(&mut admin, "m");
+    let mut tensors = whole.clone();
+    tensors.remove("right.bias");
+    write_version(&mut admin, "m", &tensors);
     let mut target = Pair::new(&device);
     let before = params(&target);
     let Err(StoreError::NotApplied(result)) = store.apply_to(&mut target) else {
@@ -204,21 +238,17 @@ fn a_missing_extra_or_mis_shaped_tensor_is_reported_and_a_refused_apply_changes_
 
     // Extra: reported unused, the rest applied.
     let extra = TensorData::new(vec![1.0f32; 4], [4]);
-    admin
-        .put(&TensorKey::new(0, "m/middle.weight"), &extra)
-        .unwrap();
+    let mut tensors = whole.clone();
+    tensors.insert("middle.weight".into(), extra);
+    write_version(&mut admin, "m", &tensors);
     let result = store.apply_to(&mut Pair::new(&device)).unwrap();
     assert_eq!(result.unused, ["middle.weight"]);
 
     // Mis-shaped: an error in the result, and nothing applied at all.
     let wrong = TensorData::new(vec![0.5f32; 32], [4, 8]);
-    admin
-        .put_with(
-            &TensorKey::new(0, "m/left.weight"),
-            &wrong,
-            IfExists::Replace,
-        )
-        .unwrap();
+    let mut tensors = whole.clone();
+    tensors.insert("left.weight".into(), wrong);
+    write_version(&mut admin, "m", &tensors);
     let mut target = Pair::new(&device);
     let before = params(&target);
     let Err(StoreError::NotApplied(result)) = store.apply_to(&mut target) else {
@@ -232,13 +262,9 @@ fn a_missing_extra_or_mis_shaped_tensor_is_reported_and_a_refused_apply_changes_
 
     // Of another kind (an int tensor for a float parameter): refused, never read.
     let ints = TensorData::new(vec![7i32; 64], [8, 8]);
-    admin
-        .put_with(
-            &TensorKey::new(0, "m/left.weight"),
-            &ints,
-            IfExists::Replace,
-        )
-        .unwrap();
+    let mut tensors = whole.clone();
+    tensors.insert("left.weight".into(), ints);
+    write_version(&mut admin, "m", &tensors);
     let Err(StoreError::NotApplied(result)) = store.apply_to(&mut target) else {
         panic!("an int tensor refuses the apply");
     };
@@ -395,7 +421,7 @@ fn a_model_applied_from_an_embedded_node_shares_the_nodes_buffers() {
     let node_buffers: BTreeMap<String, usize> = buffers(&sent)
         .keys()
         .map(|path| {
-            let key = TensorKey::new(0, format!("lm/{path}"));
+            let key = node.open_model(0, "lm").unwrap().key(path);
             let (_, primitive) = runtime.block_on(node.primitive::<Flex>(&key)).unwrap();
             let Primitive::Float(flex) = primitive else {
                 panic!("a float tensor");
@@ -416,7 +442,7 @@ fn a_model_applied_from_an_embedded_node_shares_the_nodes_buffers() {
 
     // A write by the model copies first: the node's tensor stays as it was. The parameter's
     // tensor (whose buffer the node's tensor shares) is written, and the write goes to a copy.
-    let key = TensorKey::new(0, "lm/hidden.weight");
+    let key = node.open_model(0, "lm").unwrap().key("hidden.weight");
     let before = runtime.block_on(node.get(&key)).unwrap();
     let weight = received.hidden.weight.val();
     drop(received);
@@ -523,7 +549,7 @@ fn a_model_collected_over_lanes_is_dealt_to_each_and_arrives_bytes_exact() {
     let mut stat = client(&node.addr);
     let over_lanes = (0..sent_params.len()).filter(|i| i % 3 != 0).count();
     assert_eq!(
-        stat.stat().unwrap().shm_payloads_received,
+        stat.stat().wait().unwrap().shm_payloads_received,
         over_lanes as u64,
         "tensor i went over connection i % 3: the lanes carried two in three"
     );
@@ -546,7 +572,7 @@ fn a_lane_to_another_node_is_refused() {
         "{refused:?}"
     );
     for at in [&node, &other] {
-        assert!(client(&at.addr).list(Some(0)).unwrap().is_empty());
+        assert!(client(&at.addr).list(Some(0)).wait().unwrap().is_empty());
     }
 }
 
@@ -566,8 +592,8 @@ fn lane_cut_after(
 }
 
 /// A collect whose lane fails during it (cut at its first put) fails with that lane's error,
-/// every sender stopping; the node holds only whole tensors, each as sent. The failed lane is
-/// dropped: the next collect goes over the store's connection and the other lane, whole.
+/// every sender stopping; the version it wrote is given up, nothing of it kept. The failed lane
+/// is dropped: the next collect goes over the store's connection and the other lane, whole.
 #[test]
 fn a_collect_whose_lane_fails_stops_with_its_error_and_the_next_goes_on_without_it() {
     let node = serve_flex();
@@ -582,22 +608,27 @@ fn a_collect_whose_lane_fails_stops_with_its_error_and_the_next_goes_on_without_
         .with_lanes(lanes)
         .unwrap();
     let failed = store.collect_from(&sent);
-    assert!(matches!(failed, Err(StoreError::Client(_))), "{failed:?}");
-    let mut check = client(&node.addr);
-    let held = check.list(Some(0)).unwrap();
     assert!(
-        held.len() < sent_params.len(),
-        "the failed lane's tensors are missing"
+        matches!(&failed, Err(StoreError::NotCollected { cause, .. }) if matches!(**cause, StoreError::Client(_))),
+        "{failed:?}"
     );
-    for info in held {
-        let path = info.key.name.strip_prefix("cut/").unwrap();
-        let data = check.get(&info.key).unwrap();
-        assert_eq!(
-            data.as_bytes(),
-            sent_params[path].as_bytes(),
-            "{path}: whole"
-        );
+    // The version was given up: no model, and nothing of it is left on the node.
+    let mut check = client(&node.addr);
+    assert!(
+        check.open_model(0, "cut").wait().is_err(),
+        "no model from a failed collect"
+    );
+    for _ in 0..200 {
+        if check.list(Some(0)).wait().unwrap().is_empty() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
+    assert_eq!(
+        check.list(Some(0)).wait().unwrap(),
+        [],
+        "nothing of it left"
+    );
 
     store.collect_from(&sent).unwrap();
     let mut received = Deep::new(&device);
@@ -628,7 +659,7 @@ fn a_lane_closed_before_a_collect_is_dropped_and_the_collect_goes_on() {
     let mut stat = client(&node.addr);
     let over_the_lane = (0..sent_params.len()).filter(|i| i % 2 == 1).count();
     assert_eq!(
-        stat.stat().unwrap().shm_payloads_received,
+        stat.stat().wait().unwrap().shm_payloads_received,
         over_the_lane as u64,
         "tensor i went over connection i % 2 of the two left"
     );
@@ -675,7 +706,7 @@ fn a_quantized_model_applied_from_an_embedded_node_is_handed_its_values_without_
         };
         q.tensor().bytes().as_ptr() as usize
     };
-    let key = TensorKey::new(0, "q/hidden.weight");
+    let key = node.open_model(0, "q").unwrap().key("hidden.weight");
     let (_, primitive) = runtime.block_on(node.primitive::<Flex>(&key)).unwrap();
     let Primitive::Quantized(on_node) = primitive else {
         panic!("a quantized tensor on the node");
@@ -705,18 +736,32 @@ fn an_apply_from_an_embedded_node_checks_and_reports_as_burn_stores_applier_does
     assert_eq!(result.skipped, ["right.bias", "right.weight"]);
     assert!(params(&target)["right.weight"].as_bytes() == before["right.weight"].as_bytes());
 
-    // Mis-shaped, of another kind, and missing: each refused, the module left as it was.
-    let insert = |name: &str, data: TensorData| {
-        runtime
-            .block_on(node.insert(&TensorKey::new(0, name), data, IfExists::Replace))
-            .unwrap();
-    };
-    insert("p/left.weight", TensorData::new(vec![0.5f32; 32], [4, 8]));
-    insert("p/right.weight", TensorData::new(vec![7i32; 64], [8, 8]));
-    runtime
-        .block_on(node.remove(&TensorKey::new(0, "p/right.bias")))
-        .unwrap();
-    insert("p/middle.weight", TensorData::new(vec![1.0f32; 4], [4]));
+    // Mis-shaped, of another kind, and missing: each refused, the module left as it was. A
+    // version of such tensors, written by hand.
+    let mut tensors: BTreeMap<String, TensorData> = params(&sent);
+    tensors.remove("right.bias");
+    tensors.insert(
+        "left.weight".into(),
+        TensorData::new(vec![0.5f32; 32], [4, 8]),
+    );
+    tensors.insert(
+        "right.weight".into(),
+        TensorData::new(vec![7i32; 64], [8, 8]),
+    );
+    tensors.insert(
+        "middle.weight".into(),
+        TensorData::new(vec![1.0f32; 4], [4]),
+    );
+    runtime.block_on(async {
+        let writer = node.begin_model(0, "p", Replace::Allow).unwrap();
+        for (path, data) in &tensors {
+            node.insert(&writer.key(path), data.clone(), IfExists::Refuse)
+                .await
+                .unwrap();
+        }
+        let sent = PathsDigest::of(tensors.keys().map(String::as_str));
+        writer.commit(Some(sent), BTreeMap::new()).await.unwrap();
+    });
     let mut target = Pair::new(&device);
     let before = params(&target);
     let Err(StoreError::NotApplied(result)) = store().apply_to(&mut target) else {
@@ -764,34 +809,42 @@ fn an_embedded_node_on_ndarray_applies_to_a_flex_model_through_the_host() {
     assert_same_params(&params(&target), &params(&sent));
 }
 
-/// Which version an apply hands over, raced: a writer replaces the node's tensors over and over
-/// (each version a whole tensor of one value, now and then of the wrong shape) while the module
-/// is applied from the embedded node again and again. Every apply either took, for each
-/// parameter, one whole version (every value the same, at the parameter's shape), or refused
-/// and left the module exactly as it was; both happen.
+/// Which version an apply hands over, raced: a writer replaces the model over and over (each
+/// version every tensor of one value, now and then one of the wrong shape) while the module is
+/// applied from the embedded node again and again. Every apply either took one whole version
+/// (every value of every parameter the same, at the parameter's shape), or refused and left the
+/// module exactly as it was; both happen.
 #[test]
 fn an_embedded_apply_racing_replacements_takes_whole_versions_or_changes_nothing() {
     let (runtime, node) = embedded(vec![DeviceSpec::Flex]);
     let device = Device::flex();
     let store = || FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "raced");
-    store().collect_from(&Pair::new(&device)).unwrap();
-    // Version 0 of each: a whole tensor of one value too.
-    for (name, shape) in [
-        ("left.weight", vec![8, 8]),
-        ("left.bias", vec![8]),
-        ("right.weight", vec![8, 8]),
-        ("right.bias", vec![8]),
-    ] {
-        let n: usize = shape.iter().product();
-        let key = TensorKey::new(0, format!("raced/{name}"));
-        runtime
-            .block_on(node.insert(
-                &key,
-                TensorData::new(vec![0.0f32; n], shape),
-                IfExists::Replace,
-            ))
-            .unwrap();
-    }
+    // Version `v` of the model: every tensor holds `v` (one of them mis-shaped, in a fifth of
+    // the versions).
+    let write = |node: &Node, handle: &tokio::runtime::Handle, v: f32, state: u64| {
+        handle.block_on(async {
+            let writer = node.begin_model(0, "raced", Replace::Allow).unwrap();
+            let names = ["left.weight", "left.bias", "right.weight", "right.bias"];
+            for (i, name) in names.into_iter().enumerate() {
+                let mut shape = if name.ends_with("weight") {
+                    vec![8, 8]
+                } else {
+                    vec![8]
+                };
+                if state.is_multiple_of(5) && (state / 5) % 4 == i as u64 {
+                    shape[0] = 4; // a version with a tensor of the wrong shape
+                }
+                let n: usize = shape.iter().product();
+                let data = TensorData::new(vec![v; n], shape);
+                node.insert(&writer.key(name), data, IfExists::Refuse)
+                    .await
+                    .unwrap();
+            }
+            let sent = PathsDigest::of(names);
+            writer.commit(Some(sent), BTreeMap::new()).await.unwrap();
+        });
+    };
+    write(&node, runtime.handle(), 0.0, 1);
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -808,22 +861,7 @@ fn an_embedded_apply_racing_replacements_takes_whole_versions_or_changes_nothing
                 state ^= state << 13;
                 state ^= state >> 7;
                 state ^= state << 17;
-                let name = ["left.weight", "left.bias", "right.weight", "right.bias"]
-                    [(state % 4) as usize];
-                let mut shape = if name.ends_with("weight") {
-                    vec![8, 8]
-                } else {
-                    vec![8]
-                };
-                if state.is_multiple_of(5) {
-                    shape[0] = 4; // a version of the wrong shape
-                }
-                let n: usize = shape.iter().product();
-                let data = TensorData::new(vec![version; n], shape);
-                let key = TensorKey::new(0, format!("raced/{name}"));
-                handle
-                    .block_on(node.insert(&key, data, IfExists::Replace))
-                    .unwrap();
+                write(&node, &handle, version, state);
                 version += 1.0;
             }
         })
@@ -835,14 +873,18 @@ fn an_embedded_apply_racing_replacements_takes_whole_versions_or_changes_nothing
         match store().apply_to(&mut target) {
             Ok(_) => {
                 applied += 1;
+                // One version, whole: every value of every parameter the same.
+                let mut seen = std::collections::BTreeSet::new();
                 for (path, data) in params(&target) {
                     assert_eq!(data.shape(), before[&path].shape(), "seed {seed}: {path}");
                     let values: Vec<f32> = data.try_to_vec().unwrap();
-                    assert!(
-                        values.iter().all(|v| *v == values[0]),
-                        "seed {seed}: {path} holds parts of two versions"
-                    );
+                    seen.extend(values.iter().map(|v| v.to_bits()));
                 }
+                assert_eq!(
+                    seen.len(),
+                    1,
+                    "seed {seed}: parts of several versions applied"
+                );
             }
             Err(StoreError::NotApplied(_)) => {
                 refused += 1;
@@ -857,5 +899,54 @@ fn an_embedded_apply_racing_replacements_takes_whole_versions_or_changes_nothing
     assert!(
         applied > 0 && refused > 0,
         "seed {seed}: both outcomes raced"
+    );
+}
+
+/// Errors say what happened: an unreachable node by its address; an apply from a prefix with no
+/// model says there is nothing there; a refused apply lists why, never a success line; a collect
+/// whose connection is cut names the node and says nothing of it was kept.
+#[test]
+fn errors_say_which_node_and_what_was_kept() {
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = free.local_addr().unwrap().to_string();
+    drop(free);
+    let unreachable = BlockingClient::connect(addr.as_str())
+        .blocking()
+        .unwrap_err();
+    let message = unreachable.to_string();
+    assert!(
+        message.starts_with(&format!("cannot reach {addr}: ")),
+        "{message}"
+    );
+
+    let node = serve_flex();
+    let device = Device::flex();
+    let nothing =
+        FerryStore::connected(client(&node.addr), 0, "nope").apply_to(&mut Pair::new(&device));
+    let message = nothing.unwrap_err().to_string();
+    assert!(
+        message.contains("nothing under nope on device 0"),
+        "{message}"
+    );
+
+    let unbiased: Linear = LinearConfig::new(8, 8).with_bias(false).init(&device);
+    FerryStore::connected(client(&node.addr), 0, "head")
+        .collect_from(&unbiased)
+        .unwrap();
+    let mut biased: Linear = LinearConfig::new(8, 8).init(&device);
+    let refused = FerryStore::connected(client(&node.addr), 0, "head").apply_to(&mut biased);
+    let message = refused.unwrap_err().to_string();
+    assert!(message.contains("no tensor for: bias"), "{message}");
+    assert!(!message.contains("Successfully"), "{message}");
+
+    let (cut, _proxy) = lane_cut_after(&node, 2);
+    let cut_at = cut.endpoint().to_string();
+    let failed = FerryStore::connected(cut, 0, "cut").collect_from(&Deep::new(&device));
+    let message = failed.unwrap_err().to_string();
+    assert!(
+        message.contains(&format!(
+            "of {cut_at}: version 0 was given up, nothing of it kept"
+        )),
+        "{message}"
     );
 }

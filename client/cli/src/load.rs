@@ -438,8 +438,14 @@ async fn client_loop(
             totals.operations.fetch_add(1, Ordering::Relaxed);
             totals.bytes.fetch_add(bytes, Ordering::Relaxed);
         };
-        let broken =
-            |e: &ClientError| matches!(e, ClientError::OutOfStep | ClientError::Connection(_));
+        let broken = |e: &ClientError| {
+            matches!(
+                e,
+                ClientError::OutOfStep
+                    | ClientError::Connection(_)
+                    | ClientError::Unreachable { .. }
+            )
+        };
         let at = Instant::now();
         if let Err(e) = client
             .put(&TensorKey::new(config.device, name.clone()), &data)

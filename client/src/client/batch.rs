@@ -1,4 +1,5 @@
-//! Batches: many uploads or downloads in one pipelined exchange, one answer per tensor.
+//! Batches: many uploads or downloads in one pipelined exchange, one answer per tensor (the
+//! exchange itself; uploads are asked for through [`Client::put_batch`]'s builder).
 
 use burn_std::Bytes;
 use ferry_io::{ExchangeError, Step};
@@ -34,8 +35,9 @@ pub(super) struct PutBroken {
 impl Client {
     /// Uploads many tensors in one pipelined exchange (a whole model's weights): the next upload
     /// starts while the node registers the previous one. One answer per tensor, in order; a
-    /// refused tensor does not stop the others. `Err` only when the connection fails.
-    pub async fn put_batch(
+    /// refused tensor does not stop the others. `Err` only when the connection fails. What a
+    /// [`PutBatch`](super::PutBatch) runs ([`Client::put_batch`]).
+    pub(super) async fn put_batch_over_one(
         &mut self,
         tensors: &[(TensorKey, TensorData)],
         if_exists: IfExists,
@@ -52,8 +54,8 @@ impl Client {
             .collect())
     }
 
-    /// [`put_batch`](Self::put_batch), each answer written to `results` (one slot per tensor)
-    /// as it comes: where the connection fails, the answers before the failure are kept, the
+    /// [`put_batch_over_one`](Self::put_batch_over_one), each answer written to `results` (one
+    /// slot per tensor) as it comes: where the connection fails, the answers before the failure are kept, the
     /// slots still `None` are the tensors the node did not answer for, and [`PutBroken`] says
     /// which one of them (at most) may have been stored all the same.
     pub(super) async fn put_batch_into(

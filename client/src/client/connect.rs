@@ -5,7 +5,10 @@
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
 
-use ferry_io::{ClearTokens, ClientTls, ConnectionLimits, Dial, Endpoint, PeerCheck, SharedMemory};
+use ferry_io::{
+    ClearTokens, ClientTls, ConnectionLimits, Dial, Endpoint, ExchangeError, PeerCheck,
+    SharedMemory,
+};
 use ferry_proto::{NodeId, Token};
 
 use super::{AGENT, Client, ClientError};
@@ -183,8 +186,22 @@ impl Connect {
             shared_memory: options.shared_memory,
             limits: options.limits,
         };
-        let exchange = dial.open(&self.endpoint).await?;
-        Ok(Client::over(exchange, options.max_tensor_bytes))
+        let exchange = match dial.open(&self.endpoint).await {
+            Ok(exchange) => exchange,
+            // The address in the error: "cannot reach HOST:PORT: connection refused".
+            Err(ExchangeError::Connection(source)) => {
+                return Err(ClientError::Unreachable {
+                    node: self.endpoint.to_string(),
+                    source,
+                });
+            }
+            Err(other) => return Err(other.into()),
+        };
+        Ok(Client::over(
+            exchange,
+            options.max_tensor_bytes,
+            self.endpoint,
+        ))
     }
 
     /// Opens the connection for code without a runtime: a [`BlockingClient`].

@@ -13,6 +13,15 @@ pub enum ClientError {
     /// The connection failed or the node broke the protocol.
     #[error(transparent)]
     Connection(#[from] ConnectionError),
+    /// The node could not be reached (refused, unreachable, timed out, or the connection lost
+    /// before its hello was answered).
+    #[error("cannot reach {node}: {source}")]
+    Unreachable {
+        /// The address, as it was asked for.
+        node: String,
+        /// Why.
+        source: ConnectionError,
+    },
     /// The node refused or failed the request; `message` is the node's own.
     #[error("{code:?}: {message}")]
     Node {
@@ -126,7 +135,7 @@ pub enum ClientError {
     CopyInterrupted(Box<InterruptedCopy>),
     /// A tensor of a copy or a put over several lanes
     /// ([`NodeCopy::run_in_lanes`](crate::NodeCopy::run_in_lanes),
-    /// [`Client::put_batch_in_lanes`](crate::Client::put_batch_in_lanes)) that got no answer of
+    /// [`PutBatch::lanes`](crate::PutBatch::lanes)) that got no answer of
     /// its own: its lane's connection failed during the transfer (a copy's tensor may have been
     /// copied, or moved: its source deleted once the target held it; of a put's, only the one
     /// whose payload was sent, or being sent, may have been stored, the others were not), or
@@ -154,10 +163,19 @@ pub enum ClientError {
         /// The minor the request needs.
         needs: u16,
     },
-    /// A [`BlockingClient`](crate::BlockingClient) call (or
-    /// [`NodeCopy::run_blocking`](crate::NodeCopy::run_blocking)) on a thread that drives an
-    /// async runtime, where waiting for the node would stall it. Use [`Client`](crate::Client)
-    /// there, or call from `tokio::task::spawn_blocking` or a thread of its own.
+    /// A model copy between nodes in which a tensor was refused: the target's version was given
+    /// up, and its model is as it was.
+    #[error("the model was not copied: {path} was refused: {cause}")]
+    ModelNotCopied {
+        /// The tensor's path in the model.
+        path: String,
+        /// Why.
+        cause: Box<ClientError>,
+    },
+    /// A blocking call ([`.wait()`](crate::Wait::wait), or opening a
+    /// [`BlockingClient`](crate::BlockingClient)) on a thread that drives an async runtime,
+    /// where waiting for the node would stall it. `.await` the call there, or call from
+    /// `tokio::task::spawn_blocking` or a thread of its own.
     #[error(
         "a BlockingClient blocks until the node answers: call it from spawn_blocking or a thread \
          of its own, or use the async Client inside a runtime"

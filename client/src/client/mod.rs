@@ -1,9 +1,11 @@
 //! `Client`: the async Rust API to a ferry node. Here: the client over its connection and the
-//! calls on one node (put, get, copy, move, delete, list, stat). Every call runs through the
-//! exchange layer's step guard (`ferry_io::exchange`), so a call that fails or is cancelled
-//! half-way leaves the connection refusing further calls ([`ClientError::OutOfStep`]) rather than
-//! reading another call's answer. Opening is in `connect`, batches in `batch`, node-to-node copies
-//! in `node_copy` (over several pairs of connections at once in `lanes`), errors in `error`.
+//! calls on one node (get, copy, move, delete, list, stat). Every call runs through the exchange
+//! layer's step guard (`ferry_io::exchange`), so a call that fails or is cancelled half-way
+//! leaves the connection refusing further calls ([`ClientError::OutOfStep`]) rather than reading
+//! another call's answer. Opening is in `connect`, uploads (the `put` builders) in `put`,
+//! pipelined batches in `batch` (a batch of uploads over several connections in `put_lanes`),
+//! node-to-node copies in `node_copy` (over several pairs of connections at once in `lanes`),
+//! errors in `error`.
 
 mod batch;
 mod connect;
@@ -11,14 +13,18 @@ mod deal;
 mod error;
 mod lanes;
 mod model;
+mod model_copy;
 mod node_copy;
+mod put;
 mod put_lanes;
 mod wait;
 
 pub use connect::{Connect, ConnectOptions};
 pub use error::{ClientError, InterruptedCopy};
 pub use lanes::Lane;
+pub use model_copy::ModelCopy;
 pub use node_copy::{IssuedCapability, NodeCopy};
+pub use put::{Payload, Put, PutBatch, PutBatchInLanes, PutTo};
 
 use burn_std::Bytes;
 use ferry_io::{
@@ -52,6 +58,8 @@ pub const AGENT: &str = concat!("ferry-client/", env!("CARGO_PKG_VERSION"));
 pub struct Client {
     exchange: Exchange,
     max_tensor_bytes: u64,
+    /// Where it is connected, for errors that name the node.
+    endpoint: Endpoint,
 }
 
 /// The answer that a tensor was registered (an upload, a copy, a pull).
@@ -94,11 +102,17 @@ impl Client {
     }
 
     /// A client over an open exchange.
-    fn over(exchange: Exchange, max_tensor_bytes: u64) -> Self {
+    fn over(exchange: Exchange, max_tensor_bytes: u64, endpoint: Endpoint) -> Self {
         Self {
             exchange,
             max_tensor_bytes,
+            endpoint,
         }
+    }
+
+    /// The address this client connected to (the node's, as it was reached).
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
     }
 
     /// What the node said when the connection opened.
@@ -115,63 +129,6 @@ impl Client {
     /// Whether every call so far finished, so that the connection takes another.
     pub fn in_step(&self) -> bool {
         self.exchange.in_step()
-    }
-
-    /// Uploads `data` under `key`; refused if the key is taken.
-    pub async fn put(
-        &mut self,
-        key: &TensorKey,
-        data: &TensorData,
-    ) -> Result<TensorInfo, ClientError> {
-        self.put_with(key, data, IfExists::Refuse).await
-    }
-
-    /// Uploads `data` under `key`, doing with a tensor already there what `if_exists` says.
-    /// Answered once the node registered it.
-    pub async fn put_with(
-        &mut self,
-        key: &TensorKey,
-        data: &TensorData,
-        if_exists: IfExists,
-    ) -> Result<TensorInfo, ClientError> {
-        self.upload(key.device, Some(&key.name), data, if_exists)
-            .await
-    }
-
-    /// Uploads `data` to `device` under a name the node chooses (in the answer).
-    pub async fn put_unnamed(
-        &mut self,
-        device: u32,
-        data: &TensorData,
-    ) -> Result<TensorInfo, ClientError> {
-        self.upload(device, None, data, IfExists::Refuse).await
-    }
-
-    /// One upload: request, `Ready`, payload, `Stored`.
-    async fn upload(
-        &mut self,
-        device: u32,
-        name: Option<&str>,
-        data: &TensorData,
-        if_exists: IfExists,
-    ) -> Result<TensorInfo, ClientError> {
-        // Checked before anything is sent: a tensor that cannot go leaves the connection as is.
-        let meta = ferry_proto::tensor::meta_of(data)?;
-        let request = Request::Put {
-            device,
-            name: name.map(str::to_string),
-            meta: meta.to_wire(),
-            overwrite: if_exists.overwrite(),
-        };
-        let mut step = self.exchange.begin()?;
-        step.send(&request).await?;
-        // A refusal instead of `Ready` finishes the exchange: no payload follows it.
-        if let Err(refused) = step.answer(ready).await {
-            return Err(step.fail(refused).into());
-        }
-        step.send_payload(data.as_bytes()).await?;
-        let answer = step.answer(stored).await;
-        Ok(step.finish_if_answered(answer)?)
     }
 
     /// Downloads the tensor under `key`, bit-exact, its dtype and shape checked.
@@ -356,16 +313,6 @@ impl Client {
             })
             .await?;
         Ok(stats)
-    }
-
-    /// Uploads a Burn tensor (quantized ones included) under `key`; refused if the key is taken.
-    pub async fn put_tensor<const D: usize, K: burn_tensor::kind::Basic>(
-        &mut self,
-        key: &TensorKey,
-        tensor: burn_tensor::Tensor<D, K>,
-    ) -> Result<TensorInfo, ClientError> {
-        let data = crate::tensor::into_data(tensor)?;
-        self.put(key, &data).await
     }
 
     /// Downloads the tensor under `key` as a Burn tensor on `device`, with its own dtype

@@ -21,9 +21,9 @@ impl Client {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let timeout_ms = u32::try_from(left.as_millis())
-                .unwrap_or(u32::MAX)
-                .min(MAX_WAIT_MS);
+            // Rounded up: the node waits at least what is left, never a millisecond less.
+            let left_ms = left.as_nanos().div_ceil(1_000_000);
+            let timeout_ms = u32::try_from(left_ms).unwrap_or(u32::MAX).min(MAX_WAIT_MS);
             let request = Request::Wait {
                 target: WaitFor::Tensor(key.clone()),
                 timeout_ms,
@@ -36,7 +36,7 @@ impl Client {
                 })
                 .await?;
             // Asked again only for the rest of a wait longer than one request may be.
-            if arrived.is_some() || u128::from(timeout_ms) >= left.as_millis() {
+            if arrived.is_some() || u128::from(timeout_ms) >= left_ms {
                 return Ok(arrived);
             }
         }

@@ -261,12 +261,16 @@ pub enum Request {
         device: Option<u32>,
     },
     /// Deletes the model `prefix` on `device`: its current version goes now, or once no apply
-    /// holds it. Answered by [`Response::Model`] with the version deleted. Added in minor 9.
+    /// holds it. Answered by [`Response::Model`] with the version deleted; refused with
+    /// `Changed` (nothing deleted) where `version` is given and the current version is another
+    /// (a move between nodes deletes the version it copied, never a newer one). Added in minor 9.
     ModelDelete {
         /// The device.
         device: u32,
         /// The model's prefix.
         prefix: String,
+        /// The version it must be, if any.
+        version: Option<u64>,
     },
 }
 

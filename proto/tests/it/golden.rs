@@ -615,6 +615,7 @@ fn vectors(minor: u16) -> Vec<Vector> {
                 Item::Request(Request::ModelDelete {
                     device: 0,
                     prefix: "net".into(),
+                    version: Some(4),
                 }),
                 Item::Response(Response::Model(manifest)),
             ],

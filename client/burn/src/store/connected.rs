@@ -2,18 +2,18 @@
 //! reads parameters off their devices on one thread and sends them on one thread per
 //! connection, a bounded window of host copies between them.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use burn_core::tensor::{DType, TensorData};
+use burn_core::tensor::TensorData;
 use burn_store::{ApplyResult, ModuleSnapshot, PathFilter, bridge};
-use ferry_client::{BlockingClient, ClientError};
+use ferry_client::{BlockingClient, Wait};
+use ferry_proto::message::ModelManifest;
 use ferry_proto::{NodeId, TensorKey};
 
 use crate::StoreError;
 use crate::store::deferred_tensors;
-use crate::store::link::{Link, Listed, PAGE, Sending, listing_start, outside_runtime};
+use crate::store::link::{Link, Listed, Sending, outside_runtime};
 use crate::store::plan::Targets;
 use crate::store::window::Window;
 
@@ -60,10 +60,10 @@ impl Connected {
             return Ok(());
         }
         outside_runtime()?;
-        let node = self.client().identify()?;
+        let node = self.client().identify().wait()?;
         let mut checked = Vec::with_capacity(more.len());
         for mut lane in more {
-            let other = lane.identify()?;
+            let other = lane.identify().wait()?;
             if other != node {
                 return Err(StoreError::LaneToAnotherNode {
                     store: node.to_string(),
@@ -83,64 +83,63 @@ impl Connected {
     fn lanes_ready(&self) -> MutexGuard<'_, Vec<BlockingClient>> {
         let mut lanes = self.lanes();
         if let Some(node) = self.node.get() {
-            lanes.retain_mut(|lane| lane.in_step() && lane.identify().is_ok_and(|id| id == *node));
+            lanes.retain_mut(|lane| {
+                lane.in_step() && lane.identify().wait().is_ok_and(|id| id == *node)
+            });
         }
         lanes
     }
 }
 
 impl Link for Connected {
-    #[allow(private_interfaces)]
-    fn list(&self, device: u32, prefix: &str) -> Result<Vec<Listed>, StoreError> {
+    fn node(&self) -> String {
+        self.client().endpoint().to_string()
+    }
+
+    fn begin(&self, device: u32, prefix: &str, replace: bool) -> Result<u64, StoreError> {
         outside_runtime()?;
+        Ok(self.client().begin_model(device, prefix, replace).wait()?)
+    }
+
+    fn commit(
+        &self,
+        device: u32,
+        prefix: &str,
+        version: u64,
+        paths: &[String],
+    ) -> Result<ModelManifest, StoreError> {
+        outside_runtime()?;
+        let paths = paths.iter().map(String::as_str);
         let mut client = self.client();
-        let mut infos = Vec::new();
-        if client.welcome().minor < 3 {
-            // A node of minor 2 or older lists a device whole.
-            infos = client.list(Some(device))?;
-        } else {
-            // Page by page from the prefix, stopping at the first name past it.
-            let mut after = listing_start(device, prefix);
-            loop {
-                let (page, next) = client.list_page(Some(device), after, PAGE as u32)?;
-                let past = page.iter().any(|i| !i.key.name.starts_with(prefix));
-                infos.extend(page);
-                match next {
-                    Some(next) if !past => after = Some(next),
-                    _ => break,
-                }
-            }
+        Ok(client
+            .commit_model(device, prefix, version, paths, Vec::new())
+            .wait()?)
+    }
+
+    fn abort(&self, device: u32, prefix: &str, version: u64) {
+        // A connection out of step (the failure itself) gives the version up as it closes.
+        let mut client = self.client();
+        if client.in_step() {
+            let _ = client.abort_model(device, prefix, version).wait();
         }
-        drop(client);
-        // Only what is under the prefix is read: a tensor elsewhere on the device is no
-        // concern of this store, whatever its dtype.
-        infos
-            .into_iter()
-            .filter(|info| info.key.name.starts_with(prefix))
-            .map(|info| {
-                let dtype = DType::try_from(&info.dtype)
-                    .map_err(|e| ClientError::from(ferry_proto::ProtoError::from(e)))?;
-                let shape = info
-                    .shape
-                    .iter()
-                    .map(|&d| usize::try_from(d))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|_| StoreError::ReadBack {
-                        path: info.key.name.clone(),
-                        message: "a dimension beyond this machine's address space".into(),
-                    })?;
-                Ok(Listed {
-                    key: info.key,
-                    dtype,
-                    shape,
-                })
-            })
-            .collect()
+    }
+
+    fn open(&self, device: u32, prefix: &str) -> Result<ModelManifest, StoreError> {
+        outside_runtime()?;
+        Ok(self.client().open_model(device, prefix).wait()?)
+    }
+
+    fn close(&self, manifest: &ModelManifest) {
+        // A connection out of step lets the version go as it closes.
+        let mut client = self.client();
+        if client.in_step() {
+            let _ = client.close_model(manifest).wait();
+        }
     }
 
     fn fetch(&self, key: &TensorKey) -> Result<TensorData, StoreError> {
         outside_runtime()?;
-        Ok(self.client().get(key)?)
+        Ok(self.client().get(key).wait()?)
     }
 
     #[allow(private_interfaces)]
@@ -160,10 +159,10 @@ impl Link for Connected {
         &self,
         module: &M,
         sending: &Sending<'_>,
-    ) -> Result<usize, StoreError> {
+    ) -> Result<Vec<String>, StoreError> {
         outside_runtime()?;
         // Lazy: each tensor is read off its device only when the reader thread reaches it.
-        let tensors = module.collect(sending.filter.cloned(), None, false);
+        let tensors = module.collect(sending.filter.cloned(), sending.adapter.clone(), false);
         let mut first = self.client();
         let mut lanes = self.lanes_ready();
         let mut connections: Vec<&mut BlockingClient> = std::iter::once(&mut *first)
@@ -180,7 +179,7 @@ impl Link for Connected {
             .map(|_| std::sync::mpsc::channel::<HostCopy>())
             .unzip();
         let failed: Mutex<Option<StoreError>> = Mutex::new(None);
-        let sent = AtomicUsize::new(0);
+        let sent: Mutex<Vec<String>> = Mutex::new(Vec::new());
         let send_over = |client: &mut BlockingClient, arrived: Receiver<HostCopy>| {
             // Closes the window as this sender leaves, however it leaves (done, failed or
             // panicking): the reader must not wait for room this sender will not make.
@@ -196,7 +195,7 @@ impl Link for Connected {
                         message: e.to_string(),
                     })
                     .and_then(|data| {
-                        client.put_with(&sending.key(&path)?, &data, sending.if_exists)?;
+                        client.put(&sending.key(&path)?, &data).wait()?;
                         Ok(())
                     });
                 window.give(bytes);
@@ -204,7 +203,7 @@ impl Link for Connected {
                     lock(&failed).get_or_insert(e);
                     return;
                 }
-                sent.fetch_add(1, Ordering::Relaxed);
+                lock(&sent).push(path);
             }
         };
         std::thread::scope(|scope| {
@@ -232,7 +231,9 @@ impl Link for Connected {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
         {
             Some(e) => Err(e),
-            None => Ok(sent.into_inner()),
+            None => Ok(sent
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)),
         }
     }
 }

@@ -4,20 +4,22 @@
 
 use burn_core::module::{ModuleVisitor, Param};
 use burn_core::tensor::kind::Basic;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn_core::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_flex::Flex;
-use burn_store::{ApplyResult, ModuleSnapshot, PathFilter};
+use burn_store::{ApplyResult, ModuleSnapshot, PathFilter, bridge};
 use ferry_backend::BackendKind;
-use ferry_proto::TensorKey;
-use ferry_server::{Node, NodeError};
+use ferry_proto::message::{ModelManifest, PathsDigest};
+use ferry_proto::{IfExists, TensorKey};
+use ferry_server::{ModelError, ModelPin, ModelWriter, Node, NodeError, Replace};
 use tokio::runtime::Handle;
 
 use crate::handoff::{into_backend, of_kind};
 use crate::shared_data::shared_data;
 use crate::store::handoff_apply::HandoffApplier;
-use crate::store::link::{Link, Listed, PAGE, Sending, listing_start, outside_runtime};
+use crate::store::link::{Link, Listed, Sending, outside_runtime};
 use crate::store::module_path::ModulePath;
 use crate::to_device::check_held;
 use crate::{HandoffError, NodeTensors, StoreError, TryToDevice};
@@ -28,11 +30,30 @@ use crate::{HandoffError, NodeTensors, StoreError, TryToDevice};
 pub struct Embedded {
     node: Node,
     runtime: Handle,
+    /// The model versions this store writes, until committed or aborted.
+    writing: Mutex<Vec<ModelWriter>>,
+    /// The model versions this store holds for applies, until closed.
+    open: Mutex<Vec<ModelPin>>,
 }
 
 impl Embedded {
     pub(crate) fn new(node: Node, runtime: Handle) -> Self {
-        Self { node, runtime }
+        Self {
+            node,
+            runtime,
+            writing: Mutex::new(Vec::new()),
+            open: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The writer of a version begun here, taken out.
+    fn take_writer(&self, device: u32, prefix: &str, version: u64) -> Option<ModelWriter> {
+        let mut writing = lock(&self.writing);
+        let at = writing.iter().position(|w| {
+            let model = w.model();
+            (model.device, model.prefix.as_str(), w.version()) == (device, prefix, version)
+        })?;
+        Some(writing.swap_remove(at))
     }
 
     fn block<F: Future>(&self, work: F) -> Result<F::Output, StoreError> {
@@ -96,6 +117,28 @@ impl Embedded {
             .map_err(|p| format!("building it panicked: {}", p.message))
     }
 
+    /// Sends `module`'s parameters as `sending`'s adapter makes them (burn-store's collector),
+    /// each read off its device as data.
+    fn send_adapted<M: ModuleSnapshot>(
+        &self,
+        module: &M,
+        sending: &Sending<'_>,
+    ) -> Result<Vec<String>, StoreError> {
+        let tensors = module.collect(sending.filter.cloned(), sending.adapter.clone(), false);
+        let mut sent = Vec::new();
+        for tensor in tensors {
+            let path = tensor.name.clone();
+            let key = sending.key(&path)?;
+            let data = bridge::into_data(tensor).map_err(|e| StoreError::ReadBack {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+            self.block(self.node.insert(&key, data, IfExists::Refuse))??;
+            sent.push(path);
+        }
+        Ok(sent)
+    }
+
     fn on_flex(&self, device: u32) -> bool {
         self.node
             .device(device)
@@ -104,30 +147,68 @@ impl Embedded {
 }
 
 impl Link for Embedded {
-    #[allow(private_interfaces)]
-    fn list(&self, device: u32, prefix: &str) -> Result<Vec<Listed>, StoreError> {
-        // Page by page from the prefix, stopping at the first name past it.
-        let mut descs = Vec::new();
-        let mut after = listing_start(device, prefix);
-        loop {
-            let (page, next) =
-                self.block(self.node.list_page(Some(device), after.as_ref(), PAGE))??;
-            let past = page.iter().any(|d| !d.key.name.starts_with(prefix));
-            descs.extend(page);
-            match next {
-                Some(next) if !past => after = Some(next),
-                _ => break,
-            }
-        }
-        Ok(descs
-            .into_iter()
-            .filter(|desc| desc.key.name.starts_with(prefix))
-            .map(|desc| Listed {
-                key: desc.key,
-                dtype: desc.dtype,
-                shape: desc.shape,
+    fn node(&self) -> String {
+        format!("the embedded node {}", self.node.node_id())
+    }
+
+    fn begin(&self, device: u32, prefix: &str, replace: bool) -> Result<u64, StoreError> {
+        let replace = if replace {
+            Replace::Allow
+        } else {
+            Replace::Refuse
+        };
+        let writer = self.node.begin_model(device, prefix, replace)?;
+        let version = writer.version();
+        lock(&self.writing).push(writer);
+        Ok(version)
+    }
+
+    fn commit(
+        &self,
+        device: u32,
+        prefix: &str,
+        version: u64,
+        paths: &[String],
+    ) -> Result<ModelManifest, StoreError> {
+        let writer = self.take_writer(device, prefix, version).ok_or_else(|| {
+            NodeError::from(ModelError::NotWriting {
+                device,
+                prefix: prefix.to_string(),
+                version,
             })
-            .collect())
+        })?;
+        let sent = PathsDigest::of(paths.iter().map(String::as_str));
+        let manifest = self.block(writer.commit(Some(sent), BTreeMap::new()))??;
+        Ok(manifest.to_wire())
+    }
+
+    fn abort(&self, device: u32, prefix: &str, version: u64) {
+        if let Some(writer) = self.take_writer(device, prefix, version) {
+            // Outside a runtime, `block` cannot fail: and where it did, dropping the writer
+            // aborts it all the same.
+            let _ = self.block(writer.abort());
+        }
+    }
+
+    fn open(&self, device: u32, prefix: &str) -> Result<ModelManifest, StoreError> {
+        let pin = self.node.open_model(device, prefix)?;
+        let manifest = pin.manifest().to_wire();
+        lock(&self.open).push(pin);
+        Ok(manifest)
+    }
+
+    fn close(&self, manifest: &ModelManifest) {
+        let mut open = lock(&self.open);
+        let at = open.iter().position(|pin| {
+            let held = pin.manifest();
+            (held.device, held.prefix.as_str(), held.version)
+                == (manifest.device, manifest.prefix.as_str(), manifest.version)
+        });
+        // Dropped on the store's runtime: a version it was the last to hold goes there.
+        let pin = at.map(|at| open.swap_remove(at));
+        drop(open);
+        let _guard = self.runtime.enter();
+        drop(pin);
     }
 
     #[allow(private_interfaces)]
@@ -159,13 +240,16 @@ impl Link for Embedded {
         &self,
         module: &M,
         sending: &Sending<'_>,
-    ) -> Result<usize, StoreError> {
+    ) -> Result<Vec<String>, StoreError> {
         outside_runtime()?;
+        if sending.adapter.is_some() {
+            return self.send_adapted(module, sending);
+        }
         let mut sender = Sender {
             link: self,
             sending,
             path: ModulePath::default(),
-            sent: 0,
+            sent: Vec::new(),
             failed: None,
         };
         module.visit(&mut sender);
@@ -181,7 +265,8 @@ struct Sender<'a> {
     link: &'a Embedded,
     sending: &'a Sending<'a>,
     path: ModulePath,
-    sent: usize,
+    /// The paths handed over so far.
+    sent: Vec<String>,
     failed: Option<StoreError>,
 }
 
@@ -195,7 +280,7 @@ impl Sender<'_> {
         }
         let path = self.path.joined();
         match self.insert(&path, tensor) {
-            Ok(()) => self.sent += 1,
+            Ok(()) => self.sent.push(path),
             Err(error) => self.failed = Some(error),
         }
     }
@@ -207,7 +292,8 @@ impl Sender<'_> {
     ) -> Result<(), StoreError> {
         let key = self.sending.key(path)?;
         let node = &self.link.node;
-        let if_exists = self.sending.if_exists;
+        // A new version holds nothing yet.
+        let if_exists = IfExists::Refuse;
         if self.link.on_flex(key.device)
             && let Ok(primitive) = into_backend::<Flex, D, K>(tensor.clone())
         {
@@ -247,4 +333,10 @@ impl ModuleVisitor for Sender<'_> {
     fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
         self.hand(param.transform_for_save().val());
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

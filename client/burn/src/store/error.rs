@@ -38,8 +38,25 @@ pub enum StoreError {
     },
     /// The apply found errors, or missing tensors where a partial apply was not allowed: the
     /// module was left as it was. The result says what would have been applied and why not.
-    #[error("the module was left as it was: {0}")]
+    #[error("the module was left as it was: {}", refusal(.0))]
     NotApplied(Box<ApplyResult>),
+    /// A collect failed part way: the version it was writing was given up, and the node's
+    /// model is as it was (nothing of this collect was kept).
+    #[error(
+        "the model was not collected to {prefix} on device {device} of {node}: version {version} was given up, nothing of it kept: {cause}"
+    )]
+    NotCollected {
+        /// The node: its address, or the embedded node's id.
+        node: String,
+        /// The model's prefix.
+        prefix: String,
+        /// The device.
+        device: u32,
+        /// The version given up.
+        version: u64,
+        /// Why.
+        cause: Box<StoreError>,
+    },
     /// A lane given to a store reaches another node than the store's connection
     /// ([`FerryStore::with_lanes`](crate::FerryStore::with_lanes)).
     #[error("a lane reaches node {lane}, not the store's node {store}")]
@@ -56,4 +73,35 @@ pub enum StoreError {
          its own, not from an async task"
     )]
     InsideRuntime,
+}
+
+/// Why an apply was refused, without what would have been applied: its errors, then the
+/// parameters the node has no tensor for (a few of each, and how many in all).
+fn refusal(result: &ApplyResult) -> String {
+    const SHOWN: usize = 5;
+    fn some<T: std::fmt::Display>(items: impl ExactSizeIterator<Item = T>) -> String {
+        let total = items.len();
+        let shown: Vec<String> = items.take(SHOWN).map(|i| i.to_string()).collect();
+        let more = total.saturating_sub(SHOWN);
+        match more {
+            0 => shown.join("; "),
+            n => format!("{}; and {n} more", shown.join("; ")),
+        }
+    }
+    let mut parts = Vec::new();
+    if !result.errors.is_empty() {
+        parts.push(format!(
+            "{} errors: {}",
+            result.errors.len(),
+            some(result.errors.iter())
+        ));
+    }
+    if !result.missing.is_empty() {
+        parts.push(format!(
+            "{} parameters the node has no tensor for: {}",
+            result.missing.len(),
+            some(result.missing.iter().map(|(path, _)| path))
+        ));
+    }
+    parts.join("; ")
 }

@@ -1,12 +1,15 @@
-//! `Link`: what a [`FerryStore`](crate::FerryStore) needs of the node at its other end (list,
-//! fetch, send a module), over a connection ([`Connected`](crate::Connected)) or in-process
+//! `Link`: what a [`FerryStore`](crate::FerryStore) needs of the node at its other end (a model
+//! version begun, committed or aborted; one held for an apply; a tensor fetched; a module sent),
+//! over a connection ([`Connected`](crate::Connected)) or in-process
 //! ([`Embedded`](crate::Embedded)).
 
 use std::sync::Arc;
 
 use burn_core::tensor::{DType, TensorData};
-use burn_store::{ApplyResult, ModuleSnapshot, PathFilter};
-use ferry_proto::{IfExists, TensorKey};
+use burn_store::{ApplyResult, ModuleAdapter, ModuleSnapshot, PathFilter};
+use ferry_client::ClientError;
+use ferry_proto::TensorKey;
+use ferry_proto::message::ModelManifest;
 
 use crate::StoreError;
 
@@ -21,12 +24,13 @@ pub(crate) struct Listed {
 /// What a collect sends, and where.
 pub(crate) struct Sending<'a> {
     pub(crate) device: u32,
-    /// `prefix/` (or nothing), put before each parameter's path.
+    /// `PREFIX/.vVERSION/`: the version being written, put before each parameter's path.
     pub(crate) prefix: &'a str,
     pub(crate) filter: Option<&'a PathFilter>,
-    pub(crate) if_exists: IfExists,
     /// The most bytes of host copies in flight at once.
     pub(crate) window: u64,
+    /// What each tensor goes through on its way (burn-store's `to_adapter`), if anything.
+    pub(crate) adapter: Option<Box<dyn ModuleAdapter>>,
 }
 
 impl Sending<'_> {
@@ -51,10 +55,35 @@ mod sealed {
 /// The node at a store's other end. Sealed: [`Connected`](crate::Connected) and, with the
 /// `node` feature, `Embedded` are the two there are.
 pub trait Link: sealed::Sealed + Send + Sync + 'static {
-    /// Every tensor on `device` whose name starts with `prefix`.
+    /// Which node, for errors: its address, or the embedded node's id.
     #[doc(hidden)]
-    #[allow(private_interfaces)]
-    fn list(&self, device: u32, prefix: &str) -> Result<Vec<Listed>, StoreError>;
+    fn node(&self) -> String;
+
+    /// Begins writing a new version of the model `prefix` on `device`: its number.
+    #[doc(hidden)]
+    fn begin(&self, device: u32, prefix: &str, replace: bool) -> Result<u64, StoreError>;
+
+    /// Commits a version begun here, which must hold exactly `paths`: its manifest.
+    #[doc(hidden)]
+    fn commit(
+        &self,
+        device: u32,
+        prefix: &str,
+        version: u64,
+        paths: &[String],
+    ) -> Result<ModelManifest, StoreError>;
+
+    /// Gives up a version begun here: what was written into it goes.
+    #[doc(hidden)]
+    fn abort(&self, device: u32, prefix: &str, version: u64);
+
+    /// Holds the current version of the model `prefix` on `device` for an apply: its manifest.
+    #[doc(hidden)]
+    fn open(&self, device: u32, prefix: &str) -> Result<ModelManifest, StoreError>;
+
+    /// Lets go a version opened here.
+    #[doc(hidden)]
+    fn close(&self, manifest: &ModelManifest);
 
     /// The tensor under `key`, its bytes checked as the node checks every tensor.
     #[doc(hidden)]
@@ -71,23 +100,33 @@ pub trait Link: sealed::Sealed + Send + Sync + 'static {
         filter: Option<&PathFilter>,
     ) -> Result<ApplyResult, StoreError>;
 
-    /// Sends `module`'s parameters as `sending` says; how many were sent.
+    /// Sends `module`'s parameters as `sending` says: the paths sent.
     #[doc(hidden)]
     #[allow(private_interfaces)]
     fn send<M: ModuleSnapshot>(
         &self,
         module: &M,
         sending: &Sending<'_>,
-    ) -> Result<usize, StoreError>;
+    ) -> Result<Vec<String>, StoreError>;
 }
 
-/// The most tensors one listing page asks for.
-pub(crate) const PAGE: usize = 1024;
-
-/// Where a listing under `prefix` starts: just after the prefix itself (names sort bytewise, so
-/// every name that starts with it follows; the prefix alone, ending in `/`, is no parameter).
-pub(crate) fn listing_start(device: u32, prefix: &str) -> Option<TensorKey> {
-    (!prefix.is_empty()).then(|| TensorKey::new(device, prefix))
+/// A manifest's tensors, each with its path and where the version holds it.
+pub(crate) fn listed(manifest: &ModelManifest) -> Result<Vec<(String, Listed)>, StoreError> {
+    manifest
+        .tensors
+        .iter()
+        .map(|entry| {
+            let meta = ferry_proto::TensorMeta::try_from(&entry.meta)
+                .map_err(|e| ClientError::from(ferry_proto::ProtoError::from(e)))?;
+            let key = TensorKey::new(manifest.device, manifest.name_of(&entry.path));
+            let listed = Listed {
+                key,
+                dtype: meta.dtype(),
+                shape: meta.shape().to_vec(),
+            };
+            Ok((entry.path.clone(), listed))
+        })
+        .collect()
 }
 
 /// Refuses to block on a thread that drives an async runtime (a task's thread), where waiting

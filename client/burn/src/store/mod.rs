@@ -6,10 +6,13 @@
 //! `link.rs` says what a store needs of its node; `connected.rs` is a node over a connection
 //! (applied through burn-store's `Applier`, each fetch checked first by `plan.rs` against the
 //! parameter's device), `embedded.rs` one in this process (applied by `handoff_apply.rs`,
-//! tensors handed over on the node's device); `window.rs` bounds a collect's host copies;
+//! tensors handed over on the node's device); `adapted.rs` applies through a `ModuleAdapter`
+//! (PyTorch's layouts) from either; `restore.rs` puts back the running state a refused apply
+//! wrote in place; `window.rs` bounds a collect's host copies;
 //! `module_path.rs` names where a walk over a module is, as burn-store names and filters paths.
 //! `embedded.rs` and `handoff_apply.rs` are built with the `node` feature only.
 
+mod adapted;
 mod connected;
 #[cfg(feature = "node")]
 mod embedded;
@@ -17,8 +20,9 @@ mod error;
 #[cfg(feature = "node")]
 mod handoff_apply;
 mod link;
-mod module_path;
+pub(crate) mod module_path;
 mod plan;
+pub(crate) mod restore;
 mod window;
 
 use std::collections::BTreeMap;
@@ -26,9 +30,12 @@ use std::sync::Arc;
 
 use burn_core::tensor::Shape;
 use burn_pack::{Error as PackError, Tensor as PackTensor};
-use burn_store::{ApplyResult, KeyRemapper, ModuleSnapshot, ModuleStore, PathFilter, bridge};
+use burn_store::{
+    ApplyResult, KeyRemapper, ModuleAdapter, ModuleSnapshot, ModuleStore, PathFilter, bridge,
+};
 use ferry_client::BlockingClient;
 use ferry_proto::IfExists;
+use ferry_proto::message::ModelManifest;
 #[cfg(feature = "node")]
 use ferry_server::Node;
 
@@ -38,8 +45,10 @@ pub use embedded::Embedded;
 pub use error::StoreError;
 pub use link::Link;
 
+use adapted::apply_adapted;
 use link::{Listed, Sending, outside_runtime};
 use plan::Targets;
+use restore::Before;
 
 /// The most bytes of host copies a collect over a connection keeps in flight by default (read
 /// off the device, not yet sent); one larger tensor is let through alone.
@@ -77,24 +86,54 @@ pub enum Missing {
 /// (`spawn_blocking`, or a thread of its own); on a task's thread they refuse with
 /// [`StoreError::InsideRuntime`].
 ///
-/// Not supported: burn-store's `ModuleAdapter`s (PyTorch's layouts; a store between two Burn
-/// programs needs none) and enum-variant skipping (both ends are Burn modules, which name
-/// variants alike). Over a connection, a panic in a parameter's own `ParamMapper` during an
-/// apply aborts the process, as it does with burn-store's file stores (their `Applier` cannot
-/// unwind halfway); from an embedded node it unwinds, the module untouched.
-#[derive(Debug)]
+/// burn-store's `ModuleAdapter`s apply as with its file stores:
+/// [`with_from_adapter`](Self::with_from_adapter) (a PyTorch checkpoint put on the node,
+/// applied with `PyTorchToBurnAdapter`: linear weights transposed, a norm's `weight`/`bias`
+/// found for its `gamma`/`beta`) and [`with_to_adapter`](Self::with_to_adapter). An apply
+/// through an adapter, from either end, is burn-store's own `Applier`'s: each tensor is built
+/// from its data on the parameter's device (not handed over, even from an embedded node), and
+/// checked, as the adapter made it, against what that device holds before a byte is fetched. Not supported: enum-variant skipping (both
+/// ends are Burn modules, which name variants alike).
+///
+/// A panic in a parameter's own `ParamMapper` during an apply through burn-store's `Applier`
+/// (over a connection, or through an adapter) aborts the process, as it does with burn-store's
+/// file stores (their `Applier` cannot unwind halfway); from an embedded node with no adapter
+/// it unwinds, the module untouched.
 pub struct FerryStore<L: Link> {
     link: Arc<L>,
     device: u32,
-    /// `PREFIX/`, or empty.
+    /// The model's prefix: its versions' tensors are under `PREFIX/.vVERSION/`.
     prefix: String,
     filter: Option<PathFilter>,
     remapper: KeyRemapper,
     if_exists: IfExists,
     missing: Missing,
     window: u64,
-    /// The node's listing under the prefix, as `get_tensor` and `keys` last read it.
-    listed: Option<BTreeMap<String, PackTensor>>,
+    /// Applied to what an apply takes from the node (burn-store's `from_adapter`).
+    from_adapter: Option<Box<dyn ModuleAdapter>>,
+    /// Applied to what a collect sends (burn-store's `to_adapter`).
+    to_adapter: Option<Box<dyn ModuleAdapter>>,
+    /// The version `get_tensor` and `keys` last read, held until the next collect or apply,
+    /// with its tensors.
+    listed: Option<(ModelManifest, BTreeMap<String, PackTensor>)>,
+}
+
+impl<L: Link + std::fmt::Debug> std::fmt::Debug for FerryStore<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // An adapter is no `Debug`: whether there is one is what is shown.
+        f.debug_struct("FerryStore")
+            .field("link", &self.link)
+            .field("device", &self.device)
+            .field("prefix", &self.prefix)
+            .field("filter", &self.filter)
+            .field("remapper", &self.remapper)
+            .field("if_exists", &self.if_exists)
+            .field("missing", &self.missing)
+            .field("window", &self.window)
+            .field("from_adapter", &self.from_adapter.is_some())
+            .field("to_adapter", &self.to_adapter.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl FerryStore<Connected> {
@@ -138,19 +177,18 @@ impl FerryStore<Embedded> {
 
 impl<L: Link> FerryStore<L> {
     fn over(link: L, device: u32, prefix: &str) -> Self {
-        let prefix = match prefix.trim_end_matches('/') {
-            "" => String::new(),
-            trimmed => format!("{trimmed}/"),
-        };
+        let prefix = prefix.trim_end_matches('/').to_string();
         Self {
             link: Arc::new(link),
             device,
             prefix,
             filter: None,
             remapper: KeyRemapper::new(),
-            if_exists: IfExists::Replace,
+            if_exists: IfExists::Refuse,
             missing: Missing::Refuse,
             window: DEFAULT_WINDOW,
+            from_adapter: None,
+            to_adapter: None,
             listed: None,
         }
     }
@@ -168,8 +206,30 @@ impl<L: Link> FerryStore<L> {
         self
     }
 
-    /// What a collect does where the node already holds a tensor under a key (default:
-    /// replace it).
+    /// An apply transforms what it takes from the node with `adapter` (burn-store's
+    /// `ModuleAdapter`, as its file stores' `with_from_adapter`): `PyTorchToBurnAdapter` applies
+    /// a PyTorch checkpoint put on the node (`ferry put model.safetensors NODE/DEVICE`), linear
+    /// weights transposed and a norm's `weight` and `bias` found for its `gamma` and `beta`.
+    /// Names are matched after the remapper; each tensor is checked, as the adapter made it,
+    /// against what the parameter's device holds bit-exact before it is fetched.
+    pub fn with_from_adapter(mut self, adapter: impl ModuleAdapter + 'static) -> Self {
+        self.from_adapter = Some(Box::new(adapter));
+        self
+    }
+
+    /// A collect transforms what it sends with `adapter` (as burn-store's file stores'
+    /// `with_to_adapter`): `BurnToPyTorchAdapter` puts a module on the node in PyTorch's layouts
+    /// and names. Every tensor is then read off its device and sent as data (from an embedded
+    /// store too, which otherwise hands a Flex device's buffers over).
+    pub fn with_to_adapter(mut self, adapter: impl ModuleAdapter + 'static) -> Self {
+        self.to_adapter = Some(Box::new(adapter));
+        self
+    }
+
+    /// What a collect does where the node holds a model under the prefix: refuse (the
+    /// default, as burn-store's file stores refuse to overwrite), or replace it
+    /// ([`IfExists::Replace`]): the new version becomes current at its commit, and the old one's
+    /// tensors go once no apply holds them.
     pub fn if_exists(mut self, if_exists: IfExists) -> Self {
         self.if_exists = if_exists;
         self
@@ -188,18 +248,13 @@ impl<L: Link> FerryStore<L> {
         self
     }
 
-    /// The node's tensors under the prefix, each with the path it applies to (prefix
-    /// removed, renamed by the remapper).
-    fn renamed_listing(&self) -> Result<Vec<(String, Listed)>, StoreError> {
-        let listed: Vec<(String, Listed)> = self
-            .link
-            .list(self.device, &self.prefix)?
-            .into_iter()
-            .filter_map(|listed| {
-                let path = listed.key.name.strip_prefix(&self.prefix)?.to_string();
-                Some((path, listed))
-            })
-            .collect();
+    /// The tensors of the version `manifest` names, each with the path it applies to, renamed
+    /// by the remapper.
+    fn renamed_listing(
+        &self,
+        manifest: &ModelManifest,
+    ) -> Result<Vec<(String, Listed)>, StoreError> {
+        let listed = link::listed(manifest)?;
         // Renamed as names only (burn-store's remapper renames its tensors, in order).
         let names = listed
             .iter()
@@ -215,6 +270,41 @@ impl<L: Link> FerryStore<L> {
             .zip(listed)
             .map(|((path, _), (_, listed))| (path, listed))
             .collect())
+    }
+
+    /// Applies the version `manifest` names to `module`, whole or not at all.
+    fn apply_version<M: ModuleSnapshot>(
+        &self,
+        manifest: &ModelManifest,
+        module: &mut M,
+    ) -> Result<ApplyResult, StoreError> {
+        let listing = self.renamed_listing(manifest)?;
+        // Applied to a copy (parameters are shared handles: cheap), kept only if whole.
+        let before = Before::of(module);
+        let mut applied = module.clone();
+        let filter = self.filter.as_ref();
+        let result = match &self.from_adapter {
+            Some(adapter) => {
+                apply_adapted(&self.link, &mut applied, listing, filter, adapter.clone())
+            }
+            None => self.link.clone().apply(&mut applied, listing, filter)?,
+        };
+        let whole = result.errors.is_empty()
+            && (self.missing == Missing::Allow || result.missing.is_empty());
+        if !whole {
+            // The running state the copy shares with the module, written in place, put back.
+            *module = before.restore(module.clone());
+            return Err(StoreError::NotApplied(Box::new(result)));
+        }
+        *module = applied;
+        Ok(result)
+    }
+
+    /// Lets go the version `get_tensor` and `keys` held, if any.
+    fn let_go(&mut self) {
+        if let Some((manifest, _)) = self.listed.take() {
+            self.link.close(&manifest);
+        }
     }
 }
 
@@ -248,34 +338,43 @@ impl<L: Link> ModuleStore for FerryStore<L> {
     type Error = StoreError;
 
     fn collect_from<M: ModuleSnapshot>(&mut self, module: &M) -> Result<(), StoreError> {
-        self.listed = None;
+        outside_runtime()?;
+        self.let_go();
+        let (device, prefix) = (self.device, self.prefix.as_str());
+        let replace = self.if_exists == IfExists::Replace;
+        let version = self.link.begin(device, prefix, replace)?;
+        let into = format!("{prefix}/.v{version}/");
         let sending = Sending {
-            device: self.device,
-            prefix: &self.prefix,
+            device,
+            prefix: &into,
             filter: self.filter.as_ref(),
-            if_exists: self.if_exists,
             window: self.window,
+            adapter: self.to_adapter.clone(),
         };
-        self.link.send(module, &sending).map(drop)
+        match self.link.send(module, &sending) {
+            // Committed whole, or given up by the node with nothing of it kept.
+            Ok(paths) => self.link.commit(device, prefix, version, &paths).map(drop),
+            Err(error) => {
+                self.link.abort(device, prefix, version);
+                Err(StoreError::NotCollected {
+                    node: self.link.node(),
+                    prefix: self.prefix.clone(),
+                    device,
+                    version,
+                    cause: Box::new(error),
+                })
+            }
+        }
     }
 
     fn apply_to<M: ModuleSnapshot>(&mut self, module: &mut M) -> Result<ApplyResult, StoreError> {
         outside_runtime()?;
-        // Read now, not from an earlier listing: the node may hold newer tensors.
-        let listing = self.renamed_listing()?;
-        // Applied to a copy (parameters are shared handles: cheap), kept only if whole.
-        let mut applied = module.clone();
-        let result = self
-            .link
-            .clone()
-            .apply(&mut applied, listing, self.filter.as_ref())?;
-        let whole = result.errors.is_empty()
-            && (self.missing == Missing::Allow || result.missing.is_empty());
-        if !whole {
-            return Err(StoreError::NotApplied(Box::new(result)));
-        }
-        *module = applied;
-        Ok(result)
+        self.let_go();
+        // The current version, held while it is applied: nothing of it changes meanwhile.
+        let manifest = self.link.open(self.device, &self.prefix)?;
+        let applied = self.apply_version(&manifest, module);
+        self.link.close(&manifest);
+        applied
     }
 
     fn get_tensor(&mut self, name: &str) -> Result<Option<&PackTensor>, StoreError> {
@@ -283,15 +382,24 @@ impl<L: Link> ModuleStore for FerryStore<L> {
     }
 
     fn get_all_tensors(&mut self) -> Result<&BTreeMap<String, PackTensor>, StoreError> {
-        if self.listed.is_none() {
-            let tensors = deferred_tensors(
-                &self.link,
-                self.renamed_listing()?,
-                Arc::new(Targets::none()),
-            );
-            self.listed = Some(tensors.into_iter().map(|t| (t.name.clone(), t)).collect());
-        }
-        Ok(self.listed.get_or_insert_default())
+        let listed = match self.listed.take() {
+            Some(listed) => listed,
+            None => {
+                // Held until the next collect or apply: the tensors are fetched when drawn.
+                let manifest = self.link.open(self.device, &self.prefix)?;
+                let listing = match self.renamed_listing(&manifest) {
+                    Ok(listing) => listing,
+                    Err(error) => {
+                        self.link.close(&manifest);
+                        return Err(error);
+                    }
+                };
+                let tensors = deferred_tensors(&self.link, listing, Arc::new(Targets::none()));
+                let tensors = tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
+                (manifest, tensors)
+            }
+        };
+        Ok(&self.listed.insert(listed).1)
     }
 
     fn keys(&mut self) -> Result<Vec<String>, StoreError> {

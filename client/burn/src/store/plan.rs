@@ -38,9 +38,10 @@ impl Targets {
     /// Whether the device of the parameter at `path` holds `dtype` at `shape` bit-exact, as
     /// ferry measured it. `Err` says why not. A path that is no parameter of the module is
     /// never applied (burn-store counts it unused), so there is nothing to check. This holds
-    /// because the store applies with no adapter (whose alternative names would reach a
-    /// parameter under another path) and no enum-variant skipping (which would name paths
-    /// otherwise than this visitor does): adding either must extend this map first.
+    /// for a tensor found under the parameter's own path: an apply through an adapter (whose
+    /// alternative names reach a parameter under another name, and whose casts change the
+    /// dtype) checks after the adapter, under the parameter's path (`adapted.rs`); and the store
+    /// does no enum-variant skipping (which would name paths otherwise than this visitor does).
     pub(crate) fn check(&self, path: &str, dtype: &DType, shape: &[usize]) -> Result<(), String> {
         let Some(device) = self.by_path.get(path) else {
             return Ok(());

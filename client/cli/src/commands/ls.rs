@@ -1,8 +1,10 @@
-//! `ferry ls NODE[/DEVICE]`: the tensors a node holds, as text or JSON (NODE may be `@NAME`);
+//! `ferry ls NODE[/DEVICE]`: the tensors and models a node holds, as text or JSON (NODE may be
+//! `@NAME`);
 //! `ferry ls @[NAME]`: a cluster's members and where each tensor lives, from its etcd
 //! (`--cluster`).
 
 use anyhow::bail;
+use ferry_client::ClientError;
 use ferry_client::address::Address;
 
 use crate::Cli;
@@ -21,20 +23,36 @@ pub(crate) async fn ls(cli: &Cli, location: &str, json: bool) -> anyhow::Result<
     }
     let mut client = connect(&address.node, cli).await?;
     let all = client.list(address.device).await?;
+    // A node older than models has none to list.
+    let models = match client.models(address.device).await {
+        Ok(models) => models,
+        Err(ClientError::NodeTooOld { .. }) => Vec::new(),
+        Err(e) => return Err(e.into()),
+    };
     if json {
-        let rows: Vec<serde_json::Value> = all
-            .iter()
-            .map(|i| {
-                serde_json::json!({
-                    "device": i.key.device,
-                    "name": i.key.name,
-                    "dtype": dtype_text(i),
-                    "shape": i.shape,
-                    "bytes": i.bytes,
-                    "path": i.path,
-                })
+        let tensors = all.iter().map(|i| {
+            serde_json::json!({
+                "device": i.key.device,
+                "name": i.key.name,
+                "dtype": dtype_text(i),
+                "shape": i.shape,
+                "bytes": i.bytes,
+                "path": i.path,
             })
-            .collect();
+        });
+        let models = models.iter().map(|m| {
+            serde_json::json!({
+                "device": m.device,
+                "name": m.prefix,
+                "model": {
+                    "version": m.version,
+                    "tensors": m.tensors,
+                    "bytes": m.bytes,
+                    "applies": m.applies,
+                },
+            })
+        });
+        let rows: Vec<serde_json::Value> = tensors.chain(models).collect();
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         for i in &all {
@@ -46,6 +64,14 @@ pub(crate) async fn ls(cli: &Cli, location: &str, json: bool) -> anyhow::Result<
                 dtype_text(i),
                 shape.join(", "),
                 i.bytes
+            );
+        }
+        // A model's line: its prefix, the version applies read, and its tensors (each listed
+        // above under PREFIX/.vVERSION/).
+        for m in &models {
+            println!(
+                "{}\t{}\tmodel v{}\t{} tensors\t{}\t{} applies",
+                m.device, m.prefix, m.version, m.tensors, m.bytes, m.applies
             );
         }
     }

@@ -79,9 +79,14 @@ pub(crate) async fn put(
     }
     let mut results = Vec::with_capacity(tensors.len());
     for batch in tensors.chunks(BATCH * clients.len()) {
-        let answers =
-            Client::put_batch_in_lanes(&mut clients, batch, IfExists::from_overwrite(overwrite))
-                .await;
+        let (first, others) = clients
+            .split_first_mut()
+            .context("no connection to put over")?;
+        let answers = first
+            .put_batch(batch)
+            .if_exists(IfExists::from_overwrite(overwrite))
+            .lanes(others)
+            .await;
         for ((key, data), answer) in batch.iter().zip(answers) {
             if let Some(bar) = &bar {
                 bar.inc(data.as_bytes().len() as u64);

@@ -16,8 +16,8 @@ use ferry::io::transport::Endpoint;
 use ferry::io::{Connection, Stream, Transport};
 use ferry::memory::region::{OutgoingRegion, count_regions, regions_in_flight};
 use ferry::proto::{
-    FEATURE_SHM, FEATURES, Hello, IfExists, NodeStats, PROTOCOL_MINOR, PROTOCOL_VERSION, Request,
-    Response, TensorData, TensorKey, TransferPath,
+    FEATURE_SHM, FEATURES, Hello, NodeStats, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
+    TensorData, TensorKey, TransferPath,
 };
 use ferry::samples;
 use ferry::server::{NodeConfig, ServiceConfig};
@@ -59,11 +59,7 @@ fn regions_here() -> (usize, usize) {
 /// were not empty (those are the ones that can travel as regions).
 async fn round_trip_matrix(client: &mut Client) -> u64 {
     let tensors = matrix();
-    for answer in client
-        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
-        .await
-        .unwrap()
-    {
+    for answer in client.put_batch(&on_device(0, &tensors)).await.unwrap() {
         answer.unwrap();
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
@@ -228,11 +224,7 @@ async fn two_node_processes_copy_a_batch_through_shared_memory() {
             (format!("layer{i}.w"), data)
         })
         .collect();
-    for answer in source
-        .put_batch(&on_device(0, &tensors), IfExists::Refuse)
-        .await
-        .unwrap()
-    {
+    for answer in source.put_batch(&on_device(0, &tensors)).await.unwrap() {
         answer.unwrap();
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();

@@ -172,16 +172,17 @@ impl Node {
         self.inner.models.registry().list(device)
     }
 
-    /// Deletes the model `prefix` on `device`: its current version goes now, or once the last
-    /// apply holding it ends.
+    /// Deletes the model `prefix` on `device` (only if its current version is `version`, where
+    /// given): that version goes now, or once the last apply holding it ends.
     pub async fn delete_model(
         &self,
         device: u32,
         prefix: &str,
+        version: Option<u64>,
     ) -> Result<Arc<Manifest>, NodeError> {
         self.delete_left().await;
         let model = ModelId::new(device, prefix);
-        let (deleted, doomed) = self.inner.models.registry().delete(&model)?;
+        let (deleted, doomed) = self.inner.models.registry().delete(&model, version)?;
         self.inner
             .models
             .changed
@@ -354,7 +355,14 @@ impl ModelWriter {
             let Some(path) = desc.key.name.strip_prefix(&dir) else {
                 continue;
             };
-            let (desc, content_hash) = node.describe_verified(&desc.key).await?;
+            // However long the device's verifier takes: a large tensor's hash may outlast one
+            // wait, and giving up would throw the upload away.
+            let (desc, content_hash) = loop {
+                match node.describe_verified(&desc.key).await {
+                    Err(NodeError::StillVerifying(_)) => continue,
+                    verified => break verified?,
+                }
+            };
             tensors.push(ManifestTensor {
                 path: path.to_string(),
                 dtype: desc.dtype,

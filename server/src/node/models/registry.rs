@@ -66,6 +66,20 @@ pub enum ModelError {
         /// The current one.
         current: u64,
     },
+    /// A delete of a version that is no longer the current one.
+    #[error(
+        "model {prefix} on device {device} is at version {current}, not {version}: nothing was deleted"
+    )]
+    NotCurrent {
+        /// The device.
+        device: u32,
+        /// The prefix.
+        prefix: String,
+        /// The version asked for.
+        version: u64,
+        /// The current one.
+        current: u64,
+    },
     /// A write or delete of a tensor of a version no collect is writing.
     #[error(
         "{name} on device {device} belongs to version {version} of model {prefix}, which {state}: a model's versions change only by a collect"
@@ -361,16 +375,27 @@ impl Registry {
         m.retired.remove(&version)
     }
 
-    /// Deletes `model`'s current version: it goes now, or at its last apply's end.
+    /// Deletes `model`'s current version (only if it is `version`, where given): it goes now,
+    /// or at its last apply's end.
     pub(crate) fn delete(
         &mut self,
         model: &ModelId,
+        version: Option<u64>,
     ) -> Result<(Arc<Manifest>, Option<Arc<Manifest>>), ModelError> {
         let no_model = || ModelError::NoModel {
             device: model.device,
             prefix: model.prefix.clone(),
         };
         let m = self.models.get_mut(model).ok_or_else(no_model)?;
+        let held = m.current.as_ref().ok_or_else(no_model)?.version;
+        if let Some(version) = version.filter(|&v| v != held) {
+            return Err(ModelError::NotCurrent {
+                device: model.device,
+                prefix: model.prefix.clone(),
+                version,
+                current: held,
+            });
+        }
         let current = m.current.take().ok_or_else(no_model)?;
         let doomed = m.retire(current.clone());
         Ok((current, doomed))

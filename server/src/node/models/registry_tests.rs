@@ -111,7 +111,11 @@ fn a_replaced_version_goes_at_its_last_apply() {
     assert_eq!(r.unpin(&model(), 0).map(|m| m.version), Some(0));
     assert_eq!(r.unpin(&model(), 0), None, "handed out once");
     // Deleting the model: at once where unheld.
-    let (deleted, doomed) = r.delete(&model()).unwrap();
+    assert!(matches!(
+        r.delete(&model(), Some(0)),
+        Err(ModelError::NotCurrent { current: 1, .. })
+    ));
+    let (deleted, doomed) = r.delete(&model(), Some(1)).unwrap();
     assert_eq!((deleted.version, doomed.map(|m| m.version)), (1, Some(1)));
     assert!(matches!(r.pin(&model()), Err(ModelError::NoModel { .. })));
     // Version numbers never start over.
@@ -227,7 +231,7 @@ fn random_histories_keep_the_invariants() {
                 }
                 _ => {
                     if rng.random_bool(0.2)
-                        && let Ok((deleted, old)) = r.delete(&model())
+                        && let Ok((deleted, old)) = r.delete(&model(), None)
                     {
                         assert_eq!(Some(deleted.version), last_current);
                         last_current = None;

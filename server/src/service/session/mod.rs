@@ -256,7 +256,11 @@ impl Session<'_> {
                 version,
             } => self.model_close(device, &prefix, version),
             Request::ModelList { device } => Ok(self.model_list(device)),
-            Request::ModelDelete { device, prefix } => self.model_delete(device, &prefix).await,
+            Request::ModelDelete {
+                device,
+                prefix,
+                version,
+            } => self.model_delete(device, &prefix, version).await,
             // Those answered by one response, or an error: written below.
             Request::Copy {
                 src,
@@ -483,6 +487,7 @@ mod tests {
                 Request::ModelDelete {
                     device: 0,
                     prefix: "m".into(),
+                    version: None,
                 },
                 &[Write],
             ),

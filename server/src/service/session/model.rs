@@ -157,8 +157,9 @@ impl Session<'_> {
         &mut self,
         device: u32,
         prefix: &str,
+        version: Option<u64>,
     ) -> Result<Response, NodeError> {
-        let deleted = self.node.delete_model(device, prefix).await?;
+        let deleted = self.node.delete_model(device, prefix, version).await?;
         Ok(Response::Model(deleted.to_wire()))
     }
 }

@@ -1,0 +1,136 @@
+//! [`ModelCopy`]: a model's current version copied (or moved) from one node to another, node to
+//! node, arriving whole as a new version on the target with the source's metadata, or not at
+//! all.
+
+use ferry_proto::message::ModelManifest;
+use ferry_proto::{TensorKey, Transfer};
+
+use super::{Client, ClientError, NodeCopy};
+
+/// A model copied between nodes: the source's current version is held while its tensors are
+/// pulled by the target (each at the content hash the manifest states) into a new version
+/// there, committed with the source's paths and metadata. Any tensor refused gives the target's
+/// version up: the target's model is the one it had, or the copy, never a mix. A move deletes
+/// the source's model afterwards, only if it is still the version copied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use = "a ModelCopy does nothing until it is run"]
+pub struct ModelCopy {
+    source_addr: String,
+    src: (u32, String),
+    dst: (u32, String),
+    replace: bool,
+    transfer: Transfer,
+}
+
+impl ModelCopy {
+    /// The model `prefix` on `device` of the node at `source_addr` (as the target reaches it),
+    /// to the same device and prefix on the target.
+    pub fn new(source_addr: impl Into<String>, device: u32, prefix: impl Into<String>) -> Self {
+        let prefix = prefix.into();
+        Self {
+            source_addr: source_addr.into(),
+            src: (device, prefix.clone()),
+            dst: (device, prefix),
+            replace: false,
+            transfer: Transfer::Copy,
+        }
+    }
+
+    /// Where it goes on the target.
+    pub fn to(mut self, device: u32, prefix: impl Into<String>) -> Self {
+        self.dst = (device, prefix.into());
+        self
+    }
+
+    /// Replaces the target's model where it has one (refused by default).
+    pub fn replace(mut self, replace: bool) -> Self {
+        self.replace = replace;
+        self
+    }
+
+    /// Copy (the default) or move.
+    pub fn transfer(mut self, transfer: Transfer) -> Self {
+        self.transfer = transfer;
+        self
+    }
+
+    /// Runs it: the target's new version's manifest. `source` and `target` are connections to
+    /// the two nodes.
+    pub async fn run(
+        &self,
+        source: &mut Client,
+        target: &mut Client,
+    ) -> Result<ModelManifest, ClientError> {
+        let (src_device, src_prefix) = (self.src.0, self.src.1.as_str());
+        let (dst_device, dst_prefix) = (self.dst.0, self.dst.1.as_str());
+        let held = source.open_model(src_device, src_prefix).await?;
+        let copied = self
+            .copy(&held, source, target, dst_device, dst_prefix)
+            .await;
+        // Let go whatever came of it (a connection the copy broke lets it go by closing).
+        if source.in_step() {
+            source.close_model(&held).await?;
+        }
+        let copied = copied?;
+        if self.transfer == Transfer::Move {
+            source
+                .delete_model(src_device, src_prefix, Some(held.version))
+                .await?;
+        }
+        Ok(copied)
+    }
+
+    async fn copy(
+        &self,
+        held: &ModelManifest,
+        source: &mut Client,
+        target: &mut Client,
+        dst_device: u32,
+        dst_prefix: &str,
+    ) -> Result<ModelManifest, ClientError> {
+        let version = target
+            .begin_model(dst_device, dst_prefix, self.replace)
+            .await?;
+        let mut copy = NodeCopy::new(self.source_addr.clone());
+        for entry in &held.tensors {
+            let src = TensorKey::new(held.device, held.name_of(&entry.path));
+            let dst = TensorKey::new(
+                dst_device,
+                format!("{dst_prefix}/.v{version}/{}", entry.path),
+            );
+            copy = copy.tensor_at(src, dst, entry.content_hash);
+        }
+        let answers = match copy.run(source, target).await {
+            Ok(answers) => answers,
+            // The connection to the target broke: its end gives the version up.
+            Err(error) => {
+                if target.in_step() {
+                    target.abort_model(dst_device, dst_prefix, version).await?;
+                }
+                return Err(error);
+            }
+        };
+        if let Some((entry, refused)) = held
+            .tensors
+            .iter()
+            .zip(answers)
+            .find_map(|(entry, answer)| answer.err().map(|e| (entry, e)))
+        {
+            target.abort_model(dst_device, dst_prefix, version).await?;
+            return Err(ClientError::ModelNotCopied {
+                path: entry.path.clone(),
+                cause: Box::new(refused),
+            });
+        }
+        let paths = held.tensors.iter().map(|t| t.path.as_str());
+        target
+            .commit_model(
+                dst_device,
+                dst_prefix,
+                version,
+                paths,
+                held.metadata.clone(),
+            )
+            .await
+    }
+}

@@ -1,0 +1,290 @@
+//! Uploads: [`Client::put`] (one tensor) and [`Client::put_batch`] (many, pipelined, over one
+//! connection or several) and the builders they return; set what differs from the defaults, then
+//! `.await` (or [`.wait()`](crate::Wait::wait) without a runtime).
+//!
+//! Why builders: an upload has one required input (what, and where) and a few options (what to
+//! do with a tensor already under the key, how many connections to use). A method per
+//! combination (`put_with`, `put_unnamed`, `put_tensor`, `put_batch_in_lanes`, ...) multiplies
+//! with every new option, and each needed a blocking twin. A builder that is itself the call,
+//! awaited through [`IntoFuture`] as hyper's and reqwest's requests are (and as
+//! [`Connect`](super::Connect) is), keeps one entry point per shape of answer, makes the defaults
+//! the short form (`client.put(&key, &data).await`), and lets the option that changes the
+//! answer's shape ([`PutBatch::lanes`]: every tensor answered, none lost to one failed
+//! connection, so no error for the whole) change the builder's type, so that the answer is typed
+//! by what was asked. The builders borrow the client and the data, so nothing is copied, and
+//! nothing is sent until the call is awaited (or [`.wait()`](crate::Wait::wait)ed): a builder
+//! dropped unawaited leaves the connection as it was.
+
+use std::pin::Pin;
+
+use ferry_proto::{IfExists, Request, TensorData, TensorInfo, TensorKey};
+
+use super::{Client, ClientError, ready, stored};
+
+/// Where [`Client::put`] registers its tensor: under a key (`&TensorKey` converts), or on a
+/// device under a name the node chooses and answers with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutTo<'k> {
+    /// Under this key.
+    Key(&'k TensorKey),
+    /// On this device, under a name the node chooses (in the answer's key).
+    Device(u32),
+}
+
+impl<'k> From<&'k TensorKey> for PutTo<'k> {
+    fn from(key: &'k TensorKey) -> Self {
+        PutTo::Key(key)
+    }
+}
+
+/// What [`Client::put`] uploads: a `&TensorData` (sent from where it lies, never copied), or a
+/// Burn `Tensor` of any kind and dtype (quantized ones keep their scheme and scales), read into
+/// host memory when the put is made.
+#[derive(Debug)]
+pub struct Payload<'d>(PayloadData<'d>);
+
+/// A payload's bytes, or why a Burn tensor gave none.
+#[derive(Debug)]
+enum PayloadData<'d> {
+    /// The caller's.
+    Borrowed(&'d TensorData),
+    /// Read off a Burn tensor.
+    Owned(TensorData),
+    /// A Burn tensor that could not be read.
+    Unreadable(ClientError),
+}
+
+impl<'d> From<&'d TensorData> for Payload<'d> {
+    fn from(data: &'d TensorData) -> Self {
+        Payload(PayloadData::Borrowed(data))
+    }
+}
+
+impl<const D: usize, K: burn_tensor::kind::Basic> From<burn_tensor::Tensor<D, K>> for Payload<'_> {
+    fn from(tensor: burn_tensor::Tensor<D, K>) -> Self {
+        match crate::tensor::into_data(tensor) {
+            Ok(data) => Payload(PayloadData::Owned(data)),
+            Err(e) => Payload(PayloadData::Unreadable(e)),
+        }
+    }
+}
+
+impl Client {
+    /// Starts an upload of `data` (a `&TensorData` or a Burn `Tensor`, see [`Payload`]) to `to`
+    /// (a `&TensorKey`, or [`PutTo::Device`] for a name the node chooses): refused if the key is
+    /// taken unless [`if_exists`](Put::if_exists) says otherwise. Answered, once awaited, when the
+    /// node registered the tensor.
+    ///
+    /// ```no_run
+    /// # async fn run(client: &mut ferry_client::Client, data: &ferry_client::TensorData)
+    /// # -> Result<(), ferry_client::ClientError> {
+    /// use ferry_client::{IfExists, PutTo, TensorKey};
+    /// let key = TensorKey::new(0, "encoder.w");
+    /// client.put(&key, data).await?;
+    /// client.put(&key, data).if_exists(IfExists::Replace).await?;
+    /// let named = client.put(PutTo::Device(0), data).await?; // named.key: the node's choice
+    /// # Ok(()) }
+    /// ```
+    pub fn put<'a>(
+        &'a mut self,
+        to: impl Into<PutTo<'a>>,
+        data: impl Into<Payload<'a>>,
+    ) -> Put<'a> {
+        Put {
+            client: self,
+            to: to.into(),
+            payload: data.into(),
+            if_exists: IfExists::Refuse,
+        }
+    }
+
+    /// Starts an upload of many tensors in one pipelined exchange (a whole model's weights): the
+    /// next upload starts while the node registers the previous one. Awaited, it answers once per
+    /// tensor, in order; a refused tensor does not stop the others; `Err` only when the
+    /// connection fails. [`lanes`](PutBatch::lanes) spreads it over several connections.
+    pub fn put_batch<'a>(&'a mut self, tensors: &'a [(TensorKey, TensorData)]) -> PutBatch<'a> {
+        PutBatch {
+            client: self,
+            tensors,
+            if_exists: IfExists::Refuse,
+        }
+    }
+
+    /// One upload: request, `Ready`, payload, `Stored`.
+    async fn upload(
+        &mut self,
+        device: u32,
+        name: Option<&str>,
+        data: &TensorData,
+        if_exists: IfExists,
+    ) -> Result<TensorInfo, ClientError> {
+        // Checked before anything is sent: a tensor that cannot go leaves the connection as is.
+        let meta = ferry_proto::tensor::meta_of(data)?;
+        let request = Request::Put {
+            device,
+            name: name.map(str::to_string),
+            meta: meta.to_wire(),
+            overwrite: if_exists.overwrite(),
+        };
+        let mut step = self.exchange.begin()?;
+        step.send(&request).await?;
+        // A refusal instead of `Ready` finishes the exchange: no payload follows it.
+        if let Err(refused) = step.answer(ready).await {
+            return Err(step.fail(refused).into());
+        }
+        step.send_payload(data.as_bytes()).await?;
+        let answer = step.answer(stored).await;
+        Ok(step.finish_if_answered(answer)?)
+    }
+}
+
+/// One upload to make: by [`Client::put`], sent by `.await`.
+#[derive(Debug)]
+#[must_use = "a Put does nothing until it is awaited (or `.wait()`ed)"]
+pub struct Put<'a> {
+    client: &'a mut Client,
+    to: PutTo<'a>,
+    payload: Payload<'a>,
+    if_exists: IfExists,
+}
+
+impl Put<'_> {
+    /// What to do with a tensor already under the key ([`IfExists::Refuse`] by default). A put
+    /// to [`PutTo::Device`] takes a new name, which nothing is under: it is always sent as
+    /// `Refuse`.
+    pub fn if_exists(mut self, if_exists: IfExists) -> Self {
+        self.if_exists = if_exists;
+        self
+    }
+
+    /// Sends the upload.
+    async fn send(self) -> Result<TensorInfo, ClientError> {
+        let owned;
+        let data = match self.payload.0 {
+            PayloadData::Borrowed(data) => data,
+            PayloadData::Owned(data) => {
+                owned = data;
+                &owned
+            }
+            PayloadData::Unreadable(e) => return Err(e),
+        };
+        match self.to {
+            PutTo::Key(key) => {
+                self.client
+                    .upload(key.device, Some(&key.name), data, self.if_exists)
+                    .await
+            }
+            PutTo::Device(device) => {
+                self.client
+                    .upload(device, None, data, IfExists::Refuse)
+                    .await
+            }
+        }
+    }
+}
+
+impl<'a> IntoFuture for Put<'a> {
+    type Output = Result<TensorInfo, ClientError>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send + 'a>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(self.send())
+    }
+}
+
+/// A batch of uploads over one connection: made by [`Client::put_batch`], sent by `.await`.
+#[derive(Debug)]
+#[must_use = "a PutBatch does nothing until it is awaited (or `.wait()`ed)"]
+pub struct PutBatch<'a> {
+    client: &'a mut Client,
+    tensors: &'a [(TensorKey, TensorData)],
+    if_exists: IfExists,
+}
+
+impl<'a> PutBatch<'a> {
+    /// What to do with a tensor already under a key ([`IfExists::Refuse`] by default).
+    pub fn if_exists(mut self, if_exists: IfExists) -> Self {
+        self.if_exists = if_exists;
+        self
+    }
+
+    /// The batch over this connection and `others` at once, every one a connection to the same
+    /// node, so that while the node registers one tensor (or faults in new memory for it)
+    /// another is already arriving: tensor `i` goes over the `i % n`th of the `n` connections
+    /// still in step (this one first), each connection's share a batch of its own. Awaited, it
+    /// answers every tensor, in order, and never fails as a whole: a connection that fails
+    /// keeps the answers it had and answers each tensor it had none for with
+    /// [`ClientError::NoAnswer`], whose reason says whether it may have been stored all the
+    /// same (the one whose payload was sent, or being sent, when the connection failed) or was
+    /// not; the other connections go on. Where no connection is in step, every tensor is
+    /// answered so. That every connection reaches one node is the caller's to check
+    /// ([`identify`](Client::identify)): an address behind a balancer may reach several. Two
+    /// tensors with one key should not share a batch over lanes: which lands last is not fixed.
+    pub fn lanes<C: AsMut<Client> + 'a>(
+        self,
+        others: impl IntoIterator<Item = &'a mut C>,
+    ) -> PutBatchInLanes<'a> {
+        PutBatchInLanes {
+            lanes: std::iter::once(self.client)
+                .chain(others.into_iter().map(AsMut::as_mut))
+                .collect(),
+            tensors: self.tensors,
+            if_exists: self.if_exists,
+        }
+    }
+}
+
+impl<'a> IntoFuture for PutBatch<'a> {
+    type Output = Result<Vec<Result<TensorInfo, ClientError>>, ClientError>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send + 'a>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(self.client.put_batch_over_one(self.tensors, self.if_exists))
+    }
+}
+
+/// A batch of uploads over several connections to one node: made by [`PutBatch::lanes`], sent by
+/// `.await`.
+#[derive(Debug)]
+#[must_use = "a PutBatchInLanes does nothing until it is awaited (or `.wait()`ed)"]
+pub struct PutBatchInLanes<'a> {
+    lanes: Vec<&'a mut Client>,
+    tensors: &'a [(TensorKey, TensorData)],
+    if_exists: IfExists,
+}
+
+impl<'a> PutBatchInLanes<'a> {
+    /// What to do with a tensor already under a key ([`IfExists::Refuse`] by default).
+    pub fn if_exists(mut self, if_exists: IfExists) -> Self {
+        self.if_exists = if_exists;
+        self
+    }
+
+    /// More connections to the same node, after those already given.
+    pub fn lanes<C: AsMut<Client> + 'a>(
+        mut self,
+        more: impl IntoIterator<Item = &'a mut C>,
+    ) -> Self {
+        self.lanes.extend(more.into_iter().map(AsMut::as_mut));
+        self
+    }
+}
+
+impl<'a> IntoFuture for PutBatchInLanes<'a> {
+    type Output = Vec<Result<TensorInfo, ClientError>>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send + 'a>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(super::put_lanes::put_batch_in_lanes(
+            self.lanes,
+            self.tensors,
+            self.if_exists,
+        ))
+    }
+}
+
+impl AsMut<Client> for Client {
+    fn as_mut(&mut self) -> &mut Client {
+        self
+    }
+}
