@@ -950,3 +950,25 @@ fn errors_say_which_node_and_what_was_kept() {
         "{message}"
     );
 }
+
+/// A refusal is matched by its code over either link, without digging: a second collect to a
+/// prefix that holds a model is `AlreadyExists`, over a connection and into an embedded node.
+#[test]
+fn a_refusal_has_one_code_over_either_link() {
+    use ferry::client::ErrorCode;
+    let device = Device::flex();
+    let model = Pair::new(&device);
+    let node = serve_flex();
+    FerryStore::connected(client(&node.addr), 0, "twice")
+        .collect_from(&model)
+        .unwrap();
+    let again = FerryStore::connected(client(&node.addr), 0, "twice").collect_from(&model);
+    assert_eq!(again.unwrap_err().code(), Some(ErrorCode::AlreadyExists));
+    let (runtime, node) = embedded(vec![DeviceSpec::Flex]);
+    let store = || FerryStore::embedded(node.clone(), runtime.handle().clone(), 0, "twice");
+    store().collect_from(&model).unwrap();
+    assert_eq!(
+        store().collect_from(&model).unwrap_err().code(),
+        Some(ErrorCode::AlreadyExists)
+    );
+}

@@ -1,7 +1,7 @@
 //! `StoreError`: why a model was not sent to a node or not applied from one.
 
 use burn_store::ApplyResult;
-use ferry_client::ClientError;
+use ferry_client::{ClientError, ErrorCode};
 use ferry_proto::message::NameError;
 #[cfg(feature = "node")]
 use ferry_server::NodeError;
@@ -104,4 +104,19 @@ fn refusal(result: &ApplyResult) -> String {
         ));
     }
     parts.join("; ")
+}
+
+impl StoreError {
+    /// The node's error code, where the node refused (over a connection or embedded), however
+    /// deep the refusal sits: `e.code() == Some(ErrorCode::AlreadyExists)` matches a collect
+    /// refused because the prefix holds a model, over either link.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            StoreError::Client(e) => e.code(),
+            #[cfg(feature = "node")]
+            StoreError::Node(e) => Some(e.code()),
+            StoreError::NotCollected { cause, .. } => cause.code(),
+            _ => None,
+        }
+    }
 }
