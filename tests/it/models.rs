@@ -565,3 +565,22 @@ async fn a_model_copies_between_nodes_whole_or_not_at_all() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// A put into a model version is hashed as it arrives (its commit needs every hash): registered
+/// with its hash already verified, where a plain put to a Flex device is answered first and
+/// hashed after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_into_a_model_version_is_hashed_as_it_arrives() {
+    use ferry::server::HashState;
+    let node = start_with(&["flex"]).await;
+    let mut client = node.client().await;
+    let data = samples::plain(DType::F32, &[1024, 1024], 4);
+    let version = client.begin_model(0, "hashed", false).await.unwrap();
+    let key = TensorKey::new(0, format!("hashed/.v{version}/w"));
+    client.put(&key, &data).await.unwrap();
+    let desc = node.node.describe(&key).await.unwrap();
+    let meta = ferry::proto::tensor::meta_of(&data).unwrap();
+    let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
+    assert_eq!(desc.content_hash, HashState::Verified(truth));
+    node.shutdown().await;
+}

@@ -143,7 +143,8 @@ fn a_quantized_model_sent_to_a_worker_nodes_gpu_is_applied_there_sharing_its_buf
     }
     let gamma = model.norm.gamma.val();
     assert_eq!(gamma.device(), device);
-    let on_node = runtime.block_on(node_memory(&node, &TensorKey::new(0, "model/norm.gamma")));
+    let held = node.open_model(0, "model").unwrap();
+    let on_node = runtime.block_on(node_memory(&node, &held.key("norm.gamma")));
     assert_eq!(memory_of(&gamma), on_node, "the node's own GPU buffer");
     // A quantized weight too: its values are the node's own GPU buffer.
     let weight = model.hidden.weight.val().into_dispatch();
@@ -152,7 +153,7 @@ fn a_quantized_model_sent_to_a_worker_nodes_gpu_is_applied_there_sharing_its_buf
     else {
         panic!("a quantized weight");
     };
-    let key = TensorKey::new(0, "model/hidden.weight");
+    let key = held.key("hidden.weight");
     let (_, primitive) = runtime.block_on(node.primitive::<Cube>(&key)).unwrap();
     let Primitive::Quantized(on_node) = primitive else {
         panic!("a quantized tensor on the node");

@@ -4,8 +4,9 @@
 //!
 //! The rules, in one place:
 //! - a put is hashed as it arrives where the device cannot lend its registered bytes to a later
-//!   hash (else answered first and hashed after, off the answer's path); a pull is hashed as it
-//!   arrives, to be checked; a read (a client's get) is not hashed;
+//!   hash, or where it goes into a model version (whose commit needs every hash), else answered
+//!   first and hashed after, off the answer's path; a pull is hashed as it arrives, to be
+//!   checked; a read (a client's get) is not hashed;
 //! - chunk checksums are checked unless the whole payload's hash is computed to be checked;
 //! - a payload that comes whole as a sealed region is never hashed at its handoff (which stays
 //!   O(1)): a pull's region is registered under the granted hash and verified by the device;
@@ -17,12 +18,14 @@ use crate::connection::PayloadRoute;
 /// Why a tensor is received: what decides the content hash its receiver computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Purpose {
-    /// A client's put to a node's device. `device_lends_bytes`: the device can lend the
-    /// registered tensor's bytes to a hash computed after the put is answered (Flex, plain
-    /// dtypes).
+    /// A client's put to a node's device.
     Put {
-        /// Whether the device lends its registered bytes.
+        /// Whether the device can lend the registered tensor's bytes to a hash computed after
+        /// the put is answered (Flex, plain dtypes).
         device_lends_bytes: bool,
+        /// Whether the tensor goes into a model version, whose commit needs every hash: no
+        /// later than the commit, so as the bytes arrive, while they are in cache.
+        into_model: bool,
     },
     /// A node's pull from a peer, checked against the hash the grant states.
     Pull,
@@ -54,12 +57,12 @@ impl HashUse {
             // the registered bytes, the hash runs after, at a lower priority.
             Purpose::Put {
                 device_lends_bytes: true,
+                into_model: false,
             } => Self::Skip,
             // Elsewhere a later hash would take a pass of its own over the bytes (a GPU, NdArray,
-            // a repacked quantized layout): hashed while the bytes are in cache.
-            Purpose::Put {
-                device_lends_bytes: false,
-            } => Self::Record,
+            // a repacked quantized layout), and a model version's commit waits for every hash:
+            // hashed while the bytes are in cache, a chunk behind on a thread of its own.
+            Purpose::Put { .. } => Self::Record,
             Purpose::Pull => Self::Check,
             Purpose::Read => Self::Skip,
         }
@@ -138,10 +141,15 @@ mod tests {
 
     #[test]
     fn hash_use_table() {
-        let put = |device_lends_bytes| Purpose::Put { device_lends_bytes };
+        let put = |device_lends_bytes, into_model| Purpose::Put {
+            device_lends_bytes,
+            into_model,
+        };
         let table = [
-            (put(true), HashUse::Skip, true),
-            (put(false), HashUse::Record, true),
+            (put(true, false), HashUse::Skip, true),
+            (put(false, false), HashUse::Record, true),
+            (put(true, true), HashUse::Record, true),
+            (put(false, true), HashUse::Record, true),
             (Purpose::Pull, HashUse::Check, false),
             (Purpose::Read, HashUse::Skip, true),
         ];

@@ -35,10 +35,20 @@ pub(crate) struct Admission {
 /// computes ([`HashUse::for_purpose`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Receive {
-    /// A client's put.
-    Put,
+    /// A client's put, into a model version or not ([`Admission::writes_a_model`]).
+    Put {
+        /// Whether it goes into a model version.
+        into_model: bool,
+    },
     /// A pull from a peer, checked against its grant.
     Pull,
+}
+
+impl Admission {
+    /// Whether the tensor goes into a model version (whose commit waits for its hash).
+    pub(crate) fn writes_a_model(&self) -> bool {
+        self.version_write.is_some()
+    }
 }
 
 impl Node {
@@ -137,8 +147,9 @@ impl Node {
             (BackendKind::Wgpu | BackendKind::NdArray, _) => BufferFrom::Fresh,
         };
         let purpose = match purpose {
-            Receive::Put => Purpose::Put {
+            Receive::Put { into_model } => Purpose::Put {
                 device_lends_bytes: kind.shares_registered_bytes(&meta.dtype()),
+                into_model,
             },
             Receive::Pull => Purpose::Pull,
         };

@@ -41,8 +41,12 @@ impl Session<'_> {
                 let admission =
                     node.admit(device, &name, &meta.dtype(), meta.shape(), bytes, existing)?;
                 // Hashed as it arrives only where the device would otherwise hash it before
-                // registering; else after the answer (`ferry_io::hash_plan`).
-                let assembler = node.receiver(device, meta, Receive::Put)?;
+                // registering, or its model version's commit would wait for the hash; else after
+                // the answer (`ferry_io::hash_plan`).
+                let purpose = Receive::Put {
+                    into_model: admission.writes_a_model(),
+                };
+                let assembler = node.receiver(device, meta, purpose)?;
                 Ok((assembler, admission))
             });
         let (mut assembler, admission) = match admitted {
