@@ -8,7 +8,7 @@
 //! 3584 x 3584 (1.08 GB of values, f32 biases).
 //!
 //! Run with `cargo build --release -p ferry-server-cli && cargo build --release -p ferry-burn
-//! --examples`, then `cargo bench -p ferry --bench embedded_worker`.
+//! --examples`, then `cargo bench -p ferry-suite --bench embedded_worker`.
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 

@@ -2,7 +2,7 @@
 //! cache, and `ferry get` of that tensor into a new file, against a raw TCP copy of the same
 //! bytes in the same run.
 //!
-//! Run with `cargo build --release --workspace --bins && cargo bench -p ferry --bench files`
+//! Run with `cargo build --release --workspace --bins && cargo bench -p ferry-suite --bench files`
 //! (the release `ferry-server` and `ferry` binaries beside this bench's executable).
 //!
 //! One release node with one flex device and a receive pool sized for the tensor (`--pool`,

@@ -2,7 +2,7 @@
 //! `into_data` on the same adapter in the same run. An adapter whose largest buffer is smaller
 //! (Mesa's software adapters: 128 MiB) is measured at the most whole MiB it takes.
 //!
-//! Run with `cargo build --release --workspace --bins && cargo bench -p ferry --bench gpu`;
+//! Run with `cargo build --release --workspace --bins && cargo bench -p ferry-suite --bench gpu`;
 //! `FERRY_GPU=SPEC` names the device (default `vulkan:cpu`, Mesa's lavapipe; on a machine with a
 //! GPU, `wgpu:0` or `vulkan:0`). `tests/gpu.sh` runs it with the rest of the GPU checks.
 //!

@@ -4,9 +4,9 @@
 //! (admission, a message to the device worker and its answer): its goal is under 1 ms, whatever
 //! the size.
 //!
-//! Run with `cargo bench -p ferry --bench handoff`. Memory: the process's resident size before
-//! the handoffs, and its peak (VmHWM, reset before them) over them: a copy, even one freed at
-//! once, would raise the peak by 256 MiB.
+//! Run with `cargo bench -p ferry-suite --bench handoff`. Memory: the process's resident size
+//! before the handoffs, and its peak (VmHWM, reset before them) over them: a copy, even one freed
+//! at once, would raise the peak by 256 MiB.
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 

@@ -3,7 +3,8 @@
 //! raw TCP copy of the same total bytes in the same run, with both nodes' peak resident memory
 //! and CPU.
 //!
-//! Run with `cargo build --release --workspace --bins && cargo bench -p ferry --bench model_load`
+//! Run with
+//! `cargo build --release --workspace --bins && cargo bench -p ferry-suite --bench model_load`
 //! (the release `ferry-server` and `ferry` binaries beside this bench's executable).
 //!
 //! The models: 168 tensors of 8 to 23 MiB (the sizes of a 1B-parameter transformer's layers),

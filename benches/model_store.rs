@@ -9,7 +9,7 @@
 //! quantized Q8S per tensor (64 MiB of values).
 //!
 //! Run with `cargo build --release --workspace --bins`, then
-//! `cargo bench -p ferry --bench model_store`.
+//! `cargo bench -p ferry-suite --bench model_store`.
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 

@@ -2,11 +2,11 @@
 //!
 //! Measured against a raw TCP stream and a memcpy of the same bytes, in the same run.
 //!
-//! Run with `cargo bench -p ferry --bench node_to_node`. The nodes are the release
+//! Run with `cargo bench -p ferry-suite --bench node_to_node`. The nodes are the release
 //! `ferry-server` binary next to this bench's executable (`target/release/ferry-server`), which
-//! `cargo bench -p ferry` does not build (it is another package's binary): build it first with
-//! `cargo build --release -p ferry-server-cli`, and rebuild it after changing the server, or this
-//! bench measures the old one.
+//! `cargo bench -p ferry-suite` does not build (it is another package's binary): build it first
+//! with `cargo build --release -p ferry-server-cli`, and rebuild it after changing the server, or
+//! this bench measures the old one.
 //!
 //! Per tensor (f32 1 MiB, 64 MiB, 256 MiB; Q8S 256 MiB), on a fresh pair of nodes A and B with
 //! one flex device each:
@@ -267,7 +267,7 @@ async fn striped_copies(binary: &Path, data: &TensorData, runs: usize, connectio
 /// deleted on B (and its hash verified) outside the timing.
 async fn tls_copies(binary: &Path, data: &TensorData, runs: usize) -> Rate {
     let bytes = data.as_bytes().len();
-    let pki = ferry::testing::TestPki::new();
+    let pki = ferry_testkit::TestPki::new();
     let start = |name: &str, extra: &[&str]| {
         pki.node(name);
         let files = pki.files(name);
@@ -321,7 +321,7 @@ async fn tls_copies(binary: &Path, data: &TensorData, runs: usize) -> Rate {
 fn raw_tls_configs() -> (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>) {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-    let pki = ferry::testing::TestPki::new();
+    let pki = ferry_testkit::TestPki::new();
     pki.node("raw-server");
     pki.client("raw-client");
     let load = |name: &str| {

@@ -1,7 +1,8 @@
 //! Same-host node-to-node transfers: TCP loopback, a Unix socket, and shared memory, against a
 //! memcpy, a raw Unix-socket copy and a raw TCP copy of the same bytes, in one run.
 //!
-//! Run with `cargo build --release -p ferry-server-cli && cargo bench -p ferry --bench same_host`.
+//! Run with
+//! `cargo build --release -p ferry-server-cli && cargo bench -p ferry-suite --bench same_host`.
 //!
 //! For each tensor (f32 256 MiB, Q8S 256 MiB) and each route, a fresh pair of release
 //! `ferry-server` processes A and B (one flex device each) is started:

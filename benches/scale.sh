@@ -22,7 +22,7 @@ command -v taskset > /dev/null || { echo "scale.sh needs taskset (util-linux)" >
 # The nodes the benches start are the release binaries beside them.
 cargo build --release --workspace --bins
 for bench in "${benches[@]}"; do
-  cargo bench -p ferry --bench "$bench" --no-run
+  cargo bench -p ferry-suite --bench "$bench" --no-run
 done
 
 mkdir -p target/scale
@@ -37,7 +37,7 @@ for bench in "${benches[@]}"; do
     n=$(taskset -c "$set" nproc)
     log="target/scale/$bench-$n.log"
     echo "== $bench on $n of $all cores (taskset -c $set) -> $log"
-    taskset -c "$set" cargo bench -p ferry --bench "$bench" > "$log" 2>&1 || {
+    taskset -c "$set" cargo bench -p ferry-suite --bench "$bench" > "$log" 2>&1 || {
       echo "   failed: see $log" >&2
       continue
     }

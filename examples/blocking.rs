@@ -5,9 +5,9 @@
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
-use ferry::client::{BlockingClient, TensorKey, Wait};
-use ferry::proto::TensorData;
-use ferry::server::{Node, NodeConfig, Service, ServiceConfig};
+use ferry_client::{BlockingClient, TensorKey, Wait};
+use ferry_proto::TensorData;
+use ferry_server::{Node, NodeConfig, Service, ServiceConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (tx, rx) = std::sync::mpsc::channel();

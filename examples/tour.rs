@@ -7,9 +7,9 @@
 
 use burn_tensor::quantization::{QuantScheme, QuantStore, QuantValue};
 use burn_tensor::{Device, Tensor};
-use ferry::client::{Client, ClientError, IfExists, NodeCopy, PutTo, TensorKey, Transfer};
-use ferry::proto::{DType, TensorData};
-use ferry::server::{Node, NodeConfig, Service, ServiceConfig};
+use ferry_client::{Client, ClientError, IfExists, NodeCopy, PutTo, TensorKey, Transfer};
+use ferry_proto::{DType, TensorData};
+use ferry_server::{Node, NodeConfig, Service, ServiceConfig};
 
 /// Starts a node on a free loopback port and returns its address.
 async fn start_node() -> std::net::SocketAddr {

@@ -1,26 +1,9 @@
-//! ferry: move any Burn tensor between devices, processes and machines, bit-exact.
-//!
-//! This root crate re-exports the libraries ([`proto`], [`io`], [`memory`], [`server`],
-//! [`client`], [`files`], [`certs`], [`etcd`]) and
-//! holds what the integration tests and benchmarks of every package share: [`samples`], the
-//! dtype and quantization matrix, [`testing`], nodes and helpers to test against, and
-//! [`squatter`], a loopback port another local user holds.
-
-pub use ferry_certs as certs;
-pub use ferry_client as client;
-pub use ferry_etcd as etcd;
-pub use ferry_files as files;
-pub use ferry_io as io;
-pub use ferry_memory as memory;
-pub use ferry_proto as proto;
-pub use ferry_server as server;
-
-pub mod samples;
-pub mod squatter;
-pub mod testing;
+//! ferry-suite: the workspace's integration tests (`tests/`), benchmarks (`benches/`) and the
+//! README's and docs' examples as doc tests; no library of its own (the harness they share is
+//! ferry-testkit, in `tests/testkit/`).
 
 /// The README's and the docs' Rust examples, compiled and run as doc tests
-/// (`cargo test -p ferry --doc`), so that they cannot rot.
+/// (`cargo test -p ferry-suite --doc`), so that they cannot rot.
 #[cfg(doctest)]
 mod docs_examples {
     #[doc = include_str!("../README.md")]

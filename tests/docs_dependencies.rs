@@ -53,8 +53,8 @@ fn dependencies(manifest: &str) -> BTreeSet<String> {
 }
 
 /// The crates the visible lines of Rust examples name: a path's first segment that is
-/// ferry's, Burn's or tokio's (`ferry` alone, the doc tests' own harness, is hidden lines'
-/// business).
+/// ferry's, Burn's or tokio's (`ferry_testkit`, the doc tests' own harness, appears on hidden
+/// lines only).
 fn named(rust: &[&str]) -> BTreeSet<String> {
     let mut crates = BTreeSet::new();
     for line in rust.iter().filter(|l| !l.trim_start().starts_with('#')) {
@@ -118,7 +118,7 @@ fn every_crate_the_docs_examples_need_is_listed_and_a_dependency_here() {
 fn the_parsers_read_what_they_are_meant_to() {
     let page = "text\n```toml\n[dependencies]\nburn-nn = { version = \"1\" } # layers\n\
                 ferry-client.workspace = true\n```\n```rust\nuse burn_core::module::Module;\n\
-                # let _ = ferry::testing::x();\nlet d = burn_tensor::Device::flex(); // std::x\n\
+                # let _ = ferry_testkit::x();\nlet d = burn_tensor::Device::flex(); // std::x\n\
                 ```\n";
     assert_eq!(
         listed(&blocks(page, "toml")),

@@ -14,4 +14,4 @@ fi
 export FERRY_HISTORY_SECS="$1"
 export FERRY_HISTORY_CLIENTS="${2:-8}"
 export FERRY_HISTORY_SEED="${3:-1}"
-exec cargo test --release -p ferry --test it concurrency::long_random_history -- --ignored --nocapture
+exec cargo test --release -p ferry-suite --test it concurrency::long_random_history -- --ignored --nocapture

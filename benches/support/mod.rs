@@ -29,7 +29,7 @@ pub fn server_binary() -> PathBuf {
         eprintln!(
             "node_to_node: {} is missing: cargo bench does not build another package's binary.\n\
              Run `cargo build --release -p ferry-server-cli` first, then \
-             `cargo bench -p ferry --bench node_to_node`.",
+             `cargo bench -p ferry-suite --bench node_to_node`.",
             binary.display()
         );
         std::process::exit(2);

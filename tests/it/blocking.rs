@@ -2,10 +2,10 @@
 //! over lanes, a `NodeCopy`); on a thread that drives a runtime each is refused with a typed
 //! `ClientError::InsideRuntime`, never tokio's panic; from `spawn_blocking` they still block.
 
-use ferry::client::{BlockingClient, ClientError, IfExists, PutTo, TensorData, TensorKey, Wait};
-use ferry::proto::DType;
-use ferry::samples;
-use ferry::testing::{how, start_with};
+use ferry_client::{BlockingClient, ClientError, IfExists, PutTo, TensorData, TensorKey, Wait};
+use ferry_proto::DType;
+use ferry_testkit::samples;
+use ferry_testkit::{how, start_with};
 
 #[tokio::test]
 async fn blocking_calls_inside_a_runtime_are_refused_with_a_typed_error() {

@@ -7,10 +7,10 @@
 
 use std::time::Duration;
 
-use ferry::client::{Client, ClientError, IfExists, InterruptedCopy, Lane, NodeCopy, Transfer};
-use ferry::proto::{DType, ErrorCode, TensorData, TensorKey};
-use ferry::samples;
-use ferry::testing::{Fault, TestNode, assert_same, proxy, start_with};
+use ferry_client::{Client, ClientError, IfExists, InterruptedCopy, Lane, NodeCopy, Transfer};
+use ferry_proto::{DType, ErrorCode, TensorData, TensorKey};
+use ferry_testkit::samples;
+use ferry_testkit::{Fault, TestNode, assert_same, proxy, start_with};
 
 /// How many tensors a cancelled copy is asked to move, and how large each is: large enough
 /// that the copy is still running when it is cancelled after its first pull.
@@ -417,7 +417,7 @@ async fn shut_down_after_a_landing(b: TestNode) {
 /// its tensor is still on the source, whole. Returns how many were moved and how many kept.
 async fn moved_or_kept(
     a: &TestNode,
-    answers: &[Result<ferry::proto::TensorInfo, ClientError>],
+    answers: &[Result<ferry_proto::TensorInfo, ClientError>],
     tensors: &[(TensorKey, TensorData)],
     expected: impl Fn(&TensorKey, &ClientError) -> bool,
 ) -> (usize, usize) {

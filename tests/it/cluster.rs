@@ -4,18 +4,18 @@
 //! the peer allowlist (a non-member refused; under TLS, a member that is not who it registered
 //! as refused).
 
-use ferry::server::PullConfig;
+use ferry_server::PullConfig;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use ferry::client::cluster::{Directory, DirectoryError, ReachError, connect_member};
-use ferry::client::{Client, ClientError, ConnectOptions, ErrorCode};
-use ferry::proto::cluster::MemberRecord;
-use ferry::proto::{DType, TensorKey};
-use ferry::samples;
-use ferry::server::cluster::{ClusterConfig, Membership};
-use ferry::server::{ClusterMembers, NodeConfig, PeerPolicy, ServiceConfig};
-use ferry::testing::{
+use ferry_client::cluster::{Directory, DirectoryError, ReachError, connect_member};
+use ferry_client::{Client, ClientError, ConnectOptions, ErrorCode};
+use ferry_proto::cluster::MemberRecord;
+use ferry_proto::{DType, TensorKey};
+use ferry_server::cluster::{ClusterConfig, Membership};
+use ferry_server::{ClusterMembers, NodeConfig, PeerPolicy, ServiceConfig};
+use ferry_testkit::samples;
+use ferry_testkit::{
     Etcd, TestNode, TestPki, assert_same, copy_one, devices, eventually, eventually_async, how,
     start, start_with, tls_client,
 };
@@ -26,7 +26,7 @@ const TTL: Duration = Duration::from_secs(2);
 
 fn config(etcd: &Etcd, name: &str, node: &TestNode) -> ClusterConfig {
     ClusterConfig {
-        endpoints: ferry::proto::cluster::endpoints(&etcd.cluster()).unwrap(),
+        endpoints: ferry_proto::cluster::endpoints(&etcd.cluster()).unwrap(),
         name: name.to_string(),
         advertise: node.addr.to_string(),
         unix: None,
@@ -65,7 +65,7 @@ async fn listings(nodes: &mut [(&str, Client)]) -> Placed {
             all.insert(
                 (name.to_string(), info.key.device, info.key.name),
                 (
-                    ferry::proto::dtype_name(&dtype),
+                    ferry_proto::dtype_name(&dtype),
                     info.shape,
                     info.bytes,
                     true,
@@ -309,13 +309,13 @@ async fn etcd_stopped_and_restarted_mid_run_loses_nothing_and_the_directory_conv
 }
 
 /// A node whose peers are its cluster's members, with `tls` where given.
-async fn member_node(tls: Option<ferry::io::NodeTls>) -> TestNode {
+async fn member_node(tls: Option<ferry_io::NodeTls>) -> TestNode {
     member_node_with(tls, ClusterMembers::new(), None).await
 }
 
 /// A node that pulls from the members `members` takes, presenting `peer_token` (in clear).
 async fn member_node_with(
-    tls: Option<ferry::io::NodeTls>,
+    tls: Option<ferry_io::NodeTls>,
     members: ClusterMembers,
     peer_token: Option<&str>,
 ) -> TestNode {
@@ -340,11 +340,11 @@ async fn member_node_with(
 
 /// A pull the target refused as not from an allowed peer, nothing sent to the source.
 fn refused_as_stranger(
-    result: Result<ferry::proto::TensorInfo, ferry::client::ClientError>,
+    result: Result<ferry_proto::TensorInfo, ferry_client::ClientError>,
     what: &str,
 ) {
     match result {
-        Err(ferry::client::ClientError::Node { code, message }) => {
+        Err(ferry_client::ClientError::Node { code, message }) => {
             assert_eq!(code, ErrorCode::BadRequest, "{what}: {message}");
             assert!(message.contains("not an allowed peer"), "{what}: {message}");
         }
@@ -358,7 +358,7 @@ async fn member_yes_stranger_no(
     target: &mut Client,
     member: (&mut Client, &str),
     stranger: (&mut Client, &str),
-    data: &ferry::proto::TensorData,
+    data: &ferry_proto::TensorData,
     who: &str,
 ) {
     let key = TensorKey::new(0, "w");
@@ -425,8 +425,8 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
         refused_as_stranger(refused, "a non-member, again");
     }
     // A copy of the version a directory listed refuses another one, and copies nothing.
-    let listed = ferry::testing::How {
-        version: Some(ferry::proto::ContentHash::from_digest([0; 32])),
+    let listed = ferry_testkit::How {
+        version: Some(ferry_proto::ContentHash::from_digest([0; 32])),
         ..how(&a_addr, 0)
     };
     let other = copy_one(&mut ca, &mut cb, &key, &listed).await;
@@ -473,7 +473,7 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
 
     // A member's Unix socket counts only where the member runs on this machine.
     for (name, host) in [
-        ("here", ferry::io::machine::name()),
+        ("here", ferry_io::machine::name()),
         ("elsewhere", "another-machine".to_string()),
     ] {
         let record = MemberRecord {
@@ -484,9 +484,8 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
             host,
             devices: Vec::new(),
         };
-        let key = ferry::proto::cluster::member_key(name);
-        etcd.put(&key, &ferry::proto::cluster::encode(&record))
-            .await;
+        let key = ferry_proto::cluster::member_key(name);
+        etcd.put(&key, &ferry_proto::cluster::encode(&record)).await;
     }
     sees(&b, "unix:/run/ferry-here.sock", true).await;
     sees(&b, "192.0.2.1:2", true).await;
@@ -509,7 +508,7 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
 
 /// The plain record `plain` sealed by `by` (a node's certificate of the cluster's CA), stored
 /// under `key`.
-async fn put_sealed(etcd: &Etcd, by: &ferry::io::NodeTls, key: &str, plain: &[u8]) {
+async fn put_sealed(etcd: &Etcd, by: &ferry_io::NodeTls, key: &str, plain: &[u8]) {
     let sealed = by.record_signer().seal(key.as_bytes(), plain).unwrap();
     etcd.put(key, &sealed).await;
 }
@@ -547,7 +546,7 @@ async fn under_tls_only_what_a_member_sealed_counts_and_a_member_must_show_its_i
         host: String::new(),
         devices: Vec::new(),
     };
-    use ferry::proto::cluster::{encode, member_key, tensor_key};
+    use ferry_proto::cluster::{encode, member_key, tensor_key};
     // An impostor at c's address: plain (any etcd writer), and sealed with c's key.
     let impostor = record("node-x", "node-x", &c_addr);
     etcd.put(&member_key("node-x"), &encode(&impostor)).await;
@@ -568,7 +567,7 @@ async fn under_tls_only_what_a_member_sealed_counts_and_a_member_must_show_its_i
     )
     .await;
     // A tensor entry placing a tensor on a that a never wrote: plain, and sealed by c.
-    let entry = ferry::proto::cluster::TensorRecord {
+    let entry = ferry_proto::cluster::TensorRecord {
         dtype: "f32".into(),
         shape: vec![4],
         bytes: 16,
@@ -708,7 +707,7 @@ async fn under_tls_only_what_a_member_sealed_counts_and_a_member_must_show_its_i
 /// The operator's CLI, sent to the same record by name, sends it none either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_root_daemon_at_a_members_unix_socket_learns_no_token() {
-    use ferry::proto::Request;
+    use ferry_proto::Request;
     let etcd = Etcd::start().await;
     let a = start_with(&["flex"]).await;
     let b = member_node_with(None, ClusterMembers::new(), Some("the-peer-token")).await;
@@ -721,8 +720,8 @@ async fn a_root_daemon_at_a_members_unix_socket_learns_no_token() {
     let (heard, mut hellos) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Ok((socket, _)) = daemon.accept().await {
-            let mut conn = ferry::io::Connection::new(
-                ferry::io::Stream::Unix(ferry::io::transport::UnixTransport::new(socket)),
+            let mut conn = ferry_io::Connection::new(
+                ferry_io::Stream::Unix(ferry_io::transport::UnixTransport::new(socket)),
                 Default::default(),
             );
             if let Ok(Some(Request::Hello(hello))) = conn.read_request().await {
@@ -736,12 +735,12 @@ async fn a_root_daemon_at_a_members_unix_socket_learns_no_token() {
         node_id: "id-daemon".into(),
         tcp: "192.0.2.1:1".into(),
         unix: Some(unix.clone()),
-        host: ferry::io::machine::name(),
+        host: ferry_io::machine::name(),
         devices: Vec::new(),
     };
     etcd.put(
-        &ferry::proto::cluster::member_key("daemon"),
-        &ferry::proto::cluster::encode(&record),
+        &ferry_proto::cluster::member_key("daemon"),
+        &ferry_proto::cluster::encode(&record),
     )
     .await;
     sees(&b, &unix, true).await;
@@ -799,13 +798,13 @@ async fn a_members_record_rewritten_by_an_etcd_writer_is_put_back_by_its_node() 
     eventually_async("a registered", Duration::from_secs(10), is_as).await;
     let mut d = Directory::connect(&cluster).await.unwrap();
     let b_record = d.resolve("b").await.unwrap();
-    let key = ferry::proto::cluster::member_key("a");
+    let key = ferry_proto::cluster::member_key("a");
     let hijacked = MemberRecord {
         name: "a".into(),
         ..b_record
     };
     for round in 0..3 {
-        etcd.put(&key, &ferry::proto::cluster::encode(&hijacked))
+        etcd.put(&key, &ferry_proto::cluster::encode(&hijacked))
             .await;
         eventually_async(
             &format!("a's record put back after the overwrite, round {round}"),
@@ -834,7 +833,7 @@ async fn a_members_record_rewritten_by_an_etcd_writer_is_put_back_by_its_node() 
 /// A TLS client of etcd that trusts `ca` and presents `holder`'s certificate (or none).
 fn trusting(
     ca: &std::path::Path,
-    holder: Option<&ferry::io::TlsFiles>,
+    holder: Option<&ferry_io::TlsFiles>,
 ) -> tokio_rustls::TlsConnector {
     let config = crate::tls::hand_built_client(ca, holder);
     tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
@@ -885,7 +884,7 @@ async fn a_cluster_on_etcd_over_tls_admits_only_certificates_of_the_cluster() {
     );
     // etcd's own refusals (`--client-cert-auth`): a client that trusts the cluster's CA but
     // presents no certificate, or one of another CA, reads nothing.
-    let endpoints = ferry::proto::cluster::endpoints(&cluster).unwrap();
+    let endpoints = ferry_proto::cluster::endpoints(&cluster).unwrap();
     let ca = pki.files("user").ca;
     let other = TestPki::new();
     other.client("user");
@@ -895,12 +894,9 @@ async fn a_cluster_on_etcd_over_tls_admits_only_certificates_of_the_cluster() {
     ] {
         let read = async {
             let connector = trusting(&ca, presented.as_ref());
-            let mut etcd = ferry::etcd::Etcd::connect_with(
-                &endpoints,
-                Duration::from_secs(2),
-                Some(connector),
-            )
-            .await?;
+            let mut etcd =
+                ferry_etcd::Etcd::connect_with(&endpoints, Duration::from_secs(2), Some(connector))
+                    .await?;
             etcd.get(b"/ferry/members/node-a").await
         };
         assert!(read.await.is_err(), "etcd answered a client with {what}");
@@ -908,7 +904,7 @@ async fn a_cluster_on_etcd_over_tls_admits_only_certificates_of_the_cluster() {
     // The same client with the cluster's certificate reads it.
     let connector = trusting(&ca, Some(&pki.files("user")));
     let mut etcd =
-        ferry::etcd::Etcd::connect_with(&endpoints, Duration::from_secs(2), Some(connector))
+        ferry_etcd::Etcd::connect_with(&endpoints, Duration::from_secs(2), Some(connector))
             .await
             .unwrap();
     assert_eq!(
@@ -942,9 +938,9 @@ async fn a_record_rewritten_without_end_is_put_back_a_bounded_number_of_times() 
         d.resolve("a").await.is_ok()
     };
     eventually_async("a registered", Duration::from_secs(10), registered).await;
-    let key = ferry::proto::cluster::member_key("a");
-    let endpoints = ferry::proto::cluster::endpoints(&cluster).unwrap();
-    let mut reader = ferry::etcd::Etcd::connect(&endpoints, Duration::from_secs(5))
+    let key = ferry_proto::cluster::member_key("a");
+    let endpoints = ferry_proto::cluster::endpoints(&cluster).unwrap();
+    let mut reader = ferry_etcd::Etcd::connect(&endpoints, Duration::from_secs(5))
         .await
         .unwrap();
     let from = reader.get(key.as_bytes()).await.unwrap().revision + 1;
@@ -955,10 +951,10 @@ async fn a_record_rewritten_without_end_is_put_back_a_bounded_number_of_times() 
         while let Ok(Ok(Some(batch))) =
             tokio::time::timeout(Duration::from_secs(1), watch.next()).await
         {
-            if let ferry::etcd::WatchBatch::Events(events) = batch {
+            if let ferry_etcd::WatchBatch::Events(events) = batch {
                 by_node += events
                     .iter()
-                    .filter(|e| e.kind == ferry::etcd::EventKind::Put && e.kv.lease != 0)
+                    .filter(|e| e.kind == ferry_etcd::EventKind::Put && e.kv.lease != 0)
                     .count();
             }
         }
@@ -974,8 +970,7 @@ async fn a_record_rewritten_without_end_is_put_back_a_bounded_number_of_times() 
     };
     let rewrites = 150;
     for _ in 0..rewrites {
-        etcd.put(&key, &ferry::proto::cluster::encode(&forged))
-            .await;
+        etcd.put(&key, &ferry_proto::cluster::encode(&forged)).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let by_node = counted.await.unwrap();
@@ -1070,7 +1065,7 @@ async fn only_the_node_ids_the_operator_lists_are_members() {
     joined_c.leave().await;
 }
 
-/// With etcd's auth on and ferry's roles (`ferry::client::etcd_roles`), a member writes its own
+/// With etcd's auth on and ferry's roles (`ferry_client::etcd_roles`), a member writes its own
 /// keys alone: an etcd writer holding one member's password can neither move another member
 /// nor place a tensor on it, a reader's password writes nothing, no password anything; the
 /// cluster works as without auth (members register and publish, a reader resolves and lists,
@@ -1078,7 +1073,7 @@ async fn only_the_node_ids_the_operator_lists_are_members() {
 /// refused at login, and a client whose token expired unused logs in again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_etcd_auth_on_a_member_writes_its_own_keys_alone() {
-    use ferry::etcd::{EtcdError, EtcdUser};
+    use ferry_etcd::{EtcdError, EtcdUser};
     let mut etcd = Etcd::start().await;
     etcd.enable_auth(&["a", "b"], &["ops"]).await;
     let (node_a, node_b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
@@ -1167,7 +1162,7 @@ async fn with_etcd_auth_on_a_member_writes_its_own_keys_alone() {
     );
     assert!(
         matches!(
-            ferry::etcd::Etcd::connect_as(
+            ferry_etcd::Etcd::connect_as(
                 &["http://192.0.2.1:2379".to_string()],
                 Duration::from_secs(5),
                 None,
@@ -1180,7 +1175,7 @@ async fn with_etcd_auth_on_a_member_writes_its_own_keys_alone() {
     );
     // A password goes to no endpoint in clear beyond loopback, not even one a call could
     // reconnect to.
-    let mut two = ferry::etcd::Etcd::connect(
+    let mut two = ferry_etcd::Etcd::connect(
         &[
             cluster.replace("etcd://", "http://"),
             "http://192.0.2.1:2379".to_string(),
@@ -1215,7 +1210,7 @@ async fn with_etcd_auth_on_a_member_writes_its_own_keys_alone() {
 /// password reads and writes nothing (etcd's roles decide what each may do).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_over_tls_with_auth_on_takes_each_member_s_password() {
-    use ferry::etcd::EtcdError;
+    use ferry_etcd::EtcdError;
     let pki = TestPki::new();
     let mut etcd = Etcd::start_tls_for_passwords(&pki).await;
     etcd.enable_auth(&["node-a"], &["ops"]).await;

@@ -16,13 +16,13 @@ mod checker;
 #[path = "concurrency/history.rs"]
 mod history;
 
-use ferry::proto::{IfExists, Transfer};
+use ferry_proto::{IfExists, Transfer};
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use ferry::client::{Client, ClientError, ErrorCode, NodeCopy};
-use ferry::testing::{TestNode, start_with};
+use ferry_client::{Client, ClientError, ErrorCode, NodeCopy};
+use ferry_testkit::{TestNode, start_with};
 use history::{Clock, Counts, Key, Op, OpKind, Outcome, count_into};
 
 /// Devices per node, and names per device: keys are (node, device, name).

@@ -4,18 +4,18 @@
 
 use std::time::Duration;
 
-use ferry::etcd::{Etcd, EtcdError, Event, EventKind, TxnOp, WatchBatch};
-use ferry::testing::Etcd as TestEtcd;
+use ferry_etcd::{Etcd, EtcdError, Event, EventKind, TxnOp, WatchBatch};
+use ferry_testkit::Etcd as TestEtcd;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
 async fn client(etcd: &TestEtcd) -> Etcd {
-    let endpoints = ferry::proto::cluster::endpoints(&etcd.cluster()).unwrap();
+    let endpoints = ferry_proto::cluster::endpoints(&etcd.cluster()).unwrap();
     Etcd::connect(&endpoints, TIMEOUT).await.unwrap()
 }
 
-fn pairs(range: &ferry::etcd::Range) -> Vec<(&[u8], &[u8])> {
+fn pairs(range: &ferry_etcd::Range) -> Vec<(&[u8], &[u8])> {
     range
         .kvs
         .iter()
@@ -24,7 +24,7 @@ fn pairs(range: &ferry::etcd::Range) -> Vec<(&[u8], &[u8])> {
 }
 
 /// The next batch of events, within a few seconds.
-async fn events(watch: &mut ferry::etcd::Watch) -> Vec<Event> {
+async fn events(watch: &mut ferry_etcd::Watch) -> Vec<Event> {
     match tokio::time::timeout(TIMEOUT, watch.next()).await {
         Ok(Ok(Some(WatchBatch::Events(events)))) => events,
         other => panic!("expected events, got {other:?}"),
@@ -179,7 +179,7 @@ async fn a_dead_first_endpoint_fails_over_and_none_answering_names_them_all() {
         l.local_addr().unwrap()
     };
     let mut endpoints = vec![format!("http://{dead}")];
-    endpoints.extend(ferry::proto::cluster::endpoints(&etcd.cluster()).unwrap());
+    endpoints.extend(ferry_proto::cluster::endpoints(&etcd.cluster()).unwrap());
     let mut c = Etcd::connect(&endpoints, TIMEOUT).await.unwrap();
     assert_eq!(c.endpoint(), endpoints[1]);
     c.put(b"k", b"v", None).await.unwrap();
@@ -248,7 +248,7 @@ async fn a_peer_that_is_not_etcd_gets_a_typed_error_never_a_panic_or_a_hang() {
             "too large",
             format!(
                 "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
-                ferry::etcd::MAX_ANSWER + 1
+                ferry_etcd::MAX_ANSWER + 1
             )
             .into_bytes(),
         ),
@@ -394,7 +394,7 @@ async fn an_endpoint_that_accepts_but_never_answers_is_left_for_the_next() {
     // The first endpoint takes connections and reads requests, and never answers.
     let mute = fake_etcd(Vec::new(), Duration::from_secs(30)).await;
     let mut endpoints = vec![mute.clone()];
-    endpoints.extend(ferry::proto::cluster::endpoints(&etcd.cluster()).unwrap());
+    endpoints.extend(ferry_proto::cluster::endpoints(&etcd.cluster()).unwrap());
     let mut c = Etcd::connect(&endpoints, Duration::from_millis(500))
         .await
         .unwrap();

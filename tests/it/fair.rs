@@ -7,13 +7,13 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry::client::ErrorCode;
-use ferry::proto::{
+use ferry_client::ErrorCode;
+use ferry_proto::{
     CapabilityToken, DType, ErrorReply, NodeId, Request, Response, TensorKey, WireDType, tensor,
 };
-use ferry::samples;
-use ferry::server::{NodeConfig, ServiceConfig, parse_token_file};
-use ferry::testing::{TestNode, start};
+use ferry_server::{NodeConfig, ServiceConfig, parse_token_file};
+use ferry_testkit::samples;
+use ferry_testkit::{TestNode, start};
 
 use crate::hostile::Raw;
 
@@ -29,7 +29,7 @@ async fn hello_from(node: SocketAddr, source: Ipv4Addr, token: &str) -> (Raw, Re
 async fn node_with_tokens(max_connections: usize) -> TestNode {
     start(
         NodeConfig {
-            devices: ferry::testing::devices(&["flex"]),
+            devices: ferry_testkit::devices(&["flex"]),
             ..NodeConfig::default()
         },
         ServiceConfig {
@@ -78,7 +78,7 @@ async fn one_token_from_many_loopback_addresses_leaves_slots_to_other_credential
     }
     // A slot the reader gives back is its own again.
     drop(held.pop());
-    ferry::testing::eventually_async(
+    ferry_testkit::eventually_async(
         "the reader connects again",
         Duration::from_secs(5),
         || async {

@@ -4,15 +4,15 @@
 //! copies between a CPU and a GPU device both ways; a node-to-node pull into a GPU device; and a
 //! GPU device that cannot open, refused at start with its name.
 
-use ferry::client::ErrorCode;
+use ferry_client::ErrorCode;
 use std::time::Duration;
 
-use ferry::proto::TensorKey;
-use ferry::proto::TransferPath;
-use ferry::samples;
-use ferry::server::{DeviceSpec, Node, NodeConfig};
-use ferry::testing::copy_keys;
-use ferry::testing::{assert_same, code_of, how, start_with};
+use ferry_proto::TensorKey;
+use ferry_proto::TransferPath;
+use ferry_server::{DeviceSpec, Node, NodeConfig};
+use ferry_testkit::copy_keys;
+use ferry_testkit::samples;
+use ferry_testkit::{assert_same, code_of, how, start_with};
 
 /// The matrix through `spec` (device 1, beside a flex device 0): put, get, and flex <-> GPU
 /// copies both ways. Returns how many samples the device held.
@@ -126,7 +126,7 @@ async fn a_node_pulls_into_a_gpu_device_from_another_node() {
     let target = start_with(&["gl:cpu"]).await;
     let mut src = source.client().await;
     let mut dst = target.client().await;
-    let data = samples::plain(ferry::proto::DType::F32, &[256, 1024], 3);
+    let data = samples::plain(ferry_proto::DType::F32, &[256, 1024], 3);
     src.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     let addr = source.addr.to_string();
     let keys = [TensorKey::new(0, "w")];
@@ -166,38 +166,38 @@ async fn a_node_pulls_into_a_gpu_device_from_another_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_device_stages_its_receives_through_the_pool_and_gives_each_buffer_back() {
     const MIB: usize = 1 << 20;
-    let pool = ferry::memory::Pool::reserve(8 * MIB).unwrap();
-    let node = ferry::testing::start(
+    let pool = ferry_memory::Pool::reserve(8 * MIB).unwrap();
+    let node = ferry_testkit::start(
         NodeConfig {
-            devices: ferry::testing::devices(&["gl:cpu"]),
-            receive_buffers: ferry::server::ReceiveBuffers::Pool(pool.clone()),
+            devices: ferry_testkit::devices(&["gl:cpu"]),
+            receive_buffers: ferry_server::ReceiveBuffers::Pool(pool.clone()),
             ..NodeConfig::light()
         },
-        ferry::server::ServiceConfig::default(),
+        ferry_server::ServiceConfig::default(),
     )
     .await;
     let source = start_with(&["flex"]).await;
     let mut client = node.client().await;
     let pool_is_whole = || async {
-        ferry::testing::eventually("the staging buffer back", Duration::from_secs(10), || {
+        ferry_testkit::eventually("the staging buffer back", Duration::from_secs(10), || {
             pool.free_bytes() == pool.capacity()
         })
         .await;
     };
     // 9 MiB: more than the pool holds, so fresh memory, counted.
-    let over = samples::plain(ferry::proto::DType::F32, &[9 * MIB / 4], 30);
+    let over = samples::plain(ferry_proto::DType::F32, &[9 * MIB / 4], 30);
     client.put(&TensorKey::new(0, "over"), &over).await.unwrap();
     assert_eq!(pool.misses(), 1, "a GPU receive draws from the pool");
     let mut sent = vec![(TensorKey::new(0, "over"), over)];
     for i in 0..3 {
         let key = TensorKey::new(0, format!("w{i}"));
-        let data = samples::plain(ferry::proto::DType::F32, &[6 * MIB / 4], 31 + i);
+        let data = samples::plain(ferry_proto::DType::F32, &[6 * MIB / 4], 31 + i);
         client.put(&key, &data).await.unwrap();
         pool_is_whole().await;
         sent.push((key, data));
     }
     // A pull (hashed as it arrives) stages the same way.
-    let pulled = samples::plain(ferry::proto::DType::BF16, &[3 * MIB], 40);
+    let pulled = samples::plain(ferry_proto::DType::BF16, &[3 * MIB], 40);
     let mut src = source.client().await;
     src.put(&TensorKey::new(0, "pulled"), &pulled)
         .await
@@ -238,12 +238,12 @@ async fn a_tensor_larger_than_the_adapters_largest_buffer_is_refused_before_byte
     assert_eq!(stats.devices[1].largest_tensor, Some(largest));
     assert_eq!(stats.devices[0].largest_tensor, None, "host memory");
     let elements = usize::try_from(largest / 4).unwrap();
-    let at_limit = samples::plain(ferry::proto::DType::F32, &[elements], 21);
-    let over = samples::plain(ferry::proto::DType::F32, &[elements + 1], 22);
+    let at_limit = samples::plain(ferry_proto::DType::F32, &[elements], 21);
+    let over = samples::plain(ferry_proto::DType::F32, &[elements + 1], 22);
     assert_eq!(at_limit.as_bytes().len() as u64, largest);
 
     let put = client.put(&TensorKey::new(1, "over"), &over).await;
-    let Err(ferry::client::ClientError::Node { code, message }) = put else {
+    let Err(ferry_client::ClientError::Node { code, message }) = put else {
         panic!("a tensor over the adapter's largest buffer was put: {put:?}");
     };
     assert_eq!(code, ErrorCode::LimitExceeded);
@@ -259,7 +259,7 @@ async fn a_tensor_larger_than_the_adapters_largest_buffer_is_refused_before_byte
     let keys = [TensorKey::new(0, "over")];
     let pulled = copy_keys(&mut src, &mut client, &keys, &how(&addr, 1)).await;
     let pulled = pulled.unwrap().into_iter().next().unwrap();
-    let Err(ferry::client::ClientError::Node { code, .. }) = pulled else {
+    let Err(ferry_client::ClientError::Node { code, .. }) = pulled else {
         panic!("a pull over the adapter's largest buffer: {pulled:?}");
     };
     assert_eq!(code, ErrorCode::LimitExceeded, "pull from another node");
@@ -308,7 +308,7 @@ fn a_gpu_device_that_is_not_there_is_refused_at_start_with_its_name() {
 async fn two_gpu_devices_move_tensors_natively() {
     let node = start_with(&["vulkan:cpu", "gl:cpu"]).await;
     let mut client = node.client().await;
-    let plain = samples::plain(ferry::proto::DType::F32, &[64, 33], 5);
+    let plain = samples::plain(ferry_proto::DType::F32, &[64, 33], 5);
     let scheme = samples::schemes()
         .into_iter()
         .find(|(label, _)| label == "Q8S-tensor-F32")
@@ -337,7 +337,7 @@ async fn two_gpu_devices_move_tensors_natively() {
     // What Burn's GPU backend does not store bit-exact is refused before any byte moves, with
     // what the probe saw (a native bool is stored as another dtype there).
     let bools = samples::plain(
-        ferry::proto::DType::Bool(ferry::proto::BoolStore::Native),
+        ferry_proto::DType::Bool(ferry_proto::BoolStore::Native),
         &[4, 4],
         7,
     );

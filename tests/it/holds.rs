@@ -10,12 +10,12 @@ use burn_backend::quantization::{
 use burn_backend::{Backend, BoolStore, DType};
 use burn_flex::{Flex, FlexDevice};
 use burn_ndarray::{NdArray, NdArrayDevice};
-use ferry::client::HeldProbe;
-use ferry::proto::TensorKey;
-use ferry::proto::{TensorData, dtype_name};
-use ferry::samples;
-use ferry::server::BackendKind;
-use ferry::server::Primitive;
+use ferry_client::HeldProbe;
+use ferry_proto::TensorKey;
+use ferry_proto::{TensorData, dtype_name};
+use ferry_server::BackendKind;
+use ferry_server::Primitive;
+use ferry_testkit::samples;
 
 /// Whether `device` gives `data` back exactly (a panic inside the backend counts as no).
 fn round_trips<B: Backend>(data: &TensorData, device: &B::Device) -> bool {
@@ -116,7 +116,7 @@ fn each_devices_measured_table_agrees_with_the_backend_and_the_old_hand_kept_tab
         .iter()
         .map(|s| dtype_name(&s.data.dtype()))
         .collect();
-    assert!(dtypes.len() >= ferry::proto::dtype::PLAIN_DTYPES.len());
+    assert!(dtypes.len() >= ferry_proto::dtype::PLAIN_DTYPES.len());
     // The probe measured every family it keys by, and each table says what it holds.
     // Flex holds every probe but a block scheme on a scalar, which Burn cannot quantize (there
     // is no probe tensor to make): 7 block families (5 block dtypes, 2 with a per-tensor level)
@@ -161,7 +161,7 @@ fn a_dtype_the_probe_never_measured_is_refused_with_its_reason() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_tells_what_each_device_measured_and_refuses_by_it() {
-    let node = ferry::testing::start_with(&["flex", "ndarray"]).await;
+    let node = ferry_testkit::start_with(&["flex", "ndarray"]).await;
     let mut client = node.client().await;
     let stats = client.stat().await.unwrap();
     for (device, kind) in [(0u32, BackendKind::Flex), (1, BackendKind::NdArray)] {
@@ -173,8 +173,8 @@ async fn a_node_tells_what_each_device_measured_and_refuses_by_it() {
                 dtype,
                 shape: shape.to_vec(),
                 refused: match held {
-                    ferry::server::holds::Held::Exact => None,
-                    ferry::server::holds::Held::Refused(why) => Some(why.clone()),
+                    ferry_server::holds::Held::Exact => None,
+                    ferry_server::holds::Held::Refused(why) => Some(why.clone()),
                 },
             })
             .collect();
@@ -201,8 +201,8 @@ async fn a_node_tells_what_each_device_measured_and_refuses_by_it() {
     assert!(client.list(None).await.unwrap().is_empty());
     // A device that is not there, as for every request naming one.
     assert_eq!(
-        ferry::testing::code_of(client.holds(7).await),
-        ferry::client::ErrorCode::BadRequest
+        ferry_testkit::code_of(client.holds(7).await),
+        ferry_client::ErrorCode::BadRequest
     );
     node.shutdown().await;
 }

@@ -1,21 +1,21 @@
 //! Bad input against a live node: each gets its typed error, the node stays up, a second client
 //! still puts and gets bit-exact, and nothing half-registered is left behind.
 
-use ferry::server::NodeLimits;
+use ferry_server::NodeLimits;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use ferry::client::{Client, ErrorCode};
-use ferry::proto::frame::{self, FrameKind};
-use ferry::proto::{
+use ferry_client::{Client, ErrorCode};
+use ferry_proto::frame::{self, FrameKind};
+use ferry_proto::{
     ContentHash, DType, ErrorReply, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request,
     Response, TensorData, TensorKey, Token, Transfer, WireDType, control, tensor,
 };
-use ferry::samples;
-use ferry::server::TENSOR_OVERHEAD;
-use ferry::server::{IfExists, NodeConfig, ServiceConfig};
-use ferry::testing::{TestNode, assert_same, eventually, start, start_with};
+use ferry_server::TENSOR_OVERHEAD;
+use ferry_server::{IfExists, NodeConfig, ServiceConfig};
+use ferry_testkit::samples;
+use ferry_testkit::{TestNode, assert_same, eventually, start, start_with};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -115,7 +115,7 @@ impl Raw {
     }
 }
 
-pub(crate) fn put_request(device: u32, name: &str, meta: ferry::proto::WireMeta) -> Vec<u8> {
+pub(crate) fn put_request(device: u32, name: &str, meta: ferry_proto::WireMeta) -> Vec<u8> {
     control::encode_request(&Request::Put {
         device,
         name: Some(name.into()),
@@ -129,7 +129,7 @@ pub(crate) fn put_request(device: u32, name: &str, meta: ferry::proto::WireMeta)
 async fn flex_node(service: ServiceConfig) -> TestNode {
     start(
         NodeConfig {
-            devices: ferry::testing::devices(&["flex"]),
+            devices: ferry_testkit::devices(&["flex"]),
             ..NodeConfig::light()
         },
         service,
@@ -348,7 +348,7 @@ async fn a_silent_peer_mid_frame_is_dropped_after_the_idle_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_token_is_refused_before_any_command_runs() {
     let node = flex_node(ServiceConfig {
-        credentials: vec![ferry::server::Credential::full("s3cret").unwrap()],
+        credentials: vec![ferry_server::Credential::full("s3cret").unwrap()],
         ..ServiceConfig::default()
     })
     .await;
@@ -365,7 +365,7 @@ async fn a_wrong_token_is_refused_before_any_command_runs() {
         let refused = Client::connect(node.addr)
             .token_if_any(token.map(Token::from))
             .await;
-        assert_eq!(ferry::testing::code_of(refused), ErrorCode::AuthRefused);
+        assert_eq!(ferry_testkit::code_of(refused), ErrorCode::AuthRefused);
     }
     let mut client = Client::connect(node.addr).token("s3cret").await.unwrap();
     let data = samples::plain(DType::U16, &[3, 5, 7], 4);
@@ -379,7 +379,7 @@ async fn a_wrong_token_is_refused_before_any_command_runs() {
 async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told() {
     let node = start(
         NodeConfig {
-            devices: ferry::testing::devices(&["flex"]),
+            devices: ferry_testkit::devices(&["flex"]),
             limits: NodeLimits {
                 max_tensor_bytes: 1024,
                 // 1500 bytes of payload beside one tensor's bookkeeping.
@@ -397,20 +397,20 @@ async fn limits_refuse_before_allocation_and_connections_over_the_limit_are_told
     let mut client = node.client().await;
     let big = samples::plain(DType::F32, &[300], 1);
     assert_eq!(
-        ferry::testing::code_of(client.put(&TensorKey::new(0, "big"), &big).await),
+        ferry_testkit::code_of(client.put(&TensorKey::new(0, "big"), &big).await),
         ErrorCode::LimitExceeded
     );
     let fits = samples::plain(DType::F32, &[200], 1);
     client.put(&TensorKey::new(0, "a"), &fits).await.unwrap();
     // 800 bytes held: another 800 (and its bookkeeping) would pass the budget.
     let over = client.put(&TensorKey::new(0, "b"), &fits).await;
-    assert_eq!(ferry::testing::code_of(over), ErrorCode::LimitExceeded);
+    assert_eq!(ferry_testkit::code_of(over), ErrorCode::LimitExceeded);
     client.delete(&TensorKey::new(0, "a")).await.unwrap();
     client.put(&TensorKey::new(0, "b"), &fits).await.unwrap();
 
     let _second = node.client().await;
     let third = Client::connect(node.addr).await;
-    assert_eq!(ferry::testing::code_of(third), ErrorCode::LimitExceeded);
+    assert_eq!(ferry_testkit::code_of(third), ErrorCode::LimitExceeded);
     // The accepted clients are not starved.
     let back = client.get(&TensorKey::new(0, "b")).await.unwrap();
     assert_same(&back, &fits, "under the limit");
@@ -525,7 +525,7 @@ async fn thousands_of_corrupted_frames_leave_the_node_serving_and_empty() {
     service.limits.idle_timeout = Duration::from_millis(200);
     let node = start(
         NodeConfig {
-            devices: ferry::testing::devices(&["flex", "flex"]),
+            devices: ferry_testkit::devices(&["flex", "flex"]),
             ..NodeConfig::light()
         },
         service,
@@ -606,7 +606,7 @@ async fn idle_connections_are_closed_so_they_cannot_hold_every_slot() {
     let _idle_a = node.client().await;
     let _idle_b = node.client().await;
     let refused = Client::connect(node.addr).await;
-    assert_eq!(ferry::testing::code_of(refused), ErrorCode::LimitExceeded);
+    assert_eq!(ferry_testkit::code_of(refused), ErrorCode::LimitExceeded);
     // The two idle ones are closed after the keepalive; their slots are free again.
     let deadline = Instant::now() + Duration::from_secs(10);
     let client = loop {
@@ -664,7 +664,7 @@ async fn many_clients_together_cannot_push_a_device_past_its_budget() {
     const BUDGET: u64 = 1 << 20;
     let node = start(
         NodeConfig {
-            devices: ferry::testing::devices(&["flex"]),
+            devices: ferry_testkit::devices(&["flex"]),
             limits: NodeLimits {
                 memory_limit: Some(BUDGET),
                 ..NodeLimits::default()
@@ -710,10 +710,10 @@ async fn many_clients_together_cannot_push_a_device_past_its_budget() {
 }
 
 /// Every field of a `Stats` answer set, so that one missing after a trip shows.
-fn full_stats(agent: &str) -> ferry::proto::NodeStats {
-    ferry::proto::NodeStats {
+fn full_stats(agent: &str) -> ferry_proto::NodeStats {
+    ferry_proto::NodeStats {
         agent: agent.into(),
-        devices: vec![ferry::proto::DeviceStats {
+        devices: vec![ferry_proto::DeviceStats {
             index: 3,
             backend: "flex".into(),
             device: "Cpu".into(),
@@ -750,12 +750,12 @@ async fn a_stat_answer_crosses_minors_both_ways() {
         let answer = sent.clone();
         let node = tokio::spawn(async move {
             let (socket, _) = listener.accept().await.unwrap();
-            let mut conn = ferry::io::Connection::new(socket, Default::default());
+            let mut conn = ferry_io::Connection::new(socket, Default::default());
             assert!(matches!(
                 conn.read_request().await.unwrap(),
                 Some(Request::Hello(_))
             ));
-            let welcome = Response::Welcome(ferry::proto::Welcome {
+            let welcome = Response::Welcome(ferry_proto::Welcome {
                 major: PROTOCOL_VERSION,
                 minor: older,
                 features: FEATURES.iter().map(|f| f.to_string()).collect(),
@@ -795,7 +795,7 @@ async fn a_stat_answer_crosses_minors_both_ways() {
     let real = start_with(&["flex"]).await;
     let older = PROTOCOL_MINOR - 1;
     let socket = TcpStream::connect(real.addr).await.unwrap();
-    let mut conn = ferry::io::Connection::new(socket, Default::default());
+    let mut conn = ferry_io::Connection::new(socket, Default::default());
     conn.write_request(&Request::Hello(Hello {
         major: PROTOCOL_VERSION,
         minor: older,
@@ -841,7 +841,7 @@ fn f32_mib(mib: usize, seed: u64) -> TensorData {
 async fn budget_node(specs: &[&str], limit: u64, service: ServiceConfig) -> TestNode {
     start(
         NodeConfig {
-            devices: ferry::testing::devices(specs),
+            devices: ferry_testkit::devices(specs),
             limits: NodeLimits {
                 memory_limit: Some(limit),
                 ..NodeLimits::default()
@@ -1041,7 +1041,7 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     // The tensor cap, with no byte budget at all.
     let node = start(
         NodeConfig {
-            devices: ferry::testing::devices(&["flex"]),
+            devices: ferry_testkit::devices(&["flex"]),
             limits: NodeLimits {
                 max_tensors: Some(10),
                 ..NodeLimits::default()
@@ -1069,12 +1069,12 @@ async fn a_budget_counts_each_tensor_and_max_tensors_caps_them() {
     let copy = client
         .copy(&TensorKey::new(0, "t0"), &TensorKey::new(0, "c"))
         .await;
-    assert_eq!(ferry::testing::code_of(copy), ErrorCode::LimitExceeded);
+    assert_eq!(ferry_testkit::code_of(copy), ErrorCode::LimitExceeded);
     // Refusals hold no slot: one delete lets exactly one put through.
     client.delete(&TensorKey::new(0, "t3")).await.unwrap();
     client.put(&TensorKey::new(0, "t10"), &data).await.unwrap();
     let again = client.put(&TensorKey::new(0, "t11"), &data).await;
-    assert_eq!(ferry::testing::code_of(again), ErrorCode::LimitExceeded);
+    assert_eq!(ferry_testkit::code_of(again), ErrorCode::LimitExceeded);
     let back = client.get(&TensorKey::new(0, "t10")).await.unwrap();
     assert_same(&back, &data, "the put after a delete");
     // At the cap, a tensor that replaces another takes its slot: overwrites and copies onto an
@@ -1130,7 +1130,7 @@ async fn a_trickling_upload_gives_its_reservation_back() {
     // Two such tensors do not fit: while the trickler holds its claim, an honest put is refused.
     let mut client = node.client().await;
     let refused = client.put(&TensorKey::new(0, "fast"), &data).await;
-    assert_eq!(ferry::testing::code_of(refused), ErrorCode::LimitExceeded);
+    assert_eq!(ferry_testkit::code_of(refused), ErrorCode::LimitExceeded);
 
     // 64 bytes every half second: within the idle timeout each time, far below the rate.
     let bytes = data.as_bytes();
@@ -1235,7 +1235,7 @@ async fn a_stalled_get_holds_its_bytes_in_the_budget_until_its_deadline() {
     assert_eq!(budget.memory_used(), SIZE + TENSOR_OVERHEAD);
     assert_eq!(client.stat().await.unwrap().devices[0].bytes_held, 0);
     let refused = client.put(&TensorKey::new(0, "u"), &other).await;
-    assert_eq!(ferry::testing::code_of(refused), ErrorCode::LimitExceeded);
+    assert_eq!(ferry_testkit::code_of(refused), ErrorCode::LimitExceeded);
 
     eventually(
         "the stalled send is dropped and gives its bytes back",
@@ -1304,7 +1304,7 @@ async fn an_ndarray_read_copy_is_counted() {
         .await
         .unwrap();
     assert_eq!(
-        ferry::testing::code_of(client.get(&small_key).await),
+        ferry_testkit::code_of(client.get(&small_key).await),
         ErrorCode::LimitExceeded
     );
     // Alone, it and its copy fit.
@@ -1385,7 +1385,7 @@ async fn a_pull_told_busy_by_a_source_whose_share_of_copies_is_taken_tries_again
     service.limits.min_rate = 1;
     let source = budget_node(&["ndarray"], 160 * MIB, service).await;
     let mut config = NodeConfig {
-        devices: ferry::testing::devices(&["flex"]),
+        devices: ferry_testkit::devices(&["flex"]),
         ..NodeConfig::light()
     };
     // Up to 50 + 100 + ... + 1600 ms of waiting between fetches.
@@ -1407,8 +1407,8 @@ async fn a_pull_told_busy_by_a_source_whose_share_of_copies_is_taken_tries_again
 
     let mut dst = target.client().await;
     let addr = source.addr.to_string();
-    let how = ferry::testing::how(&addr, 0);
-    let copy = ferry::testing::copy_keys(&mut src, &mut dst, std::slice::from_ref(&key), &how);
+    let how = ferry_testkit::how(&addr, 0);
+    let copy = ferry_testkit::copy_keys(&mut src, &mut dst, std::slice::from_ref(&key), &how);
     let readers_go = async {
         tokio::time::sleep(Duration::from_millis(400)).await;
         assert!(
@@ -1420,7 +1420,7 @@ async fn a_pull_told_busy_by_a_source_whose_share_of_copies_is_taken_tries_again
     let (copied, ()) = tokio::join!(copy, readers_go);
     let stored = copied.unwrap().into_iter().next().unwrap();
     let stored = stored.unwrap_or_else(|e| panic!("the pull gave up on a busy source: {e}"));
-    assert_eq!(stored.path, ferry::proto::TransferPath::Pull);
+    assert_eq!(stored.path, ferry_proto::TransferPath::Pull);
     assert_same(
         &dst.get(&stored.key).await.unwrap(),
         &data,

@@ -3,8 +3,8 @@
 //! randomized histories of racing clients).
 //!
 //! One binary rather than one per file: each links Burn, and linking dominated a cold build.
-//! Run one module with `cargo test -p ferry --test it MODULE::` (e.g. `hostile::`). Tests of the
-//! `ferry-server` and `ferry` binaries live with the packages that own them (`server/cli`,
+//! Run one module with `cargo test -p ferry-suite --test it MODULE::` (e.g. `hostile::`). Tests of
+//! the `ferry-server` and `ferry` binaries live with the packages that own them (`server/cli`,
 //! `client/cli`).
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]

@@ -6,11 +6,11 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ferry::proto::message::PathsDigest;
-use ferry::proto::{DType, TensorData, TensorKey};
-use ferry::samples;
-use ferry::server::{IfExists, ModelError, Node, NodeError, Replace};
-use ferry::testing::{assert_same, start_with};
+use ferry_proto::message::PathsDigest;
+use ferry_proto::{DType, TensorData, TensorKey};
+use ferry_server::{IfExists, ModelError, Node, NodeError, Replace};
+use ferry_testkit::samples;
+use ferry_testkit::{assert_same, start_with};
 
 /// The tensors of a collect numbered `n`: two to four of them, sized and filled by `n`, so that
 /// any tensor read tells which collect wrote it.
@@ -296,9 +296,9 @@ async fn a_model_goes_over_the_wire_whole() {
         let (info, data) = reader.get_with_info(&key).await.unwrap();
         assert_same(&data, &sample.data, &sample.name);
         assert_eq!(info.bytes, entry.meta.byte_len, "{}", sample.name);
-        let meta = ferry::proto::tensor::meta_of(&data).unwrap();
+        let meta = ferry_proto::tensor::meta_of(&data).unwrap();
         assert_eq!(
-            ferry::proto::tensor::content_hash(&meta, data.as_bytes()),
+            ferry_proto::tensor::content_hash(&meta, data.as_bytes()),
             entry.content_hash,
             "{}",
             sample.name
@@ -312,8 +312,8 @@ async fn a_model_goes_over_the_wire_whole() {
 
     let refused = collector.begin_model(0, "net", false).await.unwrap_err();
     assert_eq!(
-        ferry::testing::code_of::<()>(Err(refused)),
-        ferry::client::ErrorCode::AlreadyExists
+        ferry_testkit::code_of::<()>(Err(refused)),
+        ferry_client::ErrorCode::AlreadyExists
     );
 
     // A collector gone before its commit: what it put goes, the model stays as committed.
@@ -369,7 +369,7 @@ async fn over_the_wire_every_apply_reads_one_whole_version() {
                         }
                         if give_up == 1 && i == 0 {
                             // Hangs up: a new connection goes on.
-                            client = ferry::client::Client::connect(addr).open().await.unwrap();
+                            client = ferry_client::Client::connect(addr).open().await.unwrap();
                             break;
                         }
                     }
@@ -381,7 +381,7 @@ async fn over_the_wire_every_apply_reads_one_whole_version() {
                             .await
                         {
                             Ok(_) => {}
-                            Err(e) if e.code() == Some(ferry::client::ErrorCode::Changed) => {}
+                            Err(e) if e.code() == Some(ferry_client::ErrorCode::Changed) => {}
                             Err(e) => panic!("commit {n}: {e}"),
                         }
                     }
@@ -458,7 +458,7 @@ async fn a_client_waits_for_the_next_version() {
 
 /// Puts collect `n` as a new version of `prefix` on `client`'s node over the wire, committed.
 async fn collect_over(
-    client: &mut ferry::client::Client,
+    client: &mut ferry_client::Client,
     prefix: &str,
     tensors: &[(String, TensorData)],
     replace: bool,
@@ -483,8 +483,8 @@ async fn collect_over(
 /// was; a move deletes the source's model once the target committed its copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_copies_between_nodes_whole_or_not_at_all() {
-    use ferry::client::{ClientError, ModelCopy};
-    use ferry::proto::Transfer;
+    use ferry_client::{ClientError, ModelCopy};
+    use ferry_proto::Transfer;
     let (a, b) = (
         start_with(&["flex"]).await,
         start_with(&["flex", "ndarray"]).await,
@@ -515,7 +515,7 @@ async fn a_model_copies_between_nodes_whole_or_not_at_all() {
         .await;
     assert_eq!(
         refused.unwrap_err().code(),
-        Some(ferry::client::ErrorCode::AlreadyExists)
+        Some(ferry_client::ErrorCode::AlreadyExists)
     );
     let again = ModelCopy::new(a.addr.to_string(), 0, "net")
         .replace(true)
@@ -571,7 +571,7 @@ async fn a_model_copies_between_nodes_whole_or_not_at_all() {
 /// hashed after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_into_a_model_version_is_hashed_as_it_arrives() {
-    use ferry::server::HashState;
+    use ferry_server::HashState;
     let node = start_with(&["flex"]).await;
     let mut client = node.client().await;
     let data = samples::plain(DType::F32, &[1024, 1024], 4);
@@ -579,8 +579,8 @@ async fn a_put_into_a_model_version_is_hashed_as_it_arrives() {
     let key = TensorKey::new(0, format!("hashed/.v{version}/w"));
     client.put(&key, &data).await.unwrap();
     let desc = node.node.describe(&key).await.unwrap();
-    let meta = ferry::proto::tensor::meta_of(&data).unwrap();
-    let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
+    let meta = ferry_proto::tensor::meta_of(&data).unwrap();
+    let truth = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
     assert_eq!(desc.content_hash, HashState::Verified(truth));
     node.shutdown().await;
 }

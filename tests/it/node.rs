@@ -1,12 +1,12 @@
 //! A real node on loopback: every dtype and quantization scheme through put, copy (each path
 //! forced), move and get, bit-exact; Flex to NdArray and back; 16 concurrent clients.
 
-use ferry::client::ErrorCode;
-use ferry::proto::{DType, TensorKey, dtype_name};
-use ferry::proto::{Transfer, TransferPath};
-use ferry::samples;
-use ferry::server::{BackendKind, IfExists, NodeConfig, ServiceConfig, TransferPolicy};
-use ferry::testing::{assert_same, code_of, devices, start, start_with};
+use ferry_client::ErrorCode;
+use ferry_proto::{DType, TensorKey, dtype_name};
+use ferry_proto::{Transfer, TransferPath};
+use ferry_server::{BackendKind, IfExists, NodeConfig, ServiceConfig, TransferPolicy};
+use ferry_testkit::samples;
+use ferry_testkit::{assert_same, code_of, devices, start, start_with};
 
 async fn copy_matrix(policy: TransferPolicy, expected_path: TransferPath) {
     let node = start(
@@ -131,7 +131,7 @@ async fn flex_to_ndarray_round_trips_what_ndarray_holds_and_refuses_the_rest_cle
             client.delete(&home.key).await.unwrap();
             held += 1;
         } else {
-            let Err(ferry::client::ClientError::Node { code, message }) = result else {
+            let Err(ferry_client::ClientError::Node { code, message }) = result else {
                 panic!("{}: expected a refusal, got {result:?}", sample.name);
             };
             assert_eq!(code, ErrorCode::UnsupportedDType, "{}", sample.name);
@@ -222,7 +222,7 @@ async fn sixteen_clients_fifty_mixed_operations_each() {
     let mut tasks = Vec::new();
     for c in 0..16u64 {
         tasks.push(tokio::spawn(async move {
-            let mut client = ferry::client::Client::connect(addr).await.unwrap();
+            let mut client = ferry_client::Client::connect(addr).await.unwrap();
             let mut model = std::collections::BTreeMap::new();
             let dtypes = [DType::F32, DType::I64, DType::U8, DType::BF16];
             for op in 0..50u64 {
@@ -346,7 +346,7 @@ async fn a_waiter_hears_of_its_tensor_however_it_arrives_and_never_misses_one() 
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let node = start_with(&["flex", "flex"]).await;
     let dtypes = [DType::F32, DType::BF16, DType::I8, DType::U16];
-    let arrivals: Vec<(TensorKey, ferry::proto::TensorData)> = (0..32)
+    let arrivals: Vec<(TensorKey, ferry_proto::TensorData)> = (0..32)
         .map(|i| {
             let key = TensorKey::new(i % 2, format!("arrival-{i}"));
             let data = samples::plain(dtypes[i as usize % 4], &[1 + i as usize % 5, 7], i.into());
@@ -421,7 +421,7 @@ async fn a_waiter_hears_of_its_tensor_however_it_arrives_and_never_misses_one() 
     .await;
     assert!(waited.is_err(), "answered for a key nothing was put under");
     match node.node.wait_for(&TensorKey::new(9, "x")).await {
-        Err(ferry::server::NodeError::NoSuchDevice { index: 9, count: 2 }) => {}
+        Err(ferry_server::NodeError::NoSuchDevice { index: 9, count: 2 }) => {}
         other => panic!("a device the node lacks: {other:?}"),
     }
     node.shutdown().await;

@@ -2,21 +2,21 @@
 //! dedup, moves, capability misuse, and faults injected by a proxy (a source that dies or
 //! drops, a flipped byte, a target that goes away).
 
-use ferry::proto::{ContentHash, IfExists, NodeId, Transfer, TransferPath};
-use ferry::server::{NodeLimits, PullConfig};
-use ferry::testing::copy_keys;
+use ferry_proto::{ContentHash, IfExists, NodeId, Transfer, TransferPath};
+use ferry_server::{NodeLimits, PullConfig};
+use ferry_testkit::copy_keys;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 
-use ferry::client::{Client, ErrorCode, IssuedCapability};
-use ferry::io::RegionUse;
-use ferry::proto::{DType, TensorData, TensorKey};
-use ferry::samples;
-use ferry::server::{NodeConfig, Peer, PeerPolicy, ServiceConfig};
-use ferry::testing::{
+use ferry_client::{Client, ErrorCode, IssuedCapability};
+use ferry_io::RegionUse;
+use ferry_proto::{DType, TensorData, TensorKey};
+use ferry_server::{NodeConfig, Peer, PeerPolicy, ServiceConfig};
+use ferry_testkit::samples;
+use ferry_testkit::{
     Fault, TestNode, assert_same, code_of, copy_one, devices, hashes_verified, how, on_device,
     proxy, source_code_of, source_connection, start, start_with,
 };
@@ -289,7 +289,7 @@ async fn pull_big(
     b: &TestNode,
     a: &TestNode,
     via: &str,
-) -> Result<ferry::proto::TensorInfo, ferry::client::ClientError> {
+) -> Result<ferry_proto::TensorInfo, ferry_client::ClientError> {
     let mut source = a.client().await;
     let mut target = b.client().await;
     let answers = copy_keys(
@@ -465,7 +465,7 @@ async fn pull_claiming(
     key: &TensorKey,
     dst: &TensorKey,
     hash: ContentHash,
-) -> Result<ferry::proto::TensorInfo, ferry::client::ClientError> {
+) -> Result<ferry_proto::TensorInfo, ferry_client::ClientError> {
     let audience = target.identify().await.unwrap();
     let mut grant = source.grant(key, &audience).await.unwrap();
     grant.content_hash = hash;
@@ -484,14 +484,14 @@ async fn pull_claiming(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_false_hash_relayed_through_shared_memory_is_replaced_by_the_computed_one_and_never_answers_dedup()
  {
-    use ferry::server::HashState;
-    let _serial = ferry::testing::REGIONS.lock().await;
+    use ferry_server::HashState;
+    let _serial = ferry_testkit::REGIONS.lock().await;
     let unix_node = async |specs: &[&str]| {
         let config = NodeConfig {
             devices: devices(specs),
             ..NodeConfig::light()
         };
-        ferry::testing::start_unix(config, ServiceConfig::default()).await
+        ferry_testkit::start_unix(config, ServiceConfig::default()).await
     };
     let a = unix_node(&["flex"]).await;
     let b = unix_node(&["flex", "ndarray"]).await;
@@ -568,8 +568,8 @@ async fn a_false_hash_relayed_through_shared_memory_is_replaced_by_the_computed_
 
 /// The content hash of `data` as nodes state it.
 fn hash_of(data: &TensorData) -> ContentHash {
-    let meta = ferry::proto::tensor::meta_of(data).unwrap();
-    ferry::proto::tensor::content_hash(&meta, data.as_bytes())
+    let meta = ferry_proto::tensor::meta_of(data).unwrap();
+    ferry_proto::tensor::content_hash(&meta, data.as_bytes())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -698,9 +698,9 @@ async fn a_grant_states_only_a_verified_hash_after_a_false_statement_through_sha
         devices: devices(&["flex"]),
         ..NodeConfig::light()
     };
-    let _serial = ferry::testing::REGIONS.lock().await;
-    let a = ferry::testing::start_unix(config(), ServiceConfig::default()).await;
-    let b = ferry::testing::start_unix(config(), ServiceConfig::default()).await;
+    let _serial = ferry_testkit::REGIONS.lock().await;
+    let a = ferry_testkit::start_unix(config(), ServiceConfig::default()).await;
+    let b = ferry_testkit::start_unix(config(), ServiceConfig::default()).await;
     let c = start_with(&["flex"]).await;
     let a_unix = a.unix.clone().unwrap();
     let mut source = Client::connect(a_unix.as_str()).await.unwrap();
@@ -828,7 +828,7 @@ async fn a_move_racing_an_overwrite_keeps_the_newer_version() {
         .unwrap();
         match answers.into_iter().next().unwrap() {
             Ok(_) => moved += 1,
-            Err(ferry::client::ClientError::SourceChanged { .. }) => changed += 1,
+            Err(ferry_client::ClientError::SourceChanged { .. }) => changed += 1,
             Err(e) if e.code() == Some(ErrorCode::NotFound) => {}
             Err(e) if e.code() == Some(ErrorCode::CapabilityRefused) => {}
             Err(e) => panic!("move failed: {e}"),
@@ -863,22 +863,22 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_re
     // fetcher releases it: its only chunk may have been lost in flight.
     let mut fetcher = source_connection(&a).await;
     let fetch = fetcher.fetch(&grant.token, &b_id, 0).await.unwrap();
-    let mut assembler = ferry::io::TensorAssembler::new(
+    let mut assembler = ferry_io::TensorAssembler::new(
         fetch.meta.clone(),
         u64::MAX,
-        ferry::io::BufferFrom::Fresh,
-        ferry::io::HashUse::Skip,
+        ferry_io::BufferFrom::Fresh,
+        ferry_io::HashUse::Skip,
     )
     .unwrap();
     fetch.payload(&mut assembler, RegionUse::Map).await.unwrap();
     assert_same(&assembler.finish().unwrap().data, &data, "fetched");
     let mut other = source_connection(&a).await;
     let fetch = other.fetch(&grant.token, &b_id, 0).await.unwrap();
-    let mut again = ferry::io::TensorAssembler::new(
+    let mut again = ferry_io::TensorAssembler::new(
         fetch.meta.clone(),
         u64::MAX,
-        ferry::io::BufferFrom::Fresh,
-        ferry::io::HashUse::Skip,
+        ferry_io::BufferFrom::Fresh,
+        ferry_io::HashUse::Skip,
     )
     .unwrap();
     fetch.payload(&mut again, RegionUse::Map).await.unwrap();
@@ -886,11 +886,11 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_re
 
     // A resume (a later offset) by the audience is served.
     let fetch = other.fetch(&grant.token, &b_id, 1024).await.unwrap();
-    let mut tail = ferry::io::TensorAssembler::new(
+    let mut tail = ferry_io::TensorAssembler::new(
         fetch.meta.clone(),
         u64::MAX,
-        ferry::io::BufferFrom::Fresh,
-        ferry::io::HashUse::Skip,
+        ferry_io::BufferFrom::Fresh,
+        ferry_io::HashUse::Skip,
     )
     .unwrap();
     tail.accept(0, &data.as_bytes()[..1024]).unwrap();
@@ -900,11 +900,11 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_re
     // But not again and again: 16 fetches in all (3 so far), then refused.
     for _ in 3..16 {
         let fetch = other.fetch(&grant.token, &b_id, 0).await.unwrap();
-        let mut whole = ferry::io::TensorAssembler::new(
+        let mut whole = ferry_io::TensorAssembler::new(
             fetch.meta.clone(),
             u64::MAX,
-            ferry::io::BufferFrom::Fresh,
-            ferry::io::HashUse::Skip,
+            ferry_io::BufferFrom::Fresh,
+            ferry_io::HashUse::Skip,
         )
         .unwrap();
         fetch.payload(&mut whole, RegionUse::Map).await.unwrap();
@@ -917,11 +917,11 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_only_its_fetcher_re
     );
     let grant = source.grant(&key, &b_id).await.unwrap();
     let fetch = other.fetch(&grant.token, &b_id, 0).await.unwrap();
-    let mut fresh = ferry::io::TensorAssembler::new(
+    let mut fresh = ferry_io::TensorAssembler::new(
         fetch.meta.clone(),
         u64::MAX,
-        ferry::io::BufferFrom::Fresh,
-        ferry::io::HashUse::Skip,
+        ferry_io::BufferFrom::Fresh,
+        ferry_io::HashUse::Skip,
     )
     .unwrap();
     fetch.payload(&mut fresh, RegionUse::Map).await.unwrap();
@@ -1034,11 +1034,11 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_ends_with_its_clien
         let offset = if served == 0 { 0 } else { 4 };
         match fetcher.fetch(&grant.token, audience, offset).await {
             Ok(fetch) => {
-                let mut assembler = ferry::io::TensorAssembler::new(
+                let mut assembler = ferry_io::TensorAssembler::new(
                     fetch.meta.clone(),
                     u64::MAX,
-                    ferry::io::BufferFrom::Fresh,
-                    ferry::io::HashUse::Skip,
+                    ferry_io::BufferFrom::Fresh,
+                    ferry_io::HashUse::Skip,
                 )
                 .unwrap();
                 if offset > 0 {
@@ -1060,11 +1060,11 @@ async fn a_capability_serves_a_bounded_number_of_fetches_and_ends_with_its_clien
     // A capability ends with the connection that asked for it, fetched or not.
     let grant = granter.grant(&key, audience).await.unwrap();
     let fetch = fetcher.fetch(&grant.token, audience, 0).await.unwrap();
-    let mut assembler = ferry::io::TensorAssembler::new(
+    let mut assembler = ferry_io::TensorAssembler::new(
         fetch.meta.clone(),
         u64::MAX,
-        ferry::io::BufferFrom::Fresh,
-        ferry::io::HashUse::Skip,
+        ferry_io::BufferFrom::Fresh,
+        ferry_io::HashUse::Skip,
     )
     .unwrap();
     fetch.payload(&mut assembler, RegionUse::Map).await.unwrap();
@@ -1184,7 +1184,7 @@ async fn a_failed_pull_tells_the_client_nothing_about_what_answered_there() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
-    use ferry::server::parse_token_file;
+    use ferry_server::parse_token_file;
     let service = || ServiceConfig {
         credentials: parse_token_file("read,write client-token\npeer node-token\n").unwrap(),
         ..ServiceConfig::default()
@@ -1250,7 +1250,7 @@ async fn a_client_with_read_and_write_scopes_copies_and_moves_between_nodes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_chose() {
     let service = || ServiceConfig {
-        credentials: vec![ferry::server::Credential::full("shared").unwrap()],
+        credentials: vec![ferry_server::Credential::full("shared").unwrap()],
         ..ServiceConfig::default()
     };
     let a = start(
@@ -1297,7 +1297,7 @@ async fn a_peer_token_goes_only_to_listed_peers_never_to_an_address_a_client_cho
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_is_answered_before_its_hash_where_the_device_lends_its_bytes() {
-    use ferry::server::HashState;
+    use ferry_server::HashState;
     // Flex lends its registered bytes, so the hash is computed after the answer; NdArray cannot,
     // so its chunks are hashed as they arrive, and the tensor is registered with the hash.
     // Either way a grant right after the put waits for it and states the truth.
@@ -1307,8 +1307,8 @@ async fn a_put_is_answered_before_its_hash_where_the_device_lends_its_bytes() {
     let b_id = b.client().await.identify().await.unwrap();
     for device in [0u32, 1] {
         let data = samples::plain(DType::F32, &[2048, 2048], 40 + u64::from(device));
-        let meta = ferry::proto::tensor::meta_of(&data).unwrap();
-        let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
+        let meta = ferry_proto::tensor::meta_of(&data).unwrap();
+        let truth = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
         client
             .put(&TensorKey::new(device, "w"), &data)
             .await

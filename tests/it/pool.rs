@@ -4,19 +4,19 @@
 //! memory, counted as a miss; racing clients on a pool too small for them read only what they
 //! wrote (seeded: `FERRY_POOL_SEED`).
 
-use ferry::proto::{IfExists, TransferPath};
-use ferry::server::PullConfig;
-use ferry::testing::copy_keys;
+use ferry_proto::{IfExists, TransferPath};
+use ferry_server::PullConfig;
+use ferry_testkit::copy_keys;
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 
-use ferry::client::ErrorCode;
-use ferry::memory::Pool;
-use ferry::proto::{DType, Response, TensorData, TensorKey, frame, tensor};
-use ferry::samples;
-use ferry::server::{NodeConfig, ReceiveBuffers, ServiceConfig};
-use ferry::testing::{
+use ferry_client::ErrorCode;
+use ferry_memory::Pool;
+use ferry_proto::{DType, Response, TensorData, TensorKey, frame, tensor};
+use ferry_server::{NodeConfig, ReceiveBuffers, ServiceConfig};
+use ferry_testkit::samples;
+use ferry_testkit::{
     Fault, TestNode, assert_same, devices, eventually, how, on_device, proxy, start, start_with,
 };
 
@@ -48,7 +48,7 @@ async fn pool_is_whole(pool: &Pool, what: &str) {
 }
 
 /// Deletes every tensor `client`'s node holds.
-async fn delete_all(client: &mut ferry::client::Client) {
+async fn delete_all(client: &mut ferry_client::Client) {
     for info in client.list(None).await.unwrap() {
         client.delete(&info.key).await.unwrap();
     }
@@ -246,7 +246,7 @@ async fn racing_clients_on_a_pool_smaller_than_their_tensors_read_only_what_they
         let addr = node.addr;
         tokio::spawn(async move {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ c);
-            let mut client = ferry::client::Client::connect(addr).await.unwrap();
+            let mut client = ferry_client::Client::connect(addr).await.unwrap();
             // Each client has its own keys, so that what a get must hold is known exactly.
             let mut held: Vec<Option<TensorData>> = vec![None; 3];
             for step in 0..40u64 {
@@ -306,12 +306,12 @@ async fn racing_clients_on_a_pool_smaller_than_their_tensors_read_only_what_they
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
     const LIMIT: usize = 64 * MIB;
-    let readiness = ferry::memory::pool::Readiness {
+    let readiness = ferry_memory::pool::Readiness {
         idle: 48 * MIB,
         ahead: 8 * MIB,
         idle_after: Duration::from_secs(600),
-        touching: ferry::memory::pool::Touching::AlongsideOthers,
-        at_start: ferry::memory::pool::AtStart::IDLE,
+        touching: ferry_memory::pool::Touching::AlongsideOthers,
+        at_start: ferry_memory::pool::AtStart::IDLE,
     };
     // Room for the pool to make its idle amount ready again beside the tensor, but for the bound.
     let pool = Pool::elastic(2 * LIMIT, readiness).unwrap();
@@ -319,9 +319,9 @@ async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
         NodeConfig {
             devices: devices(&["flex"]),
             receive_buffers: ReceiveBuffers::Pool(pool.clone()),
-            limits: ferry::server::NodeLimits {
+            limits: ferry_server::NodeLimits {
                 memory_limit: Some(LIMIT as u64),
-                ..ferry::server::NodeLimits::default()
+                ..ferry_server::NodeLimits::default()
             },
             ..NodeConfig::light()
         },
@@ -337,8 +337,8 @@ async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
     let data = samples::plain(DType::F32, &[40 * MIB / 4], 50);
     client.put(&key, &data).await.unwrap();
     // The budget's room, up to a whole granule of the pool.
-    let room = (LIMIT - 40 * MIB - ferry::server::TENSOR_OVERHEAD as usize)
-        .next_multiple_of(ferry::memory::pool::GRANULE);
+    let room = (LIMIT - 40 * MIB - ferry_server::TENSOR_OVERHEAD as usize)
+        .next_multiple_of(ferry_memory::pool::GRANULE);
     eventually("ready within the room", Duration::from_secs(10), || {
         pool.ready_bytes() <= room
     })
@@ -364,15 +364,15 @@ async fn the_pool_keeps_no_more_ready_than_the_device_budget_has_room_for() {
 /// tensor is held bit-exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_tensor_too_small_for_the_pool_ends_its_start_amount() {
-    let readiness = ferry::memory::pool::Readiness {
+    let readiness = ferry_memory::pool::Readiness {
         idle: 8 * MIB,
         ahead: 8 * MIB,
         idle_after: Duration::from_millis(300),
-        touching: ferry::memory::pool::Touching::AlongsideOthers,
-        at_start: ferry::memory::pool::AtStart {
+        touching: ferry_memory::pool::Touching::AlongsideOthers,
+        at_start: ferry_memory::pool::AtStart {
             bytes: 48 * MIB,
             kept_for: Duration::from_secs(600),
-            spare: ferry::memory::pool::SpareCheck::Unchecked,
+            spare: ferry_memory::pool::SpareCheck::Unchecked,
         },
     };
     let pool = Pool::elastic(128 * MIB, readiness).unwrap();

@@ -11,11 +11,11 @@
 use std::os::fd::AsFd;
 use std::process::Command;
 
-use ferry::client::{Client, ClientError};
-use ferry::proto::{DType, TensorKey};
-use ferry::samples;
-use ferry::testing::TestPki;
+use ferry_client::{Client, ClientError};
+use ferry_proto::{DType, TensorKey};
 use ferry_server::{BindError, Missing, ProcessTuning, ReceiveBuffers, Server, StartError};
+use ferry_testkit::TestPki;
+use ferry_testkit::samples;
 
 /// The node's host address, and the client host's.
 const NODE_IP: &str = "10.233.0.1";

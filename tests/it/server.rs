@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use ferry::testing::TestPki;
 use ferry_server::{
     BindError, Missing, Node, NodeConfig, PeerToken, ProcessTuning, ReadyMemory, ReceiveBuffers,
     Server, ServerBuilder, Service, ServiceConfig, StartError,
 };
+use ferry_testkit::TestPki;
 
 /// A builder as a test uses it: the process's allocator left alone (the test harness shares
 /// the process), a free port.
@@ -55,7 +55,7 @@ async fn an_embedded_server_keeps_receive_memory_ready_as_ferry_server_does() {
     // And `stat` says so to a client.
     let addr = server.local_addr().unwrap();
     tokio::spawn(server.run(std::future::pending()));
-    let mut client = ferry::client::Client::connect(addr).await.unwrap();
+    let mut client = ferry_client::Client::connect(addr).await.unwrap();
     let stats = client.stat().await.unwrap();
     assert!(stats.pool_bytes >= 8 << 20, "{stats:?}");
 }

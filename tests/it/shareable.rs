@@ -3,16 +3,16 @@
 //! and goes on to a same-host peer as that very region, with no copy; every dtype and scheme
 //! bit-exact; no region outlives its tensors, a put cut halfway included.
 
-use ferry::proto::TransferPath;
-use ferry::testing::copy_keys;
+use ferry_proto::TransferPath;
+use ferry_testkit::copy_keys;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use ferry::client::Client;
-use ferry::proto::{DType, TensorData, TensorKey};
-use ferry::samples;
-use ferry::server::{NodeConfig, ReceiveBuffers, ServiceConfig};
-use ferry::testing::{
+use ferry_client::Client;
+use ferry_proto::{DType, TensorData, TensorKey};
+use ferry_server::{NodeConfig, ReceiveBuffers, ServiceConfig};
+use ferry_testkit::samples;
+use ferry_testkit::{
     REGIONS, TestNode, assert_same, devices, eventually, how, on_device, start_unix, start_with,
 };
 
@@ -39,7 +39,7 @@ async fn plain_unix_node() -> TestNode {
 fn region_inodes() -> BTreeSet<u64> {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
     maps.lines()
-        .filter(|l| l.contains(&format!("memfd:{}", ferry::memory::region::REGION_NAME)))
+        .filter(|l| l.contains(&format!("memfd:{}", ferry_memory::region::REGION_NAME)))
         .filter_map(|l| l.split_whitespace().nth(4)?.parse().ok())
         .collect()
 }
@@ -59,7 +59,7 @@ fn writable_mappings_of(inode: u64) -> usize {
 async fn no_region_left(what: &str) {
     let pid = std::process::id();
     eventually(what, Duration::from_secs(10), || {
-        ferry::memory::region::count_regions(pid).unwrap() == (0, 0)
+        ferry_memory::region::count_regions(pid).unwrap() == (0, 0)
     })
     .await;
 }
@@ -67,7 +67,7 @@ async fn no_region_left(what: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tensor_put_over_tcp_goes_on_to_a_same_host_node_as_the_same_region() {
     let _serial = REGIONS.lock().await;
-    let a = shareable_node(ferry::io::connection::KEEP_REGION_MIN).await;
+    let a = shareable_node(ferry_io::connection::KEEP_REGION_MIN).await;
     let b = plain_unix_node().await;
     let before = region_inodes();
     // 8 MiB over TCP, in chunks: received into a region, sealed, kept.
@@ -187,11 +187,11 @@ async fn every_dtype_received_into_a_region_by_put_or_pull_is_bit_exact_on_and_p
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_cut_halfway_into_a_shareable_node_leaves_no_region() {
     use crate::hostile::{Raw, put_request};
-    use ferry::proto::{Response, frame, tensor};
+    use ferry_proto::{Response, frame, tensor};
     use tokio::io::AsyncWriteExt;
     const MIB: usize = 1 << 20;
     let _serial = REGIONS.lock().await;
-    let a = shareable_node(ferry::io::connection::KEEP_REGION_MIN).await;
+    let a = shareable_node(ferry_io::connection::KEEP_REGION_MIN).await;
     let data = samples::plain(DType::F32, &[2048, 1024], 12);
     let (mut raw, _) = Raw::hello(&a, None).await;
     let meta = tensor::meta_of(&data).unwrap().to_wire();
@@ -206,7 +206,7 @@ async fn a_put_cut_halfway_into_a_shareable_node_leaves_no_region() {
     eventually(
         "the put receives into a region",
         Duration::from_secs(10),
-        || ferry::memory::region::count_regions(pid).unwrap().0 > 0,
+        || ferry_memory::region::count_regions(pid).unwrap().0 > 0,
     )
     .await;
     drop(raw);

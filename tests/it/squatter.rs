@@ -8,12 +8,12 @@ use std::future::IntoFuture;
 use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::time::Duration;
 
-use ferry::client::{ClearTokens, Client, ClientError, ErrorCode, LocalServer, TokenWithheld};
-use ferry::proto::{DType, IfExists, TensorKey};
-use ferry::samples;
-use ferry::server::{NodeConfig, Peer, PeerPolicy, PullConfig, ServiceConfig};
-use ferry::squatter::{NOBODY, Squatter};
-use ferry::testing::{devices, start, start_with};
+use ferry_client::{ClearTokens, Client, ClientError, ErrorCode, LocalServer, TokenWithheld};
+use ferry_proto::{DType, IfExists, TensorKey};
+use ferry_server::{NodeConfig, Peer, PeerPolicy, PullConfig, ServiceConfig};
+use ferry_testkit::samples;
+use ferry_testkit::squatter::{NOBODY, Squatter};
+use ferry_testkit::{devices, start, start_with};
 
 /// How long a squatter keeps listening for bytes after the attempt failed.
 const SETTLE: Duration = Duration::from_secs(2);

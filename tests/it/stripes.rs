@@ -7,14 +7,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use ferry::client::ErrorCode;
-use ferry::io::striped::StripedReceive;
-use ferry::io::{BufferFrom, HashUse, TensorAssembler};
-use ferry::proto::stripes::StripeLen;
-use ferry::proto::{DType, TensorData, TensorKey};
-use ferry::samples;
-use ferry::server::{NodeConfig, PullConfig, ServiceConfig, Striping};
-use ferry::testing::{
+use ferry_client::ErrorCode;
+use ferry_io::striped::StripedReceive;
+use ferry_io::{BufferFrom, HashUse, TensorAssembler};
+use ferry_proto::stripes::StripeLen;
+use ferry_proto::{DType, TensorData, TensorKey};
+use ferry_server::{NodeConfig, PullConfig, ServiceConfig, Striping};
+use ferry_testkit::samples;
+use ferry_testkit::{
     Fault, TestNode, assert_same, copy_keys, devices, how, proxy, source_code_of,
     source_connection, start,
 };
@@ -59,7 +59,7 @@ async fn pull_all(
     b: &TestNode,
     via: &str,
     tensors: &[TensorData],
-) -> Vec<Result<ferry::proto::TensorInfo, ferry::client::ClientError>> {
+) -> Vec<Result<ferry_proto::TensorInfo, ferry_client::ClientError>> {
     let mut source = a.client().await;
     let keys: Vec<TensorKey> = (0..tensors.len())
         .map(|i| TensorKey::new(0, format!("t{i}")))
@@ -76,13 +76,13 @@ async fn pull_all(
 /// Every answer stored, and what `b` holds under each key is the tensor put, bit for bit.
 async fn all_landed(
     b: &TestNode,
-    answers: Vec<Result<ferry::proto::TensorInfo, ferry::client::ClientError>>,
+    answers: Vec<Result<ferry_proto::TensorInfo, ferry_client::ClientError>>,
     tensors: &[TensorData],
 ) {
     let mut target = b.client().await;
     for (answer, data) in answers.into_iter().zip(tensors) {
         let info = answer.unwrap();
-        assert_eq!(info.path, ferry::proto::TransferPath::Pull);
+        assert_eq!(info.path, ferry_proto::TransferPath::Pull);
         assert_same(&target.get(&info.key).await.unwrap(), data, &info.key.name);
     }
 }
@@ -111,8 +111,8 @@ async fn counting_proxy(upstream: std::net::SocketAddr) -> (String, Arc<AtomicUs
 
 /// How many stripes of `STRIPE` a tensor's hash input makes (none where it fits one).
 fn stripes_of(data: &TensorData) -> u64 {
-    let meta = ferry::proto::tensor::meta_of(data).unwrap();
-    ferry::proto::stripes::StripePlan::new(&meta, StripeLen::new(STRIPE).unwrap())
+    let meta = ferry_proto::tensor::meta_of(data).unwrap();
+    ferry_proto::stripes::StripePlan::new(&meta, StripeLen::new(STRIPE).unwrap())
         .map_or(0, |plan| plan.count() as u64)
 }
 
@@ -198,7 +198,7 @@ async fn a_source_that_would_copy_for_every_stripe_sends_the_tensor_whole() {
     assert_eq!(a.node.stats().await.unwrap().fetches_served, 1);
 
     let mut granter = a.client().await;
-    let b_id = ferry::proto::NodeId::new("node-b");
+    let b_id = ferry_proto::NodeId::new("node-b");
     let grant = granter
         .grant(&TensorKey::new(0, "t0"), &b_id)
         .await
@@ -222,7 +222,7 @@ async fn a_source_that_would_copy_for_every_stripe_sends_the_tensor_whole() {
         )
         .unwrap();
         fetch
-            .payload(&mut whole, ferry::io::RegionUse::Map)
+            .payload(&mut whole, ferry_io::RegionUse::Map)
             .await
             .unwrap();
         assert_same(&whole.finish().unwrap().data, &tensors[0], "whole");
@@ -237,7 +237,7 @@ async fn a_source_that_would_copy_for_every_stripe_sends_the_tensor_whole() {
 async fn a_fetched_capability_lapses_from_its_last_fetch_and_none_begins_once_its_client_left() {
     let mut config = NodeConfig {
         devices: devices(&["flex"]),
-        limits: ferry::server::NodeLimits {
+        limits: ferry_server::NodeLimits {
             capability_ttl: Duration::from_millis(500),
             ..Default::default()
         },
@@ -249,12 +249,12 @@ async fn a_fetched_capability_lapses_from_its_last_fetch_and_none_begins_once_it
     let key = TensorKey::new(0, "w");
     let mut granter = a.client().await;
     granter.put(&key, &data).await.unwrap();
-    let b_id = ferry::proto::NodeId::new("node-b");
-    let (meta, _) = ferry::proto::tensor::into_parts(data.clone()).unwrap();
+    let b_id = ferry_proto::NodeId::new("node-b");
+    let (meta, _) = ferry_proto::tensor::into_parts(data.clone()).unwrap();
     let len = StripeLen::new(STRIPE).unwrap();
     let mut conn = source_connection(&a).await;
-    let stripe_fetch = async |conn: &mut ferry::io::Exchange,
-                              token: &ferry::proto::CapabilityToken,
+    let stripe_fetch = async |conn: &mut ferry_io::Exchange,
+                              token: &ferry_proto::CapabilityToken,
                               index: usize| {
         let fresh = TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Check)
             .unwrap();
@@ -322,17 +322,17 @@ async fn stripes_fetched_side_by_side_merge_and_a_capability_bounds_them() {
     let key = TensorKey::new(0, "w");
     let mut granter = a.client().await;
     granter.put(&key, &data).await.unwrap();
-    let b_id = ferry::proto::NodeId::new("node-b");
+    let b_id = ferry_proto::NodeId::new("node-b");
     let grant = granter.grant(&key, &b_id).await.unwrap();
-    let (meta, _) = ferry::proto::tensor::into_parts(data.clone()).unwrap();
+    let (meta, _) = ferry_proto::tensor::into_parts(data.clone()).unwrap();
     let assembler =
         TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, HashUse::Check).unwrap();
     let len = StripeLen::new(STRIPE).unwrap();
     let (striped, stripes) = StripedReceive::new(assembler, len).unwrap();
-    let prefix = ferry::proto::tensor::content_hash_prefix(&meta).len() as u64;
+    let prefix = ferry_proto::tensor::content_hash_prefix(&meta).len() as u64;
     let count = stripes.len();
     let (evens, odds): (Vec<_>, Vec<_>) = stripes.into_iter().partition(|s| s.index() % 2 == 0);
-    let fetch_all = |mut stripes: Vec<ferry::io::striped::StripeReceiver>| {
+    let fetch_all = |mut stripes: Vec<ferry_io::striped::StripeReceiver>| {
         let (token, b_id, a) = (grant.token.clone(), b_id.clone(), &a);
         async move {
             let mut conn = source_connection(a).await;
@@ -424,7 +424,7 @@ async fn striped_pulls_racing_overwrites_land_one_version_whole_or_nothing() {
                     let value = &versions[rng.random_range(0..versions.len())];
                     client
                         .put(&key, value)
-                        .if_exists(ferry::proto::IfExists::Replace)
+                        .if_exists(ferry_proto::IfExists::Replace)
                         .await
                         .unwrap();
                 }
@@ -438,7 +438,7 @@ async fn striped_pulls_racing_overwrites_land_one_version_whole_or_nothing() {
     let mut target = b.client().await;
     let addr = a.addr.to_string();
     let mut again = how(&addr, 0);
-    again.if_exists = ferry::proto::IfExists::Replace;
+    again.if_exists = ferry_proto::IfExists::Replace;
     let started = std::time::Instant::now();
     let (mut landed, mut failed) = (0u32, 0u32);
     while started.elapsed() < Duration::from_secs(4) {

@@ -3,22 +3,22 @@
 //! certificate can be wrong refused: another CA, expired, issued for another host, no
 //! certificate at all; and bytes altered on the path fail the connection, registering nothing.
 
-use ferry::proto::TransferPath;
-use ferry::server::PullConfig;
-use ferry::testing::copy_keys;
+use ferry_proto::TransferPath;
+use ferry_server::PullConfig;
+use ferry_testkit::copy_keys;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use ferry::certs::{Role, Validity};
-use ferry::client::ErrorCode;
-use ferry::io::connection::{Connection, ConnectionLimits};
-use ferry::io::{ClientTls, Endpoint, NodeTls, TlsFiles, Transport, handshake};
-use ferry::io::{Dial, ExchangeError, PeerCheck, SharedMemory};
-use ferry::proto::{DType, NodeId, TensorKey};
-use ferry::samples;
-use ferry::server::{NodeConfig, Peer, PeerPolicy, ServiceConfig};
-use ferry::testing::{
+use ferry_certs::{Role, Validity};
+use ferry_client::ErrorCode;
+use ferry_io::connection::{Connection, ConnectionLimits};
+use ferry_io::{ClientTls, Endpoint, NodeTls, TlsFiles, Transport, handshake};
+use ferry_io::{Dial, ExchangeError, PeerCheck, SharedMemory};
+use ferry_proto::{DType, NodeId, TensorKey};
+use ferry_server::{NodeConfig, Peer, PeerPolicy, ServiceConfig};
+use ferry_testkit::samples;
+use ferry_testkit::{
     Fault, TestNode, TestPki, assert_same, copy_one, devices, how, on_device, proxy, start,
     tls_client,
 };
@@ -106,9 +106,9 @@ async fn a_striped_pull_crosses_mutual_tls_bit_exact() {
             tls: Some(pki.node("node-b")),
             pulls: PullConfig {
                 peers: listed(&[&a]),
-                striping: ferry::server::Striping::new(
+                striping: ferry_server::Striping::new(
                     3,
-                    ferry::proto::stripes::StripeLen::new(256 << 10).unwrap(),
+                    ferry_proto::stripes::StripeLen::new(256 << 10).unwrap(),
                 ),
                 ..PullConfig::default()
             },
@@ -141,7 +141,7 @@ async fn a_node_id_that_is_not_the_certificates_is_refused_at_start() {
         node_id: Some("someone-else".into()),
         ..NodeConfig::light()
     };
-    let error = ferry::server::Node::start(config).err().unwrap();
+    let error = ferry_server::Node::start(config).err().unwrap();
     assert!(error.to_string().contains("someone-else"), "{error}");
     assert!(error.to_string().contains("node-a"), "{error}");
 }
@@ -149,7 +149,7 @@ async fn a_node_id_that_is_not_the_certificates_is_refused_at_start() {
 /// What connecting with ferry's client under `tls` gives: the error's text, or `None` when it
 /// got through.
 async fn client_error(node: &TestNode, tls: Option<ClientTls>) -> Option<String> {
-    ferry::client::Client::connect(node.addr)
+    ferry_client::Client::connect(node.addr)
         .tls_if_any(tls)
         .await
         .err()
@@ -452,7 +452,7 @@ async fn a_second_copy_over_tls_dedups_and_hands_its_capability_back() {
     assert_eq!(first.path, TransferPath::Pull);
     // The same bytes under another name on B: B already holds them, so the client hands the
     // capability it got back to A itself (over its own certificate, not a node's).
-    let again = ferry::testing::How {
+    let again = ferry_testkit::How {
         dst_name: Some("w2".into()),
         ..how(&addr, 0)
     };
@@ -510,7 +510,7 @@ async fn a_peer_listed_by_name_is_pulled_from_only_if_its_certificate_carries_th
         },
         ..NodeConfig::light()
     };
-    let error = ferry::server::Node::start(config).err().unwrap();
+    let error = ferry_server::Node::start(config).err().unwrap();
     assert!(error.to_string().contains("listed with a name"), "{error}");
 }
 
@@ -523,8 +523,8 @@ async fn a_peer_listed_by_name_is_pulled_from_only_if_its_certificate_carries_th
 /// one, since no token is sent under TLS.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_tls_the_certificate_is_the_credential_and_no_token_travels() {
-    use ferry::proto::Request;
-    use ferry::server::CertificateGrant;
+    use ferry_proto::Request;
+    use ferry_server::CertificateGrant;
     let pki = TestPki::new();
     let granted = ServiceConfig {
         grants: vec![
@@ -572,7 +572,7 @@ async fn under_tls_the_certificate_is_the_credential_and_no_token_travels() {
                 continue;
             };
             let mut conn = Connection::new(
-                ferry::io::Stream::Tls(Box::new(link)),
+                ferry_io::Stream::Tls(Box::new(link)),
                 ConnectionLimits::default(),
             );
             if let Ok(Some(Request::Hello(hello))) = conn.read_request().await {
@@ -588,7 +588,7 @@ async fn under_tls_the_certificate_is_the_credential_and_no_token_travels() {
     };
 
     // The operator's client, holding a token, reaches it: no token goes.
-    let operator = ferry::client::Client::connect(evil_addr.as_str())
+    let operator = ferry_client::Client::connect(evil_addr.as_str())
         .tls(pki.client("writer"))
         .token("the-operators-token")
         .await;

@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use ferry::client::ErrorCode;
-use ferry::proto::{DType, TensorData, TensorKey};
-use ferry::samples;
-use ferry::server::IfExists;
-use ferry::testing::{assert_same, code_of, start_with};
+use ferry_client::ErrorCode;
+use ferry_proto::{DType, TensorData, TensorKey};
+use ferry_server::IfExists;
+use ferry_testkit::samples;
+use ferry_testkit::{assert_same, code_of, start_with};
 
 /// Clients wait over TCP for 24 keys on two devices, then the arrivals race in a seeded random
 /// order (puts from other clients, inserts by the node's own program): every waiter is answered
@@ -120,8 +120,8 @@ async fn a_wait_answers_at_once_times_out_or_is_refused_with_its_reason() {
 /// node takes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_past_the_longest_is_refused_by_the_node_and_split_by_the_client() {
-    use ferry::proto::message::MAX_WAIT_MS;
-    use ferry::proto::{Request, Response, WaitFor};
+    use ferry_proto::message::MAX_WAIT_MS;
+    use ferry_proto::{Request, Response, WaitFor};
     let node = start_with(&["flex"]).await;
     let key = TensorKey::new(0, "late");
     let (mut raw, _) = crate::hostile::Raw::hello(&node, None).await;

@@ -26,9 +26,9 @@ use burn_core::module::Module;
 use burn_core::tensor::Device;
 use burn_nn::{Linear, LinearConfig};
 use burn_store::ModuleStore;
-use ferry::client::{BlockingClient, ConnectOptions, SharedMemory, Wait};
-use ferry::testing::Etcd;
 use ferry_burn::{FerryStore, StoreError};
+use ferry_client::{BlockingClient, ConnectOptions, SharedMemory, Wait};
+use ferry_testkit::Etcd;
 use support::params;
 use tiny_lm::Quantization;
 
@@ -132,14 +132,14 @@ fn a_worker_behind_a_token_reports_a_wrong_batch_and_goes_on() {
     assert!(refused, "a client without the token was served");
     // A batch of floats where the model takes token ids: taken off the node and refused there.
     let mut client = connect().unwrap();
-    let wrong = ferry::proto::TensorData::new(vec![0.5f32; 8], [2, 4]);
+    let wrong = ferry_proto::TensorData::new(vec![0.5f32; 8], [2, 4]);
     client
-        .put(&ferry::proto::TensorKey::new(0, "batch"), &wrong)
+        .put(&ferry_proto::TensorKey::new(0, "batch"), &wrong)
         .wait()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     while client
-        .get(&ferry::proto::TensorKey::new(0, "batch"))
+        .get(&ferry_proto::TensorKey::new(0, "batch"))
         .wait()
         .is_ok()
     {

@@ -9,12 +9,12 @@ use burn_flex::{Flex, FlexTensor};
 use burn_tensor::kind::Basic;
 use burn_tensor::quantization::{QuantScheme, QuantStore, QuantValue};
 use burn_tensor::{Bool, Device, Float, Int, Tensor, TensorData};
-use ferry::client::Client;
-use ferry::proto::{IfExists, TensorKey};
-use ferry::samples;
-use ferry::server::{BackendKind, Node, NodeError, Primitive};
-use ferry::testing::start_with;
 use ferry_burn::{HandoffError, NodeTensors};
+use ferry_client::Client;
+use ferry_proto::{IfExists, TensorKey};
+use ferry_server::{BackendKind, Node, NodeError, Primitive};
+use ferry_testkit::samples;
+use ferry_testkit::start_with;
 
 /// Where a Flex tensor's values lie: two tensors that share a buffer have the same address.
 fn values_of<const D: usize, K: Basic>(tensor: &Tensor<D, K>) -> *const u8 {
@@ -206,8 +206,8 @@ async fn a_handed_in_tensor_is_hashed_by_the_node_from_its_own_bytes() {
         .insert_tensor(&key, &tensor, IfExists::Refuse)
         .await
         .unwrap();
-    let meta = ferry::proto::tensor::meta_of(&data).unwrap();
-    let truth = ferry::proto::tensor::content_hash(&meta, data.as_bytes());
+    let meta = ferry_proto::tensor::meta_of(&data).unwrap();
+    let truth = ferry_proto::tensor::content_hash(&meta, data.as_bytes());
     let mut verified = None;
     for _ in 0..500 {
         verified = node
@@ -227,13 +227,13 @@ async fn a_handed_in_tensor_is_hashed_by_the_node_from_its_own_bytes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_view_is_counted_at_the_buffer_it_keeps_alive() {
-    use ferry::server::{NodeConfig, NodeLimits, ServiceConfig};
+    use ferry_server::{NodeConfig, NodeLimits, ServiceConfig};
     // Room for 1 MiB and its bookkeeping: a 64 KiB slice of a 4 MiB tensor keeps 4 MiB alive.
-    let node = ferry::testing::start(
+    let node = ferry_testkit::start(
         NodeConfig {
-            devices: ferry::testing::devices(&["flex"]),
+            devices: ferry_testkit::devices(&["flex"]),
             limits: NodeLimits {
-                memory_limit: Some((1 << 20) + ferry::server::TENSOR_OVERHEAD),
+                memory_limit: Some((1 << 20) + ferry_server::TENSOR_OVERHEAD),
                 ..NodeLimits::default()
             },
             ..NodeConfig::light()

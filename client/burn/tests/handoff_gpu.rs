@@ -16,15 +16,15 @@ use burn_dispatch::backends::Cube;
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 use burn_store::ModuleStore;
 use burn_tensor::{Device, DeviceKind, Tensor};
-use ferry::client::BlockingClient;
-use ferry::proto::{DType, IfExists, TensorKey};
-use ferry::samples;
-use ferry::server::{Node, Primitive};
-use ferry::server::{NodeConfig, Service, ServiceConfig};
-use ferry::testing::devices;
-use ferry::testing::start_with;
 use ferry_burn::FerryStore;
 use ferry_burn::NodeTensors;
+use ferry_client::BlockingClient;
+use ferry_proto::{DType, IfExists, TensorKey};
+use ferry_server::{Node, Primitive};
+use ferry_server::{NodeConfig, Service, ServiceConfig};
+use ferry_testkit::devices;
+use ferry_testkit::samples;
+use ferry_testkit::start_with;
 use support::params;
 use tiny_lm::{Quantization, TinyLm, batch, quantized};
 
@@ -184,13 +184,13 @@ fn a_quantized_model_sent_to_a_worker_nodes_gpu_is_applied_there_sharing_its_buf
 
 #[test]
 fn every_dtype_moved_onto_the_gpu_arrives_bit_exact_or_is_refused_by_name() {
-    use ferry::server::BackendKind;
     use ferry_burn::MoveError;
+    use ferry_server::BackendKind;
     let gpu = Device::wgpu(DeviceKind::Cpu);
     let flex = Device::flex();
     let flex_holds = BackendKind::Flex.measured_holds().unwrap();
     let (mut moves, mut refusals) = (0, Vec::new());
-    for sample in ferry::samples::full_matrix() {
+    for sample in ferry_testkit::samples::full_matrix() {
         let shape = sample.data.shape().to_vec();
         if !(1..=3).contains(&shape.len())
             || flex_holds.check(&sample.data.dtype(), &shape).is_err()
@@ -212,7 +212,7 @@ fn every_dtype_moved_onto_the_gpu_arrives_bit_exact_or_is_refused_by_name() {
                 moves += 1;
             }
             Err(MoveError::NotHeld { dtype, device, .. }) => {
-                assert_eq!(dtype, ferry::proto::dtype_name(&source.dtype()));
+                assert_eq!(dtype, ferry_proto::dtype_name(&source.dtype()));
                 assert_eq!(device, format!("{gpu:?}"));
                 refusals.push(dtype);
             }

@@ -124,7 +124,7 @@ fn a_dtype_the_target_cannot_hold_is_an_error_naming_the_parameter_and_nothing_m
     assert_eq!(error.path, "half", "{message}");
     assert_eq!(
         error.dtype,
-        ferry::proto::dtype_name(&DType::F16),
+        ferry_proto::dtype_name(&DType::F16),
         "{message}"
     );
     assert!(

@@ -16,11 +16,11 @@ use burn_core::module::Module;
 use burn_core::tensor::{DType, Device, TensorData};
 use burn_nn::{BatchNorm, BatchNormConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn_store::{BurnToPyTorchAdapter, ModuleStore, PyTorchToBurnAdapter};
-use ferry::client::BlockingClient;
-use ferry::proto::IfExists;
-use ferry::proto::message::PathsDigest;
-use ferry::server::{DeviceSpec, Node, NodeConfig, Replace, Service, ServiceConfig};
 use ferry_burn::{FerryStore, StoreError};
+use ferry_client::BlockingClient;
+use ferry_proto::IfExists;
+use ferry_proto::message::PathsDigest;
+use ferry_server::{DeviceSpec, Node, NodeConfig, Replace, Service, ServiceConfig};
 use safetensors::{Dtype, tensor::TensorView};
 
 /// The Burn model equivalent to PyTorch's
@@ -184,7 +184,7 @@ fn node_holding_the_checkpoint(checkpoint: &[Stored]) -> (tokio::runtime::Runtim
 /// The file's tensors as the model `torch` on device 0: a version written and committed whole,
 /// as `ferry put FILE NODE/0 --model torch` puts it (replacing the model where there is one).
 fn put_model(runtime: &tokio::runtime::Runtime, node: &Node, file: &std::path::Path) {
-    let tensors = ferry::files::read_tensors(file).unwrap();
+    let tensors = ferry_files::read_tensors(file).unwrap();
     runtime.block_on(async {
         let writer = node.begin_model(0, "torch", Replace::Allow).unwrap();
         for (name, data) in &tensors {

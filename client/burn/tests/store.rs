@@ -20,12 +20,12 @@ use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 use burn_flex::Flex;
 use burn_nn::{Linear, LinearConfig};
 use burn_store::{ApplyError, BurnpackStore, KeyRemapper, ModuleStore, PathFilter};
-use ferry::client::{BlockingClient, Wait};
-use ferry::proto::message::PathsDigest;
-use ferry::proto::{IfExists, TensorKey};
-use ferry::server::{DeviceSpec, Node, NodeConfig, Primitive, Replace, ServiceConfig};
-use ferry::testing::{BackgroundNode, Fault, proxy};
 use ferry_burn::{FerryStore, Missing, StoreError};
+use ferry_client::{BlockingClient, Wait};
+use ferry_proto::message::PathsDigest;
+use ferry_proto::{IfExists, TensorKey};
+use ferry_server::{DeviceSpec, Node, NodeConfig, Primitive, Replace, ServiceConfig};
+use ferry_testkit::{BackgroundNode, Fault, proxy};
 use support::{assert_same_params, params};
 use tiny_lm::{Quantization, TinyLm, batch, quantized};
 
@@ -306,7 +306,7 @@ fn a_node_gone_halfway_through_an_apply_leaves_the_module_exactly_as_it_was() {
     let upstream = node.addr.parse().unwrap();
     let cut = runtime.block_on(proxy(upstream, Fault::DieAfter(model_bytes / 2)));
     let through_proxy = BlockingClient::connect(cut)
-        .shared_memory(ferry::client::SharedMemory::Decline)
+        .shared_memory(ferry_client::SharedMemory::Decline)
         .blocking()
         .unwrap();
 
@@ -522,7 +522,7 @@ fn serve_flex_on_a_unix_socket_too() -> (BackgroundNode, String, tempfile::TempD
 /// what it carried shows in the node's `shm_payloads_received`.
 fn through_shared_memory(unix: &str) -> BlockingClient {
     BlockingClient::connect(unix)
-        .limits(ferry::client::ConnectionLimits {
+        .limits(ferry_client::ConnectionLimits {
             region_min: 1,
             ..Default::default()
         })
@@ -955,7 +955,7 @@ fn errors_say_which_node_and_what_was_kept() {
 /// prefix that holds a model is `AlreadyExists`, over a connection and into an embedded node.
 #[test]
 fn a_refusal_has_one_code_over_either_link() {
-    use ferry::client::ErrorCode;
+    use ferry_client::ErrorCode;
     let device = Device::flex();
     let model = Pair::new(&device);
     let node = serve_flex();

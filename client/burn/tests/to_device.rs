@@ -8,9 +8,9 @@
 mod support;
 
 use burn_tensor::{Device, Tensor, TensorData};
-use ferry::samples::full_matrix;
-use ferry::server::BackendKind;
 use ferry_burn::{MoveError, TryToDevice};
+use ferry_server::BackendKind;
+use ferry_testkit::samples::full_matrix;
 use support::moved;
 
 #[test]
@@ -56,7 +56,7 @@ fn every_dtype_moves_between_flex_and_ndarray_bit_exact_or_is_refused_by_name() 
                         ..
                     }),
                 ) => {
-                    assert_eq!(named, ferry::proto::dtype_name(&dtype), "{}", sample.name);
+                    assert_eq!(named, ferry_proto::dtype_name(&dtype), "{}", sample.name);
                     assert_eq!(device, format!("{to:?}"), "{}", sample.name);
                     refusals += 1;
                 }

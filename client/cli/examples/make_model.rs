@@ -6,9 +6,9 @@
 // Test and example code: an unwrap that fails is the failure, with its location.
 #![allow(clippy::unwrap_used)]
 
-use ferry::proto::{DType, TensorData};
-use ferry::samples;
 use ferry_files::{FileFormat, write_tensors};
+use ferry_proto::{DType, TensorData};
+use ferry_testkit::samples;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::path::PathBuf::from(

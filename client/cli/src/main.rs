@@ -113,28 +113,43 @@ pub(crate) struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Upload every tensor in FILE (.bpk or .safetensors) to HOST:PORT/DEVICE under its name.
+    ///
+    /// With --model NAME, the file becomes a new version of the model NAME instead: its tensors
+    /// are held under NAME/.vVERSION/TENSOR and committed as one, with the file's own metadata
+    /// (a .safetensors header's __metadata__); if anything fails, nothing of it is kept.
     Put {
         /// The file.
         file: PathBuf,
         /// HOST:PORT/DEVICE.
         target: String,
         /// Prepended to every tensor name.
-        #[arg(long, default_value = "")]
+        #[arg(long, default_value = "", conflicts_with = "model")]
         prefix: String,
-        /// Replace tensors that already exist.
+        /// Put the file as a new version of the model NAME (refused where the device holds
+        /// NAME already, unless --overwrite).
+        #[arg(long, value_name = "NAME")]
+        model: Option<String>,
+        /// Replace tensors that already exist (with --model: replace the model, whose current
+        /// version stays readable until the new one is committed).
         #[arg(long)]
         overwrite: bool,
         /// Tensors in flight at once, each over a connection of its own to the node.
         #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=8))]
         lanes: u8,
     },
-    /// Download one tensor, or a whole device, into FILE (.bpk or .safetensors).
+    /// Download one tensor, a model, or a whole device, into FILE (.bpk or .safetensors).
+    ///
+    /// A NAME that is no tensor but a model's is the model: its current version's tensors, named
+    /// by their paths in the model, and its metadata (a .safetensors file's __metadata__).
     Get {
         /// HOST:PORT/DEVICE[/NAME].
         source: String,
         /// The file to write.
         #[arg(short, long)]
         output: PathBuf,
+        /// NAME is a model, even where a tensor has that name too.
+        #[arg(long)]
+        model: bool,
     },
     /// Copy a tensor (or every tensor of a device) to HOST:PORT/DEVICE[/NAME].
     Cp {
@@ -281,10 +296,18 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             file,
             target,
             prefix,
+            model,
             overwrite,
             lanes,
-        } => commands::put::put(cli, file, target, prefix, *overwrite, *lanes).await,
-        Command::Get { source, output } => commands::get::get(cli, source, output).await,
+        } => {
+            let model = model.as_deref();
+            commands::put::put(cli, file, target, prefix, model, *overwrite, *lanes).await
+        }
+        Command::Get {
+            source,
+            output,
+            model,
+        } => commands::get::get(cli, source, output, *model).await,
         Command::Cp {
             source,
             target,

@@ -14,8 +14,8 @@ use ferry_proto::{MetaError, TensorData, TensorMeta};
 use serde::Deserialize;
 
 use super::{
-    FileError, ORDER_KEY, apply_recorded_order, check_block_sizes, io_error, order_record,
-    zeroed_for,
+    FileError, FileParts, ORDER_KEY, apply_recorded_order, check_block_sizes, io_error,
+    order_record, zeroed_for,
 };
 
 /// The part of burnpack's CBOR metadata ferry checks; the rest (param ids, scalars) is ignored.
@@ -42,10 +42,15 @@ struct Planned {
     meta: TensorMeta,
 }
 
-pub(super) fn read_burnpack(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {
+/// The tensors (in recorded order) and the file's `metadata` map, ferry's key included.
+pub(super) fn read_burnpack(path: &Path) -> Result<FileParts, FileError> {
     let bad = |message: String| FileError::Burnpack(format!("{}: {message}", path.display()));
     let mut file = File::open(path).map_err(io_error(path))?;
-    let (planned, file_len) = plan_burnpack(path, &mut file, &bad)?;
+    let Plan {
+        tensors: planned,
+        file_len,
+        metadata,
+    } = plan_burnpack(path, &mut file, &bad)?;
 
     // The tensors are taken from a private mapping of the very file just validated: a put sends
     // them to the socket straight from the page cache, with no copy into new memory (which
@@ -97,19 +102,27 @@ pub(super) fn read_burnpack(path: &Path) -> Result<Vec<(String, TensorData)>, Fi
         })?;
         out.push((name, data));
     }
-    Ok(out)
+    Ok((out, metadata))
+}
+
+/// A burnpack file checked against itself: its tensors in order (their data not yet read), its
+/// length, and its string metadata.
+struct Plan {
+    tensors: Vec<Planned>,
+    file_len: u64,
+    metadata: BTreeMap<String, String>,
 }
 
 /// Reads a burnpack header and metadata and checks them against the file: every tensor's range
 /// within the file and disjoint from the others, its length per ferry's rule (which burn-pack
 /// skips for quantized dtypes), its dtype one Burn can handle without panicking, and the file
 /// exactly as long as its tensors. Returns the tensors in order (their `start` from the file's
-/// beginning), their data not yet read, and the file's length.
+/// beginning), their data not yet read, the file's length, and its string metadata ([`Plan`]).
 fn plan_burnpack(
     path: &Path,
     file: &mut File,
     bad: &impl Fn(String) -> FileError,
-) -> Result<(Vec<Planned>, u64), FileError> {
+) -> Result<Plan, FileError> {
     use burn_pack::{
         FORMAT_VERSION, HEADER_SIZE, Header, MAX_CBOR_RECURSION_DEPTH, MAX_METADATA_SIZE,
         MAX_TENSOR_COUNT, aligned_data_section_start,
@@ -236,16 +249,30 @@ fn plan_burnpack(
         plan.end += data_start;
     }
     let record = metadata.metadata.get(ORDER_KEY).map(String::as_str);
-    Ok((
-        apply_recorded_order(planned, |p| p.name.as_str(), record),
+    Ok(Plan {
+        tensors: apply_recorded_order(planned, |p| p.name.as_str(), record),
         file_len,
-    ))
+        metadata: metadata.metadata,
+    })
 }
 
+/// Writes the tensors with `metadata` (no key of ferry's: checked by the caller) beside ferry's
+/// order record in the file's `metadata` map.
 pub(super) fn write_burnpack(
     path: &Path,
     tensors: &[(String, TensorData)],
+    metadata: &BTreeMap<String, String>,
 ) -> Result<(), FileError> {
+    // burn-pack's writer does not hold its reader's limit; a file with more metadata than that
+    // could be written and never read back.
+    let metadata_len: usize = metadata.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if metadata_len as u64 > u64::from(burn_pack::MAX_METADATA_SIZE) {
+        return Err(FileError::Burnpack(format!(
+            "{}: {metadata_len} bytes of metadata exceed burnpack's limit of {}",
+            path.display(),
+            burn_pack::MAX_METADATA_SIZE
+        )));
+    }
     // burn-pack wants `'static` tensor bytes, but these are borrowed: copying them all up front
     // would double the caller's memory. Instead each tensor is deferred, and a scoped thread
     // copies one tensor at a time as the writer asks for it, in the writer's (= this) order.
@@ -278,7 +305,11 @@ pub(super) fn write_burnpack(
         })
         .collect();
     drop(receiver);
-    let writer = burn_pack::Writer::new(entries)
+    let writer = metadata
+        .iter()
+        .fold(burn_pack::Writer::new(entries), |writer, (key, value)| {
+            writer.with_metadata(key, value)
+        })
         .with_metadata(
             ORDER_KEY,
             &order_record(tensors.iter().map(|(n, _)| n.as_str())),

@@ -1,8 +1,14 @@
 //! Tensor files: reading and writing Burn's burnpack (`.bpk`) and safetensors (`.safetensors`).
 //!
-//! [`read_tensors`] and [`write_tensors`] take a path whose extension names the format
-//! ([`FileFormat`]); [`SafetensorsOutput`] lays a new safetensors file out so that tensors can be
-//! received straight into it. The `ferry` command line (`ferry put`, `ferry get`) is built on them.
+//! [`read_file`] and [`write_file`] (or [`read_tensors`] and [`write_tensors`], tensors only)
+//! take a path whose extension names the format ([`FileFormat`]); [`SafetensorsOutput`] lays a
+//! new safetensors file out so that tensors can be received straight into it. The `ferry` command
+//! line (`ferry put`, `ferry get`) is built on them.
+//!
+//! A file's user metadata (string pairs: a safetensors header's `__metadata__`, a burnpack file's
+//! `metadata` map) is read and written with its tensors ([`FileContents::metadata`]). Ferry's own
+//! keys there ([`RESERVED_METADATA_KEYS`]) are internal: left out on reading, made anew on
+//! writing, and refused in user metadata ([`FileError::ReservedMetadataKey`]).
 //!
 //! Everything read from a file is checked against ferry's byte-length rule
 //! ([`ferry_proto::tensor::meta_of`]) before it is returned, because neither format's reader
@@ -19,7 +25,7 @@
 //! order is on every target ferry is built for today (x86_64, aarch64); on a big-endian target
 //! safetensors is refused ([`FileError::BigEndian`]) rather than written or read byte-swapped.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use burn_std::{Bytes, DType};
@@ -33,6 +39,24 @@ const ORDER_KEY: &str = "ferry.order";
 const DTYPES_KEY: &str = "ferry.dtypes";
 /// The safetensors crate refuses headers larger than this; so does ferry, before allocating.
 const SAFETENSORS_MAX_HEADER: u64 = 100_000_000;
+/// The metadata keys ferry writes for itself (the order, Burn's dtypes), in either format: not
+/// part of a file's user metadata, and refused in it.
+pub const RESERVED_METADATA_KEYS: [&str; 2] = [ORDER_KEY, DTYPES_KEY];
+
+/// A file's tensors and its whole string metadata (ferry's keys included), as the formats'
+/// readers return them.
+type FileParts = (Vec<(String, TensorData)>, BTreeMap<String, String>);
+
+/// What a tensor file holds: its tensors and its user metadata.
+#[derive(Debug, Clone, Default)]
+pub struct FileContents {
+    /// Every tensor, in the order it was written (see the crate's notes on order).
+    pub tensors: Vec<(String, TensorData)>,
+    /// The file's string metadata, less ferry's own keys ([`RESERVED_METADATA_KEYS`]): a
+    /// safetensors header's `__metadata__` (`{"format": "pt"}`, say), a burnpack file's
+    /// `metadata` map.
+    pub metadata: BTreeMap<String, String>,
+}
 
 /// A file format ferry reads and writes, chosen by extension.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,6 +165,15 @@ pub enum FileError {
     /// target they would need swapping, which ferry does not do.
     #[error("safetensors files are little-endian; this big-endian target cannot use them")]
     BigEndian,
+    /// User metadata with a key ferry keeps for itself in the file.
+    #[error(
+        "metadata key '{key}' is ferry's own (it records the tensors' order and dtypes) and \
+         cannot be written as user metadata"
+    )]
+    ReservedMetadataKey {
+        /// The key.
+        key: String,
+    },
     /// Something under ferry (burn-pack, safetensors, Burn's byte buffers) panicked on this file.
     #[error("{}: reading or writing it panicked: {message}", .path.display())]
     Panic {
@@ -166,10 +199,20 @@ fn describe_extension(extension: Option<&str>) -> String {
 /// truncated while they live); a tensor the file does not align for its element type (16 bytes
 /// for a quantized one) is copied.
 pub fn read_tensors(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {
+    read_file(path).map(|contents| contents.tensors)
+}
+
+/// Every tensor in the file, as [`read_tensors`] reads them, and the file's user metadata (less
+/// ferry's own keys, [`RESERVED_METADATA_KEYS`]).
+pub fn read_file(path: &Path) -> Result<FileContents, FileError> {
     let format = FileFormat::from_path(path)?;
-    contained(path, || match format {
-        FileFormat::Burnpack => read_burnpack(path),
-        FileFormat::Safetensors => read_safetensors(path),
+    contained(path, || {
+        let (tensors, mut metadata) = match format {
+            FileFormat::Burnpack => read_burnpack(path)?,
+            FileFormat::Safetensors => read_safetensors(path)?,
+        };
+        metadata.retain(|key, _| !RESERVED_METADATA_KEYS.contains(&key.as_str()));
+        Ok(FileContents { tensors, metadata })
     })
 }
 
@@ -178,7 +221,20 @@ pub fn read_tensors(path: &Path) -> Result<Vec<(String, TensorData)>, FileError>
 ///
 /// Every tensor is checked with [`ferry_proto::tensor::meta_of`] before anything is written.
 pub fn write_tensors(path: &Path, tensors: &[(String, TensorData)]) -> Result<(), FileError> {
+    write_file(path, tensors, &BTreeMap::new())
+}
+
+/// Writes the tensors as [`write_tensors`] does, with `metadata` as the file's user metadata
+/// beside ferry's own keys; a key of ferry's ([`RESERVED_METADATA_KEYS`]) is refused
+/// ([`FileError::ReservedMetadataKey`]), as is metadata that makes the header larger than the
+/// format allows.
+pub fn write_file(
+    path: &Path,
+    tensors: &[(String, TensorData)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<(), FileError> {
     let format = FileFormat::from_path(path)?;
+    check_metadata(metadata)?;
     contained(path, || {
         let mut seen = HashSet::with_capacity(tensors.len());
         for (name, data) in tensors {
@@ -188,10 +244,23 @@ pub fn write_tensors(path: &Path, tensors: &[(String, TensorData)]) -> Result<()
             check_tensor(name, data)?;
         }
         match format {
-            FileFormat::Burnpack => write_burnpack(path, tensors),
-            FileFormat::Safetensors => write_safetensors(path, tensors),
+            FileFormat::Burnpack => write_burnpack(path, tensors, metadata),
+            FileFormat::Safetensors => write_safetensors(path, tensors, metadata),
         }
     })
+}
+
+/// Refuses user metadata that names one of ferry's own keys, which writing would overwrite.
+fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), FileError> {
+    match RESERVED_METADATA_KEYS
+        .iter()
+        .find(|key| metadata.contains_key(**key))
+    {
+        Some(key) => Err(FileError::ReservedMetadataKey {
+            key: (*key).to_string(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Runs `f`, turning a panic anywhere under it into [`FileError::Panic`]: a bad file must never

@@ -1,5 +1,6 @@
 //! Safetensors files (`.safetensors`): plain dtypes only, little-endian, the header bounded
-//! before it is allocated, Burn's own dtypes recorded in the metadata where they differ.
+//! before it is allocated, Burn's own dtypes recorded in the metadata where they differ, the
+//! user's metadata (`__metadata__`) beside ferry's own keys.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -11,8 +12,8 @@ use ferry_proto::tensor::meta_of;
 use ferry_proto::{TensorData, TensorMeta};
 
 use super::{
-    DTYPES_KEY, FileError, ORDER_KEY, SAFETENSORS_MAX_HEADER, apply_recorded_order, io_error,
-    order_record, zeroed_for,
+    DTYPES_KEY, FileError, FileParts, ORDER_KEY, SAFETENSORS_MAX_HEADER, apply_recorded_order,
+    check_metadata, io_error, order_record, zeroed_for,
 };
 
 /// The safetensors dtype a Burn dtype is written as, and the Burn dtype's tag for
@@ -117,7 +118,12 @@ struct Layout {
     len: usize,
 }
 
-fn layout(path: &Path, tensors: &[(String, DType, Vec<usize>)]) -> Result<Layout, FileError> {
+fn layout(
+    path: &Path,
+    tensors: &[(String, DType, Vec<usize>)],
+    user: &BTreeMap<String, String>,
+) -> Result<Layout, FileError> {
+    check_metadata(user)?;
     let bad = |message: String| FileError::Safetensors(format!("{}: {message}", path.display()));
     let mut seen = std::collections::HashSet::with_capacity(tensors.len());
     let mut described = Vec::with_capacity(tensors.len());
@@ -164,10 +170,13 @@ fn layout(path: &Path, tensors: &[(String, DType, Vec<usize>)]) -> Result<Layout
         data_ranges.push((index, offset..end));
         offset = end;
     }
-    let mut metadata = HashMap::from([(
+    // The user's pairs, then ferry's own (no key is both: checked above). The header's size
+    // limit below counts them all.
+    let mut metadata: HashMap<String, String> = user.clone().into_iter().collect();
+    metadata.insert(
         ORDER_KEY.to_string(),
         order_record(tensors.iter().map(|(n, _, _)| n.as_str())),
-    )]);
+    );
     if !tags.is_empty() {
         let tags: serde_json::Map<String, serde_json::Value> = tags
             .into_iter()
@@ -220,15 +229,17 @@ pub struct SafetensorsOutput {
 
 impl SafetensorsOutput {
     /// Lays out `tensors` (name, dtype, shape; names unique), creates the file beside `path` and
-    /// writes its header.
+    /// writes its header, with `metadata` in its `__metadata__` beside ferry's own keys (one of
+    /// which is refused as a user key: [`FileError::ReservedMetadataKey`]).
     pub fn create(
         path: &Path,
         tensors: &[(String, DType, Vec<usize>)],
+        metadata: &BTreeMap<String, String>,
     ) -> Result<SafetensorsOutput, FileError> {
         if cfg!(target_endian = "big") {
             return Err(FileError::BigEndian);
         }
-        let layout = layout(path, tensors)?;
+        let layout = layout(path, tensors, metadata)?;
         let dir = match path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
@@ -281,12 +292,13 @@ impl SafetensorsOutput {
 pub(super) fn write_safetensors(
     path: &Path,
     tensors: &[(String, TensorData)],
+    metadata: &BTreeMap<String, String>,
 ) -> Result<(), FileError> {
     let described: Vec<(String, DType, Vec<usize>)> = tensors
         .iter()
         .map(|(name, data)| (name.clone(), data.dtype(), data.shape().to_vec()))
         .collect();
-    let mut output = SafetensorsOutput::create(path, &described)?;
+    let mut output = SafetensorsOutput::create(path, &described, metadata)?;
     for index in output.data_order().to_vec() {
         let mut range = output.buffer(index).ok_or_else(|| {
             FileError::Safetensors(format!("{}: a tensor's range was lost", path.display()))
@@ -296,7 +308,8 @@ pub(super) fn write_safetensors(
     output.commit()
 }
 
-pub(super) fn read_safetensors(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {
+/// The tensors (in recorded order) and the header's `__metadata__`, ferry's keys included.
+pub(super) fn read_safetensors(path: &Path) -> Result<FileParts, FileError> {
     if cfg!(target_endian = "big") {
         return Err(FileError::BigEndian);
     }
@@ -393,5 +406,11 @@ pub(super) fn read_safetensors(path: &Path) -> Result<Vec<(String, TensorData)>,
         out.push((name, data));
     }
     let record = strings.and_then(|m| m.get(ORDER_KEY)).map(String::as_str);
-    Ok(apply_recorded_order(out, |(n, _)| n.as_str(), record))
+    let metadata = strings
+        .map(|m| m.clone().into_iter().collect())
+        .unwrap_or_default();
+    Ok((
+        apply_recorded_order(out, |(n, _)| n.as_str(), record),
+        metadata,
+    ))
 }

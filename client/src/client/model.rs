@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use ferry_proto::message::{MAX_WAIT_MS, ModelManifest, ModelSummary, PathsDigest};
+use ferry_proto::message::{ModelManifest, ModelSummary, PathsDigest};
 use ferry_proto::{Request, Response, WaitFor};
 
 use super::{Client, ClientError};
@@ -132,33 +132,17 @@ impl Client {
         newer_than: Option<u64>,
         timeout: Duration,
     ) -> Result<Option<ModelManifest>, ClientError> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            // Rounded up: the node waits at least what is left, never a millisecond less.
-            let left_ms = left.as_nanos().div_ceil(1_000_000);
-            let timeout_ms = u32::try_from(left_ms).unwrap_or(u32::MAX).min(MAX_WAIT_MS);
-            let request = Request::Wait {
-                target: WaitFor::Model {
-                    device,
-                    prefix: prefix.to_string(),
-                    newer_than,
-                },
-                timeout_ms,
-            };
-            let arrived = self
-                .exchange
-                .call(&request, |answer| match answer {
-                    Response::Model(manifest) => Some(Some(manifest)),
-                    Response::Arrived(None) => Some(None),
-                    _ => None,
-                })
-                .await?;
-            // Asked again only for the rest of a wait longer than one request may be.
-            if arrived.is_some() || u128::from(timeout_ms) >= left_ms {
-                return Ok(arrived);
-            }
-        }
+        let target = WaitFor::Model {
+            device,
+            prefix: prefix.to_string(),
+            newer_than,
+        };
+        self.wait_until(target, timeout, |answer| match answer {
+            Response::Model(manifest) => Some(Some(manifest)),
+            Response::Arrived(None) => Some(None),
+            _ => None,
+        })
+        .await
     }
 
     async fn model_answer(&mut self, request: &Request) -> Result<ModelManifest, ClientError> {

@@ -18,6 +18,22 @@ impl Client {
         key: &TensorKey,
         timeout: Duration,
     ) -> Result<Option<TensorInfo>, ClientError> {
+        let target = WaitFor::Tensor(key.clone());
+        self.wait_until(target, timeout, |answer| match answer {
+            Response::Arrived(arrived) => Some(arrived),
+            _ => None,
+        })
+        .await
+    }
+
+    /// Asks the node to answer when `target` is there, within `timeout`, in requests of at most
+    /// [`MAX_WAIT_MS`] each: what `arrived` reads from the answer (`None`: a timeout).
+    pub(super) async fn wait_until<T>(
+        &mut self,
+        target: WaitFor,
+        timeout: Duration,
+        arrived: impl Fn(Response) -> Option<Option<T>>,
+    ) -> Result<Option<T>, ClientError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -25,19 +41,13 @@ impl Client {
             let left_ms = left.as_nanos().div_ceil(1_000_000);
             let timeout_ms = u32::try_from(left_ms).unwrap_or(u32::MAX).min(MAX_WAIT_MS);
             let request = Request::Wait {
-                target: WaitFor::Tensor(key.clone()),
+                target: target.clone(),
                 timeout_ms,
             };
-            let arrived = self
-                .exchange
-                .call(&request, |answer| match answer {
-                    Response::Arrived(arrived) => Some(arrived),
-                    _ => None,
-                })
-                .await?;
+            let answer = self.exchange.call(&request, &arrived).await?;
             // Asked again only for the rest of a wait longer than one request may be.
-            if arrived.is_some() || u128::from(timeout_ms) >= left_ms {
-                return Ok(arrived);
+            if answer.is_some() || u128::from(timeout_ms) >= left_ms {
+                return Ok(answer);
             }
         }
     }

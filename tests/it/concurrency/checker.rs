@@ -35,7 +35,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::ops::Bound;
 
-use ferry::client::ErrorCode;
+use ferry_client::ErrorCode;
 
 use super::history::{Key, Op, OpKind, Outcome};
 

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Instant;
 
-use ferry::client::{ClientError, ErrorCode};
-use ferry::proto::{DType, TensorData, TensorKey};
+use ferry_client::{ClientError, ErrorCode};
+use ferry_proto::{DType, TensorData, TensorKey};
 
 /// The nodes of a run, by index: a key's `node` indexes this.
 pub const NODE_NAMES: [&str; 2] = ["A", "B"];

@@ -2,17 +2,17 @@
 //! sockets): files in, copies, files out, compared tensor by tensor, and every error path giving
 //! a non-zero exit and one `error:` line.
 
-use ferry::server::PullConfig;
+use ferry_server::PullConfig;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use ferry::io::ConnectionLimits;
-use ferry::proto::dtype::PLAIN_DTYPES;
-use ferry::proto::{BoolStore, DType, TensorData, TensorKey};
-use ferry::samples;
-use ferry::server::{NodeConfig, ServiceConfig};
-use ferry::testing::{BackgroundNode, devices};
 use ferry_files::{read_tensors, write_tensors};
+use ferry_io::ConnectionLimits;
+use ferry_proto::dtype::PLAIN_DTYPES;
+use ferry_proto::{BoolStore, DType, TensorData, TensorKey};
+use ferry_server::{NodeConfig, ServiceConfig};
+use ferry_testkit::samples;
+use ferry_testkit::{BackgroundNode, devices};
 
 /// A node with two flex devices, reached by TCP only, requiring no token.
 fn server() -> BackgroundNode {
@@ -22,7 +22,7 @@ fn server() -> BackgroundNode {
 /// A node that requires `token`.
 fn server_with_token(token: &str) -> BackgroundNode {
     let service = ServiceConfig {
-        credentials: vec![ferry::server::Credential::full(token).unwrap()],
+        credentials: vec![ferry_server::Credential::full(token).unwrap()],
         ..ServiceConfig::default()
     };
     BackgroundNode::start(node_config(), service, None)
@@ -154,7 +154,7 @@ fn a_quantized_model_goes_in_moves_between_devices_and_comes_back_identical() {
         assert_eq!(shape, data.shape().as_slice());
         assert_eq!(
             row["dtype"],
-            ferry::proto::dtype_name(&data.dtype()).as_str()
+            ferry_proto::dtype_name(&data.dtype()).as_str()
         );
     }
 
@@ -385,7 +385,7 @@ fn plain_dtypes_round_trip_through_safetensors() {
 
 /// A node that asks for the tokens of `token_file` (a token file's text: scopes, then token).
 fn serve_with_tokens(token_file: &str) -> BackgroundNode {
-    let credentials = ferry::server::parse_token_file(token_file).unwrap();
+    let credentials = ferry_server::parse_token_file(token_file).unwrap();
     BackgroundNode::start(
         node_config(),
         ServiceConfig {
@@ -479,9 +479,9 @@ fn a_put_whose_connection_fails_reports_its_batch_and_counts_the_rest_unsent() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     // `Welcome`, then `Ready` and `Stored` for each of three tensors.
     let frames = 1 + 2 * 3;
-    let cut = runtime.block_on(ferry::testing::proxy(
+    let cut = runtime.block_on(ferry_testkit::proxy(
         node.addr.parse().unwrap(),
-        ferry::testing::Fault::CutAfterFrames(frames),
+        ferry_testkit::Fault::CutAfterFrames(frames),
     ));
     let out = ferry(&[
         "--no-shm",
@@ -529,14 +529,14 @@ fn certificates_from_ferry_certs_carry_a_model_between_nodes_over_mutual_tls() {
     let again = ok(&["certs", "--dir", certs_dir, "--client", "ops"]);
     assert!(again.contains("using the CA"), "{again}");
 
-    let files = |name: &str| ferry::io::TlsFiles {
+    let files = |name: &str| ferry_io::TlsFiles {
         cert: certs.join(format!("{name}.pem")),
         key: certs.join(format!("{name}.key")),
         ca: certs.join("ca.pem"),
     };
-    let tls_node = |name: &str, peers: ferry::server::PeerPolicy| {
+    let tls_node = |name: &str, peers: ferry_server::PeerPolicy| {
         let config = NodeConfig {
-            tls: Some(ferry::io::NodeTls::load(&files(name)).unwrap()),
+            tls: Some(ferry_io::NodeTls::load(&files(name)).unwrap()),
             pulls: PullConfig {
                 peers,
                 ..PullConfig::default()
@@ -545,10 +545,10 @@ fn certificates_from_ferry_certs_carry_a_model_between_nodes_over_mutual_tls() {
         };
         BackgroundNode::start(config, ServiceConfig::default(), None)
     };
-    let a = tls_node("node-a", ferry::server::PeerPolicy::Any);
+    let a = tls_node("node-a", ferry_server::PeerPolicy::Any);
     let b = tls_node(
         "node-b",
-        ferry::server::PeerPolicy::Listed(vec![ferry::server::Peer::named("node-a", &a.addr)]),
+        ferry_server::PeerPolicy::Listed(vec![ferry_server::Peer::named("node-a", &a.addr)]),
     );
     let me = files("me");
     let tls = [
@@ -688,14 +688,14 @@ fn every_error_path_exits_non_zero_with_an_error_line() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ls_at_lists_a_clusters_members_and_where_each_tensor_lives() {
-    use ferry::server::cluster::{ClusterConfig, Membership};
-    let etcd = ferry::testing::Etcd::start().await;
+    use ferry_server::cluster::{ClusterConfig, Membership};
+    let etcd = ferry_testkit::Etcd::start().await;
     let cluster = etcd.cluster();
-    let node = ferry::testing::start_with(&["flex", "flex"]).await;
+    let node = ferry_testkit::start_with(&["flex", "flex"]).await;
     let membership = Membership::join(
         node.node.clone(),
         ClusterConfig {
-            endpoints: ferry::proto::cluster::endpoints(&cluster).unwrap(),
+            endpoints: ferry_proto::cluster::endpoints(&cluster).unwrap(),
             name: "cache".into(),
             advertise: node.addr.to_string(),
             unix: None,
@@ -758,8 +758,8 @@ async fn ls_at_lists_a_clusters_members_and_where_each_tensor_lives() {
 /// a wrong password is refused by etcd, and a change to the roles asks for root once auth is on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_roles_turns_etcd_auth_on_and_members_and_readers_work_under_it() {
-    use ferry::server::cluster::{ClusterConfig, EtcdUser, Membership};
-    let etcd = ferry::testing::Etcd::start().await;
+    use ferry_server::cluster::{ClusterConfig, EtcdUser, Membership};
+    let etcd = ferry_testkit::Etcd::start().await;
     let cluster = etcd.cluster();
     let dir = tempfile::tempdir().unwrap();
     let file = |name: &str, password: &str| {
@@ -797,11 +797,11 @@ async fn etcd_roles_turns_etcd_auth_on_and_members_and_readers_work_under_it() {
     assert!(set_up.contains("role ferry-member-cache"), "{set_up}");
     assert!(set_up.contains("auth on"), "{set_up}");
 
-    let node = ferry::testing::start_with(&["flex"]).await;
+    let node = ferry_testkit::start_with(&["flex"]).await;
     let membership = Membership::join(
         node.node.clone(),
         ClusterConfig {
-            endpoints: ferry::proto::cluster::endpoints(&cluster).unwrap(),
+            endpoints: ferry_proto::cluster::endpoints(&cluster).unwrap(),
             name: "cache".into(),
             advertise: node.addr.to_string(),
             unix: None,
@@ -877,8 +877,8 @@ async fn etcd_roles_turns_etcd_auth_on_and_members_and_readers_work_under_it() {
 /// it went over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_copied_over_several_lanes_lands_each_tensor_under_its_own_name() {
-    let a = ferry::testing::start_with(&["flex"]).await;
-    let b = ferry::testing::start_with(&["flex"]).await;
+    let a = ferry_testkit::start_with(&["flex"]).await;
+    let b = ferry_testkit::start_with(&["flex"]).await;
     let mut ca = a.client().await;
     let tensors: Vec<(String, TensorData)> = (0..9)
         .map(|i| {
@@ -914,7 +914,7 @@ async fn a_device_copied_over_several_lanes_lands_each_tensor_under_its_own_name
     for (name, data) in &tensors {
         let landed = cb.get(&TensorKey::new(0, name.as_str())).await.unwrap();
         let want = if name == "t4" { &other } else { data };
-        ferry::testing::assert_same(&landed, want, name);
+        ferry_testkit::assert_same(&landed, want, name);
     }
 }
 
@@ -936,17 +936,17 @@ fn listed_within(args: &[&str], needle: &str, count: usize) {
 /// different versions, and a `mv` by name; an etcd that does not answer is named.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_by_name_and_tensors_by_name_alone() {
-    use ferry::server::cluster::{ClusterConfig, Membership};
-    let etcd = ferry::testing::Etcd::start().await;
+    use ferry_server::cluster::{ClusterConfig, Membership};
+    let etcd = ferry_testkit::Etcd::start().await;
     let cluster = etcd.cluster();
     let mut nodes = Vec::new();
     let mut joined = Vec::new();
     for name in ["cache", "worker"] {
-        let node = ferry::testing::start_with(&["flex", "flex"]).await;
+        let node = ferry_testkit::start_with(&["flex", "flex"]).await;
         joined.push(Membership::join(
             node.node.clone(),
             ClusterConfig {
-                endpoints: ferry::proto::cluster::endpoints(&cluster).unwrap(),
+                endpoints: ferry_proto::cluster::endpoints(&cluster).unwrap(),
                 name: name.into(),
                 advertise: node.addr.to_string(),
                 // cache registers a Unix socket that is not there: same-machine clients and
@@ -1032,7 +1032,7 @@ async fn members_by_name_and_tensors_by_name_alone() {
     .unwrap();
     let back = read_tensors(&out).unwrap();
     assert_eq!(back.len(), 1);
-    ferry::testing::assert_same(&back[0].1, &data, "copied by name, read back by @NAME");
+    ferry_testkit::assert_same(&back[0].1, &data, "copied by name, read back by @NAME");
     for membership in joined {
         membership.leave().await;
     }
@@ -1043,14 +1043,14 @@ async fn members_by_name_and_tensors_by_name_alone() {
 /// confirmed, and a copy still succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn already_holds_is_confirmed_with_the_target_node() {
-    use ferry::server::cluster::{ClusterConfig, Membership};
-    let etcd = ferry::testing::Etcd::start().await;
+    use ferry_server::cluster::{ClusterConfig, Membership};
+    let etcd = ferry_testkit::Etcd::start().await;
     let cluster = etcd.cluster();
-    let node = ferry::testing::start_with(&["flex", "flex"]).await;
+    let node = ferry_testkit::start_with(&["flex", "flex"]).await;
     let joined = Membership::join(
         node.node.clone(),
         ClusterConfig {
-            endpoints: ferry::proto::cluster::endpoints(&cluster).unwrap(),
+            endpoints: ferry_proto::cluster::endpoints(&cluster).unwrap(),
             name: "worker".into(),
             advertise: node.addr.to_string(),
             unix: None,
@@ -1060,15 +1060,15 @@ async fn already_holds_is_confirmed_with_the_target_node() {
     );
     let data = samples::plain(DType::F32, &[16, 8], 3);
     // A writer of etcd lists `w` on worker/1, which holds nothing: the only entry for `w`.
-    let forged = ferry::proto::cluster::TensorRecord {
+    let forged = ferry_proto::cluster::TensorRecord {
         dtype: "f32".into(),
         shape: vec![16, 8],
         bytes: data.as_bytes().len() as u64,
-        content_hash: Some(ferry::proto::ContentHash::from_digest([7; 32])),
+        content_hash: Some(ferry_proto::ContentHash::from_digest([7; 32])),
     };
     etcd.put(
-        &ferry::proto::cluster::tensor_key("worker", 1, "w"),
-        &ferry::proto::cluster::encode(&forged),
+        &ferry_proto::cluster::tensor_key("worker", 1, "w"),
+        &ferry_proto::cluster::encode(&forged),
     )
     .await;
     let c = cluster.clone();

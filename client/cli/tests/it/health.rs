@@ -3,8 +3,8 @@
 
 use std::process::Command;
 
-use ferry::server::{NodeConfig, ServiceConfig};
-use ferry::testing::{BackgroundNode, devices};
+use ferry_server::{NodeConfig, ServiceConfig};
+use ferry_testkit::{BackgroundNode, devices};
 
 /// A loopback port nothing listens on (bound, then released).
 fn free_port() -> u16 {

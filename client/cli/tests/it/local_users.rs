@@ -8,11 +8,11 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use ferry::proto::DType;
-use ferry::samples;
-use ferry::server::{NodeConfig, ServiceConfig};
-use ferry::testing::{BackgroundNode, devices};
 use ferry_files::write_tensors;
+use ferry_proto::DType;
+use ferry_server::{NodeConfig, ServiceConfig};
+use ferry_testkit::samples;
+use ferry_testkit::{BackgroundNode, devices};
 
 /// `nobody`'s user and group ids on Debian.
 const NOBODY: u32 = 65534;
@@ -135,7 +135,7 @@ fn a_token_is_what_lets_another_local_user_in() {
     let cli = CliForEveryone::new();
     let token = "a-token-of-thirty-two-characters-at-least";
     let service = ServiceConfig {
-        credentials: vec![ferry::server::Credential::full(token).unwrap()],
+        credentials: vec![ferry_server::Credential::full(token).unwrap()],
         ..ServiceConfig::default()
     };
     let node = BackgroundNode::start(node_config(), service, None);

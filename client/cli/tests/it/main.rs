@@ -7,6 +7,7 @@
 mod cli;
 mod health;
 mod local_users;
+mod model_files;
 mod netns;
 mod quickstart;
 mod squatter;

@@ -12,9 +12,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry::proto::{DType, TensorData};
-use ferry::samples;
 use ferry_files::{read_tensors, write_tensors};
+use ferry_proto::{DType, TensorData};
+use ferry_testkit::samples;
 
 /// What the script is allowed in all (its own deadline), and the margin past it after which
 /// this test kills it.

@@ -179,7 +179,7 @@ fn the_readme_quickstart_runs_and_moves_the_model_bit_exact() {
     let mut back = read_tensors(&dir.path().join("back.bpk")).unwrap();
     model.sort_by(|a, b| a.0.cmp(&b.0));
     back.sort_by(|a, b| a.0.cmp(&b.0));
-    let names = |t: &[(String, ferry::proto::TensorData)]| -> Vec<String> {
+    let names = |t: &[(String, ferry_proto::TensorData)]| -> Vec<String> {
         t.iter().map(|(n, _)| n.clone()).collect()
     };
     assert_eq!(names(&back), names(&model), "{transcript}");

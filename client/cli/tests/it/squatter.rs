@@ -7,7 +7,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry::squatter::{NOBODY, Squatter};
+use ferry_testkit::squatter::{NOBODY, Squatter};
 
 /// How long a refusal may take: it comes before any byte is sent, so at once. (Without the
 /// check, the command would wait on a squatter that never answers.)

@@ -3,11 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use ferry::client::Client;
-use ferry::client::cluster::Directory;
-use ferry::proto::{DType, TensorKey};
-use ferry::samples;
-use ferry::testing::{Etcd, eventually_async, spawn_server};
+use ferry_client::Client;
+use ferry_client::cluster::Directory;
+use ferry_proto::{DType, TensorKey};
+use ferry_testkit::samples;
+use ferry_testkit::{Etcd, eventually_async, spawn_server};
 
 use crate::ferry_server;
 

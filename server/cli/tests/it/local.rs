@@ -5,23 +5,23 @@
 
 use std::time::Duration;
 
-use ferry::testing::{
+use ferry_testkit::{
     REGIONS, ServerProcess, assert_same, eventually, on_device, spawn_server, start_unix,
 };
 
 use crate::ferry_server;
-use ferry::client::{Client, ConnectionLimits, SharedMemory};
-use ferry::io::connection::{DEFAULT_REGION_MIN, PayloadRoute};
-use ferry::io::transport::Endpoint;
-use ferry::io::{Connection, Stream, Transport};
-use ferry::memory::region::{OutgoingRegion, count_regions, regions_in_flight};
-use ferry::proto::{
+use ferry_client::{Client, ConnectionLimits, SharedMemory};
+use ferry_io::connection::{DEFAULT_REGION_MIN, PayloadRoute};
+use ferry_io::transport::Endpoint;
+use ferry_io::{Connection, Stream, Transport};
+use ferry_memory::region::{OutgoingRegion, count_regions, regions_in_flight};
+use ferry_proto::{
     FEATURE_SHM, FEATURES, Hello, NodeStats, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
     TensorData, TensorKey, TransferPath,
 };
-use ferry::samples;
-use ferry::server::{NodeConfig, ServiceConfig};
-use ferry::testing::copy_keys;
+use ferry_server::{NodeConfig, ServiceConfig};
+use ferry_testkit::copy_keys;
+use ferry_testkit::samples;
 
 /// Limits that send every non-empty payload through shared memory where it is agreed.
 fn every_payload_shared() -> ConnectionLimits {
@@ -32,7 +32,7 @@ fn every_payload_shared() -> ConnectionLimits {
 }
 
 /// A connection to open with [`every_payload_shared`], offering shared memory or not.
-fn config(connect: ferry::client::Connect, shared: bool) -> ferry::client::Connect {
+fn config(connect: ferry_client::Connect, shared: bool) -> ferry_client::Connect {
     let shared_memory = if shared {
         SharedMemory::Offer
     } else {
@@ -147,7 +147,7 @@ async fn a_node_without_shared_memory_is_still_reached_over_its_unix_socket() {
     let _serial = REGIONS.lock().await;
     let node = start_unix(
         NodeConfig {
-            shared_memory: ferry::io::SharedMemory::Decline,
+            shared_memory: ferry_io::SharedMemory::Decline,
             ..NodeConfig::light()
         },
         ServiceConfig::default(),
@@ -157,7 +157,7 @@ async fn a_node_without_shared_memory_is_still_reached_over_its_unix_socket() {
         .await
         .unwrap();
     assert!(!client.shared_memory(), "the node turned it off");
-    let data = samples::plain(ferry::proto::DType::F32, &[256, 1024], 3);
+    let data = samples::plain(ferry_proto::DType::F32, &[256, 1024], 3);
     client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
     assert_same(
         &client.get(&TensorKey::new(0, "w")).await.unwrap(),
@@ -228,7 +228,7 @@ async fn two_node_processes_copy_a_batch_through_shared_memory() {
         answer.unwrap();
     }
     let keys: Vec<TensorKey> = tensors.iter().map(|(n, _)| TensorKey::new(0, n)).collect();
-    let how = ferry::testing::how(&a_unix, 0);
+    let how = ferry_testkit::how(&a_unix, 0);
     let answers = copy_keys(&mut source, &mut target, &keys, &how)
         .await
         .unwrap();
@@ -284,7 +284,7 @@ async fn raw_shared_connection(unix: &str) -> Connection<Stream> {
 
 /// Starts a put of `data` under `name` and waits for the node's `Ready`.
 async fn begin_put(conn: &mut Connection<Stream>, name: &str, data: &TensorData) {
-    let meta = ferry::proto::tensor::meta_of(data).unwrap();
+    let meta = ferry_proto::tensor::meta_of(data).unwrap();
     conn.write_request(&Request::Put {
         device: 0,
         name: Some(name.into()),
@@ -305,7 +305,7 @@ async fn node_is_clean(node: &ServerProcess) {
         client.list(None).await.unwrap().is_empty(),
         "nothing half-registered"
     );
-    let data = samples::plain(ferry::proto::DType::F32, &[512, 512], 9);
+    let data = samples::plain(ferry_proto::DType::F32, &[512, 512], 9);
     client
         .put(&TensorKey::new(0, "after"), &data)
         .await
@@ -335,7 +335,7 @@ async fn a_sender_gone_after_creating_a_region_leaves_nothing_behind() {
     let dir = tempfile::tempdir().unwrap();
     let node = unix_server(&dir, "n.sock", &[]);
     let unix = node.unix.clone().unwrap();
-    let data = samples::plain(ferry::proto::DType::F32, &[1024, 1024], 1);
+    let data = samples::plain(ferry_proto::DType::F32, &[1024, 1024], 1);
 
     // Gone after creating the region, before sending it.
     let mut conn = raw_shared_connection(&unix).await;
@@ -421,7 +421,7 @@ async fn a_sender_gone_after_creating_a_region_leaves_nothing_behind() {
 async fn send_region(
     conn: &mut Connection<Stream>,
     fd: std::os::fd::OwnedFd,
-    descriptor: ferry::proto::RegionDescriptor,
+    descriptor: ferry_proto::RegionDescriptor,
 ) {
     conn.get_mut().attach_fd(fd).unwrap();
     conn.write_frame(&descriptor.frame()).await.unwrap();
@@ -433,7 +433,7 @@ async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
     let dir = tempfile::tempdir().unwrap();
     let node = unix_server(&dir, "n.sock", &[]);
     let unix = node.unix.clone().unwrap();
-    let data = samples::plain(ferry::proto::DType::F32, &[1024, 1024], 2);
+    let data = samples::plain(ferry_proto::DType::F32, &[1024, 1024], 2);
     assert!(data.as_bytes().len() >= DEFAULT_REGION_MIN);
     let mut client = Client::connect(unix.as_str()).await.unwrap();
     client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
@@ -458,7 +458,7 @@ async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
     .await;
     // What is left is the stored tensor's own: its mapping, and (at 4 MiB, large enough to be
     // passed on without a copy) the region's descriptor it keeps for that.
-    assert!(data.as_bytes().len() >= ferry::io::connection::KEEP_REGION_MIN);
+    assert!(data.as_bytes().len() >= ferry_io::connection::KEEP_REGION_MIN);
     assert_eq!(regions_in(&node), (1, 1));
     client.delete(&TensorKey::new(0, "w")).await.unwrap();
     drop(client);
@@ -473,7 +473,7 @@ async fn a_receiver_gone_before_reading_a_region_leaves_nothing_behind() {
 /// Copies `keys` from the node `from` is connected to (reached at `source_addr`) to device 0 of
 /// the one `to` is, each by a pull (not a dedup).
 async fn pull_all(from: &mut Client, to: &mut Client, source_addr: &str, keys: &[TensorKey]) {
-    for answer in copy_keys(from, to, keys, &ferry::testing::how(source_addr, 0))
+    for answer in copy_keys(from, to, keys, &ferry_testkit::how(source_addr, 0))
         .await
         .unwrap()
     {
@@ -516,7 +516,7 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
     let tensors: Vec<(String, TensorData)> = vec![
         (
             "w".into(),
-            samples::plain(ferry::proto::DType::F32, &[1536, 1024], 5),
+            samples::plain(ferry_proto::DType::F32, &[1536, 1024], 5),
         ),
         (
             "q".into(),
@@ -529,10 +529,10 @@ async fn a_tensor_that_arrived_in_shared_memory_is_passed_on_in_the_same_region(
     ];
     // First a region that is only mapped, not kept (under KEEP_REGION_MIN): it must not upset
     // the kept count (it once wrapped it below zero, and no region was kept after).
-    let small = samples::plain(ferry::proto::DType::F32, &[512, 512], 4);
+    let small = samples::plain(ferry_proto::DType::F32, &[512, 512], 4);
     on_a.put(&TensorKey::new(0, "small"), &small).await.unwrap();
     for (name, data) in &tensors {
-        assert!(data.as_bytes().len() >= ferry::io::connection::KEEP_REGION_MIN);
+        assert!(data.as_bytes().len() >= ferry_io::connection::KEEP_REGION_MIN);
         on_a.put(&TensorKey::new(0, name), data).await.unwrap();
     }
     let kept = region_inodes(a.pid());
@@ -607,7 +607,7 @@ async fn a_region_mapped_lazily_stays_whole_after_its_sender_is_killed() {
     let tensors: Vec<(String, TensorData)> = vec![
         (
             "w".into(),
-            samples::plain(ferry::proto::DType::F32, &[2048, 1024], 11),
+            samples::plain(ferry_proto::DType::F32, &[2048, 1024], 11),
         ),
         (
             "q".into(),
@@ -624,7 +624,7 @@ async fn a_region_mapped_lazily_stays_whole_after_its_sender_is_killed() {
     for ((name, data), key) in tensors.iter().zip(&keys) {
         assert_same(&on_b.get(key).await.unwrap(), data, name);
     }
-    let stats = ferry::testing::hashes_verified(&mut on_b).await;
+    let stats = ferry_testkit::hashes_verified(&mut on_b).await;
     assert_eq!(
         stats.hash_mismatches, 0,
         "the hashes A stated hold for the bytes B maps"
@@ -642,13 +642,13 @@ async fn a_region_mapped_lazily_stays_whole_after_its_sender_is_killed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_does_not_read_is_sent_no_new_regions() {
-    use ferry::io::connection::UNREAD_REGION_BYTES;
+    use ferry_io::connection::UNREAD_REGION_BYTES;
     let _serial = REGIONS.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let node = unix_server(&dir, "n.sock", &[]);
     let unix = node.unix.clone().unwrap();
     // Put over TCP: the tensor lies in the node's heap, so every region would be a new copy.
-    let data = samples::plain(ferry::proto::DType::F32, &[2048, 1024], 8);
+    let data = samples::plain(ferry_proto::DType::F32, &[2048, 1024], 8);
     let size = data.as_bytes().len();
     let mut client = Client::connect(node.addr.as_str()).await.unwrap();
     client.put(&TensorKey::new(0, "w"), &data).await.unwrap();
@@ -670,12 +670,12 @@ async fn a_peer_that_does_not_read_is_sent_no_new_regions() {
         let Response::Tensor { meta, .. } = conn.read_response().await.unwrap() else {
             panic!("expected a tensor");
         };
-        let meta = ferry::proto::TensorMeta::try_from(&meta).unwrap();
-        let mut assembler = ferry::io::TensorAssembler::new(
+        let meta = ferry_proto::TensorMeta::try_from(&meta).unwrap();
+        let mut assembler = ferry_io::TensorAssembler::new(
             meta,
             1 << 30,
-            ferry::io::BufferFrom::Fresh,
-            ferry::io::HashUse::Skip,
+            ferry_io::BufferFrom::Fresh,
+            ferry_io::HashUse::Skip,
         )
         .unwrap();
         routes.push(conn.read_payload(&mut assembler).await.unwrap());

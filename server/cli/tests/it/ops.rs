@@ -3,13 +3,13 @@
 
 use std::time::Duration;
 
-use ferry::testing::{LoggedServer, eventually_blocking, spawn_server};
+use ferry_testkit::{LoggedServer, eventually_blocking, spawn_server};
 
 use crate::ferry_server;
 use crate::metrics::{free_port, sample, scrape};
-use ferry::client::Client;
-use ferry::proto::{DType, TensorKey};
-use ferry::samples;
+use ferry_client::Client;
+use ferry_proto::{DType, TensorKey};
+use ferry_testkit::samples;
 
 /// How long a count may take to settle.
 const WAIT: Duration = Duration::from_secs(10);

@@ -3,16 +3,16 @@
 
 use std::time::Duration;
 
-use ferry::client::Client;
-use ferry::proto::{DType, TensorData, TensorKey, TransferPath};
-use ferry::samples;
-use ferry::testing::{Fault, assert_same, copy_keys, hashes_verified, how, proxy, spawn_server};
+use ferry_client::Client;
+use ferry_proto::{DType, TensorData, TensorKey, TransferPath};
+use ferry_testkit::samples;
+use ferry_testkit::{Fault, assert_same, copy_keys, hashes_verified, how, proxy, spawn_server};
 
 use crate::ferry_server;
 
 /// A node whose large receives go to new or recycled memory: no receive pool (`--pool 0`; a
 /// pool's buffers are tested in `tests/it/pool.rs`).
-fn server() -> ferry::testing::ServerProcess {
+fn server() -> ferry_testkit::ServerProcess {
     spawn_server(ferry_server(), &["--device", "flex", "--pool", "0"], None)
 }
 

@@ -4,12 +4,12 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ferry::testing::{assert_same, code_of, spawn_server};
+use ferry_testkit::{assert_same, code_of, spawn_server};
 
 use crate::ferry_server;
-use ferry::client::{Client, ErrorCode};
-use ferry::proto::{DType, TensorKey, TransferPath};
-use ferry::samples;
+use ferry_client::{Client, ErrorCode};
+use ferry_proto::{DType, TensorKey, TransferPath};
+use ferry_testkit::samples;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_serves_and_stops_cleanly_on_sigterm() {

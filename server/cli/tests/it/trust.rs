@@ -10,15 +10,15 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry::client::Client;
-use ferry::io::connection::{Connection, ConnectionLimits};
-use ferry::io::transport::Endpoint;
-use ferry::proto::{DType, TensorKey};
-use ferry::proto::{
+use ferry_client::Client;
+use ferry_io::connection::{Connection, ConnectionLimits};
+use ferry_io::transport::Endpoint;
+use ferry_proto::{DType, TensorKey};
+use ferry_proto::{
     ErrorCode, FEATURES, Hello, PROTOCOL_MINOR, PROTOCOL_VERSION, Request, Response,
 };
-use ferry::samples;
-use ferry::testing::{LoggedServer, TestPki, assert_same, spawn_server};
+use ferry_testkit::samples;
+use ferry_testkit::{LoggedServer, TestPki, assert_same, spawn_server};
 
 use crate::ferry_server;
 use crate::metrics::{free_port, sample, scrape};

@@ -7,7 +7,7 @@ use ferry_io::{Dial, Exchange, PeerCheck, SharedMemory};
 use ferry_proto::{ContentHash, IfExists, Transfer};
 use ferry_proto::{NodeStats, TensorInfo, TensorKey};
 
-use super::TestNode;
+use crate::TestNode;
 
 /// Copies the one tensor `key` from `source`'s node to `target`'s, as `how` says: the answer for
 /// that tensor (the batch itself must go through).

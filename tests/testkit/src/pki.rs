@@ -2,7 +2,7 @@
 
 use ferry_client::{Client, ClientError};
 
-use super::TestNode;
+use crate::TestNode;
 
 /// A CA in a temporary directory and the certificates tests ask it for: nodes valid for
 /// `127.0.0.1` (where test nodes listen), clients, and whatever else a test issues itself.

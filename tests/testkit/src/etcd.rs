@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::TestPki;
+use crate::TestPki;
 
 /// A real etcd (Debian's `etcd-server`; `tests/run.sh` installs it) on free loopback ports, with its
 /// data in a temporary directory, for the cluster tests. Stopped (killed) when dropped.

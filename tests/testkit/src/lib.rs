@@ -1,14 +1,19 @@
-//! Helpers the integration tests of every package share: in-process nodes on loopback, node
-//! processes, a fault-injecting proxy, a test PKI and etcd, byte comparisons and polling.
+//! ferry-testkit: what the integration tests, benchmarks and doc tests of every ferry package
+//! share: in-process nodes on loopback, node processes, a fault-injecting proxy, a test PKI and
+//! etcd, byte comparisons and polling, the sample matrix ([`samples`]) and a squatted port
+//! ([`squatter`]).
 //!
-//! One concept a file, everything re-exported here: `node` ([`TestNode`], [`start`]),
-//! `background` ([`BackgroundNode`]), `process` ([`ServerProcess`], [`LoggedServer`]),
-//! `proxy` ([`proxy`], [`Fault`]), `copy` ([`How`], [`copy_keys`]), `checks`
+//! One concept a file, everything but the samples and the squatter re-exported here: `node`
+//! ([`TestNode`], [`start`]), `background` ([`BackgroundNode`]), `process` ([`ServerProcess`],
+//! [`LoggedServer`]), `proxy` ([`proxy`], [`Fault`]), `copy` ([`How`], [`copy_keys`]), `checks`
 //! ([`assert_same`], [`code_of`]), `poll` ([`eventually`]), `pki` ([`TestPki`]) and `etcd`
 //! ([`Etcd`]).
 // Test support: a failed unwrap fails the test that called it, and these helpers are read in
 // the tests that use them rather than in `cargo doc`.
 #![allow(clippy::unwrap_used, missing_docs)]
+
+pub mod samples;
+pub mod squatter;
 
 mod background;
 mod checks;
