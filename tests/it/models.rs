@@ -584,3 +584,34 @@ async fn a_put_into_a_model_version_is_hashed_as_it_arrives() {
     assert_eq!(desc.content_hash, HashState::Verified(truth));
     node.shutdown().await;
 }
+
+/// A connection writes at most 16 versions and holds at most 64 at once: the next is refused
+/// with `LimitExceeded`, and one committed or closed makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_writes_and_holds_a_bounded_number_of_versions() {
+    use ferry_client::ErrorCode;
+    let node = start_with(&["flex"]).await;
+    let mut client = node.client().await;
+    let mut begun = Vec::new();
+    for i in 0..16 {
+        begun.push((i, client.begin_model(0, &format!("m{i}"), false).await.unwrap()));
+    }
+    let refused = client.begin_model(0, "m16", false).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::LimitExceeded), "{refused}");
+    let (i, version) = begun[0];
+    client
+        .commit_model(0, &format!("m{i}"), version, [], Vec::new())
+        .await
+        .unwrap();
+    client.begin_model(0, "m16", false).await.unwrap();
+
+    let mut held = Vec::new();
+    for _ in 0..64 {
+        held.push(client.open_model(0, "m0").await.unwrap());
+    }
+    let refused = client.open_model(0, "m0").await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::LimitExceeded), "{refused}");
+    client.close_model(&held[0]).await.unwrap();
+    client.open_model(0, "m0").await.unwrap();
+    node.shutdown().await;
+}
