@@ -116,7 +116,8 @@ fn main() {
             let ((), took, peak) = measured(|| store.collect_from(model).unwrap());
             println!(
                 "  collect_from, window {}, {lanes} lane(s): {:.0} ms, {:.2} GB/s = {:.2}x raw \
-                 TCP ({:.2}x into fresh memory); resident here +{} at peak, node resident {}",
+                 TCP ({:.2}x into fresh memory); resident here +{} at peak, node resident {} \
+                 (peak {})",
                 mib(window),
                 took.as_secs_f64() * 1e3,
                 gbps(bytes, took),
@@ -124,6 +125,7 @@ fn main() {
                 fresh.as_secs_f64() / took.as_secs_f64(),
                 mib(peak),
                 mib(node.rss()),
+                mib(node.peak()),
             );
             let mut target = Stack {
                 layers: (0..64)

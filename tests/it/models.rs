@@ -594,7 +594,13 @@ async fn a_connection_writes_and_holds_a_bounded_number_of_versions() {
     let mut client = node.client().await;
     let mut begun = Vec::new();
     for i in 0..16 {
-        begun.push((i, client.begin_model(0, &format!("m{i}"), false).await.unwrap()));
+        begun.push((
+            i,
+            client
+                .begin_model(0, &format!("m{i}"), false)
+                .await
+                .unwrap(),
+        ));
     }
     let refused = client.begin_model(0, "m16", false).await.unwrap_err();
     assert_eq!(refused.code(), Some(ErrorCode::LimitExceeded), "{refused}");

@@ -67,6 +67,8 @@ pub(crate) struct Arrived {
     pub(crate) hash: KnownHash,
     /// The sealed shared-memory region the bytes lie in, where it was kept.
     pub(crate) region: Option<SealedRegion>,
+    /// Their chunk checksums, where the receive checked every one (none otherwise).
+    pub(crate) checksums: ChunkChecksums,
 }
 
 impl Arrived {
@@ -76,6 +78,7 @@ impl Arrived {
             data,
             hash: KnownHash::Unknown,
             region: None,
+            checksums: ChunkChecksums::default(),
         }
     }
 }

@@ -65,6 +65,7 @@ async fn register(
         data,
         hash,
         region: None,
+        checksums: Default::default(),
     };
     node.register(admission, arrived).await.unwrap()
 }
@@ -264,4 +265,43 @@ async fn a_flex_device_registers_the_received_buffer_itself() {
             "{name}: the registered values are a copy"
         );
     }
+}
+
+/// A tensor registered with the chunk checksums its receive checked is sent on with them (not
+/// computed again); one whose bytes a send reads from a copy is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checksums_a_tensor_arrived_with_go_with_its_bytes() {
+    use ferry_io::connection::ChunkChecksums;
+    let node = node(&[DeviceSpec::Flex]);
+    let data = plain_f32(&[64, 64], 3);
+    let crcs: Vec<u32> = (0..17).collect();
+    let meta = ferry_proto::tensor::meta_of(&data).unwrap();
+    let admission = node
+        .admit(
+            0,
+            "w",
+            &meta.dtype(),
+            meta.shape(),
+            meta.byte_len() as u64,
+            IfExists::Refuse,
+        )
+        .unwrap();
+    let arrived = Arrived {
+        data: data.clone(),
+        hash: KnownHash::Unknown,
+        region: None,
+        checksums: ChunkChecksums::known(1000, crcs.clone()),
+    };
+    node.register(admission, arrived).await.unwrap();
+    let (_, _, bytes) = node.read_host(&TensorKey::new(0, "w")).await.unwrap();
+    assert_eq!(bytes.parts().concat(), data.as_bytes());
+    let HostBytes::Shared { checksums, .. } = &bytes else {
+        panic!("a Flex f32 tensor is sent from its own bytes");
+    };
+    assert_eq!(checksums.len(), 17, "kept from the receive");
+    assert_eq!(
+        bytes.known().checksums.map(ChunkChecksums::len),
+        Some(17),
+        "and offered to the send"
+    );
 }

@@ -285,7 +285,12 @@ impl<'a> Pull<'a> {
             route,
             region,
         } = received;
-        let Assembled { data, hash, sealed } = finish(assembler).await?;
+        let Assembled {
+            data,
+            hash,
+            sealed,
+            checksums,
+        } = finish(assembler).await?;
         let hash = match (pulled_check(route), hash) {
             // Chunks: hashed while they arrived and compared with the grant by `verify`, before
             // the release; the hash is the one it settled.
@@ -301,7 +306,12 @@ impl<'a> Pull<'a> {
         // The region it came in, or the one it was received into, where the node shares its
         // receives.
         let region = region.or(sealed);
-        let payload = Payload::Data(Arrived { data, hash, region });
+        let payload = Payload::Data(Arrived {
+            data,
+            hash,
+            region,
+            checksums,
+        });
         let desc = self
             .node
             .register_payload(admission, payload, TransferPath::Pull)

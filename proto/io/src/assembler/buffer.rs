@@ -8,7 +8,7 @@ use ferry_proto::{MetaError, TensorMeta};
 
 use ferry_memory::pool::Pool;
 
-use super::{Backing, HashUse, RunningHash, TensorAssembler};
+use super::{Backing, HashUse, ReceivedChecksums, RunningHash, TensorAssembler};
 
 /// A zeroed buffer of `len` bytes, allocated with the alignment of `dtype`'s elements so that
 /// backends can use it in place (NdArray panics on misaligned buffers; Flex would copy), and from
@@ -138,6 +138,7 @@ impl TensorAssembler {
             buf,
             received: 0,
             backing,
+            checksums: ReceivedChecksums::default(),
         }
     }
 }

@@ -7,6 +7,7 @@ use ferry_proto::tensor::from_parts;
 use ferry_proto::{ContentHash, ProtoError, StreamError};
 
 use super::{Backing, RunningHash, Sealed, TensorAssembler};
+use crate::connection::ChunkChecksums;
 
 /// A received tensor, handed out by [`TensorAssembler::finish`].
 #[derive(Debug)]
@@ -19,6 +20,9 @@ pub struct Assembled {
     pub hash: Option<ContentHash>,
     /// The region it was received into, sealed, to pass on to a same-host peer without a copy.
     pub sealed: Sealed,
+    /// Its chunk checksums, where every chunk's was checked as it arrived in a sender's usual
+    /// layout: a node that sends these bytes on, unchanged, need not compute them again.
+    pub checksums: ChunkChecksums,
 }
 
 impl TensorAssembler {
@@ -46,10 +50,12 @@ impl TensorAssembler {
         // Joined (and its thread done with the buffer) before the buffer is handed out.
         self.hash = RunningHash::None;
         let sealed = self.seal();
+        let checksums = std::mem::take(&mut self.checksums).into_known(self.meta.byte_len());
         Ok(Assembled {
             data: from_parts(&self.meta, self.buf)?,
             hash,
             sealed,
+            checksums,
         })
     }
 

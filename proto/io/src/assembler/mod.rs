@@ -16,6 +16,8 @@ use burn_std::Bytes;
 use ferry_proto::tensor::hash_more;
 use ferry_proto::{ContentHash, StreamError, TensorMeta};
 
+use crate::connection::ReceivedChecksums;
+
 pub use crate::hash_plan::HashUse;
 pub use buffer::BufferFrom;
 pub use finish::Assembled;
@@ -38,6 +40,8 @@ pub struct TensorAssembler {
     received: usize,
     /// What `buf` is, beyond plain memory of this receiver's.
     backing: Backing,
+    /// The chunk checksums checked so far, handed out with the tensor.
+    checksums: ReceivedChecksums,
 }
 
 /// What a receiver's buffer is.
@@ -152,6 +156,12 @@ impl TensorAssembler {
         Ok(())
     }
 
+    /// Keeps the checksum of the chunk just committed, where it was checked (see
+    /// [`ReceivedChecksums`]).
+    pub(crate) fn record_checksum(&mut self, offset: u64, len: usize, checked: Option<u32>) {
+        self.checksums.record(offset, len, checked);
+    }
+
     /// Copies a verified chunk in.
     pub fn accept(&mut self, offset: u64, data: &[u8]) -> Result<(), StreamError> {
         self.slot(offset, data.len())?.copy_from_slice(data);
@@ -206,6 +216,7 @@ impl TensorAssembler {
             buf,
             received: _,
             backing,
+            checksums: _,
         } = self;
         Ok((
             Shell {
@@ -232,6 +243,7 @@ impl TensorAssembler {
             buf,
             received,
             backing: shell.backing,
+            checksums: ReceivedChecksums::default(),
         }
     }
 }

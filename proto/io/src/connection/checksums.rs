@@ -1,5 +1,6 @@
 //! What a sender already knows of a payload that never changes: the sealed region it lies in
-//! ([`Known`]) and its chunk checksums, computed once and reused ([`ChunkChecksums`]).
+//! ([`Known`]) and its chunk checksums, computed once and reused ([`ChunkChecksums`]), or kept
+//! from the receive that checked them ([`ReceivedChecksums`]).
 
 use super::SealedRegion;
 
@@ -39,6 +40,14 @@ impl ChunkChecksums {
             Some((chunk, std::sync::Arc::new(crcs)));
     }
 
+    /// Checksums known from the start: `crcs[i]` is chunk `i`'s of `chunk` bytes (the last may
+    /// be shorter), as a receive checked them ([`ReceivedChecksums::into_known`]).
+    pub fn known(chunk: usize, crcs: Vec<u32>) -> Self {
+        Self {
+            known: std::sync::Mutex::new(Some((chunk, std::sync::Arc::new(crcs)))),
+        }
+    }
+
     /// How many chunk checksums are known (for tests).
     pub fn len(&self) -> usize {
         let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
@@ -48,6 +57,79 @@ impl ChunkChecksums {
     /// Whether none are known yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// The checksums a receive checked, chunk by chunk, kept so that the node need not compute them
+/// again when it sends the same bytes on (a model put to one node and copied to the next reads
+/// its bytes once there, for the send, instead of twice). Kept only for a payload that came as
+/// one run of equal chunks from offset 0, the layout a sender with that chunk size writes; any
+/// other (a resume, a chunk not checked, a stripe) keeps none, and the next send computes them.
+#[derive(Debug, Default)]
+pub struct ReceivedChecksums {
+    state: Recording,
+}
+
+#[derive(Debug, Default)]
+enum Recording {
+    /// No chunk yet.
+    #[default]
+    Empty,
+    /// Chunks of `chunk` bytes from offset 0, `covered` bytes in all, each checked; once one
+    /// shorter came (`ended`), it was the last.
+    Run {
+        chunk: usize,
+        crcs: Vec<u32>,
+        covered: u64,
+        ended: bool,
+    },
+    /// A chunk out of that layout, or not checked: none kept.
+    Broken,
+}
+
+impl ReceivedChecksums {
+    /// Notes the chunk of `len` bytes at `offset`, with its checksum where it was checked.
+    pub fn record(&mut self, offset: u64, len: usize, checked: Option<u32>) {
+        self.state = match (std::mem::take(&mut self.state), checked) {
+            (Recording::Empty, Some(crc)) if offset == 0 && len > 0 => Recording::Run {
+                chunk: len,
+                crcs: vec![crc],
+                covered: len as u64,
+                ended: false,
+            },
+            (
+                Recording::Run {
+                    chunk,
+                    mut crcs,
+                    covered,
+                    ended: false,
+                },
+                Some(crc),
+            ) if offset == covered && len > 0 && len <= chunk => {
+                crcs.push(crc);
+                Recording::Run {
+                    chunk,
+                    crcs,
+                    covered: covered.saturating_add(len as u64),
+                    ended: len < chunk,
+                }
+            }
+            _ => Recording::Broken,
+        };
+    }
+
+    /// The checksums of a payload of `total` bytes, where the recorded chunks covered exactly
+    /// that; none otherwise.
+    pub fn into_known(self, total: usize) -> ChunkChecksums {
+        match self.state {
+            Recording::Run {
+                chunk,
+                crcs,
+                covered,
+                ..
+            } if covered == total as u64 => ChunkChecksums::known(chunk, crcs),
+            _ => ChunkChecksums::default(),
+        }
     }
 }
 
@@ -196,5 +278,115 @@ mod tests {
             ),
             "{refused:?}"
         );
+    }
+
+    /// A receive that checks every chunk hands out their checksums, the very ones the sender
+    /// computed; sent on with them, the bytes pass a checking receiver bit-exact. One that does
+    /// not check chunks (a pull's, checked by its hash) keeps none.
+    #[tokio::test]
+    async fn a_checking_receive_keeps_the_checksums_a_send_on_reuses() {
+        let data = TensorData::new((0..2500).map(|i| i as f32).collect::<Vec<_>>(), [2500]);
+        let (meta, payload) = into_parts(data).unwrap();
+        let at_sender = ChunkChecksums::default();
+        let known = Known {
+            region: None,
+            checksums: Some(&at_sender),
+        };
+        let receiver =
+            TensorAssembler::new(meta.clone(), 1 << 30, BufferFrom::Fresh, HashUse::Record)
+                .unwrap();
+        let received = send_into(receiver, &payload, known)
+            .await
+            .unwrap()
+            .finish()
+            .unwrap();
+        let sent = at_sender.for_chunk_size(1000).unwrap();
+        assert_eq!(
+            received.checksums.for_chunk_size(1000).unwrap(),
+            sent,
+            "one per 1000-byte chunk, as the sender computed them"
+        );
+
+        let on = Known {
+            region: None,
+            checksums: Some(&received.checksums),
+        };
+        let next =
+            TensorAssembler::new(meta.clone(), 1 << 30, BufferFrom::Fresh, HashUse::Skip).unwrap();
+        let again = send_into(next, received.data.as_bytes(), on)
+            .await
+            .unwrap()
+            .finish()
+            .unwrap();
+        assert_eq!(again.data.as_bytes(), &payload[..]);
+
+        let hashing =
+            TensorAssembler::new(meta.clone(), 1 << 30, BufferFrom::Fresh, HashUse::Check).unwrap();
+        let pulled = send_into(hashing, &payload, known)
+            .await
+            .unwrap()
+            .finish()
+            .unwrap();
+        assert!(pulled.checksums.is_empty(), "chunks not checked, none kept");
+    }
+
+    /// What a receive keeps of the checksums it checked: only a run of equal chunks from 0
+    /// (the last maybe shorter) that covers the payload, every one checked.
+    #[test]
+    fn received_checksums_table() {
+        type Chunk = (u64, usize, Option<u32>);
+        /// What a case expects kept: the chunk size and the checksums.
+        type Kept = Option<(usize, Vec<u32>)>;
+        let c = |offset, len, crc| -> Chunk { (offset, len, Some(crc)) };
+        let cases: [(&str, usize, Vec<Chunk>, Kept); 10] = [
+            ("one chunk", 10, vec![c(0, 10, 1)], Some((10, vec![1]))),
+            (
+                "equal chunks",
+                30,
+                vec![c(0, 10, 1), c(10, 10, 2), c(20, 10, 3)],
+                Some((10, vec![1, 2, 3])),
+            ),
+            (
+                "a shorter last",
+                25,
+                vec![c(0, 10, 1), c(10, 10, 2), c(20, 5, 3)],
+                Some((10, vec![1, 2, 3])),
+            ),
+            ("nothing", 0, vec![], None),
+            (
+                "short of the end",
+                30,
+                vec![c(0, 10, 1), c(10, 10, 2)],
+                None,
+            ),
+            ("not from 0", 20, vec![c(10, 10, 2)], None),
+            ("a gap", 30, vec![c(0, 10, 1), c(20, 10, 3)], None),
+            (
+                "a chunk after a shorter one",
+                20,
+                vec![c(0, 10, 1), c(10, 5, 2), c(15, 5, 3)],
+                None,
+            ),
+            ("a longer chunk", 30, vec![c(0, 10, 1), c(10, 20, 2)], None),
+            (
+                "one not checked",
+                20,
+                vec![c(0, 10, 1), (10, 10, None)],
+                None,
+            ),
+        ];
+        for (what, total, chunks, expected) in cases {
+            let mut received = ReceivedChecksums::default();
+            for (offset, len, crc) in chunks {
+                received.record(offset, len, crc);
+            }
+            let known = received.into_known(total);
+            let got = expected
+                .as_ref()
+                .and_then(|(chunk, _)| known.for_chunk_size(*chunk))
+                .map(|crcs| crcs.to_vec());
+            assert_eq!(got, expected.map(|(_, crcs)| crcs), "{what}");
+            assert_eq!(known.is_empty(), got.is_none(), "{what}");
+        }
     }
 }

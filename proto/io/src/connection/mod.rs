@@ -25,7 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 
 use crate::transport::Transport;
 
-pub use checksums::{ChunkChecksums, Known};
+pub use checksums::{ChunkChecksums, Known, ReceivedChecksums};
 pub use payload::{ChunkSink, PayloadRoute};
 pub use shm::{
     DEFAULT_REGION_MIN, KEEP_REGION_MIN, RegionUse, SealedRegion, UNREAD_REGION_BYTES,

@@ -31,8 +31,9 @@ pub trait ChunkSink {
     /// The place for `len` bytes at payload offset `offset`: the next bytes expected, within
     /// what is expected, and not empty.
     fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError>;
-    /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received.
-    fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError>;
+    /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received,
+    /// with their chunk's checksum where it was checked (`checked`).
+    fn commit(&mut self, offset: u64, len: usize, checked: Option<u32>) -> Result<(), StreamError>;
     /// Whether each chunk's checksum must be checked (see [`TensorAssembler::checks_chunks`]).
     fn checks_chunks(&self) -> bool;
     /// Whether every byte expected has arrived.
@@ -46,8 +47,10 @@ impl ChunkSink for TensorAssembler {
         TensorAssembler::slot(self, offset, len)
     }
 
-    fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError> {
-        TensorAssembler::commit(self, offset, len)
+    fn commit(&mut self, offset: u64, len: usize, checked: Option<u32>) -> Result<(), StreamError> {
+        TensorAssembler::commit(self, offset, len)?;
+        self.record_checksum(offset, len, checked);
+        Ok(())
     }
 
     fn checks_chunks(&self) -> bool {
@@ -239,7 +242,7 @@ impl<S: Transport> Connection<S> {
         if check {
             header.verify_crc(crc)?;
         }
-        sink.commit(offset, len)?;
+        sink.commit(offset, len, check.then_some(crc))?;
         Ok(())
     }
 

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn_backend::{Backend, DType};
 use ferry_backend::Primitive;
-use ferry_io::connection::SealedRegion;
+use ferry_io::connection::{ChunkChecksums, SealedRegion};
 use ferry_io::hash_plan::{AtRegister, at_register};
 use ferry_proto::TensorMeta;
 
@@ -58,6 +58,7 @@ impl<B: Backend> Worker<B> {
             bytes,
             mut content_hash,
             region,
+            checksums,
         } = self.place(&name, payload)?;
         // What the verifier will read, prepared before anything is replaced: nothing after the
         // replacement can fail.
@@ -116,7 +117,7 @@ impl<B: Backend> Worker<B> {
                 region,
                 _abandoned: AbandonOnDrop(abandoned.clone()),
                 waiting: Vec::new(),
-                checksums: Arc::default(),
+                checksums,
                 reservation: Arc::new(reservation),
                 slot,
             },
@@ -139,7 +140,12 @@ impl<B: Backend> Worker<B> {
     /// nothing is registered or replaced yet.
     fn place(&self, name: &str, payload: Payload) -> Result<Placed<B>, NodeError> {
         Ok(match payload {
-            Payload::Data(Arrived { data, hash, region }) => {
+            Payload::Data(Arrived {
+                data,
+                hash,
+                region,
+                checksums,
+            }) => {
                 let dtype = data.dtype();
                 let shape = data.shape().as_slice().to_vec();
                 let bytes = data.bytes().len() as u64;
@@ -170,11 +176,16 @@ impl<B: Backend> Worker<B> {
                 primitive.confirm_written()?;
                 // Kept only while the region's mapping is the tensor's own storage: a backend that
                 // copied the bytes out freed the mapping, and the region would double the memory.
-                let region = region.filter(|_| {
-                    primitive
-                        .shared_host_bytes()
-                        .is_some_and(|shared| std::ptr::eq(shared.values.as_ptr(), origin))
-                });
+                // The checksums likewise: a backend that repacked the bytes sends others.
+                let in_place = primitive
+                    .shared_host_bytes()
+                    .is_some_and(|shared| std::ptr::eq(shared.values.as_ptr(), origin));
+                let region = region.filter(|_| in_place);
+                let checksums = if in_place {
+                    checksums
+                } else {
+                    ChunkChecksums::default()
+                };
                 Placed {
                     primitive,
                     dtype,
@@ -182,6 +193,7 @@ impl<B: Backend> Worker<B> {
                     bytes,
                     content_hash,
                     region: region.map(Arc::new),
+                    checksums: Arc::new(checksums),
                 }
             }
             Payload::Native(native) => {
@@ -200,6 +212,7 @@ impl<B: Backend> Worker<B> {
                     bytes: native.bytes,
                     content_hash: native.content_hash,
                     region: None,
+                    checksums: Arc::default(),
                 }
             }
         })
@@ -216,4 +229,6 @@ struct Placed<B: Backend> {
     content_hash: HashState,
     /// The sealed region its bytes lie in, where the region's mapping is the tensor's storage.
     region: Option<Arc<SealedRegion>>,
+    /// Its chunk checksums, as received, where its storage is the very bytes received.
+    checksums: Arc<ChunkChecksums>,
 }

@@ -87,13 +87,19 @@ impl Session<'_> {
             .map_err(|e| NodeError::Backend(format!("finishing a put: {e}")))
             .and_then(|finished| finished.map_err(NodeError::Received));
         let reply = match finished {
-            Ok(Assembled { data, hash, sealed }) => {
+            Ok(Assembled {
+                data,
+                hash,
+                sealed,
+                checksums,
+            }) => {
                 let arrived = Arrived {
                     data,
                     hash: hash.map_or(KnownHash::Unknown, KnownHash::Computed),
                     // The region it came in, or the one it was received into
                     // (`--shareable-receives`).
                     region: region.or(sealed),
+                    checksums,
                 };
                 node.register(admission, arrived)
                     .await
