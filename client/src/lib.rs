@@ -11,7 +11,7 @@ pub mod tensor;
 pub use blocking::{Answer, BlockingClient, Wait};
 pub use client::{
     Client, ClientError, Connect, ConnectOptions, HeldProbe, InterruptedCopy, IssuedCapability,
-    Lane, ModelCopy, NodeCopy, Payload, Put, PutBatch, PutBatchInLanes, PutTo,
+    Lane, ModelCopy, NodeCopy, Payload, Put, PutBatch, PutBatchInLanes, PutTo, RelayTarget,
 };
 pub use ferry_io::{
     ClearTokens, ClientTls, ConnectionError, ConnectionLimits, Endpoint, LocalServer, PeerCheck,

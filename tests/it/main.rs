@@ -22,6 +22,7 @@ mod models;
 mod node;
 mod peers;
 mod pool;
+mod relay;
 mod remote_host;
 mod server;
 mod shareable;

@@ -151,17 +151,22 @@ enum Command {
         #[arg(long)]
         model: bool,
     },
-    /// Copy a tensor (or every tensor of a device) to HOST:PORT/DEVICE[/NAME].
+    /// Copy a tensor (or every tensor of a device) to HOST:PORT/DEVICE[/NAME], or to several
+    /// nodes at once: relayed along a chain in the order given, each target pulling every tensor
+    /// from the nearest node before it that holds it, so the source sends each byte about once.
     Cp {
         /// HOST:PORT/DEVICE[/NAME].
         source: String,
-        /// HOST:PORT/DEVICE[/NAME].
-        target: String,
+        /// HOST:PORT/DEVICE[/NAME]; several (each with the same DEVICE[/NAME]) for one copy to
+        /// all of them.
+        #[arg(required = true, num_args = 1..)]
+        targets: Vec<String>,
         /// Replace tensors that already exist.
         #[arg(long)]
         overwrite: bool,
         /// Tensors of a whole device in flight at once between two nodes, each over a pair of
-        /// connections of its own (to the source and to the target).
+        /// connections of its own (to the source and to the target); a copy to several
+        /// targets runs one chain.
         #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=8))]
         lanes: u8,
     },
@@ -310,10 +315,15 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
         } => commands::get::get(cli, source, output, *model).await,
         Command::Cp {
             source,
-            target,
+            targets,
             overwrite,
             lanes,
-        } => commands::transfer::transfer(cli, source, target, false, *overwrite, *lanes).await,
+        } => match targets.as_slice() {
+            [target] => {
+                commands::transfer::transfer(cli, source, target, false, *overwrite, *lanes).await
+            }
+            several => commands::relay::copy_to_many(cli, source, several, *overwrite).await,
+        },
         Command::Mv {
             source,
             target,

@@ -4,8 +4,8 @@
 //! leaves the connection refusing further calls ([`ClientError::OutOfStep`]) rather than reading
 //! another call's answer. Opening is in `connect`, uploads (the `put` builders) in `put`,
 //! pipelined batches in `batch` (a batch of uploads over several connections in `put_lanes`),
-//! node-to-node copies in `node_copy` (over several pairs of connections at once in `lanes`),
-//! errors in `error`.
+//! node-to-node copies in `node_copy` (over several pairs of connections at once in `lanes`, to
+//! several targets relayed along a chain in `relay`), errors in `error`.
 
 mod batch;
 mod connect;
@@ -17,6 +17,7 @@ mod model_copy;
 mod node_copy;
 mod put;
 mod put_lanes;
+mod relay;
 mod wait;
 
 pub use connect::{Connect, ConnectOptions};
@@ -25,6 +26,7 @@ pub use lanes::Lane;
 pub use model_copy::ModelCopy;
 pub use node_copy::{IssuedCapability, NodeCopy};
 pub use put::{Payload, Put, PutBatch, PutBatchInLanes, PutTo};
+pub use relay::RelayTarget;
 
 use burn_std::Bytes;
 use ferry_io::{

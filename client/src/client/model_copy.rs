@@ -3,9 +3,10 @@
 //! all.
 
 use ferry_proto::message::ModelManifest;
-use ferry_proto::{TensorKey, Transfer};
+use ferry_proto::{TensorInfo, TensorKey, Transfer};
 
-use super::{Client, ClientError, NodeCopy};
+use super::node_copy::CopyItem;
+use super::{Client, ClientError, NodeCopy, RelayTarget};
 
 /// A model copied between nodes: the source's current version is held while its tensors are
 /// pulled by the target (each at the content hash the manifest states) into a new version
@@ -80,6 +81,70 @@ impl ModelCopy {
         Ok(copied)
     }
 
+    /// [`run`](Self::run) to several targets at once, relayed along a chain as
+    /// [`NodeCopy::run_relayed`] relays tensors: the source's current version is held while each
+    /// target begins a new version of its own, takes every tensor from the nearest node before
+    /// it that holds it (at the content hash the manifest states), and commits it with the
+    /// source's paths and metadata; a target that does not get every tensor gives its version
+    /// up ([`ClientError::ModelNotCopied`]), and the others are not held up by it. One answer
+    /// per target, in order; `Err` where the source's model could not be held. Only copies.
+    pub async fn run_relayed(
+        &self,
+        source: &mut Client,
+        targets: &mut [RelayTarget],
+    ) -> Result<Vec<Result<ModelManifest, ClientError>>, ClientError> {
+        if self.transfer == Transfer::Move {
+            return Err(ClientError::Unexpected(
+                "a move goes to one target: a relayed copy only copies".to_string(),
+            ));
+        }
+        let (src_device, src_prefix) = (self.src.0, self.src.1.as_str());
+        let (dst_device, dst_prefix) = (self.dst.0, self.dst.1.as_str());
+        let held = source.open_model(src_device, src_prefix).await?;
+        let mut begun = Vec::with_capacity(targets.len());
+        for target in targets.iter_mut() {
+            begun.push(
+                target
+                    .pulls
+                    .begin_model(dst_device, dst_prefix, self.replace)
+                    .await,
+            );
+        }
+        let versions: Vec<Option<u64>> = begun.iter().map(|b| b.as_ref().ok().copied()).collect();
+        // Each tensor under its path; on each target under that target's own new version.
+        let mut copy = NodeCopy::new(self.source_addr.clone());
+        for entry in &held.tensors {
+            let src = TensorKey::new(held.device, held.name_of(&entry.path));
+            let dst = TensorKey::new(dst_device, entry.path.clone());
+            copy = copy.tensor_at(src, dst, entry.content_hash);
+        }
+        let dst_on = |node: usize, item: &CopyItem| {
+            let version = versions.get(node.checked_sub(1)?).copied().flatten()?;
+            let path = &item.dst.name;
+            Some(TensorKey::new(
+                dst_device,
+                format!("{dst_prefix}/.v{version}/{path}"),
+            ))
+        };
+        let answers = copy.relay(source, targets, &dst_on).await;
+        if source.in_step() {
+            source.close_model(&held).await?;
+        }
+        let mut outcome = Vec::with_capacity(targets.len());
+        for ((target, begun), answers) in targets.iter_mut().zip(begun).zip(answers) {
+            let version = match begun {
+                Ok(version) => version,
+                Err(refused) => {
+                    outcome.push(Err(refused));
+                    continue;
+                }
+            };
+            let place = (dst_device, dst_prefix, version);
+            outcome.push(finish_version(&held, &mut target.pulls, place, answers).await);
+        }
+        Ok(outcome)
+    }
+
     async fn copy(
         &self,
         held: &ModelManifest,
@@ -110,27 +175,36 @@ impl ModelCopy {
                 return Err(error);
             }
         };
-        if let Some((entry, refused)) = held
-            .tensors
-            .iter()
-            .zip(answers)
-            .find_map(|(entry, answer)| answer.err().map(|e| (entry, e)))
-        {
-            target.abort_model(dst_device, dst_prefix, version).await?;
-            return Err(ClientError::ModelNotCopied {
-                path: entry.path.clone(),
-                cause: Box::new(refused),
-            });
-        }
-        let paths = held.tensors.iter().map(|t| t.path.as_str());
-        target
-            .commit_model(
-                dst_device,
-                dst_prefix,
-                version,
-                paths,
-                held.metadata.clone(),
-            )
-            .await
+        finish_version(held, target, (dst_device, dst_prefix, version), answers).await
     }
+}
+
+/// The end of a target's new version once its tensors were answered: committed with the
+/// source's paths and metadata if every one landed, else given up
+/// ([`ClientError::ModelNotCopied`], naming the first refused). A connection that failed gives
+/// the version up by its end.
+async fn finish_version(
+    held: &ModelManifest,
+    target: &mut Client,
+    (device, prefix, version): (u32, &str, u64),
+    answers: Vec<Result<TensorInfo, ClientError>>,
+) -> Result<ModelManifest, ClientError> {
+    if let Some((entry, refused)) = held
+        .tensors
+        .iter()
+        .zip(answers)
+        .find_map(|(entry, answer)| answer.err().map(|e| (entry, e)))
+    {
+        if target.in_step() {
+            target.abort_model(device, prefix, version).await?;
+        }
+        return Err(ClientError::ModelNotCopied {
+            path: entry.path.clone(),
+            cause: Box::new(refused),
+        });
+    }
+    let paths = held.tensors.iter().map(|t| t.path.as_str());
+    target
+        .commit_model(device, prefix, version, paths, held.metadata.clone())
+        .await
 }

@@ -20,7 +20,7 @@ const GRANT_WINDOW: usize = 4;
 /// How often a grant answered `Busy` (the source still computing the tensor's content hash) is
 /// asked again; the source waits up to 10 seconds each time, so this bounds the wait at about 5
 /// minutes of hashing (several hundred GB).
-const GRANT_BUSY_RETRIES: u32 = 30;
+pub(super) const GRANT_BUSY_RETRIES: u32 = 30;
 
 /// A capability a source node issued: hand it to the target node's [`Client::pull`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,9 +100,9 @@ fn released(answer: Response) -> Option<()> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct CopyItem {
     pub(super) src: TensorKey,
-    dst: TensorKey,
+    pub(super) dst: TensorKey,
     /// The version it must be, where a directory listed one.
-    version: Option<ContentHash>,
+    pub(super) version: Option<ContentHash>,
 }
 
 /// A copy (or move) of tensors from one node to another, node to node: the target pulls each

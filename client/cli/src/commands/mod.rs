@@ -7,6 +7,7 @@ pub(crate) mod health;
 pub(crate) mod load;
 pub(crate) mod ls;
 pub(crate) mod put;
+pub(crate) mod relay;
 pub(crate) mod rm;
 pub(crate) mod stat;
 pub(crate) mod transfer;

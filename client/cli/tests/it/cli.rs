@@ -918,6 +918,72 @@ async fn a_device_copied_over_several_lanes_lands_each_tensor_under_its_own_name
     }
 }
 
+/// `ferry cp A/0 B/0 C/0 D/0`: one copy to three nodes, relayed: every tensor bit-exact on
+/// each, each sent by A once, and a report line per target. Targets naming different devices
+/// are refused before anything moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_copied_to_several_nodes_lands_on_each_and_leaves_its_source_once() {
+    let nodes = [
+        ferry_testkit::start_with(&["flex"]).await,
+        ferry_testkit::start_with(&["flex"]).await,
+        ferry_testkit::start_with(&["flex"]).await,
+        ferry_testkit::start_with(&["flex"]).await,
+    ];
+    let mut ca = nodes[0].client().await;
+    let mut tensors: Vec<(String, TensorData)> = [DType::F32, DType::BF16, DType::I64]
+        .into_iter()
+        .enumerate()
+        .map(|(i, dtype)| (format!("t{i}"), samples::plain(dtype, &[64, 97], i as u64)))
+        .collect();
+    let (label, scheme) = samples::schemes().into_iter().next().unwrap();
+    tensors.push((label, samples::quantized(&scheme, &[64, 64], 5)));
+    for (name, data) in &tensors {
+        ca.put(&TensorKey::new(0, name.as_str()), data)
+            .await
+            .unwrap();
+    }
+    let places: Vec<String> = nodes.iter().map(|n| format!("{}/0", n.addr)).collect();
+    let wrong = [
+        "cp".to_string(),
+        places[0].clone(),
+        places[1].clone(),
+        format!("{}/1", nodes[2].addr),
+    ];
+    let args: Vec<String> = ["cp".to_string()].into_iter().chain(places).collect();
+    let (out, refused) = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let wrong: Vec<&str> = wrong.iter().map(String::as_str).collect();
+        (ferry(&args), ferry(&wrong))
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        stderr.matches("copied 4 of 4 tensors to").count(),
+        3,
+        "{stderr}"
+    );
+    for target in &nodes[1..] {
+        let mut client = target.client().await;
+        for (name, data) in &tensors {
+            let landed = client.get(&TensorKey::new(0, name.as_str())).await.unwrap();
+            ferry_testkit::assert_same(&landed, data, name);
+        }
+    }
+    assert_eq!(
+        ca.stat().await.unwrap().fetches_served,
+        4,
+        "each tensor left A once"
+    );
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("the same DEVICE[/NAME]"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}
+
 /// Runs `args` until its output holds `needle` `count` times (a directory catching up), for
 /// 10 s at most.
 fn listed_within(args: &[&str], needle: &str, count: usize) {
