@@ -159,7 +159,7 @@ async fn a_relay_that_dies_mid_stream_is_routed_around() {
 }
 
 /// The source's tensors overwritten while they are relayed: every target that holds a tensor
-/// holds the version the others hold (the first one a target landed), whole; a target that could
+/// holds the version the others hold (the first one granted for it), whole; a target that could
 /// not get that version says so (the source granted another, or replaced it before the fetch).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_target_lands_one_version_while_the_source_is_overwritten() {

@@ -76,12 +76,14 @@ enum Stage {
     Pull,
 }
 
-/// Whose failure it was, and what follows: the target asks another node (`SourceLacks`: this
-/// tensor; `SourceGone`: every tensor, the node being unreachable), or the nodes after the
-/// target pass it over for this tensor (`Target`).
+/// Whose failure it was, and what follows: the target asks another node for this tensor
+/// (`SourceLacks`), for every tensor (`Unreachable`: this target could not fetch from it, which
+/// may be the target's own link), or every target does (`SourceGone`: this client's connection
+/// to it failed); or the nodes after the target pass it over for this tensor (`Target`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Blame {
     SourceLacks,
+    Unreachable,
     SourceGone,
     Target,
 }
@@ -89,8 +91,10 @@ enum Blame {
 /// Whose failure a failed step with `code` (none: the connection failed) was.
 fn blame(stage: Stage, code: Option<ErrorCode>) -> Blame {
     match (stage, code) {
-        // The granting connection failed, or the target could not reach the node at all.
-        (Stage::Grant, None) | (Stage::Pull, Some(ErrorCode::PeerFailed)) => Blame::SourceGone,
+        // The granting connection failed.
+        (Stage::Grant, None) => Blame::SourceGone,
+        // The target could not fetch from the node (its link or the node's: it cannot tell).
+        (Stage::Pull, Some(ErrorCode::PeerFailed)) => Blame::Unreachable,
         // The node does not hold it (or not that version, or not now), or sent other bytes.
         (Stage::Grant, Some(_))
         | (Stage::Version, _)
@@ -108,8 +112,9 @@ struct Chain {
     holds: Vec<Vec<Holding>>,
     /// Nodes no target could reach: lost for every tensor, whatever they hold.
     gone: Vec<bool>,
-    /// The content hash of the first landing of each tensor: every later hop of it checks its
-    /// capability against it, so every target lands that version or none.
+    /// The version each tensor is copied at: the one listed (`tensor_at`), else the first one
+    /// granted for it. Every grant is checked against it (taken and compared under this lock,
+    /// in one step), so every target lands that version or none.
     version: Vec<Option<ContentHash>>,
 }
 
@@ -119,7 +124,9 @@ struct Hop<'a> {
     from_key: &'a TensorKey,
     dst: &'a TensorKey,
     audience: &'a NodeId,
-    version: Option<ContentHash>,
+    /// Takes the granted version as the tensor's where it has none yet, and answers the one it
+    /// has: a grant of any other is given back.
+    pin: &'a (dyn Fn(ContentHash) -> ContentHash + Sync),
     if_exists: IfExists,
 }
 
@@ -130,7 +137,7 @@ impl Hop<'_> {
         &self,
         from: &mut Client,
         into: &mut Client,
-    ) -> Result<(TensorInfo, ContentHash), (Stage, ClientError)> {
+    ) -> Result<TensorInfo, (Stage, ClientError)> {
         // A node still verifying the hash of what it just landed answers `Busy` (each ask
         // waits for it up to the node's bound): asked again, as a copy to one target does.
         let mut grant = from.grant(self.from_key, self.audience).await;
@@ -142,9 +149,8 @@ impl Hop<'_> {
             grant = from.grant(self.from_key, self.audience).await;
         }
         let grant = grant.map_err(|e| (Stage::Grant, e))?;
-        if let Some(listed) = self.version
-            && grant.content_hash != listed
-        {
+        let listed = (self.pin)(grant.content_hash);
+        if grant.content_hash != listed {
             // Another version than the one the copy is of: given back, so that it does not
             // count against this connection's outstanding grants.
             let _ = from.release(&grant).await;
@@ -167,7 +173,7 @@ impl Hop<'_> {
                 if info.path == TransferPath::Dedup {
                     let _ = from.release(&grant).await;
                 }
-                Ok((info, grant.content_hash))
+                Ok(info)
             }
             Err(failed) => {
                 let _ = from.release(&grant).await;
@@ -185,7 +191,7 @@ impl NodeCopy {
     /// one tensor's time after the first does. A target that refuses a tensor (budget, dtype, a
     /// key it holds), or fails, is passed over by those after it; one a target cannot fetch
     /// from (it failed, or no longer holds the version) is asked of the node before it. Every
-    /// target lands one version of each tensor (the first a target landed), or nothing: a
+    /// target lands one version of each tensor (the first granted for it), or nothing: a
     /// source replaced meanwhile is refused ([`ClientError::NotTheListedVersion`], or the
     /// node's `CapabilityRefused` where it was replaced between the grant and the fetch).
     ///
@@ -235,7 +241,7 @@ impl NodeCopy {
                     row
                 })
                 .collect(),
-            version: vec![None; self.items.len()],
+            version: self.items.iter().map(|item| item.version).collect(),
             gone: vec![false; targets.len() + 1],
         });
         let changed = Notify::new();
@@ -297,6 +303,9 @@ impl NodeCopy {
                     .collect();
             }
         };
+        // Nodes this target could not fetch from: passed over for every tensor, by it alone.
+        let mut unreachable =
+            vec![false; chain.lock().unwrap_or_else(|e| e.into_inner()).gone.len()];
         let mut answers = Vec::with_capacity(self.items.len());
         for (tensor, item) in self.items.iter().enumerate() {
             let Some(dst) = dst_on(target, item) else {
@@ -310,14 +319,20 @@ impl NodeCopy {
                 let woken = changed.notified();
                 tokio::pin!(woken);
                 woken.as_mut().enable();
-                let (pick, version) = {
+                let pick = {
                     let chain = lock();
                     let row: Vec<Holding> = chain.holds[tensor]
                         .iter()
-                        .zip(&chain.gone)
-                        .map(|(&holding, &gone)| if gone { Holding::Lost } else { holding })
+                        .zip(chain.gone.iter().zip(&unreachable))
+                        .map(|(&holding, (&gone, &unreachable))| {
+                            if gone || unreachable {
+                                Holding::Lost
+                            } else {
+                                holding
+                            }
+                        })
                         .collect();
-                    (pick_source(&row, target), chain.version[tensor])
+                    pick_source(&row, target)
                 };
                 let from = match pick {
                     Pick::From(from) => from,
@@ -349,21 +364,24 @@ impl NodeCopy {
                     from_key: &from_key,
                     dst: &dst,
                     audience: &audience,
-                    version: version.or(item.version),
+                    pin: &|granted| *lock().version[tensor].get_or_insert(granted),
                     if_exists: self.if_exists,
                 };
                 let mut from_client = from_client.lock().await;
                 let ran = hop.run(&mut from_client, pulls).await;
                 drop(from_client);
                 match ran {
-                    Ok((info, granted)) => {
-                        lock().version[tensor].get_or_insert(granted);
+                    Ok(info) => {
                         mark(tensor, target, Holding::Holds);
                         break Ok(info);
                     }
                     Err((stage, failed)) => match blame(stage, failed.code()) {
                         Blame::SourceLacks => {
                             mark(tensor, from, Holding::Lost);
+                            last_failure = Some(failed);
+                        }
+                        Blame::Unreachable => {
+                            unreachable[from] = true;
                             last_failure = Some(failed);
                         }
                         Blame::SourceGone => {
@@ -437,7 +455,7 @@ mod tests {
             (Stage::Grant, Some(ErrorCode::Changed), Blame::SourceLacks),
             (Stage::Grant, None, Blame::SourceGone),
             (Stage::Version, None, Blame::SourceLacks),
-            (Stage::Pull, Some(ErrorCode::PeerFailed), Blame::SourceGone),
+            (Stage::Pull, Some(ErrorCode::PeerFailed), Blame::Unreachable),
             (Stage::Pull, Some(ErrorCode::Integrity), Blame::SourceLacks),
             (
                 Stage::Pull,

@@ -50,7 +50,18 @@ async fn register(
     data: TensorData,
     hash: KnownHash,
 ) -> TensorDesc {
-    let meta = ferry_proto::tensor::meta_of(&data).unwrap();
+    let arrived = Arrived {
+        data,
+        hash,
+        region: None,
+        checksums: Default::default(),
+    };
+    register_arrived(node, device, name, arrived).await
+}
+
+/// Registers `arrived` under `name` on `device`, through admission and registration.
+async fn register_arrived(node: &Node, device: u32, name: &str, arrived: Arrived) -> TensorDesc {
+    let meta = ferry_proto::tensor::meta_of(&arrived.data).unwrap();
     let admission = node
         .admit(
             device,
@@ -61,12 +72,6 @@ async fn register(
             IfExists::Refuse,
         )
         .unwrap();
-    let arrived = Arrived {
-        data,
-        hash,
-        region: None,
-        checksums: Default::default(),
-    };
     node.register(admission, arrived).await.unwrap()
 }
 
@@ -275,24 +280,13 @@ async fn the_checksums_a_tensor_arrived_with_go_with_its_bytes() {
     let node = node(&[DeviceSpec::Flex]);
     let data = plain_f32(&[64, 64], 3);
     let crcs: Vec<u32> = (0..17).collect();
-    let meta = ferry_proto::tensor::meta_of(&data).unwrap();
-    let admission = node
-        .admit(
-            0,
-            "w",
-            &meta.dtype(),
-            meta.shape(),
-            meta.byte_len() as u64,
-            IfExists::Refuse,
-        )
-        .unwrap();
     let arrived = Arrived {
         data: data.clone(),
         hash: KnownHash::Unknown,
         region: None,
         checksums: ChunkChecksums::known(1000, crcs.clone()),
     };
-    node.register(admission, arrived).await.unwrap();
+    register_arrived(&node, 0, "w", arrived).await;
     let (_, _, bytes) = node.read_host(&TensorKey::new(0, "w")).await.unwrap();
     assert_eq!(bytes.parts().concat(), data.as_bytes());
     let HostBytes::Shared { checksums, .. } = &bytes else {
@@ -303,5 +297,28 @@ async fn the_checksums_a_tensor_arrived_with_go_with_its_bytes() {
         bytes.known().checksums.map(ChunkChecksums::len),
         Some(17),
         "and offered to the send"
+    );
+
+    // A quantized tensor's scales are rebuilt from the backend's own: its payload is not sent
+    // as received, so none are kept.
+    use burn_backend::quantization::{QuantScheme, QuantStore, QuantValue, ScaleDtype};
+    let scheme = QuantScheme::default()
+        .with_store(QuantStore::Native)
+        .with_value(QuantValue::Q8S)
+        .per_tensor(ScaleDtype::F32);
+    let quantized = crate::holds::quantized_probe(&scheme, vec![64, 64]).unwrap();
+    let arrived = Arrived {
+        data: quantized.clone(),
+        hash: KnownHash::Unknown,
+        region: None,
+        checksums: ChunkChecksums::known(1 << 20, vec![7]),
+    };
+    register_arrived(&node, 0, "q", arrived).await;
+    let (_, _, bytes) = node.read_host(&TensorKey::new(0, "q")).await.unwrap();
+    assert_eq!(bytes.parts().concat(), quantized.as_bytes());
+    assert_eq!(
+        bytes.known().checksums.map(ChunkChecksums::len),
+        Some(0),
+        "a payload with a rebuilt tail keeps none"
     );
 }
