@@ -55,5 +55,7 @@ pub use module_to_device::{ModuleMoveError, TryModuleToDevice};
 pub use node::NodeTensors;
 #[cfg(feature = "node")]
 pub use store::Embedded;
-pub use store::{Connected, DEFAULT_WINDOW, FerryStore, Link, Missing, StoreError};
+pub use store::{
+    Connected, DEFAULT_WINDOW, FerryStore, Link, Missing, NotReplicated, Replica, StoreError,
+};
 pub use to_device::{MoveError, TryToDevice};

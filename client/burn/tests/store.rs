@@ -972,3 +972,68 @@ fn a_refusal_has_one_code_over_either_link() {
         Some(ErrorCode::AlreadyExists)
     );
 }
+
+/// A collect goes on to two replicas, relayed from the store's node: each applies the model
+/// bytes-exact, and each tensor left the store's node once. A replica holding the model already
+/// refuses it (no replace asked): the collect fails naming that replica alone, the other holding
+/// the version; with replace asked, both take the next collect (the first from what it holds).
+#[test]
+fn a_collect_goes_on_to_every_replica_whole() {
+    use ferry_burn::Replica;
+    let (node, first, second) = (serve_flex(), serve_flex(), serve_flex());
+    let device = Device::flex();
+    let sent = quantized(TinyLm::new(&device), Quantization::PerTensor);
+    let sent_params = params(&sent);
+    write_version(&mut client(&second.addr), "lm", &BTreeMap::new());
+    let replica = |addr: &str| Replica {
+        addr: addr.to_string(),
+        pulls: client(addr),
+        grants: client(addr),
+    };
+    let served = |addr: &str| client(addr).stat().wait().unwrap().fetches_served;
+    let mut store = FerryStore::connected(client(&node.addr), 0, "lm").with_replicas(
+        &node.addr,
+        vec![replica(&first.addr), replica(&second.addr)],
+    );
+
+    match store.collect_from(&sent) {
+        Err(StoreError::NotReplicated {
+            replicas, failed, ..
+        }) => {
+            assert_eq!(replicas, 2);
+            assert_eq!(failed.len(), 1, "{failed:?}");
+            assert_eq!(failed[0].addr, second.addr);
+            assert_eq!(
+                failed[0].cause.code(),
+                Some(ferry_client::ErrorCode::AlreadyExists)
+            );
+        }
+        other => panic!("a replica holding the model refuses it: {other:?}"),
+    }
+    let tensors = sent_params.len() as u64;
+    assert_eq!(
+        served(&node.addr),
+        tensors,
+        "each tensor left the store's node once"
+    );
+    let mut on_first = TinyLm::new(&device);
+    FerryStore::connected(client(&first.addr), 0, "lm")
+        .apply_to(&mut on_first)
+        .unwrap();
+    assert_same_params(&params(&on_first), &sent_params);
+
+    let mut store = store.if_exists(IfExists::Replace);
+    store.collect_from(&sent).unwrap();
+    assert_eq!(
+        served(&node.addr),
+        tensors,
+        "the first replica holds these very bytes already: nothing is fetched again"
+    );
+    for replica in [&first, &second] {
+        let mut applied = TinyLm::new(&device);
+        FerryStore::connected(client(&replica.addr), 0, "lm")
+            .apply_to(&mut applied)
+            .unwrap();
+        assert_same_params(&params(&applied), &sent_params);
+    }
+}

@@ -169,6 +169,11 @@ enum Command {
         /// targets runs one chain.
         #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=8))]
         lanes: u8,
+        /// SOURCE names a model (HOST:PORT/DEVICE/MODEL): its current version goes whole to
+        /// each target as a new version of the model (of NAME where the targets give one), with
+        /// its metadata, or nothing of it; --overwrite replaces a model a target holds.
+        #[arg(long)]
+        model: bool,
     },
     /// Move a tensor (or every tensor of a device): the source goes once the target holds it.
     Mv {
@@ -317,7 +322,15 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             source,
             targets,
             overwrite,
+            model: true,
+            ..
+        } => commands::model_copy::copy_model(cli, source, targets, *overwrite).await,
+        Command::Cp {
+            source,
+            targets,
+            overwrite,
             lanes,
+            model: false,
         } => match targets.as_slice() {
             [target] => {
                 commands::transfer::transfer(cli, source, target, false, *overwrite, *lanes).await

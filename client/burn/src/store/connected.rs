@@ -15,6 +15,7 @@ use crate::StoreError;
 use crate::store::deferred_tensors;
 use crate::store::link::{Link, Listed, Sending, outside_runtime};
 use crate::store::plan::Targets;
+use crate::store::replicas::{Replica, Replicas};
 use crate::store::window::Window;
 
 /// The node at the other end of a connection: a [`FerryStore`](crate::FerryStore) over it
@@ -29,6 +30,8 @@ pub struct Connected {
     lanes: Mutex<Vec<BlockingClient>>,
     /// That node's id, once lanes were given: each lane is asked it again before a collect.
     node: std::sync::OnceLock<NodeId>,
+    /// Where a committed version goes on to.
+    replicas: Mutex<Option<Replicas>>,
 }
 
 impl Connected {
@@ -37,6 +40,7 @@ impl Connected {
             client: Mutex::new(client),
             lanes: Mutex::new(Vec::new()),
             node: std::sync::OnceLock::new(),
+            replicas: Mutex::new(None),
         }
     }
 
@@ -77,6 +81,15 @@ impl Connected {
         Ok(())
     }
 
+    /// Sets the workers a committed version goes on to ([`Replicas`]).
+    pub(crate) fn set_replicas(&self, from: String, replicas: Vec<Replica>) {
+        *self
+            .replicas
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(Replicas::new(from, replicas));
+    }
+
     /// The lanes a collect can send over: each still in step and answering as the store's node
     /// (one round trip each). A lane that failed an earlier collect, or that the node closed
     /// meanwhile (idle past its keepalive), is dropped for good; the collect goes on without it.
@@ -114,6 +127,20 @@ impl Link for Connected {
         Ok(client
             .commit_model(device, prefix, version, paths, Vec::new())
             .wait()?)
+    }
+
+    fn replicate(&self, device: u32, prefix: &str, replace: bool) -> Result<(), StoreError> {
+        let mut replicas = self
+            .replicas
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match replicas.as_mut() {
+            Some(replicas) => {
+                outside_runtime()?;
+                replicas.relay(&mut self.client(), device, prefix, replace)
+            }
+            None => Ok(()),
+        }
     }
 
     fn abort(&self, device: u32, prefix: &str, version: u64) {

@@ -57,6 +57,24 @@ pub enum StoreError {
         /// Why.
         cause: Box<StoreError>,
     },
+    /// The store's node committed the collect, but some of its replicas did not take the
+    /// version ([`FerryStore::with_replicas`](crate::FerryStore::with_replicas)): each named,
+    /// with why; the others hold it.
+    #[error(
+        "the model {prefix} on device {device} was committed on the store's node, but {} of its {replicas} replicas did not take it: {}",
+        .failed.len(),
+        crate::store::replicas::describe(.failed)
+    )]
+    NotReplicated {
+        /// The model's prefix.
+        prefix: String,
+        /// The device.
+        device: u32,
+        /// How many replicas the store has.
+        replicas: usize,
+        /// Those that did not take it.
+        failed: Vec<crate::store::NotReplicated>,
+    },
     /// A lane given to a store reaches another node than the store's connection
     /// ([`FerryStore::with_lanes`](crate::FerryStore::with_lanes)).
     #[error("a lane reaches node {lane}, not the store's node {store}")]
@@ -116,6 +134,7 @@ impl StoreError {
             #[cfg(feature = "node")]
             StoreError::Node(e) => Some(e.code()),
             StoreError::NotCollected { cause, .. } => cause.code(),
+            StoreError::NotReplicated { failed, .. } => failed.first().and_then(|f| f.cause.code()),
             _ => None,
         }
     }

@@ -73,6 +73,14 @@ pub trait Link: sealed::Sealed + Send + Sync + 'static {
         paths: &[String],
     ) -> Result<ModelManifest, StoreError>;
 
+    /// Passes the version of `prefix` just committed on to the link's replicas, if it has any
+    /// (only a [`Connected`](crate::Connected) store can).
+    #[doc(hidden)]
+    fn replicate(&self, device: u32, prefix: &str, replace: bool) -> Result<(), StoreError> {
+        let _ = (device, prefix, replace);
+        Ok(())
+    }
+
     /// Gives up a version begun here: what was written into it goes.
     #[doc(hidden)]
     fn abort(&self, device: u32, prefix: &str, version: u64);

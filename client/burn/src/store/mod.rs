@@ -22,6 +22,7 @@ mod handoff_apply;
 mod link;
 pub(crate) mod module_path;
 mod plan;
+mod replicas;
 pub(crate) mod restore;
 mod window;
 
@@ -44,6 +45,7 @@ pub use connected::Connected;
 pub use embedded::Embedded;
 pub use error::StoreError;
 pub use link::Link;
+pub use replicas::{NotReplicated, Replica};
 
 use adapted::apply_adapted;
 use link::{Listed, Sending, outside_runtime};
@@ -155,6 +157,19 @@ impl FerryStore<Connected> {
     pub fn with_lanes(self, more: Vec<BlockingClient>) -> Result<Self, StoreError> {
         self.link.add_lanes(more)?;
         Ok(self)
+    }
+
+    /// Each collect's version goes on to `replicas` once the store's node committed it,
+    /// relayed along a chain in the order given (each replica takes every tensor from the
+    /// nearest worker before it that holds it, at the content hash the manifest states), so the
+    /// store's node sends each byte about once. `from` is the store's node's address as the
+    /// replicas reach it. Each replica commits a whole version of its own or keeps nothing of
+    /// it, refusing a model it holds unless the store replaces ([`Self::if_exists`]); a collect
+    /// that some replica did not take fails with [`StoreError::NotReplicated`], naming each, the
+    /// others (and the store's node) holding the version.
+    pub fn with_replicas(self, from: impl Into<String>, replicas: Vec<Replica>) -> Self {
+        self.link.set_replicas(from.into(), replicas);
+        self
     }
 }
 
@@ -353,7 +368,10 @@ impl<L: Link> ModuleStore for FerryStore<L> {
         };
         match self.link.send(module, &sending) {
             // Committed whole, or given up by the node with nothing of it kept.
-            Ok(paths) => self.link.commit(device, prefix, version, &paths).map(drop),
+            Ok(paths) => {
+                self.link.commit(device, prefix, version, &paths)?;
+                self.link.replicate(device, prefix, replace)
+            }
             Err(error) => {
                 self.link.abort(device, prefix, version);
                 Err(StoreError::NotCollected {

@@ -6,6 +6,7 @@ pub(crate) mod get;
 pub(crate) mod health;
 pub(crate) mod load;
 pub(crate) mod ls;
+pub(crate) mod model_copy;
 pub(crate) mod put;
 pub(crate) mod relay;
 pub(crate) mod rm;

@@ -984,6 +984,86 @@ async fn a_device_copied_to_several_nodes_lands_on_each_and_leaves_its_source_on
     );
 }
 
+/// `ferry cp --model A/0/net B/0 C/0`: the model's current version lands whole on both, as a
+/// version of their own with the source's metadata; a target that holds the model refuses it
+/// unless --overwrite, the other taking it all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_copied_to_several_nodes_lands_whole_on_each() {
+    let nodes = [
+        ferry_testkit::start_with(&["flex"]).await,
+        ferry_testkit::start_with(&["flex"]).await,
+        ferry_testkit::start_with(&["flex"]).await,
+    ];
+    let mut source = nodes[0].client().await;
+    let tensors: Vec<(String, TensorData)> = (0..3)
+        .map(|i| {
+            let dtype = [DType::F32, DType::BF16, DType::I64][i];
+            (
+                format!("layer{i}.w"),
+                samples::plain(dtype, &[32, 33], i as u64),
+            )
+        })
+        .collect();
+    let version = source.begin_model(0, "net", false).await.unwrap();
+    for (path, data) in &tensors {
+        let key = TensorKey::new(0, format!("net/.v{version}/{path}"));
+        source.put(&key, data).await.unwrap();
+    }
+    let metadata = vec![("format".to_string(), "pt".to_string())];
+    let paths = tensors.iter().map(|(p, _)| p.as_str());
+    source
+        .commit_model(0, "net", version, paths, metadata.clone())
+        .await
+        .unwrap();
+    // C holds a model of that name already.
+    let mut on_c = nodes[2].client().await;
+    let own = on_c.begin_model(0, "net", false).await.unwrap();
+    on_c.commit_model(0, "net", own, [], Vec::new())
+        .await
+        .unwrap();
+
+    let places: Vec<String> = nodes.iter().map(|n| format!("{}/0", n.addr)).collect();
+    let (src, b, c) = (
+        format!("{}/net", places[0]),
+        places[1].clone(),
+        places[2].clone(),
+    );
+    let (first, forced) = tokio::task::spawn_blocking(move || {
+        (
+            ferry(&["cp", "--model", &src, &b, &c]),
+            ferry(&["cp", "--model", "--overwrite", &src, &b, &c]),
+        )
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&first.stderr);
+    assert!(!first.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("model net reached 1 of 2 targets"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("error: {}/0", nodes[2].addr)),
+        "{stderr}"
+    );
+    let stderr = String::from_utf8_lossy(&forced.stderr);
+    assert!(forced.status.success(), "{stderr}");
+    assert_eq!(
+        stderr.matches("copied model net (3 tensors)").count(),
+        2,
+        "{stderr}"
+    );
+    for target in &nodes[1..] {
+        let mut client = target.client().await;
+        let manifest = client.open_model(0, "net").await.unwrap();
+        assert_eq!(manifest.metadata, metadata);
+        for (path, data) in &tensors {
+            let key = TensorKey::new(0, manifest.name_of(path));
+            ferry_testkit::assert_same(&client.get(&key).await.unwrap(), data, path);
+        }
+    }
+}
+
 /// Runs `args` until its output holds `needle` `count` times (a directory catching up), for
 /// 10 s at most.
 fn listed_within(args: &[&str], needle: &str, count: usize) {
