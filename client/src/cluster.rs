@@ -424,8 +424,10 @@ pub enum ChooseError {
 /// - only one version: holders whose verified content hashes differ make the name ambiguous,
 ///   and unverified holders count only where no holder is verified and there is one;
 /// - nearest first: the target node itself (a copy between its devices), then a member on the
-///   target's machine (its Unix socket, shared memory), then any; ties go to the first by
-///   member name and device, so the choice is repeatable.
+///   target's machine (its Unix socket, shared memory), then any;
+/// - among holders equally near, the one `spread_rank` ranks first for this target and name:
+///   targets spread over the holders (a new worker reads from running replicas as often as from
+///   the first holder by name), and a target asked again picks the same one.
 pub fn choose_source(
     name: &str,
     holders: &[Located],
@@ -483,7 +485,10 @@ pub fn choose_source(
     };
     let holder = candidates
         .into_iter()
-        .min_by_key(|h| (nearness(h), h.member.clone(), h.device))
+        .min_by_key(|h| {
+            let rank = spread_rank(name, target, h);
+            (nearness(h), rank, h.member.clone(), h.device)
+        })
         .ok_or_else(|| ChooseError::NotHeld(name.to_string()))?;
     let member = member_of(holder)
         .cloned()
@@ -499,6 +504,26 @@ pub fn choose_source(
         addr,
         same_node: near == 0,
     })
+}
+
+/// Where equally near holders of `name` rank for `target` (rendezvous hashing): a hash of the
+/// target's member name, the tensor's name and the holder, so that each target has an order of
+/// its own over the holders, the same every time it asks, and many targets spread evenly.
+fn spread_rank(name: &str, target: Option<&MemberRecord>, holder: &Located) -> [u8; 8] {
+    let mut hasher = blake3::Hasher::new();
+    for part in [
+        target.map_or("", |t| t.name.as_str()).as_bytes(),
+        name.as_bytes(),
+        holder.member.as_bytes(),
+        &holder.device.to_le_bytes(),
+    ] {
+        // Each part's length first, so that no two lists of parts hash alike.
+        hasher.update(&(part.len() as u64).to_le_bytes());
+        hasher.update(part);
+    }
+    let mut rank = [0; 8];
+    rank.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+    rank
 }
 
 #[cfg(test)]
@@ -550,13 +575,19 @@ mod tests {
         // The target itself before anyone.
         let chosen = choose_source("w", &holders, &members, Some(&members[0])).unwrap();
         assert!(chosen.same_node);
-        // Nobody near: the first by name, over TCP.
+        // Nobody near: one of them, over TCP, the same every time.
         let far = member("d", "h3");
         let chosen = choose_source("w", &holders, &members, Some(&far)).unwrap();
-        assert_eq!(
-            (chosen.holder.member.as_str(), chosen.addr.as_str()),
-            ("a", "a.example:7070")
+        assert!(
+            ["a", "c"].contains(&chosen.holder.member.as_str()),
+            "{chosen:?}"
         );
+        assert_eq!(
+            chosen.addr,
+            format!("{}.example:7070", chosen.holder.member)
+        );
+        let again = choose_source("w", &holders, &members, Some(&far)).unwrap();
+        assert_eq!(again.holder, chosen.holder);
         // A holder whose member is not registered is never chosen.
         let only_gone = [held("gone", 0, Some("x"))];
         assert!(matches!(
@@ -594,6 +625,32 @@ mod tests {
                 .holder
                 .member,
             "b"
+        );
+    }
+
+    /// Many targets, none near any holder: they spread over the holders about evenly, so a new
+    /// worker reads from running replicas as often as from the first holder by name.
+    #[test]
+    fn equally_near_holders_share_the_targets() {
+        let holders: Vec<Located> = ["coordinator", "replica1", "replica2", "replica3"]
+            .into_iter()
+            .map(|m| held(m, 0, Some("x")))
+            .collect();
+        let mut members: Vec<MemberRecord> =
+            holders.iter().map(|h| member(&h.member, "hub")).collect();
+        let targets: Vec<MemberRecord> = (0..400)
+            .map(|i| member(&format!("worker{i}"), ""))
+            .collect();
+        members.extend(targets.iter().cloned());
+        let mut chosen = std::collections::BTreeMap::<String, usize>::new();
+        for target in &targets {
+            let source = choose_source("w", &holders, &members, Some(target)).unwrap();
+            *chosen.entry(source.holder.member).or_default() += 1;
+        }
+        assert_eq!(chosen.len(), 4, "{chosen:?}");
+        assert!(
+            chosen.values().all(|&n| (60..=140).contains(&n)),
+            "{chosen:?}"
         );
     }
 }
