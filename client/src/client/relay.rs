@@ -304,8 +304,7 @@ impl NodeCopy {
             }
         };
         // Nodes this target could not fetch from: passed over for every tensor, by it alone.
-        let mut unreachable =
-            vec![false; chain.lock().unwrap_or_else(|e| e.into_inner()).gone.len()];
+        let mut unreachable = vec![false; granting.len()];
         let mut answers = Vec::with_capacity(self.items.len());
         for (tensor, item) in self.items.iter().enumerate() {
             let Some(dst) = dst_on(target, item) else {

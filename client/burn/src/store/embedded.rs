@@ -152,12 +152,9 @@ impl Link for Embedded {
     }
 
     fn begin(&self, device: u32, prefix: &str, replace: bool) -> Result<u64, StoreError> {
-        let replace = if replace {
-            Replace::Allow
-        } else {
-            Replace::Refuse
-        };
-        let writer = self.node.begin_model(device, prefix, replace)?;
+        let writer = self
+            .node
+            .begin_model(device, prefix, Replace::when(replace))?;
         let version = writer.version();
         lock(&self.writing).push(writer);
         Ok(version)

@@ -76,12 +76,11 @@ enum Recording {
     #[default]
     Empty,
     /// Chunks of `chunk` bytes from offset 0, `covered` bytes in all, each checked; once one
-    /// shorter came (`ended`), it was the last.
+    /// shorter came (`covered` no longer a multiple of `chunk`), it was the last.
     Run {
         chunk: usize,
         crcs: Vec<u32>,
         covered: u64,
-        ended: bool,
     },
     /// A chunk out of that layout, or not checked: none kept.
     Broken,
@@ -95,23 +94,24 @@ impl ReceivedChecksums {
                 chunk: len,
                 crcs: vec![crc],
                 covered: len as u64,
-                ended: false,
             },
             (
                 Recording::Run {
                     chunk,
                     mut crcs,
                     covered,
-                    ended: false,
                 },
                 Some(crc),
-            ) if offset == covered && len > 0 && len <= chunk => {
+            ) if offset == covered
+                && covered.is_multiple_of(chunk as u64)
+                && len > 0
+                && len <= chunk =>
+            {
                 crcs.push(crc);
                 Recording::Run {
                     chunk,
                     crcs,
                     covered: covered.saturating_add(len as u64),
-                    ended: len < chunk,
                 }
             }
             _ => Recording::Broken,

@@ -29,6 +29,13 @@ pub enum Replace {
     Allow,
 }
 
+impl Replace {
+    /// `Allow` where asked to replace (the wire's and a store's flag), else `Refuse`.
+    pub fn when(asked: bool) -> Self {
+        if asked { Self::Allow } else { Self::Refuse }
+    }
+}
+
 /// Why a model operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ModelError {

@@ -38,12 +38,9 @@ impl Session<'_> {
                 max: MAX_WRITING,
             });
         }
-        let replace = if replace {
-            Replace::Allow
-        } else {
-            Replace::Refuse
-        };
-        let writer = self.node.begin_model(device, prefix, replace)?;
+        let writer = self
+            .node
+            .begin_model(device, prefix, Replace::when(replace))?;
         let version = writer.version();
         self.models.writing.push(writer);
         Ok(Response::ModelBegun { version })
