@@ -16,6 +16,10 @@ pub const TRANSFER_SECONDS: &str = "ferry_transfer_seconds";
 pub const BYTES: &str = "ferry_bytes_total";
 /// Transfers under way now.
 pub const IN_FLIGHT: &str = "ferry_transfers_in_flight";
+/// Fetches this node serves now (other nodes pulling from it): its load as a source.
+pub const FETCHES_IN_FLIGHT: &str = "ferry_fetches_in_flight";
+/// The payload bytes those fetches were asked for.
+pub const FETCH_BYTES_IN_FLIGHT: &str = "ferry_fetch_bytes_in_flight";
 /// Tensors held, per device.
 pub const DEVICE_TENSORS: &str = "ferry_device_tensors";
 /// Bytes held, per device.
@@ -65,6 +69,15 @@ pub fn describe() {
         "Payload bytes moved, by direction and route"
     );
     describe_gauge!(IN_FLIGHT, "Transfers under way");
+    describe_gauge!(
+        FETCHES_IN_FLIGHT,
+        "Fetches served now (other nodes pulling from this one)"
+    );
+    describe_gauge!(
+        FETCH_BYTES_IN_FLIGHT,
+        Unit::Bytes,
+        "Payload bytes of the fetches served now"
+    );
     describe_gauge!(DEVICE_TENSORS, "Tensors held per device");
     describe_gauge!(DEVICE_BYTES, Unit::Bytes, "Bytes held per device");
     describe_gauge!(CONNECTIONS, "Client and peer connections open");
@@ -124,6 +137,13 @@ pub(crate) fn device_held(device: u32, tensors: usize, bytes: u64) {
     let device = device.to_string();
     gauge!(DEVICE_TENSORS, "device" => device.clone()).set(tensors as f64);
     gauge!(DEVICE_BYTES, "device" => device).set(bytes as f64);
+}
+
+/// A fetch of `bytes` began serving (`true`) or ended.
+pub(crate) fn fetch(started: bool, bytes: u64) {
+    let sign = if started { 1.0 } else { -1.0 };
+    gauge!(FETCHES_IN_FLIGHT).increment(sign);
+    gauge!(FETCH_BYTES_IN_FLIGHT).increment(sign * bytes as f64);
 }
 
 /// A connection opened (`true`) or closed.

@@ -566,6 +566,53 @@ async fn a_model_copies_between_nodes_whole_or_not_at_all() {
     b.shutdown().await;
 }
 
+/// A model moved while its source commits a newer version (during the pull, which a link that
+/// pauses holds open): the target commits the version copied, the source keeps its newer one,
+/// and the answer says both remain, naming both versions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_moved_while_its_source_changes_is_kept_on_both() {
+    use ferry_client::{ClientError, ModelCopy};
+    use ferry_proto::Transfer;
+    use ferry_testkit::{Fault, eventually_async, proxy};
+    let (a, b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
+    let first = vec![("w".to_string(), samples::plain(DType::F32, &[4 << 20], 1))];
+    let newer = vec![("w".to_string(), samples::plain(DType::F32, &[8], 2))];
+    let (mut source, mut target) = (a.client().await, b.client().await);
+    let copied_version = collect_over(&mut source, "net", &first, false).await;
+    let paused = proxy(a.addr, Fault::PauseAfter(64 * 1024, Duration::from_secs(2))).await;
+    let mover = tokio::spawn(async move {
+        let moved = ModelCopy::new(paused.to_string(), 0, "net")
+            .transfer(Transfer::Move)
+            .run(&mut source, &mut target)
+            .await;
+        (moved, target)
+    });
+    let within = Duration::from_secs(10);
+    eventually_async("the pull is under way", within, || async {
+        a.client().await.stat().await.unwrap().fetches_in_flight == 1
+    })
+    .await;
+    let newer_version = collect_over(&mut a.client().await, "net", &newer, true).await;
+    let (moved, mut target) = mover.await.unwrap();
+    match moved {
+        Err(ClientError::ModelSourceChanged {
+            prefix,
+            version,
+            stored,
+        }) => {
+            assert_eq!((prefix.as_str(), version), ("net", copied_version));
+            let key = TensorKey::new(0, stored.name_of("w"));
+            assert_same(&target.get(&key).await.unwrap(), &first[0].1, "the copy");
+        }
+        other => panic!("a move whose source changed: {other:?}"),
+    }
+    let mut source = a.client().await;
+    let kept = source.open_model(0, "net").await.unwrap();
+    assert_eq!(kept.version, newer_version);
+    let key = TensorKey::new(0, kept.name_of("w"));
+    assert_same(&source.get(&key).await.unwrap(), &newer[0].1, "the newer");
+}
+
 /// A put into a model version is hashed as it arrives (its commit needs every hash): registered
 /// with its hash already verified, where a plain put to a Flex device is answered first and
 /// hashed after.

@@ -155,7 +155,8 @@ enum Command {
     /// nodes at once: relayed along a chain in the order given, each target pulling every tensor
     /// from the nearest node before it that holds it, so the source sends each byte about once.
     Cp {
-        /// HOST:PORT/DEVICE[/NAME].
+        /// HOST:PORT/DEVICE[/NAME]; with --cluster, a tensor's NAME alone: the directory's
+        /// holders of it, the nearest first, then the least busy of those that answer.
         source: String,
         /// HOST:PORT/DEVICE[/NAME]; several (each with the same DEVICE[/NAME]) for one copy to
         /// all of them.
@@ -175,7 +176,8 @@ enum Command {
         #[arg(long)]
         model: bool,
     },
-    /// Move a tensor (or every tensor of a device): the source goes once the target holds it.
+    /// Move a tensor (or every tensor of a device, or a model): the source goes once the target
+    /// holds it.
     Mv {
         /// HOST:PORT/DEVICE[/NAME].
         source: String,
@@ -188,6 +190,12 @@ enum Command {
         /// connections of its own (to the source and to the target).
         #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=8))]
         lanes: u8,
+        /// SOURCE names a model (HOST:PORT/DEVICE/MODEL): its current version goes whole to the
+        /// target as a new version (of NAME where the target gives one), and the source's model
+        /// is deleted then, only if that is still its current version; --overwrite replaces a
+        /// model the target holds.
+        #[arg(long)]
+        model: bool,
     },
     /// List the tensors on a node, or on one of its devices.
     Ls {
@@ -341,7 +349,15 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             source,
             target,
             overwrite,
+            model: true,
+            ..
+        } => commands::model_copy::move_model(cli, source, target, *overwrite).await,
+        Command::Mv {
+            source,
+            target,
+            overwrite,
             lanes,
+            model: false,
         } => commands::transfer::transfer(cli, source, target, true, *overwrite, *lanes).await,
         Command::Ls { location, json } => commands::ls::ls(cli, location, *json).await,
         Command::Rm { tensor } => commands::rm::rm(cli, tensor).await,

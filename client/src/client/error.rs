@@ -172,6 +172,22 @@ pub enum ClientError {
         /// Why.
         cause: Box<ClientError>,
     },
+    /// A move of a model between nodes committed it on the target, but the source's model
+    /// changed meanwhile (a newer version was committed there), so it was not deleted: both
+    /// remain.
+    #[error(
+        "model {prefix} version {version} was copied to the target as version {}, but the \
+         source's model changed meanwhile, so it was kept: both remain",
+        stored.version
+    )]
+    ModelSourceChanged {
+        /// The model's prefix on the source.
+        prefix: String,
+        /// The source's version that was copied.
+        version: u64,
+        /// The target's new version.
+        stored: Box<ferry_proto::message::ModelManifest>,
+    },
     /// A blocking call ([`.wait()`](crate::Wait::wait), or opening a
     /// [`BlockingClient`](crate::BlockingClient)) on a thread that drives an async runtime,
     /// where waiting for the node would stall it. `.await` the call there, or call from

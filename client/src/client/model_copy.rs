@@ -3,7 +3,7 @@
 //! all.
 
 use ferry_proto::message::ModelManifest;
-use ferry_proto::{TensorInfo, TensorKey, Transfer};
+use ferry_proto::{ErrorCode, TensorInfo, TensorKey, Transfer};
 
 use super::node_copy::CopyItem;
 use super::{Client, ClientError, NodeCopy, RelayTarget};
@@ -74,9 +74,22 @@ impl ModelCopy {
         }
         let copied = copied?;
         if self.transfer == Transfer::Move {
-            source
+            let deleted = source
                 .delete_model(src_device, src_prefix, Some(held.version))
-                .await?;
+                .await;
+            match deleted {
+                Ok(_) => {}
+                // Deleted by someone else meanwhile: gone from the source all the same.
+                Err(e) if e.code() == Some(ErrorCode::NotFound) => {}
+                Err(e) if e.code() == Some(ErrorCode::Changed) => {
+                    return Err(ClientError::ModelSourceChanged {
+                        prefix: src_prefix.to_string(),
+                        version: held.version,
+                        stored: Box::new(copied),
+                    });
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok(copied)
     }

@@ -19,8 +19,10 @@ use std::time::Duration;
 use crate::{Client, ClientError, ConnectOptions};
 use ferry_io::PeerCheck;
 
+mod load;
 mod source;
-pub use source::{ChooseError, Source, choose_source};
+pub use load::{LOAD_DEADLINE, Load, Loads, ask_loads, choose_weighed};
+pub use source::{ChooseError, MOST_ASKED, Source, choose_source, worth_asking};
 
 /// How long etcd may take to connect or answer.
 const ETCD_TIMEOUT: Duration = Duration::from_secs(3);

@@ -1,10 +1,18 @@
 //! Which holder a copy of a tensor named alone reads from ([`choose_source`]): one version,
-//! the nearest holder, and among equally near ones a spread over the targets. A pure decision,
-//! tested by tables.
+//! the nearest holder, then the least busy, and among equally near and busy ones a spread over
+//! the targets. A pure decision, tested by tables; [`worth_asking`] says whose load to ask.
 
 use ferry_proto::cluster::MemberRecord;
 
+use super::load::{Load, Loads};
 use super::{Located, address_for};
+
+/// How many holders a copy by name asks for their load: the nearest first, each target in its
+/// own spread order, so that a directory of many holders costs a bounded number of asks.
+pub const MOST_ASKED: usize = 8;
+
+/// Where equally near holders of `name` rank for a target, before their load.
+type SpreadRank = [u8; 8];
 
 /// Where a copy of a tensor named alone is read from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,6 +26,8 @@ pub struct Source {
     pub addr: String,
     /// The holder is the target node itself: a copy between its own devices.
     pub same_node: bool,
+    /// Its load when asked; `None`: not asked (the target itself, or beyond [`MOST_ASKED`]).
+    pub load: Option<Load>,
 }
 
 /// Why no holder was chosen.
@@ -39,35 +49,62 @@ pub enum ChooseError {
         /// Where it is, for a person.
         holders: String,
     },
+    /// Every holder of the version was asked for its load and none answered.
+    #[error("no holder of {name:?} answered: {holders}")]
+    Unreachable {
+        /// The tensor's name.
+        name: String,
+        /// Each holder and why, for a person.
+        holders: String,
+    },
 }
 
-/// Picks the holder a copy of `name` to `target` reads from, among `holders` (the directory's
-/// entries for that name) whose member is registered in `members`:
+/// How near a holder is to the target: the nearer, the cheaper the copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Nearness {
+    /// The target node itself: a copy between its own devices.
+    TargetItself,
+    /// A member on the target's machine: its Unix socket, shared memory.
+    SameMachine,
+    /// Anywhere else: TCP.
+    Elsewhere,
+}
+
+/// A holder of the one version, with its member and where it ranks for the target.
+struct Candidate<'a> {
+    holder: &'a Located,
+    member: &'a MemberRecord,
+    nearness: Nearness,
+    rank: SpreadRank,
+}
+
+/// The holders of the one version of `name` whose member is registered, nearest first and in
+/// the target's spread order among equally near ones:
 /// - only one version: holders whose verified content hashes differ make the name ambiguous,
 ///   and unverified holders count only where no holder is verified and there is one;
-/// - nearest first: the target node itself (a copy between its devices), then a member on the
-///   target's machine (its Unix socket, shared memory), then any;
-/// - among holders equally near, the one `spread_rank` ranks first for this target and name:
-///   targets spread over the holders (a new worker reads from running replicas as often as from
-///   the first holder by name), and a target asked again picks the same one.
-pub fn choose_source(
+/// - nearest first: the target node itself, then a member on the target's machine, then any;
+/// - among holders equally near, `spread_rank`'s order for this target and name.
+fn candidates<'a>(
     name: &str,
-    holders: &[Located],
-    members: &[MemberRecord],
+    holders: &'a [Located],
+    members: &'a [MemberRecord],
     target: Option<&MemberRecord>,
-) -> Result<Source, ChooseError> {
-    let registered = |h: &&Located| members.iter().any(|m| m.name == h.member);
-    let live: Vec<&Located> = holders.iter().filter(registered).collect();
-    let verified: Vec<&Located> = live
+) -> Result<Vec<Candidate<'a>>, ChooseError> {
+    let member_of = |h: &Located| members.iter().find(|m| m.name == h.member);
+    let live: Vec<(&Located, &MemberRecord)> = holders
+        .iter()
+        .filter_map(|h| member_of(h).map(|m| (h, m)))
+        .collect();
+    let verified: Vec<(&Located, &MemberRecord)> = live
         .iter()
         .copied()
-        .filter(|h| h.record.content_hash.is_some())
+        .filter(|(h, _)| h.record.content_hash.is_some())
         .collect();
     let ambiguous = || ChooseError::Ambiguous {
         name: name.to_string(),
         holders: live
             .iter()
-            .map(|h| {
+            .map(|(h, _)| {
                 let hash = h
                     .record
                     .content_hash
@@ -82,12 +119,12 @@ pub fn choose_source(
             .collect::<Vec<_>>()
             .join(", "),
     };
-    let candidates = match (verified.first(), live.len()) {
+    let chosen = match (verified.first(), live.len()) {
         (_, 0) => return Err(ChooseError::NotHeld(name.to_string())),
-        (Some(first), _) => {
+        (Some((first, _)), _) => {
             if verified
                 .iter()
-                .any(|h| h.record.content_hash != first.record.content_hash)
+                .any(|(h, _)| h.record.content_hash != first.record.content_hash)
             {
                 return Err(ambiguous());
             }
@@ -96,42 +133,121 @@ pub fn choose_source(
         (None, 1) => live,
         (None, _) => return Err(ambiguous()),
     };
-    let member_of = |h: &Located| members.iter().find(|m| m.name == h.member);
-    let nearness = |h: &Located| {
-        let member = member_of(h);
-        match (target, member) {
-            (Some(t), _) if t.name == h.member => 0,
-            (Some(t), Some(m)) if !t.host.is_empty() && t.host == m.host => 1,
-            _ => 2,
-        }
+    let nearness = |h: &Located, m: &MemberRecord| match target {
+        Some(t) if t.name == h.member => Nearness::TargetItself,
+        Some(t) if !t.host.is_empty() && t.host == m.host => Nearness::SameMachine,
+        _ => Nearness::Elsewhere,
     };
-    let holder = candidates
+    let mut candidates: Vec<Candidate> = chosen
         .into_iter()
-        .min_by_key(|h| {
-            let rank = spread_rank(name, target, h);
-            (nearness(h), rank, h.member.clone(), h.device)
+        .map(|(holder, member)| Candidate {
+            holder,
+            member,
+            nearness: nearness(holder, member),
+            rank: spread_rank(name, target, holder),
         })
-        .ok_or_else(|| ChooseError::NotHeld(name.to_string()))?;
-    let member = member_of(holder)
-        .cloned()
-        .ok_or_else(|| ChooseError::NotHeld(name.to_string()))?;
-    let near = nearness(holder);
+        .collect();
+    candidates.sort_by(|a, b| {
+        (a.nearness, a.rank, &a.holder.member, a.holder.device).cmp(&(
+            b.nearness,
+            b.rank,
+            &b.holder.member,
+            b.holder.device,
+        ))
+    });
+    Ok(candidates)
+}
+
+/// The members a copy of `name` to `target` asks for their load before [`choose_source`]: the
+/// holders' members nearest first, each once, the target itself never, at most [`MOST_ASKED`].
+/// None where the name resolves to no one version (`choose_source` says why).
+pub fn worth_asking(
+    name: &str,
+    holders: &[Located],
+    members: &[MemberRecord],
+    target: Option<&MemberRecord>,
+) -> Vec<MemberRecord> {
+    let Ok(candidates) = candidates(name, holders, members, target) else {
+        return Vec::new();
+    };
+    let mut asked: Vec<MemberRecord> = Vec::new();
+    for candidate in candidates {
+        if candidate.nearness == Nearness::TargetItself
+            || asked.iter().any(|m| m.name == candidate.member.name)
+        {
+            continue;
+        }
+        if asked.len() == MOST_ASKED {
+            break;
+        }
+        asked.push(candidate.member.clone());
+    }
+    asked
+}
+
+/// Picks the holder a copy of `name` to `target` reads from, among `holders` (the directory's
+/// entries for that name) whose member is registered in `members`, weighing `loads` (what the
+/// members [`worth_asking`] said):
+/// - one version, nearest first (see `candidates`);
+/// - a holder that did not answer is passed over; among equally near ones, the one serving the
+///   fewest bytes (then fetches) now, then one that was not asked;
+/// - among holders equally near and busy, the one `spread_rank` ranks first for this target and
+///   name: targets spread over the holders (a new worker reads from running replicas as often as
+///   from the first holder by name), and a target asked again picks the same one.
+pub fn choose_source(
+    name: &str,
+    holders: &[Located],
+    members: &[MemberRecord],
+    target: Option<&MemberRecord>,
+    loads: &Loads,
+) -> Result<Source, ChooseError> {
+    let candidates = candidates(name, holders, members, target)?;
+    // Answered first, least busy first; not asked after; `None`: did not answer.
+    let busyness = |c: &Candidate| match loads.get(&c.member.name) {
+        Some(Load::Serving { fetches, bytes }) => Some((0, *bytes, *fetches)),
+        Some(Load::Unreachable(_)) => None,
+        None => Some((1, 0, 0)),
+    };
+    // `min_by_key` keeps the first of equals: the candidates are in spread order already.
+    let chosen = candidates
+        .iter()
+        .filter_map(|c| busyness(c).map(|busy| (c, busy)))
+        .min_by_key(|(c, busy)| (c.nearness, *busy))
+        .map(|(c, _)| c);
+    let Some(chosen) = chosen else {
+        let holders = candidates
+            .iter()
+            .map(|c| {
+                let why = match loads.get(&c.member.name) {
+                    Some(Load::Unreachable(why)) => why.as_str(),
+                    _ => "not asked",
+                };
+                format!("@{}/{} ({why})", c.holder.member, c.holder.device)
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(ChooseError::Unreachable {
+            name: name.to_string(),
+            holders,
+        });
+    };
     let addr = match target {
-        Some(t) if near == 1 => address_for(&member, &t.host),
-        _ => member.tcp.clone(),
+        Some(t) if chosen.nearness == Nearness::SameMachine => address_for(chosen.member, &t.host),
+        _ => chosen.member.tcp.clone(),
     };
     Ok(Source {
-        holder: holder.clone(),
-        member,
+        holder: chosen.holder.clone(),
+        member: chosen.member.clone(),
         addr,
-        same_node: near == 0,
+        same_node: chosen.nearness == Nearness::TargetItself,
+        load: loads.get(&chosen.member.name).cloned(),
     })
 }
 
 /// Where equally near holders of `name` rank for `target` (rendezvous hashing): a hash of the
 /// target's member name, the tensor's name and the holder, so that each target has an order of
 /// its own over the holders, the same every time it asks, and many targets spread evenly.
-fn spread_rank(name: &str, target: Option<&MemberRecord>, holder: &Located) -> [u8; 8] {
+fn spread_rank(name: &str, target: Option<&MemberRecord>, holder: &Located) -> SpreadRank {
     let mut hasher = blake3::Hasher::new();
     for part in [
         target.map_or("", |t| t.name.as_str()).as_bytes(),
@@ -189,18 +305,20 @@ mod tests {
             held("gone", 0, Some("x")),
         ];
         // A holder on the target's machine first, through its Unix socket.
-        let chosen = choose_source("w", &holders, &members, Some(&members[1])).unwrap();
+        let chosen =
+            choose_source("w", &holders, &members, Some(&members[1]), &Loads::new()).unwrap();
         assert_eq!(
             (chosen.holder.member.as_str(), chosen.addr.as_str()),
             ("c", "unix:/run/c.sock")
         );
         assert!(!chosen.same_node);
         // The target itself before anyone.
-        let chosen = choose_source("w", &holders, &members, Some(&members[0])).unwrap();
+        let chosen =
+            choose_source("w", &holders, &members, Some(&members[0]), &Loads::new()).unwrap();
         assert!(chosen.same_node);
         // Nobody near: one of them, over TCP, the same every time.
         let far = member("d", "h3");
-        let chosen = choose_source("w", &holders, &members, Some(&far)).unwrap();
+        let chosen = choose_source("w", &holders, &members, Some(&far), &Loads::new()).unwrap();
         assert!(
             ["a", "c"].contains(&chosen.holder.member.as_str()),
             "{chosen:?}"
@@ -209,12 +327,12 @@ mod tests {
             chosen.addr,
             format!("{}.example:7070", chosen.holder.member)
         );
-        let again = choose_source("w", &holders, &members, Some(&far)).unwrap();
+        let again = choose_source("w", &holders, &members, Some(&far), &Loads::new()).unwrap();
         assert_eq!(again.holder, chosen.holder);
         // A holder whose member is not registered is never chosen.
         let only_gone = [held("gone", 0, Some("x"))];
         assert!(matches!(
-            choose_source("w", &only_gone, &members, None),
+            choose_source("w", &only_gone, &members, None, &Loads::new()),
             Err(ChooseError::NotHeld(_))
         ));
     }
@@ -224,18 +342,18 @@ mod tests {
         let members = [member("a", "h1"), member("b", "h2")];
         let differ = [held("a", 0, Some("x")), held("b", 0, Some("y"))];
         assert!(matches!(
-            choose_source("w", &differ, &members, None),
+            choose_source("w", &differ, &members, None, &Loads::new()),
             Err(ChooseError::Ambiguous { .. })
         ));
         let unverified = [held("a", 0, None), held("b", 0, None)];
         assert!(matches!(
-            choose_source("w", &unverified, &members, None),
+            choose_source("w", &unverified, &members, None, &Loads::new()),
             Err(ChooseError::Ambiguous { .. })
         ));
         // One unverified holder alone, or unverified ones beside verified ones, are not.
         let one = [held("b", 0, None)];
         assert_eq!(
-            choose_source("w", &one, &members, None)
+            choose_source("w", &one, &members, None, &Loads::new())
                 .unwrap()
                 .holder
                 .member,
@@ -243,7 +361,7 @@ mod tests {
         );
         let mixed = [held("a", 0, None), held("b", 0, Some("x"))];
         assert_eq!(
-            choose_source("w", &mixed, &members, None)
+            choose_source("w", &mixed, &members, None, &Loads::new())
                 .unwrap()
                 .holder
                 .member,
@@ -267,7 +385,8 @@ mod tests {
         members.extend(targets.iter().cloned());
         let mut chosen = std::collections::BTreeMap::<String, usize>::new();
         for target in &targets {
-            let source = choose_source("w", &holders, &members, Some(target)).unwrap();
+            let source =
+                choose_source("w", &holders, &members, Some(target), &Loads::new()).unwrap();
             *chosen.entry(source.holder.member).or_default() += 1;
         }
         assert_eq!(chosen.len(), 4, "{chosen:?}");
@@ -275,5 +394,106 @@ mod tests {
             chosen.values().all(|&n| (60..=140).contains(&n)),
             "{chosen:?}"
         );
+    }
+
+    /// Loads, in a table: holders b (on the target's machine), c and d (elsewhere), each row
+    /// the loads their members said and the holder chosen (`None`: none answered).
+    #[test]
+    fn the_least_busy_of_the_nearest_answering_holders_is_chosen() {
+        let members = [
+            member("t", "h1"),
+            member("b", "h1"),
+            member("c", "h2"),
+            member("d", "h3"),
+        ];
+        let holders = [
+            held("b", 0, Some("x")),
+            held("c", 0, Some("x")),
+            held("d", 0, Some("x")),
+        ];
+        let serving = |fetches, bytes| Load::Serving { fetches, bytes };
+        let down = || Load::Unreachable("connection refused".into());
+        // Each row: what the members said, and who is chosen.
+        type Row<'a> = (Vec<(&'a str, Load)>, Option<&'a str>);
+        let table: Vec<Row> = vec![
+            // Nearness before load: b shares the target's machine, and is chosen however busy.
+            (
+                vec![
+                    ("b", serving(4, 1 << 30)),
+                    ("c", serving(0, 0)),
+                    ("d", serving(0, 0)),
+                ],
+                Some("b"),
+            ),
+            // b did not answer: the less busy of the others, by bytes.
+            (
+                vec![("b", down()), ("c", serving(1, 5)), ("d", serving(1, 1))],
+                Some("d"),
+            ),
+            (
+                vec![("b", down()), ("c", serving(0, 0)), ("d", serving(1, 1))],
+                Some("c"),
+            ),
+            // As many bytes: the fewer fetches.
+            (
+                vec![("b", down()), ("c", serving(3, 10)), ("d", serving(2, 10))],
+                Some("d"),
+            ),
+            // One that answered, however busy, before one not asked.
+            (vec![("b", down()), ("d", serving(9, 1 << 30))], Some("d")),
+            // Only one not asked left: it is chosen.
+            (vec![("b", down()), ("d", down())], Some("c")),
+            // None answered.
+            (vec![("b", down()), ("c", down()), ("d", down())], None),
+        ];
+        for (said, expected) in table {
+            let loads: Loads = said
+                .iter()
+                .map(|(m, load)| (m.to_string(), load.clone()))
+                .collect();
+            let chosen = choose_source("w", &holders, &members, Some(&members[0]), &loads);
+            match (expected, chosen) {
+                (Some(name), Ok(source)) => {
+                    assert_eq!(source.holder.member, name, "{said:?}");
+                    assert_eq!(source.load, loads.get(name).cloned());
+                }
+                (None, Err(ChooseError::Unreachable { holders, .. })) => {
+                    assert!(holders.contains("connection refused"), "{holders}");
+                }
+                (expected, chosen) => panic!("{said:?}: expected {expected:?}, got {chosen:?}"),
+            }
+        }
+    }
+
+    /// Whose load is asked: nearest first, each member once, never the target itself, at most
+    /// MOST_ASKED; nobody where the name resolves to no one version.
+    #[test]
+    fn the_nearest_holders_are_asked_each_once() {
+        let mut members = vec![member("t", "h1"), member("b", "h1")];
+        let mut holders = vec![
+            held("t", 0, Some("x")),
+            held("b", 0, Some("x")),
+            held("b", 1, Some("x")),
+        ];
+        for i in 0..20 {
+            let name = format!("far{i}");
+            holders.push(held(&name, 0, Some("x")));
+            members.push(member(&name, "elsewhere"));
+        }
+        let asked = worth_asking("w", &holders, &members, Some(&members[0]));
+        assert_eq!(asked.len(), MOST_ASKED);
+        assert_eq!(asked[0].name, "b");
+        assert!(asked.iter().all(|m| m.name != "t"));
+        let mut names: Vec<&str> = asked.iter().map(|m| m.name.as_str()).collect();
+        names.dedup();
+        assert_eq!(names.len(), MOST_ASKED);
+        // The same far ones each time for this target.
+        assert_eq!(
+            asked,
+            worth_asking("w", &holders, &members, Some(&members[0]))
+        );
+        holders.push(held("c", 0, Some("y")));
+        members.push(member("c", "elsewhere"));
+        assert!(worth_asking("w", &holders, &members, Some(&members[0])).is_empty());
     }
 }

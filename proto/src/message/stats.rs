@@ -85,6 +85,15 @@ growable! {
             /// Milliseconds since the node started (0 from a node older than minor 7).
             pub uptime_ms: u64,
         }
+        since 10 {
+            /// Fetches this node is serving now (other nodes pulling from it, a stripe each):
+            /// its load as a source, which a copy by name weighs when it chooses among holders
+            /// (0 from a node older than minor 10).
+            pub fetches_in_flight: u64,
+            /// The payload bytes those fetches were asked for (0 from a node older than minor
+            /// 10).
+            pub fetch_bytes_in_flight: u64,
+        }
     }
 }
 

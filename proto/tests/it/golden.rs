@@ -46,7 +46,7 @@ use ferry_proto::{
 /// The minors whose frames are kept, oldest first, the current one last: minor 6 holds every
 /// vector, each later one what it changed. A peer of each may still be running while a cluster
 /// is upgraded one node at a time.
-const GOLDEN_MINORS: [u16; 4] = [6, 7, 8, 9];
+const GOLDEN_MINORS: [u16; 5] = [6, 7, 8, 9, 10];
 
 /// One frame of a vector.
 enum Item {
@@ -229,6 +229,9 @@ fn stats(minor: u16) -> NodeStats {
         pool_misses: 1,
         // Added in minor 7: an hour and a half.
         uptime_ms: if minor >= 7 { 5_400_000 } else { 0 },
+        // Added in minor 10: two fetches, 3 GiB between them.
+        fetches_in_flight: if minor >= 10 { 2 } else { 0 },
+        fetch_bytes_in_flight: if minor >= 10 { 3 << 30 } else { 0 },
     }
 }
 
@@ -411,7 +414,8 @@ fn vectors(minor: u16) -> Vec<Vector> {
             name: "stats_response",
             about: "Response::Stats for a node with two devices, one with a memory limit, each \
                     with its holds counts, the second a GPU with its largest tensor; from minor \
-                    7 on, the node's uptime (an hour and a half).",
+                    7 on, the node's uptime (an hour and a half); from minor 10 on, the fetches \
+                    it serves (two, 3 GiB).",
             items: vec![Item::Response(Response::Stats(stats(minor)))],
         },
         Vector {

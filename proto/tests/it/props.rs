@@ -319,7 +319,7 @@ pub(crate) fn arb_node_stats() -> BoxedStrategy<NodeStats> {
     (
         arb_text(),
         vec(arb_device_stats(), 0..3),
-        any::<[u64; 23]>(),
+        any::<[u64; 25]>(),
         arb_text(),
         arb_text(),
         option::of(arb_text()),
@@ -355,6 +355,8 @@ pub(crate) fn arb_node_stats() -> BoxedStrategy<NodeStats> {
                 pool_free_bytes: n[20],
                 pool_misses: n[21],
                 uptime_ms: n[22],
+                fetches_in_flight: n[23],
+                fetch_bytes_in_flight: n[24],
             },
         )
         .boxed()
@@ -839,6 +841,10 @@ fn stats_as_of(stats: &NodeStats, minor: u16) -> NodeStats {
     }
     if minor < 7 {
         s.uptime_ms = 0;
+    }
+    if minor < 10 {
+        s.fetches_in_flight = 0;
+        s.fetch_bytes_in_flight = 0;
     }
     s
 }

@@ -235,12 +235,14 @@ impl Node {
             capability.fetchers.push(client);
         }
         capability.in_flight += 1;
+        self.recorder().fetch_started(charge);
         Ok(FetchLease {
             node: self.clone(),
             token: token.clone(),
             key: capability.key.clone(),
             version: capability.version,
             charged: charge,
+            load: charge,
         })
     }
 
@@ -295,6 +297,8 @@ pub(crate) struct FetchLease {
     version: Version,
     /// What this fetch was charged.
     charged: u64,
+    /// What it added to the node's bytes in flight (its first charge), taken off at its drop.
+    load: u64,
 }
 
 impl FetchLease {
@@ -334,6 +338,7 @@ impl FetchLease {
 
 impl Drop for FetchLease {
     fn drop(&mut self) {
+        self.node.recorder().fetch_ended(self.load);
         // Whatever was read for this fetch is freed with it; the capability stays only long
         // enough for the same node to release it or resume.
         let window = self.node.inner.config.pulls.peer_limits.idle_timeout;

@@ -68,6 +68,10 @@ pub(crate) struct Recorder {
     pull_retries: AtomicU64,
     dedup_hits: AtomicU64,
     fetches_served: AtomicU64,
+    /// Fetches under way now and the bytes they were charged: gauges, each moved up by a
+    /// [`FetchLease`](crate::node::capability::FetchLease)'s start and down by its drop.
+    fetches_in_flight: AtomicU64,
+    fetch_bytes_in_flight: AtomicU64,
     shm_sent: AtomicU64,
     shm_received: AtomicU64,
     shm_bytes: AtomicU64,
@@ -85,6 +89,8 @@ pub(crate) struct Counts {
     pub(crate) pull_retries: u64,
     pub(crate) dedup_hits: u64,
     pub(crate) fetches_served: u64,
+    pub(crate) fetches_in_flight: u64,
+    pub(crate) fetch_bytes_in_flight: u64,
     pub(crate) shm_sent: u64,
     pub(crate) shm_received: u64,
     pub(crate) shm_bytes: u64,
@@ -181,6 +187,22 @@ impl Recorder {
         self.fetches_served.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A fetch of `bytes` began serving (it ends with [`fetch_ended`](Self::fetch_ended)).
+    pub(crate) fn fetch_started(&self, bytes: u64) {
+        self.fetches_in_flight.fetch_add(1, Ordering::Relaxed);
+        self.fetch_bytes_in_flight
+            .fetch_add(bytes, Ordering::Relaxed);
+        metrics::fetch(true, bytes);
+    }
+
+    /// A fetch that [`fetch_started`](Self::fetch_started) with `bytes` ended, served or not.
+    pub(crate) fn fetch_ended(&self, bytes: u64) {
+        self.fetches_in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.fetch_bytes_in_flight
+            .fetch_sub(bytes, Ordering::Relaxed);
+        metrics::fetch(false, bytes);
+    }
+
     /// A request that moves a tensor is under way until the guard drops.
     pub(crate) fn in_flight(&self) -> metrics::InFlight {
         metrics::InFlight::start()
@@ -199,6 +221,8 @@ impl Recorder {
             pull_retries: load(&self.pull_retries),
             dedup_hits: load(&self.dedup_hits),
             fetches_served: load(&self.fetches_served),
+            fetches_in_flight: load(&self.fetches_in_flight),
+            fetch_bytes_in_flight: load(&self.fetch_bytes_in_flight),
             shm_sent: load(&self.shm_sent),
             shm_received: load(&self.shm_received),
             shm_bytes: load(&self.shm_bytes),

@@ -90,6 +90,8 @@ impl Node {
             pool_free_bytes: pool.as_ref().map_or(0, |p| p.free_bytes() as u64),
             pool_misses: pool.as_ref().map_or(0, |p| p.misses()),
             uptime_ms: u64::try_from(self.inner.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            fetches_in_flight: c.fetches_in_flight,
+            fetch_bytes_in_flight: c.fetch_bytes_in_flight,
         })
     }
 }

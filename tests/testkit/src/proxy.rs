@@ -16,6 +16,13 @@ pub enum Fault {
     /// writes the frame's checksum anew, as an attacker on the path would: every frame checks,
     /// only the end-to-end content hash can tell.
     FlipAndReframe,
+    /// Passes this many bytes of the first connection, then stops reading from upstream and
+    /// holds the connection open, as a congested link would: the source's send stays under
+    /// way. Later connections pass.
+    StallAfter(usize),
+    /// Passes this many bytes of the first connection, then pauses that long, then passes the
+    /// rest, as a link that stalls a while does. Later connections pass.
+    PauseAfter(usize, std::time::Duration),
     /// Passes this many whole frames from upstream on the first connection (its `Welcome`
     /// first), then cuts it; later connections pass.
     CutAfterFrames(usize),
@@ -67,6 +74,22 @@ pub async fn proxy(upstream: SocketAddr, fault: Fault) -> SocketAddr {
                             Fault::CutOnceAfter(at) | Fault::DieAfter(at) if seen + n > at => {
                                 let _ = down_w.write_all(&piece[..at - seen]).await;
                                 return;
+                            }
+                            Fault::StallAfter(at) if seen + n > at => {
+                                let _ = down_w.write_all(&piece[..at - seen]).await;
+                                std::future::pending::<()>().await;
+                            }
+                            Fault::PauseAfter(at, pause) if seen <= at && seen + n > at => {
+                                let (before, after) = piece.split_at(at - seen);
+                                if down_w.write_all(before).await.is_err() {
+                                    return;
+                                }
+                                tokio::time::sleep(pause).await;
+                                if down_w.write_all(after).await.is_err() {
+                                    return;
+                                }
+                                seen += n;
+                                continue;
                             }
                             Fault::FlipAt(at) if seen <= at && at < seen + n => {
                                 piece[at - seen] ^= 0x10;

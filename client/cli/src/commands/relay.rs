@@ -1,14 +1,18 @@
 //! `ferry cp SOURCE TARGET TARGET...`: one copy to several nodes, relayed along a chain in the
 //! order given (`NodeCopy::run_relayed`): each target pulls every tensor from the nearest node
 //! before it that holds it, so the source sends each byte about once. Every target names the
-//! same DEVICE[/NAME]; the report says, per target, what it holds.
+//! same DEVICE[/NAME]; the report says, per target, what it holds. With `--cluster`, the source
+//! may be a tensor's name alone: the chain starts at the holder `cluster::choose_weighed` picks
+//! for the first target.
 
 use anyhow::bail;
-use ferry_client::address::Address;
-use ferry_client::{IfExists, NodeCopy, RelayTarget, TensorKey};
+use ferry_client::address::{Address, AddressError};
+use ferry_client::cluster::Located;
+use ferry_client::{ClientError, IfExists, NodeCopy, RelayTarget, TensorInfo, TensorKey};
 
+use super::transfer::choose_and_say;
 use crate::Cli;
-use crate::connect::{Reached, connect_to, reach};
+use crate::connect::{Reached, connect_to, directory, reach};
 
 pub(crate) async fn copy_to_many(
     cli: &Cli,
@@ -16,7 +20,13 @@ pub(crate) async fn copy_to_many(
     targets: &[String],
     overwrite: bool,
 ) -> anyhow::Result<()> {
-    let src = Address::parse(source)?;
+    let src = match Address::parse(source) {
+        Ok(src) => src,
+        Err(AddressError::NoNode(_)) if cli.cluster.is_some() && !source.starts_with('@') => {
+            return relay_by_name(cli, source, targets, overwrite).await;
+        }
+        Err(e) => return Err(e.into()),
+    };
     let src_device = src.device("the source")?;
     let (dsts, dst_device, dst_name) = one_place(targets)?;
     if src.name.is_none() && dst_name.is_some() {
@@ -44,8 +54,73 @@ pub(crate) async fn copy_to_many(
     let copy = copy.if_exists(IfExists::from_overwrite(overwrite));
     let (labels, mut chain) = chain_of(cli, &dsts, dst_device).await?;
     let answers = copy.run_relayed(&mut source_client, &mut chain).await;
+    report(&labels, src_device, &names, &answers)
+}
+
+/// `ferry cp NAME NODE/DEVICE[/NAME]...` with `--cluster`: the holder of NAME chosen for the
+/// first target (nearest, least busy, answering), its listed version relayed along the chain.
+async fn relay_by_name(
+    cli: &Cli,
+    name: &str,
+    targets: &[String],
+    overwrite: bool,
+) -> anyhow::Result<()> {
+    let (dsts, dst_device, dst_name) = one_place(targets)?;
+    let dst_name = dst_name.unwrap_or_else(|| name.to_string());
+    let mut directory = directory(cli, "a copy by tensor name").await?;
+    let members = directory.members().await?;
+    let mut reached = Vec::with_capacity(dsts.len());
+    for dst in &dsts {
+        reached.push(reach(&dst.node, cli).await?);
+    }
+    // A target named by address may still be a member: its record says which machine it is on.
+    let member_of = |node: &Reached| {
+        node.member.clone().or_else(|| {
+            members
+                .iter()
+                .find(|m| m.tcp == node.addr || m.unix.as_deref() == Some(&node.addr))
+                .cloned()
+        })
+    };
+    let target_members: Vec<_> = reached.iter().map(member_of).collect();
+    // A target is no source for the chain it is in.
+    let is_target = |h: &Located| {
+        h.device == dst_device
+            && h.name == dst_name
+            && target_members.iter().flatten().any(|t| t.name == h.member)
+    };
+    let holders: Vec<Located> = directory
+        .holders(name)
+        .await?
+        .into_iter()
+        .filter(|h| !is_target(h))
+        .collect();
+    let first = target_members.first().cloned().flatten();
+    let (chosen, src_node) = choose_and_say(cli, name, &holders, &members, first.as_ref()).await?;
+    let mut source_client = connect_to(&src_node, cli).await?;
+    let src = TensorKey::new(chosen.holder.device, name);
+    let dst = TensorKey::new(dst_device, dst_name);
+    let copy = NodeCopy::new(chain_address(&src_node));
+    let copy = match chosen.holder.record.content_hash {
+        Some(version) => copy.tensor_at(src, dst, version),
+        None => copy.tensor(src, dst),
+    }
+    .if_exists(IfExists::from_overwrite(overwrite));
+    let (labels, mut chain) = chain_of(cli, &dsts, dst_device).await?;
+    let answers = copy.run_relayed(&mut source_client, &mut chain).await;
+    report(&labels, chosen.holder.device, &[name.to_string()], &answers)
+}
+
+/// Says, per target, which of `names` (from `src_device`) it holds and why each other failed;
+/// an error where any failed.
+fn report(
+    labels: &[String],
+    src_device: u32,
+    names: &[String],
+    answers: &[Vec<Result<TensorInfo, ClientError>>],
+) -> anyhow::Result<()> {
     let mut failed = 0;
-    for (label, answers) in labels.iter().zip(&answers) {
+    for (label, answers) in labels.iter().zip(answers) {
         let held = answers.iter().filter(|a| a.is_ok()).count();
         for (name, answer) in names.iter().zip(answers) {
             if let Err(e) = answer {
@@ -58,9 +133,9 @@ pub(crate) async fn copy_to_many(
     if failed > 0 {
         bail!(
             "{failed} of {} copies failed ({} tensors to {} targets)",
-            names.len() * dsts.len(),
+            names.len() * labels.len(),
             names.len(),
-            dsts.len()
+            labels.len()
         );
     }
     Ok(())

@@ -76,8 +76,13 @@ pub(crate) async fn stat(cli: &Cli, node: &str, json: bool, holds: bool) -> anyh
             stats.connections
         );
         println!(
-            "node to node: {} pulled ({} retries, {} skipped as duplicates), {} served",
-            stats.pulls, stats.pull_retries, stats.dedup_hits, stats.fetches_served
+            "node to node: {} pulled ({} retries, {} skipped as duplicates), {} served, {} serving now ({} bytes)",
+            stats.pulls,
+            stats.pull_retries,
+            stats.dedup_hits,
+            stats.fetches_served,
+            stats.fetches_in_flight,
+            stats.fetch_bytes_in_flight
         );
         println!(
             "unix socket: {}; shared memory: {}; {} payloads sent and {} received through it ({} bytes), {} regions in flight",

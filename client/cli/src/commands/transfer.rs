@@ -1,15 +1,16 @@
 //! `ferry cp` and `ferry mv`: within one node (its devices), or node to node (the target pulls
 //! from the source; no tensor byte passes through this process). Either side may be a cluster
 //! member, `@NAME`; with `--cluster`, a copy's source may be a tensor's name alone, and the
-//! directory picks a holder (the target itself, then a member on its machine, then any).
+//! directory picks a holder (the target itself, then a member on its machine, then the least
+//! busy of the others that answer: `cluster::choose_weighed`).
 
 use anyhow::bail;
 use ferry_client::address::{Address, AddressError};
-use ferry_client::cluster::{address_for, choose_source};
+use ferry_client::cluster::{Located, Source, address_for, choose_weighed};
 use ferry_client::{Client, ContentHash, IfExists, Lane, NodeCopy, TensorKey, Transfer};
 
 use crate::Cli;
-use crate::connect::{Reached, connect_to, directory, reach};
+use crate::connect::{Reached, connect_options, connect_to, directory, reach};
 use crate::report::check_all;
 use ferry_client::{ClientError, ErrorCode, TensorInfo};
 use ferry_proto::cluster::MemberRecord;
@@ -189,15 +190,7 @@ async fn copy_by_name(
         eprintln!("{}/{dst_device} already holds {name}", dst_node.label());
         return Ok(());
     }
-    let chosen = choose_source(name, &holders, &members, target.as_ref())?;
-    eprintln!(
-        "source: @{}/{}/{name} ({})",
-        chosen.holder.member, chosen.holder.device, chosen.addr
-    );
-    let src_node = Reached {
-        addr: address_for(&chosen.member, &ferry_io::machine::name()),
-        member: Some(chosen.member.clone()),
-    };
+    let (chosen, src_node) = choose_and_say(cli, name, &holders, &members, target.as_ref()).await?;
     let mut lane = Lane {
         source: connect_to(&src_node, cli).await?,
         target: connect_to(dst_node, cli).await?,
@@ -221,6 +214,32 @@ async fn copy_by_name(
     .await?;
     eprintln!("copied 1 tensors to {}/{dst_device}", dst_node.label());
     Ok(())
+}
+
+/// The holder of `name` a copy to `target` reads from (`cluster::choose_weighed`), said on
+/// stderr with its load, and reached from here.
+pub(crate) async fn choose_and_say(
+    cli: &Cli,
+    name: &str,
+    holders: &[Located],
+    members: &[MemberRecord],
+    target: Option<&MemberRecord>,
+) -> anyhow::Result<(Source, Reached)> {
+    let options = connect_options(cli)?;
+    let chosen = choose_weighed(name, holders, members, target, &options).await?;
+    let load = chosen
+        .load
+        .as_ref()
+        .map_or_else(String::new, |load| format!("; {load}"));
+    eprintln!(
+        "source: @{}/{}/{name} ({}{load})",
+        chosen.holder.member, chosen.holder.device, chosen.addr
+    );
+    let src_node = Reached {
+        addr: address_for(&chosen.member, &ferry_io::machine::name()),
+        member: Some(chosen.member.clone()),
+    };
+    Ok((chosen, src_node))
 }
 
 /// That the node `client` reaches holds `key` itself, in the version `listed` (where the

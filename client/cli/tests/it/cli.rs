@@ -986,7 +986,7 @@ async fn a_device_copied_to_several_nodes_lands_on_each_and_leaves_its_source_on
 
 /// `ferry cp --model A/0/net B/0 C/0`: the model's current version lands whole on both, as a
 /// version of their own with the source's metadata; a target that holds the model refuses it
-/// unless --overwrite, the other taking it all the same.
+/// unless --overwrite, the other taking it all the same. `ferry mv --model` moves it whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_copied_to_several_nodes_lands_whole_on_each() {
     let nodes = [
@@ -1061,6 +1061,30 @@ async fn a_model_copied_to_several_nodes_lands_whole_on_each() {
             let key = TensorKey::new(0, manifest.name_of(path));
             ferry_testkit::assert_same(&client.get(&key).await.unwrap(), data, path);
         }
+    }
+    // `ferry mv --model`: refused onto B's model (the source keeps it), then moved whole to a
+    // new name on C, and gone from the source.
+    let (src, b, c) = (
+        format!("{}/net", places[0]),
+        places[1].clone(),
+        format!("{}/moved", places[2]),
+    );
+    tokio::task::spawn_blocking(move || {
+        fails(&["mv", "--model", &src, &b], "--overwrite replaces it");
+        let moved = ferry(&["mv", "--model", &src, &c]);
+        let said = String::from_utf8_lossy(&moved.stderr);
+        assert!(moved.status.success(), "{said}");
+        assert!(said.contains("moved model net (3 tensors)"), "{said}");
+        fails(&["mv", "--model", &src, &c], "net");
+    })
+    .await
+    .unwrap();
+    assert!(source.open_model(0, "net").await.is_err(), "moved away");
+    let manifest = on_c.open_model(0, "moved").await.unwrap();
+    assert_eq!(manifest.metadata, metadata);
+    for (path, data) in &tensors {
+        let key = TensorKey::new(0, manifest.name_of(path));
+        ferry_testkit::assert_same(&on_c.get(&key).await.unwrap(), data, path);
     }
 }
 
@@ -1241,6 +1265,222 @@ async fn already_holds_is_confirmed_with_the_target_node() {
     .unwrap();
     joined.leave().await;
     node.shutdown().await;
+}
+
+/// A copy by name weighs the holders' load (issue 45, item 3): of two holders of one version,
+/// equally near, the one serving a fetch now is passed over for the idle one, even where the
+/// target's own spread order ranks it first; a holder that is registered but does not answer
+/// is passed over for one that does, however busy. To several targets, the chain starts at the
+/// holder chosen for the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_by_name_reads_from_the_least_busy_holder_that_answers() {
+    use ferry_client::cluster::{Directory, Loads, choose_source};
+    use ferry_server::cluster::{ClusterConfig, Membership};
+    let etcd = ferry_testkit::Etcd::start().await;
+    let cluster = etcd.cluster();
+    let mut nodes = Vec::new();
+    let mut joined = Vec::new();
+    for name in ["busy", "idle", "worker"] {
+        let node = ferry_testkit::start_with(&["flex"]).await;
+        joined.push(Membership::join(
+            node.node.clone(),
+            ClusterConfig {
+                endpoints: ferry_proto::cluster::endpoints(&cluster).unwrap(),
+                name: name.into(),
+                advertise: node.addr.to_string(),
+                unix: None,
+                ttl: std::time::Duration::from_secs(2),
+                etcd_user: None,
+            },
+        ));
+        nodes.push(node);
+    }
+    // The same small tensors on busy and idle (one version each), a large one on busy alone.
+    let names: Vec<String> = (0..12).map(|i| format!("w{i}")).collect();
+    let small = |i: usize| samples::plain(DType::BF16, &[64, 8], i as u64);
+    for node in &nodes[..2] {
+        let mut client = node.client().await;
+        for (i, name) in names.iter().enumerate() {
+            client
+                .put(&TensorKey::new(0, name), &small(i))
+                .await
+                .unwrap();
+        }
+    }
+    let big = TensorKey::new(0, "big");
+    let mut busy = nodes[0].client().await;
+    busy.put(&big, &samples::plain(DType::F32, &[16 << 20], 9))
+        .await
+        .unwrap();
+    let c = cluster.clone();
+    let expected = 2 * names.len() + 1;
+    tokio::task::spawn_blocking(move || {
+        listed_within(
+            &["--cluster", &c, "ls", "@", "--json"],
+            "\"content_hash\": \"",
+            expected,
+        );
+    })
+    .await
+    .unwrap();
+    // Names the worker's spread order, with no load known, reads from busy and from idle.
+    let mut directory = Directory::connect(&cluster).await.unwrap();
+    let members = directory.members().await.unwrap();
+    let worker = members.iter().find(|m| m.name == "worker").cloned();
+    let mut by_rank = std::collections::BTreeMap::<String, Vec<String>>::new();
+    for name in &names {
+        let holders = directory.holders(name).await.unwrap();
+        let unweighed = choose_source(name, &holders, &members, worker.as_ref(), &Loads::new());
+        by_rank
+            .entry(unweighed.unwrap().holder.member)
+            .or_default()
+            .push(name.clone());
+    }
+    let (Some(ranked_busy), Some(ranked_idle)) = (by_rank.get("busy"), by_rank.get("idle")) else {
+        panic!("twelve names all rank one holder first: {by_rank:?}");
+    };
+    // A pull of the large tensor from busy, through a link that stalls: busy serves it on.
+    let stalled =
+        ferry_testkit::proxy(nodes[0].addr, ferry_testkit::Fault::StallAfter(64 * 1024)).await;
+    let puller_node = ferry_testkit::start_with(&["flex"]).await;
+    let (puller, busy_again) = (puller_node.client().await, nodes[0].client().await);
+    let stuck = tokio::spawn(async move {
+        let (mut busy, mut puller) = (busy_again, puller);
+        let copy = ferry_client::NodeCopy::new(stalled.to_string()).tensor(big.clone(), big);
+        let _ = copy.run(&mut busy, &mut puller).await;
+    });
+    let busy_node = &nodes[0];
+    let within = std::time::Duration::from_secs(10);
+    ferry_testkit::eventually_async("busy serves the stalled fetch", within, || async {
+        let stats = busy_node.client().await.stat().await.unwrap();
+        stats.fetches_in_flight == 1 && stats.fetch_bytes_in_flight == 64 << 20
+    })
+    .await;
+    let (c, first_busy, first_idle) = (
+        cluster.clone(),
+        ranked_busy[0].clone(),
+        ranked_idle[0].clone(),
+    );
+    tokio::task::spawn_blocking(move || {
+        for (name, dst) in [(&first_busy, "@worker/0/a"), (&first_idle, "@worker/0/b")] {
+            let copied = ferry(&["--cluster", &c, "cp", name, dst]);
+            let said = String::from_utf8_lossy(&copied.stderr);
+            assert!(copied.status.success(), "{said}");
+            assert!(
+                said.contains(&format!("source: @idle/0/{name}"))
+                    && said.contains("serving 0 fetches"),
+                "{name}: the idle holder, whatever the spread order: {said}"
+            );
+        }
+    })
+    .await
+    .unwrap();
+    // A member that registered and holds `big` too, but does not answer (its port is closed):
+    // busy, serving its stalled fetch, is the one that answers.
+    // One that the worker's spread order ranks before busy.
+    let busy_record = members.iter().find(|m| m.name == "busy").unwrap().clone();
+    let busy_holds = directory.holders("big").await.unwrap();
+    let gone = (0..)
+        .map(|i| {
+            let name = format!("gone{i}");
+            let record = ferry_proto::cluster::MemberRecord {
+                name: name.clone(),
+                node_id: format!("node-{name}").into(),
+                ..busy_record.clone()
+            };
+            let holds = ferry_client::cluster::Located {
+                member: name,
+                ..busy_holds[0].clone()
+            };
+            (record, holds)
+        })
+        .find(|(record, holds)| {
+            let members = [busy_record.clone(), record.clone()];
+            let holders = [busy_holds[0].clone(), holds.clone()];
+            let unweighed =
+                choose_source("big", &holders, &members, worker.as_ref(), &Loads::new());
+            unweighed.unwrap().holder.member == record.name
+        })
+        .map(|(record, _)| record)
+        .unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let gone = ferry_proto::cluster::MemberRecord {
+        tcp: closed.local_addr().unwrap().to_string(),
+        ..gone
+    };
+    drop(closed);
+    let key = ferry_proto::cluster::member_key(&gone.name);
+    etcd.put(&key, &ferry_proto::cluster::encode(&gone)).await;
+    let key = ferry_proto::cluster::tensor_key(&gone.name, 0, "big");
+    etcd.put(&key, &ferry_proto::cluster::encode(&busy_holds[0].record))
+        .await;
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || {
+        let copied = ferry(&["--cluster", &c, "cp", "big", "@worker/0/c"]);
+        let said = String::from_utf8_lossy(&copied.stderr);
+        assert!(copied.status.success(), "{said}");
+        assert!(
+            said.contains("source: @busy/0/big") && said.contains("serving 1 fetches"),
+            "the holder that answers: {said}"
+        );
+    })
+    .await
+    .unwrap();
+    let mut worker = nodes[2].client().await;
+    let index = |name: &str| names.iter().position(|n| n == name).unwrap();
+    for (dst, name) in [("a", &ranked_busy[0]), ("b", &ranked_idle[0])] {
+        let got = worker.get(&TensorKey::new(0, dst)).await.unwrap();
+        ferry_testkit::assert_same(&got, &small(index(name)), dst);
+    }
+    let got = worker.get(&TensorKey::new(0, "c")).await.unwrap();
+    ferry_testkit::assert_same(&got, &samples::plain(DType::F32, &[16 << 20], 9), "c");
+    // To two targets, relayed: the chain starts at the idle holder, and the second target
+    // (named by address, no member) takes it from the first.
+    let served = |node: &ferry_testkit::TestNode| {
+        let addr = node.addr;
+        async move {
+            let mut client = ferry_client::Client::connect(addr).await.unwrap();
+            client.stat().await.unwrap().fetches_served
+        }
+    };
+    let before = (served(&nodes[1]).await, served(&nodes[2]).await);
+    // A name the worker does not hold yet under any key (it would take it from itself).
+    let fresh = names
+        .iter()
+        .find(|n| **n != ranked_busy[0] && **n != ranked_idle[0])
+        .unwrap()
+        .clone();
+    let (c, name) = (cluster.clone(), fresh.clone());
+    let second = format!("{}/0/r", puller_node.addr);
+    tokio::task::spawn_blocking(move || {
+        let copied = ferry(&["--cluster", &c, "cp", &name, "@worker/0/r", &second]);
+        let said = String::from_utf8_lossy(&copied.stderr);
+        assert!(copied.status.success(), "{said}");
+        assert!(said.contains(&format!("source: @idle/0/{name}")), "{said}");
+        assert_eq!(
+            said.matches("copied 1 of 1 tensors to").count(),
+            2,
+            "{said}"
+        );
+    })
+    .await
+    .unwrap();
+    let after = (served(&nodes[1]).await, served(&nodes[2]).await);
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (1, 1),
+        "idle once, worker once"
+    );
+    let expected = small(index(&fresh));
+    let r = TensorKey::new(0, "r");
+    ferry_testkit::assert_same(&worker.get(&r).await.unwrap(), &expected, "r on worker");
+    let mut puller = puller_node.client().await;
+    ferry_testkit::assert_same(&puller.get(&r).await.unwrap(), &expected, "r relayed");
+    stuck.abort();
+    drop(puller_node);
+    for membership in joined {
+        membership.leave().await;
+    }
 }
 
 /// `ferry load`: every transfer of every client checked byte for byte, nothing left behind.
