@@ -129,11 +129,36 @@ impl Client {
     pub async fn get_batch_into(
         &mut self,
         keys: &[TensorKey],
-        mut buffer_for: impl FnMut(usize, &TensorMeta) -> Option<Bytes>,
+        buffer_for: impl FnMut(usize, &TensorMeta) -> Option<Bytes>,
     ) -> Result<Vec<Result<TensorData, ClientError>>, ClientError> {
+        let mut results = Vec::with_capacity(keys.len());
+        self.get_each_into(keys, buffer_for, |_, answer| results.push(answer))
+            .await?;
+        Ok(results)
+    }
+
+    /// [`get_batch`](Self::get_batch), each answer handed to `each(i, answer)` as it arrives,
+    /// in order, rather than all at the end: the caller uses the first tensor while the others
+    /// are on their way. `each` runs between reads of the connection: it should not wait long.
+    pub async fn get_each(
+        &mut self,
+        keys: &[TensorKey],
+        each: impl FnMut(usize, Result<TensorData, ClientError>),
+    ) -> Result<(), ClientError> {
+        self.get_each_into(keys, |_, _| None, each).await
+    }
+
+    /// [`get_each`](Self::get_each) into buffers `buffer_for` gives (see
+    /// [`get_batch_into`](Self::get_batch_into)).
+    async fn get_each_into(
+        &mut self,
+        keys: &[TensorKey],
+        mut buffer_for: impl FnMut(usize, &TensorMeta) -> Option<Bytes>,
+        mut each: impl FnMut(usize, Result<TensorData, ClientError>),
+    ) -> Result<(), ClientError> {
         let max = self.max_tensor_bytes;
         let mut step = self.exchange.begin()?;
-        let mut results = Vec::with_capacity(keys.len());
+        let mut index = 0;
         // Requests go out in windows so that a huge batch never has more than this many answers
         // outstanding.
         for window in keys.chunks(PIPELINE_WINDOW) {
@@ -141,13 +166,13 @@ impl Client {
                 step.send(&Request::Get { key: key.clone() }).await?;
             }
             for _ in window {
-                let index = results.len();
                 let answer = read_tensor(&mut step, max, |meta| buffer_for(index, meta)).await?;
-                results.push(answer);
+                each(index, answer);
+                index += 1;
             }
         }
         step.finish();
-        Ok(results)
+        Ok(())
     }
 }
 

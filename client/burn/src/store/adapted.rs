@@ -31,7 +31,7 @@ pub(crate) fn apply_adapted<L: Link, M: ModuleSnapshot>(
         adapter,
         targets: Arc::new(Targets::of(module)),
     };
-    let tensors = deferred_tensors(link, listing, Arc::new(Targets::none()));
+    let tensors = deferred_tensors(link, listing, Arc::new(Targets::none()), None);
     module.apply(tensors, filter.cloned(), Some(Box::new(checked)), false)
 }
 

@@ -2,6 +2,7 @@
 //! reads parameters off their devices on one thread and sends them on one thread per
 //! connection, a bounded window of host copies between them.
 
+use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -15,6 +16,7 @@ use crate::StoreError;
 use crate::store::deferred_tensors;
 use crate::store::link::{Link, Listed, Sending, outside_runtime};
 use crate::store::plan::Targets;
+use crate::store::prefetch::{Ahead, Each, Prefetch};
 use crate::store::replicas::{Replica, Replicas};
 use crate::store::window::Window;
 
@@ -88,6 +90,15 @@ impl Connected {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) =
             Some(Replicas::new(from, replicas));
+    }
+
+    /// The tensors under `keys` in one pipelined exchange over the store's connection, each
+    /// handed to `each` as it arrives.
+    fn fetch_each(&self, keys: &[TensorKey], each: &mut Each<'_>) -> Result<(), StoreError> {
+        self.client()
+            .get_each(keys, |i, answer| each(i, answer.map_err(StoreError::from)))
+            .wait()?;
+        Ok(())
     }
 
     /// The lanes a collect can send over: each still in step and answering as the store's node
@@ -175,9 +186,31 @@ impl Link for Connected {
         module: &mut M,
         listing: Vec<(String, Listed)>,
         filter: Option<&PathFilter>,
+        window: u64,
     ) -> Result<ApplyResult, StoreError> {
+        outside_runtime()?;
+        let targets = Arc::new(Targets::of(module));
+        // Fetched ahead in the order the Applier draws them, unless a filter skips some (which
+        // only the Applier's own walk can tell): those would hold the window to no use.
+        let ahead = filter.is_none().then(|| {
+            let by_path: HashMap<&str, &Listed> =
+                listing.iter().map(|(p, l)| (p.as_str(), l)).collect();
+            let ahead = targets
+                .order()
+                .iter()
+                .filter_map(|path| by_path.get(path.as_str()))
+                .map(|listed| Ahead {
+                    key: listed.key.clone(),
+                    bytes: listed.bytes,
+                })
+                .collect();
+            let link = self.clone();
+            Arc::new(Prefetch::start(ahead, window, move |keys, each| {
+                link.fetch_each(keys, each)
+            }))
+        });
         // burn-store's own Applier, each fetch checked against the parameter's device first.
-        let tensors = deferred_tensors(&self, listing, Arc::new(Targets::of(module)));
+        let tensors = deferred_tensors(&self, listing, targets, ahead);
         Ok(module.apply(tensors, filter.cloned(), None, false))
     }
 

@@ -214,8 +214,9 @@ impl Link for Embedded {
         module: &mut M,
         listing: Vec<(String, Listed)>,
         filter: Option<&PathFilter>,
+        _window: u64,
     ) -> Result<ApplyResult, StoreError> {
-        // Each tensor handed over as it is on the node's device (moved to the parameter's own
+        // Each tensor handed over (nothing fetched ahead: there is no wire to wait on) as it is on the node's device (moved to the parameter's own
         // where that is another), with burn-store's filter, checks and result.
         let mut applier = HandoffApplier::new(&self, listing, filter);
         let mapped = module.clone().map(&mut applier);

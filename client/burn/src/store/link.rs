@@ -19,6 +19,8 @@ pub(crate) struct Listed {
     pub(crate) key: TensorKey,
     pub(crate) dtype: DType,
     pub(crate) shape: Vec<usize>,
+    /// Its payload's size.
+    pub(crate) bytes: u64,
 }
 
 /// What a collect sends, and where.
@@ -98,7 +100,8 @@ pub trait Link: sealed::Sealed + Send + Sync + 'static {
     fn fetch(&self, key: &TensorKey) -> Result<TensorData, StoreError>;
 
     /// Applies `listing` (each tensor with the path it applies to) to `module`, through
-    /// `filter`, as burn-store's `Applier` does; the caller keeps the module only if whole.
+    /// `filter`, as burn-store's `Applier` does, with at most `window` bytes fetched ahead of
+    /// the Applier and not yet drawn; the caller keeps the module only if whole.
     #[doc(hidden)]
     #[allow(private_interfaces)]
     fn apply<M: ModuleSnapshot>(
@@ -106,6 +109,7 @@ pub trait Link: sealed::Sealed + Send + Sync + 'static {
         module: &mut M,
         listing: Vec<(String, Listed)>,
         filter: Option<&PathFilter>,
+        window: u64,
     ) -> Result<ApplyResult, StoreError>;
 
     /// Sends `module`'s parameters as `sending` says: the paths sent.
@@ -131,6 +135,7 @@ pub(crate) fn listed(manifest: &ModelManifest) -> Result<Vec<(String, Listed)>, 
                 key,
                 dtype: meta.dtype(),
                 shape: meta.shape().to_vec(),
+                bytes: meta.byte_len() as u64,
             };
             Ok((entry.path.clone(), listed))
         })

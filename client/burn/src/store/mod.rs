@@ -8,7 +8,8 @@
 //! parameter's device), `embedded.rs` one in this process (applied by `handoff_apply.rs`,
 //! tensors handed over on the node's device); `adapted.rs` applies through a `ModuleAdapter`
 //! (PyTorch's layouts) from either; `restore.rs` puts back the running state a refused apply
-//! wrote in place; `window.rs` bounds a collect's host copies;
+//! wrote in place; `window.rs` bounds a collect's host copies, and an apply's tensors that
+//! `prefetch.rs` fetches over a connection ahead of the Applier;
 //! `module_path.rs` names where a walk over a module is, as burn-store names and filters paths.
 //! `embedded.rs` and `handoff_apply.rs` are built with the `node` feature only.
 
@@ -22,6 +23,7 @@ mod handoff_apply;
 mod link;
 pub(crate) mod module_path;
 mod plan;
+mod prefetch;
 mod replicas;
 pub(crate) mod restore;
 mod window;
@@ -50,6 +52,7 @@ pub use replicas::{NotReplicated, Replica};
 use adapted::apply_adapted;
 use link::{Listed, Sending, outside_runtime};
 use plan::Targets;
+use prefetch::Prefetch;
 use restore::Before;
 
 /// The most bytes of host copies a collect over a connection keeps in flight by default (read
@@ -257,7 +260,9 @@ impl<L: Link> FerryStore<L> {
     }
 
     /// The most bytes of host copies a collect over a connection keeps in flight (default
-    /// [`DEFAULT_WINDOW`]); with lanes, this times the connections, shared between them.
+    /// [`DEFAULT_WINDOW`]); with lanes, this times the connections, shared between them. An
+    /// apply over a connection fetches tensors ahead of burn-store's Applier, in the order it
+    /// applies them and in pipelined batches, up to this many bytes arrived and not yet applied.
     pub fn window(mut self, bytes: u64) -> Self {
         self.window = bytes;
         self
@@ -302,7 +307,10 @@ impl<L: Link> FerryStore<L> {
             Some(adapter) => {
                 apply_adapted(&self.link, &mut applied, listing, filter, adapter.clone())
             }
-            None => self.link.clone().apply(&mut applied, listing, filter)?,
+            None => self
+                .link
+                .clone()
+                .apply(&mut applied, listing, filter, self.window)?,
         };
         let whole = result.errors.is_empty()
             && (self.missing == Missing::Allow || result.missing.is_empty());
@@ -324,25 +332,32 @@ impl<L: Link> FerryStore<L> {
 }
 
 /// `listing` as burn-store tensors, each fetched through `link` only when its bytes are drawn,
-/// once `targets` says the device of the parameter it goes to holds it.
+/// once `targets` says the device of the parameter it goes to holds it: taken from `ahead`
+/// where it fetched it first.
 pub(crate) fn deferred_tensors<L: Link>(
     link: &Arc<L>,
     listing: Vec<(String, Listed)>,
     targets: Arc<Targets>,
+    ahead: Option<Arc<Prefetch>>,
 ) -> Vec<PackTensor> {
     listing
         .into_iter()
         .map(|(path, listed)| {
             let link = link.clone();
             let targets = targets.clone();
-            let Listed { key, dtype, shape } = listed;
+            let ahead = ahead.clone();
+            let Listed {
+                key, dtype, shape, ..
+            } = listed;
             let checked_as = path.clone();
             let declared = shape.clone();
             bridge::deferred(path, dtype, Shape::from(shape), None, move || {
                 targets
                     .check(&checked_as, &dtype, &declared)
                     .map_err(PackError::ValidationError)?;
-                link.fetch(&key)
+                let fetched = ahead.as_ref().and_then(|ahead| ahead.take(&key));
+                fetched
+                    .unwrap_or_else(|| link.fetch(&key))
                     .map_err(|e| PackError::ValidationError(e.to_string()))
             })
         })
@@ -412,7 +427,8 @@ impl<L: Link> ModuleStore for FerryStore<L> {
                         return Err(error);
                     }
                 };
-                let tensors = deferred_tensors(&self.link, listing, Arc::new(Targets::none()));
+                let tensors =
+                    deferred_tensors(&self.link, listing, Arc::new(Targets::none()), None);
                 let tensors = tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
                 (manifest, tensors)
             }

@@ -13,6 +13,8 @@ use crate::store::module_path::ModulePath;
 /// A module's parameters by path (as burn-store names them: field names joined by `.`).
 pub(crate) struct Targets {
     by_path: HashMap<String, Device>,
+    /// The paths in the order a visit of the module (burn-store's Applier's too) meets them.
+    order: Vec<String>,
 }
 
 impl Targets {
@@ -21,10 +23,12 @@ impl Targets {
         let mut visitor = Visitor {
             path: ModulePath::default(),
             by_path: HashMap::new(),
+            order: Vec::new(),
         };
         module.visit(&mut visitor);
         Self {
             by_path: visitor.by_path,
+            order: visitor.order,
         }
     }
 
@@ -32,7 +36,13 @@ impl Targets {
     pub(crate) fn none() -> Self {
         Self {
             by_path: HashMap::new(),
+            order: Vec::new(),
         }
+    }
+
+    /// The parameters' paths in the order burn-store's Applier draws their tensors: a visit's.
+    pub(crate) fn order(&self) -> &[String] {
+        &self.order
     }
 
     /// Whether the device of the parameter at `path` holds `dtype` at `shape` bit-exact, as
@@ -53,11 +63,14 @@ impl Targets {
 struct Visitor {
     path: ModulePath,
     by_path: HashMap<String, Device>,
+    order: Vec<String>,
 }
 
 impl Visitor {
     fn record(&mut self, device: Device) {
-        self.by_path.insert(self.path.joined(), device);
+        let path = self.path.joined();
+        self.order.push(path.clone());
+        self.by_path.insert(path, device);
     }
 }
 

@@ -1,5 +1,6 @@
 //! `Window`: a bound on the bytes of host copies in flight between the thread that reads a
-//! module's tensors off their device and the threads that send them (one per connection).
+//! module's tensors off their device and the threads that send them (one per connection), or
+//! between the thread that fetches an apply's tensors ahead and the Applier that draws them.
 
 use std::sync::{Condvar, Mutex, PoisonError};
 
@@ -47,6 +48,18 @@ impl Window {
         }
     }
 
+    /// Takes room for `bytes` only if there is some now (or nothing is in flight); false
+    /// otherwise, and once the window is closed.
+    pub(crate) fn try_take(&self, bytes: u64) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let fits = state.in_flight.saturating_add(bytes) <= self.limit;
+        if state.closed || !(state.in_flight == 0 || fits) {
+            return false;
+        }
+        state.in_flight = state.in_flight.saturating_add(bytes);
+        true
+    }
+
     /// Gives `bytes` back (their copy was sent and dropped).
     pub(crate) fn give(&self, bytes: u64) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -73,8 +86,12 @@ mod tests {
         window.give(25);
         assert!(window.take(6));
         assert!(window.take(4));
+        assert!(!window.try_take(1), "full: no room now");
+        window.give(4);
+        assert!(window.try_take(1));
         window.close();
         assert!(!window.take(1), "a closed window refuses");
+        assert!(!window.try_take(0), "a closed window refuses");
     }
 
     #[test]
