@@ -1037,3 +1037,119 @@ fn a_collect_goes_on_to_every_replica_whole() {
         assert_same_params(&params(&applied), &sent_params);
     }
 }
+
+/// Two coordinators replicate to the same two workers at once, round after round (each collects
+/// a model of its own, replacing, to its own node, relayed on to both workers), while a reader
+/// applies from the workers over and over: every apply takes one coordinator's model whole,
+/// never parts of both, and after every round each worker holds one of the two whole. A
+/// worker's version begun before the other coordinator's committed there is superseded
+/// (`Changed`): that collect is `NotReplicated` for it, the worker keeping the newer model.
+#[test]
+fn stores_replicating_to_the_same_workers_at_once_leave_each_a_whole_model() {
+    use ferry_burn::Replica;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let coordinators = [serve_flex(), serve_flex()];
+    let workers = [serve_flex(), serve_flex()];
+    let device = Device::flex();
+    let models = [Deep::new(&device), Deep::new(&device)];
+    let wanted: Vec<BTreeMap<String, TensorData>> = models.iter().map(params).collect();
+    let which = |got: &BTreeMap<String, TensorData>| {
+        wanted.iter().position(|want| {
+            want.len() == got.len()
+                && want.iter().all(|(path, data)| {
+                    got.get(path).is_some_and(|g| {
+                        g.dtype() == data.dtype()
+                            && g.shape() == data.shape()
+                            && g.as_bytes() == data.as_bytes()
+                    })
+                })
+        })
+    };
+    let mut stores: Vec<_> = coordinators
+        .iter()
+        .map(|node| {
+            let replicas = workers
+                .iter()
+                .map(|w| Replica {
+                    addr: w.addr.to_string(),
+                    pulls: client(&w.addr),
+                    grants: client(&w.addr),
+                })
+                .collect();
+            FerryStore::connected(client(&node.addr), 0, "m")
+                .if_exists(IfExists::Replace)
+                .with_replicas(&node.addr, replicas)
+        })
+        .collect();
+    let stop = AtomicBool::new(false);
+    let whole_applies = AtomicUsize::new(0);
+    let superseded = AtomicUsize::new(0);
+    /// Stops the reader however the rounds end (a failed assertion included), so that the
+    /// scope that waits for it ends too.
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    std::thread::scope(|scope| {
+        let _stop = StopOnDrop(&stop);
+        let reader = scope.spawn(|| {
+            let mut readers: Vec<_> = workers
+                .iter()
+                .map(|w| FerryStore::connected(client(&w.addr), 0, "m"))
+                .collect();
+            while !stop.load(Ordering::Relaxed) {
+                for reader in &mut readers {
+                    let mut target = Deep::new(&device);
+                    match reader.apply_to(&mut target) {
+                        Ok(_) => {
+                            let got = params(&target);
+                            assert!(which(&got).is_some(), "an apply mixed two models");
+                            whole_applies.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // Before the first round commits there is no model.
+                        Err(e) if e.code() == Some(ferry_client::ErrorCode::NotFound) => {}
+                        Err(e) => panic!("an apply from a worker: {e}"),
+                    }
+                }
+            }
+        });
+        for round in 0..6 {
+            std::thread::scope(|both| {
+                for (store, model) in stores.iter_mut().zip(&models) {
+                    let superseded = &superseded;
+                    both.spawn(move || match store.collect_from(model) {
+                        Ok(()) => {}
+                        Err(StoreError::NotReplicated { failed, .. })
+                            if failed.iter().all(|f| {
+                                f.cause.code() == Some(ferry_client::ErrorCode::Changed)
+                            }) =>
+                        {
+                            superseded.fetch_add(failed.len(), Ordering::Relaxed);
+                        }
+                        Err(e) => panic!("round {round}: {e}"),
+                    });
+                }
+            });
+            for worker in &workers {
+                let mut target = Deep::new(&device);
+                FerryStore::connected(client(&worker.addr), 0, "m")
+                    .apply_to(&mut target)
+                    .unwrap();
+                assert!(
+                    which(&params(&target)).is_some(),
+                    "round {round}: a worker holds parts of both models"
+                );
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        reader.join().unwrap();
+    });
+    println!(
+        "{} whole applies from the workers, {} replicated versions superseded",
+        whole_applies.load(Ordering::Relaxed),
+        superseded.load(Ordering::Relaxed)
+    );
+    assert!(whole_applies.load(Ordering::Relaxed) > 0);
+}

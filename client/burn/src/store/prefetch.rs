@@ -94,7 +94,10 @@ impl Prefetch {
         let on_thread = shared.clone();
         let thread = std::thread::Builder::new()
             .name("ferry-prefetch".into())
-            .spawn(move || fetch_ahead(&on_thread, &ahead, &mut fetch_each))
+            .spawn(move || {
+                let _leave = LeaveOnExit(&on_thread);
+                fetch_ahead(&on_thread, &ahead, &mut fetch_each);
+            })
             .ok();
         Self { shared, thread }
     }
@@ -138,6 +141,23 @@ impl Drop for Prefetch {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+    }
+}
+
+/// Leaves whatever the thread had in flight to its draws as the thread ends, however it ends
+/// (a panic in a fetch included): no draw waits for a tensor nobody is fetching.
+struct LeaveOnExit<'a>(&'a Shared);
+
+impl Drop for LeaveOnExit<'_> {
+    fn drop(&mut self) {
+        let mut slots = self.0.slots();
+        for (slot, _) in slots.values_mut() {
+            if matches!(slot, Slot::InFlight) {
+                *slot = Slot::Left;
+            }
+        }
+        drop(slots);
+        self.0.changed.notify_all();
     }
 }
 
@@ -303,6 +323,21 @@ mod tests {
         assert!(matches!(take(1), Some(Err(StoreError::Client(_)))));
         for i in 2..6 {
             assert!(take(i).is_none(), "t{i} is its draw's to fetch");
+        }
+    }
+
+    /// A fetch that panics on the thread: what it had in flight is left to the draws, which do
+    /// not wait for it.
+    #[test]
+    fn a_panicking_fetch_leaves_its_tensors_to_their_draws() {
+        let (started, fetching) = std::sync::mpsc::channel();
+        let prefetch = Prefetch::start(ahead(3, 1), 1 << 20, move |_, _| {
+            let _ = started.send(());
+            panic!("a fetch that panics");
+        });
+        fetching.recv().unwrap();
+        for i in 0..3 {
+            assert!(prefetch.take(&TensorKey::new(0, format!("t{i}"))).is_none());
         }
     }
 }
