@@ -18,7 +18,7 @@ pub const BYTES: &str = "ferry_bytes_total";
 pub const IN_FLIGHT: &str = "ferry_transfers_in_flight";
 /// Fetches this node serves now (other nodes pulling from it): its load as a source.
 pub const FETCHES_IN_FLIGHT: &str = "ferry_fetches_in_flight";
-/// The payload bytes those fetches were asked for.
+/// The payload bytes those fetches were charged (a fetch's whole payload, a stripe's range).
 pub const FETCH_BYTES_IN_FLIGHT: &str = "ferry_fetch_bytes_in_flight";
 /// Tensors held, per device.
 pub const DEVICE_TENSORS: &str = "ferry_device_tensors";

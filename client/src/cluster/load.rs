@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use ferry_proto::cluster::MemberRecord;
+use ferry_proto::message::LOAD_MINOR;
 use futures_util::future::join_all;
 
 use super::source::{ChooseError, Source, choose_source, worth_asking};
@@ -25,8 +26,10 @@ pub enum Load {
         /// Their payload bytes.
         bytes: u64,
     },
+    /// It answered, but is a node older than protocol minor 10, which does not say its load.
+    Unknown,
     /// It did not connect or answer in time, or is not the node it registered as: why, for a
-    /// person. A copy does not read from it.
+    /// person. A copy reads from it only where no holder answered.
     Unreachable(String),
 }
 
@@ -36,6 +39,7 @@ impl std::fmt::Display for Load {
             Load::Serving { fetches, bytes } => {
                 write!(f, "serving {fetches} fetches, {bytes} bytes")
             }
+            Load::Unknown => write!(f, "load not known (a node of an older protocol)"),
             Load::Unreachable(why) => write!(f, "did not answer: {why}"),
         }
     }
@@ -50,13 +54,15 @@ pub async fn ask_loads(members: &[MemberRecord], options: &ConnectOptions) -> Lo
     let asks = members.iter().map(|member| async move {
         let asked = async {
             let mut client = connect_nearest(member, options.clone()).await?;
-            client.stat().await
+            let says_load = client.welcome().minor >= LOAD_MINOR;
+            client.stat().await.map(|stats| (stats, says_load))
         };
         let load = match tokio::time::timeout(LOAD_DEADLINE, asked).await {
-            Ok(Ok(stats)) => Load::Serving {
+            Ok(Ok((stats, true))) => Load::Serving {
                 fetches: stats.fetches_in_flight,
                 bytes: stats.fetch_bytes_in_flight,
             },
+            Ok(Ok((_, false))) => Load::Unknown,
             Ok(Err(e)) => Load::Unreachable(e.to_string()),
             Err(_) => Load::Unreachable(format!("no answer within {LOAD_DEADLINE:?}")),
         };

@@ -1,6 +1,7 @@
 //! Which holder a copy of a tensor named alone reads from ([`choose_source`]): one version,
-//! the nearest holder, then the least busy, and among equally near and busy ones a spread over
-//! the targets. A pure decision, tested by tables; [`worth_asking`] says whose load to ask.
+//! the nearest holder, spread over the targets by rendezvous hashing, and of the first two in a
+//! target's order the less busy. A pure decision, tested by tables; [`worth_asking`] says whose
+//! load to ask.
 
 use ferry_proto::cluster::MemberRecord;
 
@@ -26,7 +27,8 @@ pub struct Source {
     pub addr: String,
     /// The holder is the target node itself: a copy between its own devices.
     pub same_node: bool,
-    /// Its load when asked; `None`: not asked (the target itself, or beyond [`MOST_ASKED`]).
+    /// Its load when asked; `None`: not asked (the choice was decided without it, or it was
+    /// beyond [`MOST_ASKED`]).
     pub load: Option<Load>,
 }
 
@@ -47,14 +49,6 @@ pub enum ChooseError {
         /// The tensor's name.
         name: String,
         /// Where it is, for a person.
-        holders: String,
-    },
-    /// Every holder of the version was asked for its load and none answered.
-    #[error("no holder of {name:?} answered: {holders}")]
-    Unreachable {
-        /// The tensor's name.
-        name: String,
-        /// Each holder and why, for a person.
         holders: String,
     },
 }
@@ -159,8 +153,9 @@ fn candidates<'a>(
 }
 
 /// The members a copy of `name` to `target` asks for their load before [`choose_source`]: the
-/// holders' members nearest first, each once, the target itself never, at most [`MOST_ASKED`].
-/// None where the name resolves to no one version (`choose_source` says why).
+/// holders' members nearest first, each once, at most [`MOST_ASKED`]; none where the answer is
+/// decided without them (the target itself holds it, or one member does), or where the name
+/// resolves to no one version (`choose_source` says why).
 pub fn worth_asking(
     name: &str,
     holders: &[Located],
@@ -170,11 +165,15 @@ pub fn worth_asking(
     let Ok(candidates) = candidates(name, holders, members, target) else {
         return Vec::new();
     };
+    let target_holds_it = candidates
+        .first()
+        .is_some_and(|nearest| nearest.nearness == Nearness::TargetItself);
+    if target_holds_it {
+        return Vec::new();
+    }
     let mut asked: Vec<MemberRecord> = Vec::new();
     for candidate in candidates {
-        if candidate.nearness == Nearness::TargetItself
-            || asked.iter().any(|m| m.name == candidate.member.name)
-        {
+        if asked.iter().any(|m| m.name == candidate.member.name) {
             continue;
         }
         if asked.len() == MOST_ASKED {
@@ -182,18 +181,35 @@ pub fn worth_asking(
         }
         asked.push(candidate.member.clone());
     }
+    // One member: nothing to choose between.
+    if asked.len() < 2 {
+        asked.clear();
+    }
     asked
+}
+
+/// How busy a holder is, coarsely, for comparing two: answered before not known, then the
+/// bytes it serves by powers of two (so that small differences do not all send new targets
+/// the same way), then its fetches.
+fn busyness(load: Option<&Load>) -> (u8, u32, u64) {
+    match load {
+        Some(Load::Serving { fetches, bytes }) => (0, u64::BITS - bytes.leading_zeros(), *fetches),
+        Some(Load::Unknown | Load::Unreachable(_)) | None => (1, 0, 0),
+    }
 }
 
 /// Picks the holder a copy of `name` to `target` reads from, among `holders` (the directory's
 /// entries for that name) whose member is registered in `members`, weighing `loads` (what the
 /// members [`worth_asking`] said):
-/// - one version, nearest first (see `candidates`);
-/// - a holder that did not answer is passed over; among equally near ones, the one serving the
-///   fewest bytes (then fetches) now, then one that was not asked;
-/// - among holders equally near and busy, the one `spread_rank` ranks first for this target and
-///   name: targets spread over the holders (a new worker reads from running replicas as often as
-///   from the first holder by name), and a target asked again picks the same one.
+/// - one version, nearest first, and among equally near holders the target's own spread order
+///   (see `candidates`): targets spread over the holders (a new worker reads from running
+///   replicas as often as from the first holder by name), and a target asked again picks the
+///   same one;
+/// - a holder that did not answer is passed over;
+/// - of the first two answering holders in the nearest tier, the less busy (`busyness`), the
+///   first where they are as busy ("the power of two choices": a busy holder loses the targets
+///   that would have read from it, the others keep their spread);
+/// - where no holder answered, the first in order all the same: its pull says what is wrong.
 pub fn choose_source(
     name: &str,
     holders: &[Located],
@@ -202,35 +218,22 @@ pub fn choose_source(
     loads: &Loads,
 ) -> Result<Source, ChooseError> {
     let candidates = candidates(name, holders, members, target)?;
-    // Answered first, least busy first; not asked after; `None`: did not answer.
-    let busyness = |c: &Candidate| match loads.get(&c.member.name) {
-        Some(Load::Serving { fetches, bytes }) => Some((0, *bytes, *fetches)),
-        Some(Load::Unreachable(_)) => None,
-        None => Some((1, 0, 0)),
-    };
-    // `min_by_key` keeps the first of equals: the candidates are in spread order already.
-    let chosen = candidates
+    let load = |c: &Candidate| loads.get(&c.member.name);
+    let answering: Vec<&Candidate> = candidates
         .iter()
-        .filter_map(|c| busyness(c).map(|busy| (c, busy)))
-        .min_by_key(|(c, busy)| (c.nearness, *busy))
-        .map(|(c, _)| c);
-    let Some(chosen) = chosen else {
-        let holders = candidates
+        .filter(|c| !matches!(load(c), Some(Load::Unreachable(_))))
+        .collect();
+    let chosen = match answering.first() {
+        // `min_by_key` keeps the first of equals: the spread order decides a tie.
+        Some(first) => answering
             .iter()
-            .map(|c| {
-                let why = match loads.get(&c.member.name) {
-                    Some(Load::Unreachable(why)) => why.as_str(),
-                    _ => "not asked",
-                };
-                format!("@{}/{} ({why})", c.holder.member, c.holder.device)
-            })
-            .collect::<Vec<_>>()
-            .join(", ");
-        return Err(ChooseError::Unreachable {
-            name: name.to_string(),
-            holders,
-        });
-    };
+            .filter(|c| c.nearness == first.nearness)
+            .take(2)
+            .min_by_key(|c| busyness(load(c)))
+            .copied(),
+        None => candidates.first(),
+    }
+    .ok_or_else(|| ChooseError::NotHeld(name.to_string()))?;
     let addr = match target {
         Some(t) if chosen.nearness == Nearness::SameMachine => address_for(chosen.member, &t.host),
         _ => chosen.member.tcp.clone(),
@@ -240,7 +243,7 @@ pub fn choose_source(
         member: chosen.member.clone(),
         addr,
         same_node: chosen.nearness == Nearness::TargetItself,
-        load: loads.get(&chosen.member.name).cloned(),
+        load: load(chosen).cloned(),
     })
 }
 
@@ -369,14 +372,10 @@ mod tests {
         );
     }
 
-    /// Many targets, none near any holder: they spread over the holders about evenly, so a new
-    /// worker reads from running replicas as often as from the first holder by name.
-    #[test]
-    fn equally_near_holders_share_the_targets() {
-        let holders: Vec<Located> = ["coordinator", "replica1", "replica2", "replica3"]
-            .into_iter()
-            .map(|m| held(m, 0, Some("x")))
-            .collect();
+    /// How many of 400 targets, none near any of the four holders `names`, choose each holder
+    /// under `loads`.
+    fn spread_over(names: [&str; 4], loads: &Loads) -> std::collections::BTreeMap<String, usize> {
+        let holders: Vec<Located> = names.into_iter().map(|m| held(m, 0, Some("x"))).collect();
         let mut members: Vec<MemberRecord> =
             holders.iter().map(|h| member(&h.member, "hub")).collect();
         let targets: Vec<MemberRecord> = (0..400)
@@ -385,10 +384,18 @@ mod tests {
         members.extend(targets.iter().cloned());
         let mut chosen = std::collections::BTreeMap::<String, usize>::new();
         for target in &targets {
-            let source =
-                choose_source("w", &holders, &members, Some(target), &Loads::new()).unwrap();
+            let source = choose_source("w", &holders, &members, Some(target), loads).unwrap();
             *chosen.entry(source.holder.member).or_default() += 1;
         }
+        chosen
+    }
+
+    /// Many targets, none near any holder: they spread over the holders about evenly, so a new
+    /// worker reads from running replicas as often as from the first holder by name.
+    #[test]
+    fn equally_near_holders_share_the_targets() {
+        let names = ["coordinator", "replica1", "replica2", "replica3"];
+        let chosen = spread_over(names, &Loads::new());
         assert_eq!(chosen.len(), 4, "{chosen:?}");
         assert!(
             chosen.values().all(|&n| (60..=140).contains(&n)),
@@ -396,10 +403,31 @@ mod tests {
         );
     }
 
-    /// Loads, in a table: holders b (on the target's machine), c and d (elsewhere), each row
-    /// the loads their members said and the holder chosen (`None`: none answered).
+    /// A busy holder among four equally near ones loses the targets whose first two in their
+    /// spread order include it; the others keep theirs, spread as before. Loads that differ
+    /// within a power of two spread as equal ones do.
     #[test]
-    fn the_least_busy_of_the_nearest_answering_holders_is_chosen() {
+    fn a_busy_holder_loses_only_the_targets_that_had_a_choice() {
+        let names = ["h0", "h1", "h2", "h3"];
+        let serving = |bytes| Load::Serving { fetches: 1, bytes };
+        let mut loads: Loads = names
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| (m.to_string(), serving(1000 + i as u64)))
+            .collect();
+        let even = spread_over(names, &loads);
+        assert_eq!(even.len(), 4, "{even:?}");
+        assert!(even.values().all(|&n| (60..=140).contains(&n)), "{even:?}");
+        loads.insert("h0".into(), serving(1 << 30));
+        let busy = spread_over(names, &loads);
+        assert_eq!(busy.get("h0"), None, "{busy:?}");
+        assert!(busy.values().all(|&n| (90..=180).contains(&n)), "{busy:?}");
+    }
+
+    /// Loads, in a table: holders b (on the target's machine), c and d (elsewhere), each row
+    /// the loads their members said and the holder chosen.
+    #[test]
+    fn the_less_busy_of_the_nearest_answering_holders_is_chosen() {
         let members = [
             member("t", "h1"),
             member("b", "h1"),
@@ -414,7 +442,7 @@ mod tests {
         let serving = |fetches, bytes| Load::Serving { fetches, bytes };
         let down = || Load::Unreachable("connection refused".into());
         // Each row: what the members said, and who is chosen.
-        type Row<'a> = (Vec<(&'a str, Load)>, Option<&'a str>);
+        type Row<'a> = (Vec<(&'a str, Load)>, &'a str);
         let table: Vec<Row> = vec![
             // Nearness before load: b shares the target's machine, and is chosen however busy.
             (
@@ -423,58 +451,59 @@ mod tests {
                     ("c", serving(0, 0)),
                     ("d", serving(0, 0)),
                 ],
-                Some("b"),
+                "b",
             ),
-            // b did not answer: the less busy of the others, by bytes.
+            // b did not answer: the less busy of the other two, by bytes.
             (
                 vec![("b", down()), ("c", serving(1, 5)), ("d", serving(1, 1))],
-                Some("d"),
+                "d",
             ),
             (
                 vec![("b", down()), ("c", serving(0, 0)), ("d", serving(1, 1))],
-                Some("c"),
+                "c",
             ),
-            // As many bytes: the fewer fetches.
+            // As many bytes, to a power of two: the fewer fetches.
             (
-                vec![("b", down()), ("c", serving(3, 10)), ("d", serving(2, 10))],
-                Some("d"),
+                vec![("b", down()), ("c", serving(3, 10)), ("d", serving(2, 12))],
+                "d",
             ),
-            // One that answered, however busy, before one not asked.
-            (vec![("b", down()), ("d", serving(9, 1 << 30))], Some("d")),
+            // One that answered, however busy, before one not asked or too old to say.
+            (vec![("b", down()), ("d", serving(9, 1 << 30))], "d"),
+            (
+                vec![
+                    ("b", down()),
+                    ("c", Load::Unknown),
+                    ("d", serving(9, 1 << 30)),
+                ],
+                "d",
+            ),
             // Only one not asked left: it is chosen.
-            (vec![("b", down()), ("d", down())], Some("c")),
-            // None answered.
-            (vec![("b", down()), ("c", down()), ("d", down())], None),
+            (vec![("b", down()), ("d", down())], "c"),
+            // None answered: the nearest all the same, its load saying so.
+            (vec![("b", down()), ("c", down()), ("d", down())], "b"),
         ];
         for (said, expected) in table {
             let loads: Loads = said
                 .iter()
                 .map(|(m, load)| (m.to_string(), load.clone()))
                 .collect();
-            let chosen = choose_source("w", &holders, &members, Some(&members[0]), &loads);
-            match (expected, chosen) {
-                (Some(name), Ok(source)) => {
-                    assert_eq!(source.holder.member, name, "{said:?}");
-                    assert_eq!(source.load, loads.get(name).cloned());
-                }
-                (None, Err(ChooseError::Unreachable { holders, .. })) => {
-                    assert!(holders.contains("connection refused"), "{holders}");
-                }
-                (expected, chosen) => panic!("{said:?}: expected {expected:?}, got {chosen:?}"),
-            }
+            let chosen = choose_source("w", &holders, &members, Some(&members[0]), &loads).unwrap();
+            assert_eq!(chosen.holder.member, expected, "{said:?}");
+            assert_eq!(chosen.load, loads.get(expected).cloned());
         }
     }
 
-    /// Whose load is asked: nearest first, each member once, never the target itself, at most
-    /// MOST_ASKED; nobody where the name resolves to no one version.
+    /// Whose load is asked: nearest first, each member once, at most MOST_ASKED; nobody where
+    /// the target itself or a single member holds it, or where the name resolves to no one
+    /// version.
     #[test]
     fn the_nearest_holders_are_asked_each_once() {
         let mut members = vec![member("t", "h1"), member("b", "h1")];
-        let mut holders = vec![
-            held("t", 0, Some("x")),
-            held("b", 0, Some("x")),
-            held("b", 1, Some("x")),
-        ];
+        let mut holders = vec![held("b", 0, Some("x")), held("b", 1, Some("x"))];
+        assert!(
+            worth_asking("w", &holders, &members, Some(&members[0])).is_empty(),
+            "one member holds it"
+        );
         for i in 0..20 {
             let name = format!("far{i}");
             holders.push(held(&name, 0, Some("x")));
@@ -483,7 +512,6 @@ mod tests {
         let asked = worth_asking("w", &holders, &members, Some(&members[0]));
         assert_eq!(asked.len(), MOST_ASKED);
         assert_eq!(asked[0].name, "b");
-        assert!(asked.iter().all(|m| m.name != "t"));
         let mut names: Vec<&str> = asked.iter().map(|m| m.name.as_str()).collect();
         names.dedup();
         assert_eq!(names.len(), MOST_ASKED);
@@ -492,6 +520,9 @@ mod tests {
             asked,
             worth_asking("w", &holders, &members, Some(&members[0]))
         );
+        let mut with_target = holders.clone();
+        with_target.push(held("t", 0, Some("x")));
+        assert!(worth_asking("w", &with_target, &members, Some(&members[0])).is_empty());
         holders.push(held("c", 0, Some("y")));
         members.push(member("c", "elsewhere"));
         assert!(worth_asking("w", &holders, &members, Some(&members[0])).is_empty());

@@ -22,4 +22,4 @@ pub use key::{MAX_NAME_LEN, NameError, TensorKey, validate_name};
 pub use model::{ManifestEntry, ModelManifest, ModelSummary, PathsDigest};
 pub use request::{DELETE_IF_MINOR, FETCH_RANGE_MINOR, MAX_WAIT_MS, Request, WAIT_MINOR, WaitFor};
 pub use response::{HeldDtype, Response, TensorInfo};
-pub use stats::{DeviceStats, NodeStats};
+pub use stats::{DeviceStats, LOAD_MINOR, NodeStats};

@@ -4,6 +4,11 @@
 use super::Request;
 use crate::growable::growable;
 
+/// The minor that added [`NodeStats::fetches_in_flight`] and
+/// [`NodeStats::fetch_bytes_in_flight`]: a node older than it answers 0 for both, which says
+/// nothing of its load.
+pub const LOAD_MINOR: u16 = 10;
+
 growable! {
     /// Node statistics. Its fields are grouped by the protocol minor they arrived in: a peer of
     /// an older minor sends and receives only the fields it knows (PROTOCOL.md §4).
@@ -90,8 +95,8 @@ growable! {
             /// its load as a source, which a copy by name weighs when it chooses among holders
             /// (0 from a node older than minor 10).
             pub fetches_in_flight: u64,
-            /// The payload bytes those fetches were asked for (0 from a node older than minor
-            /// 10).
+            /// The payload bytes those fetches were charged: a fetch's whole payload, a stripe's
+            /// range (0 from a node older than minor 10).
             pub fetch_bytes_in_flight: u64,
         }
     }

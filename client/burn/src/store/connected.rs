@@ -191,14 +191,17 @@ impl Link for Connected {
         outside_runtime()?;
         let targets = Arc::new(Targets::of(module));
         // Fetched ahead in the order the Applier draws them, unless a filter skips some (which
-        // only the Applier's own walk can tell): those would hold the window to no use.
+        // only the Applier's own walk can tell): those would hold the window to no use. Nor is
+        // a tensor the parameter's device cannot hold: its draw refuses it before a byte moves.
         let ahead = filter.is_none().then(|| {
             let by_path: HashMap<&str, &Listed> =
                 listing.iter().map(|(p, l)| (p.as_str(), l)).collect();
             let ahead = targets
                 .order()
                 .iter()
-                .filter_map(|path| by_path.get(path.as_str()))
+                .filter_map(|path| Some((path, *by_path.get(path.as_str())?)))
+                .filter(|(path, l)| targets.check(path, &l.dtype, &l.shape).is_ok())
+                .map(|(_, listed)| listed)
                 .map(|listed| Ahead {
                     key: listed.key.clone(),
                     bytes: listed.bytes,

@@ -207,20 +207,28 @@ where
                 shared.changed.notify_all();
             }
         });
-        // What the batch did not bring is left to its draw, which says why where it fails too;
-        // nothing more is fetched ahead over a connection that failed.
+        // A batch that failed: the first tensor it did not bring (the one being read) carries
+        // why, to its draw; the others are left to their draws. Nothing more is fetched ahead
+        // over a connection that failed.
+        let mut why = fetched.err();
+        let stop = why.is_some();
         let mut slots = shared.slots();
         let mut freed = 0;
         for tensor in &batch {
             if let Some((slot @ Slot::InFlight, bytes)) = slots.get_mut(&tensor.key) {
-                *slot = Slot::Left;
-                freed += *bytes;
+                match why.take() {
+                    Some(error) => *slot = Slot::Arrived(Err(error)),
+                    None => {
+                        *slot = Slot::Left;
+                        freed += *bytes;
+                    }
+                }
             }
         }
         drop(slots);
         shared.window.give(freed);
         shared.changed.notify_all();
-        if fetched.is_err() {
+        if stop {
             return;
         }
     }
@@ -306,7 +314,7 @@ mod tests {
     }
 
     /// A batch that fails: what it brought is handed to the draws as it came (a refusal too),
-    /// and its tensors not arrived are left to their draws.
+    /// the first tensor it did not bring carries why, and the others are left to their draws.
     #[test]
     fn a_failed_batch_leaves_its_tensors_to_their_draws() {
         let (failing, failed) = std::sync::mpsc::channel();
@@ -315,13 +323,19 @@ mod tests {
             let refused = ferry_client::ClientError::OutOfStep;
             each(1, Err(StoreError::Client(refused)));
             let _ = failing.send(());
-            Err(StoreError::Client(ferry_client::ClientError::OutOfStep))
+            Err(StoreError::Client(ferry_client::ClientError::Unexpected(
+                "the connection broke".into(),
+            )))
         });
         failed.recv().unwrap();
         let take = |i: usize| prefetch.take(&TensorKey::new(0, format!("t{i}")));
         assert_eq!(take(0).unwrap().unwrap(), data(0));
         assert!(matches!(take(1), Some(Err(StoreError::Client(_)))));
-        for i in 2..6 {
+        match take(2) {
+            Some(Err(e)) => assert!(e.to_string().contains("the connection broke"), "{e}"),
+            other => panic!("the batch's own error: {other:?}"),
+        }
+        for i in 3..6 {
             assert!(take(i).is_none(), "t{i} is its draw's to fetch");
         }
     }

@@ -89,12 +89,17 @@ async fn relay_by_name(
             && h.name == dst_name
             && target_members.iter().flatten().any(|t| t.name == h.member)
     };
-    let holders: Vec<Located> = directory
+    let (at_targets, holders): (Vec<Located>, Vec<Located>) = directory
         .holders(name)
         .await?
         .into_iter()
-        .filter(|h| !is_target(h))
-        .collect();
+        .partition(|h| is_target(h));
+    if holders.is_empty() && !at_targets.is_empty() {
+        bail!(
+            "every holder of {name} the directory lists is one of the targets (as {dst_device}/\
+             {dst_name}): there is no other to copy from"
+        );
+    }
     let first = target_members.first().cloned().flatten();
     let (chosen, src_node) = choose_and_say(cli, name, &holders, &members, first.as_ref()).await?;
     let mut source_client = connect_to(&src_node, cli).await?;

@@ -1075,7 +1075,7 @@ async fn a_model_copied_to_several_nodes_lands_whole_on_each() {
         let said = String::from_utf8_lossy(&moved.stderr);
         assert!(moved.status.success(), "{said}");
         assert!(said.contains("moved model net (3 tensors)"), "{said}");
-        fails(&["mv", "--model", &src, &c], "net");
+        fails(&["mv", "--model", &src, &c], "NotFound");
     })
     .await
     .unwrap();
@@ -1353,7 +1353,8 @@ async fn a_copy_by_name_reads_from_the_least_busy_holder_that_answers() {
     let within = std::time::Duration::from_secs(10);
     ferry_testkit::eventually_async("busy serves the stalled fetch", within, || async {
         let stats = busy_node.client().await.stat().await.unwrap();
-        stats.fetches_in_flight == 1 && stats.fetch_bytes_in_flight == 64 << 20
+        // A stripe's bytes where the puller stripes (on 8 cores and more), else the tensor's.
+        stats.fetches_in_flight == 1 && stats.fetch_bytes_in_flight > 0
     })
     .await;
     let (c, first_busy, first_idle) = (
