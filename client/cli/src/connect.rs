@@ -17,6 +17,17 @@ pub(crate) struct Reached {
 }
 
 impl Reached {
+    /// The member this node is: the one it was named as, or, named by address, the member
+    /// registered at that address (its record says which machine it is on).
+    pub(crate) fn member_among(&self, members: &[MemberRecord]) -> Option<MemberRecord> {
+        self.member.clone().or_else(|| {
+            members
+                .iter()
+                .find(|m| m.tcp == self.addr || m.unix.as_deref() == Some(&self.addr))
+                .cloned()
+        })
+    }
+
     /// How the node reads in messages: `@NAME (ADDR)` or `ADDR`.
     pub(crate) fn label(&self) -> String {
         match &self.member {

@@ -69,20 +69,9 @@ async fn relay_by_name(
     let dst_name = dst_name.unwrap_or_else(|| name.to_string());
     let mut directory = directory(cli, "a copy by tensor name").await?;
     let members = directory.members().await?;
-    let mut reached = Vec::with_capacity(dsts.len());
-    for dst in &dsts {
-        reached.push(reach(&dst.node, cli).await?);
-    }
+    let reached = reach_all(cli, &dsts).await?;
     // A target named by address may still be a member: its record says which machine it is on.
-    let member_of = |node: &Reached| {
-        node.member.clone().or_else(|| {
-            members
-                .iter()
-                .find(|m| m.tcp == node.addr || m.unix.as_deref() == Some(&node.addr))
-                .cloned()
-        })
-    };
-    let target_members: Vec<_> = reached.iter().map(member_of).collect();
+    let target_members: Vec<_> = reached.iter().map(|r| r.member_among(&members)).collect();
     // A target is no source for the chain it is in.
     let is_target = |h: &Located| {
         h.device == dst_device
@@ -111,7 +100,7 @@ async fn relay_by_name(
         None => copy.tensor(src, dst),
     }
     .if_exists(IfExists::from_overwrite(overwrite));
-    let (labels, mut chain) = chain_of(cli, &dsts, dst_device).await?;
+    let (labels, mut chain) = connect_chain(cli, &reached, dst_device).await?;
     let answers = copy.run_relayed(&mut source_client, &mut chain).await;
     report(&labels, chosen.holder.device, &[name.to_string()], &answers)
 }
@@ -177,16 +166,33 @@ pub(crate) async fn chain_of(
     dsts: &[Address],
     device: u32,
 ) -> anyhow::Result<(Vec<String>, Vec<RelayTarget>)> {
-    let mut labels = Vec::with_capacity(dsts.len());
-    let mut chain = Vec::with_capacity(dsts.len());
+    connect_chain(cli, &reach_all(cli, dsts).await?, device).await
+}
+
+/// Each of `dsts`' nodes, found.
+async fn reach_all(cli: &Cli, dsts: &[Address]) -> anyhow::Result<Vec<Reached>> {
+    let mut reached = Vec::with_capacity(dsts.len());
     for dst in dsts {
-        let reached = reach(&dst.node, cli).await?;
+        reached.push(reach(&dst.node, cli).await?);
+    }
+    Ok(reached)
+}
+
+/// [`chain_of`] for nodes already reached.
+async fn connect_chain(
+    cli: &Cli,
+    reached: &[Reached],
+    device: u32,
+) -> anyhow::Result<(Vec<String>, Vec<RelayTarget>)> {
+    let mut labels = Vec::with_capacity(reached.len());
+    let mut chain = Vec::with_capacity(reached.len());
+    for node in reached {
         chain.push(RelayTarget {
-            addr: chain_address(&reached),
-            pulls: connect_to(&reached, cli).await?,
-            grants: connect_to(&reached, cli).await?,
+            addr: chain_address(node),
+            pulls: connect_to(node, cli).await?,
+            grants: connect_to(node, cli).await?,
         });
-        labels.push(format!("{}/{device}", reached.label()));
+        labels.push(format!("{}/{device}", node.label()));
     }
     Ok((labels, chain))
 }

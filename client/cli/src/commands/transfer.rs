@@ -157,12 +157,7 @@ async fn copy_by_name(
     let holders = directory.holders(name).await?;
     let members = directory.members().await?;
     // A target named by address may still be a member: its record says which machine it is on.
-    let target = dst_node.member.clone().or_else(|| {
-        members
-            .iter()
-            .find(|m| m.tcp == dst_node.addr || m.unix.as_deref() == Some(&dst_node.addr))
-            .cloned()
-    });
+    let target = dst_node.member_among(&members);
     // The destination itself is no source: a copy onto itself is no copy.
     let dst_name = dst.name.as_deref().unwrap_or(name);
     let is_destination = |h: &ferry_client::cluster::Located| {
