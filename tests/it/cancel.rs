@@ -296,12 +296,49 @@ async fn a_move_over_lanes_whose_target_goes_away_loses_and_misreports_nothing()
     assert!(moved >= 1 && kept >= 1, "{moved} moved, {kept} kept");
 }
 
+/// The two ways to put a batch over lanes: one task sending for every lane
+/// ([`PutBatch::lanes`](ferry_client::PutBatch::lanes)), or a task of its own for each
+/// ([`Client::put_batch_spread`]). Both answer alike.
+#[derive(Debug, Clone, Copy)]
+enum LanesRun {
+    OneTask,
+    TaskEach,
+}
+
+/// `tensors` put over `lanes` the way `run` says: the lanes back, in order, and the answers.
+async fn put_over(
+    run: LanesRun,
+    mut lanes: Vec<Client>,
+    tensors: &[(TensorKey, TensorData)],
+) -> (
+    Vec<Client>,
+    Vec<Result<ferry_proto::TensorInfo, ClientError>>,
+) {
+    match run {
+        LanesRun::OneTask => {
+            let (first, others) = lanes.split_first_mut().unwrap();
+            let answers = first.put_batch(tensors).lanes(others).await;
+            (lanes, answers)
+        }
+        LanesRun::TaskEach => {
+            let shared = tensors.to_vec().into();
+            Client::put_batch_spread(lanes, shared, ferry_client::IfExists::Refuse).await
+        }
+    }
+}
+
 /// A put over three connections, one of them out of step before it starts (a download cut on
 /// it), and one tensor the node refuses (its key is taken): that connection is left out, the
 /// other two carry every tensor, and the answers come in order, the refusal at its tensor's
-/// place, each stored tensor bit-exact on the node.
+/// place, each stored tensor bit-exact on the node; sent from one task or a task per lane.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_over_lanes_leaves_a_lane_out_of_step_out_and_answers_in_order() {
+    for run in [LanesRun::OneTask, LanesRun::TaskEach] {
+        a_lane_out_of_step_is_left_out(run).await;
+    }
+}
+
+async fn a_lane_out_of_step_is_left_out(run: LanesRun) {
     let node = start_with(&["flex"]).await;
     let mut tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
         .map(|i| {
@@ -325,9 +362,9 @@ async fn a_put_over_lanes_leaves_a_lane_out_of_step_out_and_answers_in_order() {
         .unwrap();
     cut_mid_payload(&mut lanes[1], &big).await;
     assert!(!lanes[1].in_step());
-    let (first, others) = lanes.split_first_mut().unwrap();
-    let answers = first.put_batch(&tensors).lanes(others).await;
+    let (lanes, answers) = put_over(run, lanes, &tensors).await;
     assert_eq!(answers.len(), tensors.len());
+    assert_eq!(lanes.len(), 3, "{run:?}: every lane back");
     let mut check = node.client().await;
     for (answer, (key, data)) in answers.iter().zip(&tensors) {
         if *key == taken {
@@ -340,11 +377,13 @@ async fn a_put_over_lanes_leaves_a_lane_out_of_step_out_and_answers_in_order() {
             );
             continue;
         }
-        let info = answer.as_ref().unwrap_or_else(|e| panic!("{key}: {e}"));
-        assert_eq!(info.key, *key, "answers in order");
+        let info = answer
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{run:?}, {key}: {e}"));
+        assert_eq!(info.key, *key, "{run:?}: answers in order");
         assert_same(&check.get(key).await.unwrap(), data, &key.name);
     }
-    assert!(lanes[0].in_step() && lanes[2].in_step());
+    assert!(lanes[0].in_step() && !lanes[1].in_step() && lanes[2].in_step());
 }
 
 /// A put over three connections, one of which is cut: after the node's `Ready` and `Stored`
@@ -353,53 +392,68 @@ async fn a_put_over_lanes_leaves_a_lane_out_of_step_out_and_answers_in_order() {
 /// connection keeps the answers it had; the tensor whose payload went out is answered
 /// `NoAnswer`, may have been stored, and was; every later one `NoAnswer`, not put, and was not;
 /// the other two connections carry theirs. Every answer in order, every stored tensor
-/// bit-exact.
+/// bit-exact; sent from one task or a task per lane.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_over_lanes_whose_connection_fails_keeps_its_answers_and_the_others_go_on() {
     // Frames passed before the cut (the `Welcome` first), the cut connection's tensors it
     // answered, and the one left in doubt.
-    for (frames, answered, in_doubt) in [(1 + 2 * 2, 2, None), (1 + 2 + 1, 1, Some(1))] {
-        let node = start_with(&["flex"]).await;
-        let tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
-            .map(|i| {
-                let key = TensorKey::new(0, format!("layer{i}.w"));
-                (key, samples::plain(DType::F32, &SHAPE, i as u64))
-            })
-            .collect();
-        let cut = proxy(node.addr, Fault::CutAfterFrames(frames)).await;
-        let mut first = node.client().await;
-        let mut others = [
-            Client::connect(cut.to_string()).await.unwrap(),
-            node.client().await,
-        ];
-        let answers = first.put_batch(&tensors).lanes(&mut others).await;
-        assert_eq!(answers.len(), TENSORS);
-        let mut check = node.client().await;
-        for (i, (answer, (key, data))) in answers.iter().zip(&tensors).enumerate() {
-            // Tensor i went over connection i % 3, as its (i / 3)th.
-            let (lane, turn) = (i % 3, i / 3);
-            if lane == 1 && turn >= answered {
-                let stored = Some(turn) == in_doubt;
-                let said = if stored { "no answer" } else { "not put" };
-                assert!(
-                    matches!(answer, Err(ClientError::NoAnswer { key: k, reason })
-                        if k == key && reason.starts_with(said)
-                            && reason.contains("may have been stored") == stored),
-                    "{frames} frames, {key}: {answer:?}"
-                );
-                match check.get(key).await {
-                    Ok(held) if stored => assert_same(&held, data, &key.name),
-                    Err(e) if !stored => assert_eq!(e.code(), Some(ErrorCode::NotFound)),
-                    other => panic!("{frames} frames, {key}: {other:?}"),
-                }
-                continue;
-            }
-            let info = answer.as_ref().unwrap_or_else(|e| panic!("{key}: {e}"));
-            assert_eq!(info.key, *key, "answers in order");
-            assert_same(&check.get(key).await.unwrap(), data, &key.name);
+    let cases = [(1 + 2 * 2, 2, None), (1 + 2 + 1, 1, Some(1))];
+    for run in [LanesRun::OneTask, LanesRun::TaskEach] {
+        for (frames, answered, in_doubt) in cases {
+            a_cut_lane_keeps_its_answers(run, frames, answered, in_doubt).await;
         }
-        assert!(!others[0].in_step() && first.in_step() && others[1].in_step());
     }
+}
+
+async fn a_cut_lane_keeps_its_answers(
+    run: LanesRun,
+    frames: usize,
+    answered: usize,
+    in_doubt: Option<usize>,
+) {
+    let node = start_with(&["flex"]).await;
+    let tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
+        .map(|i| {
+            let key = TensorKey::new(0, format!("layer{i}.w"));
+            (key, samples::plain(DType::F32, &SHAPE, i as u64))
+        })
+        .collect();
+    let cut = proxy(node.addr, Fault::CutAfterFrames(frames)).await;
+    let lanes = vec![
+        node.client().await,
+        Client::connect(cut.to_string()).await.unwrap(),
+        node.client().await,
+    ];
+    let (lanes, answers) = put_over(run, lanes, &tensors).await;
+    assert_eq!(answers.len(), TENSORS);
+    assert_eq!(lanes.len(), 3, "{run:?}: every lane back");
+    let mut check = node.client().await;
+    for (i, (answer, (key, data))) in answers.iter().zip(&tensors).enumerate() {
+        // Tensor i went over connection i % 3, as its (i / 3)th.
+        let (lane, turn) = (i % 3, i / 3);
+        if lane == 1 && turn >= answered {
+            let stored = Some(turn) == in_doubt;
+            let said = if stored { "no answer" } else { "not put" };
+            assert!(
+                matches!(answer, Err(ClientError::NoAnswer { key: k, reason })
+                    if k == key && reason.starts_with(said)
+                        && reason.contains("may have been stored") == stored),
+                "{run:?}, {frames} frames, {key}: {answer:?}"
+            );
+            match check.get(key).await {
+                Ok(held) if stored => assert_same(&held, data, &key.name),
+                Err(e) if !stored => assert_eq!(e.code(), Some(ErrorCode::NotFound)),
+                other => panic!("{run:?}, {frames} frames, {key}: {other:?}"),
+            }
+            continue;
+        }
+        let info = answer
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{run:?}, {key}: {e}"));
+        assert_eq!(info.key, *key, "answers in order");
+        assert_same(&check.get(key).await.unwrap(), data, &key.name);
+    }
+    assert!(lanes[0].in_step() && !lanes[1].in_step() && lanes[2].in_step());
 }
 
 /// Shuts `b` down once it holds a tensor on device 0: a target going away half-way through a

@@ -37,18 +37,26 @@ where
         .into_iter()
         .enumerate()
         .map(|(lane, on)| run(on, items.iter().skip(lane).step_by(n).collect()));
-    let mut answers: Vec<_> = join_all(runs)
-        .await
-        .into_iter()
-        .map(Vec::into_iter)
-        .collect();
+    in_dealt_order(items, join_all(runs).await, key_of)
+}
+
+/// The items dealt to `n` lanes (item `i` to lane `i % n`, see [`deal`]) answered in their own
+/// order, from `answers`, each lane's answers to its share in order (`n` is their count).
+pub(super) fn in_dealt_order<T>(
+    items: &[T],
+    answers: Vec<Vec<Result<TensorInfo, ClientError>>>,
+    key_of: impl Fn(&T) -> &TensorKey,
+) -> Vec<Result<TensorInfo, ClientError>> {
+    let n = answers.len().max(1);
+    let mut answers: Vec<_> = answers.into_iter().map(Vec::into_iter).collect();
     // Item i went to lane i % n, as its (i / n)th; every lane answers each of its own.
     items
         .iter()
         .enumerate()
         .map(|(i, item)| {
-            answers[i % n]
-                .next()
+            answers
+                .get_mut(i % n)
+                .and_then(Iterator::next)
                 .unwrap_or_else(|| no_answer(key_of(item), "no answer: its lane gave none"))
         })
         .collect()

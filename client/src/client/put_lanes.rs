@@ -3,10 +3,13 @@
 //! connections and each runs a pipelined batch of its own, so that while the node registers one
 //! tensor (or faults in new memory for it) another is already arriving.
 
+use std::sync::Arc;
+
 use ferry_proto::{IfExists, TensorData, TensorInfo, TensorKey};
+use tokio::task::JoinSet;
 
 use super::batch::PutBroken;
-use super::deal::{deal, no_answer};
+use super::deal::{deal, in_dealt_order, no_answer};
 use super::{Client, ClientError};
 
 /// The batch over `lanes` at once, every one a connection to the same node: tensor `i` goes over
@@ -33,6 +36,77 @@ pub(super) async fn put_batch_in_lanes(
         },
     )
     .await
+}
+
+impl Client {
+    /// [`put_batch`](Client::put_batch) over `lanes` (connections to one node, that node the
+    /// caller's to check as for [`PutBatch::lanes`](super::PutBatch::lanes), whose rules the
+    /// answers follow), each lane's share sent by a task of its own on the current runtime:
+    /// on a runtime with several threads the lanes copy into their sockets and checksum their
+    /// chunks on as many cores, where [`PutBatch::lanes`](super::PutBatch::lanes) sends for
+    /// every lane from one task, and so from one core at a time. The tensors are shared, not
+    /// copied. The lanes come back in the order given (a lane whose task the runtime cancelled
+    /// as it shut down does not), with one answer per tensor, in order. Dropped
+    /// before it is done, it stops the lanes' tasks, and their connections close.
+    ///
+    /// # Panics
+    /// Outside a Tokio runtime; and where a lane's task panicked, with its panic.
+    pub async fn put_batch_spread(
+        lanes: Vec<Client>,
+        tensors: Arc<[(TensorKey, TensorData)]>,
+        if_exists: IfExists,
+    ) -> (Vec<Client>, Vec<Result<TensorInfo, ClientError>>) {
+        let total = lanes.len();
+        let mut back: Vec<Option<Client>> = Vec::with_capacity(total);
+        // The lanes in step, with where each goes back; the others wait in their places.
+        let mut usable = Vec::new();
+        for (at, client) in lanes.into_iter().enumerate() {
+            if client.in_step() && usable.len() < tensors.len() {
+                usable.push((at, client));
+                back.push(None);
+            } else {
+                back.push(Some(client));
+            }
+        }
+        let n = usable.len();
+        if n == 0 {
+            let reason = "not put: no connection to put over is in step";
+            let answers = tensors
+                .iter()
+                .map(|(key, _)| no_answer(key, reason))
+                .collect();
+            return (back.into_iter().flatten().collect(), answers);
+        }
+        // A JoinSet aborts its tasks when dropped: a put cancelled here stops sending.
+        let mut tasks = JoinSet::new();
+        for (lane, (at, mut client)) in usable.into_iter().enumerate() {
+            let tensors = tensors.clone();
+            tasks.spawn(async move {
+                let share: Vec<&(TensorKey, TensorData)> =
+                    tensors.iter().skip(lane).step_by(n).collect();
+                let mut answers = (0..share.len()).map(|_| None).collect::<Vec<_>>();
+                let outcome = client.put_batch_into(&share, if_exists, &mut answers).await;
+                let answers = answers_per_tensor(&share, answers, outcome.err());
+                (lane, at, client, answers)
+            });
+        }
+        let mut answers: Vec<Vec<Result<TensorInfo, ClientError>>> =
+            (0..n).map(|_| Vec::new()).collect();
+        while let Some(joined) = tasks.join_next().await {
+            match joined {
+                Ok((lane, at, client, given)) => {
+                    back[at] = Some(client);
+                    answers[lane] = given;
+                }
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                // Cancelled: the runtime is shutting down. Its lane's tensors are answered
+                // that no answer came, and its connection is gone.
+                Err(_) => {}
+            }
+        }
+        let answers = in_dealt_order(&tensors, answers, |(key, _)| key);
+        (back.into_iter().flatten().collect(), answers)
+    }
 }
 
 /// One answer per tensor of a connection's share: the node's where it gave one, else why not,

@@ -34,6 +34,9 @@ pub struct StripeReceiver {
     piece: BufferPiece,
     /// Bytes of the piece received and hashed.
     received: usize,
+    /// The end (in the piece) of the last place handed out: past `received` while a chunk
+    /// arrives piece by piece.
+    slot_end: usize,
     hasher: StripeHasher,
 }
 
@@ -75,6 +78,7 @@ impl StripedReceive {
                 index,
                 piece,
                 received: 0,
+                slot_end: 0,
                 hasher: plan.hasher(index),
             })
             .collect();
@@ -152,14 +156,47 @@ impl StripeReceiver {
 }
 
 impl ChunkSink for StripeReceiver {
+    fn check_chunk(&self, offset: u64, len: usize) -> Result<(), StreamError> {
+        self.check(offset, len).map(|_| ())
+    }
+
     fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError> {
-        let range = self.check(offset, len)?;
+        let start = self.piece.range().start;
+        let continues =
+            self.slot_end > self.received && offset == (start + self.slot_end) as u64 && len != 0;
+        let range = match continues {
+            true => {
+                let end = self
+                    .slot_end
+                    .checked_add(len)
+                    .filter(|&end| end <= self.piece.len());
+                match end {
+                    Some(end) => self.slot_end..end,
+                    None => {
+                        return Err(StreamError::PastEnd {
+                            offset,
+                            len: len as u64,
+                            total: self.payload_range().end,
+                        });
+                    }
+                }
+            }
+            false => self.check(offset, len)?,
+        };
+        self.slot_end = range.end;
         Ok(&mut self.piece[range])
     }
 
     // A stripe's chunks are never checked one by one (the merged hash is): nothing to keep.
     fn commit(&mut self, offset: u64, len: usize, _: Option<u32>) -> Result<(), StreamError> {
         let range = self.check(offset, len)?;
+        if range.end > self.slot_end {
+            // Bytes never handed out: nothing was written there.
+            return Err(StreamError::OutOfOrder {
+                offset: (self.piece.range().start + self.slot_end) as u64,
+                expected: (self.piece.range().start + range.end) as u64,
+            });
+        }
         self.hasher.update(&self.piece[range.clone()]);
         self.received = range.end;
         Ok(())

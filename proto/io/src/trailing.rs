@@ -112,6 +112,11 @@ impl TrailingHash {
         })
     }
 
+    /// The end of the bytes handed to the hasher.
+    pub(crate) fn handed(&self) -> usize {
+        self.committed
+    }
+
     /// Hands `[committed, end)` to the hasher: from now on those bytes are only read.
     pub(crate) fn commit(&mut self, end: usize) {
         if end <= self.committed || end > self.len {

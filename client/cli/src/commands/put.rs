@@ -2,6 +2,7 @@
 //! (`--model NAME`) as a new version of a model, committed with the file's metadata.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use ferry_client::address::Address;
@@ -42,7 +43,7 @@ pub(crate) async fn put(
         .map(|(name, data)| (TensorKey::new(device, format!("{prefix}{name}")), data))
         .collect();
     let total = sent_bytes(&tensors);
-    let count = send(&mut clients, &tensors, IfExists::from_overwrite(overwrite)).await?;
+    let count = send(&mut clients, tensors, IfExists::from_overwrite(overwrite)).await?;
     eprintln!("put {count} tensors ({total} bytes) on {place}");
     Ok(())
 }
@@ -51,7 +52,7 @@ pub(crate) async fn put(
 /// metadata) on the first connection, its tensors put over every lane. Any failure gives the
 /// version up, so that nothing of it is kept.
 async fn put_model(
-    clients: &mut [Client],
+    clients: &mut Vec<Client>,
     place: &str,
     device: u32,
     name: &str,
@@ -77,7 +78,7 @@ async fn put_model(
         .collect();
     let total = sent_bytes(&tensors);
     let written = async {
-        let count = send(clients, &tensors, IfExists::Refuse).await?;
+        let count = send(clients, tensors, IfExists::Refuse).await?;
         let metadata: Vec<(String, String)> = metadata.into_iter().collect();
         let manifest = clients[0]
             .commit_model(
@@ -171,25 +172,25 @@ async fn open_lanes(
     Ok(clients)
 }
 
-/// Puts every tensor, in pipelined batches over the connections: how many, once all are in; an
-/// `error:` line per tensor refused, and an error, where any was not.
+/// Puts every tensor, in pipelined batches over the connections, each connection's share sent
+/// by a task of its own (so on as many cores): how many, once all are in; an `error:` line per
+/// tensor refused, and an error, where any was not.
 async fn send(
-    clients: &mut [Client],
-    tensors: &[(TensorKey, TensorData)],
+    clients: &mut Vec<Client>,
+    tensors: Vec<(TensorKey, TensorData)>,
     if_exists: IfExists,
 ) -> anyhow::Result<usize> {
-    let bar = progress(sent_bytes(tensors));
-    let mut results: Vec<(String, Result<TensorInfo, ClientError>)> =
-        Vec::with_capacity(tensors.len());
-    for batch in tensors.chunks(BATCH * clients.len()) {
-        let (first, others) = clients
-            .split_first_mut()
-            .context("no connection to put over")?;
-        let answers = first
-            .put_batch(batch)
-            .if_exists(if_exists)
-            .lanes(others)
-            .await;
+    let bar = progress(sent_bytes(&tensors));
+    let count = tensors.len();
+    let mut results: Vec<(String, Result<TensorInfo, ClientError>)> = Vec::with_capacity(count);
+    let per_batch = BATCH * clients.len().max(1);
+    let mut rest = tensors.into_iter().peekable();
+    while rest.peek().is_some() {
+        // Moved, not copied: a tensor's bytes are sent from where they lie.
+        let batch: Arc<[(TensorKey, TensorData)]> = rest.by_ref().take(per_batch).collect();
+        let lanes = std::mem::take(clients);
+        let (lanes, answers) = Client::put_batch_spread(lanes, batch.clone(), if_exists).await;
+        *clients = lanes;
         for ((key, data), answer) in batch.iter().zip(answers) {
             if let Some(bar) = &bar {
                 bar.inc(data.as_bytes().len() as u64);
@@ -204,8 +205,8 @@ async fn send(
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
+    let unsent = count - results.len();
     let count = results.len();
-    let unsent = tensors.len() - count;
     let checked = check_all(results);
     if unsent > 0 {
         if let Err(e) = checked {

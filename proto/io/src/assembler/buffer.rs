@@ -137,6 +137,7 @@ impl TensorAssembler {
             meta,
             buf,
             received: 0,
+            slot_end: 0,
             backing,
             checksums: ReceivedChecksums::default(),
         }

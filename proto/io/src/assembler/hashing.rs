@@ -94,13 +94,17 @@ impl TensorAssembler {
             // A settled hash has no hasher left to feed.
             RunningHash::None | RunningHash::Done(_) => None,
             RunningHash::Inline(hasher) | RunningHash::TrailingSoon(hasher) => Some(*hasher),
-            // Everything committed so far is fed to it; a thread that died leaves the bytes to
-            // be hashed again from the start.
-            RunningHash::Trailing(trailing) => trailing.finish().or_else(|| {
-                let mut hasher = content_hasher(&self.meta);
-                hash_more(&mut hasher, &self.buf[..self.received]);
-                Some(hasher)
-            }),
+            // Everything handed to it is fed to it: the committed bytes, unless pieces of a
+            // chunk not yet committed were handed too. Those, and a thread that died, leave the
+            // committed bytes to be hashed again from the start.
+            RunningHash::Trailing(trailing) => {
+                let exact = trailing.handed() <= self.received;
+                trailing.finish().filter(|_| exact).or_else(|| {
+                    let mut hasher = content_hasher(&self.meta);
+                    hash_more(&mut hasher, &self.buf[..self.received]);
+                    Some(hasher)
+                })
+            }
         }
     }
 

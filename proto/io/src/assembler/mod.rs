@@ -37,7 +37,11 @@ pub struct TensorAssembler {
     hash_use: HashUse,
     meta: TensorMeta,
     buf: Bytes,
+    /// Bytes committed: arrived whole, their chunk's checksum checked where one is.
     received: usize,
+    /// The end of the last place handed out ([`slot`](Self::slot)): at or past `received`,
+    /// past it while a chunk arrives piece by piece.
+    slot_end: usize,
     /// What `buf` is, beyond plain memory of this receiver's.
     backing: Backing,
     /// The chunk checksums checked so far, handed out with the tensor.
@@ -123,11 +127,24 @@ impl TensorAssembler {
         }
     }
 
-    /// The place in the buffer for `len` bytes at `offset`: the next bytes expected, within the
-    /// declared length, and not empty. Nothing counts as received until [`commit`](Self::commit).
+    /// The place in the buffer for `len` bytes at `offset`, within the declared length and not
+    /// empty: the start of the next chunk expected (at [`received`](Self::received)), or the
+    /// next piece of the chunk arriving, right after the last place handed out. Asking for a
+    /// piece says the places before it are written for good: a trailing hash reads them while
+    /// the piece arrives, rather than after the whole chunk (which, for a tensor of one chunk,
+    /// would leave its whole hash to the answer's path). A chunk that fails its checksum fails
+    /// the payload, so a hash of its bytes is never used. Nothing counts as received until
+    /// [`commit`](Self::commit).
     pub fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError> {
-        let range = self.check_range(offset, len)?;
+        let range = self.check_slot(offset, len)?;
         self.start_trailing();
+        if range.start == self.received {
+            self.restart_chunk();
+        }
+        if let RunningHash::Trailing(trailing) = &mut self.hash {
+            trailing.commit(range.start);
+        }
+        self.slot_end = range.end;
         match &mut self.hash {
             RunningHash::Trailing(trailing) => {
                 trailing.slot(range).ok_or(StreamError::OutOfOrder {
@@ -139,9 +156,61 @@ impl TensorAssembler {
         }
     }
 
-    /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received.
+    /// A chunk begun at [`received`](Self::received): one begun there before and not committed
+    /// (a resumed transfer writes it again) had its pieces handed to a trailing hash, which
+    /// cannot take them back: the hash starts over, in line, from the bytes committed.
+    fn restart_chunk(&mut self) {
+        let handed_past = match &self.hash {
+            RunningHash::Trailing(trailing) => trailing.handed() > self.received,
+            _ => false,
+        };
+        if handed_past {
+            // Dropping the trailing hash joins its thread before a byte is written again.
+            self.hash = RunningHash::None;
+            let mut hasher = ferry_proto::tensor::content_hasher(&self.meta);
+            hash_more(&mut hasher, &self.buf[..self.received]);
+            self.hash = RunningHash::Inline(Box::new(hasher));
+        }
+        self.slot_end = self.received;
+    }
+
+    /// Whether a chunk of `len` bytes at `offset` is the next expected, within the declared
+    /// length, and not empty.
+    pub(crate) fn check_chunk(&self, offset: u64, len: usize) -> Result<(), StreamError> {
+        self.check_range(offset, len).map(|_| ())
+    }
+
+    /// `len` bytes at `offset` as [`slot`](Self::slot) takes them: the range they fill.
+    fn check_slot(&self, offset: u64, len: usize) -> Result<std::ops::Range<usize>, StreamError> {
+        let continues = self.slot_end > self.received && offset == self.slot_end as u64;
+        if !continues {
+            return self.check_range(offset, len);
+        }
+        if len == 0 {
+            return Err(StreamError::EmptyChunk { offset });
+        }
+        let total = self.meta.byte_len();
+        match self.slot_end.checked_add(len).filter(|&end| end <= total) {
+            Some(end) => Ok(self.slot_end..end),
+            None => Err(StreamError::PastEnd {
+                offset,
+                len: len as u64,
+                total: total as u64,
+            }),
+        }
+    }
+
+    /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) (in one place
+    /// or several) as received.
     pub fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError> {
         let range = self.check_range(offset, len)?;
+        if range.end > self.slot_end {
+            // Bytes never handed out: nothing was written there.
+            return Err(StreamError::OutOfOrder {
+                offset: self.slot_end as u64,
+                expected: range.end as u64,
+            });
+        }
         match &mut self.hash {
             RunningHash::None => {}
             // `slot` started the thread; bytes committed without it are hashed here.
@@ -199,6 +268,7 @@ impl TensorAssembler {
             }
         }
         self.received = total;
+        self.slot_end = total;
         Ok(())
     }
 
@@ -215,6 +285,7 @@ impl TensorAssembler {
             meta,
             buf,
             received: _,
+            slot_end: _,
             backing,
             checksums: _,
         } = self;
@@ -242,6 +313,7 @@ impl TensorAssembler {
             meta: shell.meta,
             buf,
             received,
+            slot_end: received,
             backing: shell.backing,
             checksums: ReceivedChecksums::default(),
         }

@@ -55,6 +55,57 @@ fn a_large_payload_hashed_on_its_own_thread_hashes_as_in_line() {
     assert_eq!(back.data.as_bytes(), data.as_bytes());
 }
 
+/// A chunk asked for piece by piece hands each piece to the trailing hash as the next is asked
+/// for; a chunk begun again at its start (a resumed transfer writes it anew) restarts the hash
+/// from the committed bytes, so what was hashed of the abandoned pieces is not in it; pieces
+/// that skip a place, or a commit past what was given out, are refused.
+#[test]
+fn pieces_of_a_chunk_hash_as_they_come_and_a_chunk_begun_again_is_hashed_anew() {
+    let n = TRAILING_HASH_MIN; // 4 MiB of f32
+    let data = TensorData::new((0..n).map(|i| i as f32).collect::<Vec<_>>(), [n]);
+    let (meta, payload) = into_parts(data.clone()).unwrap();
+    for use_ in [HashUse::Record, HashUse::Check] {
+        let mut asm =
+            TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, use_).unwrap();
+        let chunk = 1 << 20;
+        // The first chunk, committed whole from three pieces.
+        let mut at = 0;
+        for len in [100_000, 500_000, chunk - 600_000] {
+            asm.slot(at as u64, len)
+                .unwrap()
+                .copy_from_slice(&payload[at..at + len]);
+            at += len;
+        }
+        assert!(matches!(
+            asm.commit(0, chunk + 1),
+            Err(StreamError::OutOfOrder { .. })
+        ));
+        asm.commit(0, chunk).unwrap();
+        // The second, begun with wrong bytes in two pieces (the first handed to the hash), then
+        // begun again at its start, as a resumed transfer does.
+        asm.slot(chunk as u64, 4096).unwrap().fill(0xAB);
+        asm.slot(chunk as u64 + 4096, 4096).unwrap().fill(0xCD);
+        assert!(matches!(
+            asm.slot(chunk as u64 + 16_384, 4096),
+            Err(StreamError::OutOfOrder { .. })
+        ));
+        for (offset, piece) in chunks(&payload[chunk..], 777_777) {
+            let offset = offset + chunk as u64;
+            asm.slot(offset, piece.len())
+                .unwrap()
+                .copy_from_slice(piece);
+            asm.commit(offset, piece.len()).unwrap();
+        }
+        let back = asm.finish().unwrap();
+        assert_eq!(
+            back.hash,
+            Some(content_hash(&meta, data.as_bytes())),
+            "{use_:?}"
+        );
+        assert_eq!(back.data.as_bytes(), data.as_bytes());
+    }
+}
+
 #[test]
 fn a_payload_that_comes_whole_starts_no_hashing_thread() {
     let n = TRAILING_HASH_MIN;

@@ -28,8 +28,12 @@ pub enum PayloadRoute {
 /// Where a payload's chunk frames are written as they arrive: a whole tensor's receiver
 /// ([`TensorAssembler`]) or one stripe's ([`StripeReceiver`](crate::striped::StripeReceiver)).
 pub trait ChunkSink {
-    /// The place for `len` bytes at payload offset `offset`: the next bytes expected, within
-    /// what is expected, and not empty.
+    /// Whether a chunk of `len` bytes at payload offset `offset` is the next expected, within
+    /// what is expected, and not empty: checked before any of its bytes is read.
+    fn check_chunk(&self, offset: u64, len: usize) -> Result<(), StreamError>;
+    /// The place for `len` bytes at payload offset `offset`: the start of the next chunk
+    /// expected, or the next piece of the chunk arriving (right after the last place given);
+    /// within what is expected, and not empty.
     fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError>;
     /// Counts the `len` bytes written at `offset` through [`slot`](Self::slot) as received,
     /// with their chunk's checksum where it was checked (`checked`).
@@ -43,6 +47,10 @@ pub trait ChunkSink {
 }
 
 impl ChunkSink for TensorAssembler {
+    fn check_chunk(&self, offset: u64, len: usize) -> Result<(), StreamError> {
+        TensorAssembler::check_chunk(self, offset, len)
+    }
+
     fn slot(&mut self, offset: u64, len: usize) -> Result<&mut [u8], StreamError> {
         TensorAssembler::slot(self, offset, len)
     }
@@ -204,40 +212,48 @@ impl<S: Transport> Connection<S> {
         self.buffer.advance(HEADER_LEN);
         let offset_bytes = self.buffer.get_u64_le().to_le_bytes();
         let offset = u64::from_le_bytes(offset_bytes);
-        let checks_chunks = sink.checks_chunks();
-        let slot = sink.slot(offset, len)?;
-        let buffered = self.buffer.len().min(len);
-        slot[..buffered].copy_from_slice(&self.buffer[..buffered]);
-        self.buffer.advance(buffered);
         // A chunk's checksum catches noise on a link in clear. On a link that authenticates
         // every byte (TLS) neither noise nor a tampered chunk gets here, and a payload hashed
         // as it arrives to be checked (a pull, whose hash is compared with its grant before
         // it is answered) is checked by that hash, which catches whatever the checksum would:
         // in both the checksum is not computed, so each byte is read once after the kernel
         // wrote it (by the hash, where there is one). A hash only recorded (a put's) trails
-        // the checksum by a chunk, reading what the checksum left in cache.
-        let check = !self.stream.get_ref().authenticated() && checks_chunks;
+        // the checksum by a piece, reading what the checksum left in cache.
+        let check = !self.stream.get_ref().authenticated() && sink.checks_chunks();
         let mut crc = if check {
-            crc32c::crc32c_append(crc32c::crc32c(&offset_bytes), &slot[..buffered])
+            crc32c::crc32c(&offset_bytes)
         } else {
             0
         };
-        // Read the rest in cache-sized pieces and checksum each while it is still hot, so
-        // the payload costs one pass over memory rather than two.
-        for piece in slot[buffered..].chunks_mut(CHECKSUM_PIECE) {
-            let idle = self.limits.idle_timeout;
-            match tokio::time::timeout(idle, self.stream.read_exact(piece)).await {
-                Err(_) => return Err(ConnectionError::IdleTimeout(idle)),
-                Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                    return Err(ConnectionError::Closed);
-                }
-                Ok(result) => {
-                    result?;
+        // Read in cache-sized pieces, each asked of the sink on its own (so that a hash
+        // trailing the receive reads a piece while the next arrives) and checksummed while it
+        // is still hot, so the payload costs one pass over memory rather than two. The first
+        // comes from what the connection's buffer holds already, as far as it goes.
+        sink.check_chunk(offset, len)?;
+        let mut at = 0;
+        while at < len {
+            let piece_len = (len - at).min(CHECKSUM_PIECE);
+            let piece = sink.slot(offset + at as u64, piece_len)?;
+            let buffered = self.buffer.len().min(piece_len);
+            piece[..buffered].copy_from_slice(&self.buffer[..buffered]);
+            self.buffer.advance(buffered);
+            if buffered < piece_len {
+                let idle = self.limits.idle_timeout;
+                let rest = &mut piece[buffered..];
+                match tokio::time::timeout(idle, self.stream.read_exact(rest)).await {
+                    Err(_) => return Err(ConnectionError::IdleTimeout(idle)),
+                    Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        return Err(ConnectionError::Closed);
+                    }
+                    Ok(result) => {
+                        result?;
+                    }
                 }
             }
             if check {
                 crc = crc32c::crc32c_append(crc, piece);
             }
+            at += piece_len;
         }
         if check {
             header.verify_crc(crc)?;
