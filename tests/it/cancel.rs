@@ -1,5 +1,5 @@
 //! Calls cancelled half-way (a dropped future): a node-to-node copy or move stopped between its
-//! pulls, and a download stopped in the middle of its payload; a move whose target goes away
+//! pulls, a download stopped in the middle of its payload, and a put spread over lanes' tasks; a move whose target goes away
 //! half-way; and copies and puts over several connections, one of them failed. The invariant: a
 //! connection whose exchange did not finish refuses every later call (`OutOfStep`) instead of
 //! reading another call's answer as its own; the nodes hold only whole tensors, a move never loses
@@ -17,14 +17,19 @@ use ferry_testkit::{Fault, TestNode, assert_same, proxy, start_with};
 const TENSORS: usize = 12;
 const SHAPE: [usize; 2] = [1024, 2048];
 
-/// Puts the tensors the copies move on `node`'s device 0.
-async fn fill(node: &TestNode) -> Vec<(TensorKey, TensorData)> {
-    let tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
+/// The tensors the copies move and the puts send: `TENSORS` of `SHAPE`, on device 0.
+fn batch() -> Vec<(TensorKey, TensorData)> {
+    (0..TENSORS)
         .map(|i| {
             let key = TensorKey::new(0, format!("layer{i}.w"));
             (key, samples::plain(DType::F32, &SHAPE, i as u64))
         })
-        .collect();
+        .collect()
+}
+
+/// Puts the tensors the copies move on `node`'s device 0.
+async fn fill(node: &TestNode) -> Vec<(TensorKey, TensorData)> {
+    let tensors = batch();
     let mut client = node.client().await;
     for answer in client.put_batch(&tensors).await.unwrap() {
         answer.unwrap();
@@ -340,12 +345,7 @@ async fn a_put_over_lanes_leaves_a_lane_out_of_step_out_and_answers_in_order() {
 
 async fn a_lane_out_of_step_is_left_out(run: LanesRun) {
     let node = start_with(&["flex"]).await;
-    let mut tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
-        .map(|i| {
-            let key = TensorKey::new(0, format!("layer{i}.w"));
-            (key, samples::plain(DType::F32, &SHAPE, i as u64))
-        })
-        .collect();
+    let mut tensors = batch();
     let taken = TensorKey::new(0, "taken");
     tensors.insert(5, (taken.clone(), samples::plain(DType::F32, &[8], 99)));
     let mut lanes = Vec::new();
@@ -412,12 +412,7 @@ async fn a_cut_lane_keeps_its_answers(
     in_doubt: Option<usize>,
 ) {
     let node = start_with(&["flex"]).await;
-    let tensors: Vec<(TensorKey, TensorData)> = (0..TENSORS)
-        .map(|i| {
-            let key = TensorKey::new(0, format!("layer{i}.w"));
-            (key, samples::plain(DType::F32, &SHAPE, i as u64))
-        })
-        .collect();
+    let tensors = batch();
     let cut = proxy(node.addr, Fault::CutAfterFrames(frames)).await;
     let lanes = vec![
         node.client().await,
@@ -454,6 +449,54 @@ async fn a_cut_lane_keeps_its_answers(
         assert_same(&check.get(key).await.unwrap(), data, &key.name);
     }
     assert!(lanes[0].in_step() && !lanes[1].in_step() && lanes[2].in_step());
+}
+
+/// A put spread over three lanes' tasks (`Client::put_batch_spread`), dropped once the node holds
+/// a tensor: the tasks stop with it (nothing more lands after a pause long enough for the rest
+/// to have arrived), and the node holds only whole tensors of the batch, bit-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spread_put_dropped_half_way_stops_its_lanes_and_leaves_whole_tensors() {
+    let node = start_with(&["flex"]).await;
+    let tensors = batch();
+    let mut lanes = Vec::new();
+    for _ in 0..3 {
+        lanes.push(node.client().await);
+    }
+    {
+        let put = Client::put_batch_spread(lanes, tensors.clone().into(), IfExists::Refuse);
+        tokio::pin!(put);
+        let landed = async {
+            while node.node.list(Some(0)).await.unwrap().is_empty() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::select! {
+            answers = &mut put => panic!("the put finished before it was dropped: {:?}", answers.1),
+            () = landed => {}
+        }
+        // `put` is dropped here, its lanes' tasks in the middle of their exchanges.
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = node.node.list(Some(0)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let then = node.node.list(Some(0)).await.unwrap();
+    assert_eq!(
+        first.len(),
+        then.len(),
+        "a lane went on sending after the drop"
+    );
+    assert!(
+        then.len() < TENSORS,
+        "every tensor landed: the drop came too late"
+    );
+    let mut check = node.client().await;
+    for info in &then {
+        let (_, data) = tensors
+            .iter()
+            .find(|(key, _)| *key == info.key)
+            .unwrap_or_else(|| panic!("{} is not of the batch", info.key));
+        assert_same(&check.get(&info.key).await.unwrap(), data, &info.key.name);
+    }
 }
 
 /// Shuts `b` down once it holds a tensor on device 0: a target going away half-way through a

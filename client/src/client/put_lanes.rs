@@ -79,9 +79,11 @@ impl Client {
         }
         // A JoinSet aborts its tasks when dropped: a put cancelled here stops sending.
         let mut tasks = JoinSet::new();
+        // Which lane each task runs, for a task that ends without handing its lane back.
+        let mut lane_of = std::collections::HashMap::new();
         for (lane, (at, mut client)) in usable.into_iter().enumerate() {
             let tensors = tensors.clone();
-            tasks.spawn(async move {
+            let task = tasks.spawn(async move {
                 let share: Vec<&(TensorKey, TensorData)> =
                     tensors.iter().skip(lane).step_by(n).collect();
                 let mut answers = (0..share.len()).map(|_| None).collect::<Vec<_>>();
@@ -89,6 +91,7 @@ impl Client {
                 let answers = answers_per_tensor(&share, answers, outcome.err());
                 (lane, at, client, answers)
             });
+            lane_of.insert(task.id(), lane);
         }
         let mut answers: Vec<Vec<Result<TensorInfo, ClientError>>> =
             (0..n).map(|_| Vec::new()).collect();
@@ -99,9 +102,20 @@ impl Client {
                     answers[lane] = given;
                 }
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                // Cancelled: the runtime is shutting down. Its lane's tensors are answered
-                // that no answer came, and its connection is gone.
-                Err(_) => {}
+                // Cancelled: the runtime is shutting down. Its connection is gone, and each of
+                // its tensors is answered that no answer came.
+                Err(e) => {
+                    if let Some(&lane) = lane_of.get(&e.id()) {
+                        let reason = "no answer: the runtime shut down while its lane was \
+                                      sending; it may have been stored all the same";
+                        answers[lane] = tensors
+                            .iter()
+                            .skip(lane)
+                            .step_by(n)
+                            .map(|(key, _)| no_answer(key, reason))
+                            .collect();
+                    }
+                }
             }
         }
         let answers = in_dealt_order(&tensors, answers, |(key, _)| key);

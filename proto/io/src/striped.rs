@@ -192,9 +192,9 @@ impl ChunkSink for StripeReceiver {
         let range = self.check(offset, len)?;
         if range.end > self.slot_end {
             // Bytes never handed out: nothing was written there.
-            return Err(StreamError::OutOfOrder {
-                offset: (self.piece.range().start + self.slot_end) as u64,
-                expected: (self.piece.range().start + range.end) as u64,
+            return Err(StreamError::Incomplete {
+                received: (self.piece.range().start + self.slot_end) as u64,
+                total: (self.piece.range().start + range.end) as u64,
             });
         }
         self.hasher.update(&self.piece[range.clone()]);

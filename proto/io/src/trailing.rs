@@ -2,8 +2,10 @@
 //!
 //! A pull is acknowledged only once the bytes that arrived hash to the content hash they were
 //! granted under. Hashing on the receiving thread would add a whole pass over the payload to the
-//! transfer's critical path; here a second thread hashes each chunk as soon as it is committed
-//! (while the next one is still on the wire), so the answer waits only for the last chunk.
+//! transfer's critical path; here a second thread hashes each piece as soon as the receiver has
+//! written it and handed it on (while the next one is still on the wire), so the answer waits
+//! only for the last piece. Behind, it takes everything handed to it at once, in spans that
+//! [`hash_more`](ferry_proto::tensor::hash_more) spreads over the free cores.
 //!
 //! The receive buffer is written by the receiver and read by the hashing thread at the same time,
 //! in disjoint ranges: bytes below the committed end are only read (by the hasher), bytes above
@@ -71,7 +73,12 @@ impl TrailingHash {
                 let shared = shared;
                 let mut hasher = hasher;
                 let mut hashed = 0usize;
-                while let Ok(end) = queue.recv() {
+                while let Ok(mut end) = queue.recv() {
+                    // Every end handed on meanwhile: a thread that fell behind hashes large
+                    // spans, which go over several cores, rather than a piece at a time.
+                    while let Ok(later) = queue.try_recv() {
+                        end = later;
+                    }
                     while hashed < end {
                         if stop.load(Ordering::Relaxed) {
                             return hasher;

@@ -412,8 +412,10 @@ impl MappedFile {
 const POPULATE_STEP: usize = 16 << 20;
 
 /// Faults `map`'s pages in for reading, in file order (the order a put sends them), on a thread
-/// of its own that holds the mapping only for one step at a time: it stops once every range
-/// taken from the mapping is gone. Advice only: a page not yet faulted in when it is read
+/// of its own that holds the mapping only for one step at a time: it stops once the
+/// [`MappedFile`] and every range taken from it are gone, or at an error (a file truncated
+/// meanwhile: `MADV_POPULATE_READ` fails rather than raising SIGBUS; a kernel before 5.14, which
+/// does not know the advice). Advice only: a page not yet faulted in when it is read
 /// faults then (the fault-around of a first read, 64 KiB at a time); where the thread cannot
 /// start, every page does. (No `MAP_POPULATE`: on a writable private mapping it faults for
 /// writing, which copies every page.)

@@ -106,8 +106,10 @@ async fn put_model(
         Err(e) => {
             // The node gives the version up when this connection ends, too; a version the
             // commit already took (and refused) answers that it is not being written.
-            if clients[0].in_step() {
-                let _ = clients[0].abort_model(device, name, version).await;
+            if let Some(first) = clients.first_mut()
+                && first.in_step()
+            {
+                let _ = first.abort_model(device, name, version).await;
             }
             Err(e.context(format!(
                 "putting model {name} version {version} on {place} failed; nothing of it was kept"
@@ -189,8 +191,15 @@ async fn send(
         // Moved, not copied: a tensor's bytes are sent from where they lie.
         let batch: Arc<[(TensorKey, TensorData)]> = rest.by_ref().take(per_batch).collect();
         let lanes = std::mem::take(clients);
+        let given = lanes.len();
         let (lanes, answers) = Client::put_batch_spread(lanes, batch.clone(), if_exists).await;
+        // Every lane comes back unless the runtime is shutting down under the command; the
+        // first must stay first, as a model version is committed on the connection it began on.
+        let all_back = lanes.len() == given;
         *clients = lanes;
+        if !all_back {
+            bail!("the put was stopped: its runtime is shutting down");
+        }
         for ((key, data), answer) in batch.iter().zip(answers) {
             if let Some(bar) = &bar {
                 bar.inc(data.as_bytes().len() as u64);

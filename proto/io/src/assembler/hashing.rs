@@ -23,7 +23,7 @@ pub(super) enum RunningHash {
     /// for: a payload that comes whole (a shared-memory region) never starts one, and a
     /// thread's start and join stay off its handoff.
     TrailingSoon(Box<blake3::Hasher>),
-    /// On another thread, a chunk behind the receiver.
+    /// On another thread, a piece behind the receiver.
     Trailing(crate::trailing::TrailingHash),
     /// Computed over every byte ([`settle_hash`](TensorAssembler::settle_hash)).
     Done(ContentHash),
@@ -56,23 +56,56 @@ impl TensorAssembler {
                 return;
             }
         };
-        // Bytes committed before (without a slot) are in the hasher already; a thread would
-        // start at 0 and hash them again: such a receiver goes on hashing in line.
+        // Defensive: every byte is committed through a slot, which starts the thread first; a
+        // hasher already fed would be fed again by a thread starting at 0: in line it goes on.
         if self.received != 0 {
             self.hash = RunningHash::Inline(hasher);
             return;
         }
+        self.hash = self.trail(*hasher);
+    }
+
+    /// The hash starts over from the first byte (a chunk begun again, whose abandoned pieces a
+    /// trailing hash may have read): the old one is dropped, its thread joined before a byte is
+    /// written again, and a new one takes the committed bytes, on its own thread where it was
+    /// on one, so that a resumed receive does not hash its prefix on the caller's thread.
+    pub(super) fn restart_hash(&mut self) {
+        let trailing = matches!(self.hash, RunningHash::Trailing(_));
+        self.hash = RunningHash::None;
+        let hasher = content_hasher(&self.meta);
+        self.hash = match trailing {
+            true => self.trail(hasher),
+            false => {
+                let mut hasher = hasher;
+                hash_more(&mut hasher, &self.buf[..self.received]);
+                RunningHash::Inline(Box::new(hasher))
+            }
+        };
+    }
+
+    /// `hasher`, fed nothing yet, continued on a thread of its own over the buffer, with the
+    /// committed bytes handed to it at once; in line where no thread is to be had (out of
+    /// threads or memory), the committed bytes hashed here. No other hashing thread may be
+    /// alive over the buffer (`self.hash` holds none).
+    fn trail(&mut self, hasher: blake3::Hasher) -> RunningHash {
+        debug_assert!(!matches!(self.hash, RunningHash::Trailing(_)));
         let (base, len) = (self.buf.as_mut_ptr(), self.buf.len());
         // SAFETY: `buf` is `len` bytes that live as long as `self`; `hash` is declared before
         // it (dropped, and its thread joined, first), is finished before `buf` is handed out or
         // replaced (`finish`, `take_hasher`, `adopt`), and while it lives every access to `buf`
-        // goes through it (`slot`).
-        let started = unsafe { crate::trailing::TrailingHash::start(base, len, (*hasher).clone()) };
-        // Without a thread to be had (out of threads or memory), hashed in line instead.
-        self.hash = match started {
-            Ok(trailing) => RunningHash::Trailing(trailing),
-            Err(_) => RunningHash::Inline(hasher),
-        };
+        // goes through it (`slot`); no other thread reads `buf` (the caller's promise).
+        let started = unsafe { crate::trailing::TrailingHash::start(base, len, hasher.clone()) };
+        match started {
+            Ok(mut trailing) => {
+                trailing.commit(self.received);
+                RunningHash::Trailing(trailing)
+            }
+            Err(_) => {
+                let mut hasher = hasher;
+                hash_more(&mut hasher, &self.buf[..self.received]);
+                RunningHash::Inline(Box::new(hasher))
+            }
+        }
     }
 
     /// What the content hash is computed for.

@@ -158,18 +158,14 @@ impl TensorAssembler {
 
     /// A chunk begun at [`received`](Self::received): one begun there before and not committed
     /// (a resumed transfer writes it again) had its pieces handed to a trailing hash, which
-    /// cannot take them back: the hash starts over, in line, from the bytes committed.
+    /// cannot take them back: the hash starts over from the bytes committed.
     fn restart_chunk(&mut self) {
         let handed_past = match &self.hash {
             RunningHash::Trailing(trailing) => trailing.handed() > self.received,
             _ => false,
         };
         if handed_past {
-            // Dropping the trailing hash joins its thread before a byte is written again.
-            self.hash = RunningHash::None;
-            let mut hasher = ferry_proto::tensor::content_hasher(&self.meta);
-            hash_more(&mut hasher, &self.buf[..self.received]);
-            self.hash = RunningHash::Inline(Box::new(hasher));
+            self.restart_hash();
         }
         self.slot_end = self.received;
     }
@@ -205,10 +201,10 @@ impl TensorAssembler {
     pub fn commit(&mut self, offset: u64, len: usize) -> Result<(), StreamError> {
         let range = self.check_range(offset, len)?;
         if range.end > self.slot_end {
-            // Bytes never handed out: nothing was written there.
-            return Err(StreamError::OutOfOrder {
-                offset: self.slot_end as u64,
-                expected: range.end as u64,
+            // Bytes never handed out: nothing was written past `slot_end`.
+            return Err(StreamError::Incomplete {
+                received: self.slot_end as u64,
+                total: range.end as u64,
             });
         }
         match &mut self.hash {

@@ -57,8 +57,8 @@ fn a_large_payload_hashed_on_its_own_thread_hashes_as_in_line() {
 
 /// A chunk asked for piece by piece hands each piece to the trailing hash as the next is asked
 /// for; a chunk begun again at its start (a resumed transfer writes it anew) restarts the hash
-/// from the committed bytes, so what was hashed of the abandoned pieces is not in it; pieces
-/// that skip a place, or a commit past what was given out, are refused.
+/// from the committed bytes, on a thread again, so what was hashed of the abandoned pieces is
+/// not in it; pieces that skip a place, or a commit past what was given out, are refused.
 #[test]
 fn pieces_of_a_chunk_hash_as_they_come_and_a_chunk_begun_again_is_hashed_anew() {
     let n = TRAILING_HASH_MIN; // 4 MiB of f32
@@ -78,7 +78,7 @@ fn pieces_of_a_chunk_hash_as_they_come_and_a_chunk_begun_again_is_hashed_anew() 
         }
         assert!(matches!(
             asm.commit(0, chunk + 1),
-            Err(StreamError::OutOfOrder { .. })
+            Err(StreamError::Incomplete { .. })
         ));
         asm.commit(0, chunk).unwrap();
         // The second, begun with wrong bytes in two pieces (the first handed to the hash), then
@@ -94,6 +94,8 @@ fn pieces_of_a_chunk_hash_as_they_come_and_a_chunk_begun_again_is_hashed_anew() 
             asm.slot(offset, piece.len())
                 .unwrap()
                 .copy_from_slice(piece);
+            // Begun again, the hash is still on a thread of its own.
+            assert!(matches!(asm.hash, RunningHash::Trailing(_)), "{use_:?}");
             asm.commit(offset, piece.len()).unwrap();
         }
         let back = asm.finish().unwrap();
