@@ -22,18 +22,7 @@ use ferry_testkit::{
 use rand::{Rng, SeedableRng};
 
 /// The lease's time to live in these tests.
-const TTL: Duration = Duration::from_secs(2);
-
-fn config(etcd: &Etcd, name: &str, node: &TestNode) -> ClusterConfig {
-    ClusterConfig {
-        endpoints: ferry_proto::cluster::endpoints(&etcd.cluster()).unwrap(),
-        name: name.to_string(),
-        advertise: node.addr.to_string(),
-        unix: None,
-        ttl: TTL,
-        etcd_user: None,
-    }
-}
+const TTL: Duration = ferry_testkit::MEMBER_TTL;
 
 /// What the directory says every member holds: `(member, device, name) -> (dtype, shape, bytes,
 /// has a content hash)`.
@@ -102,7 +91,7 @@ async fn join_all(
         let node = start_with(&["flex", "flex"]).await;
         joined.push(Membership::join(
             node.node.clone(),
-            config(etcd, name, &node),
+            etcd.member(name, &node),
         ));
         clients.push((name, node.client().await));
         nodes.push(node);
@@ -399,8 +388,8 @@ async fn a_cluster_node_pulls_only_from_registered_members() {
     let etcd = Etcd::start().await;
     let (a, b) = (member_node(None).await, member_node(None).await);
     let outsider = start_with(&["flex"]).await;
-    let joined_a = Membership::join(a.node.clone(), config(&etcd, "a", &a));
-    let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
+    let joined_a = Membership::join(a.node.clone(), etcd.member("a", &a));
+    let joined_b = Membership::join(b.node.clone(), etcd.member("b", &b));
     let (mut ca, mut cb, mut cx) = (a.client().await, b.client().await, outsider.client().await);
     let data = samples::plain(DType::F32, &[64, 33], 7);
     let key = TensorKey::new(0, "w");
@@ -535,8 +524,8 @@ async fn under_tls_only_what_a_member_sealed_counts_and_a_member_must_show_its_i
     )
     .await;
     // Under TLS a member's name is its certificate's.
-    let joined_a = Membership::join(a.node.clone(), config(&etcd, "node-a", &a));
-    let joined_b = Membership::join(b.node.clone(), config(&etcd, "node-b", &b));
+    let joined_a = Membership::join(a.node.clone(), etcd.member("node-a", &a));
+    let joined_b = Membership::join(b.node.clone(), etcd.member("node-b", &b));
     let (a_addr, c_addr) = (a.addr.to_string(), c.addr.to_string());
     let record = |name: &str, node_id: &str, tcp: &str| MemberRecord {
         name: name.into(),
@@ -711,7 +700,7 @@ async fn a_root_daemon_at_a_members_unix_socket_learns_no_token() {
     let etcd = Etcd::start().await;
     let a = start_with(&["flex"]).await;
     let b = member_node_with(None, ClusterMembers::new(), Some("the-peer-token")).await;
-    let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
+    let joined_b = Membership::join(b.node.clone(), etcd.member("b", &b));
 
     // Not a node: it reads each hello it is sent, keeps its token, and hangs up.
     let dir = tempfile::tempdir().unwrap();
@@ -784,8 +773,8 @@ async fn a_root_daemon_at_a_members_unix_socket_learns_no_token() {
 async fn a_members_record_rewritten_by_an_etcd_writer_is_put_back_by_its_node() {
     let etcd = Etcd::start().await;
     let (a, b) = (member_node(None).await, member_node(None).await);
-    let joined_a = Membership::join(a.node.clone(), config(&etcd, "a", &a));
-    let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
+    let joined_a = Membership::join(a.node.clone(), etcd.member("a", &a));
+    let joined_b = Membership::join(b.node.clone(), etcd.member("b", &b));
     let cluster = etcd.cluster();
     let a_addr = a.addr.to_string();
     // What the directory says of @a, read afresh: a's own record.
@@ -850,7 +839,7 @@ async fn a_cluster_on_etcd_over_tls_admits_only_certificates_of_the_cluster() {
     let cluster = etcd.cluster();
     assert!(cluster.starts_with("etcds://"), "{cluster}");
     let a = member_node(Some(pki.node("node-a"))).await;
-    let joined = Membership::join(a.node.clone(), config(&etcd, "node-a", &a));
+    let joined = Membership::join(a.node.clone(), etcd.member("node-a", &a));
     let user = pki.client("user");
     let registered = || async {
         let Ok(mut d) = Directory::connect_with(&cluster, Some(&user)).await else {
@@ -929,7 +918,7 @@ async fn a_cluster_on_etcd_over_tls_admits_only_certificates_of_the_cluster() {
 async fn a_record_rewritten_without_end_is_put_back_a_bounded_number_of_times() {
     let etcd = Etcd::start().await;
     let a = member_node(None).await;
-    let joined = Membership::join(a.node.clone(), config(&etcd, "a", &a));
+    let joined = Membership::join(a.node.clone(), etcd.member("a", &a));
     let cluster = etcd.cluster();
     let registered = || async {
         let Ok(mut d) = Directory::connect(&cluster).await else {
@@ -993,9 +982,9 @@ async fn only_the_node_ids_the_operator_lists_are_members() {
     let (a, c) = (member_node(None).await, member_node(None).await);
     let a_id = a.node.node_id().clone();
     let b = member_node_with(None, ClusterMembers::admitting([a_id.to_string()]), None).await;
-    let joined_b = Membership::join(b.node.clone(), config(&etcd, "b", &b));
+    let joined_b = Membership::join(b.node.clone(), etcd.member("b", &b));
     // c registers first; once b lists a, it has read c's record too.
-    let joined_c = Membership::join(c.node.clone(), config(&etcd, "c", &c));
+    let joined_c = Membership::join(c.node.clone(), etcd.member("c", &c));
     let cluster = etcd.cluster();
     let c_registered = || async {
         let Ok(mut d) = Directory::connect(&cluster).await else {
@@ -1004,7 +993,7 @@ async fn only_the_node_ids_the_operator_lists_are_members() {
         d.resolve("c").await.is_ok()
     };
     eventually_async("c registered", Duration::from_secs(10), c_registered).await;
-    let joined_a = Membership::join(a.node.clone(), config(&etcd, "a", &a));
+    let joined_a = Membership::join(a.node.clone(), etcd.member("a", &a));
     let (a_addr, c_addr) = (a.addr.to_string(), c.addr.to_string());
     sees(&b, &a_addr, true).await;
     assert!(
@@ -1079,7 +1068,7 @@ async fn with_etcd_auth_on_a_member_writes_its_own_keys_alone() {
     let (node_a, node_b) = (start_with(&["flex"]).await, start_with(&["flex"]).await);
     let as_user = |name: &str, node: &TestNode| ClusterConfig {
         etcd_user: Some(Etcd::user(name)),
-        ..config(&etcd, name, node)
+        ..etcd.member(name, node)
     };
     let _a = Membership::join(node_a.node.clone(), as_user("a", &node_a));
     let _b = Membership::join(node_b.node.clone(), as_user("b", &node_b));
@@ -1220,7 +1209,7 @@ async fn etcd_over_tls_with_auth_on_takes_each_member_s_password() {
         a.node.clone(),
         ClusterConfig {
             etcd_user: Some(Etcd::user("node-a")),
-            ..config(&etcd, "node-a", &a)
+            ..etcd.member("node-a", &a)
         },
     );
     let user = pki.client("user");

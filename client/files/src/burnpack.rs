@@ -55,7 +55,7 @@ pub(super) fn read_burnpack(path: &Path) -> Result<FileParts, FileError> {
     // The tensors are taken from a private mapping of the very file just validated: a put sends
     // them to the socket straight from the page cache, with no copy into new memory (which
     // costs more than the network here).
-    let mut mapped = ferry_memory::host::MappedFile::map(&file).map_err(io_error(path))?;
+    let mut mapped = ferry_memory::mapped_file::MappedFile::map(&file).map_err(io_error(path))?;
     if mapped.len() as u64 != file_len {
         return Err(bad(format!(
             "it changed while being read ({file_len} bytes, then {})",

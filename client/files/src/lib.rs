@@ -195,7 +195,7 @@ fn describe_extension(extension: Option<&str>) -> String {
 /// [`ferry_proto::tensor::meta_of`] (the byte-length rule) before it is returned.
 ///
 /// Either format's tensors are ranges of a private mapping of the file, validated whole first
-/// (no copy; see [`ferry_memory::host::MappedFile`] for the contract: the file must not be
+/// (no copy; see [`ferry_memory::mapped_file::MappedFile`] for the contract: the file must not be
 /// truncated while they live); a tensor the file does not align for its element type (16 bytes
 /// for a quantized one) is copied.
 pub fn read_tensors(path: &Path) -> Result<Vec<(String, TensorData)>, FileError> {

@@ -223,7 +223,7 @@ fn layout(
 pub struct SafetensorsOutput {
     path: std::path::PathBuf,
     file: tempfile::NamedTempFile,
-    mapped: ferry_memory::host::MappedFile,
+    mapped: ferry_memory::mapped_file::MappedFile,
     layout: Layout,
 }
 
@@ -250,7 +250,7 @@ impl SafetensorsOutput {
             .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666))
             .tempfile_in(dir)
             .map_err(io_error(path))?;
-        let mut mapped = ferry_memory::host::MappedFile::create(file.as_file(), layout.len)
+        let mut mapped = ferry_memory::mapped_file::MappedFile::create(file.as_file(), layout.len)
             .map_err(io_error(path))?;
         let mut header = mapped.take(0, layout.header.len()).ok_or_else(|| {
             FileError::Safetensors(format!("{}: no room for the header", path.display()))
@@ -363,7 +363,7 @@ pub(super) fn read_safetensors(path: &Path) -> Result<FileParts, FileError> {
     // The tensors are taken from a private mapping of the file: a put sends them to the socket
     // straight from the page cache, with no copy on the heap. `offset_keys` is data order, and
     // the data is contiguous from the start.
-    let mut mapped = ferry_memory::host::MappedFile::map(&file).map_err(io_error(path))?;
+    let mut mapped = ferry_memory::mapped_file::MappedFile::map(&file).map_err(io_error(path))?;
     if mapped.len() as u64 != file_len {
         return Err(bad(format!(
             "it changed while being read ({file_len} bytes, then {})",

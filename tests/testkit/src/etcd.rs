@@ -4,6 +4,10 @@ use std::time::{Duration, Instant};
 
 use crate::TestPki;
 
+/// The lease of a member that joins with [`Etcd::member`]: short, so that a member gone is gone
+/// from the directory soon.
+pub const MEMBER_TTL: Duration = Duration::from_secs(2);
+
 /// A real etcd (Debian's `etcd-server`; `tests/run.sh` installs it) on free loopback ports, with its
 /// data in a temporary directory, for the cluster tests. Stopped (killed) when dropped.
 pub struct Etcd {
@@ -98,6 +102,24 @@ impl Etcd {
     pub fn cluster(&self) -> String {
         let scheme = if self.tls.is_some() { "etcds" } else { "etcd" };
         format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// What `node` joins this etcd's cluster with as the member `name`: its TCP address
+    /// advertised, no Unix socket, no etcd user, a lease of [`MEMBER_TTL`].
+    pub fn member(
+        &self,
+        name: &str,
+        node: &crate::TestNode,
+    ) -> ferry_server::cluster::ClusterConfig {
+        ferry_server::cluster::ClusterConfig {
+            endpoints: ferry_proto::cluster::endpoints(&self.cluster())
+                .expect("the test etcd's address parses"),
+            name: name.to_string(),
+            advertise: node.addr.to_string(),
+            unix: None,
+            ttl: MEMBER_TTL,
+            etcd_user: None,
+        }
     }
 
     /// A client of this etcd, as the helper is (with its own certificate over TLS).

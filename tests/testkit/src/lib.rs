@@ -28,7 +28,7 @@ mod proxy;
 pub use background::BackgroundNode;
 pub use checks::{assert_same, code_of, on_device, source_code_of};
 pub use copy::{How, copy_keys, copy_one, hashes_verified, how, source_connection};
-pub use etcd::Etcd;
+pub use etcd::{Etcd, MEMBER_TTL};
 pub use node::{REGIONS, TestNode, devices, start, start_unix, start_with};
 pub use pki::{TestPki, tls_client};
 pub use poll::{eventually, eventually_async, eventually_blocking};

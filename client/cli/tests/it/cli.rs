@@ -688,21 +688,11 @@ fn every_error_path_exits_non_zero_with_an_error_line() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ls_at_lists_a_clusters_members_and_where_each_tensor_lives() {
-    use ferry_server::cluster::{ClusterConfig, Membership};
+    use ferry_server::cluster::Membership;
     let etcd = ferry_testkit::Etcd::start().await;
     let cluster = etcd.cluster();
     let node = ferry_testkit::start_with(&["flex", "flex"]).await;
-    let membership = Membership::join(
-        node.node.clone(),
-        ClusterConfig {
-            endpoints: ferry_proto::cluster::endpoints(&cluster).unwrap(),
-            name: "cache".into(),
-            advertise: node.addr.to_string(),
-            unix: None,
-            ttl: std::time::Duration::from_secs(2),
-            etcd_user: None,
-        },
-    );
+    let membership = Membership::join(node.node.clone(), etcd.member("cache", &node));
     let mut client = node.client().await;
     let data = samples::plain(DType::F32, &[4, 8], 1);
     client
@@ -1116,14 +1106,10 @@ async fn members_by_name_and_tensors_by_name_alone() {
         joined.push(Membership::join(
             node.node.clone(),
             ClusterConfig {
-                endpoints: ferry_proto::cluster::endpoints(&cluster).unwrap(),
-                name: name.into(),
-                advertise: node.addr.to_string(),
                 // cache registers a Unix socket that is not there: same-machine clients and
                 // pulls must fall back to its TCP address.
                 unix: (name == "cache").then(|| "unix:/nonexistent-ferry/cache.sock".to_string()),
-                ttl: std::time::Duration::from_secs(2),
-                etcd_user: None,
+                ..etcd.member(name, &node)
             },
         ));
         nodes.push(node);
@@ -1213,21 +1199,11 @@ async fn members_by_name_and_tensors_by_name_alone() {
 /// confirmed, and a copy still succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn already_holds_is_confirmed_with_the_target_node() {
-    use ferry_server::cluster::{ClusterConfig, Membership};
+    use ferry_server::cluster::Membership;
     let etcd = ferry_testkit::Etcd::start().await;
     let cluster = etcd.cluster();
     let node = ferry_testkit::start_with(&["flex", "flex"]).await;
-    let joined = Membership::join(
-        node.node.clone(),
-        ClusterConfig {
-            endpoints: ferry_proto::cluster::endpoints(&cluster).unwrap(),
-            name: "worker".into(),
-            advertise: node.addr.to_string(),
-            unix: None,
-            ttl: std::time::Duration::from_secs(2),
-            etcd_user: None,
-        },
-    );
+    let joined = Membership::join(node.node.clone(), etcd.member("worker", &node));
     let data = samples::plain(DType::F32, &[16, 8], 3);
     // A writer of etcd lists `w` on worker/1, which holds nothing: the only entry for `w`.
     let forged = ferry_proto::cluster::TensorRecord {
@@ -1275,7 +1251,7 @@ async fn already_holds_is_confirmed_with_the_target_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_by_name_reads_from_the_least_busy_holder_that_answers() {
     use ferry_client::cluster::{Directory, Loads, choose_source};
-    use ferry_server::cluster::{ClusterConfig, Membership};
+    use ferry_server::cluster::Membership;
     let etcd = ferry_testkit::Etcd::start().await;
     let cluster = etcd.cluster();
     let mut nodes = Vec::new();
@@ -1284,14 +1260,7 @@ async fn a_copy_by_name_reads_from_the_least_busy_holder_that_answers() {
         let node = ferry_testkit::start_with(&["flex"]).await;
         joined.push(Membership::join(
             node.node.clone(),
-            ClusterConfig {
-                endpoints: ferry_proto::cluster::endpoints(&cluster).unwrap(),
-                name: name.into(),
-                advertise: node.addr.to_string(),
-                unix: None,
-                ttl: std::time::Duration::from_secs(2),
-                etcd_user: None,
-            },
+            etcd.member(name, &node),
         ));
         nodes.push(node);
     }

@@ -127,12 +127,12 @@ impl TensorAssembler {
             // A settled hash has no hasher left to feed.
             RunningHash::None | RunningHash::Done(_) => None,
             RunningHash::Inline(hasher) | RunningHash::TrailingSoon(hasher) => Some(*hasher),
-            // Everything handed to it is fed to it: the committed bytes, unless pieces of a
-            // chunk not yet committed were handed too. Those, and a thread that died, leave the
-            // committed bytes to be hashed again from the start.
+            // Everything handed to it is fed to it: the committed bytes, as long as no piece of
+            // a chunk still arriving was handed (`settle_hash` calls this once every byte is
+            // committed). A thread that died leaves the bytes to be hashed again from the start.
             RunningHash::Trailing(trailing) => {
-                let exact = trailing.handed() <= self.received;
-                trailing.finish().filter(|_| exact).or_else(|| {
+                debug_assert!(trailing.handed() <= self.received);
+                trailing.finish().or_else(|| {
                     let mut hasher = content_hasher(&self.meta);
                     hash_more(&mut hasher, &self.buf[..self.received]);
                     Some(hasher)
