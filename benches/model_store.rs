@@ -1,6 +1,7 @@
 //! A whole model through `FerryStore` over TCP to a `ferry-server` process, against a raw TCP copy
 //! of the same bytes in the same run: `collect_from` (read off the device, sent, held by the node)
-//! with three windows of host copies and over two lanes, and `apply_to` (fetched and applied), with
+//! with three windows of host copies and over two lanes, to a node just started and then five
+//! times more replacing the version before, and `apply_to` (fetched and applied), with
 //! this process's resident size before and its peak (VmHWM) during each (growth only: memory freed
 //! earlier but kept by the allocator is reused without growing it). burn-store's own
 //! `BurnpackStore` into memory is timed too, as Burn's own way to serialize the same model.
@@ -24,7 +25,7 @@ use burn_core::tensor::quantization::{Calibration, QuantScheme, QuantStore, Quan
 use burn_nn::{Linear, LinearConfig};
 use burn_store::{BurnpackStore, ModuleSnapshot, ModuleStore};
 use ferry_burn::FerryStore;
-use ferry_client::BlockingClient;
+use ferry_client::{BlockingClient, IfExists};
 use support::{NodeProcess, mib, own_status, raw_tcp_once, server_binary};
 
 /// Layers of one size, as a model's blocks are.
@@ -126,6 +127,22 @@ fn main() {
                 mib(peak),
                 mib(node.rss()),
                 mib(node.peak()),
+            );
+            // The same collect five times more, each replacing the version before: into
+            // memory the node had before, as a worker that already holds a model receives.
+            let mut replacing = FerryStore::connected(connect(), 0, "m")
+                .window(window)
+                .if_exists(IfExists::Replace)
+                .with_lanes((1..lanes).map(|_| connect()).collect())
+                .unwrap();
+            let mut again: Vec<Duration> = (0..5)
+                .map(|_| measured(|| replacing.collect_from(model).unwrap()).1)
+                .collect();
+            again.sort();
+            println!(
+                "  collect_from again, replacing, median of 5: {:.0} ms = {:.2}x raw TCP",
+                again[2].as_secs_f64() * 1e3,
+                raw.as_secs_f64() / again[2].as_secs_f64(),
             );
             let mut target = Stack {
                 layers: (0..64)

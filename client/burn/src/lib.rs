@@ -29,10 +29,10 @@
 //!
 //! `store/` holds the store; `node.rs` the handoff, over `handoff.rs` (a tensor as a backend
 //! primitive and back, kind and rank checked first: Burn panics on either) and
-//! `shared_data.rs` (a node's buffer as data that shares it); `holds.rs` finds what a
-//! device of this process holds, which `to_device.rs` checks before a move (and
-//! `module_to_device.rs` before a module's); `error.rs` holds
-//! `HandoffError`. `node.rs`, `handoff.rs`, `shared_data.rs`, `error.rs` and the store's
+//! `shared_data.rs` (a Flex buffer as data that shares it: a node's tensor applied, a
+//! parameter collected); `holds.rs` finds what a device of this process holds, which
+//! `to_device.rs` checks before a move (and `module_to_device.rs` before a module's);
+//! `error.rs` holds `HandoffError`. `node.rs`, `handoff.rs`, `error.rs` and the store's
 //! `embedded.rs` and `handoff_apply.rs` are built with `node` only.
 
 #[cfg(feature = "node")]
@@ -43,7 +43,6 @@ mod holds;
 mod module_to_device;
 #[cfg(feature = "node")]
 mod node;
-#[cfg(feature = "node")]
 mod shared_data;
 mod store;
 mod to_device;

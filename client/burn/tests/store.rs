@@ -14,8 +14,8 @@ mod tiny_lm;
 use std::collections::BTreeMap;
 
 use burn_core as burn;
-use burn_core::module::{Module, ModuleVisitor, Param};
-use burn_core::tensor::{Device, Tensor, TensorData};
+use burn_core::module::{Module, ModuleVisitor, Param, ParamId, Parameter};
+use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 use burn_flex::Flex;
 use burn_nn::{Linear, LinearConfig};
@@ -125,6 +125,74 @@ fn every_parameter_of_a_quantized_model_arrives_bytes_exact_as_burnpack_keeps_it
     }
 }
 
+/// A parameter of every kind, and views: f32 and F16 floats, an integer, a bool, a transposed
+/// tensor and a slice of a larger one.
+#[derive(Module, Debug)]
+struct Mixed {
+    linear: Linear,
+    half: Param<Tensor<2>>,
+    steps: Param<Tensor<1, Int>>,
+    mask: Param<Tensor<2, Bool>>,
+    transposed: Param<Tensor<2>>,
+    narrowed: Param<Tensor<1>>,
+}
+
+fn param<T: Parameter>(tensor: T) -> Param<T> {
+    Param::initialized(ParamId::new(), tensor)
+}
+
+impl Mixed {
+    /// Values that differ with `seed`.
+    fn new(device: &Device, seed: f32) -> Self {
+        let floats = |n: usize| (0..n).map(|i| seed + i as f32 * 0.25).collect::<Vec<f32>>();
+        let half = TensorData::new(floats(6), [2, 3]).convert_dtype(DType::F16);
+        Self {
+            linear: LinearConfig::new(4, 3).init(device),
+            half: param(Tensor::from_data(half, (device, DType::F16))),
+            steps: param(Tensor::from_data(
+                TensorData::new(vec![seed as i64, -1, 7], [3]),
+                device,
+            )),
+            mask: param(Tensor::from_data(
+                TensorData::new(vec![seed > 1.0, true, false, seed < 1.0], [2, 2]),
+                device,
+            )),
+            transposed: param(
+                Tensor::from_data(TensorData::new(floats(12), [3, 4]), device).transpose(),
+            ),
+            narrowed: param(Tensor::from_data(TensorData::new(floats(8), [8]), device).slice(2..6)),
+        }
+    }
+}
+
+#[test]
+fn a_collect_sends_every_kind_of_parameter_as_burn_store_reads_it() {
+    let node = serve_flex();
+    let device = Device::flex();
+    let sent = Mixed::new(&device, 2.0);
+    let sent_params = params(&sent);
+    let before = buffers(&sent);
+    FerryStore::connected(client(&node.addr), 0, "mixed")
+        .collect_from(&sent)
+        .unwrap();
+
+    // The node holds exactly what burn-store's collect reads: dtype, shape and bytes.
+    assert_same_params(
+        &model_tensors(&mut client(&node.addr), "mixed"),
+        &sent_params,
+    );
+    // The sender's parameters are where they were and as they were.
+    assert_eq!(buffers(&sent), before);
+    assert_same_params(&params(&sent), &sent_params);
+
+    let mut received = Mixed::new(&device, 0.5);
+    let result = FerryStore::connected(client(&node.addr), 0, "mixed")
+        .apply_to(&mut received)
+        .unwrap();
+    assert_eq!(result.applied.len(), sent_params.len(), "{result}");
+    assert_same_params(&params(&received), &sent_params);
+}
+
 /// Two layers of one shape, for renaming one into the other.
 #[derive(Module, Debug)]
 struct Pair {
@@ -155,6 +223,29 @@ fn a_filter_sends_and_applies_only_what_it_matches_and_a_remapper_renames() {
     let mut keys = store.keys().unwrap();
     keys.sort();
     assert_eq!(keys, ["left.bias", "left.weight"]);
+
+    // The filter is asked before a parameter is touched, over a connection and into an
+    // embedded node alike: a lazy parameter it leaves out stays uninitialized.
+    let (runtime, embedded_node) = embedded(vec![DeviceSpec::Flex]);
+    for into_embedded in [false, true] {
+        let lazy = Pair::new(&device);
+        let left_only = PathFilter::new().with_regex(r"^left\.");
+        if into_embedded {
+            FerryStore::embedded(embedded_node.clone(), runtime.handle().clone(), 0, "lazy")
+                .with_filter(left_only)
+                .collect_from(&lazy)
+                .unwrap();
+        } else {
+            FerryStore::connected(client(&node.addr), 0, "lazy")
+                .with_filter(left_only)
+                .collect_from(&lazy)
+                .unwrap();
+        }
+        assert!(
+            lazy.left.weight.is_initialized() && !lazy.right.weight.is_initialized(),
+            "embedded: {into_embedded}"
+        );
+    }
 
     // The whole pair is sent; applied with the layers' names swapped.
     let mut store = FerryStore::connected(client(&node.addr), 0, "pair");

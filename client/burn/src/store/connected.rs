@@ -1,20 +1,23 @@
 //! [`Connected`]: a store's node reached over a connection (or several: lanes). A collect
-//! reads parameters off their devices on one thread and sends them on one thread per
-//! connection, a bounded window of host copies between them.
+//! walks the module on the caller's thread and sends its parameters on one thread per
+//! connection (`outgoing.rs`: a Flex parameter's buffer as it lies, others read off within a
+//! bounded window of host copies).
 
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn_core::tensor::TensorData;
-use burn_store::{ApplyResult, ModuleSnapshot, PathFilter, bridge};
+use burn_store::{ApplyResult, ModuleSnapshot, PathFilter};
 use ferry_client::{BlockingClient, Wait};
 use ferry_proto::message::ModelManifest;
 use ferry_proto::{NodeId, TensorKey};
 
 use crate::StoreError;
+use crate::store::collect_walk::CollectWalk;
 use crate::store::deferred_tensors;
 use crate::store::link::{Link, Listed, Sending, outside_runtime};
+use crate::store::outgoing::{Deal, Outgoing};
 use crate::store::plan::Targets;
 use crate::store::prefetch::{Ahead, Each, Prefetch};
 use crate::store::replicas::{Replica, Replicas};
@@ -224,8 +227,6 @@ impl Link for Connected {
         sending: &Sending<'_>,
     ) -> Result<Vec<String>, StoreError> {
         outside_runtime()?;
-        // Lazy: each tensor is read off its device only when the reader thread reaches it.
-        let tensors = module.collect(sending.filter.cloned(), sending.adapter.clone(), false);
         let mut first = self.client();
         let mut lanes = self.lanes_ready();
         let mut connections: Vec<&mut BlockingClient> = std::iter::once(&mut *first)
@@ -237,31 +238,26 @@ impl Link for Connected {
         let window = &Window::new(sending.window.saturating_mul(n));
         // One channel and one sending thread per connection; tensor i goes to connection
         // i % n, as its turn comes (a fixed deal: which connection carried a tensor is known).
-        let (copies, arrivals): (Vec<_>, Vec<_>) = connections
+        let (senders, arrivals): (Vec<_>, Vec<_>) = connections
             .iter()
-            .map(|_| std::sync::mpsc::channel::<HostCopy>())
+            .map(|_| std::sync::mpsc::channel::<Outgoing>())
             .unzip();
         let failed: Mutex<Option<StoreError>> = Mutex::new(None);
         let sent: Mutex<Vec<String>> = Mutex::new(Vec::new());
-        let send_over = |client: &mut BlockingClient, arrived: Receiver<HostCopy>| {
+        let send_over = |client: &mut BlockingClient, arrived: Receiver<Outgoing>| {
             // Closes the window as this sender leaves, however it leaves (done, failed or
-            // panicking): the reader must not wait for room this sender will not make.
+            // panicking): the walk must not wait for room this sender will not make.
             let _close = CloseOnDrop(window);
-            for (path, data, bytes) in arrived {
+            for Outgoing { path, data, held } in arrived {
                 // Another sender failed: the collect's error is its.
                 if lock(&failed).is_some() {
                     return;
                 }
-                let put = data
-                    .map_err(|e| StoreError::ReadBack {
-                        path: path.clone(),
-                        message: e.to_string(),
-                    })
-                    .and_then(|data| {
-                        client.put(&sending.key(&path)?, &data).wait()?;
-                        Ok(())
-                    });
-                window.give(bytes);
+                let put = data.and_then(|data| {
+                    client.put(&sending.key(&path)?, &data).wait()?;
+                    Ok(())
+                });
+                window.give(held);
                 if let Err(e) = put {
                     lock(&failed).get_or_insert(e);
                     return;
@@ -270,23 +266,27 @@ impl Link for Connected {
             }
         };
         std::thread::scope(|scope| {
-            // Owns the channels' senders: each sender's loop ends when the reader is done, and
-            // the reader stops once a sender has gone (its channel refuses) or closed the window.
-            scope.spawn(move || {
-                for (i, tensor) in tensors.into_iter().enumerate() {
-                    let bytes = tensor.byte_len() as u64;
-                    if !window.take(bytes) {
-                        return;
-                    }
-                    let path = tensor.name.clone();
-                    let copy = (path, bridge::into_data(tensor), bytes);
-                    if copies[i % copies.len()].send(copy).is_err() {
-                        return;
-                    }
-                }
-            });
             for (client, arrived) in connections.iter_mut().zip(arrivals) {
                 scope.spawn(move || send_over(client, arrived));
+            }
+            // This thread walks the module (which need be neither Send nor Sync) and owns the
+            // channels' senders: each sender's loop ends when the walk is done and `deal`
+            // dropped, and the walk stops once a sender has gone or closed the window.
+            let mut deal = Deal::new(senders, window);
+            match &sending.adapter {
+                // The adapter rewrites burn-store's snapshots: burn-store's collect, each
+                // tensor read off (copied) as it reaches it.
+                Some(adapter) => {
+                    let filter = sending.filter.cloned();
+                    for tensor in module.collect(filter, Some(adapter.clone()), false) {
+                        if !deal.offer_read_off(tensor) {
+                            break;
+                        }
+                    }
+                }
+                // A Flex parameter's buffer goes as it lies, shared, instead of the copy
+                // burn-store's collect makes of a tensor the module still holds.
+                None => module.visit(&mut CollectWalk::new(&mut deal, sending.filter)),
             }
         });
         match failed
@@ -301,17 +301,13 @@ impl Link for Connected {
     }
 }
 
-/// A parameter's host copy on its way to a sender: its path, its data as read off its device,
-/// and the bytes it holds of the window.
-type HostCopy = (String, Result<TensorData, burn_pack::Error>, u64);
-
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Closes the window when dropped: the reader stops rather than wait for room that will not
+/// Closes the window when dropped: the walk stops rather than wait for room that will not
 /// come (after an error, or a panic on the sending thread, which the scope then passes on).
 struct CloseOnDrop<'a>(&'a Window);
 

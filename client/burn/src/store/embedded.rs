@@ -2,12 +2,11 @@
 //! node's tensors on the node's device (Flex, wgpu: the same buffers), and one collected into it
 //! hands its tensors over (Flex), with no host copy.
 
-use burn_core::module::{ModuleVisitor, Param};
-use burn_core::tensor::kind::Basic;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use burn_core::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn_core::tensor::kind::Basic;
+use burn_core::tensor::{Device, Tensor, TensorData};
 use burn_flex::Flex;
 use burn_store::{ApplyResult, ModuleSnapshot, PathFilter, bridge};
 use ferry_backend::BackendKind;
@@ -18,9 +17,9 @@ use tokio::runtime::Handle;
 
 use crate::handoff::{into_backend, of_kind};
 use crate::shared_data::shared_data;
+use crate::store::collect_walk::{CollectWalk, TakeParam};
 use crate::store::handoff_apply::HandoffApplier;
 use crate::store::link::{Link, Listed, Sending, outside_runtime};
-use crate::store::module_path::ModulePath;
 use crate::to_device::check_held;
 use crate::{HandoffError, NodeTensors, StoreError, TryToDevice};
 
@@ -228,7 +227,7 @@ impl Link for Embedded {
         if self.on_flex(key.device) {
             // The registered tensor's own buffer, shared (copy-on-write).
             let (_, primitive) = self.block(self.node.primitive::<Flex>(key))??;
-            return Ok(shared_data(primitive)?);
+            return Ok(shared_data(primitive).map_err(NodeError::from)?);
         }
         Ok(self.block(self.node.get(key))??)
     }
@@ -246,11 +245,10 @@ impl Link for Embedded {
         let mut sender = Sender {
             link: self,
             sending,
-            path: ModulePath::default(),
             sent: Vec::new(),
             failed: None,
         };
-        module.visit(&mut sender);
+        module.visit(&mut CollectWalk::new(&mut sender, sending.filter));
         match sender.failed {
             Some(error) => Err(error),
             None => Ok(sender.sent),
@@ -258,31 +256,16 @@ impl Link for Embedded {
     }
 }
 
-/// Hands each parameter to the node as it is visited, stopping at the first refusal.
+/// Hands each parameter a collect's walk finds to the node, stopping at the first refusal.
 struct Sender<'a> {
     link: &'a Embedded,
     sending: &'a Sending<'a>,
-    path: ModulePath,
     /// The paths handed over so far.
     sent: Vec<String>,
     failed: Option<StoreError>,
 }
 
 impl Sender<'_> {
-    fn hand<const D: usize, K: Basic + 'static>(&mut self, tensor: Tensor<D, K>) {
-        if self.failed.is_some() {
-            return;
-        }
-        if !self.path.passes(self.sending.filter) {
-            return;
-        }
-        let path = self.path.joined();
-        match self.insert(&path, tensor) {
-            Ok(()) => self.sent.push(path),
-            Err(error) => self.failed = Some(error),
-        }
-    }
-
     fn insert<const D: usize, K: Basic + 'static>(
         &self,
         path: &str,
@@ -309,27 +292,16 @@ impl Sender<'_> {
     }
 }
 
-impl ModuleVisitor for Sender<'_> {
-    fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.path.enter(name, container_type);
+impl TakeParam for &mut Sender<'_> {
+    fn stopped(&self) -> bool {
+        self.failed.is_some()
     }
 
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.exit();
-    }
-
-    // As burn-store's collector does: the parameter as its mapper saves it (`on_save`), so an
-    // apply's `on_load` meets what it expects, whichever link sent it.
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        self.hand(param.transform_for_save().val());
-    }
-
-    fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
-        self.hand(param.transform_for_save().val());
-    }
-
-    fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
-        self.hand(param.transform_for_save().val());
+    fn take<const D: usize, K: Basic + 'static>(&mut self, path: String, tensor: &Tensor<D, K>) {
+        match self.insert(&path, tensor.clone()) {
+            Ok(()) => self.sent.push(path),
+            Err(error) => self.failed = Some(error),
+        }
     }
 }
 

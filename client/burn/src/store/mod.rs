@@ -8,12 +8,16 @@
 //! parameter's device), `embedded.rs` one in this process (applied by `handoff_apply.rs`,
 //! tensors handed over on the node's device); `adapted.rs` applies through a `ModuleAdapter`
 //! (PyTorch's layouts) from either; `restore.rs` puts back the running state a refused apply
-//! wrote in place; `window.rs` bounds a collect's host copies, and an apply's tensors that
-//! `prefetch.rs` fetches over a connection ahead of the Applier;
-//! `module_path.rs` names where a walk over a module is, as burn-store names and filters paths.
+//! wrote in place; `collect_walk.rs` finds a collect's parameters as burn-store's collector
+//! does, and `outgoing.rs` deals them over a connection's senders (a Flex buffer shared as it
+//! lies); `window.rs` bounds a collect's
+//! host copies, and an apply's tensors that `prefetch.rs` fetches over a connection ahead of
+//! the Applier; `module_path.rs` names where a walk over a module is, as burn-store names and
+//! filters paths.
 //! `embedded.rs` and `handoff_apply.rs` are built with the `node` feature only.
 
 mod adapted;
+mod collect_walk;
 mod connected;
 #[cfg(feature = "node")]
 mod embedded;
@@ -22,6 +26,7 @@ mod error;
 mod handoff_apply;
 mod link;
 pub(crate) mod module_path;
+mod outgoing;
 mod plan;
 mod prefetch;
 mod replicas;
@@ -56,7 +61,8 @@ use prefetch::Prefetch;
 use restore::Before;
 
 /// The most bytes of host copies a collect over a connection keeps in flight by default (read
-/// off the device, not yet sent); one larger tensor is let through alone.
+/// off the device, not yet sent; a plain Flex parameter is sent from its own buffer and takes
+/// none); one larger tensor is let through alone.
 pub const DEFAULT_WINDOW: u64 = 32 << 20;
 
 /// What an apply does where the module has a parameter the node does not hold.
@@ -237,8 +243,9 @@ impl<L: Link> FerryStore<L> {
 
     /// A collect transforms what it sends with `adapter` (as burn-store's file stores'
     /// `with_to_adapter`): `BurnToPyTorchAdapter` puts a module on the node in PyTorch's layouts
-    /// and names. Every tensor is then read off its device and sent as data (from an embedded
-    /// store too, which otherwise hands a Flex device's buffers over).
+    /// and names. Every tensor is then read off its device and sent as data (a copy), where
+    /// otherwise a Flex parameter goes from its own buffer (over a connection) or is handed
+    /// over (to an embedded node).
     pub fn with_to_adapter(mut self, adapter: impl ModuleAdapter + 'static) -> Self {
         self.to_adapter = Some(Box::new(adapter));
         self
@@ -260,7 +267,9 @@ impl<L: Link> FerryStore<L> {
     }
 
     /// The most bytes of host copies a collect over a connection keeps in flight (default
-    /// [`DEFAULT_WINDOW`]); with lanes, this times the connections, shared between them. An
+    /// [`DEFAULT_WINDOW`]): of quantized parameters, views, parameters of another backend than
+    /// Flex, or every parameter through a `to_adapter`; a plain Flex parameter goes from its own
+    /// buffer and takes none. With lanes, this times the connections, shared between them. An
     /// apply over a connection fetches tensors ahead of burn-store's Applier, in the order it
     /// applies them and in pipelined batches, up to this many bytes arrived and not yet applied.
     pub fn window(mut self, bytes: u64) -> Self {

@@ -1,7 +1,6 @@
 //! `ModulePath`: where a walk over a module is, named as burn-store names a parameter's path
 //! (field names joined by `.`) and matched by its `PathFilter` (with the containers' types).
 
-#[cfg(feature = "node")]
 use burn_store::PathFilter;
 
 /// The fields entered so far, with the type of each container entered.
@@ -36,9 +35,16 @@ impl ModulePath {
         self.containers.join(".")
     }
 
-    /// Whether `filter` lets the parameter here through (the embedded store's walks).
-    #[cfg(feature = "node")]
+    /// Whether `filter` lets the parameter here through, as burn-store's collector and
+    /// `Applier` decide.
     pub(crate) fn passes(&self, filter: Option<&PathFilter>) -> bool {
-        filter.is_none_or(|f| f.matches_with_container_path(&self.names, &self.containers))
+        self.passes_at(&self.names, filter)
+    }
+
+    /// Whether `filter` lets through a parameter a module visits at the explicit path `names`
+    /// (`visit_*_with_path`), matched, as burn-store's collector matches it, with the
+    /// containers entered here.
+    pub(crate) fn passes_at(&self, names: &[String], filter: Option<&PathFilter>) -> bool {
+        filter.is_none_or(|f| f.matches_with_container_path(names, &self.containers))
     }
 }

@@ -60,6 +60,14 @@ impl Window {
         true
     }
 
+    /// Whether the window was closed (a sender left): what takes no room asks only this.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .closed
+    }
+
     /// Gives `bytes` back (their copy was sent and dropped).
     pub(crate) fn give(&self, bytes: u64) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);

@@ -1,0 +1,215 @@
+//! A collect's parameters on their way to the connections that send them (`Deal`): each
+//! found by `CollectWalk` or burn-store's collect, read off its device (a Flex parameter's buffer shared as it lies, anything else copied to the host as
+//! burn-store reads it, within a window of host copies) and dealt to connection `i % n` in
+//! the order the module is walked.
+
+use std::sync::mpsc::Sender;
+
+use burn_core::tensor::kind::Basic;
+use burn_core::tensor::{Tensor, TensorData};
+use burn_pack::Tensor as PackTensor;
+use burn_store::bridge;
+
+use crate::StoreError;
+use crate::shared_data::shared_param;
+use crate::store::collect_walk::TakeParam;
+use crate::store::window::Window;
+
+/// A parameter on its way to a sender: its path, its data as read off its device, and the
+/// bytes of host copy it holds of the window (none for a buffer shared as it lies).
+pub(crate) struct Outgoing {
+    pub(crate) path: String,
+    pub(crate) data: Result<TensorData, StoreError>,
+    pub(crate) held: u64,
+}
+
+/// Deals parameters to the senders' channels in turn. Stops for good once a sender has gone
+/// (its channel refuses) or closed the window (it failed): the walk then reads nothing more.
+pub(crate) struct Deal<'a> {
+    senders: Vec<Sender<Outgoing>>,
+    window: &'a Window,
+    dealt: usize,
+    stopped: bool,
+}
+
+impl<'a> Deal<'a> {
+    pub(crate) fn new(senders: Vec<Sender<Outgoing>>, window: &'a Window) -> Self {
+        Self {
+            senders,
+            window,
+            dealt: 0,
+            stopped: false,
+        }
+    }
+
+    /// Hands the parameter at `path` to the next sender: `held` bytes of the window taken
+    /// first (waiting for room; what holds none never waits), then `read` run. False once the
+    /// deal stopped.
+    pub(crate) fn offer(
+        &mut self,
+        path: String,
+        held: u64,
+        read: impl FnOnce() -> Result<TensorData, StoreError>,
+    ) -> bool {
+        let room = match held {
+            0 => !self.window.is_closed(),
+            _ => self.window.take(held),
+        };
+        if self.stopped || self.senders.is_empty() || !room {
+            self.stopped = true;
+            return false;
+        }
+        let outgoing = Outgoing {
+            path,
+            data: read(),
+            held,
+        };
+        let sender = &self.senders[self.dealt % self.senders.len()];
+        self.dealt += 1;
+        if sender.send(outgoing).is_err() {
+            self.stopped = true;
+        }
+        !self.stopped
+    }
+
+    /// Reads `tensor` (one of burn-store's, as its collect gives them) off its device as
+    /// burn-store does, within the window, and hands it on.
+    pub(crate) fn offer_read_off(&mut self, tensor: PackTensor) -> bool {
+        let path = tensor.name.clone();
+        let held = tensor.byte_len() as u64;
+        let read_path = path.clone();
+        self.offer(path, held, move || read_off(read_path, tensor))
+    }
+}
+
+/// `tensor`'s bytes as burn-store reads them: its provider run (a copy off the device).
+fn read_off(path: String, tensor: PackTensor) -> Result<TensorData, StoreError> {
+    bridge::into_data(tensor).map_err(|e| StoreError::ReadBack {
+        path,
+        message: e.to_string(),
+    })
+}
+
+/// Deals what a collect's walk finds: a Flex parameter's buffer shared, anything else read off
+/// as burn-store reads it.
+impl TakeParam for &mut Deal<'_> {
+    fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    fn take<const D: usize, K: Basic + 'static>(&mut self, path: String, tensor: &Tensor<D, K>) {
+        match shared_param(tensor) {
+            // The module holds the buffer throughout the collect: no window room to take.
+            Some(data) => self.offer(path, 0, || Ok(data)),
+            None => self.offer_read_off(bridge::from_tensor(tensor, path, None)),
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::mpsc::channel;
+
+    use burn_core as burn;
+    use burn_core::module::{Module, Param, ParamId};
+    use burn_core::tensor::{Device, Tensor, TensorData};
+    use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
+    use burn_flex::Flex;
+    use burn_nn::{Linear, LinearConfig};
+    use burn_store::PathFilter;
+
+    use super::{Deal, Outgoing};
+    use crate::store::collect_walk::CollectWalk;
+    use crate::store::window::Window;
+
+    #[derive(Module, Debug)]
+    struct Layers {
+        left: Linear,
+        right: Linear,
+        transposed: Param<Tensor<2>>,
+    }
+
+    fn layers(device: &Device) -> Layers {
+        let values = TensorData::new((0..12).map(|i| i as f32).collect::<Vec<_>>(), [3, 4]);
+        Layers {
+            left: LinearConfig::new(4, 3).init(device),
+            right: LinearConfig::new(4, 3).init(device),
+            transposed: Param::initialized(
+                ParamId::new(),
+                Tensor::from_data(values, device).transpose(),
+            ),
+        }
+    }
+
+    /// What one walk deals (over one sender), by path.
+    fn walk(module: &Layers, filter: Option<&PathFilter>) -> BTreeMap<String, Outgoing> {
+        let window = Window::new(1 << 20);
+        let (sender, arrived) = channel();
+        let mut deal = Deal::new(vec![sender], &window);
+        module.visit(&mut CollectWalk::new(&mut deal, filter));
+        drop(deal);
+        arrived.into_iter().map(|o| (o.path.clone(), o)).collect()
+    }
+
+    /// Where a float tensor's Flex buffer lies.
+    fn buffer_of(tensor: Tensor<2>) -> usize {
+        let backend = <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(
+            tensor.into_dispatch(),
+        )
+        .expect("a Flex tensor");
+        let BackendTensor::Float(flex) = backend else {
+            panic!("a float tensor");
+        };
+        flex.bytes().as_ptr() as usize
+    }
+
+    /// A plain Flex parameter goes from its own buffer and holds no room; a view is read off
+    /// within the window; a parameter the filter leaves out is never touched, so a lazy one
+    /// stays uninitialized.
+    #[test]
+    fn a_walk_shares_plain_flex_parameters_and_leaves_filtered_ones_untouched() {
+        let device = Device::flex();
+        let module = layers(&device);
+        let dealt = walk(&module, None);
+        let paths: Vec<&str> = dealt.keys().map(String::as_str).collect();
+        assert_eq!(
+            paths,
+            [
+                "left.bias",
+                "left.weight",
+                "right.bias",
+                "right.weight",
+                "transposed"
+            ]
+        );
+        let weight = &dealt["left.weight"];
+        assert_eq!(weight.held, 0, "shared, no room held");
+        let data = weight.data.as_ref().expect("read");
+        assert_eq!(
+            data.as_bytes().as_ptr() as usize,
+            buffer_of(module.left.weight.val()),
+            "the parameter's own buffer"
+        );
+        let transposed = &dealt["transposed"];
+        assert_eq!(
+            transposed.held,
+            12 * 4,
+            "a view is a copy, within the window"
+        );
+        let want = module.transposed.val().into_data();
+        assert!(transposed.data.as_ref().expect("read").as_bytes() == want.as_bytes());
+
+        let lazy = layers(&device);
+        assert!(!lazy.right.weight.is_initialized());
+        let only_left = PathFilter::new().with_regex(r"^left\.");
+        let dealt = walk(&lazy, Some(&only_left));
+        let paths: Vec<&str> = dealt.keys().map(String::as_str).collect();
+        assert_eq!(paths, ["left.bias", "left.weight"]);
+        assert!(
+            !lazy.right.weight.is_initialized()
+                && !lazy.right.bias.as_ref().expect("bias").is_initialized(),
+            "a parameter the filter leaves out stays as it was"
+        );
+    }
+}
