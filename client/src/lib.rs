@@ -18,6 +18,6 @@ pub use ferry_io::{
     SharedMemory, TokenWithheld,
 };
 pub use ferry_proto::{
-    CapabilityToken, ContentHash, ErrorCode, IfExists, NodeId, TensorData, TensorInfo, TensorKey,
-    Token, Transfer, TransferPath,
+    CapabilityToken, ContentHash, DType, ErrorCode, IfExists, NodeId, TensorData, TensorInfo,
+    TensorKey, Token, Transfer, TransferPath,
 };

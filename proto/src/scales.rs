@@ -79,6 +79,24 @@ fn table(scheme: &QuantScheme) -> Option<&'static Canonical> {
     }))
 }
 
+/// How many bytes at a payload's end [`check_scales`] reads: the scales whose encodings it
+/// checks, and after them a two-level scheme's per-tensor scale (0 where nothing is checked).
+pub fn checked_tail_len(meta: &TensorMeta) -> Result<usize, MetaError> {
+    let DType::QFloat(scheme) = meta.dtype() else {
+        return Ok(0);
+    };
+    let Some(canonical) = table(&scheme) else {
+        return Ok(0);
+    };
+    let global = if global_scale_dtype(&scheme).is_some() {
+        4
+    } else {
+        0
+    };
+    let count = crate::meta::scale_count(meta.shape(), &scheme)?;
+    Ok(count.saturating_mul(canonical.width).saturating_add(global))
+}
+
 /// Checks that every block (or per-tensor) scale stored in `payload` is an encoding Burn gives
 /// back unchanged. `payload` has the length the meta declares. F32 scales (and the per-tensor
 /// scale of a two-level scheme, always F32) need no check: they round-trip bit for bit.

@@ -1,6 +1,6 @@
 //! `TensorData` to (meta, payload) and back, and the content hash of a tensor.
 
-use burn_std::{Bytes, TensorData};
+use burn_std::{Bytes, DType, TensorData};
 
 use crate::content_hash::ContentHash;
 use crate::dtype::dtype_name;
@@ -17,6 +17,48 @@ pub fn meta_of(data: &TensorData) -> Result<TensorMeta, MetaError> {
     )?;
     crate::scales::check_scales(&meta, data.as_bytes())?;
     Ok(meta)
+}
+
+/// The meta of a payload of `dtype` and `shape` that lies in `parts` (laid end to end: a
+/// quantized tensor's values and its scales, kept apart by the backend), checked as
+/// [`meta_of`] checks a whole one, without joining the values: only the bytes at the end that
+/// hold the scales it checks (none for F32 scales) are gathered.
+pub fn meta_of_parts(
+    shape: Vec<usize>,
+    dtype: DType,
+    parts: &[&[u8]],
+) -> Result<TensorMeta, MetaError> {
+    let Some(total) = parts
+        .iter()
+        .try_fold(0u64, |sum, p| sum.checked_add(p.len() as u64))
+    else {
+        return Err(MetaError::SizeOverflow {
+            dtype: dtype_name(&dtype),
+            shape,
+        });
+    };
+    let meta = TensorMeta::with_byte_len(shape, dtype, total)?;
+    let total = meta.byte_len();
+    let tail_len = crate::scales::checked_tail_len(&meta)?.min(total);
+    crate::scales::check_scales(&meta, &last_bytes(parts, tail_len))?;
+    Ok(meta)
+}
+
+/// The last `len` bytes of `parts` laid end to end (at most all of them), joined.
+fn last_bytes(parts: &[&[u8]], len: usize) -> Vec<u8> {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let mut skip = total.saturating_sub(len);
+    let mut tail = Vec::with_capacity(len.min(total));
+    for part in parts {
+        match part.get(skip..) {
+            Some(rest) => {
+                tail.extend_from_slice(rest);
+                skip = 0;
+            }
+            None => skip -= part.len(),
+        }
+    }
+    tail
 }
 
 /// Splits `data` into its checked meta and its payload, without copying the payload.
@@ -153,6 +195,44 @@ pub fn content_hash_prefix(meta: &TensorMeta) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A payload checked in parts, split anywhere (the scales across the split included), is
+    /// checked exactly as the whole: the same meta, or the same refusal.
+    #[test]
+    fn a_payload_in_parts_is_checked_as_the_whole_wherever_it_is_split() {
+        use burn_std::quantization::{QuantScheme, QuantStore, QuantValue, ScaleDtype};
+        let scheme = QuantScheme::default()
+            .with_value(QuantValue::Q8S)
+            .with_store(QuantStore::Native)
+            .per_block([16], ScaleDtype::BF16);
+        let dtype = DType::QFloat(scheme);
+        // A canonical BF16 scale (1.0), and a NaN code Burn would change.
+        for code in [0x3f80u16, 0x7f81] {
+            let mut payload = vec![1u8; 32];
+            payload.extend_from_slice(&code.to_le_bytes());
+            payload.extend_from_slice(&code.to_le_bytes());
+            let whole = TensorData::from_bytes_vec(payload.clone(), [2, 16], dtype);
+            let want = meta_of(&whole);
+            assert_eq!(want.is_ok(), code == 0x3f80, "code {code:#x}");
+            for first in 0..=payload.len() {
+                for second in first..=payload.len() {
+                    let parts = [
+                        &payload[..first],
+                        &payload[first..second],
+                        &payload[second..],
+                    ];
+                    let got = meta_of_parts(vec![2, 16], dtype, &parts);
+                    assert_eq!(got, want, "code {code:#x}, split at {first} and {second}");
+                }
+            }
+        }
+        // A length the shape does not have is refused as for a whole payload.
+        let short = [&[0u8; 10][..], &[0u8; 3][..]];
+        assert!(matches!(
+            meta_of_parts(vec![4], DType::F32, &short),
+            Err(MetaError::ByteLenMismatch { actual: 13, .. })
+        ));
+    }
 
     /// Hashed on every free core or on one, a payload hashes the same: BLAKE3's tree, not the
     /// threads, decides the hash (here after a prefix that is no multiple of its chunks).

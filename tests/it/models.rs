@@ -550,6 +550,41 @@ async fn a_model_copies_between_nodes_whole_or_not_at_all() {
         "nothing left on the refusing device: {left:?}"
     );
 
+    // A move onto its own place (one node through two connections, the same device and prefix)
+    // is refused before anything is held or written: the model stays the version it was.
+    let before = source.open_model(0, "net").await.unwrap();
+    source.close_model(&before).await.unwrap();
+    let mut again = a.client().await;
+    for replace in [false, true] {
+        match ModelCopy::new(a.addr.to_string(), 0, "net")
+            .replace(replace)
+            .transfer(Transfer::Move)
+            .run(&mut source, &mut again)
+            .await
+        {
+            Err(ClientError::ModelMoveOntoItself { device: 0, prefix }) => {
+                assert_eq!(prefix, "net")
+            }
+            other => panic!("a move onto itself: {other:?}"),
+        }
+    }
+    let after = source.open_model(0, "net").await.unwrap();
+    assert_eq!(after.version, before.version, "the model as it was");
+    source.close_model(&after).await.unwrap();
+    // On the same node to another prefix, a move goes: the model is there, and gone from here.
+    collect_over(&mut source, "spare", &tensors[..2], false).await;
+    let renamed = ModelCopy::new(a.addr.to_string(), 0, "spare")
+        .to(0, "renamed")
+        .transfer(Transfer::Move)
+        .run(&mut source, &mut again)
+        .await
+        .unwrap();
+    assert_eq!(
+        (renamed.prefix.as_str(), renamed.tensors.len()),
+        ("renamed", 2)
+    );
+    assert!(source.open_model(0, "spare").await.is_err(), "moved away");
+
     // A move: the source's model goes once the target committed.
     let moved = ModelCopy::new(a.addr.to_string(), 0, "net")
         .to(0, "moved")

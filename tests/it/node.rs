@@ -333,6 +333,58 @@ async fn burn_tensors_go_in_and_come_back_with_their_dtype_quantized_included() 
     node.shutdown().await;
 }
 
+/// A payload put from the slices it lies in (`Payload::from_parts`) arrives exactly as the
+/// same bytes put whole, for every quantized scheme split at each boundary a backend could
+/// keep (inside the values, at the scales, inside the scales); parts that are no tensor of
+/// their dtype and shape are refused with the checker's own error before anything is sent,
+/// and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_put_from_its_parts_arrives_as_the_whole() {
+    use ferry_client::{ClientError, Payload};
+    use ferry_proto::MetaError;
+    let node = start_with(&["flex"]).await;
+    let mut client = node.client().await;
+    for (label, scheme) in samples::schemes() {
+        let data = samples::quantized(&scheme, &[8, 64], 3);
+        let bytes = data.as_bytes();
+        let values = 8 * 64 * scheme.value.size_bits() / 8;
+        let splits: std::collections::BTreeSet<usize> = [1, values, bytes.len() - 1]
+            .into_iter()
+            .map(|split| split.min(bytes.len()))
+            .collect();
+        for split in splits {
+            let parts = vec![&bytes[..split], &bytes[split..]];
+            let key = TensorKey::new(0, format!("{label}@{split}"));
+            let payload =
+                Payload::from_parts(data.shape().as_slice().to_vec(), data.dtype(), parts);
+            client.put(&key, payload).await.unwrap();
+            assert_same(&client.get(&key).await.unwrap(), &data, &key.to_string());
+        }
+    }
+    let plain = samples::plain(DType::F32, &[4, 4], 5);
+    let short = vec![&plain.as_bytes()[..60]];
+    let refused = client
+        .put(
+            &TensorKey::new(0, "short"),
+            Payload::from_parts(vec![4, 4], DType::F32, short),
+        )
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(ClientError::Meta(MetaError::ByteLenMismatch {
+                actual: 60,
+                ..
+            }))
+        ),
+        "{refused:?}"
+    );
+    let key = TensorKey::new(0, "after");
+    client.put(&key, &plain).await.unwrap();
+    assert_same(&client.get(&key).await.unwrap(), &plain, "after a refusal");
+    node.shutdown().await;
+}
+
 /// `Node::wait_for` answers once a tensor is registered under its key, by whichever way it came
 /// (a put over TCP from racing clients, an insert in process), never before and never missed:
 /// waiters on every key start first, the arrivals race in a seeded random order, and each waiter

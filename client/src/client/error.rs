@@ -172,6 +172,20 @@ pub enum ClientError {
         /// Why.
         cause: Box<ClientError>,
     },
+    /// A move of a model onto its own place (the same node, device and prefix): there is
+    /// nothing to move, so it is refused before anything is held or written (it would otherwise
+    /// copy the model onto itself as a new version and then fail to delete the one it copied).
+    /// Two nodes are one when they answer with the same id.
+    #[error(
+        "model {prefix} on device {device} is already where the move would put it (the same node, \
+         device and prefix): nothing was done"
+    )]
+    ModelMoveOntoItself {
+        /// The model's device.
+        device: u32,
+        /// The model's prefix.
+        prefix: String,
+    },
     /// A move of a model between nodes committed it on the target, but the source's model
     /// changed meanwhile (a newer version was committed there), so it was not deleted: both
     /// remain.

@@ -56,7 +56,9 @@ impl ModelCopy {
     }
 
     /// Runs it: the target's new version's manifest. `source` and `target` are connections to
-    /// the two nodes.
+    /// the two nodes. A move to the same device and prefix on the node it comes from (the two
+    /// connections answer with one node id) is [`ClientError::ModelMoveOntoItself`], refused
+    /// before anything is held.
     pub async fn run(
         &self,
         source: &mut Client,
@@ -64,6 +66,17 @@ impl ModelCopy {
     ) -> Result<ModelManifest, ClientError> {
         let (src_device, src_prefix) = (self.src.0, self.src.1.as_str());
         let (dst_device, dst_prefix) = (self.dst.0, self.dst.1.as_str());
+        // Only a move to the same device and prefix can land where it came from: ask whether
+        // the two connections reach one node (a round trip each) only then.
+        if self.transfer == Transfer::Move
+            && self.src == self.dst
+            && source.identify().await? == target.identify().await?
+        {
+            return Err(ClientError::ModelMoveOntoItself {
+                device: src_device,
+                prefix: src_prefix.to_string(),
+            });
+        }
         let held = source.open_model(src_device, src_prefix).await?;
         let copied = self
             .copy(&held, source, target, dst_device, dst_prefix)

@@ -17,7 +17,7 @@
 
 use std::pin::Pin;
 
-use ferry_proto::{IfExists, Request, TensorData, TensorInfo, TensorKey};
+use ferry_proto::{DType, IfExists, Request, TensorData, TensorInfo, TensorKey, TensorMeta};
 
 use super::{Client, ClientError, ready, stored};
 
@@ -37,21 +37,56 @@ impl<'k> From<&'k TensorKey> for PutTo<'k> {
     }
 }
 
-/// What [`Client::put`] uploads: a `&TensorData` (sent from where it lies, never copied), or a
+/// What [`Client::put`] uploads: a `&TensorData` (sent from where it lies, never copied), a
 /// Burn `Tensor` of any kind and dtype (quantized ones keep their scheme and scales), read into
-/// host memory when the put is made.
+/// host memory when the put is made, or bytes that lie in several slices
+/// ([`Payload::from_parts`]).
 #[derive(Debug)]
 pub struct Payload<'d>(PayloadData<'d>);
 
-/// A payload's bytes, or why a Burn tensor gave none.
-#[derive(Debug)]
+/// A payload's bytes, or why there are none to send.
 enum PayloadData<'d> {
     /// The caller's.
     Borrowed(&'d TensorData),
     /// Read off a Burn tensor.
     Owned(TensorData),
-    /// A Burn tensor that could not be read.
+    /// The caller's, in slices sent end to end, with their checked meta.
+    Parts {
+        meta: TensorMeta,
+        parts: Vec<&'d [u8]>,
+    },
+    /// A Burn tensor that could not be read, or parts that are no tensor of their meta.
     Unreadable(ClientError),
+}
+
+impl std::fmt::Debug for PayloadData<'_> {
+    // Lengths, not bytes: a payload's Debug is no dump of a model.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PayloadData::Borrowed(data) => f.debug_tuple("Borrowed").field(data).finish(),
+            PayloadData::Owned(data) => f.debug_tuple("Owned").field(data).finish(),
+            PayloadData::Parts { meta, parts } => f
+                .debug_struct("Parts")
+                .field("meta", meta)
+                .field("lens", &parts.iter().map(|p| p.len()).collect::<Vec<_>>())
+                .finish(),
+            PayloadData::Unreadable(e) => f.debug_tuple("Unreadable").field(e).finish(),
+        }
+    }
+}
+
+impl<'d> Payload<'d> {
+    /// A tensor of `dtype` and `shape` whose bytes lie in `parts`, laid end to end (a quantized
+    /// tensor's values and its scales, as a backend keeps them apart): sent from where they
+    /// lie, never joined. Checked as a `TensorData` of theirs would be (the byte-length rule,
+    /// the scales' encodings) before anything is sent; a put of parts that fail it is refused
+    /// with that error.
+    pub fn from_parts(shape: Vec<usize>, dtype: DType, parts: Vec<&'d [u8]>) -> Self {
+        match ferry_proto::tensor::meta_of_parts(shape, dtype, &parts) {
+            Ok(meta) => Payload(PayloadData::Parts { meta, parts }),
+            Err(e) => Payload(PayloadData::Unreadable(e.into())),
+        }
+    }
 }
 
 impl<'d> From<&'d TensorData> for Payload<'d> {
@@ -70,7 +105,8 @@ impl<const D: usize, K: burn_tensor::kind::Basic> From<burn_tensor::Tensor<D, K>
 }
 
 impl Client {
-    /// Starts an upload of `data` (a `&TensorData` or a Burn `Tensor`, see [`Payload`]) to `to`
+    /// Starts an upload of `data` (a `&TensorData`, a Burn `Tensor`, or
+    /// [`Payload::from_parts`]) to `to`
     /// (a `&TensorKey`, or [`PutTo::Device`] for a name the node chooses): refused if the key is
     /// taken unless [`if_exists`](Put::if_exists) says otherwise. Answered, once awaited, when the
     /// node registered the tensor.
@@ -110,16 +146,17 @@ impl Client {
         }
     }
 
-    /// One upload: request, `Ready`, payload, `Stored`.
+    /// One upload of a payload of `meta` (checked, as every caller checks it before anything is
+    /// sent: a tensor that cannot go leaves the connection as is) lying in `parts`: request,
+    /// `Ready`, payload, `Stored`.
     async fn upload(
         &mut self,
         device: u32,
         name: Option<&str>,
-        data: &TensorData,
+        meta: &TensorMeta,
+        parts: &[&[u8]],
         if_exists: IfExists,
     ) -> Result<TensorInfo, ClientError> {
-        // Checked before anything is sent: a tensor that cannot go leaves the connection as is.
-        let meta = ferry_proto::tensor::meta_of(data)?;
         let request = Request::Put {
             device,
             name: name.map(str::to_string),
@@ -132,7 +169,7 @@ impl Client {
         if let Err(refused) = step.answer(ready).await {
             return Err(step.fail(refused).into());
         }
-        step.send_payload(data.as_bytes()).await?;
+        step.send_payload_parts(parts).await?;
         let answer = step.answer(stored).await;
         Ok(step.finish_if_answered(answer)?)
     }
@@ -160,26 +197,27 @@ impl Put<'_> {
     /// Sends the upload.
     async fn send(self) -> Result<TensorInfo, ClientError> {
         let owned;
-        let data = match self.payload.0 {
-            PayloadData::Borrowed(data) => data,
+        let (meta, parts) = match self.payload.0 {
+            PayloadData::Borrowed(data) => {
+                (ferry_proto::tensor::meta_of(data)?, vec![data.as_bytes()])
+            }
             PayloadData::Owned(data) => {
                 owned = data;
-                &owned
+                (
+                    ferry_proto::tensor::meta_of(&owned)?,
+                    vec![owned.as_bytes()],
+                )
             }
+            PayloadData::Parts { meta, parts } => (meta, parts),
             PayloadData::Unreadable(e) => return Err(e),
         };
-        match self.to {
-            PutTo::Key(key) => {
-                self.client
-                    .upload(key.device, Some(&key.name), data, self.if_exists)
-                    .await
-            }
-            PutTo::Device(device) => {
-                self.client
-                    .upload(device, None, data, IfExists::Refuse)
-                    .await
-            }
-        }
+        let (device, name, if_exists) = match self.to {
+            PutTo::Key(key) => (key.device, Some(key.name.as_str()), self.if_exists),
+            PutTo::Device(device) => (device, None, IfExists::Refuse),
+        };
+        self.client
+            .upload(device, name, &meta, &parts, if_exists)
+            .await
     }
 }
 

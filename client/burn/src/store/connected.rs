@@ -1,6 +1,6 @@
 //! [`Connected`]: a store's node reached over a connection (or several: lanes). A collect
 //! walks the module on the caller's thread and sends its parameters on one thread per
-//! connection (`outgoing.rs`: a Flex parameter's buffer as it lies, others read off within a
+//! connection (`outgoing.rs`: a Flex parameter's buffers as they lie, others read off within a
 //! bounded window of host copies).
 
 use std::collections::HashMap;
@@ -254,7 +254,7 @@ impl Link for Connected {
                     return;
                 }
                 let put = data.and_then(|data| {
-                    client.put(&sending.key(&path)?, &data).wait()?;
+                    client.put(&sending.key(&path)?, data.payload()).wait()?;
                     Ok(())
                 });
                 window.give(held);
@@ -284,7 +284,7 @@ impl Link for Connected {
                         }
                     }
                 }
-                // A Flex parameter's buffer goes as it lies, shared, instead of the copy
+                // A Flex parameter's buffers go as they lie, shared, instead of the copy
                 // burn-store's collect makes of a tensor the module still holds.
                 None => module.visit(&mut CollectWalk::new(&mut deal, sending.filter)),
             }

@@ -61,8 +61,8 @@ use prefetch::Prefetch;
 use restore::Before;
 
 /// The most bytes of host copies a collect over a connection keeps in flight by default (read
-/// off the device, not yet sent; a plain Flex parameter is sent from its own buffer and takes
-/// none); one larger tensor is let through alone.
+/// off the device, not yet sent; a Flex parameter is sent from its own buffers, only a
+/// quantized one's scale bytes encoded for the send); one larger tensor is let through alone.
 pub const DEFAULT_WINDOW: u64 = 32 << 20;
 
 /// What an apply does where the module has a parameter the node does not hold.
@@ -103,8 +103,9 @@ pub enum Missing {
 /// found for its `gamma`/`beta`) and [`with_to_adapter`](Self::with_to_adapter). An apply
 /// through an adapter, from either end, is burn-store's own `Applier`'s: each tensor is built
 /// from its data on the parameter's device (not handed over, even from an embedded node), and
-/// checked, as the adapter made it, against what that device holds before a byte is fetched. Not supported: enum-variant skipping (both
-/// ends are Burn modules, which name variants alike).
+/// checked, as the adapter made it, against what that device holds before a byte is fetched.
+/// Not supported: enum-variant skipping (both ends are Burn modules, which name variants
+/// alike).
 ///
 /// A panic in a parameter's own `ParamMapper` during an apply through burn-store's `Applier`
 /// (over a connection, or through an adapter) aborts the process, as it does with burn-store's
@@ -267,10 +268,11 @@ impl<L: Link> FerryStore<L> {
     }
 
     /// The most bytes of host copies a collect over a connection keeps in flight (default
-    /// [`DEFAULT_WINDOW`]): of quantized parameters, views, parameters of another backend than
-    /// Flex, or every parameter through a `to_adapter`; a plain Flex parameter goes from its own
-    /// buffer and takes none. With lanes, this times the connections, shared between them. An
-    /// apply over a connection fetches tensors ahead of burn-store's Applier, in the order it
+    /// [`DEFAULT_WINDOW`]): of views, packed or two-level quantized parameters, parameters of
+    /// another backend than Flex, or every parameter through a `to_adapter`; any other Flex
+    /// parameter goes from its own buffers, and holds room only for a quantized one's scale
+    /// bytes, encoded for the send. With lanes, this times the connections, shared between
+    /// them. An apply over a connection fetches tensors ahead of burn-store's Applier, in the order it
     /// applies them and in pipelined batches, up to this many bytes arrived and not yet applied.
     pub fn window(mut self, bytes: u64) -> Self {
         self.window = bytes;

@@ -1,7 +1,8 @@
-//! A collect's parameters on their way to the connections that send them (`Deal`): each
-//! found by `CollectWalk` or burn-store's collect, read off its device (a Flex parameter's buffer shared as it lies, anything else copied to the host as
-//! burn-store reads it, within a window of host copies) and dealt to connection `i % n` in
-//! the order the module is walked.
+//! A collect's parameters on their way to the connections that send them (`Deal`): each found
+//! by `CollectWalk` or burn-store's collect, read off its device (a Flex parameter's buffers
+//! shared as Flex keeps them, quantized ones included, sent end to end without joining them;
+//! anything else copied to the host as burn-store reads it, within a window of host copies)
+//! and dealt to connection `i % n` in the order the module is walked.
 
 use std::sync::mpsc::Sender;
 
@@ -9,18 +10,45 @@ use burn_core::tensor::kind::Basic;
 use burn_core::tensor::{Tensor, TensorData};
 use burn_pack::Tensor as PackTensor;
 use burn_store::bridge;
+use ferry_backend::SharedPayload;
+use ferry_client::Payload;
 
 use crate::StoreError;
 use crate::shared_data::shared_param;
 use crate::store::collect_walk::TakeParam;
 use crate::store::window::Window;
 
-/// A parameter on its way to a sender: its path, its data as read off its device, and the
-/// bytes of host copy it holds of the window (none for a buffer shared as it lies).
+/// A parameter on its way to a sender: its path, its bytes as read off its device, and the
+/// bytes of host copy it holds of the window (a copy's, or the scale bytes encoded beside a
+/// quantized tensor's shared values; none for a plain buffer shared as it lies).
 pub(crate) struct Outgoing {
     pub(crate) path: String,
-    pub(crate) data: Result<TensorData, StoreError>,
+    pub(crate) data: Result<Outbound, StoreError>,
     pub(crate) held: u64,
+}
+
+/// A parameter's bytes: Flex's own buffers, shared, or a host copy.
+pub(crate) enum Outbound {
+    /// Where Flex keeps them (the values' buffer, then any scale bytes `into_data` appends).
+    Shared(SharedPayload),
+    /// Read off as burn-store reads it.
+    Copy(TensorData),
+}
+
+impl Outbound {
+    /// What a put sends: the shared buffers end to end, never joined, or the copy.
+    pub(crate) fn payload(&self) -> Payload<'_> {
+        match self {
+            Outbound::Shared(shared) => {
+                let parts = [&shared.values[..], &shared.tail[..]]
+                    .into_iter()
+                    .filter(|part| !part.is_empty())
+                    .collect();
+                Payload::from_parts(shared.shape.clone(), shared.dtype, parts)
+            }
+            Outbound::Copy(data) => Payload::from(data),
+        }
+    }
 }
 
 /// Deals parameters to the senders' channels in turn. Stops for good once a sender has gone
@@ -49,7 +77,7 @@ impl<'a> Deal<'a> {
         &mut self,
         path: String,
         held: u64,
-        read: impl FnOnce() -> Result<TensorData, StoreError>,
+        read: impl FnOnce() -> Result<Outbound, StoreError>,
     ) -> bool {
         let room = match held {
             0 => !self.window.is_closed(),
@@ -83,14 +111,16 @@ impl<'a> Deal<'a> {
 }
 
 /// `tensor`'s bytes as burn-store reads them: its provider run (a copy off the device).
-fn read_off(path: String, tensor: PackTensor) -> Result<TensorData, StoreError> {
-    bridge::into_data(tensor).map_err(|e| StoreError::ReadBack {
-        path,
-        message: e.to_string(),
-    })
+fn read_off(path: String, tensor: PackTensor) -> Result<Outbound, StoreError> {
+    bridge::into_data(tensor)
+        .map(Outbound::Copy)
+        .map_err(|e| StoreError::ReadBack {
+            path,
+            message: e.to_string(),
+        })
 }
 
-/// Deals what a collect's walk finds: a Flex parameter's buffer shared, anything else read off
+/// Deals what a collect's walk finds: a Flex parameter's buffers shared, anything else read off
 /// as burn-store reads it.
 impl TakeParam for &mut Deal<'_> {
     fn stopped(&self) -> bool {
@@ -99,8 +129,12 @@ impl TakeParam for &mut Deal<'_> {
 
     fn take<const D: usize, K: Basic + 'static>(&mut self, path: String, tensor: &Tensor<D, K>) {
         match shared_param(tensor) {
-            // The module holds the buffer throughout the collect: no window room to take.
-            Some(data) => self.offer(path, 0, || Ok(data)),
+            // The module holds the values' buffer throughout the collect: only the scale bytes
+            // made for the send (none for a plain tensor) hold window room.
+            Some(shared) => {
+                let held = shared.tail.len() as u64;
+                self.offer(path, held, || Ok(Outbound::Shared(shared)))
+            }
             None => self.offer_read_off(bridge::from_tensor(tensor, path, None)),
         };
     }
@@ -113,13 +147,14 @@ mod tests {
 
     use burn_core as burn;
     use burn_core::module::{Module, Param, ParamId};
+    use burn_core::tensor::quantization::{QuantScheme, QuantStore, QuantValue, ScaleDtype};
     use burn_core::tensor::{Device, Tensor, TensorData};
     use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
     use burn_flex::Flex;
     use burn_nn::{Linear, LinearConfig};
     use burn_store::PathFilter;
 
-    use super::{Deal, Outgoing};
+    use super::{Deal, Outbound, Outgoing};
     use crate::store::collect_walk::CollectWalk;
     use crate::store::window::Window;
 
@@ -128,6 +163,7 @@ mod tests {
         left: Linear,
         right: Linear,
         transposed: Param<Tensor<2>>,
+        quantized: Param<Tensor<2>>,
     }
 
     fn layers(device: &Device) -> Layers {
@@ -137,7 +173,16 @@ mod tests {
             right: LinearConfig::new(4, 3).init(device),
             transposed: Param::initialized(
                 ParamId::new(),
-                Tensor::from_data(values, device).transpose(),
+                Tensor::from_data(values.clone(), device).transpose(),
+            ),
+            quantized: Param::initialized(
+                ParamId::new(),
+                Tensor::from_data(values, device).quantize_dynamic(
+                    &QuantScheme::default()
+                        .with_value(QuantValue::Q8S)
+                        .with_store(QuantStore::Native)
+                        .per_block([2], ScaleDtype::F32),
+                ),
             ),
         }
     }
@@ -164,8 +209,8 @@ mod tests {
         flex.bytes().as_ptr() as usize
     }
 
-    /// A plain Flex parameter goes from its own buffer and holds no room; a view is read off
-    /// within the window; a parameter the filter leaves out is never touched, so a lazy one
+    /// A plain Flex parameter goes from its own buffer and holds no room, a quantized one holds
+    /// room for its scale bytes only; a view is read off within the window; a parameter the filter leaves out is never touched, so a lazy one
     /// stays uninitialized.
     #[test]
     fn a_walk_shares_plain_flex_parameters_and_leaves_filtered_ones_untouched() {
@@ -178,6 +223,7 @@ mod tests {
             [
                 "left.bias",
                 "left.weight",
+                "quantized",
                 "right.bias",
                 "right.weight",
                 "transposed"
@@ -185,20 +231,32 @@ mod tests {
         );
         let weight = &dealt["left.weight"];
         assert_eq!(weight.held, 0, "shared, no room held");
-        let data = weight.data.as_ref().expect("read");
+        let Ok(Outbound::Shared(shared)) = &weight.data else {
+            panic!("a plain Flex parameter is shared");
+        };
         assert_eq!(
-            data.as_bytes().as_ptr() as usize,
+            shared.values.as_ptr() as usize,
             buffer_of(module.left.weight.val()),
             "the parameter's own buffer"
         );
+        // A quantized parameter's values are shared; its scale bytes, encoded for the send,
+        // hold their room.
+        let quantized = &dealt["quantized"];
+        let Ok(Outbound::Shared(shared)) = &quantized.data else {
+            panic!("a Q8S parameter is shared");
+        };
+        assert!(!shared.tail.is_empty());
+        assert_eq!(quantized.held, shared.tail.len() as u64);
         let transposed = &dealt["transposed"];
         assert_eq!(
             transposed.held,
             12 * 4,
             "a view is a copy, within the window"
         );
-        let want = module.transposed.val().into_data();
-        assert!(transposed.data.as_ref().expect("read").as_bytes() == want.as_bytes());
+        let Ok(Outbound::Copy(copy)) = &transposed.data else {
+            panic!("a view is read off");
+        };
+        assert!(copy.as_bytes() == module.transposed.val().into_data().as_bytes());
 
         let lazy = layers(&device);
         assert!(!lazy.right.weight.is_initialized());

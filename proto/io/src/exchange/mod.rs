@@ -169,8 +169,17 @@ impl Step<'_> {
 
     /// Writes a payload (after a request that announced it).
     pub async fn send_payload(&mut self, payload: &[u8]) -> Result<PayloadRoute, ExchangeError> {
+        self.send_payload_parts(&[payload]).await
+    }
+
+    /// Writes a payload that lies in several slices, end to end, without joining them (after a
+    /// request that announced it).
+    pub async fn send_payload_parts(
+        &mut self,
+        parts: &[&[u8]],
+    ) -> Result<PayloadRoute, ExchangeError> {
         self.used = true;
-        Ok(self.exchange.conn.write_payload(payload).await?)
+        Ok(self.exchange.conn.write_payload_parts(parts, 0).await?)
     }
 
     /// Reads chunk frames the node announced into `sink` until it is complete.
