@@ -1,9 +1,13 @@
 //! A file mapped whole ([`MappedFile`]), its tensors taken as `Bytes` without a copy: read from a
-//! private mapping whose pages a thread of their own faults in ahead of the sender, or written
-//! through a shared one.
+//! private mapping whose pages the process's populate threads fault in ahead of the sender, or
+//! written through a shared one.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
+#[cfg(target_os = "linux")]
+use std::sync::mpsc::{Receiver, Sender};
+#[cfg(target_os = "linux")]
+use std::sync::{Mutex, OnceLock, PoisonError, Weak};
 
 use burn_std::Bytes;
 use memmap2::MmapMut;
@@ -43,8 +47,8 @@ unsafe impl Send for FileMap {}
 unsafe impl Sync for FileMap {}
 
 impl MappedFile {
-    /// Maps `file` whole, private, its pages faulted in for reading from its start on by a
-    /// thread of their own (`populate_ahead`), while the caller goes on: cheap for pages in
+    /// Maps `file` whole, private, its pages faulted in for reading from its start on by one of
+    /// the process's populate threads (`populate_ahead`), while the caller goes on: cheap for pages in
     /// the page cache (no copy, no zeroing; a page is copied only if written), yet 2.3 GiB of
     /// them cost a core about 0.4 s of page-table work, which the send of the first tensors
     /// now overlaps instead of waiting for.
@@ -120,44 +124,90 @@ impl MappedFile {
 /// soon after the mapping goes, large enough that its calls cost nothing beside the faults.
 const POPULATE_STEP: usize = 16 << 20;
 
-/// Faults `map`'s pages in for reading, in file order (the order a put sends them), on a thread
-/// of its own that holds the mapping only for one step at a time: it stops once the
-/// [`MappedFile`] and every range taken from it are gone, or at an error (a file truncated
-/// meanwhile: `MADV_POPULATE_READ` fails rather than raising SIGBUS; a kernel before 5.14, which
-/// does not know the advice). Advice only: a page not yet faulted in when it is read
-/// faults then (the fault-around of a first read, 64 KiB at a time); where the thread cannot
-/// start, every page does. (No `MAP_POPULATE`: on a writable private mapping it faults for
-/// writing, which copies every page.)
+/// How many threads of the process fault mappings in at once: a program that maps many files
+/// (a checkpoint's shards) gets this many, each file taken in the order mapped, rather than a
+/// thread per file reading them all at once.
+const POPULATE_THREADS: usize = 2;
+
+/// Queues `map` to have its pages faulted in for reading, in file order (the order a put sends
+/// them), by the first of the process's populate threads that is free, which holds the mapping
+/// only for one step at a time: it goes on to the next mapping once the [`MappedFile`] and
+/// every range taken from it are gone, or at an error (a file truncated meanwhile:
+/// `MADV_POPULATE_READ` fails rather than raising SIGBUS; a kernel before 5.14, which does not
+/// know the advice). Advice only: a page not yet faulted in when it is read faults then (the
+/// fault-around of a first read, 64 KiB at a time); where no thread could start, every page
+/// does. (No `MAP_POPULATE`: on a writable private mapping it faults for writing, which copies
+/// every page.)
 fn populate_ahead(map: &Arc<FileMap>) {
     #[cfg(target_os = "linux")]
     {
-        let len = map.map.len();
-        if len == 0 {
+        static QUEUE: OnceLock<Option<Sender<Weak<FileMap>>>> = OnceLock::new();
+        if map.map.is_empty() {
             return;
         }
-        let weak = Arc::downgrade(map);
-        let _ = std::thread::Builder::new()
-            .name("ferry-populate".into())
-            .spawn(move || {
-                let mut offset = 0;
-                while offset < len {
-                    let Some(map) = weak.upgrade() else {
-                        return;
-                    };
-                    let step = POPULATE_STEP.min(len - offset);
-                    if map
-                        .map
-                        .advise_range(memmap2::Advice::PopulateRead, offset, step)
-                        .is_err()
-                    {
-                        return;
-                    }
-                    offset += step;
-                }
-            });
+        if let Some(queue) = QUEUE.get_or_init(start_populate_threads) {
+            let _ = queue.send(Arc::downgrade(map));
+        }
     }
     #[cfg(not(target_os = "linux"))]
     let _ = map;
+}
+
+/// The process's populate threads, taking mappings from one queue; `None` where none could
+/// start. They live as long as the process, idle between mappings.
+#[cfg(target_os = "linux")]
+fn start_populate_threads() -> Option<Sender<Weak<FileMap>>> {
+    let (queue, mappings) = std::sync::mpsc::channel::<Weak<FileMap>>();
+    let mappings = Arc::new(Mutex::new(mappings));
+    let started = (0..POPULATE_THREADS)
+        .filter(|_| {
+            let mappings = mappings.clone();
+            std::thread::Builder::new()
+                .name("ferry-populate".into())
+                .spawn(move || populate_in_turn(&mappings))
+                .is_ok()
+        })
+        .count();
+    (started > 0).then_some(queue)
+}
+
+/// Faults in each mapping queued, one after another.
+#[cfg(target_os = "linux")]
+fn populate_in_turn(mappings: &Mutex<Receiver<Weak<FileMap>>>) {
+    loop {
+        // The lock is held only to take the next mapping, not while faulting it in.
+        let next = mappings
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .recv();
+        match next {
+            Ok(map) => populate(&map),
+            Err(_) => return,
+        }
+    }
+}
+
+/// Faults `map`'s pages in, a step at a time, while it lives.
+#[cfg(target_os = "linux")]
+fn populate(map: &Weak<FileMap>) {
+    let Some(len) = map.upgrade().map(|m| m.map.len()) else {
+        return;
+    };
+    let mut offset = 0;
+    while offset < len {
+        let Some(map) = map.upgrade() else {
+            return;
+        };
+        let step = POPULATE_STEP.min(len - offset);
+        if map
+            .map
+            .advise_range(memmap2::Advice::PopulateRead, offset, step)
+            .is_err()
+        {
+            return;
+        }
+        offset += step;
+    }
 }
 
 impl RangeOwner for Arc<FileMap> {
@@ -169,6 +219,39 @@ impl RangeOwner for Arc<FileMap> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// However many files are mapped, and however large, at most `POPULATE_THREADS` threads of
+    /// the process fault them in, and every file reads back exactly.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn many_files_mapped_at_once_share_the_processs_few_populate_threads() {
+        use std::io::Write;
+        let files: Vec<_> = (0..8u8)
+            .map(|i| {
+                let mut file = tempfile::NamedTempFile::new().unwrap();
+                file.write_all(&vec![i; 8 << 20]).unwrap();
+                file
+            })
+            .collect();
+        let mapped: Vec<MappedFile> = files
+            .iter()
+            .map(|f| MappedFile::map(f.as_file()).unwrap())
+            .collect();
+        let populating = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+            .filter(|name| name.trim() == "ferry-populate")
+            .count();
+        assert!(
+            (1..=POPULATE_THREADS).contains(&populating),
+            "{populating} populate threads"
+        );
+        for (i, mut mapped) in mapped.into_iter().enumerate() {
+            let len = mapped.len();
+            let all = mapped.take(0, len).unwrap();
+            assert!(all.iter().all(|&b| usize::from(b) == i), "file {i}");
+        }
+    }
 
     #[test]
     fn ranges_of_a_mapped_file_are_taken_in_order_once_and_stay_private() {
