@@ -79,11 +79,15 @@ impl<'a> Deal<'a> {
         held: u64,
         read: impl FnOnce() -> Result<Outbound, StoreError>,
     ) -> bool {
+        if self.stopped || self.senders.is_empty() {
+            self.stopped = true;
+            return false;
+        }
         let room = match held {
             0 => !self.window.is_closed(),
             _ => self.window.take(held),
         };
-        if self.stopped || self.senders.is_empty() || !room {
+        if !room {
             self.stopped = true;
             return false;
         }
