@@ -12,6 +12,7 @@ pub use blocking::{Answer, BlockingClient, Wait};
 pub use client::{
     Client, ClientError, Connect, ConnectOptions, HeldProbe, InterruptedCopy, IssuedCapability,
     Lane, ModelCopy, NodeCopy, Payload, Put, PutBatch, PutBatchInLanes, PutTo, RelayTarget,
+    TensorParts, Upload,
 };
 pub use ferry_io::{
     ClearTokens, ClientTls, ConnectionError, ConnectionLimits, Endpoint, LocalServer, PeerCheck,

@@ -333,14 +333,14 @@ async fn burn_tensors_go_in_and_come_back_with_their_dtype_quantized_included() 
     node.shutdown().await;
 }
 
-/// A payload put from the slices it lies in (`Payload::from_parts`) arrives exactly as the
-/// same bytes put whole, for every quantized scheme split at each boundary a backend could
+/// A payload put from the slices it lies in (`Payload::from_parts`, and `TensorParts` in a
+/// batch) arrives exactly as the same bytes put whole, for every quantized scheme split at each boundary a backend could
 /// keep (inside the values, at the scales, inside the scales); parts that are no tensor of
 /// their dtype and shape are refused with the checker's own error before anything is sent,
 /// and the connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_payload_put_from_its_parts_arrives_as_the_whole() {
-    use ferry_client::{ClientError, Payload};
+    use ferry_client::{ClientError, Payload, TensorParts};
     use ferry_proto::MetaError;
     let node = start_with(&["flex"]).await;
     let mut client = node.client().await;
@@ -382,6 +382,40 @@ async fn a_payload_put_from_its_parts_arrives_as_the_whole() {
     let key = TensorKey::new(0, "after");
     client.put(&key, &plain).await.unwrap();
     assert_same(&client.get(&key).await.unwrap(), &plain, "after a refusal");
+
+    // The same in one pipelined batch: each tensor from its parts, one that is no tensor of
+    // its meta answered with the checker's error, the others stored.
+    let quantized = samples::quantized(&samples::schemes()[3].1, &[8, 64], 9);
+    let (q, p) = (quantized.as_bytes(), plain.as_bytes());
+    let batch = vec![
+        (
+            TensorKey::new(0, "batch/q"),
+            TensorParts::new(vec![8, 64], quantized.dtype(), vec![&q[..100], &q[100..]]),
+        ),
+        (
+            TensorKey::new(0, "batch/short"),
+            TensorParts::new(vec![4, 4], DType::F32, vec![&p[..60]]),
+        ),
+        (
+            TensorKey::new(0, "batch/plain"),
+            TensorParts::new(vec![4, 4], DType::F32, vec![&p[..16], &p[16..]]),
+        ),
+    ];
+    let answers = client.put_batch(&batch).await.unwrap();
+    assert!(answers[0].is_ok() && answers[2].is_ok(), "{answers:?}");
+    assert!(
+        matches!(
+            &answers[1],
+            Err(ClientError::Meta(MetaError::ByteLenMismatch { .. }))
+        ),
+        "{:?}",
+        answers[1]
+    );
+    for (name, want) in [("batch/q", &quantized), ("batch/plain", &plain)] {
+        let key = TensorKey::new(0, name);
+        assert_same(&client.get(&key).await.unwrap(), want, name);
+    }
+    assert!(client.get(&TensorKey::new(0, "batch/short")).await.is_err());
     node.shutdown().await;
 }
 

@@ -193,6 +193,31 @@ fn a_collect_sends_every_kind_of_parameter_as_burn_store_reads_it() {
     assert_same_params(&params(&received), &sent_params);
 }
 
+/// A tensor the node refuses in the middle of a batch (an F16 parameter for an NdArray device,
+/// which holds no F16) fails the collect with that refusal, whatever went before and after it
+/// in the batch, and leaves nothing: no model, no tensor on the device.
+#[test]
+fn a_tensor_refused_mid_batch_fails_the_collect_and_leaves_nothing() {
+    let config = NodeConfig {
+        devices: vec![DeviceSpec::Flex, DeviceSpec::NdArray],
+        ..NodeConfig::light()
+    };
+    let node = BackgroundNode::start(config, ServiceConfig::default(), None);
+    let sent = Mixed::new(&Device::flex(), 2.0);
+    let error = FerryStore::connected(client(&node.addr), 1, "mixed")
+        .collect_from(&sent)
+        .unwrap_err();
+    let message = error.to_string();
+    assert!(
+        matches!(error, StoreError::NotCollected { .. }) && message.contains("F16"),
+        "{message}"
+    );
+    let mut admin = client(&node.addr);
+    assert!(admin.open_model(1, "mixed").wait().is_err(), "no model");
+    let left = admin.list(Some(1)).wait().unwrap();
+    assert!(left.is_empty(), "nothing left on the device: {left:?}");
+}
+
 /// Two layers of one shape, for renaming one into the other.
 #[derive(Module, Debug)]
 struct Pair {

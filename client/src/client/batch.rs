@@ -5,6 +5,7 @@ use burn_std::Bytes;
 use ferry_io::{ExchangeError, Step};
 use ferry_proto::{IfExists, Request, TensorData, TensorInfo, TensorKey, TensorMeta};
 
+use super::put::Upload;
 use super::{Client, ClientError, read_tensor_payload, ready, stored, tensor_follows};
 
 /// How many downloads a batch keeps outstanding at once.
@@ -37,14 +38,14 @@ impl Client {
     /// starts while the node registers the previous one. One answer per tensor, in order; a
     /// refused tensor does not stop the others. `Err` only when the connection fails. What a
     /// [`PutBatch`](super::PutBatch) runs ([`Client::put_batch`]).
-    pub(super) async fn put_batch_over_one(
+    pub(super) async fn put_batch_over_one<T: Upload>(
         &mut self,
-        tensors: &[(TensorKey, TensorData)],
+        tensors: &[(TensorKey, T)],
         if_exists: IfExists,
     ) -> Result<Vec<Result<TensorInfo, ClientError>>, ClientError> {
         let mut results: Vec<Option<Result<TensorInfo, ClientError>>> =
             (0..tensors.len()).map(|_| None).collect();
-        let tensors: Vec<&(TensorKey, TensorData)> = tensors.iter().collect();
+        let tensors: Vec<&(TensorKey, T)> = tensors.iter().collect();
         self.put_batch_into(&tensors, if_exists, &mut results)
             .await
             .map_err(|broken| broken.cause)?;
@@ -58,9 +59,9 @@ impl Client {
     /// slot per tensor) as it comes: where the connection fails, the answers before the failure are kept, the
     /// slots still `None` are the tensors the node did not answer for, and [`PutBroken`] says
     /// which one of them (at most) may have been stored all the same.
-    pub(super) async fn put_batch_into(
+    pub(super) async fn put_batch_into<T: Upload>(
         &mut self,
-        tensors: &[&(TensorKey, TensorData)],
+        tensors: &[&(TensorKey, T)],
         if_exists: IfExists,
         results: &mut [Option<Result<TensorInfo, ClientError>>],
     ) -> Result<(), PutBroken> {
@@ -71,10 +72,10 @@ impl Client {
         // the one tensor a failure leaves in doubt.
         let mut owed: Option<usize> = None;
         for (i, (key, data)) in tensors.iter().enumerate() {
-            let meta = match ferry_proto::tensor::meta_of(data) {
-                Ok(meta) => meta,
+            let (meta, parts) = match data.checked() {
+                Ok(checked) => checked,
                 Err(e) => {
-                    results[i] = Some(Err(e.into()));
+                    results[i] = Some(Err(e));
                     continue;
                 }
             };
@@ -95,7 +96,7 @@ impl Client {
             match per_tensor(step.answer(ready).await).map_err(|e| broken(e, None))? {
                 Ok(()) => {
                     // A payload cut part way is not stored; one whose last byte left may be.
-                    step.send_payload(data.as_bytes())
+                    step.send_payload_parts(&parts)
                         .await
                         .map_err(|e| broken(e.into(), Some(i)))?;
                     owed = Some(i);

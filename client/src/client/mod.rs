@@ -25,7 +25,7 @@ pub use error::{ClientError, InterruptedCopy};
 pub use lanes::Lane;
 pub use model_copy::ModelCopy;
 pub use node_copy::{IssuedCapability, NodeCopy};
-pub use put::{Payload, Put, PutBatch, PutBatchInLanes, PutTo};
+pub use put::{Payload, Put, PutBatch, PutBatchInLanes, PutTo, TensorParts, Upload};
 pub use relay::RelayTarget;
 
 use burn_std::Bytes;

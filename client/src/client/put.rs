@@ -80,7 +80,7 @@ impl<'d> Payload<'d> {
     /// tensor's values and its scales, as a backend keeps them apart): sent from where they
     /// lie, never joined. Checked as a `TensorData` of theirs would be (the byte-length rule,
     /// the scales' encodings) before anything is sent; a put of parts that fail it is refused
-    /// with that error.
+    /// with that error. [`TensorParts`] is the same for [`Client::put_batch`].
     pub fn from_parts(shape: Vec<usize>, dtype: DType, parts: Vec<&'d [u8]>) -> Self {
         match ferry_proto::tensor::meta_of_parts(shape, dtype, &parts) {
             Ok(meta) => Payload(PayloadData::Parts { meta, parts }),
@@ -88,6 +88,76 @@ impl<'d> Payload<'d> {
         }
     }
 }
+
+/// A tensor whose bytes lie in several slices, laid end to end (a quantized tensor's values and
+/// its scales, as a backend keeps them apart), for [`Client::put_batch`]: uploaded from where
+/// they lie, never joined, and checked as a `TensorData` of theirs would be before its request
+/// goes (a tensor that fails is answered with that error; the batch goes on).
+#[derive(Clone)]
+pub struct TensorParts<'d> {
+    shape: Vec<usize>,
+    dtype: DType,
+    parts: Vec<&'d [u8]>,
+}
+
+impl<'d> TensorParts<'d> {
+    /// The tensor of `dtype` and `shape` whose bytes are `parts`, end to end.
+    pub fn new(shape: Vec<usize>, dtype: DType, parts: Vec<&'d [u8]>) -> Self {
+        Self {
+            shape,
+            dtype,
+            parts,
+        }
+    }
+}
+
+impl std::fmt::Debug for TensorParts<'_> {
+    // Lengths, not bytes: a payload's Debug is no dump of a model.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorParts")
+            .field("shape", &self.shape)
+            .field("dtype", &self.dtype)
+            .field(
+                "lens",
+                &self.parts.iter().map(|p| p.len()).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// What an upload of a batch needs of each tensor, out of reach outside the crate (the
+/// trait that seals [`Upload`]).
+pub(super) mod sealed {
+    use ferry_proto::{TensorData, TensorMeta};
+
+    use super::{ClientError, TensorParts};
+
+    pub trait Sealed {
+        /// The checked meta and the slices the payload lies in, end to end.
+        fn checked(&self) -> Result<(TensorMeta, Vec<&[u8]>), ClientError>;
+    }
+
+    impl Sealed for TensorData {
+        fn checked(&self) -> Result<(TensorMeta, Vec<&[u8]>), ClientError> {
+            Ok((ferry_proto::tensor::meta_of(self)?, vec![self.as_bytes()]))
+        }
+    }
+
+    impl Sealed for TensorParts<'_> {
+        fn checked(&self) -> Result<(TensorMeta, Vec<&[u8]>), ClientError> {
+            let meta =
+                ferry_proto::tensor::meta_of_parts(self.shape.clone(), self.dtype, &self.parts)?;
+            Ok((meta, self.parts.clone()))
+        }
+    }
+}
+
+/// What [`Client::put_batch`] uploads: a `TensorData`, or a [`TensorParts`]. Sealed.
+pub trait Upload: sealed::Sealed + Sync {}
+
+impl Upload for TensorData {}
+
+impl Upload for TensorParts<'_> {}
 
 impl<'d> From<&'d TensorData> for Payload<'d> {
     fn from(data: &'d TensorData) -> Self {
@@ -134,11 +204,15 @@ impl Client {
         }
     }
 
-    /// Starts an upload of many tensors in one pipelined exchange (a whole model's weights): the
-    /// next upload starts while the node registers the previous one. Awaited, it answers once per
-    /// tensor, in order; a refused tensor does not stop the others; `Err` only when the
-    /// connection fails. [`lanes`](PutBatch::lanes) spreads it over several connections.
-    pub fn put_batch<'a>(&'a mut self, tensors: &'a [(TensorKey, TensorData)]) -> PutBatch<'a> {
+    /// Starts an upload of many tensors (`TensorData`s, or [`TensorParts`]) in one pipelined
+    /// exchange (a whole model's weights): the next upload starts while the node registers the
+    /// previous one. Awaited, it answers once per tensor, in order; a refused tensor does not
+    /// stop the others; `Err` only when the connection fails. [`lanes`](PutBatch::lanes) spreads
+    /// a batch of `TensorData`s over several connections.
+    pub fn put_batch<'a, T: Upload>(
+        &'a mut self,
+        tensors: &'a [(TensorKey, T)],
+    ) -> PutBatch<'a, T> {
         PutBatch {
             client: self,
             tensors,
@@ -233,19 +307,21 @@ impl<'a> IntoFuture for Put<'a> {
 /// A batch of uploads over one connection: made by [`Client::put_batch`], sent by `.await`.
 #[derive(Debug)]
 #[must_use = "a PutBatch does nothing until it is awaited (or `.wait()`ed)"]
-pub struct PutBatch<'a> {
+pub struct PutBatch<'a, T = TensorData> {
     client: &'a mut Client,
-    tensors: &'a [(TensorKey, TensorData)],
+    tensors: &'a [(TensorKey, T)],
     if_exists: IfExists,
 }
 
-impl<'a> PutBatch<'a> {
+impl<T: Upload> PutBatch<'_, T> {
     /// What to do with a tensor already under a key ([`IfExists::Refuse`] by default).
     pub fn if_exists(mut self, if_exists: IfExists) -> Self {
         self.if_exists = if_exists;
         self
     }
+}
 
+impl<'a> PutBatch<'a> {
     /// The batch over this connection and `others` at once, every one a connection to the same
     /// node, so that while the node registers one tensor (or faults in new memory for it)
     /// another is already arriving: tensor `i` goes over the `i % n`th of the `n` connections
@@ -272,7 +348,7 @@ impl<'a> PutBatch<'a> {
     }
 }
 
-impl<'a> IntoFuture for PutBatch<'a> {
+impl<'a, T: Upload> IntoFuture for PutBatch<'a, T> {
     type Output = Result<Vec<Result<TensorInfo, ClientError>>, ClientError>;
     type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send + 'a>>;
 

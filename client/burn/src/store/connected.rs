@@ -1,7 +1,7 @@
 //! [`Connected`]: a store's node reached over a connection (or several: lanes). A collect
 //! walks the module on the caller's thread and sends its parameters on one thread per
-//! connection (`outgoing.rs`: a Flex parameter's buffers as they lie, others read off within a
-//! bounded window of host copies).
+//! connection, what has arrived for it in one pipelined batch (`outgoing.rs`: a Flex
+//! parameter's buffers as they lie, others read off within a bounded window of host copies).
 
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
@@ -17,7 +17,7 @@ use crate::StoreError;
 use crate::store::collect_walk::CollectWalk;
 use crate::store::deferred_tensors;
 use crate::store::link::{Link, Listed, Sending, outside_runtime};
-use crate::store::outgoing::{Deal, Outgoing};
+use crate::store::outgoing::{Deal, Outbound, Outgoing};
 use crate::store::plan::Targets;
 use crate::store::prefetch::{Ahead, Each, Prefetch};
 use crate::store::replicas::{Replica, Replicas};
@@ -26,8 +26,8 @@ use crate::store::window::Window;
 /// The node at the other end of a connection: a [`FerryStore`](crate::FerryStore) over it
 /// sends and fetches with the connection's own calls (`put`, `get`, `list`), so every byte is
 /// checked as a client's are. A collect also sends over the store's further connections to
-/// the same node, its lanes ([`FerryStore::with_lanes`](crate::FerryStore::with_lanes)), one
-/// tensor in flight on each.
+/// the same node, its lanes ([`FerryStore::with_lanes`](crate::FerryStore::with_lanes)), each
+/// with a pipelined batch in flight.
 #[derive(Debug)]
 pub struct Connected {
     client: Mutex<BlockingClient>,
@@ -248,21 +248,27 @@ impl Link for Connected {
             // Closes the window as this sender leaves, however it leaves (done, failed or
             // panicking): the walk must not wait for room this sender will not make.
             let _close = CloseOnDrop(window);
-            for Outgoing { path, data, held } in arrived {
+            // What has arrived goes in one pipelined exchange: the next tensor's request goes
+            // out while the node registers the one before.
+            // A batch holds at most half of a connection's window of copies, so that the walk
+            // reads the next copies off while a batch is sent.
+            let cap = sending.window / 2;
+            while let Some(batch) = next_batch(&arrived, cap) {
                 // Another sender failed: the collect's error is its.
                 if lock(&failed).is_some() {
                     return;
                 }
-                let put = data.and_then(|data| {
-                    client.put(&sending.key(&path)?, data.payload()).wait()?;
-                    Ok(())
-                });
+                let held: u64 = batch.iter().map(|o| o.held).sum();
+                // The batch's copies are gone once it returns, before their room is given back.
+                let put = put_batch(client, sending, batch);
                 window.give(held);
-                if let Err(e) = put {
-                    lock(&failed).get_or_insert(e);
-                    return;
+                match put {
+                    Ok(paths) => lock(&sent).extend(paths),
+                    Err(e) => {
+                        lock(&failed).get_or_insert(e);
+                        return;
+                    }
                 }
-                lock(&sent).push(path);
             }
         };
         std::thread::scope(|scope| {
@@ -298,6 +304,69 @@ impl Link for Connected {
                 .into_inner()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)),
         }
+    }
+}
+
+/// The most tensors a sender puts in one pipelined exchange.
+const BATCH: usize = 16;
+
+/// What has arrived for a sender, up to [`BATCH`] tensors and, past the first, `held_cap`
+/// bytes of window room: waits for the first, takes the rest only if already there; `None`
+/// once the walk is done and everything was taken.
+fn next_batch(arrived: &Receiver<Outgoing>, held_cap: u64) -> Option<Vec<Outgoing>> {
+    let first = arrived.recv().ok()?;
+    let mut held = first.held;
+    let mut batch = vec![first];
+    while batch.len() < BATCH && held < held_cap {
+        match arrived.try_recv() {
+            Ok(more) => {
+                held = held.saturating_add(more.held);
+                batch.push(more);
+            }
+            Err(_) => break,
+        }
+    }
+    Some(batch)
+}
+
+/// Puts `batch` over `client` in one pipelined exchange: the paths stored, in order, or the
+/// first failure (a parameter that could not be read off, a name, a refusal, the connection).
+/// Those before a parameter that could not be read off still go, so that its error is the one
+/// met first.
+fn put_batch(
+    client: &mut BlockingClient,
+    sending: &Sending<'_>,
+    batch: Vec<Outgoing>,
+) -> Result<Vec<String>, StoreError> {
+    let mut paths = Vec::with_capacity(batch.len());
+    let mut keys = Vec::with_capacity(batch.len());
+    let mut outbound = Vec::with_capacity(batch.len());
+    let mut unread = None;
+    for Outgoing { path, data, .. } in batch {
+        match data.and_then(|data| Ok((sending.key(&path)?, data))) {
+            Ok((key, data)) => {
+                paths.push(path);
+                keys.push(key);
+                outbound.push(data);
+            }
+            Err(e) => {
+                unread = Some(e);
+                break;
+            }
+        }
+    }
+    let tensors: Vec<_> = keys
+        .into_iter()
+        .zip(outbound.iter().map(Outbound::parts))
+        .collect();
+    if !tensors.is_empty() {
+        for answer in client.put_batch(&tensors).wait()? {
+            answer?;
+        }
+    }
+    match unread {
+        Some(e) => Err(e),
+        None => Ok(paths),
     }
 }
 

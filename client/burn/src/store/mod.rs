@@ -156,8 +156,8 @@ impl FerryStore<Connected> {
     }
 
     /// A collect also sends over `more` connections (lanes), each to the node the store's
-    /// connection reaches, one tensor in flight on each: while the node registers one tensor
-    /// (or faults in new memory for it), another arrives. Each is checked to reach that node
+    /// connection reaches, each with a pipelined batch in flight: while the node registers one
+    /// tensor (or faults in new memory for it), another arrives. Each is checked to reach that node
     /// (its id, asked now): [`StoreError::LaneToAnotherNode`] where one does not, and the store
     /// is then dropped with its connections. Before each collect every lane still in step is
     /// asked the node's id again (a round trip): one that failed an earlier collect, or that

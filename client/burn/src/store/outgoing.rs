@@ -11,7 +11,7 @@ use burn_core::tensor::{Tensor, TensorData};
 use burn_pack::Tensor as PackTensor;
 use burn_store::bridge;
 use ferry_backend::SharedPayload;
-use ferry_client::Payload;
+use ferry_client::TensorParts;
 
 use crate::StoreError;
 use crate::shared_data::shared_param;
@@ -37,16 +37,20 @@ pub(crate) enum Outbound {
 
 impl Outbound {
     /// What a put sends: the shared buffers end to end, never joined, or the copy.
-    pub(crate) fn payload(&self) -> Payload<'_> {
+    pub(crate) fn parts(&self) -> TensorParts<'_> {
         match self {
             Outbound::Shared(shared) => {
                 let parts = [&shared.values[..], &shared.tail[..]]
                     .into_iter()
                     .filter(|part| !part.is_empty())
                     .collect();
-                Payload::from_parts(shared.shape.clone(), shared.dtype, parts)
+                TensorParts::new(shared.shape.clone(), shared.dtype, parts)
             }
-            Outbound::Copy(data) => Payload::from(data),
+            Outbound::Copy(data) => TensorParts::new(
+                data.shape().as_slice().to_vec(),
+                data.dtype(),
+                vec![data.as_bytes()],
+            ),
         }
     }
 }
