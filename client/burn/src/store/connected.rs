@@ -17,7 +17,7 @@ use crate::StoreError;
 use crate::store::collect_walk::CollectWalk;
 use crate::store::deferred_tensors;
 use crate::store::link::{Link, Listed, Sending, outside_runtime};
-use crate::store::outgoing::{Deal, Outbound, Outgoing};
+use crate::store::outgoing::{Deal, Outgoing, next_batch, put_batch};
 use crate::store::plan::Targets;
 use crate::store::prefetch::{Ahead, Each, Prefetch};
 use crate::store::replicas::{Replica, Replicas};
@@ -304,69 +304,6 @@ impl Link for Connected {
                 .into_inner()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)),
         }
-    }
-}
-
-/// The most tensors a sender puts in one pipelined exchange.
-const BATCH: usize = 16;
-
-/// What has arrived for a sender, up to [`BATCH`] tensors and, past the first, `held_cap`
-/// bytes of window room: waits for the first, takes the rest only if already there; `None`
-/// once the walk is done and everything was taken.
-fn next_batch(arrived: &Receiver<Outgoing>, held_cap: u64) -> Option<Vec<Outgoing>> {
-    let first = arrived.recv().ok()?;
-    let mut held = first.held;
-    let mut batch = vec![first];
-    while batch.len() < BATCH && held < held_cap {
-        match arrived.try_recv() {
-            Ok(more) => {
-                held = held.saturating_add(more.held);
-                batch.push(more);
-            }
-            Err(_) => break,
-        }
-    }
-    Some(batch)
-}
-
-/// Puts `batch` over `client` in one pipelined exchange: the paths stored, in order, or the
-/// first failure (a parameter that could not be read off, a name, a refusal, the connection).
-/// Those before a parameter that could not be read off still go, so that its error is the one
-/// met first.
-fn put_batch(
-    client: &mut BlockingClient,
-    sending: &Sending<'_>,
-    batch: Vec<Outgoing>,
-) -> Result<Vec<String>, StoreError> {
-    let mut paths = Vec::with_capacity(batch.len());
-    let mut keys = Vec::with_capacity(batch.len());
-    let mut outbound = Vec::with_capacity(batch.len());
-    let mut unread = None;
-    for Outgoing { path, data, .. } in batch {
-        match data.and_then(|data| Ok((sending.key(&path)?, data))) {
-            Ok((key, data)) => {
-                paths.push(path);
-                keys.push(key);
-                outbound.push(data);
-            }
-            Err(e) => {
-                unread = Some(e);
-                break;
-            }
-        }
-    }
-    let tensors: Vec<_> = keys
-        .into_iter()
-        .zip(outbound.iter().map(Outbound::parts))
-        .collect();
-    if !tensors.is_empty() {
-        for answer in client.put_batch(&tensors).wait()? {
-            answer?;
-        }
-    }
-    match unread {
-        Some(e) => Err(e),
-        None => Ok(paths),
     }
 }
 

@@ -2,20 +2,22 @@
 //! by `CollectWalk` or burn-store's collect, read off its device (a Flex parameter's buffers
 //! shared as Flex keeps them, quantized ones included, sent end to end without joining them;
 //! anything else copied to the host as burn-store reads it, within a window of host copies)
-//! and dealt to connection `i % n` in the order the module is walked.
+//! and dealt to connection `i % n` in the order the module is walked, where each connection's
+//! sender puts what has arrived for it in one pipelined batch (`next_batch`, `put_batch`).
 
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::{Receiver, Sender};
 
 use burn_core::tensor::kind::Basic;
 use burn_core::tensor::{Tensor, TensorData};
 use burn_pack::Tensor as PackTensor;
 use burn_store::bridge;
 use ferry_backend::SharedPayload;
-use ferry_client::TensorParts;
+use ferry_client::{BlockingClient, TensorParts, Wait};
 
 use crate::StoreError;
 use crate::shared_data::shared_param;
 use crate::store::collect_walk::TakeParam;
+use crate::store::link::Sending;
 use crate::store::window::Window;
 
 /// A parameter on its way to a sender: its path, its bytes as read off its device, and the
@@ -145,6 +147,69 @@ impl TakeParam for &mut Deal<'_> {
             }
             None => self.offer_read_off(bridge::from_tensor(tensor, path, None)),
         };
+    }
+}
+
+/// The most tensors a sender puts in one pipelined exchange.
+const BATCH: usize = 16;
+
+/// What has arrived for a sender, up to [`BATCH`] tensors and, past the first, `held_cap`
+/// bytes of window room: waits for the first, takes the rest only if already there; `None`
+/// once the walk is done and everything was taken.
+pub(crate) fn next_batch(arrived: &Receiver<Outgoing>, held_cap: u64) -> Option<Vec<Outgoing>> {
+    let first = arrived.recv().ok()?;
+    let mut held = first.held;
+    let mut batch = vec![first];
+    while batch.len() < BATCH && held < held_cap {
+        match arrived.try_recv() {
+            Ok(more) => {
+                held = held.saturating_add(more.held);
+                batch.push(more);
+            }
+            Err(_) => break,
+        }
+    }
+    Some(batch)
+}
+
+/// Puts `batch` over `client` in one pipelined exchange: the paths stored, in order, or the
+/// first failure (a parameter that could not be read off, a name, a refusal, the connection).
+/// Those before a parameter that could not be read off still go, so that its error is the one
+/// met first.
+pub(crate) fn put_batch(
+    client: &mut BlockingClient,
+    sending: &Sending<'_>,
+    batch: Vec<Outgoing>,
+) -> Result<Vec<String>, StoreError> {
+    let mut paths = Vec::with_capacity(batch.len());
+    let mut keys = Vec::with_capacity(batch.len());
+    let mut outbound = Vec::with_capacity(batch.len());
+    let mut unread = None;
+    for Outgoing { path, data, .. } in batch {
+        match data.and_then(|data| Ok((sending.key(&path)?, data))) {
+            Ok((key, data)) => {
+                paths.push(path);
+                keys.push(key);
+                outbound.push(data);
+            }
+            Err(e) => {
+                unread = Some(e);
+                break;
+            }
+        }
+    }
+    let tensors: Vec<_> = keys
+        .into_iter()
+        .zip(outbound.iter().map(Outbound::parts))
+        .collect();
+    if !tensors.is_empty() {
+        for answer in client.put_batch(&tensors).wait()? {
+            answer?;
+        }
+    }
+    match unread {
+        Some(e) => Err(e),
+        None => Ok(paths),
     }
 }
 
