@@ -21,8 +21,9 @@ pub fn meta_of(data: &TensorData) -> Result<TensorMeta, MetaError> {
 
 /// The meta of a payload of `dtype` and `shape` that lies in `parts` (laid end to end: a
 /// quantized tensor's values and its scales, kept apart by the backend), checked as
-/// [`meta_of`] checks a whole one, without joining the values: only the bytes at the end that
-/// hold the scales it checks (none for F32 scales) are gathered.
+/// [`meta_of`] checks a whole one, without joining the values: the bytes at the end that hold
+/// the scales it checks (none for F32 scales) are read where they lie, and gathered only where
+/// they span two parts.
 pub fn meta_of_parts(
     shape: Vec<usize>,
     dtype: DType,
@@ -40,13 +41,18 @@ pub fn meta_of_parts(
     let meta = TensorMeta::with_byte_len(shape, dtype, total)?;
     let total = meta.byte_len();
     let tail_len = crate::scales::checked_tail_len(&meta)?.min(total);
-    crate::scales::check_scales(&meta, &last_bytes(parts, tail_len))?;
+    crate::scales::check_scales(&meta, &last_bytes(parts, total, tail_len))?;
     Ok(meta)
 }
 
-/// The last `len` bytes of `parts` laid end to end (at most all of them), joined.
-fn last_bytes(parts: &[&[u8]], len: usize) -> Vec<u8> {
-    let total: usize = parts.iter().map(|p| p.len()).sum();
+/// The last `len` bytes of `parts` laid end to end (`total` bytes; at most all of them): where
+/// they lie in the last part, that part's own; joined otherwise.
+fn last_bytes<'a>(parts: &[&'a [u8]], total: usize, len: usize) -> std::borrow::Cow<'a, [u8]> {
+    if let Some(last) = parts.last()
+        && let Some(start) = last.len().checked_sub(len)
+    {
+        return std::borrow::Cow::Borrowed(&last[start..]);
+    }
     let mut skip = total.saturating_sub(len);
     let mut tail = Vec::with_capacity(len.min(total));
     for part in parts {
@@ -58,7 +64,7 @@ fn last_bytes(parts: &[&[u8]], len: usize) -> Vec<u8> {
             None => skip -= part.len(),
         }
     }
-    tail
+    std::borrow::Cow::Owned(tail)
 }
 
 /// Splits `data` into its checked meta and its payload, without copying the payload.

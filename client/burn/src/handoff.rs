@@ -42,30 +42,6 @@ fn name_of<K: 'static>() -> &'static str {
     }
 }
 
-/// `tensor`'s primitive of backend `B`: its own handle, no copy.
-pub(crate) fn into_backend<B, const D: usize, K: Basic>(
-    tensor: Tensor<D, K>,
-) -> Result<Primitive<B>, HandoffError>
-where
-    B: Backend,
-    DispatchTensor: DispatchKindConversion<B>,
-{
-    let dispatch = tensor.into_dispatch();
-    let backend = <DispatchTensor as DispatchKindConversion<B>>::try_into_backend(dispatch)
-        .map_err(HandoffError::OtherBackend)?;
-    // Every variant this build of burn-dispatch has; one it adds (gradients) is not a handoff.
-    #[allow(unreachable_patterns)]
-    match backend {
-        BackendTensor::Float(t) => Ok(Primitive::Float(t)),
-        BackendTensor::Int(t) => Ok(Primitive::Int(t)),
-        BackendTensor::Bool(t) => Ok(Primitive::Bool(t)),
-        BackendTensor::Quantized(t) => Ok(Primitive::Quantized(t)),
-        _ => Err(HandoffError::OtherBackend(
-            "a tensor that records gradients".into(),
-        )),
-    }
-}
-
 /// A `Tensor<D, K>` of `primitive`: its own handle, no copy, once its kind and rank are the
 /// ones asked for and its backend can compute with its dtype.
 pub(crate) fn from_backend<B, const D: usize, K: Basic + 'static>(

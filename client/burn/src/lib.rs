@@ -35,6 +35,7 @@
 //! `error.rs` holds `HandoffError`. `node.rs`, `handoff.rs`, `error.rs` and the store's
 //! `embedded.rs` and `handoff_apply.rs` are built with `node` only.
 
+mod backend_primitive;
 #[cfg(feature = "node")]
 mod error;
 #[cfg(feature = "node")]

@@ -15,7 +15,8 @@ use ferry_proto::{IfExists, TensorKey};
 use ferry_server::{Node, TensorDesc};
 
 use crate::HandoffError;
-use crate::handoff::{from_backend, into_backend};
+use crate::backend_primitive::into_backend;
+use crate::handoff::from_backend;
 
 /// A node's tensors as Burn `Tensor`s, handed over with no host copy: on a Flex device
 /// (`Device::flex()`; the node's Flex devices and the program's are one, so a tensor keeps its
@@ -109,14 +110,16 @@ impl NodeTensors for Node {
         let handle = tensor.clone();
         let desc = match native_of(self, key.device)? {
             Native::Flex => {
-                let primitive = into_backend::<Flex, D, K>(handle)?;
+                let primitive =
+                    into_backend::<Flex, D, K>(handle).map_err(HandoffError::OtherBackend)?;
                 self.insert_primitive(key, primitive, if_exists).await?
             }
             #[cfg(feature = "wgpu")]
             Native::Wgpu => {
                 // Moved natively onto the node's device if it is another; the same handle if
                 // the program's device is the node's.
-                let primitive = into_backend::<Cube, D, K>(handle)?;
+                let primitive =
+                    into_backend::<Cube, D, K>(handle).map_err(HandoffError::OtherBackend)?;
                 self.insert_primitive(key, primitive, if_exists).await?
             }
         };

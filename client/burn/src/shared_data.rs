@@ -9,12 +9,13 @@ use std::sync::Arc;
 use burn_core::tensor::Tensor;
 #[cfg(feature = "node")]
 use burn_core::tensor::{AllocationProperty, Bytes, Shape, TensorData};
-use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 use burn_flex::Flex;
 use burn_tensor::kind::Basic;
+use ferry_backend::SharedPayload;
 #[cfg(feature = "node")]
-use ferry_backend::BackendError;
-use ferry_backend::{Primitive, SharedPayload};
+use ferry_backend::{BackendError, Primitive};
+
+use crate::backend_primitive::into_backend;
 
 /// A Flex buffer, kept alive by the data built over it.
 #[cfg(feature = "node")]
@@ -54,19 +55,9 @@ pub(crate) fn shared_data(primitive: Primitive<Flex>) -> Result<TensorData, Back
 pub(crate) fn shared_param<const D: usize, K: Basic>(
     tensor: &Tensor<D, K>,
 ) -> Option<SharedPayload> {
-    let dispatch = tensor.clone().into_dispatch();
-    let backend =
-        <DispatchTensor as DispatchKindConversion<Flex>>::try_into_backend(dispatch).ok()?;
-    // Every variant this build of burn-dispatch has; one it adds is read out as Burn does.
-    #[allow(unreachable_patterns)]
-    let primitive: Primitive<Flex> = match backend {
-        BackendTensor::Float(t) => Primitive::Float(t),
-        BackendTensor::Int(t) => Primitive::Int(t),
-        BackendTensor::Bool(t) => Primitive::Bool(t),
-        BackendTensor::Quantized(q) => Primitive::Quantized(q),
-        _ => return None,
-    };
-    primitive.shared_host_bytes()
+    into_backend::<Flex, D, K>(tensor.clone())
+        .ok()?
+        .shared_host_bytes()
 }
 
 #[cfg(test)]

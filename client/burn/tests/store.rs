@@ -17,7 +17,7 @@ use burn_core as burn;
 use burn_core::module::{Module, ModuleVisitor, Param, ParamId, Parameter};
 use burn_core::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
-use burn_flex::Flex;
+use burn_flex::{Flex, FlexTensor};
 use burn_nn::{Linear, LinearConfig};
 use burn_store::{ApplyError, BurnpackStore, KeyRemapper, ModuleStore, PathFilter};
 use ferry_burn::{FerryStore, Missing, StoreError};
@@ -172,9 +172,13 @@ fn a_collect_sends_every_kind_of_parameter_as_burn_store_reads_it() {
     let sent = Mixed::new(&device, 2.0);
     let sent_params = params(&sent);
     let before = buffers(&sent);
+    let holders_before = holders(&sent);
     FerryStore::connected(client(&node.addr), 0, "mixed")
         .collect_from(&sent)
         .unwrap();
+    // The buffers the collect shared are the module's alone again once it returned: the
+    // parameters' own writes copy nothing on its account.
+    assert_eq!(holders(&sent), holders_before);
 
     // The node holds exactly what burn-store's collect reads: dtype, shape and bytes.
     assert_same_params(
@@ -480,13 +484,14 @@ fn a_dtype_the_parameters_device_cannot_hold_is_an_error_before_a_byte_moves() {
     assert_same_params(&params(&target), &before);
 }
 
-/// Where each Flex parameter's values lie, by path.
-fn buffers<M: Module>(module: &M) -> BTreeMap<String, usize> {
-    struct Buffers {
+/// `of` each float parameter's Flex tensor (a plain one: anything else panics), by path.
+fn each_flex_float<M: Module, T>(module: &M, of: fn(&FlexTensor) -> T) -> BTreeMap<String, T> {
+    struct Each<T> {
         path: Vec<String>,
-        at: BTreeMap<String, usize>,
+        of: fn(&FlexTensor) -> T,
+        found: BTreeMap<String, T>,
     }
-    impl ModuleVisitor for Buffers {
+    impl<T> ModuleVisitor for Each<T> {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.path.push(name.to_string());
         }
@@ -501,16 +506,29 @@ fn buffers<M: Module>(module: &M) -> BTreeMap<String, usize> {
             let BackendTensor::Float(flex) = backend else {
                 panic!("a plain float parameter");
             };
-            self.at
-                .insert(self.path.join("."), flex.bytes().as_ptr() as usize);
+            self.found.insert(self.path.join("."), (self.of)(&flex));
         }
     }
-    let mut visitor = Buffers {
+    let mut visitor = Each {
         path: Vec::new(),
-        at: BTreeMap::new(),
+        of,
+        found: BTreeMap::new(),
     };
     module.visit(&mut visitor);
-    visitor.at
+    visitor.found
+}
+
+/// Where each Flex parameter's values lie, by path.
+fn buffers<M: Module>(module: &M) -> BTreeMap<String, usize> {
+    each_flex_float(module, |flex| flex.bytes().as_ptr() as usize)
+}
+
+/// How many hold each float parameter's Flex buffer, by path (each count with the one handle
+/// the count itself takes).
+fn holders<M: Module>(module: &M) -> BTreeMap<String, usize> {
+    each_flex_float(module, |flex| {
+        std::sync::Arc::strong_count(&flex.data_arc())
+    })
 }
 
 #[test]

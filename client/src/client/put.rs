@@ -44,35 +44,17 @@ impl<'k> From<&'k TensorKey> for PutTo<'k> {
 #[derive(Debug)]
 pub struct Payload<'d>(PayloadData<'d>);
 
-/// A payload's bytes, or why there are none to send.
+/// A payload's bytes, or why a Burn tensor gave none.
+#[derive(Debug)]
 enum PayloadData<'d> {
     /// The caller's.
     Borrowed(&'d TensorData),
     /// Read off a Burn tensor.
     Owned(TensorData),
-    /// The caller's, in slices sent end to end, with their checked meta.
-    Parts {
-        meta: TensorMeta,
-        parts: Vec<&'d [u8]>,
-    },
-    /// A Burn tensor that could not be read, or parts that are no tensor of their meta.
+    /// The caller's, in slices sent end to end.
+    Parts(TensorParts<'d>),
+    /// A Burn tensor that could not be read.
     Unreadable(ClientError),
-}
-
-impl std::fmt::Debug for PayloadData<'_> {
-    // Lengths, not bytes: a payload's Debug is no dump of a model.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PayloadData::Borrowed(data) => f.debug_tuple("Borrowed").field(data).finish(),
-            PayloadData::Owned(data) => f.debug_tuple("Owned").field(data).finish(),
-            PayloadData::Parts { meta, parts } => f
-                .debug_struct("Parts")
-                .field("meta", meta)
-                .field("lens", &parts.iter().map(|p| p.len()).collect::<Vec<_>>())
-                .finish(),
-            PayloadData::Unreadable(e) => f.debug_tuple("Unreadable").field(e).finish(),
-        }
-    }
 }
 
 impl<'d> Payload<'d> {
@@ -82,10 +64,13 @@ impl<'d> Payload<'d> {
     /// the scales' encodings) before anything is sent; a put of parts that fail it is refused
     /// with that error. [`TensorParts`] is the same for [`Client::put_batch`].
     pub fn from_parts(shape: Vec<usize>, dtype: DType, parts: Vec<&'d [u8]>) -> Self {
-        match ferry_proto::tensor::meta_of_parts(shape, dtype, &parts) {
-            Ok(meta) => Payload(PayloadData::Parts { meta, parts }),
-            Err(e) => Payload(PayloadData::Unreadable(e.into())),
-        }
+        Payload::from(TensorParts::new(shape, dtype, parts))
+    }
+}
+
+impl<'d> From<TensorParts<'d>> for Payload<'d> {
+    fn from(parts: TensorParts<'d>) -> Self {
+        Payload(PayloadData::Parts(parts))
     }
 }
 
@@ -270,20 +255,17 @@ impl Put<'_> {
 
     /// Sends the upload.
     async fn send(self) -> Result<TensorInfo, ClientError> {
-        let owned;
-        let (meta, parts) = match self.payload.0 {
-            PayloadData::Borrowed(data) => {
-                (ferry_proto::tensor::meta_of(data)?, vec![data.as_bytes()])
-            }
-            PayloadData::Owned(data) => {
-                owned = data;
-                (
-                    ferry_proto::tensor::meta_of(&owned)?,
-                    vec![owned.as_bytes()],
-                )
-            }
-            PayloadData::Parts { meta, parts } => (meta, parts),
+        use sealed::Sealed;
+        let payload = match self.payload.0 {
             PayloadData::Unreadable(e) => return Err(e),
+            payload => payload,
+        };
+        // Checked before anything is sent: a tensor that cannot go leaves the connection as is.
+        let (meta, parts) = match &payload {
+            PayloadData::Borrowed(data) => data.checked()?,
+            PayloadData::Owned(data) => data.checked()?,
+            PayloadData::Parts(parts) => parts.checked()?,
+            PayloadData::Unreadable(_) => unreachable!("returned above"),
         };
         let (device, name, if_exists) = match self.to {
             PutTo::Key(key) => (key.device, Some(key.name.as_str()), self.if_exists),

@@ -22,7 +22,7 @@ pub(crate) trait TakeParam {
 /// Walks a module as burn-store's collector does, handing each parameter the filter lets
 /// through to `taker`.
 pub(crate) struct CollectWalk<'f, T> {
-    pub(crate) taker: T,
+    taker: T,
     filter: Option<&'f PathFilter>,
     path: ModulePath,
 }

@@ -15,7 +15,8 @@ use ferry_proto::{IfExists, TensorKey};
 use ferry_server::{ModelError, ModelPin, ModelWriter, Node, NodeError, Replace};
 use tokio::runtime::Handle;
 
-use crate::handoff::{into_backend, of_kind};
+use crate::backend_primitive::into_backend;
+use crate::handoff::of_kind;
 use crate::shared_data::shared_data;
 use crate::store::collect_walk::{CollectWalk, TakeParam};
 use crate::store::handoff_apply::HandoffApplier;
