@@ -1,7 +1,8 @@
 //! A whole model through `FerryStore` over TCP to a `ferry-server` process, against a raw TCP copy
 //! of the same bytes in the same run: `collect_from` (read off the device, sent, held by the node)
 //! with three windows of host copies and over two lanes, to a node just started and then five
-//! times more replacing the version before, and `apply_to` (fetched and applied), with
+//! times more replacing the version before, then once to a node started 10 s before (whose
+//! pool made its start amount ready meanwhile), and `apply_to` (fetched and applied), with
 //! this process's resident size before and its peak (VmHWM) during each (growth only: memory freed
 //! earlier but kept by the allocator is reused without growing it). burn-store's own
 //! `BurnpackStore` into memory is timed too, as Burn's own way to serialize the same model.
@@ -25,7 +26,7 @@ use burn_core::tensor::quantization::{Calibration, QuantScheme, QuantStore, Quan
 use burn_nn::{Linear, LinearConfig};
 use burn_store::{BurnpackStore, ModuleSnapshot, ModuleStore};
 use ferry_burn::FerryStore;
-use ferry_client::{BlockingClient, IfExists};
+use ferry_client::{BlockingClient, IfExists, Wait};
 use support::{NodeProcess, mib, own_status, raw_tcp_once, server_binary};
 
 /// Layers of one size, as a model's blocks are.
@@ -169,5 +170,32 @@ fn main() {
                 raw.as_secs_f64() / again[2].as_secs_f64(),
             );
         }
+
+        // A worker started a while before its model is sent, as a deployment starts its
+        // workers and then ships them the model: a node started 10 s before, with the default
+        // window over one connection, the first time.
+        let node = NodeProcess::start(&binary, "model-store-bench", &[]);
+        std::thread::sleep(Duration::from_secs(10));
+        let client = BlockingClient::connect(node.addr.as_str())
+            .blocking()
+            .unwrap();
+        let ready = node.rss();
+        let mut store = FerryStore::connected(client, 0, "m");
+        let ((), took, peak) = measured(|| store.collect_from(model).unwrap());
+        let mut client = BlockingClient::connect(node.addr.as_str())
+            .blocking()
+            .unwrap();
+        let misses = client.stat().wait().unwrap().pool_misses;
+        println!(
+            "  collect_from to a node started 10 s before (resident {} before it, its pool's \
+             ready memory; {misses} receive(s) the pool missed), default window, 1 lane: {:.0} \
+             ms, {:.2} GB/s = {:.2}x raw TCP; resident here +{} at peak, node peak {}",
+            mib(ready),
+            took.as_secs_f64() * 1e3,
+            gbps(bytes, took),
+            raw.as_secs_f64() / took.as_secs_f64(),
+            mib(peak),
+            mib(node.peak()),
+        );
     }
 }

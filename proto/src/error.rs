@@ -298,6 +298,14 @@ pub enum StreamError {
         /// Why.
         reason: String,
     },
+    /// An eager put (`Request::PutEager`) announcing more than an eager payload may hold.
+    #[error("an eager put of {len} bytes, over the {max} bytes an eager put may send")]
+    EagerTooLarge {
+        /// The payload length it announced.
+        len: u64,
+        /// The most an eager put may send (`EAGER_PUT_MAX_BYTES`).
+        max: u64,
+    },
 }
 
 /// Any wire-level failure.

@@ -14,7 +14,7 @@ pub const MAGIC: [u8; 4] = *b"FRRY";
 pub const PROTOCOL_VERSION: u8 = 1;
 /// The protocol minor version: what this build adds within the major. Two peers of different
 /// minors talk as of the lower one (`control`, PROTOCOL.md §4).
-pub const PROTOCOL_MINOR: u16 = 10;
+pub const PROTOCOL_MINOR: u16 = 11;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes before the payload in a chunk body: the payload's offset in the tensor.

@@ -26,7 +26,7 @@ pub(crate) struct Raw {
 }
 
 impl Raw {
-    async fn connect(node: &TestNode) -> Raw {
+    pub(crate) async fn connect(node: &TestNode) -> Raw {
         Raw {
             stream: TcpStream::connect(node.addr).await.unwrap(),
             buf: BytesMut::new(),
@@ -95,7 +95,7 @@ impl Raw {
     }
 
     /// The node's error reply, then the connection closes.
-    async fn expect_fatal(&mut self, code: ErrorCode) -> String {
+    pub(crate) async fn expect_fatal(&mut self, code: ErrorCode) -> String {
         let message = self.expect_error(code).await;
         assert!(
             self.response().await.is_none(),
@@ -104,7 +104,7 @@ impl Raw {
         message
     }
 
-    async fn expect_error(&mut self, code: ErrorCode) -> String {
+    pub(crate) async fn expect_error(&mut self, code: ErrorCode) -> String {
         match self.response().await {
             Some(Response::Error(ErrorReply { code: got, message })) => {
                 assert_eq!(got, code, "{message}");
@@ -138,7 +138,7 @@ async fn flex_node(service: ServiceConfig) -> TestNode {
 }
 
 /// After each attack: a second client puts and gets bit-exact and the node holds only its tensor.
-async fn node_still_serves(node: &TestNode) {
+pub(crate) async fn node_still_serves(node: &TestNode) {
     serves(node.client().await).await;
 }
 

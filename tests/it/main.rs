@@ -13,6 +13,7 @@ mod blocking;
 mod cancel;
 mod cluster;
 mod concurrency;
+mod eager_put;
 mod etcd;
 mod fair;
 mod gpu;

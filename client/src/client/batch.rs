@@ -1,11 +1,14 @@
 //! Batches: many uploads or downloads in one pipelined exchange, one answer per tensor (the
 //! exchange itself; uploads are asked for through [`Client::put_batch`]'s builder).
 
+use std::collections::VecDeque;
+
 use burn_std::Bytes;
 use ferry_io::{ExchangeError, Step};
 use ferry_proto::{IfExists, Request, TensorData, TensorInfo, TensorKey, TensorMeta};
 
 use super::put::Upload;
+use super::put_ask::PutAsk;
 use super::{Client, ClientError, read_tensor_payload, ready, stored, tensor_follows};
 
 /// How many downloads a batch keeps outstanding at once.
@@ -27,11 +30,15 @@ pub(super) fn per_tensor<T>(
 pub(super) struct PutBroken {
     /// Why.
     pub(super) cause: ClientError,
-    /// The tensor whose payload was sent (or was being sent when the connection failed) and
-    /// whose answer never came: the node may have stored it. Every other unanswered tensor of
-    /// the batch was not stored.
-    pub(super) in_doubt: Option<usize>,
+    /// The tensors whose payloads were sent (or were being sent when the connection failed)
+    /// and whose answers never came: the node may have stored them. Every other unanswered
+    /// tensor of the batch was not stored.
+    pub(super) in_doubt: Vec<usize>,
 }
+
+/// How many uploads whose payloads went out may await their answers at once: the one the node
+/// registers and the next, arriving meanwhile.
+const OWED_AT_MOST: usize = 2;
 
 impl Client {
     /// Uploads many tensors in one pipelined exchange (a whole model's weights): the next upload
@@ -58,7 +65,12 @@ impl Client {
     /// [`put_batch_over_one`](Self::put_batch_over_one), each answer written to `results` (one
     /// slot per tensor) as it comes: where the connection fails, the answers before the failure are kept, the
     /// slots still `None` are the tensors the node did not answer for, and [`PutBroken`] says
-    /// which one of them (at most) may have been stored all the same.
+    /// which of them may have been stored all the same.
+    ///
+    /// A small payload goes right after its request ([`PutAsk::Eager`]), while the node still
+    /// registers the tensor before it; a larger one after the node's `Ready`, which comes once
+    /// every answer owed before it was read. At most [`OWED_AT_MOST`] uploads await their
+    /// answers at once.
     pub(super) async fn put_batch_into<T: Upload>(
         &mut self,
         tensors: &[&(TensorKey, T)],
@@ -66,11 +78,17 @@ impl Client {
         results: &mut [Option<Result<TensorInfo, ClientError>>],
     ) -> Result<(), PutBroken> {
         debug_assert_eq!(tensors.len(), results.len());
-        let broken = |cause: ClientError, in_doubt: Option<usize>| PutBroken { cause, in_doubt };
-        let mut step = self.exchange.begin().map_err(|e| broken(e.into(), None))?;
-        // The upload whose payload went out and whose `Stored` (or refusal) the node still owes:
-        // the one tensor a failure leaves in doubt.
-        let mut owed: Option<usize> = None;
+        let broken = |cause: ClientError, in_doubt: &VecDeque<usize>| PutBroken {
+            cause,
+            in_doubt: in_doubt.iter().copied().collect(),
+        };
+        let mut step = self
+            .exchange
+            .begin()
+            .map_err(|e| broken(e.into(), &VecDeque::new()))?;
+        // The uploads whose payloads went out and whose `Stored` (or refusal) the node still
+        // owes, in order: the tensors a failure leaves in doubt.
+        let mut owed: VecDeque<usize> = VecDeque::with_capacity(OWED_AT_MOST);
         for (i, (key, data)) in tensors.iter().enumerate() {
             let (meta, parts) = match data.checked() {
                 Ok(checked) => checked,
@@ -79,34 +97,49 @@ impl Client {
                     continue;
                 }
             };
-            let request = Request::Put {
-                device: key.device,
-                name: Some(key.name.clone()),
-                meta: meta.to_wire(),
-                overwrite: if_exists.overwrite(),
-            };
+            let len = meta.byte_len();
+            let ask =
+                PutAsk::for_payload(step.node_minor(), len as u64, step.whole_payload_route(len));
+            let request = ask.request(
+                key.device,
+                Some(key.name.clone()),
+                &meta,
+                if_exists.overwrite(),
+            );
             step.send(&request)
                 .await
-                .map_err(|e| broken(e.into(), owed))?;
-            if let Some(prev) = owed {
-                results[prev] =
-                    Some(per_tensor(step.answer(stored).await).map_err(|e| broken(e, owed))?);
-                owed = None;
-            }
-            match per_tensor(step.answer(ready).await).map_err(|e| broken(e, None))? {
-                Ok(()) => {
+                .map_err(|e| broken(e.into(), &owed))?;
+            match ask {
+                PutAsk::Eager => {
                     // A payload cut part way is not stored; one whose last byte left may be.
-                    step.send_payload_parts(&parts)
-                        .await
-                        .map_err(|e| broken(e.into(), Some(i)))?;
-                    owed = Some(i);
+                    step.send_payload_chunks(&parts).await.map_err(|e| {
+                        owed.push_back(i);
+                        broken(e.into(), &owed)
+                    })?;
+                    owed.push_back(i);
+                    while owed.len() > OWED_AT_MOST - 1 {
+                        take_stored(&mut step, &mut owed, results).await?;
+                    }
                 }
-                Err(refused) => results[i] = Some(Err(refused)),
+                PutAsk::AfterReady => {
+                    while !owed.is_empty() {
+                        take_stored(&mut step, &mut owed, results).await?;
+                    }
+                    match per_tensor(step.answer(ready).await).map_err(|e| broken(e, &owed))? {
+                        Ok(()) => {
+                            step.send_payload_parts(&parts).await.map_err(|e| {
+                                owed.push_back(i);
+                                broken(e.into(), &owed)
+                            })?;
+                            owed.push_back(i);
+                        }
+                        Err(refused) => results[i] = Some(Err(refused)),
+                    }
+                }
             }
         }
-        if let Some(prev) = owed {
-            results[prev] =
-                Some(per_tensor(step.answer(stored).await).map_err(|e| broken(e, owed))?);
+        while !owed.is_empty() {
+            take_stored(&mut step, &mut owed, results).await?;
         }
         step.finish();
         Ok(())
@@ -174,6 +207,29 @@ impl Client {
         }
         step.finish();
         Ok(())
+    }
+}
+
+/// Reads the answer the node owes first of `owed` (a `Stored`, or that tensor's refusal) into
+/// its slot of `results`.
+async fn take_stored(
+    step: &mut Step<'_>,
+    owed: &mut VecDeque<usize>,
+    results: &mut [Option<Result<TensorInfo, ClientError>>],
+) -> Result<(), PutBroken> {
+    let Some(&first) = owed.front() else {
+        return Ok(());
+    };
+    match per_tensor(step.answer(stored).await) {
+        Ok(answer) => {
+            results[first] = Some(answer);
+            owed.pop_front();
+            Ok(())
+        }
+        Err(cause) => Err(PutBroken {
+            cause,
+            in_doubt: owed.iter().copied().collect(),
+        }),
     }
 }
 

@@ -16,6 +16,7 @@ mod model;
 mod model_copy;
 mod node_copy;
 mod put;
+mod put_ask;
 mod put_lanes;
 mod relay;
 mod wait;

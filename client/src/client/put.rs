@@ -17,8 +17,9 @@
 
 use std::pin::Pin;
 
-use ferry_proto::{DType, IfExists, Request, TensorData, TensorInfo, TensorKey, TensorMeta};
+use ferry_proto::{DType, IfExists, TensorData, TensorInfo, TensorKey, TensorMeta};
 
+use super::put_ask::PutAsk;
 use super::{Client, ClientError, ready, stored};
 
 /// Where [`Client::put`] registers its tensor: under a key (`&TensorKey` converts), or on a
@@ -207,7 +208,8 @@ impl Client {
 
     /// One upload of a payload of `meta` (checked, as every caller checks it before anything is
     /// sent: a tensor that cannot go leaves the connection as is) lying in `parts`: request,
-    /// `Ready`, payload, `Stored`.
+    /// `Ready`, payload, `Stored`; or, for a small payload, request and payload at once
+    /// ([`PutAsk`]), then `Stored`.
     async fn upload(
         &mut self,
         device: u32,
@@ -216,19 +218,27 @@ impl Client {
         parts: &[&[u8]],
         if_exists: IfExists,
     ) -> Result<TensorInfo, ClientError> {
-        let request = Request::Put {
-            device,
-            name: name.map(str::to_string),
-            meta: meta.to_wire(),
-            overwrite: if_exists.overwrite(),
-        };
         let mut step = self.exchange.begin()?;
+        let len = meta.byte_len();
+        let ask = PutAsk::for_payload(step.node_minor(), len as u64, step.whole_payload_route(len));
+        let request = ask.request(
+            device,
+            name.map(str::to_string),
+            meta,
+            if_exists.overwrite(),
+        );
         step.send(&request).await?;
-        // A refusal instead of `Ready` finishes the exchange: no payload follows it.
-        if let Err(refused) = step.answer(ready).await {
-            return Err(step.fail(refused).into());
+        match ask {
+            PutAsk::AfterReady => {
+                // A refusal instead of `Ready` finishes the exchange: no payload follows it.
+                if let Err(refused) = step.answer(ready).await {
+                    return Err(step.fail(refused).into());
+                }
+                step.send_payload_parts(parts).await?;
+            }
+            // Refused or not, the node reads it before it answers.
+            PutAsk::Eager => step.send_payload_chunks(parts).await?,
         }
-        step.send_payload_parts(parts).await?;
         let answer = step.answer(stored).await;
         Ok(step.finish_if_answered(answer)?)
     }

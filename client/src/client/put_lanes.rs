@@ -137,7 +137,7 @@ fn answers_per_tensor(
         .map(|(at, (answer, (key, _)))| {
             answer.unwrap_or_else(|| {
                 let reason = match &broken {
-                    Some(PutBroken { cause, in_doubt }) if *in_doubt == Some(at) => format!(
+                    Some(PutBroken { cause, in_doubt }) if in_doubt.contains(&at) => format!(
                         "no answer, the connection failed ({cause}) while or after its payload \
                          went out: it may have been stored all the same"
                     ),

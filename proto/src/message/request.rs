@@ -21,6 +21,16 @@ pub const FETCH_RANGE_MINOR: u16 = 8;
 /// [`Response::Models`].
 pub const WAIT_MINOR: u16 = 9;
 
+/// The minor that added [`Request::PutEager`], a put whose payload follows its request at once.
+pub const EAGER_PUT_MINOR: u16 = 11;
+
+/// The largest payload a [`Request::PutEager`] may announce. A node that refuses an eager put
+/// reads its payload to find the next request, so it reads at most this much for nothing; a
+/// larger tensor waits for [`Response::Ready`] with [`Request::Put`]. 4 MiB: one chunk of the
+/// default size, so a model's biases, norms and small layers go eagerly, and a transfer that
+/// takes longer than a round trip by far waits for one.
+pub const EAGER_PUT_MAX_BYTES: u64 = 4 << 20;
+
 /// The longest one [`Request::Wait`] may ask to wait; a client that waits longer asks again.
 pub const MAX_WAIT_MS: u32 = 15 * 60 * 1000;
 
@@ -272,6 +282,22 @@ pub enum Request {
         /// The version it must be, if any.
         version: Option<u64>,
     },
+    /// [`Request::Put`] whose payload follows at once, as chunk frames, without waiting for
+    /// [`Response::Ready`] (an eager send, as against waiting for the receiver's go-ahead):
+    /// one round trip less per tensor, for payloads of at most [`EAGER_PUT_MAX_BYTES`] (a
+    /// larger one is a protocol error). Answered by [`Response::Stored`], or by an error once
+    /// the node has read the payload and dropped it; the connection goes on either way. Added
+    /// in minor 11.
+    PutEager {
+        /// Target device index.
+        device: u32,
+        /// The name, or `None` for a node-chosen one.
+        name: Option<String>,
+        /// What follows.
+        meta: WireMeta,
+        /// Replace a tensor already registered under the key instead of refusing.
+        overwrite: bool,
+    },
 }
 
 impl Request {
@@ -306,6 +332,7 @@ impl Request {
             Request::ModelClose { .. } => "model-close",
             Request::ModelList { .. } => "model-list",
             Request::ModelDelete { .. } => "model-delete",
+            Request::PutEager { .. } => "put",
         }
     }
 
@@ -339,6 +366,16 @@ impl Request {
             | Request::ModelClose { .. }
             | Request::ModelList { .. }
             | Request::ModelDelete { .. } => WAIT_MINOR,
+            Request::PutEager { .. } => EAGER_PUT_MINOR,
+        }
+    }
+
+    /// The length of the payload that follows the request at once, unasked (a
+    /// [`Request::PutEager`]'s): a node that refuses the request reads that much and drops it.
+    pub fn payload_follows(&self) -> Option<u64> {
+        match self {
+            Request::PutEager { meta, .. } => Some(meta.byte_len),
+            _ => None,
         }
     }
 
@@ -347,6 +384,7 @@ impl Request {
         matches!(
             self,
             Request::Put { .. }
+                | Request::PutEager { .. }
                 | Request::Get { .. }
                 | Request::Copy { .. }
                 | Request::Pull { .. }

@@ -34,7 +34,8 @@ use ferry_proto::control::{
 };
 use ferry_proto::frame::{self, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BODY, FrameKind, HEADER_LEN};
 use ferry_proto::message::{
-    FETCH_RANGE_MINOR, ManifestEntry, ModelManifest, ModelSummary, PathsDigest, WAIT_MINOR, WaitFor,
+    EAGER_PUT_MINOR, FETCH_RANGE_MINOR, ManifestEntry, ModelManifest, ModelSummary, PathsDigest,
+    WAIT_MINOR, WaitFor,
 };
 use ferry_proto::tensor::into_parts;
 use ferry_proto::{
@@ -46,7 +47,7 @@ use ferry_proto::{
 /// The minors whose frames are kept, oldest first, the current one last: minor 6 holds every
 /// vector, each later one what it changed. A peer of each may still be running while a cluster
 /// is upgraded one node at a time.
-const GOLDEN_MINORS: [u16; 5] = [6, 7, 8, 9, 10];
+const GOLDEN_MINORS: [u16; 6] = [6, 7, 8, 9, 10, 11];
 
 /// One frame of a vector.
 enum Item {
@@ -530,6 +531,29 @@ fn vectors(minor: u16) -> Vec<Vector> {
                     end: 24,
                 }),
             ],
+        });
+    }
+    if minor >= EAGER_PUT_MINOR {
+        let (meta, payload) = into_parts(TensorData::new(vec![1.5f32, -2.0, 0.25], [3])).unwrap();
+        let mut items = vec![Item::Request(Request::PutEager {
+            device: 1,
+            name: Some("bias".to_string()),
+            meta: meta.to_wire(),
+            overwrite: true,
+        })];
+        items.extend(
+            frame::chunks(&payload, 8).map(|(offset, data)| Item::Chunk {
+                offset,
+                data: data.to_vec(),
+            }),
+        );
+        vectors.push(Vector {
+            name: "put_eager",
+            about: "The client's side of an eager upload: Request::PutEager of a [3] f32 tensor \
+                    (1.5, -2, 0.25) named \"bias\" on device 1, replacing, followed at once, \
+                    without waiting for Ready, by its 12 payload bytes as chunk frames of at \
+                    most 8 bytes.",
+            items,
         });
     }
     if minor >= WAIT_MINOR {

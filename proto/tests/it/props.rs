@@ -200,6 +200,18 @@ fn arb_request() -> BoxedStrategy<Request> {
             meta,
             overwrite,
         });
+    let put_eager = (
+        any::<u32>(),
+        option::of(arb_text()),
+        arb_wire_meta(),
+        any::<bool>(),
+    )
+        .prop_map(|(device, name, meta, overwrite)| Request::PutEager {
+            device,
+            name,
+            meta,
+            overwrite,
+        });
     let copy = (
         arb_key(),
         any::<u32>(),
@@ -241,6 +253,7 @@ fn arb_request() -> BoxedStrategy<Request> {
     prop_oneof![
         hello,
         put,
+        put_eager,
         arb_key().prop_map(|key| Request::Get { key }),
         copy,
         arb_key().prop_map(|key| Request::Delete { key }),

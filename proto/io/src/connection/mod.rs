@@ -1,7 +1,7 @@
 //! `Connection`: reads and writes ferry frames on a byte stream, and nothing else. Here: the
 //! connection itself, its limits and errors, and frames and control messages (requests and
 //! responses); payloads are in `payload`, the shared-memory route in `shm`, the sender's cache
-//! of what it knows of a payload in `checksums`.
+//! of what it knows of a payload in `checksums`, a payload read to be dropped in `discarded`.
 //!
 //! Shared by the client, the node's sessions, and the node's own pulls from a peer. Control
 //! frames go through a read buffer (check-then-parse); a tensor payload is read straight from
@@ -11,6 +11,7 @@
 //! socket at all.
 
 mod checksums;
+mod discarded;
 mod payload;
 mod shm;
 

@@ -12,7 +12,7 @@ use crate::assembler::TensorAssembler;
 use crate::transport::Transport;
 
 /// Bytes of a payload read and checksummed at a time (fits in L2 alongside everything else).
-const CHECKSUM_PIECE: usize = 256 * 1024;
+pub(super) const CHECKSUM_PIECE: usize = 256 * 1024;
 
 /// How a payload travelled.
 // Exhaustive on purpose: a receiver decides how far to trust the bytes by their route (a
@@ -302,6 +302,25 @@ impl<S: Transport> Connection<S> {
             .await
     }
 
+    /// How a whole payload of `len` bytes written now travels: as one region where shared
+    /// memory was agreed and the payload is large enough to gain from it, else as chunk frames.
+    pub fn whole_payload_route(&self, len: usize) -> PayloadRoute {
+        if self.shared_memory && len >= self.limits.region_min.max(1) {
+            PayloadRoute::Region
+        } else {
+            PayloadRoute::Chunks
+        }
+    }
+
+    /// Writes a whole payload lying in `parts` as chunk frames, never as a region, and
+    /// flushes: a payload the receiver reads as chunks only (an eager put's).
+    pub async fn write_payload_chunks(&mut self, parts: &[&[u8]]) -> Result<(), ConnectionError> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        self.write_payload_within(parts, 0..total, Known::default(), Whole::AsChunks)
+            .await
+            .map(|_| ())
+    }
+
     /// [`write_payload_known`](Self::write_payload_known) for payload bytes `range` only (one
     /// stripe of a tensor), always as chunk frames. A `range` past the payload is cut to it.
     pub async fn write_payload_part(
@@ -346,9 +365,8 @@ impl<S: Transport> Connection<S> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let everything = range == (0..total);
         if whole == Whole::MayGoAsRegion
-            && self.shared_memory
             && everything
-            && total >= self.limits.region_min.max(1)
+            && self.whole_payload_route(total) == PayloadRoute::Region
             && self.write_region(parts, total, known.region).await?
         {
             return Ok(PayloadRoute::Region);

@@ -182,6 +182,19 @@ impl Step<'_> {
         Ok(self.exchange.conn.write_payload_parts(parts, 0).await?)
     }
 
+    /// Writes a payload that lies in several slices as chunk frames, never as a region (an eager
+    /// put's, which the node reads as chunks only).
+    pub async fn send_payload_chunks(&mut self, parts: &[&[u8]]) -> Result<(), ExchangeError> {
+        self.used = true;
+        Ok(self.exchange.conn.write_payload_chunks(parts).await?)
+    }
+
+    /// How a whole payload of `len` bytes sent now travels (see
+    /// [`Connection::whole_payload_route`]).
+    pub fn whole_payload_route(&self, len: usize) -> PayloadRoute {
+        self.exchange.conn.whole_payload_route(len)
+    }
+
     /// Reads chunk frames the node announced into `sink` until it is complete.
     pub async fn read_chunks<K: crate::ChunkSink>(
         &mut self,

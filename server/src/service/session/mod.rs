@@ -7,7 +7,8 @@
 //! (`wait.rs`), and models written, committed, opened and deleted (`model.rs`).
 
 use ferry_io::{Connection, ConnectionError, ConnectionLimits, PayloadRoute, Transport};
-use ferry_proto::{ErrorCode, ErrorReply, Request, Response};
+use ferry_proto::message::EAGER_PUT_MAX_BYTES;
+use ferry_proto::{ErrorCode, ErrorReply, ProtoError, Request, Response, StreamError};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
@@ -23,6 +24,7 @@ use crate::node::{ClientId, Direction, Node, Refused};
 use crate::peer::PeerLink;
 use crate::peer::PullRequest;
 pub(super) use model::SessionModels;
+use put::PayloadComes;
 
 mod copy;
 mod delete;
@@ -68,6 +70,7 @@ pub(super) struct Session<'a> {
 fn scopes_needed(request: &Request) -> &'static [Scope] {
     match request {
         Request::Put { .. }
+        | Request::PutEager { .. }
         | Request::Copy { .. }
         | Request::Delete { .. }
         | Request::DeleteIf { .. }
@@ -93,6 +96,22 @@ fn scopes_needed(request: &Request) -> &'static [Scope] {
         | Request::ModelClose { .. }
         | Request::ModelList { .. }
         | Request::Grant { .. } => &[Scope::Read],
+    }
+}
+
+/// Reads and drops the payload that followed `request` unasked (an eager put refused before it
+/// was looked at), so that the next frame read is the next request; a payload that breaks the
+/// chunk rules closes the connection.
+async fn drop_unasked_payload<S: Transport>(
+    conn: &mut Connection<S>,
+    request: &Request,
+) -> Result<(), ConnectionError> {
+    match request.payload_follows() {
+        None => Ok(()),
+        Some(len) => match conn.discard_payload(len).await {
+            Ok(()) => Ok(()),
+            Err(error) => Err(fail(conn, error).await),
+        },
     }
 }
 
@@ -186,6 +205,17 @@ impl Session<'_> {
         conn: &mut Connection<S>,
         request: Request,
     ) -> Result<(), ConnectionError> {
+        // An eager put's payload follows it unasked: one larger than any may be is a protocol
+        // error, found before its bytes are read (nothing can be answered before them).
+        if let Some(len) = request.payload_follows()
+            && len > EAGER_PUT_MAX_BYTES
+        {
+            let too_large = StreamError::EagerTooLarge {
+                len,
+                max: EAGER_PUT_MAX_BYTES,
+            };
+            return Err(fail(conn, ProtoError::from(too_large).into()).await);
+        }
         let needed = scopes_needed(&request);
         if !needed.iter().any(|s| self.scopes.allows(*s)) {
             let names: Vec<&str> = needed.iter().map(|s| s.name()).collect();
@@ -198,8 +228,14 @@ impl Session<'_> {
                     names.join(" or ")
                 ),
             };
+            // A payload that followed unasked is read and dropped before the refusal.
+            drop_unasked_payload(conn, &request).await?;
             return conn.write_response(&Response::Error(refused)).await;
         }
+        let comes = match request.payload_follows() {
+            Some(_) => PayloadComes::AtOnce,
+            None => PayloadComes::AfterReady,
+        };
         let reply = match request {
             // Those that answer on the connection themselves: a payload comes in or goes out.
             Request::Hello(_) => return Err(handshake::hello_again(conn).await),
@@ -208,7 +244,15 @@ impl Session<'_> {
                 name,
                 meta,
                 overwrite,
-            } => return self.put(conn, device, name, &meta, overwrite).await,
+            }
+            | Request::PutEager {
+                device,
+                name,
+                meta,
+                overwrite,
+            } => {
+                return self.put(conn, device, name, &meta, overwrite, comes).await;
+            }
             Request::Get { key } => return self.get(conn, &key).await,
             Request::Fetch {
                 capability,
@@ -355,7 +399,7 @@ mod tests {
                 Request::Put {
                     device: 0,
                     name: None,
-                    meta,
+                    meta: meta.clone(),
                     overwrite: false,
                 },
                 &[Write],
@@ -491,6 +535,15 @@ mod tests {
                 },
                 &[Write],
             ),
+            (
+                Request::PutEager {
+                    device: 0,
+                    name: None,
+                    meta,
+                    overwrite: false,
+                },
+                &[Write],
+            ),
         ];
         let mut seen = [false; KINDS];
         for (request, scopes) in &table {
@@ -504,7 +557,7 @@ mod tests {
     }
 
     /// How many kinds of request there are.
-    const KINDS: usize = 24;
+    const KINDS: usize = 25;
 
     /// A request's kind, by variant: a variant added later fails to compile here until the table
     /// above names its scopes.
@@ -534,6 +587,7 @@ mod tests {
             Request::ModelClose { .. } => 21,
             Request::ModelList { .. } => 22,
             Request::ModelDelete { .. } => 23,
+            Request::PutEager { .. } => 24,
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Put: a tensor uploaded to a device, checked and its budget claimed before its payload is
-//! read, registered once the payload arrived whole.
+//! read, registered once the payload arrived whole; its payload asked for with `Ready`, or
+//! following at once (an eager put), read and dropped where the put is refused.
 
-use ferry_io::{Assembled, Connection, ConnectionError, RegionUse, Transport};
+use ferry_io::{Assembled, Connection, ConnectionError, PayloadRoute, RegionUse, Transport};
 use ferry_proto::{Response, TensorMeta, WireMeta};
 
 use super::{Session, answer};
@@ -16,10 +17,22 @@ static PUT_REFUSED: RefusalLog = RefusalLog::new("put", "put refused");
 /// A put whose payload broke off or failed its checks.
 static UPLOAD_FAILED: RefusalLog = RefusalLog::new("put", "upload failed");
 
+/// When a put's payload comes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum PayloadComes {
+    /// Once the node answered [`Response::Ready`] (`Request::Put`): a refusal is answered
+    /// instead, and no payload follows.
+    AfterReady,
+    /// Right after the request, as chunk frames (`Request::PutEager`): read whether the put is
+    /// admitted or not, and dropped where it is not.
+    AtOnce,
+}
+
 impl Session<'_> {
-    /// Answers a put: [`Response::Ready`] once the tensor is admitted, then its payload is read,
-    /// then [`Response::Stored`] once registered; an error instead where it is refused (and no
-    /// payload follows). A payload that broke off closes the connection.
+    /// Answers a put: [`Response::Ready`] once the tensor is admitted (unless its payload comes
+    /// at once), then its payload is read, then [`Response::Stored`] once registered; an error
+    /// instead where it is refused (and no payload follows, or the one that came is dropped).
+    /// A payload that broke off closes the connection.
     pub(super) async fn put<S: Transport>(
         &mut self,
         conn: &mut Connection<S>,
@@ -27,6 +40,7 @@ impl Session<'_> {
         name: Option<String>,
         wire: &WireMeta,
         overwrite: bool,
+        comes: PayloadComes,
     ) -> Result<(), ConnectionError> {
         let node = self.node;
         let existing = IfExists::from_overwrite(overwrite);
@@ -55,14 +69,29 @@ impl Session<'_> {
                 node.recorder()
                     .transfer_ended("put", "-", false, started.elapsed());
                 PUT_REFUSED.note_in_request(&format!("{device}/{name}: {error}"));
+                if comes == PayloadComes::AtOnce
+                    && let Err(broken) = conn.discard_payload(wire.byte_len).await
+                {
+                    UPLOAD_FAILED.note_in_request(&format!("{device}/{name}: {broken}"));
+                    return Err(fail(conn, broken).await);
+                }
                 return answer(conn, Err(error)).await;
             }
         };
-        conn.write_response(&Response::Ready).await?;
-        let region = match conn
-            .read_payload_keeping(&mut assembler, RegionUse::Keep)
-            .await
-        {
+        let read = match comes {
+            PayloadComes::AfterReady => {
+                conn.write_response(&Response::Ready).await?;
+                conn.read_payload_keeping(&mut assembler, RegionUse::Keep)
+                    .await
+            }
+            // Chunk frames only: a region could not have been dropped unread had the put been
+            // refused, so none may come.
+            PayloadComes::AtOnce => conn
+                .read_chunks(&mut assembler)
+                .await
+                .map(|()| (PayloadRoute::Chunks, None)),
+        };
+        let region = match read {
             Ok((route, region)) => {
                 let bytes = assembler.meta().byte_len() as u64;
                 node.recorder().payload(Direction::Received, route, bytes);
