@@ -59,8 +59,11 @@ pub(super) async fn settle_hash(
 }
 
 /// The assembled tensor, with its content hash where it was computed (settled before the
-/// release) and the region it was received into (sealed), off the runtime.
+/// release) and the region it was received into (sealed), off the runtime where that waits.
 pub(super) async fn finish(assembler: TensorAssembler) -> Result<Assembled, NodeError> {
+    if assembler.finishes_at_once() {
+        return assembler.finish().map_err(NodeError::Received);
+    }
     tokio::task::spawn_blocking(move || assembler.finish())
         .await
         .map_err(|e| NodeError::Backend(format!("hashing task: {e}")))?

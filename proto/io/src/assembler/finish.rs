@@ -37,6 +37,22 @@ impl TensorAssembler {
         Ok(())
     }
 
+    /// Whether [`finish`](Self::finish) would return without waiting: no hashing thread to
+    /// join, no hash left to compute over the whole payload, no region to seal. Such a receiver
+    /// (a small tensor's, or one not hashed) may be finished on an async runtime's thread,
+    /// without a hand-off to a blocking one.
+    pub fn finishes_at_once(&self) -> bool {
+        let hash_ready = matches!(
+            self.hash,
+            RunningHash::None | RunningHash::Inline(_) | RunningHash::Done(_)
+        );
+        #[cfg(target_os = "linux")]
+        let nothing_to_seal = !matches!(self.backing, Backing::Region(_));
+        #[cfg(not(target_os = "linux"))]
+        let nothing_to_seal = true;
+        hash_ready && nothing_to_seal
+    }
+
     /// The assembled tensor, once every declared byte has arrived, with its content hash where
     /// it was computed as the bytes arrived or settled ([`settle_hash`](Self::settle_hash)), and
     /// the region it was received into, sealed ([`BufferFrom::Region`](super::BufferFrom)). A

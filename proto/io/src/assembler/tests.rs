@@ -238,3 +238,39 @@ fn a_provided_buffer_of_another_length_is_refused() {
     assert_eq!(back.data.as_bytes(), &payload[..]);
     assert_eq!(back.hash, None);
 }
+
+/// A receiver finishes without waiting where no hashing thread runs and no region is to be
+/// sealed: one hashed in line or not at all; one hashed on its own thread does not, and one
+/// whose hash was settled does again.
+#[test]
+fn only_a_receiver_with_nothing_to_wait_for_finishes_at_once() {
+    let small = TensorData::new((0..64).map(|i| i as f32).collect::<Vec<_>>(), [64]);
+    let n = TRAILING_HASH_MIN;
+    let large = TensorData::new((0..n).map(|i| i as f32).collect::<Vec<_>>(), [n]);
+    let table = [
+        (&small, HashUse::Skip, true),
+        (&small, HashUse::Record, true),
+        (&small, HashUse::Check, true),
+        (&large, HashUse::Skip, true),
+        (&large, HashUse::Record, false),
+        (&large, HashUse::Check, false),
+    ];
+    for (data, use_, at_once) in table {
+        let (meta, payload) = into_parts(data.clone()).unwrap();
+        let mut asm =
+            TensorAssembler::new(meta.clone(), u64::MAX, BufferFrom::Fresh, use_).unwrap();
+        for (offset, piece) in chunks(&payload, 1 << 20) {
+            asm.accept(offset, piece).unwrap();
+        }
+        let len = payload.len();
+        assert_eq!(asm.finishes_at_once(), at_once, "{len} bytes, {use_:?}");
+        if !at_once {
+            asm.settle_hash().unwrap();
+            assert!(asm.finishes_at_once(), "{len} bytes, {use_:?}, settled");
+        }
+        let back = asm.finish().unwrap();
+        assert_eq!(back.data.as_bytes(), data.as_bytes());
+        let expected = (use_ != HashUse::Skip).then(|| content_hash(&meta, data.as_bytes()));
+        assert_eq!(back.hash, expected, "{len} bytes, {use_:?}");
+    }
+}

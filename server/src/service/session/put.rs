@@ -109,12 +109,18 @@ impl Session<'_> {
                 return Err(fail(conn, error).await);
             }
         };
-        // Off the runtime: the hashing thread's last chunk is waited for, and sealing a region
-        // it was received into reads it once (its checksum) and asks the kernel to seal it.
-        let finished = tokio::task::spawn_blocking(move || assembler.finish())
-            .await
-            .map_err(|e| NodeError::Backend(format!("finishing a put: {e}")))
-            .and_then(|finished| finished.map_err(NodeError::Received));
+        // Off the runtime where it waits: the hashing thread's last chunk is waited for, and
+        // sealing a region it was received into reads it once (its checksum) and asks the kernel
+        // to seal it. A receiver with neither (a small tensor, hashed in line or not at all)
+        // finishes here: a hand-off to a blocking thread and back costs more than that.
+        let finished = if assembler.finishes_at_once() {
+            assembler.finish().map_err(NodeError::Received)
+        } else {
+            tokio::task::spawn_blocking(move || assembler.finish())
+                .await
+                .map_err(|e| NodeError::Backend(format!("finishing a put: {e}")))
+                .and_then(|finished| finished.map_err(NodeError::Received))
+        };
         let reply = match finished {
             Ok(Assembled {
                 data,
