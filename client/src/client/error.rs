@@ -137,8 +137,9 @@ pub enum ClientError {
     /// ([`NodeCopy::run_in_lanes`](crate::NodeCopy::run_in_lanes),
     /// [`PutBatch::lanes`](crate::PutBatch::lanes)) that got no answer of
     /// its own: its lane's connection failed during the transfer (a copy's tensor may have been
-    /// copied, or moved: its source deleted once the target held it; of a put's, only the one
-    /// whose payload was sent, or being sent, may have been stored, the others were not), or
+    /// copied, or moved: its source deleted once the target held it; of a put's, only those
+    /// whose payloads were sent, or being sent, and not yet answered, at most two per
+    /// connection, may have been stored, the others were not), or
     /// before anything was asked (it was not). `reason` says which; sending it again with
     /// [`IfExists::Replace`](ferry_proto::IfExists::Replace) is safe.
     #[error("{reason}")]

@@ -321,8 +321,8 @@ impl<'a> PutBatch<'a> {
     /// answers every tensor, in order, and never fails as a whole: a connection that fails
     /// keeps the answers it had and answers each tensor it had none for with
     /// [`ClientError::NoAnswer`], whose reason says whether it may have been stored all the
-    /// same (the one whose payload was sent, or being sent, when the connection failed) or was
-    /// not; the other connections go on. Where no connection is in step, every tensor is
+    /// same (those whose payloads were sent, or being sent, and not yet answered when the
+    /// connection failed: at most two per connection) or was not; the other connections go on. Where no connection is in step, every tensor is
     /// answered so. That every connection reaches one node is the caller's to check
     /// ([`identify`](Client::identify)): an address behind a balancer may reach several. Two
     /// tensors with one key should not share a batch over lanes: which lands last is not fixed.

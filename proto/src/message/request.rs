@@ -332,6 +332,9 @@ impl Request {
             Request::ModelClose { .. } => "model-close",
             Request::ModelList { .. } => "model-list",
             Request::ModelDelete { .. } => "model-delete",
+            // A put, to whoever reads logs and metrics, however its payload was asked for. (A
+            // client never sends one to a node too old for it, so no "put needs minor 11" reads
+            // oddly.)
             Request::PutEager { .. } => "put",
         }
     }

@@ -493,10 +493,11 @@ fn a_put_whose_connection_fails_reports_its_batch_and_counts_the_rest_unsent() {
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
-    // The first batch of 16: three stored, the other thirteen reported; 24 never sent. When
-    // the third's answer was cut, the payloads of the fourth and fifth had gone out behind it
-    // (two eager uploads await their answers at once): those two are reported as ones that may
-    // have been stored, and may have been; every later one was not.
+    // The first batch of 16: three answered, the other thirteen reported; 24 never sent. The
+    // proxy forwards three `Stored` and cuts the connection instead of the fourth's: by then
+    // the payloads of the fourth and fifth had gone out (two eager uploads await their answers
+    // at once), so those two are reported as ones that may have been stored, and may have
+    // been; every later one was not.
     let reported: Vec<&str> = stderr
         .lines()
         .filter(|l| l.starts_with("error: w"))

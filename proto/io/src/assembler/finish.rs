@@ -37,11 +37,14 @@ impl TensorAssembler {
         Ok(())
     }
 
-    /// Whether [`finish`](Self::finish) would return without waiting: no hashing thread to
-    /// join, no hash left to compute over the whole payload, no region to seal. Such a receiver
-    /// (a small tensor's, or one not hashed) may be finished on an async runtime's thread,
-    /// without a hand-off to a blocking one.
+    /// Whether [`finish`](Self::finish) returns at once, doing little: a plain tensor under
+    /// [`TRAILING_HASH_MIN`](super::TRAILING_HASH_MIN) whose hash, if any, was taken in line,
+    /// and no region to seal. Such a receiver may be finished on an async runtime's thread,
+    /// without a hand-off to a blocking one and back, which costs more. Not a quantized one:
+    /// handing it out checks every scale (and the first check of a scale type builds a table).
     pub fn finishes_at_once(&self) -> bool {
+        let small = self.meta.byte_len() < super::TRAILING_HASH_MIN;
+        let plain = !matches!(self.meta.dtype(), burn_std::DType::QFloat(_));
         let hash_ready = matches!(
             self.hash,
             RunningHash::None | RunningHash::Inline(_) | RunningHash::Done(_)
@@ -50,7 +53,7 @@ impl TensorAssembler {
         let nothing_to_seal = !matches!(self.backing, Backing::Region(_));
         #[cfg(not(target_os = "linux"))]
         let nothing_to_seal = true;
-        hash_ready && nothing_to_seal
+        small && plain && hash_ready && nothing_to_seal
     }
 
     /// The assembled tensor, once every declared byte has arrived, with its content hash where

@@ -239,21 +239,30 @@ fn a_provided_buffer_of_another_length_is_refused() {
     assert_eq!(back.hash, None);
 }
 
-/// A receiver finishes without waiting where no hashing thread runs and no region is to be
-/// sealed: one hashed in line or not at all; one hashed on its own thread does not, and one
-/// whose hash was settled does again.
+/// Only a small plain tensor's receiver, hashed in line or not at all, finishes without a
+/// hand-off: not a large one (hashed on its own thread or not, settled or not), nor a quantized
+/// one (its scales are checked as it is handed out).
 #[test]
-fn only_a_receiver_with_nothing_to_wait_for_finishes_at_once() {
+fn only_a_small_plain_receiver_finishes_at_once() {
     let small = TensorData::new((0..64).map(|i| i as f32).collect::<Vec<_>>(), [64]);
-    let n = TRAILING_HASH_MIN;
+    let just_under = TRAILING_HASH_MIN / 4 - 1;
+    let under = TensorData::new(vec![1.0f32; just_under], [just_under]);
+    let n = TRAILING_HASH_MIN / 4;
     let large = TensorData::new((0..n).map(|i| i as f32).collect::<Vec<_>>(), [n]);
+    let scheme = burn_std::QuantScheme::default()
+        .with_value(burn_std::QuantValue::Q8S)
+        .with_store(burn_std::QuantStore::Native);
+    let quantized = TensorData::quantized(vec![1i8, -2, 3, -4], vec![4], scheme, &[0.5], None);
     let table = [
         (&small, HashUse::Skip, true),
         (&small, HashUse::Record, true),
         (&small, HashUse::Check, true),
-        (&large, HashUse::Skip, true),
+        (&under, HashUse::Record, true),
+        (&large, HashUse::Skip, false),
         (&large, HashUse::Record, false),
         (&large, HashUse::Check, false),
+        (&quantized, HashUse::Skip, false),
+        (&quantized, HashUse::Record, false),
     ];
     for (data, use_, at_once) in table {
         let (meta, payload) = into_parts(data.clone()).unwrap();
@@ -264,9 +273,9 @@ fn only_a_receiver_with_nothing_to_wait_for_finishes_at_once() {
         }
         let len = payload.len();
         assert_eq!(asm.finishes_at_once(), at_once, "{len} bytes, {use_:?}");
-        if !at_once {
+        if use_ != HashUse::Skip {
             asm.settle_hash().unwrap();
-            assert!(asm.finishes_at_once(), "{len} bytes, {use_:?}, settled");
+            assert_eq!(asm.finishes_at_once(), at_once, "{len} bytes, settled");
         }
         let back = asm.finish().unwrap();
         assert_eq!(back.data.as_bytes(), data.as_bytes());
