@@ -349,6 +349,33 @@ pub fn slices_in<'a>(parts: &[&'a [u8]], range: std::ops::Range<usize>) -> Vec<&
     out
 }
 
+/// Where `len` bytes of a payload arriving at `offset` end, if they may come now: they start at
+/// `expected` (where the bytes before ended), are not empty, and end by `end` (the payload's,
+/// or its stripe's, last byte): the one rule every receiver of chunks holds them to, checked
+/// before any of their bytes is read.
+pub fn next_chunk_end(
+    offset: u64,
+    len: usize,
+    expected: u64,
+    end: u64,
+) -> Result<u64, crate::StreamError> {
+    use crate::StreamError;
+    if offset != expected {
+        return Err(StreamError::OutOfOrder { offset, expected });
+    }
+    if len == 0 {
+        return Err(StreamError::EmptyChunk { offset });
+    }
+    offset
+        .checked_add(len as u64)
+        .filter(|&chunk_end| chunk_end <= end)
+        .ok_or(StreamError::PastEnd {
+            offset,
+            len: len as u64,
+            total: end,
+        })
+}
+
 /// Splits a payload into `(offset, bytes)` pieces of at most `chunk_size` bytes (at least one).
 pub fn chunks(payload: &[u8], chunk_size: usize) -> impl Iterator<Item = (u64, &[u8])> {
     payload
@@ -363,6 +390,48 @@ pub fn chunks(payload: &[u8], chunk_size: usize) -> impl Iterator<Item = (u64, &
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::StreamError;
+
+    /// In order, not empty, within the end; anything else refused with what was wrong.
+    #[test]
+    fn a_chunk_comes_next_not_empty_and_within_the_end() {
+        let table = [
+            ((0, 4, 0, 10), Ok(4)),
+            ((4, 6, 4, 10), Ok(10)),
+            ((100, 6, 100, 106), Ok(106)),
+            (
+                (5, 1, 4, 10),
+                Err(StreamError::OutOfOrder {
+                    offset: 5,
+                    expected: 4,
+                }),
+            ),
+            ((4, 0, 4, 10), Err(StreamError::EmptyChunk { offset: 4 })),
+            (
+                (4, 7, 4, 10),
+                Err(StreamError::PastEnd {
+                    offset: 4,
+                    len: 7,
+                    total: 10,
+                }),
+            ),
+            (
+                (u64::MAX, 1, u64::MAX, u64::MAX),
+                Err(StreamError::PastEnd {
+                    offset: u64::MAX,
+                    len: 1,
+                    total: u64::MAX,
+                }),
+            ),
+        ];
+        for ((offset, len, expected, end), want) in table {
+            assert_eq!(
+                next_chunk_end(offset, len, expected, end),
+                want,
+                "{len} bytes at {offset}, {expected} expected, end {end}"
+            );
+        }
+    }
 
     #[test]
     fn a_known_checksum_makes_the_same_prefix() {

@@ -36,6 +36,16 @@ pub(super) struct PutBroken {
     pub(super) in_doubt: Vec<usize>,
 }
 
+impl PutBroken {
+    /// A failure for `cause`, with the uploads `owed` answers in doubt.
+    fn owing(cause: ClientError, owed: &VecDeque<usize>) -> Self {
+        Self {
+            cause,
+            in_doubt: owed.iter().copied().collect(),
+        }
+    }
+}
+
 /// How many uploads whose payloads went out may await their answers at once: the one the node
 /// registers and the next, arriving meanwhile.
 const OWED_AT_MOST: usize = 2;
@@ -78,17 +88,13 @@ impl Client {
         results: &mut [Option<Result<TensorInfo, ClientError>>],
     ) -> Result<(), PutBroken> {
         debug_assert_eq!(tensors.len(), results.len());
-        let broken = |cause: ClientError, in_doubt: &VecDeque<usize>| PutBroken {
-            cause,
-            in_doubt: in_doubt.iter().copied().collect(),
-        };
+        // The uploads whose payloads went out (or are going out) and whose `Stored` (or refusal)
+        // the node still owes, in order: the tensors a failure leaves in doubt.
+        let mut owed: VecDeque<usize> = VecDeque::with_capacity(OWED_AT_MOST);
         let mut step = self
             .exchange
             .begin()
-            .map_err(|e| broken(e.into(), &VecDeque::new()))?;
-        // The uploads whose payloads went out and whose `Stored` (or refusal) the node still
-        // owes, in order: the tensors a failure leaves in doubt.
-        let mut owed: VecDeque<usize> = VecDeque::with_capacity(OWED_AT_MOST);
+            .map_err(|e| PutBroken::owing(e.into(), &owed))?;
         for (i, (key, data)) in tensors.iter().enumerate() {
             let (meta, parts) = match data.checked() {
                 Ok(checked) => checked,
@@ -108,16 +114,15 @@ impl Client {
             );
             step.send(&request)
                 .await
-                .map_err(|e| broken(e.into(), &owed))?;
+                .map_err(|e| PutBroken::owing(e.into(), &owed))?;
+            // Owed from its payload's first byte on: one whose last byte left may be stored.
             match ask {
                 PutAsk::Eager => {
-                    // A payload cut part way is not stored; one whose last byte left may be.
-                    step.send_payload_chunks(&parts).await.map_err(|e| {
-                        owed.push_back(i);
-                        broken(e.into(), &owed)
-                    })?;
                     owed.push_back(i);
-                    while owed.len() > OWED_AT_MOST - 1 {
+                    step.send_payload_chunks(&parts)
+                        .await
+                        .map_err(|e| PutBroken::owing(e.into(), &owed))?;
+                    while owed.len() >= OWED_AT_MOST {
                         take_stored(&mut step, &mut owed, results).await?;
                     }
                 }
@@ -125,13 +130,14 @@ impl Client {
                     while !owed.is_empty() {
                         take_stored(&mut step, &mut owed, results).await?;
                     }
-                    match per_tensor(step.answer(ready).await).map_err(|e| broken(e, &owed))? {
+                    match per_tensor(step.answer(ready).await)
+                        .map_err(|e| PutBroken::owing(e, &owed))?
+                    {
                         Ok(()) => {
-                            step.send_payload_parts(&parts).await.map_err(|e| {
-                                owed.push_back(i);
-                                broken(e.into(), &owed)
-                            })?;
                             owed.push_back(i);
+                            step.send_payload_parts(&parts)
+                                .await
+                                .map_err(|e| PutBroken::owing(e.into(), &owed))?;
                         }
                         Err(refused) => results[i] = Some(Err(refused)),
                     }
@@ -226,10 +232,7 @@ async fn take_stored(
             owed.pop_front();
             Ok(())
         }
-        Err(cause) => Err(PutBroken {
-            cause,
-            in_doubt: owed.iter().copied().collect(),
-        }),
+        Err(cause) => Err(PutBroken::owing(cause, owed)),
     }
 }
 

@@ -6,6 +6,7 @@
 use std::ops::Range;
 
 use ferry_proto::StreamError;
+use ferry_proto::frame::next_chunk_end;
 use ferry_proto::stripes::{StripeDigest, StripeHasher, StripeLen, StripePlan};
 
 use crate::assembler::{HashUse, Shell, TensorAssembler};
@@ -133,25 +134,10 @@ impl StripeReceiver {
     }
 
     fn check(&self, offset: u64, len: usize) -> Result<Range<usize>, StreamError> {
-        let expected = self.next_offset();
-        if offset != expected {
-            return Err(StreamError::OutOfOrder { offset, expected });
-        }
-        if len == 0 {
-            return Err(StreamError::EmptyChunk { offset });
-        }
-        let end = self
-            .received
-            .checked_add(len)
-            .filter(|&end| end <= self.piece.len());
-        match end {
-            Some(end) => Ok(self.received..end),
-            None => Err(StreamError::PastEnd {
-                offset,
-                len: len as u64,
-                total: self.payload_range().end,
-            }),
-        }
+        let stripe = self.payload_range();
+        let end = next_chunk_end(offset, len, self.next_offset(), stripe.end)?;
+        // Within the stripe, so its place in the piece is a usize.
+        Ok(self.received..(end - stripe.start) as usize)
     }
 }
 

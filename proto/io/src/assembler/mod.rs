@@ -13,6 +13,7 @@ mod tests;
 
 use burn_std::Bytes;
 
+use ferry_proto::frame::next_chunk_end;
 use ferry_proto::tensor::hash_more;
 use ferry_proto::{ContentHash, StreamError, TensorMeta};
 
@@ -106,25 +107,10 @@ impl TensorAssembler {
     }
 
     fn check_range(&self, offset: u64, len: usize) -> Result<std::ops::Range<usize>, StreamError> {
-        let total = self.meta.byte_len();
-        if offset != self.received as u64 {
-            return Err(StreamError::OutOfOrder {
-                offset,
-                expected: self.received as u64,
-            });
-        }
-        if len == 0 {
-            return Err(StreamError::EmptyChunk { offset });
-        }
-        let end = self.received.checked_add(len).filter(|&end| end <= total);
-        match end {
-            Some(end) => Ok(self.received..end),
-            None => Err(StreamError::PastEnd {
-                offset,
-                len: len as u64,
-                total: total as u64,
-            }),
-        }
+        let total = self.meta.byte_len() as u64;
+        let end = next_chunk_end(offset, len, self.received as u64, total)?;
+        // Within the buffer's length (`total`), so a usize.
+        Ok(self.received..end as usize)
     }
 
     /// The place in the buffer for `len` bytes at `offset`, within the declared length and not

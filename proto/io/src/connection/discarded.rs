@@ -2,6 +2,7 @@
 //! frame to find the next request, and kept nowhere.
 
 use ferry_proto::StreamError;
+use ferry_proto::frame::next_chunk_end;
 
 use super::{Connection, ConnectionError, payload::CHECKSUM_PIECE};
 use crate::connection::ChunkSink;
@@ -35,20 +36,7 @@ impl DiscardedPayload {
     /// `len` bytes at `offset`, where `expected` is where they must start: within the payload
     /// and not empty.
     fn check(&self, offset: u64, len: usize, expected: u64) -> Result<(), StreamError> {
-        if offset != expected {
-            return Err(StreamError::OutOfOrder { offset, expected });
-        }
-        if len == 0 {
-            return Err(StreamError::EmptyChunk { offset });
-        }
-        match offset.checked_add(len as u64) {
-            Some(end) if end <= self.total => Ok(()),
-            _ => Err(StreamError::PastEnd {
-                offset,
-                len: len as u64,
-                total: self.total,
-            }),
-        }
+        next_chunk_end(offset, len, expected, self.total).map(|_| ())
     }
 }
 

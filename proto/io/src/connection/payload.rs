@@ -312,15 +312,6 @@ impl<S: Transport> Connection<S> {
         }
     }
 
-    /// Writes a whole payload lying in `parts` as chunk frames, never as a region, and
-    /// flushes: a payload the receiver reads as chunks only (an eager put's).
-    pub async fn write_payload_chunks(&mut self, parts: &[&[u8]]) -> Result<(), ConnectionError> {
-        let total: usize = parts.iter().map(|p| p.len()).sum();
-        self.write_payload_within(parts, 0..total, Known::default(), Whole::AsChunks)
-            .await
-            .map(|_| ())
-    }
-
     /// [`write_payload_known`](Self::write_payload_known) for payload bytes `range` only (one
     /// stripe of a tensor), always as chunk frames. A `range` past the payload is cut to it.
     pub async fn write_payload_part(

@@ -22,7 +22,7 @@ pub use fetch::Fetch;
 use ferry_proto::{Request, Response, Welcome};
 
 use crate::TensorAssembler;
-use crate::connection::{Connection, PayloadRoute, RegionUse, SealedRegion};
+use crate::connection::{Connection, Known, PayloadRoute, RegionUse, SealedRegion};
 use crate::transport::Stream;
 
 /// One connection to a node, on which exchanges run one at a time.
@@ -186,7 +186,13 @@ impl Step<'_> {
     /// put's, which the node reads as chunks only).
     pub async fn send_payload_chunks(&mut self, parts: &[&[u8]]) -> Result<(), ExchangeError> {
         self.used = true;
-        Ok(self.exchange.conn.write_payload_chunks(parts).await?)
+        // The whole payload, always as chunks: a part that is all of it.
+        let whole = 0..usize::MAX;
+        Ok(self
+            .exchange
+            .conn
+            .write_payload_part(parts, whole, Known::default())
+            .await?)
     }
 
     /// How a whole payload of `len` bytes sent now travels (see

@@ -99,14 +99,14 @@ fn scopes_needed(request: &Request) -> &'static [Scope] {
     }
 }
 
-/// Reads and drops the payload that followed `request` unasked (an eager put refused before it
-/// was looked at), so that the next frame read is the next request; a payload that breaks the
+/// Reads and drops a payload of `len` bytes that followed its request unasked (an eager put
+/// refused), if any, so that the next frame read is the next request; a payload that breaks the
 /// chunk rules closes the connection.
 async fn drop_unasked_payload<S: Transport>(
     conn: &mut Connection<S>,
-    request: &Request,
+    len: Option<u64>,
 ) -> Result<(), ConnectionError> {
-    match request.payload_follows() {
+    match len {
         None => Ok(()),
         Some(len) => match conn.discard_payload(len).await {
             Ok(()) => Ok(()),
@@ -229,7 +229,7 @@ impl Session<'_> {
                 ),
             };
             // A payload that followed unasked is read and dropped before the refusal.
-            drop_unasked_payload(conn, &request).await?;
+            drop_unasked_payload(conn, request.payload_follows()).await?;
             return conn.write_response(&Response::Error(refused)).await;
         }
         let comes = match request.payload_follows() {

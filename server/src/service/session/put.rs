@@ -5,7 +5,7 @@
 use ferry_io::{Assembled, Connection, ConnectionError, PayloadRoute, RegionUse, Transport};
 use ferry_proto::{Response, TensorMeta, WireMeta};
 
-use super::{Session, answer};
+use super::{Session, answer, drop_unasked_payload};
 use crate::device::{Arrived, IfExists, KnownHash};
 use crate::error::NodeError;
 use crate::node::{Direction, Receive};
@@ -69,12 +69,8 @@ impl Session<'_> {
                 node.recorder()
                     .transfer_ended("put", "-", false, started.elapsed());
                 PUT_REFUSED.note_in_request(&format!("{device}/{name}: {error}"));
-                if comes == PayloadComes::AtOnce
-                    && let Err(broken) = conn.discard_payload(wire.byte_len).await
-                {
-                    UPLOAD_FAILED.note_in_request(&format!("{device}/{name}: {broken}"));
-                    return Err(fail(conn, broken).await);
-                }
+                let unasked = (comes == PayloadComes::AtOnce).then_some(wire.byte_len);
+                drop_unasked_payload(conn, unasked).await?;
                 return answer(conn, Err(error)).await;
             }
         };
